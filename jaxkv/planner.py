@@ -1,0 +1,436 @@
+"""Plan device memory for the KV cache of a (hybrid) model.
+
+specs -> groups -> block size per group -> layout -> num_blocks:
+
+1. **Groups.** Layers whose specs have the same ``type_key`` form a type. Every group
+   has the same number of layer slots, ``layers_per_group`` (see
+   :func:`choose_layers_per_group`); a type's layers are cut into
+   ceil(count / layers_per_group) groups in model order. One block id then means the
+   same bytes in every group, so all groups draw from one shared pool.
+2. **Pages.** Slot i of every group is the same memory, so one layer's page must be
+   the same size in every group. Attention types with a smaller page get a block size
+   scaled by an integer factor; Mamba states are padded up to the page, after the
+   attention block size has grown in multiples of ``block_size`` until a page holds a
+   state.
+3. **Blocks.** ``num_blocks = memory_bytes // block_bytes``, block 0 (the null block)
+   included; the budget must hold one max_model_len request plus the null block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from jaxkv.specs import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KVCacheSpec,
+    MambaSpec,
+    cdiv,
+)
+
+LAYOUT_KINDS = ("cross_layer", "per_layer")
+"""``cross_layer``: block-major, all slots of a block contiguous (one buffer of
+(num_blocks, num_slots, page)), so a block moves in one copy. ``per_layer``: one
+buffer of (num_blocks, page) per slot."""
+
+
+class PlanError(ValueError):
+    """The planner was given an argument it cannot plan with."""
+
+
+class IncompatibleSpecsError(PlanError):
+    """Layer types whose pages cannot be made equal."""
+
+
+class InsufficientMemoryError(PlanError):
+    """The budget cannot hold one request of ``max_model_len`` tokens."""
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _unknown_layout(kind: object) -> str:
+    return f"unknown layout {kind!r}; valid layouts: {', '.join(LAYOUT_KINDS)}"
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table; ``spec`` is their merged spec."""
+
+    layer_names: tuple[str, ...]
+    spec: KVCacheSpec
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer_names, str) or not isinstance(self.layer_names, Sequence):
+            raise PlanError(f"layer_names must be a sequence of names, got {self.layer_names!r}")
+        object.__setattr__(self, "layer_names", tuple(self.layer_names))
+        if not self.layer_names:
+            raise PlanError("a KVCacheGroup needs at least one layer, got layer_names=()")
+        if not isinstance(self.spec, KVCacheSpec):
+            raise PlanError(f"spec must be a KVCacheSpec, got {self.spec!r}")
+        _positive_int("block_size", self.block_size)
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """How blocks map to bytes.
+
+    ``slots[i]`` is the i-th layer of every group (None where a group has fewer
+    layers): layers of different groups share slot i, because a block belongs to one
+    group at a time. Every slot of a block is one page of ``page_size_bytes``.
+    """
+
+    kind: str
+    slots: tuple[tuple[str | None, ...], ...]
+    page_size_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYOUT_KINDS:
+            raise PlanError(_unknown_layout(self.kind))
+        _positive_int("page_size_bytes", self.page_size_bytes)
+        object.__setattr__(self, "slots", tuple(tuple(row) for row in self.slots))
+        if not self.slots or len({len(row) for row in self.slots}) != 1 or not self.slots[0]:
+            raise PlanError(f"slots must be a non-empty rectangle, got {self.slots!r}")
+        names = [name for row in self.slots for name in row if name is not None]
+        if len(names) != len(set(names)):
+            raise PlanError(f"a layer appears in more than one slot: {self.slots!r}")
+
+    @property
+    def num_slots(self) -> int:
+        """Pages per block (= layers_per_group)."""
+        return len(self.slots)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block id: one page per slot."""
+        return self.page_size_bytes * self.num_slots
+
+    def slot_index(self, layer_name: str) -> int:
+        """The slot (buffer) holding ``layer_name``'s pages."""
+        for i, row in enumerate(self.slots):
+            if layer_name in row:
+                return i
+        raise KeyError(f"layer {layer_name!r} is not in this layout")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The plan: the shared pool of ``num_blocks`` blocks and the groups drawing on it.
+
+    ``num_blocks`` includes block 0, the null block, which is never handed out.
+    ``layout`` may be None in hand-built configs (tests of the host manager);
+    ``max_model_len`` and ``memory_bytes`` are set by the planner. Every group block
+    size is a multiple of the smallest (``hash_block_size``): the manager hashes at
+    that granularity.
+    """
+
+    num_blocks: int
+    groups: tuple[KVCacheGroup, ...]
+    layout: KVCacheLayout | None = None
+    max_model_len: int | None = None
+    memory_bytes: int | None = None
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def __post_init__(self) -> None:
+        _positive_int("num_blocks", self.num_blocks)
+        object.__setattr__(self, "groups", tuple(self.groups))
+        if not self.groups:
+            raise PlanError("a KVCacheConfig needs at least one group, got groups=()")
+        for group in self.groups:
+            if not isinstance(group, KVCacheGroup):
+                raise PlanError(f"groups must hold KVCacheGroup, got {group!r}")
+        names = [name for group in self.groups for name in group.layer_names]
+        if len(names) != len(set(names)):
+            raise PlanError(f"a layer is in more than one group: {names!r}")
+        smallest = self.hash_block_size
+        for group in self.groups:
+            if group.block_size % smallest:
+                raise PlanError(
+                    f"block sizes must be multiples of the smallest ({smallest}), "
+                    f"got {group.block_size} for {group.layer_names[0]!r}"
+                )
+        if self.layout is not None:
+            _check_layout_fits(self.groups, self.layout)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.memory_bytes is not None:
+            _positive_int("memory_bytes", self.memory_bytes)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+
+    @property
+    def hash_block_size(self) -> int:
+        """The smallest group block size: the granularity of prefix hashes."""
+        return min(group.block_size for group in self.groups)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can be handed out (all but the null block)."""
+        return self.num_blocks - 1
+
+    def blocks_per_request(self, num_tokens: int | None = None) -> tuple[int, ...]:
+        """Blocks one request of ``num_tokens`` (default max_model_len) holds, per group."""
+        num_tokens = self.max_model_len if num_tokens is None else num_tokens
+        if num_tokens is None:
+            raise PlanError("blocks_per_request needs num_tokens: the config has no max_model_len")
+        return tuple(
+            g.spec.blocks_per_request(num_tokens, g.block_size, self.max_num_batched_tokens)
+            for g in self.groups
+        )
+
+    @property
+    def max_concurrency(self) -> int | None:
+        """How many max_model_len requests fit at once (None without max_model_len)."""
+        if self.max_model_len is None:
+            return None
+        return self.num_usable_blocks // sum(self.blocks_per_request())
+
+    @property
+    def padding_bytes_per_block(self) -> tuple[int, ...] | None:
+        """Bytes of a block that hold no data, per group: empty slots + state padding."""
+        if self.layout is None:
+            return None
+        page = self.layout.page_size_bytes
+        return tuple(
+            (self.layout.num_slots - len(g.layer_names)) * page
+            + len(g.layer_names) * (page - g.spec.page_size_bytes(g.block_size))
+            for g in self.groups
+        )
+
+    def summary(self) -> str:
+        """A readable table of the plan."""
+        rows = [("group", "spec", "layers", "block", "data B/page", "pad B/block", "blocks/req")]
+        padding = self.padding_bytes_per_block
+        per_request = self.blocks_per_request() if self.max_model_len is not None else None
+        slots = f"/{self.layout.num_slots}" if self.layout is not None else ""
+        for i, g in enumerate(self.groups):
+            rows.append((
+                str(i),
+                g.spec.label,
+                f"{len(g.layer_names)}{slots}",
+                str(g.block_size),
+                f"{g.spec.page_size_bytes(g.block_size):,}",
+                f"{padding[i]:,}" if padding is not None else "-",
+                f"{per_request[i]:,}" if per_request is not None else "-",
+            ))
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+        table = [
+            "  ".join(
+                cell.ljust(w) if c < 2 else cell.rjust(w)
+                for c, (cell, w) in enumerate(zip(row, widths))
+            ).rstrip()
+            for row in rows
+        ]
+        lines = [_headline(self)] + table
+        if self.layout is not None:
+            block = self.layout.block_bytes
+            lines.append(
+                f"page {self.layout.page_size_bytes:,} B per slot; block = "
+                f"{self.layout.num_slots} slot(s) = {block:,} B ({_human(block)})"
+            )
+            used = f" = {_human(self.num_blocks * block)}"
+            if self.memory_bytes is not None:
+                used += f" of {_human(self.memory_bytes)}"
+        else:
+            used = ""
+        lines.append(
+            f"num_blocks {self.num_blocks:,}{used}; block 0 is the null block "
+            f"(never handed out): {self.num_usable_blocks:,} usable"
+        )
+        if per_request is not None:
+            need = sum(per_request)
+            line = f"max_model_len {self.max_model_len:,}: one request needs {need:,} blocks"
+            if self.layout is not None:
+                line += f" ({_human(need * self.layout.block_bytes)})"
+            lines.append(f"{line}; max concurrency {self.max_concurrency:,}")
+            if padding is not None:
+                wasted = sum(n * p for n, p in zip(per_request, padding))
+                share = wasted / (need * self.layout.block_bytes)
+                lines.append(
+                    f"padding: {_human(wasted)} of a max_model_len request ({share:.1%}) "
+                    "holds no data (empty slots, states padded to the page)"
+                )
+        return "\n".join(lines)
+
+
+def _check_layout_fits(groups: Sequence[KVCacheGroup], layout: KVCacheLayout) -> None:
+    """Slot column i must list group i's layers, and every page must fit a slot."""
+    if len(layout.slots[0]) != len(groups):
+        raise PlanError(f"layout has {len(layout.slots[0])} group columns for {len(groups)} groups")
+    for i, group in enumerate(groups):
+        column = tuple(row[i] for row in layout.slots)
+        expected = group.layer_names + (None,) * (layout.num_slots - len(group.layer_names))
+        if column != expected:
+            raise PlanError(f"layout column {i} is {column!r}, group {i} has {group.layer_names!r}")
+        data = group.spec.page_size_bytes(group.block_size)
+        if data > layout.page_size_bytes:
+            raise PlanError(
+                f"group {i} needs {data} B pages but the layout page is {layout.page_size_bytes} B"
+            )
+
+
+def _headline(config: KVCacheConfig) -> str:
+    head = f"KV cache plan: {len(config.groups)} group(s)"
+    if config.layout is not None:
+        head += f" x {config.layout.num_slots} slot(s), {config.layout.kind} layout"
+    return f"{head}, hash block size {config.hash_block_size} tokens"
+
+
+def _human(num_bytes: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes} B"
+
+
+@dataclass(frozen=True)
+class _LayerType:
+    spec: KVCacheSpec
+    layer_names: tuple[str, ...]
+
+
+def _layer_types(layer_specs: Mapping[str, KVCacheSpec]) -> list[_LayerType]:
+    """Layers grouped by type_key, types in order of first appearance."""
+    by_key: dict[object, list[str]] = {}
+    specs: dict[object, list[KVCacheSpec]] = {}
+    for name, spec in layer_specs.items():
+        if not isinstance(name, str) or not name:
+            raise PlanError(f"layer names must be non-empty str, got {name!r}")
+        if not isinstance(spec, KVCacheSpec):
+            raise PlanError(f"layer {name!r} has no KVCacheSpec: {spec!r}")
+        by_key.setdefault(spec.type_key, []).append(name)
+        specs.setdefault(spec.type_key, []).append(spec)
+    return [
+        _LayerType(type(specs[key][0]).merge(specs[key]), tuple(names))
+        for key, names in by_key.items()
+    ]
+
+
+def _unify_pages(specs: Sequence[KVCacheSpec], block_size: int) -> tuple[list[int], int]:
+    """Block size per spec and the common page size (bytes per layer slot).
+
+    Attention pages are made equal by scaling the block size of the smaller pages by
+    the integer ratio to the largest; then all attention block sizes grow by the
+    smallest factor k with page * k >= every Mamba state, and states pad up to the
+    page. Mamba groups use the smallest attention block size (``block_size`` if
+    there is no attention).
+    """
+    attention = [s for s in specs if not isinstance(s, MambaSpec)]
+    states = [s.state_bytes for s in specs if isinstance(s, MambaSpec)]
+    if not attention:
+        return [block_size] * len(specs), max(states)
+    largest = max(s.page_size_bytes(block_size) for s in attention)
+    factors = {}
+    for spec in attention:
+        page = spec.page_size_bytes(block_size)
+        if largest % page:
+            raise IncompatibleSpecsError(
+                f"page of {spec!r} ({page} B at block {block_size}) does not divide the "
+                f"largest page ({largest} B); block sizes cannot make them equal"
+            )
+        factors[spec] = largest // page
+    grow = max([1] + [cdiv(state, largest) for state in states])
+    attention_block = block_size * grow
+    sizes = [
+        attention_block if isinstance(s, MambaSpec) else attention_block * factors[s] for s in specs
+    ]
+    return sizes, largest * grow
+
+
+def _num_groups(counts: Sequence[int], layers_per_group: int) -> int:
+    return sum(cdiv(n, layers_per_group) for n in counts)
+
+
+def choose_layers_per_group(counts: Sequence[int], blocks_per_request: Sequence[int]) -> int:
+    """Slots per group for types of ``counts`` layers needing ``blocks_per_request`` each.
+
+    Among sizes that make no more groups than the smallest type's count would (the
+    vLLM rule), pick the one whose groups waste the fewest slot-pages for one
+    max_model_len request: sum over types of ceil(n / size) * size * blocks. Ties go
+    to fewer groups, then to the smaller size. A single type gives one group.
+    """
+    bound = _num_groups(counts, min(counts))
+
+    def cost(size: int) -> tuple[int, int, int]:
+        slots = sum(cdiv(n, size) * size * b for n, b in zip(counts, blocks_per_request))
+        return slots, _num_groups(counts, size), size
+
+    candidates = [s for s in range(1, max(counts) + 1) if _num_groups(counts, s) <= bound]
+    return min(candidates, key=cost)
+
+
+def plan_kv_cache(
+    layer_specs: Mapping[str, KVCacheSpec],
+    memory_bytes: int,
+    *,
+    max_model_len: int,
+    block_size: int = 16,
+    layout: str = "cross_layer",
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    num_blocks_override: int | None = None,
+) -> KVCacheConfig:
+    """Plan groups, block sizes, layout and num_blocks for a byte budget.
+
+    Raises :class:`PlanError` for bad arguments, :class:`IncompatibleSpecsError` when
+    pages cannot be unified and :class:`InsufficientMemoryError` when the budget (or
+    ``num_blocks_override``) cannot hold one request of ``max_model_len`` tokens.
+    """
+    if not isinstance(layer_specs, Mapping) or not layer_specs:
+        raise PlanError(f"layer_specs must be a non-empty mapping, got {layer_specs!r}")
+    _positive_int("memory_bytes", memory_bytes)
+    _positive_int("max_model_len", max_model_len)
+    _positive_int("block_size", block_size)
+    _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    if layout not in LAYOUT_KINDS:
+        raise PlanError(_unknown_layout(layout))
+    if num_blocks_override is not None:
+        _positive_int("num_blocks_override", num_blocks_override)
+
+    types = _layer_types(layer_specs)
+    sizes, page = _unify_pages([t.spec for t in types], block_size)
+    per_type = [
+        t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens)
+        for t, size in zip(types, sizes)
+    ]
+    slots = choose_layers_per_group([len(t.layer_names) for t in types], per_type)
+    groups = tuple(
+        KVCacheGroup(t.layer_names[i : i + slots], t.spec, size)
+        for t, size in zip(types, sizes)
+        for i in range(0, len(t.layer_names), slots)
+    )
+    kv_layout = KVCacheLayout(
+        kind=layout,
+        slots=tuple(
+            tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in groups)
+            for i in range(slots)
+        ),
+        page_size_bytes=page,
+    )
+    block_bytes = kv_layout.block_bytes
+    num_blocks = memory_bytes // block_bytes if num_blocks_override is None else num_blocks_override
+    needed = sum(
+        g.spec.blocks_per_request(max_model_len, g.block_size, max_num_batched_tokens)
+        for g in groups
+    ) + 1
+    if num_blocks * block_bytes > memory_bytes:
+        raise InsufficientMemoryError(
+            f"num_blocks_override={num_blocks} needs {num_blocks * block_bytes} B "
+            f"({num_blocks} x {block_bytes} B blocks) > memory_bytes={memory_bytes}"
+        )
+    if num_blocks < needed:
+        raise InsufficientMemoryError(
+            f"memory_bytes={memory_bytes} holds {num_blocks} blocks of {block_bytes} B, but one "
+            f"request of max_model_len={max_model_len} needs {needed} blocks with the null "
+            f"block = {needed * block_bytes} B"
+        )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        groups=groups,
+        layout=kv_layout,
+        max_model_len=max_model_len,
+        memory_bytes=memory_bytes,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )

@@ -1,0 +1,407 @@
+"""The planner: groups, unified pages, block sizes, layout, num_blocks; and its CLI."""
+
+import math
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxkv.plan import SizeError, parse_size
+from jaxkv.planner import (
+    IncompatibleSpecsError,
+    InsufficientMemoryError,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheLayout,
+    PlanError,
+    choose_layers_per_group,
+    plan_kv_cache,
+)
+from jaxkv.presets import get_preset, list_presets
+from jaxkv.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLASpec,
+    SlidingWindowSpec,
+)
+
+GiB = 1 << 30
+
+
+def check_plan(config: KVCacheConfig, layer_specs, memory_bytes: int) -> None:
+    """Invariants every plan keeps."""
+    layout = config.layout
+    slots = layout.num_slots
+    # Every layer in exactly one group, model order kept inside each group.
+    names = [n for g in config.groups for n in g.layer_names]
+    assert Counter(names) == Counter(list(layer_specs))
+    order = {name: i for i, name in enumerate(layer_specs)}
+    for g in config.groups:
+        assert 1 <= len(g.layer_names) <= slots
+        assert [order[n] for n in g.layer_names] == sorted(order[n] for n in g.layer_names)
+        assert all(g.spec.type_key == layer_specs[n].type_key for n in g.layer_names)
+    # Slot i of every group is the same memory.
+    assert all(len(row) == len(config.groups) for row in layout.slots)
+    for gi, g in enumerate(config.groups):
+        column = [row[gi] for row in layout.slots]
+        assert column == list(g.layer_names) + [None] * (slots - len(g.layer_names))
+    # One page size: attention pages equal it, states fit in it.
+    for g in config.groups:
+        data = g.spec.page_size_bytes(g.block_size)
+        if isinstance(g.spec, MambaSpec):
+            assert data <= layout.page_size_bytes
+        else:
+            assert data == layout.page_size_bytes
+    smallest = min(g.block_size for g in config.groups)
+    assert all(g.block_size % smallest == 0 for g in config.groups)
+    assert config.hash_block_size == smallest
+    assert layout.block_bytes == layout.page_size_bytes * slots
+    assert config.num_blocks * layout.block_bytes <= memory_bytes
+    assert config.num_blocks >= sum(config.blocks_per_request()) + 1
+    assert config.max_concurrency >= 1
+
+
+def request_pages(counts, blocks, slots):
+    """Slot-pages one max_model_len request occupies with ``slots`` per group."""
+    return sum(math.ceil(n / slots) * slots * b for n, b in zip(counts, blocks))
+
+
+# ------------------------------------------------------------ real models
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_every_preset_plans_at_16_gib_and_32k(name):
+    specs = get_preset(name)
+    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
+    check_plan(config, specs, 16 * GiB)
+    assert "num_blocks" in config.summary()
+
+
+def test_llama_3_1_8b_is_one_group_of_64_kib_pages():
+    config = plan_kv_cache(get_preset("llama-3.1-8b"), 16 * GiB, max_model_len=32768)
+    (group,) = config.groups
+    assert len(group.layer_names) == 32 and group.block_size == 16
+    assert config.layout.page_size_bytes == 65536
+    assert config.layout.block_bytes == 32 * 65536
+    assert config.num_blocks == 16 * GiB // (32 * 65536) == 8192
+    assert config.blocks_per_request() == (2048,)
+    assert config.max_concurrency == (8192 - 1) // 2048 == 3
+
+
+def test_gemma_3_27b_groups_are_equal_sized_with_one_full_group():
+    specs = get_preset("gemma-3-27b")
+    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
+    slots = config.layout.num_slots
+    full = [g for g in config.groups if isinstance(g.spec, FullAttentionSpec)]
+    local = [g for g in config.groups if isinstance(g.spec, SlidingWindowSpec)]
+    assert len(full) == 1 and len(full[0].layer_names) == 10
+    assert len(local) == math.ceil(52 / slots)
+    assert all(g.block_size == 16 for g in config.groups)
+    # At least as good as vLLM's rule (slots = the smallest type's 10 layers):
+    # no more groups, and no more memory per max_model_len request.
+    blocks = [local[0].spec.blocks_per_request(32768, 16), 2048]
+    assert len(config.groups) <= math.ceil(52 / 10) + 1
+    assert request_pages([52, 10], blocks, slots) <= request_pages([52, 10], blocks, 10)
+    assert slots == 11  # 5 x 11 sliding + 1 x 11 full: 4 empty slots instead of 8
+
+
+def test_gpt_oss_splits_into_two_groups_of_18():
+    config = plan_kv_cache(get_preset("gpt-oss-120b"), 16 * GiB, max_model_len=32768)
+    assert [len(g.layer_names) for g in config.groups] == [18, 18]
+    assert config.padding_bytes_per_block == (0, 0)
+
+
+def test_jamba_grows_attention_blocks_until_a_page_holds_a_mamba_state():
+    specs = get_preset("jamba-1.5-mini")
+    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
+    state = specs["layers.0"].state_bytes
+    attention = next(g for g in config.groups if isinstance(g.spec, FullAttentionSpec))
+    page = config.layout.page_size_bytes
+    # The smallest multiple of 16 tokens whose 4096 B/token page holds 573,440 B.
+    assert attention.block_size % 16 == 0
+    assert page >= state > attention.spec.page_size_bytes(attention.block_size - 16)
+    assert attention.block_size == 144 and page == 144 * 4096
+    mamba = [g for g in config.groups if isinstance(g.spec, MambaSpec)]
+    assert len(mamba) == 7 and all(len(g.layer_names) == 4 for g in mamba)
+    assert all(g.block_size == attention.block_size for g in mamba)
+    # Each Mamba page is padded up to the attention page; the padding is reported.
+    padding = dict(zip(config.groups, config.padding_bytes_per_block))
+    assert all(padding[g] == 4 * (page - state) for g in mamba)
+    assert padding[attention] == 0
+    assert "padded" in config.summary()
+
+
+def test_mamba_only_models_use_the_base_block_size_and_the_state_as_page():
+    spec = MambaSpec(shapes=((8, 3), (8, 16)), dtypes=("bfloat16", "float32"))
+    config = plan_kv_cache({f"m{i}": spec for i in range(3)}, 1 << 20, max_model_len=1000)
+    (group,) = config.groups
+    assert group.block_size == 16 and config.layout.page_size_bytes == spec.state_bytes
+
+
+def test_smaller_attention_pages_get_proportionally_larger_blocks():
+    specs = {
+        "full": FullAttentionSpec(num_kv_heads=8, head_size=128),
+        "swa": SlidingWindowSpec(num_kv_heads=2, head_size=128, sliding_window=256),
+    }
+    config = plan_kv_cache(specs, GiB, max_model_len=4096)
+    sizes = {g.layer_names[0]: g.block_size for g in config.groups}
+    assert sizes == {"full": 16, "swa": 64}
+    check_plan(config, specs, GiB)
+
+
+def test_pages_in_a_non_integer_ratio_are_incompatible():
+    specs = {
+        "full": FullAttentionSpec(num_kv_heads=8, head_size=128),  # 65,536 B at 16
+        "mla": MLASpec(kv_lora_rank=512, qk_rope_head_dim=64),  # 18,432 B at 16
+    }
+    with pytest.raises(IncompatibleSpecsError, match="18432 B.*65536 B"):
+        plan_kv_cache(specs, GiB, max_model_len=4096)
+
+
+# ------------------------------------------------------------ layers per group
+
+
+@pytest.mark.parametrize(
+    "counts, blocks, expected",
+    [
+        ([32], [2048], 32),  # one type: one group of all layers
+        ([52, 10], [577, 2048], 11),  # gemma-3-27b
+        ([28, 4], [2, 228], 4),  # jamba: the vLLM choice has no padding
+        ([18, 18], [521, 2048], 18),
+        ([31, 1], [577, 2048], 1),  # a lone full layer: padding it would waste most
+        ([6, 6, 6], [1, 1, 1], 6),
+    ],
+)
+def test_layers_per_group_minimises_request_memory_without_more_groups(counts, blocks, expected):
+    assert choose_layers_per_group(counts, blocks) == expected
+
+
+# --------------------------------------------------------------- num_blocks
+
+
+def test_too_small_a_budget_names_the_budget_the_need_and_the_length():
+    specs = get_preset("llama-3.1-8b")
+    need = (2048 + 1) * 32 * 65536  # one 32k request plus the null block
+    config = plan_kv_cache(specs, need, max_model_len=32768)
+    assert config.num_blocks == 2049 and config.max_concurrency == 1
+    with pytest.raises(InsufficientMemoryError) as info:
+        plan_kv_cache(specs, need - 1, max_model_len=32768)
+    message = str(info.value)
+    assert f"memory_bytes={need - 1}" in message
+    assert str(need) in message and "max_model_len=32768" in message
+
+
+def test_num_blocks_override_is_used_but_must_fit_the_budget():
+    specs = get_preset("tiny-hybrid")
+    config = plan_kv_cache(specs, GiB, max_model_len=64, num_blocks_override=40)
+    assert config.num_blocks == 40
+    with pytest.raises(InsufficientMemoryError, match="num_blocks_override=100000"):
+        plan_kv_cache(specs, 1 << 20, max_model_len=64, num_blocks_override=100_000)
+    with pytest.raises(InsufficientMemoryError, match="needs"):
+        plan_kv_cache(specs, GiB, max_model_len=64, num_blocks_override=3)
+
+
+def test_layout_kind_changes_no_byte():
+    specs = get_preset("gemma-3-27b")
+    cross = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
+    per_layer = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, layout="per_layer")
+    assert per_layer.layout.kind == "per_layer"
+    assert per_layer.num_blocks == cross.num_blocks
+    assert per_layer.layout.slots == cross.layout.slots
+
+
+def test_plans_are_deterministic():
+    specs = get_preset("qwen3-next-80b")
+    assert plan_kv_cache(specs, 8 * GiB, max_model_len=8192) == plan_kv_cache(
+        specs, 8 * GiB, max_model_len=8192
+    )
+
+
+def test_slot_index_finds_the_buffer_of_a_layer():
+    config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 1 << 24, max_model_len=256)
+    layout = config.layout
+    for group in config.groups:
+        for i, name in enumerate(group.layer_names):
+            assert layout.slot_index(name) == i
+    with pytest.raises(KeyError, match="nope"):
+        layout.slot_index("nope")
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"layer_specs": {}}, "layer_specs"),
+        ({"memory_bytes": 0}, "memory_bytes"),
+        ({"memory_bytes": 1.5e9}, "1500000000.0"),
+        ({"max_model_len": -1}, "max_model_len"),
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": True}, "True"),
+        ({"layout": "row_major"}, "row_major"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"num_blocks_override": 0}, "num_blocks_override"),
+        ({"layer_specs": {"l0": "full"}}, "'l0'"),
+    ],
+)
+def test_bad_arguments_raise_a_plan_error_naming_the_value(kwargs, named):
+    args = {"layer_specs": get_preset("tiny-hybrid"), "memory_bytes": GiB,
+            "max_model_len": 128} | kwargs
+    with pytest.raises(PlanError, match=named):
+        plan_kv_cache(args.pop("layer_specs"), args.pop("memory_bytes"), **args)
+
+
+# ------------------------------------------------------- hand-built configs
+
+
+def test_hand_built_configs_need_no_layout():
+    spec = FullAttentionSpec(num_kv_heads=1, head_size=1)
+    config = KVCacheConfig(num_blocks=11, groups=(KVCacheGroup(("l0",), spec, 16),))
+    assert config.layout is None and config.num_usable_blocks == 10
+    assert config.max_concurrency is None and config.padding_bytes_per_block is None
+    assert config.blocks_per_request(40) == (3,)
+    with pytest.raises(PlanError, match="max_model_len"):
+        config.blocks_per_request()
+    assert "num_blocks 11" in config.summary()
+
+
+def test_hand_built_configs_are_validated():
+    spec = FullAttentionSpec(num_kv_heads=1, head_size=1)
+    with pytest.raises(PlanError, match="num_blocks"):
+        KVCacheConfig(num_blocks=0, groups=(KVCacheGroup(("a",), spec, 16),))
+    with pytest.raises(PlanError, match=r"multiples of the smallest \(16\), got 24"):
+        KVCacheConfig(num_blocks=4, groups=(KVCacheGroup(("a",), spec, 16),
+                                            KVCacheGroup(("b",), spec, 24)))
+    with pytest.raises(PlanError, match="more than one group"):
+        KVCacheConfig(num_blocks=4, groups=(KVCacheGroup(("a",), spec, 16),) * 2)
+    with pytest.raises(PlanError, match="at least one layer"):
+        KVCacheGroup((), spec, 16)
+    with pytest.raises(PlanError, match="-16"):
+        KVCacheGroup(("a",), spec, -16)
+    with pytest.raises(PlanError, match="unknown layout 'x'"):
+        KVCacheLayout(kind="x", slots=(("a",),), page_size_bytes=8)
+    with pytest.raises(PlanError, match="rectangle"):
+        KVCacheLayout(kind="per_layer", slots=(("a", "b"), ("c",)), page_size_bytes=8)
+    group = KVCacheGroup(("a",), spec, 16)  # 16 tokens x (K + V) x 2 B = 64 B pages
+    too_small = KVCacheLayout("per_layer", (("a",),), 32)
+    with pytest.raises(PlanError, match="64 B pages"):
+        KVCacheConfig(num_blocks=4, groups=(group,), layout=too_small)
+    wrong_layer = KVCacheLayout("per_layer", (("b",),), 64)
+    with pytest.raises(PlanError, match="column 0"):
+        KVCacheConfig(num_blocks=4, groups=(group,), layout=wrong_layer)
+
+
+# ------------------------------------------------------------------ property
+
+
+def attention_specs():
+    heads = st.sampled_from([1, 2, 4, 8])
+    size = st.sampled_from([16, 32, 64, 128])
+    dtype = st.sampled_from(["float32", "bfloat16", "float8_e4m3fn"])
+    return st.one_of(
+        st.builds(FullAttentionSpec, num_kv_heads=heads, head_size=size, dtype=dtype),
+        st.builds(SlidingWindowSpec, num_kv_heads=heads, head_size=size, dtype=dtype,
+                  sliding_window=st.integers(1, 4096)),
+        st.builds(ChunkedLocalAttentionSpec, num_kv_heads=heads, head_size=size, dtype=dtype,
+                  attention_chunk_size=st.sampled_from([64, 100, 1024])),
+        st.builds(MLASpec, kv_lora_rank=st.sampled_from([64, 448, 512]),
+                  qk_rope_head_dim=st.just(64), dtype=dtype),
+    )
+
+
+def mamba_specs():
+    shape = st.lists(st.integers(1, 64), min_size=1, max_size=3).map(tuple)
+    return st.integers(1, 3).flatmap(lambda n: st.builds(
+        MambaSpec,
+        shapes=st.lists(shape, min_size=n, max_size=n).map(tuple),
+        dtypes=st.lists(st.sampled_from(["float32", "bfloat16"]), min_size=n, max_size=n)
+        .map(tuple),
+    ))
+
+
+@st.composite
+def models(draw):
+    kinds = draw(st.lists(st.one_of(attention_specs(), mamba_specs()), min_size=1, max_size=4))
+    counts = draw(st.lists(st.integers(1, 12), min_size=len(kinds), max_size=len(kinds)))
+    layers = [spec for spec, n in zip(kinds, counts) for _ in range(n)]
+    order = draw(st.permutations(layers))
+    return {f"layers.{i}": spec for i, spec in enumerate(order)}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    specs=models(),
+    memory=st.integers(1, 1 << 34),
+    max_model_len=st.integers(1, 20000),
+    block_size=st.sampled_from([8, 16, 32]),
+)
+def test_any_mix_plans_equal_slots_and_pages_within_budget(
+    specs, memory, max_model_len, block_size
+):
+    try:
+        config = plan_kv_cache(specs, memory, max_model_len=max_model_len, block_size=block_size)
+    except IncompatibleSpecsError:
+        attention = [s for s in specs.values() if not isinstance(s, MambaSpec)]
+        pages = {s.page_size_bytes(block_size) for s in attention}
+        assert any(max(pages) % p for p in pages)
+        return
+    except InsufficientMemoryError as err:
+        assert f"memory_bytes={memory}" in str(err)
+        return
+    check_plan(config, specs, memory)
+    # Never more groups, nor more memory per request, than vLLM's slot count.
+    types = {}
+    for spec in specs.values():
+        types[spec.type_key] = types.get(spec.type_key, 0) + 1
+    smallest = min(types.values())
+    assert len(config.groups) <= sum(math.ceil(n / smallest) for n in types.values())
+    per_type = {g.spec.type_key: b for g, b in zip(config.groups, config.blocks_per_request())}
+    counts = list(types.values())
+    blocks = [per_type[k] for k in types]
+    assert request_pages(counts, blocks, config.layout.num_slots) <= request_pages(
+        counts, blocks, smallest
+    )
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_parse_size_reads_binary_and_decimal_units():
+    assert parse_size("16GiB") == 16 * GiB
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("4096") == 4096
+    assert parse_size(" 2 kib ") == 2048
+    for bad in ("", "GiB", "16 GiBs", "-1GiB", "0", "1e9"):
+        with pytest.raises(SizeError, match="memory size"):
+            parse_size(bad)
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "jaxkv.plan", *args],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1],
+    )
+
+
+def test_cli_prints_the_plan_table():
+    out = run_cli("--preset", "gemma-3-27b", "--memory", "16GiB", "--max-model-len", "32768")
+    assert out.returncode == 0, out.stderr
+    assert "sliding_window(1024)" in out.stdout and "full_attention" in out.stdout
+    assert "num_blocks" in out.stdout and "max concurrency" in out.stdout
+
+
+def test_cli_unknown_preset_is_one_line_and_status_2():
+    out = run_cli("--preset", "nope", "--memory", "16GiB", "--max-model-len", "32768")
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    assert "'nope'" in out.stderr and "gemma-3-27b" in out.stderr
+
+
+def test_cli_too_small_budget_is_status_1():
+    out = run_cli("--preset", "llama-3.1-8b", "--memory", "1MiB", "--max_model_len=32768")
+    assert out.returncode == 1 and "memory_bytes=1048576" in out.stderr
+    assert "Traceback" not in out.stderr
