@@ -1,0 +1,158 @@
+"""Coordinates the per-group managers of one model: the hybrid cache-hit fixed point.
+
+Groups with the same layer type, spec and block size form one *attention type* and
+are searched together. A prefix hit is usable only if every type can serve it, so the
+coordinator shrinks a candidate length until every type agrees: each search returns
+at most the length it was offered, hence the loop only shrinks and ends. The length
+is kept a multiple of the lcm of the groups' block sizes.
+
+Prefix hashes are computed once per request at the smallest block size; a group whose
+block is ``k`` times larger uses every ``k``-th hash (a chained hash names the whole
+prefix up to its block's end).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jaxkv.managers import FullAttentionManager, SingleTypeManager, manager_class_for
+from jaxkv.planner import KVCacheConfig
+from jaxkv.pool import BlockPool
+from jaxkv.specs import KVCacheSpec
+
+
+@dataclass(frozen=True)
+class AttentionType:
+    """Groups searched together: same manager rules, spec and block size."""
+
+    manager_cls: type[SingleTypeManager]
+    spec: KVCacheSpec
+    block_size: int
+    group_ids: tuple[int, ...]
+    hash_stride: int
+
+
+class KVCacheCoordinator:
+    """Runs each operation over every group of a config, sharing one block pool."""
+
+    def __init__(self, config: KVCacheConfig, pool: BlockPool) -> None:
+        groups = config.groups
+        self.pool = pool
+        self.managers: list[SingleTypeManager] = [
+            manager_class_for(g.spec)(pool, i, g.block_size, g.spec) for i, g in enumerate(groups)
+        ]
+        # The config guarantees every block size is a multiple of the smallest.
+        self.hash_block_size = config.hash_block_size
+        self.lcm_block_size = math.lcm(*(g.block_size for g in groups))
+        by_key: dict[tuple, list[int]] = {}
+        for i, (g, m) in enumerate(zip(groups, self.managers)):
+            by_key.setdefault((type(m), g.spec, g.block_size), []).append(i)
+        types = [
+            AttentionType(cls, spec, bs, tuple(ids), bs // self.hash_block_size)
+            for (cls, spec, bs), ids in by_key.items()
+        ]
+        # Full attention first: its hits are prefix-closed, so it bounds the rest early.
+        types.sort(key=lambda t: t.manager_cls is not FullAttentionManager)
+        self.types = types
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    def group_hashes(self, block_hashes: Sequence[bytes], stride: int) -> Sequence[bytes]:
+        """The chained hashes at one group's block granularity."""
+        return block_hashes if stride == 1 else block_hashes[stride - 1 :: stride]
+
+    # ------------------------------------------------------------------ hits
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[tuple[list[int], ...], int]:
+        """The longest prefix (tokens) every group can serve, and its blocks per group."""
+        cached = self.pool.cached
+        lcm = self.lcm_block_size
+        length = max_length // lcm * lcm
+        found: dict[int, tuple[int, Sequence[bytes]]] = {}
+        changed = True
+        while changed:
+            changed = False
+            for t_idx, t in enumerate(self.types):
+                hashes = self.group_hashes(block_hashes, t.hash_stride)
+                n, first = t.manager_cls.find_longest_cache_hit(
+                    [cached[g] for g in t.group_ids], hashes, length // t.block_size, t.spec, t.block_size
+                )
+                found[t_idx] = (first, hashes)
+                if n * t.block_size < length:
+                    length = n * t.block_size // lcm * lcm
+                    changed = len(self.types) > 1
+        blocks: list[list[int]] = [[] for _ in self.managers]
+        for t_idx, t in enumerate(self.types):
+            first, hashes = found[t_idx]
+            n = length // t.block_size
+            first = min(first, n)
+            for g in t.group_ids:
+                m = cached[g]
+                blocks[g] = [0] * first + [m[h] for h in hashes[first:n]]
+        return tuple(blocks), length
+
+    # ------------------------------------------------------------ allocation
+    def num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hit_blocks: Sequence[Sequence[int]] | None,
+        num_computed_tokens: int,
+    ) -> int:
+        """Net free blocks an allocation consumes: new blocks, plus hits on free
+        (evictable) blocks, minus blocks that skipping out-of-span ones returns."""
+        pool = self.pool
+        total = 0
+        for g, m in enumerate(self.managers):
+            hits = hit_blocks[g] if hit_blocks else ()
+            total += m.num_new_blocks(request_id, num_tokens, len(hits))
+            total += pool.count_evictable(hits)
+            total -= pool.count_newly_freed(m.skippable_blocks(request_id, num_computed_tokens))
+        return total
+
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hit_blocks: Sequence[Sequence[int]] | None,
+        num_computed_tokens: int,
+    ) -> tuple[list[int], ...]:
+        """Skip out-of-span blocks, adopt hit blocks, then take fresh ones; return the fresh ones."""
+        for m in self.managers:
+            m.remove_skipped_blocks(request_id, num_computed_tokens)
+        if hit_blocks:
+            for m, hits in zip(self.managers, hit_blocks):
+                self.pool.touch(hits)
+                m.add_hit_blocks(request_id, hits)
+        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
+
+    def cache_blocks(
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+    ) -> None:
+        """Offer every group's newly full blocks to the prefix cache."""
+        for t in self.types:
+            hashes = self.group_hashes(block_hashes, t.hash_stride)
+            for g in t.group_ids:
+                self.managers[g].cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks in every group."""
+        for m in self.managers:
+            m.free(request_id)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Copies of the request's block lists, one per group."""
+        return tuple(list(m.req_blocks.get(request_id, ())) for m in self.managers)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.managers[0].req_blocks

@@ -1,0 +1,153 @@
+"""BlockPool: the null block, the free queue's order, ref counts, the hash map, events."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxkv.pool import AllBlocksCleared, BlockPool, BlockPoolError, BlockRemoved, BlockStored
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_block_zero_is_never_handed_out():
+    pool = BlockPool(5)
+    assert pool.num_free_blocks == 4
+    assert pool.get_new_blocks(4) == [1, 2, 3, 4]
+    assert pool.num_free_blocks == 0
+    assert pool.usage == 1.0
+
+
+def test_taking_more_blocks_than_free_raises_and_changes_nothing():
+    pool = BlockPool(4)
+    with pytest.raises(BlockPoolError, match="cannot take 4 blocks: 3 free"):
+        pool.get_new_blocks(4)
+    assert pool.free_block_ids() == [1, 2, 3]
+
+
+def test_freed_cached_blocks_join_the_tail_uncached_ones_the_head():
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(4)  # [1, 2, 3, 4]; the queue is [5, 6, 7]
+    pool.cache_blocks(0, blocks, [h(1), h(2), h(3)], 0, 3)
+    pool.free_blocks(reversed(blocks))
+    assert pool.free_block_ids() == [4, 5, 6, 7, 3, 2, 1]
+
+
+def test_uncached_blocks_freed_together_keep_their_order_at_the_head():
+    pool = BlockPool(6)
+    pool.get_new_blocks(3)
+    pool.free_blocks([3, 1, 2])
+    assert pool.free_block_ids() == [3, 1, 2, 4, 5]
+
+
+def test_touching_a_free_cached_block_takes_it_out_of_the_queue():
+    pool = BlockPool(5)
+    [b] = pool.get_new_blocks(1)
+    pool.cache_blocks(0, [b], [h(9)], 0, 1)
+    pool.free_blocks([b])
+    assert pool.is_free(b)
+    pool.touch([b])
+    assert not pool.is_free(b) and pool.ref_cnt[b] == 1
+    pool.touch([b, 0])
+    assert pool.ref_cnt[b] == 2 and pool.ref_cnt[0] == 0
+
+
+def test_allocation_evicts_the_hash_of_a_reused_block():
+    pool = BlockPool(3, enable_events=True)
+    [b, c] = pool.get_new_blocks(2)
+    pool.cache_blocks(0, [b], [h(1)], 0, 1, block_size=2, token_ids=[7, 8])
+    pool.free_blocks([b])
+    assert pool.cached[0] == {h(1): b}
+    pool.free_blocks([c])  # uncached: head
+    assert pool.get_new_blocks(2) == [c, b]
+    assert pool.cached[0] == {} and pool.block_hash[b] is None
+    events = pool.take_events()
+    assert events == [
+        BlockStored(group=0, block_hashes=(h(1),), parent_block_hash=None, block_size=2, token_ids=(7, 8), lora_name=None),
+        BlockRemoved(group=0, block_hashes=(h(1),)),
+    ]
+    assert pool.take_events() == []
+
+
+def test_a_duplicate_hash_keeps_the_first_block_and_the_copy_is_reused_first():
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(1)
+    b = pool.get_new_blocks(1)
+    pool.cache_blocks(0, a, [h(5)], 0, 1)
+    pool.cache_blocks(0, b, [h(5)], 0, 1)
+    assert pool.cached[0] == {h(5): a[0]} and pool.block_hash[b[0]] is None
+    pool.free_blocks(a)
+    pool.free_blocks(b)
+    assert pool.free_block_ids()[0] == b[0] and pool.free_block_ids()[-1] == a[0]
+
+
+def test_the_same_hash_in_two_groups_maps_to_two_blocks():
+    pool = BlockPool(4, num_groups=2)
+    x, y = pool.get_new_blocks(2)
+    pool.cache_blocks(0, [x], [h(1)], 0, 1)
+    pool.cache_blocks(1, [y], [h(1)], 0, 1)
+    assert pool.cached == [{h(1): x}, {h(1): y}]
+
+
+def test_null_blocks_are_never_cached_or_freed():
+    pool = BlockPool(4)
+    [b] = pool.get_new_blocks(1)
+    pool.cache_blocks(0, [0, b], [h(1), h(2)], 0, 2)
+    assert pool.cached[0] == {h(2): b}
+    pool.free_blocks([b, 0])
+    assert 0 not in pool.free_block_ids()
+
+
+def test_evict_blocks_drops_hashes_and_rejects_bad_ids_untouched():
+    pool = BlockPool(4)
+    [b] = pool.get_new_blocks(1)
+    pool.cache_blocks(0, [b], [h(1)], 0, 1)
+    with pytest.raises(BlockPoolError, match=r"\[4\]"):
+        pool.evict_blocks([b, 4])
+    assert pool.cached[0] == {h(1): b}
+    assert pool.evict_blocks([b, 2]) == 1
+    assert pool.cached[0] == {}
+
+
+def test_reset_is_refused_while_blocks_are_in_use():
+    pool = BlockPool(4, enable_events=True)
+    [b] = pool.get_new_blocks(1)
+    pool.cache_blocks(0, [b], [h(1)], 0, 1)
+    assert not pool.reset_prefix_cache()
+    assert pool.cached[0] == {h(1): b}
+    pool.free_blocks([b])
+    assert pool.reset_prefix_cache()
+    assert pool.cached[0] == {} and pool.num_cached_blocks() == 0
+    assert isinstance(pool.take_events()[-1], AllBlocksCleared)
+
+
+@pytest.mark.parametrize("num_blocks", [1, 0, -3, 2.5])
+def test_bad_pool_sizes_are_named(num_blocks):
+    with pytest.raises(BlockPoolError, match=str(num_blocks)):
+        BlockPool(num_blocks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["take", "free", "cache", "touch"]), st.integers(0, 5)), max_size=60))
+def test_random_operations_keep_every_block_free_xor_referenced(ops):
+    pool = BlockPool(12)
+    held: list[int] = []
+    for op, k in ops:
+        if op == "take" and k <= pool.num_free_blocks:
+            held += pool.get_new_blocks(k)
+        elif op == "free" and held:
+            pool.free_blocks([held.pop(k % len(held))])
+        elif op == "cache" and held:
+            b = held[k % len(held)]
+            pool.cache_blocks(0, [b], [h(b * 100 + k)], 0, 1)
+        elif op == "touch" and pool.cached[0]:
+            b = sorted(pool.cached[0].values())[k % len(pool.cached[0])]
+            pool.touch([b])
+            held.append(b)
+        for b in range(1, 12):
+            assert pool.is_free(b) == (pool.ref_cnt[b] == 0)
+            assert pool.ref_cnt[b] == held.count(b)
+        assert pool.num_free_blocks + len(set(held)) == 11
+        for hh, b in pool.cached[0].items():
+            assert pool.block_hash[b] == hh
