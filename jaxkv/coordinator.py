@@ -14,10 +14,11 @@ prefix up to its block's end).
 from __future__ import annotations
 
 import math
+from itertools import chain
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jaxkv.managers import FullAttentionManager, SingleTypeManager, manager_class_for
+from jaxkv.managers import NEVER, CacheHit, FullAttentionManager, SingleTypeManager, manager_class_for
 from jaxkv.planner import KVCacheConfig
 from jaxkv.pool import BlockPool
 from jaxkv.specs import KVCacheSpec
@@ -56,6 +57,10 @@ class KVCacheCoordinator:
         # Full attention first: its hits are prefix-closed, so it bounds the rest early.
         types.sort(key=lambda t: t.manager_cls is not FullAttentionManager)
         self.types = types
+        # Per running request: (slot capacity, tokens at which a block becomes full,
+        # computed tokens at which a block falls out of span). Below all three an
+        # allocation changes nothing, which is what most decode steps are.
+        self.thresholds: dict[str, tuple[int, int, int]] = {}
 
     @property
     def num_groups(self) -> int:
@@ -73,27 +78,28 @@ class KVCacheCoordinator:
         cached = self.pool.cached
         lcm = self.lcm_block_size
         length = max_length // lcm * lcm
-        found: dict[int, tuple[int, Sequence[bytes]]] = {}
+        found: list[CacheHit] = [None] * len(self.types)
         changed = True
         while changed:
             changed = False
             for t_idx, t in enumerate(self.types):
-                hashes = self.group_hashes(block_hashes, t.hash_stride)
-                n, first = t.manager_cls.find_longest_cache_hit(
-                    [cached[g] for g in t.group_ids], hashes, length // t.block_size, t.spec, t.block_size
+                hit = t.manager_cls.find_longest_cache_hit(
+                    [cached[g] for g in t.group_ids],
+                    self.group_hashes(block_hashes, t.hash_stride),
+                    length // t.block_size,
+                    t.spec,
+                    t.block_size,
                 )
-                found[t_idx] = (first, hashes)
-                if n * t.block_size < length:
-                    length = n * t.block_size // lcm * lcm
+                found[t_idx] = hit
+                if hit.num_blocks * t.block_size < length:
+                    length = hit.num_blocks * t.block_size // lcm * lcm
                     changed = len(self.types) > 1
+        # The last pass ran every search at the final length, so each hit is exact.
         blocks: list[list[int]] = [[] for _ in self.managers]
-        for t_idx, t in enumerate(self.types):
-            first, hashes = found[t_idx]
-            n = length // t.block_size
-            first = min(first, n)
-            for g in t.group_ids:
-                m = cached[g]
-                blocks[g] = [0] * first + [m[h] for h in hashes[first:n]]
+        if length:
+            for t, hit in zip(self.types, found):
+                for g, ids in zip(t.group_ids, hit.block_ids):
+                    blocks[g] = [0] * hit.first_real + ids
         return tuple(blocks), length
 
     # ------------------------------------------------------------ allocation
@@ -145,10 +151,25 @@ class KVCacheCoordinator:
             for g in t.group_ids:
                 self.managers[g].cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks in every group."""
+    def update_thresholds(self, request_id: str) -> None:
+        """Recompute the request's next event thresholds (after a real allocation)."""
+        capacity = next_full = next_skip = NEVER
         for m in self.managers:
-            m.free(request_id)
+            bs = m.block_size
+            capacity = min(capacity, len(m.req_blocks[request_id]) * bs)
+            next_full = min(next_full, (m.num_cached.get(request_id, 0) + 1) * bs)
+            next_skip = min(next_skip, m.next_skip_computed(request_id))
+        self.thresholds[request_id] = (capacity, next_full, next_skip)
+
+    def is_noop(self, request_id: str, num_slots: int, num_cacheable: int, num_computed: int) -> bool:
+        """Whether allocating for a running request would change nothing."""
+        t = self.thresholds.get(request_id)
+        return t is not None and num_slots <= t[0] and num_cacheable < t[1] and num_computed < t[2]
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks in every group, in one pass over the pool."""
+        self.thresholds.pop(request_id, None)
+        self.pool.free_blocks(chain.from_iterable([m.release(request_id) for m in self.managers]))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Copies of the request's block lists, one per group."""

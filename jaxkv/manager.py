@@ -105,10 +105,10 @@ class KVCacheBlocks:
     so ``allocate_slots`` can tell in O(1) that the hit is still intact.
     """
 
-    blocks: tuple[list[int], ...]
+    blocks: tuple[Sequence[int], ...]
     eviction_stamp: int = -1
 
-    def get_block_ids(self) -> tuple[list[int], ...]:
+    def get_block_ids(self) -> tuple[Sequence[int], ...]:
         return self.blocks
 
     def num_blocks(self) -> int:
@@ -155,6 +155,8 @@ class KVCacheManager:
         self.pool = BlockPool(config.num_blocks, len(config.groups), enable_events=enable_events)
         self.coordinator = KVCacheCoordinator(config, self.pool)
         self.hasher = BlockHasher(self.coordinator.hash_block_size, hash_algo)
+        # Returned when an allocation needs no new block: immutable, so shared.
+        self._no_new_blocks = KVCacheBlocks(tuple(() for _ in config.groups))
         self._hasher_key = (self.hasher.block_size, self.hasher.algo)
         self._num_requests = 0
         self._num_queried = 0
@@ -198,7 +200,7 @@ class KVCacheManager:
         empty = KVCacheBlocks(tuple([] for _ in self.config.groups), self.pool.num_evictions)
         if not self.enable_caching:
             return empty, 0
-        self._update_hashes(request)
+        self.hash_request(request)
         blocks, n = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
         self._num_requests += 1
         self._num_queried += request.num_tokens
@@ -223,13 +225,13 @@ class KVCacheManager:
         request (the caller preempts); a ``None`` or an error changes nothing.
         """
         rid = request.request_id
-        for name, value in (
-            ("num_new_tokens", num_new_tokens),
-            ("num_new_computed_tokens", num_new_computed_tokens),
-            ("num_lookahead_tokens", num_lookahead_tokens),
+        if (
+            type(num_new_tokens) is not int
+            or type(num_new_computed_tokens) is not int
+            or type(num_lookahead_tokens) is not int
+            or min(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) < 0
         ):
-            if not isinstance(value, int) or value < 0:
-                raise KVCacheManagerError(f"{name} must be an int >= 0, got {value!r} (request {rid!r})")
+            self._raise_bad_counts(rid, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise KVCacheManagerError(f"request {rid!r}: nothing to allocate (num_new_tokens=0)")
         num_computed = request.num_computed_tokens
@@ -239,17 +241,24 @@ class KVCacheManager:
                 f"request {rid!r}: {num_computed} computed + {num_new_computed_tokens} cached "
                 f"+ {num_new_tokens} new tokens exceeds max_model_len={self.max_model_len}"
             )
-        hits = self._check_hit(request, num_new_computed_tokens, new_computed_blocks)
         num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        num_cacheable = min(total_computed + num_new_tokens, request.num_tokens) if self.enable_caching else -1
         coord = self.coordinator
+        if (
+            new_computed_blocks is None
+            and not num_new_computed_tokens
+            and coord.is_noop(rid, num_slots, num_cacheable, num_computed)
+        ):
+            return self._no_new_blocks
+        hits = self._check_hit(request, num_new_computed_tokens, new_computed_blocks)
         needed = coord.num_blocks_to_allocate(rid, num_slots, hits, num_computed)
         if needed > self.pool.num_free_blocks:
             return None
         new_blocks = coord.allocate(rid, num_slots, hits, num_computed)
         if self.enable_caching:
-            num_cacheable = min(total_computed + num_new_tokens, request.num_tokens)
-            self._update_hashes(request)
+            self.hash_request(request)
             coord.cache_blocks(rid, request.block_hashes, num_cacheable, request.all_token_ids, request.lora_name)
+        coord.update_thresholds(rid)
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: Request | str) -> None:
@@ -270,8 +279,11 @@ class KVCacheManager:
             self._num_resets += 1
         return ok
 
-    # --------------------------------------------------------------- helpers
-    def _update_hashes(self, request: Request) -> None:
+    def hash_request(self, request: Request) -> None:
+        """Hash the request's newly full blocks now.
+
+        The manager does this lazily when it needs the hashes; an engine may call it
+        earlier, off the critical path (on arrival, after appending tokens)."""
         if request._hasher_key is None:
             request._hasher_key = self._hasher_key
         elif request._hasher_key != self._hasher_key:
@@ -280,6 +292,13 @@ class KVCacheManager:
                 f"{request._hasher_key}, this manager uses {self._hasher_key}"
             )
         self.hasher.extend(request.block_hashes, request.all_token_ids, request.extra_keys)
+
+    @staticmethod
+    def _raise_bad_counts(rid: str, *counts: object) -> None:
+        names = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens")
+        for name, value in zip(names, counts):
+            if type(value) is not int or value < 0:
+                raise KVCacheManagerError(f"{name} must be an int >= 0, got {value!r} (request {rid!r})")
 
     def _check_hit(
         self, request: Request, num_new_computed_tokens: int, hit: KVCacheBlocks | None
@@ -306,7 +325,7 @@ class KVCacheManager:
                     f"num_new_computed_tokens={num_new_computed_tokens}"
                 )
         if hit.eviction_stamp != self.pool.num_evictions:
-            self._update_hashes(request)
+            self.hash_request(request)
             block_hash = self.pool.block_hash
             coord = self.coordinator
             for t in coord.types:

@@ -5,15 +5,17 @@ which blocks fell out of the attention span (replaced by the null block and free
 how many new blocks an allocation needs, and which full blocks become cached.
 
 Each layer type also defines its cache-hit search. A search over several groups of
-the same type (same spec and block size) returns ``(num_blocks, first_real)``: the hit
-covers ``num_blocks`` blocks, the first ``first_real`` of which are not needed to
-compute later tokens and stay null; blocks ``[first_real, num_blocks)`` are cached in
-every one of the groups.
+the same type (same spec and block size) returns a ``CacheHit``: the hit covers
+``num_blocks`` blocks, the first ``first_real`` of which are not needed to compute
+later tokens and stay null; blocks ``[first_real, num_blocks)`` are cached in every
+one of the groups, and ``block_ids`` holds them, one list per group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from jaxkv.pool import NULL_BLOCK, BlockPool
 from jaxkv.specs import (
@@ -26,8 +28,19 @@ from jaxkv.specs import (
 )
 
 
+NEVER = sys.maxsize
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class CacheHit(NamedTuple):
+    """A hit of one attention type: blocks ``[first_real, num_blocks)`` per group."""
+
+    num_blocks: int
+    first_real: int
+    block_ids: list[list[int]]
 
 
 class SingleTypeManager:
@@ -41,6 +54,8 @@ class SingleTypeManager:
         self.req_blocks: dict[str, list[int]] = {}
         # Leading blocks of each request already offered to the prefix cache.
         self.num_cached: dict[str, int] = {}
+        # Blocks before this index are null: skipped, or never needed by a hit.
+        self.skip_frontier: dict[str, int] = {}
 
     # ----------------------------------------------------------- hit search
     @classmethod
@@ -51,43 +66,55 @@ class SingleTypeManager:
         max_blocks: int,
         spec: KVCacheSpec,
         block_size: int,
-    ) -> tuple[int, int]:
+    ) -> CacheHit:
         """Longest run of leading blocks cached in every group (left to right)."""
         n = min(max_blocks, len(hashes))
+        found = []
         for m in maps:
-            hits = list(map(m.get, hashes[:n]))
-            if None in hits:
-                n = hits.index(None)
-        return n, 0
+            ids = list(map(m.get, hashes[:n]))
+            if None in ids:
+                n = ids.index(None)
+            found.append(ids)
+        return CacheHit(n, 0, [ids[:n] for ids in found])
 
     # ---------------------------------------------------------- span rules
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens later tokens never attend to (their blocks can go)."""
         return 0
 
-    def skippable_blocks(self, request_id: str, num_computed_tokens: int) -> list[int]:
-        """Real blocks that fell out of the span and are still held."""
-        skip = self.num_skipped_tokens(num_computed_tokens) // self.block_size
+    def min_computed_to_skip(self, num_blocks: int) -> int:
+        """Fewest computed tokens at which ``num_blocks`` leading blocks are out of span."""
+        return NEVER
+
+    def _skip_range(self, request_id: str, num_computed_tokens: int) -> tuple[int, int]:
+        """Block indices ``[start, stop)`` newly out of span (empty when ``stop <= start``)."""
         blocks = self.req_blocks.get(request_id)
-        if not skip or not blocks:
+        if not blocks:
+            return 0, 0
+        skip = min(self.num_skipped_tokens(num_computed_tokens) // self.block_size, len(blocks))
+        return self.skip_frontier.get(request_id, 0), skip
+
+    def skippable_blocks(self, request_id: str, num_computed_tokens: int) -> list[int]:
+        """Real blocks that fell out of the span and are still held, last first."""
+        start, stop = self._skip_range(request_id, num_computed_tokens)
+        if stop <= start:
             return []
-        out = []
-        for i in range(min(skip, len(blocks)) - 1, -1, -1):
-            b = blocks[i]
-            if b == NULL_BLOCK:
-                break
-            out.append(b)
-        return out
+        return [b for b in reversed(self.req_blocks[request_id][start:stop]) if b]
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace out-of-span blocks by the null block and free them (last first)."""
-        freed = self.skippable_blocks(request_id, num_computed_tokens)
-        if freed:
-            blocks = self.req_blocks[request_id]
-            skip = min(self.num_skipped_tokens(num_computed_tokens) // self.block_size, len(blocks))
-            for i in range(skip - len(freed), skip):
-                blocks[i] = NULL_BLOCK
-            self.pool.free_blocks(freed)
+        start, stop = self._skip_range(request_id, num_computed_tokens)
+        if stop <= start:
+            return
+        blocks = self.req_blocks[request_id]
+        freed = [b for b in reversed(blocks[start:stop]) if b]
+        blocks[start:stop] = [NULL_BLOCK] * (stop - start)
+        self.skip_frontier[request_id] = stop
+        self.pool.free_blocks(freed)
+
+    def next_skip_computed(self, request_id: str) -> int:
+        """Fewest computed tokens at which skipping would free another block."""
+        return self.min_computed_to_skip(self.skip_frontier.get(request_id, 0) + 1)
 
     # ----------------------------------------------------------- allocation
     def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
@@ -99,6 +126,10 @@ class SingleTypeManager:
         """Adopt the (already touched) blocks of a cache hit; they are cached already."""
         self.req_blocks[request_id] = list(block_ids)
         self.num_cached[request_id] = len(block_ids)
+        leading = 0
+        while leading < len(block_ids) and block_ids[leading] == NULL_BLOCK:
+            leading += 1
+        self.skip_frontier[request_id] = leading
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
         """Append fresh blocks so ``num_tokens`` tokens have slots; return them."""
@@ -135,12 +166,17 @@ class SingleTypeManager:
         )
         self.num_cached[request_id] = end
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks, last block first (evicted first)."""
+    def release(self, request_id: str) -> Iterable[int]:
+        """Forget the request; return the blocks it held, last first (evicted first),
+        for the caller to free together with the other groups' blocks."""
         blocks = self.req_blocks.pop(request_id, None)
         self.num_cached.pop(request_id, None)
-        if blocks:
-            self.pool.free_blocks(reversed(blocks))
+        start = self.skip_frontier.pop(request_id, 0)
+        return self._release_order(blocks, start) if blocks else ()
+
+    def _release_order(self, blocks: list[int], start: int) -> Iterable[int]:
+        """Held blocks from ``start`` on, last first; past the skip frontier none is null."""
+        return reversed(blocks[start:])
 
 
 class FullAttentionManager(SingleTypeManager):
@@ -154,22 +190,25 @@ class SlidingWindowManager(SingleTypeManager):
     def find_longest_cache_hit(cls, maps, hashes, max_blocks, spec, block_size):
         """Rightmost contiguous run of cached blocks covering the window."""
         needed = cdiv(spec.sliding_window - 1, block_size)
-        n = min(max_blocks, len(hashes))
+        end = min(max_blocks, len(hashes))
         if needed == 0:
-            return n, n
-        run = 0
-        for i in range(n - 1, -1, -1):
-            h = hashes[i]
-            if all(h in m for m in maps):
-                run += 1
-                if run >= needed:
-                    return i + needed, i
-            else:
-                run = 0
-        return run, 0
+            return CacheHit(end, end, [[] for _ in maps])
+        while end >= needed:
+            lo = end - needed
+            window = hashes[lo:end]
+            found = [list(map(m.get, window)) for m in maps]
+            miss = max((needed - 1 - ids[::-1].index(None) for ids in found if None in ids), default=-1)
+            if miss < 0:
+                return CacheHit(end, lo, found)
+            end = lo + miss
+        # No full window: only a run from block 0 (shorter than the window) serves.
+        return super().find_longest_cache_hit(maps, hashes, end, spec, block_size)
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.spec.sliding_window + 1)
+
+    def min_computed_to_skip(self, num_blocks: int) -> int:
+        return num_blocks * self.block_size + self.spec.sliding_window - 1
 
 
 class ChunkedLocalAttentionManager(SingleTypeManager):
@@ -182,15 +221,17 @@ class ChunkedLocalAttentionManager(SingleTypeManager):
         first = (max_blocks * block_size // chunk) * chunk // block_size
         n = min(max_blocks, len(hashes))
         if first >= n:
-            return n, n
-        end = first
-        while end < n and all(hashes[end] in m for m in maps):
-            end += 1
-        return end, first
+            return CacheHit(n, n, [[] for _ in maps])
+        hit = super().find_longest_cache_hit(maps, hashes[first:], n - first, spec, block_size)
+        return CacheHit(first + hit.num_blocks, first, hit.block_ids)
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         chunk = self.spec.attention_chunk_size
         return (num_computed_tokens // chunk) * chunk
+
+    def min_computed_to_skip(self, num_blocks: int) -> int:
+        chunk = self.spec.attention_chunk_size
+        return cdiv(num_blocks * self.block_size, chunk) * chunk
 
 
 class MambaManager(SingleTypeManager):
@@ -209,11 +250,14 @@ class MambaManager(SingleTypeManager):
         for i in range(min(max_blocks, len(hashes)) - 1, -1, -1):
             h = hashes[i]
             if all(h in m for m in maps):
-                return i + 1, i
-        return 0, 0
+                return CacheHit(i + 1, i, [[m[h]] for m in maps])
+        return CacheHit(0, 0, [[] for _ in maps])
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - 1)
+
+    def min_computed_to_skip(self, num_blocks: int) -> int:
+        return num_blocks * self.block_size + 1
 
     def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
         held = len(self.req_blocks.get(request_id, ())) + num_hit_blocks
@@ -228,6 +272,10 @@ class MambaManager(SingleTypeManager):
         blocks.extend([NULL_BLOCK] * (n - 1))
         blocks.extend(new)
         return new
+
+    def _release_order(self, blocks: list[int], start: int) -> Iterable[int]:
+        """Mamba lists keep nulls between states: drop them."""
+        return [b for b in reversed(blocks[start:]) if b]
 
     def cache_blocks(self, request_id, hashes, num_tokens, token_ids, lora_name):
         """Cache only the newest state, and only when it sits on a block boundary."""

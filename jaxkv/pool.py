@@ -7,16 +7,17 @@ is kept) and wait in the free queue in eviction order; allocating pops from the 
 and evicts whatever hash the popped block still carries.
 
 Hot-path layout: reference counts and per-block hashes live in plain lists indexed by
-block id, the free queue is an ``OrderedDict`` (C-implemented doubly linked list: O(1)
-pop from the head, O(1) removal of a cached block that is hit again, O(1) insertion
-at either end), and each group has its own ``dict`` hash -> block id.
+block id, the free queue is a ``FreeBlockQueue`` (bulk insertion at either end, O(1)
+removal of a cached block that is hit again), and each group has its own ``dict``
+hash -> block id.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from jaxkv.free_queue import FreeBlockQueue
 
 NULL_BLOCK = 0
 
@@ -78,7 +79,7 @@ class BlockPool:
         self.block_group: list[int] = [-1] * num_blocks
         # group -> {hash: block id}; read directly by the managers' hit searches.
         self.cached: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._free = FreeBlockQueue(range(1, num_blocks), num_blocks)
         self._events: list[KVCacheEvent] = []
         # Bumped on every eviction: a cache hit found while it was N is still valid
         # as long as it is still N.
@@ -114,16 +115,13 @@ class BlockPool:
             raise BlockPoolError(
                 f"cannot take {n} blocks: {len(self._free)} free of {self.num_blocks}"
             )
-        popitem = self._free.popitem
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
-        out = []
-        for _ in range(n):
-            b = popitem(last=False)[0]
+        out = self._free.popleft_n(n)
+        for b in out:
             if block_hash[b] is not None:
                 self._evict(b)
             ref_cnt[b] = 1
-            out.append(b)
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -134,11 +132,13 @@ class BlockPool:
             if b:
                 r = ref_cnt[b]
                 if r == 0:
-                    del free[b]
+                    free.remove(b)
                 ref_cnt[b] = r + 1
 
     def free_blocks(self, ordered_block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in eviction-priority order.
+
+        The ids must be distinct real blocks (no null block): callers filter it out.
 
         Blocks reaching zero references join the free queue: cached ones at the tail,
         in the given order (kept longest), uncached ones at the head (reused first,
@@ -146,21 +146,18 @@ class BlockPool:
         """
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
-        free = self._free
+        cached = []
         uncached = []
         for b in ordered_block_ids:
-            if b:
-                r = ref_cnt[b] - 1
-                ref_cnt[b] = r
-                if r == 0:
-                    if block_hash[b] is None:
-                        uncached.append(b)
-                    else:
-                        free[b] = None
-        move = free.move_to_end
-        for b in reversed(uncached):
-            free[b] = None
-            move(b, last=False)
+            r = ref_cnt[b] - 1
+            ref_cnt[b] = r
+            if r == 0:
+                if block_hash[b] is None:
+                    uncached.append(b)
+                else:
+                    cached.append(b)
+        self._free.append(cached)
+        self._free.prepend(uncached)
 
     def count_newly_freed(self, block_ids: Iterable[int]) -> int:
         """How many of these (distinct) blocks one ``free_blocks`` call would return to the queue."""

@@ -22,9 +22,12 @@ def cached_pattern(pattern: str) -> tuple[list[dict], list[bytes]]:
 
 
 def search(cls, spec, pattern: str, block_size: int, max_blocks: int | None = None):
+    """(num_blocks, first_real) of a hit; checks the ids returned are the cached ones."""
     maps, hashes = cached_pattern(pattern)
     hashes = hashes[: len(pattern.split())]
-    return cls.find_longest_cache_hit(maps, hashes, max_blocks or len(hashes), spec, block_size)
+    hit = cls.find_longest_cache_hit(maps, hashes, max_blocks or len(hashes), spec, block_size)
+    assert hit.block_ids == [[100 + i for i in range(hit.first_real, hit.num_blocks)]]
+    return hit.num_blocks, hit.first_real
 
 
 @pytest.mark.parametrize(
@@ -61,7 +64,7 @@ def test_full_attention_hit_stops_at_the_first_miss():
 def test_full_attention_needs_every_group_of_the_type():
     hashes = [b"a", b"b", b"c"]
     maps = [{b"a": 1, b"b": 2, b"c": 3}, {b"a": 4, b"b": 5}]
-    assert FullAttentionManager.find_longest_cache_hit(maps, hashes, 3, FULL, 16) == (2, 0)
+    assert FullAttentionManager.find_longest_cache_hit(maps, hashes, 3, FULL, 16) == (2, 0, [[1, 2], [4, 5]])
 
 
 def test_chunked_local_needs_only_the_current_chunk():

@@ -1,0 +1,564 @@
+"""Replay a request trace through a KVCacheManager with a vLLM-like scheduler.
+
+No device work happens: "computing" tokens advances ``num_computed_tokens``, and a
+request whose prompt (or preempted context) is fully computed "generates" its next
+token with :func:`output_token_ids`, a deterministic function of (request id,
+position). Runs therefore repeat exactly, and a trace builder knows in advance which
+tokens a turn will generate: :func:`synthetic_trace` builds each follow-up turn
+eagerly as the previous prompt + that turn's output + a new user message, so
+follow-ups hit the prefix cache.
+
+Time is in seconds. Requests carry an ``arrival_time``; every scheduler step lasts
+``step_duration_s`` of simulated time, and when nothing is queued or running the clock
+jumps to the next arrival (idle time costs no steps).
+
+Trace files are JSON: a list of objects, one per request, with the fields of
+:class:`TraceRequest` (``request_id`` str, ``arrival_time`` number >= 0,
+``prompt_token_ids`` non-empty list of ints in [0, 2**31), ``max_output_tokens``
+int >= 1, and optionally ``cache_salt`` and ``lora_name``, str or null).
+
+A prompt of ``max_model_len`` tokens or more leaves no room for an output token: the
+simulator refuses the whole trace up front with :class:`RequestTooLongError`. A
+request whose prompt fits but whose outputs would pass ``max_model_len`` stops there
+(counted in ``num_capped``), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from jaxkv.hashing import MAX_TOKEN_ID
+from jaxkv.manager import KVCacheManager, Request
+
+VOCAB_SIZE = 32_000
+"""Token ids of synthetic prompts and of generated tokens lie in [0, VOCAB_SIZE)."""
+
+_REQUIRED_FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "max_output_tokens")
+_OPTIONAL_FIELDS = ("cache_salt", "lora_name")
+
+
+class TraceError(ValueError):
+    """A trace (file, request or synthetic knob) that cannot be replayed."""
+
+
+class SimulationError(ValueError):
+    """The simulator was set up, or given a trace, it cannot run."""
+
+
+class RequestTooLongError(SimulationError):
+    """A prompt leaves no room for one output token within max_model_len."""
+
+
+class PoolTooSmallError(SimulationError):
+    """A request cannot get its blocks even with the whole pool to itself."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _token_ids(value: object, where: str) -> tuple[int, ...]:
+    """``value`` as a tuple of valid token ids, or a TraceError naming the bad position."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) == 0:
+        raise TraceError(f"{where}field 'prompt_token_ids' must be a non-empty list of ints, got {value!r:.80}")
+    for pos, token in enumerate(value):
+        if not _is_int(token) or not 0 <= token <= MAX_TOKEN_ID:
+            raise TraceError(
+                f"{where}field 'prompt_token_ids'[{pos}] must be a token id in [0, 2**31), got {token!r}"
+            )
+    return tuple(int(t) for t in value)
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace: what arrives when, and how much it may generate.
+
+    ``arrival_time`` is in seconds; ``prompt_token_ids`` may be any sequence of ints
+    (stored as a tuple). Bad fields raise :class:`TraceError` naming the field.
+    """
+
+    request_id: str
+    arrival_time: float
+    prompt_token_ids: tuple[int, ...]
+    max_output_tokens: int
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+    def __post_init__(self) -> None:
+        rid = self.request_id
+        if not isinstance(rid, str) or not rid:
+            raise TraceError(f"field 'request_id' must be a non-empty str, got {rid!r}")
+        where = f"request {rid!r}: "
+        arrival = self.arrival_time
+        if not isinstance(arrival, (int, float, np.integer, np.floating)) or isinstance(arrival, bool) or not (
+            math.isfinite(arrival) and arrival >= 0
+        ):
+            raise TraceError(f"{where}field 'arrival_time' must be a finite number >= 0, got {arrival!r}")
+        object.__setattr__(self, "arrival_time", float(arrival))
+        object.__setattr__(self, "prompt_token_ids", _token_ids(self.prompt_token_ids, where))
+        if not _is_int(self.max_output_tokens) or self.max_output_tokens < 1:
+            raise TraceError(f"{where}field 'max_output_tokens' must be an int >= 1, got {self.max_output_tokens!r}")
+        object.__setattr__(self, "max_output_tokens", int(self.max_output_tokens))
+        for name in _OPTIONAL_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TraceError(f"{where}field {name!r} must be a str or null, got {value!r}")
+
+    def to_json(self) -> dict:
+        """The request as a JSON-able object of the trace file schema."""
+        out = {
+            "request_id": self.request_id,
+            "arrival_time": self.arrival_time,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "max_output_tokens": self.max_output_tokens,
+        }
+        out.update({name: getattr(self, name) for name in _OPTIONAL_FIELDS if getattr(self, name) is not None})
+        return out
+
+
+# ------------------------------------------------------------------ traces
+def output_token_ids(request_id: str, count: int) -> list[int]:
+    """The first ``count`` tokens the simulator generates for ``request_id``.
+
+    Seeded by a hash of the id alone, so the trace builder, every run and every
+    scheduling order (with or without caching or preemption) agree.
+    """
+    seed = int.from_bytes(hashlib.blake2b(request_id.encode("utf-8"), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).integers(0, VOCAB_SIZE, count).tolist()
+
+
+def _length_range(name: str, value: tuple[int, int]) -> tuple[int, int]:
+    lo, hi = value
+    if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
+        raise TraceError(f"{name} must be a range (lo, hi) of ints with 1 <= lo <= hi, got {value!r}")
+    return int(lo), int(hi)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:
+        raise TraceError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_rate(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise TraceError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def synthetic_trace(
+    *,
+    num_conversations: int = 100,
+    turns_per_conversation: int = 3,
+    num_system_prompts: int = 4,
+    system_prompt_len: int = 1024,
+    user_turn_len: tuple[int, int] = (64, 512),
+    output_len: tuple[int, int] = (32, 256),
+    arrival_rate: float = 1.0,
+    turn_gap_s: float = 10.0,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Multi-turn chats over shared system prompts, sorted by arrival time.
+
+    Conversations start as a Poisson process (``arrival_rate`` per second) and each
+    picks one of ``num_system_prompts`` system prompts. Turn k's prompt is turn k-1's
+    prompt + turn k-1's output (exactly what the simulator will generate, see
+    :func:`output_token_ids`) + a new user message; it arrives an exponential gap of
+    mean ``turn_gap_s`` after turn k-1 arrived. Turn k's request id is
+    ``conv{c}-turn{k}``; every turn asks for exactly its output length.
+    """
+    _check_int("num_conversations", num_conversations, 1)
+    _check_int("turns_per_conversation", turns_per_conversation, 1)
+    _check_int("num_system_prompts", num_system_prompts, 1)
+    _check_int("system_prompt_len", system_prompt_len, 0)
+    _check_rate("arrival_rate", arrival_rate)
+    _check_rate("turn_gap_s", turn_gap_s)
+    user_lo, user_hi = _length_range("user_turn_len", user_turn_len)
+    out_lo, out_hi = _length_range("output_len", output_len)
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, VOCAB_SIZE, system_prompt_len).tolist() for _ in range(num_system_prompts)]
+    starts = np.cumsum(rng.exponential(1.0 / arrival_rate, num_conversations))
+    trace = []
+    for c in range(num_conversations):
+        context = systems[rng.integers(num_system_prompts)]
+        arrival = float(starts[c])
+        for k in range(turns_per_conversation):
+            if k:
+                arrival += float(rng.exponential(turn_gap_s))
+            rid = f"conv{c}-turn{k}"
+            prompt = context + rng.integers(0, VOCAB_SIZE, rng.integers(user_lo, user_hi + 1)).tolist()
+            num_out = int(rng.integers(out_lo, out_hi + 1))
+            trace.append(TraceRequest(rid, arrival, prompt, num_out))
+            context = prompt + output_token_ids(rid, num_out)
+    trace.sort(key=lambda r: r.arrival_time)
+    return trace
+
+
+def _request_from_json(obj: object) -> TraceRequest:
+    if not isinstance(obj, Mapping):
+        raise TraceError(f"must be an object with fields {', '.join(_REQUIRED_FIELDS)}, got {obj!r:.80}")
+    missing = [name for name in _REQUIRED_FIELDS if name not in obj]
+    if missing:
+        raise TraceError(f"missing field {missing[0]!r}")
+    unknown = sorted(set(obj) - set(_REQUIRED_FIELDS) - set(_OPTIONAL_FIELDS))
+    if unknown:
+        raise TraceError(f"unknown field {unknown[0]!r}; valid: {', '.join(_REQUIRED_FIELDS + _OPTIONAL_FIELDS)}")
+    return TraceRequest(**obj)
+
+
+def _check_unique_ids(trace: Sequence[TraceRequest]) -> None:
+    seen: set[str] = set()
+    for i, req in enumerate(trace):
+        if req.request_id in seen:
+            raise TraceError(f"entry [{i}]: duplicate request_id {req.request_id!r}")
+        seen.add(req.request_id)
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """Read a JSON trace file (schema in the module docstring), in file order."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise TraceError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(data, list):
+        raise TraceError(f"{path}: a trace is a JSON list of request objects, got {type(data).__name__}")
+    trace = []
+    for i, obj in enumerate(data):
+        try:
+            trace.append(_request_from_json(obj))
+        except TraceError as err:
+            raise TraceError(f"{path}: entry [{i}]: {err}") from None
+    try:
+        _check_unique_ids(trace)
+    except TraceError as err:
+        raise TraceError(f"{path}: {err}") from None
+    return trace
+
+
+def save_trace(path: str | Path, trace: Sequence[TraceRequest]) -> None:
+    """Write ``trace`` as a JSON trace file, one request per line."""
+    lines = ",\n".join(json.dumps(req.to_json(), separators=(",", ":")) for req in trace)
+    Path(path).write_text(f"[\n{lines}\n]\n" if trace else "[]\n")
+
+
+# --------------------------------------------------------------- simulator
+@dataclass(frozen=True)
+class Progress:
+    """A snapshot handed to the progress callback."""
+
+    step: int
+    time_s: float
+    num_waiting: int
+    num_running: int
+    num_finished: int
+    num_requests: int
+    usage: float
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What one replay did.
+
+    ``num_prompt_hit_tokens`` counts each request's prefix hit at its first admission
+    (over ``num_prompt_tokens``). The ``cache_*`` counters are the manager's own
+    (:meth:`KVCacheManager.prefix_cache_stats`, this run only): they also count the
+    re-queries of a preempted request and of a waiting request retried while blocked.
+    Host times cover the scheduler and every manager call of a step.
+    """
+
+    num_requests: int
+    num_finished: int
+    num_capped: int
+    num_steps: int
+    simulated_time_s: float
+    num_prompt_tokens: int
+    num_prompt_hit_tokens: int
+    cache_queries: int
+    cache_queried_tokens: int
+    cache_hit_tokens: int
+    num_scheduled_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int
+    peak_usage: float
+    mean_usage: float
+    host_us_mean: float
+    host_us_p50: float
+    host_us_p99: float
+    host_s_total: float
+    outputs: dict[str, tuple[int, ...]] = field(repr=False, compare=False)
+
+    @property
+    def prompt_hit_rate(self) -> float:
+        return self.num_prompt_hit_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cache_hit_tokens / self.cache_queried_tokens if self.cache_queried_tokens else 0.0
+
+    def outputs_digest(self) -> str:
+        """A short hash of every request's generated tokens (compare runs by it)."""
+        data = json.dumps(sorted(self.outputs.items()), separators=(",", ":")).encode()
+        return hashlib.sha256(data).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        """The counters, rates and outputs digest as a JSON-able dict."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "outputs"}
+        out.update(
+            prompt_hit_rate=self.prompt_hit_rate,
+            cache_hit_rate=self.cache_hit_rate,
+            outputs_digest=self.outputs_digest(),
+        )
+        return out
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise SimulationError(f"{name} must be a positive int, got {value!r}")
+
+
+class Simulator:
+    """A continuous-batching scheduler over one KVCacheManager, vLLM v1 style.
+
+    Each step schedules, within ``max_num_batched_tokens``: first the running
+    requests in admission order (one decode token, or the next prefill chunk), then
+    waiting requests FCFS up to ``max_num_running`` (prefix-cache lookup, then a
+    chunk limited by the remaining budget). A running request that cannot get its
+    blocks preempts the most recently admitted running request (freed, progress
+    reset, back at the head of the queue) and retries; no waiting request is admitted
+    in a step that preempted.
+    """
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        *,
+        max_num_running: int = 64,
+        max_num_batched_tokens: int = 2048,
+        step_duration_s: float = 0.02,
+    ) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise SimulationError(f"manager must be a KVCacheManager, got {manager!r}")
+        _positive_int("max_num_running", max_num_running)
+        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if isinstance(step_duration_s, bool) or not isinstance(step_duration_s, (int, float)) or not (
+            0 < step_duration_s < math.inf
+        ):
+            raise SimulationError(f"step_duration_s must be a finite number > 0, got {step_duration_s!r}")
+        self.manager = manager
+        self.max_num_running = max_num_running
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.step_duration_s = float(step_duration_s)
+
+    def check_trace(self, trace: Sequence[TraceRequest]) -> None:
+        """Refuse duplicate ids and prompts with no room for an output token."""
+        _check_unique_ids(trace)
+        limit = self.manager.max_model_len
+        for req in trace:
+            if len(req.prompt_token_ids) >= limit:
+                raise RequestTooLongError(
+                    f"request {req.request_id!r} has a {len(req.prompt_token_ids)}-token prompt; "
+                    f"max_model_len={limit} leaves no room for an output token"
+                )
+
+    def run(
+        self,
+        trace: Sequence[TraceRequest],
+        *,
+        progress: Callable[[Progress], None] | None = None,
+        progress_every: int = 1000,
+    ) -> SimulationResult:
+        """Replay ``trace`` until every request has finished; report what happened."""
+        self.check_trace(trace)
+        _positive_int("progress_every", progress_every)
+        return _Replay(self, trace).run(progress, progress_every)
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """A request in flight: its manager-side Request and the tokens it will generate."""
+
+    trace: TraceRequest
+    request: Request
+    outputs: list[int]
+    first_hit: int | None = None
+
+
+class _Replay:
+    """The state of one Simulator.run: queues, clock and counters."""
+
+    def __init__(self, sim: Simulator, trace: Sequence[TraceRequest]) -> None:
+        self.sim = sim
+        self.manager = sim.manager
+        self.pending = deque(sorted(trace, key=lambda r: r.arrival_time))
+        self.waiting: deque[_Entry] = deque()
+        self.running: list[_Entry] = []
+        self.finished: list[_Entry] = []
+        self.num_requests = len(trace)
+        self.clock = 0.0
+        self.num_preemptions = 0
+        self.num_scheduled_tokens = 0
+        self.host_s: list[float] = []
+        self.usages: list[float] = []
+        self.stats_before = self.manager.prefix_cache_stats()
+
+    def run(self, progress: Callable[[Progress], None] | None, every: int) -> SimulationResult:
+        while self.pending or self.waiting or self.running:
+            self._arrive()
+            start = time.perf_counter()
+            scheduled = self._schedule()
+            usage = self.manager.usage
+            self._update(scheduled)
+            self.host_s.append(time.perf_counter() - start)
+            self.usages.append(usage)
+            self.clock += self.sim.step_duration_s
+            if progress is not None and len(self.host_s) % every == 0:
+                progress(self._progress())
+        return self._result()
+
+    # ------------------------------------------------------------ one step
+    def _arrive(self) -> None:
+        """Queue every request that has arrived; jump the clock over idle time."""
+        if not self.waiting and not self.running:
+            self.clock = max(self.clock, self.pending[0].arrival_time)
+        while self.pending and self.pending[0].arrival_time <= self.clock:
+            req = self.pending.popleft()
+            request = Request(
+                req.request_id, req.prompt_token_ids, cache_salt=req.cache_salt, lora_name=req.lora_name
+            )
+            self.waiting.append(_Entry(req, request, output_token_ids(req.request_id, req.max_output_tokens)))
+
+    def _schedule(self) -> list[tuple[_Entry, int]]:
+        """Pick this step's (request, num_new_tokens) pairs and allocate their slots."""
+        budget = self.sim.max_num_batched_tokens
+        scheduled: list[tuple[_Entry, int]] = []
+        preemptions = self.num_preemptions
+        i = 0
+        while i < len(self.running) and budget > 0:
+            entry = self.running[i]
+            req = entry.request
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_running(entry, n, alone=i == 0):
+                break
+            scheduled.append((entry, n))
+            budget -= n
+            i += 1
+        if self.num_preemptions == preemptions:
+            self._admit_waiting(budget, scheduled)
+        if not scheduled:
+            head = self.waiting[0].request
+            raise PoolTooSmallError(
+                f"request {head.request_id!r} ({head.num_tokens} tokens) cannot be admitted into an idle "
+                f"pool of {self.manager.config.num_usable_blocks} usable blocks"
+            )
+        return scheduled
+
+    def _allocate_running(self, entry: _Entry, n: int, alone: bool) -> bool:
+        """Allocate ``n`` more slots, preempting from the back; False if ``entry`` itself went."""
+        while self.manager.allocate_slots(entry.request, n) is None:
+            victim = self.running.pop()
+            if victim is entry and alone:
+                raise PoolTooSmallError(
+                    f"request {entry.request.request_id!r} cannot grow to "
+                    f"{entry.request.num_computed_tokens + n} tokens even alone in a pool of "
+                    f"{self.manager.config.num_usable_blocks} usable blocks"
+                )
+            self._preempt(victim)
+            if victim is entry:
+                return False
+        return True
+
+    def _preempt(self, entry: _Entry) -> None:
+        self.manager.free(entry.request)
+        entry.request.num_computed_tokens = 0
+        self.waiting.appendleft(entry)
+        self.num_preemptions += 1
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[_Entry, int]]) -> None:
+        """Admit waiting requests FCFS while budget and running slots last."""
+        mgr = self.manager
+        while self.waiting and budget > 0 and len(self.running) < self.sim.max_num_running:
+            entry = self.waiting[0]
+            req = entry.request
+            hit, num_hit = mgr.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if mgr.allocate_slots(req, n, num_hit, hit) is None:
+                return
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if entry.first_hit is None:
+                entry.first_hit = num_hit
+            self.running.append(entry)
+            scheduled.append((entry, n))
+            budget -= n
+
+    def _update(self, scheduled: list[tuple[_Entry, int]]) -> None:
+        """Advance computed tokens, generate a token where a context is complete, free the done."""
+        limit = self.manager.max_model_len
+        done = []
+        for entry, n in scheduled:
+            req = entry.request
+            req.num_computed_tokens += n
+            self.num_scheduled_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            num_out = req.num_tokens - req.num_prompt_tokens
+            req.append_output_token_ids(entry.outputs[num_out])
+            if num_out + 1 >= entry.trace.max_output_tokens or req.num_tokens >= limit:
+                done.append(entry)
+        if done:
+            for entry in done:
+                self.manager.free(entry.request)
+            gone = set(done)
+            self.running = [e for e in self.running if e not in gone]
+            self.finished.extend(done)
+
+    # ------------------------------------------------------------ reports
+    def _progress(self) -> Progress:
+        return Progress(
+            step=len(self.host_s),
+            time_s=self.clock,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_finished=len(self.finished),
+            num_requests=self.num_requests,
+            usage=self.usages[-1],
+            num_preemptions=self.num_preemptions,
+        )
+
+    def _result(self) -> SimulationResult:
+        stats = self.manager.prefix_cache_stats()
+        before = self.stats_before
+        host_us = np.asarray(self.host_s) * 1e6
+        p50, p99 = np.percentile(host_us, [50, 99]) if host_us.size else (0.0, 0.0)
+        outputs = {e.trace.request_id: tuple(e.request.output_token_ids) for e in self.finished}
+        return SimulationResult(
+            num_requests=self.num_requests,
+            num_finished=len(self.finished),
+            num_capped=sum(len(outputs[e.trace.request_id]) < e.trace.max_output_tokens for e in self.finished),
+            num_steps=len(self.host_s),
+            simulated_time_s=self.clock,
+            num_prompt_tokens=sum(e.request.num_prompt_tokens for e in self.finished),
+            num_prompt_hit_tokens=sum(e.first_hit for e in self.finished),
+            cache_queries=stats.num_requests - before.num_requests,
+            cache_queried_tokens=stats.num_queried_tokens - before.num_queried_tokens,
+            cache_hit_tokens=stats.num_hit_tokens - before.num_hit_tokens,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            num_generated_tokens=sum(map(len, outputs.values())),
+            num_preemptions=self.num_preemptions,
+            peak_usage=max(self.usages, default=0.0),
+            mean_usage=float(np.mean(self.usages)) if self.usages else 0.0,
+            host_us_mean=float(host_us.mean()) if host_us.size else 0.0,
+            host_us_p50=float(p50),
+            host_us_p99=float(p99),
+            host_s_total=float(sum(self.host_s)),
+            outputs=outputs,
+        )
