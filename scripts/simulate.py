@@ -1,0 +1,193 @@
+"""Replay a request trace through jaxkv's KV cache manager and report how the cache did.
+
+Plans the KV cache of a preset model for a memory budget, replays a trace (default: a
+synthetic multi-turn chat trace over shared system prompts) with a vLLM-like
+continuous-batching scheduler (jaxkv.simulator), and prints the plan, progress lines
+and a final table: prefix hit rate, peak/mean KV usage, preemptions, host time per
+scheduler step. No device work is done.
+
+    python scripts/simulate.py
+    python scripts/simulate.py --memory 24GiB --arrival_rate 4 --out /tmp/sim.json
+    python scripts/simulate.py --preset tiny-hybrid --memory 32MiB --max_model_len 2048 \
+        --system_prompt_len 256 --user_turn_len 16,128 --output_len 16,64
+    python scripts/simulate.py --trace my_trace.json --no_prefix_caching
+
+The default (gemma-3-27b, 12 GiB, 300 three-turn conversations arriving at 2 per
+second) fills the pool and evicts cached blocks, with a handful of preemptions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from absl import app, flags
+
+from jaxkv.hashing import HASH_ALGORITHMS
+from jaxkv.manager import KVCacheManager
+from jaxkv.plan import SizeError, parse_size
+from jaxkv.planner import KVCacheConfig, PlanError, plan_kv_cache
+from jaxkv.presets import get_preset, list_presets
+from jaxkv.simulator import (
+    Progress,
+    SimulationError,
+    SimulationResult,
+    Simulator,
+    TraceError,
+    TraceRequest,
+    load_trace,
+    save_trace,
+    synthetic_trace,
+)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("preset", "gemma-3-27b", list_presets(), "model architecture")
+flags.DEFINE_string("memory", "12GiB", "KV cache budget: 16GiB, 512MiB, 1.5GB or bytes")
+flags.DEFINE_integer("max_model_len", 8192, "tokens of the longest request", lower_bound=1)
+flags.DEFINE_integer("block_size", 16, "base tokens per block", lower_bound=1)
+flags.DEFINE_enum("hash_algo", "sha256", HASH_ALGORITHMS, "prefix hash algorithm")
+flags.DEFINE_string("trace", None, "JSON trace file (schema in jaxkv/simulator.py); default: synthetic")
+flags.DEFINE_integer("num_conversations", 300, "synthetic: conversations", lower_bound=1)
+flags.DEFINE_integer("turns_per_conversation", 3, "synthetic: turns per conversation", lower_bound=1)
+flags.DEFINE_integer("num_system_prompts", 4, "synthetic: distinct shared system prompts", lower_bound=1)
+flags.DEFINE_integer("system_prompt_len", 1024, "synthetic: tokens per system prompt", lower_bound=0)
+flags.DEFINE_list("user_turn_len", ["64", "512"], "synthetic: lo,hi tokens of a user message")
+flags.DEFINE_list("output_len", ["32", "256"], "synthetic: lo,hi tokens generated per turn")
+flags.DEFINE_float("arrival_rate", 2.0, "synthetic: new conversations per second (Poisson)")
+flags.DEFINE_float("turn_gap_s", 10.0, "synthetic: mean seconds between a turn's arrival and the next")
+flags.DEFINE_integer("seed", 0, "synthetic trace seed")
+flags.DEFINE_integer("max_num_running", 64, "most requests running at once", lower_bound=1)
+flags.DEFINE_integer(
+    "max_num_batched_tokens", 2048, "token budget of one scheduler step (also sizes the plan)", lower_bound=1
+)
+flags.DEFINE_float("step_ms", 20.0, "simulated milliseconds per scheduler step")
+flags.DEFINE_boolean("no_prefix_caching", False, "disable prefix caching")
+flags.DEFINE_integer("progress_every", 1000, "print a progress line every N steps", lower_bound=1)
+flags.DEFINE_string("out", None, "write the result as JSON to this path")
+flags.DEFINE_string("save_trace", None, "write the replayed trace as JSON to this path")
+
+
+def _is_range(value: list[str]) -> bool:
+    return len(value) == 2 and all(v.strip().isdigit() for v in value) and 1 <= int(value[0]) <= int(value[1])
+
+
+def _is_size(value: str) -> bool:
+    try:
+        parse_size(value)
+    except SizeError:
+        return False
+    return True
+
+
+for _name in ("user_turn_len", "output_len"):
+    flags.register_validator(_name, _is_range, message=f"--{_name} must be lo,hi with 1 <= lo <= hi")
+flags.register_validator("memory", _is_size, message="--memory must be a size such as 16GiB, 512MiB or bytes")
+flags.register_validator("step_ms", lambda v: v > 0, message="--step_ms must be > 0")
+
+
+def make_trace() -> list[TraceRequest]:
+    """The trace file named by --trace, else the synthetic trace of the flags."""
+    if FLAGS.trace:
+        return load_trace(FLAGS.trace)
+    return synthetic_trace(
+        num_conversations=FLAGS.num_conversations,
+        turns_per_conversation=FLAGS.turns_per_conversation,
+        num_system_prompts=FLAGS.num_system_prompts,
+        system_prompt_len=FLAGS.system_prompt_len,
+        user_turn_len=tuple(map(int, FLAGS.user_turn_len)),
+        output_len=tuple(map(int, FLAGS.output_len)),
+        arrival_rate=FLAGS.arrival_rate,
+        turn_gap_s=FLAGS.turn_gap_s,
+        seed=FLAGS.seed,
+    )
+
+
+def print_progress(p: Progress) -> None:
+    """One line per --progress_every steps."""
+    print(
+        f"step {p.step:>7,}  t={p.time_s:8.1f}s  running {p.num_running:>3}  waiting {p.num_waiting:>4}  "
+        f"finished {p.num_finished:>5,}/{p.num_requests:,}  usage {p.usage:6.1%}  preemptions {p.num_preemptions}",
+        flush=True,
+    )
+
+
+def format_table(result: SimulationResult, wall_s: float) -> str:
+    """The final report as aligned label/value rows."""
+    r = result
+    rows = [
+        ("requests finished", f"{r.num_finished:,}/{r.num_requests:,} ({r.num_capped} stopped at max_model_len)"),
+        ("scheduler steps", f"{r.num_steps:,} ({r.simulated_time_s:,.1f} s simulated)"),
+        ("prefix hit rate", f"{r.prompt_hit_rate:.1%} of {r.num_prompt_tokens:,} prompt tokens, first admissions"),
+        (
+            "manager hit rate",
+            f"{r.cache_hit_rate:.1%} of {r.cache_queried_tokens:,} tokens in {r.cache_queries:,} lookups "
+            "(re-queries included)",
+        ),
+        ("KV usage peak / mean", f"{r.peak_usage:.1%} / {r.mean_usage:.1%}"),
+        ("preemptions", f"{r.num_preemptions:,}"),
+        ("tokens scheduled", f"{r.num_scheduled_tokens:,} ({r.num_generated_tokens:,} generated)"),
+        ("host us/step", f"mean {r.host_us_mean:,.1f}  p50 {r.host_us_p50:,.1f}  p99 {r.host_us_p99:,.1f}"),
+        ("wall time", f"{wall_s:.2f} s ({r.host_s_total:.2f} s in scheduler + manager)"),
+        ("outputs digest", r.outputs_digest()),
+    ]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def plan() -> KVCacheConfig:
+    """The KV cache plan of the flags."""
+    return plan_kv_cache(
+        get_preset(FLAGS.preset),
+        parse_size(FLAGS.memory),
+        max_model_len=FLAGS.max_model_len,
+        block_size=FLAGS.block_size,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+    )
+
+
+def simulate() -> dict:
+    """Plan, build the trace, replay it, print everything; return the JSON report."""
+    start = time.perf_counter()
+    config = plan()
+    print(f"{FLAGS.preset}, {FLAGS.memory}:")
+    print(config.summary())
+    trace = make_trace()
+    if FLAGS.save_trace:
+        save_trace(FLAGS.save_trace, trace)
+    num_prompt = sum(len(r.prompt_token_ids) for r in trace)
+    print(f"trace: {len(trace):,} requests, {num_prompt:,} prompt tokens ({FLAGS.trace or 'synthetic'})")
+    manager = KVCacheManager(config, enable_caching=not FLAGS.no_prefix_caching, hash_algo=FLAGS.hash_algo)
+    sim = Simulator(
+        manager,
+        max_num_running=FLAGS.max_num_running,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        step_duration_s=FLAGS.step_ms / 1000,
+    )
+    result = sim.run(trace, progress=print_progress, progress_every=FLAGS.progress_every)
+    wall_s = time.perf_counter() - start
+    print(format_table(result, wall_s))
+    return {
+        "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])},
+        "plan": {"num_blocks": config.num_blocks, "block_bytes": config.layout.block_bytes},
+        "result": result.to_dict(),
+        "wall_s": wall_s,
+    }
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        report = simulate()
+        if FLAGS.out:
+            with open(FLAGS.out, "w") as f:
+                json.dump(report, f, indent=2)
+            print(f"wrote {FLAGS.out}")
+    except (PlanError, TraceError, SimulationError, OSError) as err:
+        sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    app.run(main)
