@@ -64,7 +64,8 @@ class Request:
         self.extra_keys = ExtraKeys(cache_salt=cache_salt, lora_name=lora_name, mm_items=tuple(mm_items))
         self.num_computed_tokens = 0
         self.block_hashes: list[bytes] = []
-        self._hasher_key: tuple[int, str] | None = None
+        # (block size, algorithm) of the hasher that filled block_hashes.
+        self.block_hash_key: tuple[int, str] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -147,16 +148,14 @@ class KVCacheManager:
             raise KVCacheManagerError(
                 f"max_model_len must be a positive int (here or in the config), got {max_model_len!r}"
             )
-        if not config.groups:
-            raise KVCacheManagerError("config has no KV cache groups")
         self.config = config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.pool = BlockPool(config.num_blocks, len(config.groups), enable_events=enable_events)
         self.coordinator = KVCacheCoordinator(config, self.pool)
         self.hasher = BlockHasher(self.coordinator.hash_block_size, hash_algo)
-        # Returned when an allocation needs no new block: immutable, so shared.
-        self._no_new_blocks = KVCacheBlocks(tuple(() for _ in config.groups))
+        # Returned for a miss or an allocation needing no new block: immutable, so shared.
+        self._no_blocks = KVCacheBlocks(tuple(() for _ in config.groups))
         self._hasher_key = (self.hasher.block_size, self.hasher.algo)
         self._num_requests = 0
         self._num_queried = 0
@@ -197,16 +196,15 @@ class KVCacheManager:
         Only full blocks hit, and at most ``num_tokens - 1`` tokens, so the last token
         is always computed (its logits are needed).
         """
-        empty = KVCacheBlocks(tuple([] for _ in self.config.groups), self.pool.num_evictions)
         if not self.enable_caching:
-            return empty, 0
+            return self._no_blocks, 0
         self.hash_request(request)
         blocks, n = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
         self._num_requests += 1
         self._num_queried += request.num_tokens
         self._num_hits += n
         if n == 0:
-            return empty, 0
+            return self._no_blocks, 0
         return KVCacheBlocks(blocks, self.pool.num_evictions), n
 
     def allocate_slots(
@@ -249,7 +247,7 @@ class KVCacheManager:
             and not num_new_computed_tokens
             and coord.is_noop(rid, num_slots, num_cacheable, num_computed)
         ):
-            return self._no_new_blocks
+            return self._no_blocks
         hits = self._check_hit(request, num_new_computed_tokens, new_computed_blocks)
         needed = coord.num_blocks_to_allocate(rid, num_slots, hits, num_computed)
         if needed > self.pool.num_free_blocks:
@@ -284,12 +282,12 @@ class KVCacheManager:
 
         The manager does this lazily when it needs the hashes; an engine may call it
         earlier, off the critical path (on arrival, after appending tokens)."""
-        if request._hasher_key is None:
-            request._hasher_key = self._hasher_key
-        elif request._hasher_key != self._hasher_key:
+        if request.block_hash_key is None:
+            request.block_hash_key = self._hasher_key
+        elif request.block_hash_key != self._hasher_key:
             raise KVCacheManagerError(
                 f"request {request.request_id!r} was hashed with (block_size, algo)="
-                f"{request._hasher_key}, this manager uses {self._hasher_key}"
+                f"{request.block_hash_key}, this manager uses {self._hasher_key}"
             )
         self.hasher.extend(request.block_hashes, request.all_token_ids, request.extra_keys)
 

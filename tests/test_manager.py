@@ -61,7 +61,7 @@ def test_hybrid_full_and_two_windows_hit_with_leading_nulls(tokens):
 
     mgr.evict_blocks([1])  # the full group's first block: no prefix left
     hit, n = mgr.get_computed_blocks(req1)
-    assert n == 0 and hit.get_block_ids() == ([], [], [])
+    assert n == 0 and hit.get_block_ids() == ((), (), ())
 
 
 def test_window_blocks_that_fall_out_are_freed_before_allocating(tokens):
