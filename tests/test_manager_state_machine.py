@@ -261,7 +261,7 @@ def test_single_full_group_decides_exactly_like_the_vllm_rules(num_blocks, ops):
             req = Request(f"r{n}", PREFIXES[prefix][: 4 + k] + [k, n])
             hit, num_hit = mgr.get_computed_blocks(req)
             ref_hit = ref.lookup(req.all_token_ids)
-            assert hit.get_block_ids()[0] == ref_hit and num_hit == len(ref_hit) * BS
+            assert list(hit.get_block_ids()[0]) == ref_hit and num_hit == len(ref_hit) * BS
             ok = mgr.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit) is not None
             assert ok == ref.allocate(req.request_id, req.all_token_ids, ref_hit, req.num_tokens)
             if ok:
