@@ -1,0 +1,346 @@
+"""Host -> device step metadata: what the kernels need to run one scheduler step.
+
+From the scheduled sequences (decodes first, then prefills) and the manager's block ids,
+:func:`build_step_metadata` builds, in numpy:
+
+- ``input_ids``, ``positions`` (T,): the new tokens of all sequences, concatenated;
+- ``kv_lens`` (S,), ``cu_q_lens`` (S+1,), ``num_seqs`` (1,): the ragged batch;
+- ``logits_indices`` (S,): the last new token of each sequence;
+- per KV cache group, a block table (S, W_g) and a slot mapping (T,).
+
+Shapes are padded up to :class:`Buckets` so a step function compiles once per bucket
+combination. Padding is always the null block 0 (never -1): padded table entries are
+0, padding tokens write slot 0, padded sequences have kv_len 0 and q_len 0.
+
+**One transfer.** Every array is packed into one flat int32 numpy buffer that goes to
+the device in a single ``jax.device_put``; :class:`StepMetadata` holds that one array as
+its only pytree leaf, plus static offsets. Its fields (``md.kv_lens``,
+``md.groups[g].block_tables``...) are slices taken where they are read: inside the
+jitted step, where static slices of an argument are free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+
+class MetadataError(ValueError):
+    """The scheduled batch cannot be turned into step metadata."""
+
+
+class BucketOverflowError(MetadataError):
+    """A batch dimension is larger than the largest bucket."""
+
+
+class BlockIdError(MetadataError):
+    """A block id is out of range, missing, or the null block where data must go."""
+
+
+def _sizes(what: str, sizes: Sequence[int]) -> tuple[int, ...]:
+    sizes = tuple(sizes)
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
+        raise MetadataError(f"Buckets.{what} must be positive ints, got {sizes!r}")
+    if list(sizes) != sorted(set(sizes)):
+        raise MetadataError(f"Buckets.{what} must be strictly increasing, got {sizes!r}")
+    return sizes
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Padded sizes: total new ``tokens``, sequences (``seqs``), table width (``blocks``).
+
+    Each dimension is rounded up to the smallest bucket that holds it; the number of
+    compiled step shapes is at most ``len(tokens) * len(seqs) * len(blocks)``.
+    """
+
+    tokens: tuple[int, ...]
+    seqs: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "seqs", "blocks"):
+            object.__setattr__(self, name, _sizes(name, getattr(self, name)))
+
+    @classmethod
+    def powers_of_two(
+        cls, max_tokens: int, max_seqs: int, max_blocks: int, *, smallest: int = 8
+    ) -> Buckets:
+        """Powers of two from ``smallest`` (capped at each max), then the max itself."""
+
+        def ladder(limit: int) -> tuple[int, ...]:
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+                raise MetadataError(f"bucket limits must be positive ints, got {limit!r}")
+            sizes, size = [], min(smallest, limit)
+            while size < limit:
+                sizes.append(size)
+                size *= 2
+            return tuple(sizes) + (limit,)
+
+        return cls(ladder(max_tokens), ladder(max_seqs), ladder(max_blocks))
+
+
+def bucket(value: int, sizes: Sequence[int], what: str) -> int:
+    """The smallest of ``sizes`` >= ``value``; :class:`BucketOverflowError` if none."""
+    for size in sizes:
+        if size >= value:
+            return size
+    raise BucketOverflowError(f"{what}={value} exceeds the largest bucket {sizes[-1]}")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence of a step: ``num_new_tokens`` after ``num_computed_tokens``."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.num_computed_tokens < 0 or self.num_new_tokens <= 0:
+            raise MetadataError(
+                f"request {self.request_id!r}: num_computed_tokens="
+                f"{self.num_computed_tokens} must be >= 0 and num_new_tokens="
+                f"{self.num_new_tokens} > 0"
+            )
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token: belongs to the decode part at the front of the batch."""
+        return self.num_new_tokens == 1
+
+
+def decodes_first(seqs: Sequence[ScheduledSeq]) -> list[int]:
+    """A stable order of ``seqs`` (indices) with decodes before prefills."""
+    return sorted(range(len(seqs)), key=lambda i: not seqs[i].is_decode)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Metadata of one KV cache group: its block table and where new tokens go."""
+
+    block_tables: jax.Array  # (S, W) int32, padded with the null block 0
+    slot_mapping: jax.Array  # (T,) int32, block_id * block_size + offset; padding -> 0
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Static shape of a packed :class:`StepMetadata`: tokens, seqs, table widths."""
+
+    num_tokens: int
+    max_seqs: int
+    widths: tuple[int, ...]
+
+    @functools.cached_property
+    def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Field -> (start, shape) in the packed buffer; groups as ``tables{g}``/``slots{g}``."""
+        t, s = self.num_tokens, self.max_seqs
+        fields = [
+            ("input_ids", (t,)), ("positions", (t,)), ("kv_lens", (s,)),
+            ("cu_q_lens", (s + 1,)), ("num_seqs", (1,)), ("logits_indices", (s,)),
+        ]
+        for g, width in enumerate(self.widths):
+            fields += [(f"tables{g}", (s, width)), (f"slots{g}", (t,))]
+        out, start = {}, 0
+        for name, shape in fields:
+            out[name] = (start, shape)
+            start += int(np.prod(shape))
+        out["_end"] = (start, ())
+        return out
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepMetadata:
+    """All metadata of one step, packed in one int32 array (one host->device transfer).
+
+    ``packed`` is the only pytree leaf; the fields are static slices of it.
+    """
+
+    packed: jax.Array
+    layout: _Layout = dataclasses.field(metadata=dict(static=True))
+
+    def _field(self, name: str) -> jax.Array:
+        start, shape = self.layout.offsets[name]
+        return self.packed[start : start + int(np.prod(shape))].reshape(shape)
+
+    @property
+    def input_ids(self) -> jax.Array:
+        """(T,) new token ids, padding 0."""
+        return self._field("input_ids")
+
+    @property
+    def positions(self) -> jax.Array:
+        """(T,) position of each new token in its sequence, padding 0."""
+        return self._field("positions")
+
+    @property
+    def kv_lens(self) -> jax.Array:
+        """(S,) tokens of each sequence after this step, padding 0."""
+        return self._field("kv_lens")
+
+    @property
+    def cu_q_lens(self) -> jax.Array:
+        """(S+1,) start of each sequence's new tokens; padded sequences are empty."""
+        return self._field("cu_q_lens")
+
+    @property
+    def num_seqs(self) -> jax.Array:
+        """(1,) real sequences."""
+        return self._field("num_seqs")
+
+    @property
+    def logits_indices(self) -> jax.Array:
+        """(S,) index of each sequence's last new token, padding 0."""
+        return self._field("logits_indices")
+
+    @property
+    def groups(self) -> tuple[AttentionMetadata, ...]:
+        """Per KV cache group: block table and slot mapping."""
+        return tuple(
+            AttentionMetadata(self._field(f"tables{g}"), self._field(f"slots{g}"))
+            for g in range(len(self.layout.widths))
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the bucketed token count (static)."""
+        return self.layout.num_tokens
+
+
+def _new_tokens(seq: ScheduledSeq, token_ids: Sequence[int]) -> np.ndarray:
+    """The step's tokens: ``token_ids`` is all of the request's tokens or just the new ones."""
+    start, count = seq.num_computed_tokens, seq.num_new_tokens
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if len(ids) >= start + count:
+        ids = ids[start : start + count]
+    elif len(ids) != count:
+        raise MetadataError(
+            f"request {seq.request_id!r}: {len(ids)} token ids, expected the new "
+            f"{count} or at least num_computed + num_new = {start + count}"
+        )
+    return ids
+
+
+def _block_table(
+    seq: ScheduledSeq, blocks: Sequence[int], block_size: int, group: int, num_blocks: int | None
+) -> np.ndarray:
+    """One group's block ids of ``seq``, checked: in range, enough to hold its tokens."""
+    table = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    total = seq.num_computed_tokens + seq.num_new_tokens
+    needed = -(-total // block_size)
+    if len(table) < needed:
+        raise BlockIdError(
+            f"request {seq.request_id!r} has {len(table)} blocks in group {group}, "
+            f"needs {needed} for {total} tokens of block size {block_size}"
+        )
+    bad = (table < 0) | (table >= (num_blocks if num_blocks is not None else 2**31))
+    if bad.any():
+        raise BlockIdError(
+            f"request {seq.request_id!r}, group {group}: block id {int(table[bad][0])} "
+            f"out of range [0, {num_blocks})"
+        )
+    return table
+
+
+def build_step_metadata(
+    seqs: Sequence[ScheduledSeq],
+    token_ids: Sequence[Sequence[int]],
+    block_ids: Sequence[Sequence[Sequence[int]]],
+    block_sizes: Sequence[int],
+    buckets: Buckets,
+    *,
+    num_blocks: int | None = None,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+) -> StepMetadata:
+    """Build one step's metadata in numpy and send it to ``device`` in one transfer.
+
+    ``seqs`` must list decodes (one new token) before prefills (see
+    :func:`decodes_first`). ``token_ids[i]`` is sequence i's tokens, all of them or
+    only the new ones; ``block_ids[i]`` is ``KVCacheManager.get_block_ids`` of it (one
+    list per group) and ``block_sizes[g]`` group g's block size. With ``num_blocks``,
+    block ids must lie in ``[0, num_blocks)``. Raises :class:`BucketOverflowError`
+    when a dimension exceeds its largest bucket and :class:`BlockIdError` for bad ids
+    (out of range, too few, or the null block where a new token must be written).
+    """
+    if not seqs:
+        raise MetadataError("no sequences scheduled")
+    if len(token_ids) != len(seqs) or len(block_ids) != len(seqs):
+        raise MetadataError(
+            f"{len(seqs)} seqs but {len(token_ids)} token lists and {len(block_ids)} block lists"
+        )
+    num_groups = len(block_sizes)
+    if not num_groups or any(
+        isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block_sizes
+    ):
+        raise MetadataError(f"block_sizes must be positive ints, one per group: {block_sizes!r}")
+    for seq, ids in zip(seqs, block_ids):
+        if len(ids) != num_groups:
+            raise MetadataError(
+                f"request {seq.request_id!r} has block ids for {len(ids)} groups, "
+                f"expected {num_groups}"
+            )
+    decodes = [s.is_decode for s in seqs]
+    if sorted(decodes, reverse=True) != decodes:
+        late = seqs[decodes.index(True, decodes.index(False))]
+        raise MetadataError(
+            f"decode {late.request_id!r} comes after a prefill; order seqs with decodes_first()"
+        )
+    q_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
+    kv_lens = np.array([s.num_computed_tokens + s.num_new_tokens for s in seqs], dtype=np.int64)
+    total = int(q_lens.sum())
+    num_tokens = bucket(total, buckets.tokens, "tokens")
+    max_seqs = bucket(len(seqs), buckets.seqs, "seqs")
+
+    tables = []
+    for g, block_size in enumerate(block_sizes):
+        rows = [
+            _block_table(seq, ids[g], block_size, g, num_blocks)
+            for seq, ids in zip(seqs, block_ids)
+        ]
+        width = bucket(max(len(r) for r in rows), buckets.blocks, f"blocks of group {g}")
+        table = np.zeros((max_seqs, width), dtype=np.int64)
+        for i, row in enumerate(rows):
+            table[i, : len(row)] = row
+        tables.append(table)
+
+    layout = _Layout(num_tokens, max_seqs, tuple(t.shape[1] for t in tables))
+    offsets = layout.offsets
+    packed = np.zeros(offsets["_end"][0], dtype=np.int64)
+
+    def put(name: str, values: np.ndarray) -> None:
+        start = offsets[name][0]
+        packed[start : start + values.size] = values.reshape(-1)
+
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)])
+    seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
+    positions = (
+        np.arange(total) - cu_q_lens[seq_of_token] + (kv_lens - q_lens)[seq_of_token]
+    )
+    put("input_ids", np.concatenate([_new_tokens(s, t) for s, t in zip(seqs, token_ids)]))
+    put("positions", positions)
+    put("kv_lens", kv_lens)
+    put("cu_q_lens", np.pad(cu_q_lens, (0, max_seqs - len(seqs)), mode="edge"))
+    put("num_seqs", np.array([len(seqs)]))
+    put("logits_indices", cu_q_lens[1:] - 1)
+    for g, (table, block_size) in enumerate(zip(tables, block_sizes)):
+        block = table[seq_of_token, positions // block_size]
+        null = block == 0
+        if null.any():
+            t = int(np.argmax(null))
+            raise BlockIdError(
+                f"request {seqs[seq_of_token[t]].request_id!r}, group {g}: new token at "
+                f"position {positions[t]} maps to the null block 0"
+            )
+        put(f"tables{g}", table)
+        put(f"slots{g}", block * block_size + positions % block_size)
+    info = np.iinfo(np.int32)
+    if packed.size and (packed.max() > info.max or packed.min() < info.min):
+        raise MetadataError(f"values [{packed.min()}, {packed.max()}] do not fit int32")
+    return StepMetadata(jax.device_put(packed.astype(np.int32), device), layout)

@@ -1,0 +1,249 @@
+"""jaxkv.metadata: step metadata from scheduled sequences and manager block ids."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import ops
+from jaxkv.cache import allocate_kv_cache
+from jaxkv.metadata import (
+    BlockIdError,
+    BucketOverflowError,
+    Buckets,
+    MetadataError,
+    ScheduledSeq,
+    StepMetadata,
+    build_step_metadata,
+    bucket,
+    decodes_first,
+)
+from jaxkv.planner import KVCacheConfig, KVCacheGroup
+from jaxkv.specs import FullAttentionSpec
+
+BUCKETS = Buckets(tokens=(8, 16, 32), seqs=(2, 4, 8), blocks=(2, 4, 8))
+
+
+def host(md: StepMetadata) -> dict[str, np.ndarray]:
+    fields = ("input_ids", "positions", "kv_lens", "cu_q_lens", "num_seqs", "logits_indices")
+    out = {f: np.asarray(getattr(md, f)) for f in fields}
+    for g, group in enumerate(md.groups):
+        out[f"tables{g}"] = np.asarray(group.block_tables)
+        out[f"slots{g}"] = np.asarray(group.slot_mapping)
+    return out
+
+
+def example():
+    """Two decodes then two prefills (one fresh, one continuing a chunk), two groups.
+
+    Group 0 has blocks of 4 tokens, group 1 blocks of 8; group 0 of request "c" starts
+    with a null (out-of-window) block, as a sliding-window manager leaves it.
+    """
+    seqs = [
+        ScheduledSeq("a", 5, 1),   # decode at position 5: block 1 of group 0, offset 1
+        ScheduledSeq("b", 8, 1),   # decode at position 8: first slot of a fresh block
+        ScheduledSeq("c", 6, 4),   # prefill chunk 6..9, crosses a group-0 block boundary
+        ScheduledSeq("d", 0, 3),   # fresh prefill
+    ]
+    tokens = [
+        list(range(100, 106)),          # all of "a"'s tokens: the builder takes the new one
+        [208],                          # only the new token
+        list(range(300, 312)),          # more than computed + new (the prompt's tail)
+        [400, 401, 402],
+    ]
+    block_ids = [
+        ([3, 4], [5]),
+        ([6, 7, 8], [9, 10]),
+        ([0, 11, 12], [13, 14]),
+        ([15], [16]),
+    ]
+    return seqs, tokens, block_ids
+
+
+def test_layout_of_a_mixed_batch():
+    seqs, tokens, block_ids = example()
+    md = build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS, num_blocks=20)
+    h = host(md)
+    # 9 tokens -> bucket 16; 4 seqs -> 4; widest table 3 (group 0) -> 4, 2 (group 1) -> 2.
+    assert md.num_tokens == 16
+    np.testing.assert_array_equal(
+        h["input_ids"], [105, 208, 306, 307, 308, 309, 400, 401, 402] + [0] * 7
+    )
+    np.testing.assert_array_equal(h["positions"], [5, 8, 6, 7, 8, 9, 0, 1, 2] + [0] * 7)
+    np.testing.assert_array_equal(h["kv_lens"], [6, 9, 10, 3])
+    np.testing.assert_array_equal(h["cu_q_lens"], [0, 1, 2, 6, 9])
+    np.testing.assert_array_equal(h["num_seqs"], [4])
+    np.testing.assert_array_equal(h["logits_indices"], [0, 1, 5, 8])
+    np.testing.assert_array_equal(
+        h["tables0"], [[3, 4, 0, 0], [6, 7, 8, 0], [0, 11, 12, 0], [15, 0, 0, 0]]
+    )
+    np.testing.assert_array_equal(h["tables1"], [[5, 0], [9, 10], [13, 14], [16, 0]])
+    # Per group: block_id * block_size + offset; padding tokens -> slot 0 (null block).
+    np.testing.assert_array_equal(
+        h["slots0"], [4 * 4 + 1, 8 * 4, 11 * 4 + 2, 11 * 4 + 3, 12 * 4, 12 * 4 + 1, 60, 61, 62]
+        + [0] * 7,
+    )
+    np.testing.assert_array_equal(
+        h["slots1"], [5 * 8 + 5, 10 * 8, 13 * 8 + 6, 13 * 8 + 7, 14 * 8, 14 * 8 + 1, 128, 129, 130]
+        + [0] * 7,
+    )
+    assert all(v.dtype == np.int32 for v in h.values())
+    assert all((v >= 0).all() for v in h.values()), "padding is 0, never -1"
+
+
+def test_padded_sequences_are_empty_and_point_at_the_null_block():
+    seqs, tokens, block_ids = example()
+    md = build_step_metadata(seqs[:3], tokens[:3], block_ids[:3], [4, 8], BUCKETS)
+    h = host(md)
+    assert h["kv_lens"].shape == (4,) and h["kv_lens"][3] == 0
+    np.testing.assert_array_equal(h["cu_q_lens"], [0, 1, 2, 6, 6])
+    assert h["logits_indices"][3] == 0
+    assert not h["tables0"][3].any() and not h["tables1"][3].any()
+    assert h["num_seqs"][0] == 3 and md.num_tokens == 8
+    assert not h["slots0"][6:].any() and not h["slots1"][6:].any()
+
+
+def test_one_leaf_one_transfer_and_a_bounded_number_of_shapes():
+    seqs, tokens, block_ids = example()
+    md = build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS)
+    (leaf,) = jax.tree_util.tree_leaves(md)
+    assert isinstance(leaf, jax.Array) and leaf.dtype == jnp.int32 and leaf.ndim == 1
+
+    traces = []
+
+    @jax.jit
+    def step(md):
+        traces.append(1)
+        return md.kv_lens.sum() + md.groups[1].block_tables.sum() + md.input_ids[0]
+
+    assert int(step(md)) == 28 + 67 + 105
+    # Other batches that round to the same buckets reuse the compiled step.
+    for n in range(1, 4):
+        md2 = build_step_metadata(seqs[:n], tokens[:n], block_ids[:n], [4, 8], BUCKETS)
+        if (md2.num_tokens, md2.layout.max_seqs, md2.layout.widths) == (16, 4, (4, 2)):
+            step(md2)
+    shapes = set()
+    for total in range(1, 33):
+        md3 = build_step_metadata(
+            [ScheduledSeq("x", 0, total)], [list(range(total))], [([1] * 8, [2] * 4)], [4, 8],
+            BUCKETS,
+        )
+        shapes.add(md3.layout)
+    assert len(shapes) == 3  # tokens buckets 8, 16, 32
+
+
+def test_decodes_must_come_first():
+    seqs, tokens, block_ids = example()
+    order = [3, 0, 2, 1]
+    shuffled = [seqs[i] for i in order]
+    with pytest.raises(MetadataError, match="decode 'a' comes after a prefill"):
+        build_step_metadata(
+            shuffled, [tokens[i] for i in order], [block_ids[i] for i in order], [4, 8], BUCKETS
+        )
+    fixed = decodes_first(shuffled)
+    assert [shuffled[i].request_id for i in fixed] == ["a", "b", "d", "c"]
+
+
+def test_buckets():
+    assert bucket(5, (4, 8, 16), "tokens") == 8
+    assert bucket(8, (4, 8, 16), "tokens") == 8
+    b = Buckets.powers_of_two(100, 3, 16)
+    assert b.tokens == (8, 16, 32, 64, 100) and b.seqs == (3,) and b.blocks == (8, 16)
+    with pytest.raises(MetadataError, match="strictly increasing"):
+        Buckets((8, 4), (1,), (1,))
+    with pytest.raises(MetadataError, match="positive ints"):
+        Buckets((0,), (1,), (1,))
+
+
+def test_too_many_tokens_seqs_or_blocks_name_the_value():
+    big = [ScheduledSeq("x", 0, 33)]
+    with pytest.raises(BucketOverflowError, match="tokens=33 exceeds the largest bucket 32"):
+        build_step_metadata(big, [list(range(33))], [([1] * 9, [2] * 5)], [4, 8], BUCKETS)
+    many = [ScheduledSeq(str(i), 3, 1) for i in range(9)]
+    with pytest.raises(BucketOverflowError, match="seqs=9"):
+        build_step_metadata(many, [[1]] * 9, [([1], [2])] * 9, [4, 8], BUCKETS)
+    long = [ScheduledSeq("x", 60, 1)]
+    with pytest.raises(BucketOverflowError, match="blocks of group 0=16"):
+        build_step_metadata(long, [[1]], [(list(range(1, 17)), list(range(1, 9)))], [4, 8], BUCKETS)
+
+
+def test_bad_block_ids_are_typed_errors_naming_the_value():
+    seqs, tokens, block_ids = example()
+    bad = list(block_ids)
+    bad[1] = ([6, 7, 25], [9, 10])
+    with pytest.raises(BlockIdError, match=r"'b', group 0: block id 25 out of range \[0, 20\)"):
+        build_step_metadata(seqs, tokens, bad, [4, 8], BUCKETS, num_blocks=20)
+    bad[1] = ([6, -1, 8], [9, 10])
+    with pytest.raises(BlockIdError, match="block id -1"):
+        build_step_metadata(seqs, tokens, bad, [4, 8], BUCKETS)
+    bad[1] = ([6, 7], [9, 10])
+    with pytest.raises(BlockIdError, match="'b' has 2 blocks in group 0, needs 3"):
+        build_step_metadata(seqs, tokens, bad, [4, 8], BUCKETS)
+    bad[1] = ([6, 7, 0], [9, 10])
+    with pytest.raises(BlockIdError, match="position 8 maps to the null block"):
+        build_step_metadata(seqs, tokens, bad, [4, 8], BUCKETS)
+
+
+def test_bad_sequences_and_tokens():
+    with pytest.raises(MetadataError, match="num_new_tokens=0"):
+        ScheduledSeq("x", 3, 0)
+    with pytest.raises(MetadataError, match="'x': 2 token ids"):
+        build_step_metadata([ScheduledSeq("x", 3, 3)], [[1, 2]], [([1, 2], [3])], [4, 8], BUCKETS)
+    with pytest.raises(MetadataError, match="block ids for 1 groups, expected 2"):
+        build_step_metadata([ScheduledSeq("x", 0, 1)], [[1]], [([1],)], [4, 8], BUCKETS)
+    with pytest.raises(MetadataError, match="no sequences"):
+        build_step_metadata([], [], [], [4], BUCKETS)
+
+
+def test_one_device_put_per_step(monkeypatch):
+    seqs, tokens, block_ids = example()
+    calls = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(1) or real(*a, **k))
+    build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS)
+    assert len(calls) == 1
+
+
+def test_metadata_drives_write_and_attention_end_to_end():
+    """Two steps (prefills of 6 and 3 tokens, then two decodes) through ops, checked
+    against dense causal attention over each sequence's K/V."""
+    spec = FullAttentionSpec(num_kv_heads=1, head_size=4, dtype="float32")
+    config = KVCacheConfig(num_blocks=8, groups=(KVCacheGroup(("l",), spec, 4),))
+    cache = allocate_kv_cache(config)
+    rng = np.random.default_rng(0)
+    blocks = {"p": ([3, 5],), "q": ([6],)}
+    keys = {r: rng.standard_normal((8, 1, 4)).astype(np.float32) for r in blocks}
+
+    @jax.jit
+    def step(cache, md, k, q):
+        cache = ops.write_kv(cache, "l", k, k, md.groups[0].slot_mapping)
+        out = ops.paged_attention(
+            q, cache, "l", md.groups[0].block_tables, md.kv_lens, md.cu_q_lens, md.num_seqs,
+            sm_scale=1.0,
+        )
+        return cache, out
+
+    def run(cache, seqs):
+        md = build_step_metadata(
+            seqs, [[0] * s.num_new_tokens for s in seqs], [blocks[s.request_id] for s in seqs],
+            [4], BUCKETS,
+        )
+        k = np.zeros((md.num_tokens, 1, 4), np.float32)
+        k[: sum(s.num_new_tokens for s in seqs)] = np.concatenate([
+            keys[s.request_id][s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens]
+            for s in seqs
+        ])
+        return step(cache, md, k, np.repeat(k, 2, axis=1))
+
+    def dense(request: str, length: int) -> np.ndarray:
+        kv = keys[request][:length, 0]
+        scores = kv[-1] @ kv.T
+        weights = np.exp(scores - scores.max())
+        return weights @ kv / weights.sum()
+
+    cache, _ = run(cache, [ScheduledSeq("p", 0, 6), ScheduledSeq("q", 0, 3)])
+    cache, out = run(cache, [ScheduledSeq("p", 6, 1), ScheduledSeq("q", 3, 1)])
+    np.testing.assert_allclose(np.asarray(out[0, 0]), dense("p", 7), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out[1, 1]), dense("q", 4), atol=1e-5)
