@@ -1,0 +1,129 @@
+"""Write new tokens' K/V into their cache slots in place, as a Mosaic TPU Pallas kernel.
+
+The cache stays in HBM (``pl.ANY``) and is aliased input -> output, so under a jit that
+donates it the update is in place: only the new tokens' bytes move. The new K/V
+(interleaved per head, ``(T, 2H, D)``) are copied HBM -> HBM by DMA:
+
+- one DMA per run of ``block_size`` tokens that fills a whole block (prefill);
+- one DMA per remaining token (decodes, partial blocks).
+
+Runs are found in the wrapper with a vectorised scan of ``slot_mapping`` and
+scalar-prefetched with it. All DMAs are started, then all are waited for. Tokens aimed
+at the null block 0 (padding) are dropped: block 0 is a sink whose content nobody reads,
+and dropping them keeps duplicate padding slots from racing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxkv.pallas.reference import KVShapeError, check_kv_buffer
+from jaxkv.pallas.tpu._common import Interpret, interpret_params, page_ref
+
+
+def _full_block_runs(slot_mapping: jax.Array, block_size: int) -> jax.Array:
+    """int32 (T,): 1 where tokens t..t+bs-1 fill block ``slot // bs`` (> 0) in order."""
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens < block_size:
+        return jnp.zeros((num_tokens,), jnp.int32)
+    step = (slot_mapping[1:] == slot_mapping[:-1] + 1).astype(jnp.int32)
+    prefix = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(step)])
+    starts = num_tokens - block_size + 1
+    consecutive = (
+        prefix[block_size - 1 : block_size - 1 + starts] - prefix[:starts] == block_size - 1
+    )
+    first = slot_mapping[:starts]
+    full = consecutive & (first % block_size == 0) & (first >= block_size)
+    return jnp.pad(full, (0, block_size - 1)).astype(jnp.int32)
+
+
+def _kernel(
+    slots_ref,
+    full_ref,
+    kv_ref,
+    cache_in,
+    cache_out,
+    sem,
+    *,
+    block_size: int,
+    layer_slot: int | None,
+):
+    del cache_in  # aliased with cache_out: the same HBM buffer
+    num_tokens = slots_ref.shape[0]
+
+    def visit(action):
+        """Walk the tokens once, applying ``action`` to each DMA (start or wait)."""
+
+        def body(t):
+            slot = slots_ref[t]
+            block, offset = lax.div(slot, block_size), lax.rem(slot, block_size)
+            full = full_ref[t] == 1
+            page = page_ref(cache_out, block, layer_slot)
+
+            @pl.when(full)
+            def _():
+                action(pltpu.make_async_copy(kv_ref.at[pl.ds(t, block_size)], page, sem))
+
+            @pl.when(jnp.logical_and(jnp.logical_not(full), block != 0))
+            def _():
+                action(pltpu.make_async_copy(kv_ref.at[t], page.at[offset], sem))
+
+            return t + jnp.where(full, block_size, 1)
+
+        lax.while_loop(lambda t: t < num_tokens, body, jnp.int32(0))
+
+    visit(lambda copy: copy.start())
+    visit(lambda copy: copy.wait())
+
+
+def write_kv(
+    kv_buffer: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    layer_slot: int | None = None,
+    interpret: Interpret = False,
+) -> jax.Array:
+    """Return ``kv_buffer`` with token t's K/V (``k, v: (T, H, D)``) at ``slot_mapping[t]``.
+
+    Same contract as :func:`jaxkv.pallas.reference.write_kv` (global slot =
+    ``block_id * block_size + offset``), except that writes into the null block 0 are
+    dropped. Donate ``kv_buffer`` under jit for an in-place update.
+    """
+    check_kv_buffer(kv_buffer, layer_slot)
+    block_size, combined, head_dim = kv_buffer.shape[-3:]
+    num_kv_heads = combined // 2
+    if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (num_kv_heads, head_dim):
+        raise KVShapeError(
+            f"k {k.shape} and v {v.shape} must both be (T, {num_kv_heads}, {head_dim})"
+        )
+    if slot_mapping.shape != k.shape[:1] or slot_mapping.dtype != jnp.int32:
+        raise KVShapeError(
+            f"slot_mapping {slot_mapping.shape} {slot_mapping.dtype} must be int32 ({k.shape[0]},)"
+        )
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return kv_buffer
+    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, combined, head_dim).astype(kv_buffer.dtype)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_kernel, block_size=block_size, layer_slot=layer_slot),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(),
+            in_specs=[any_spec, any_spec],
+            out_specs=any_spec,
+            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+        ),
+        out_shape=jax.ShapeDtypeStruct(kv_buffer.shape, kv_buffer.dtype),
+        input_output_aliases={3: 0},
+        interpret=interpret_params(interpret),
+        name="jaxkv_write_kv",
+    )(slot_mapping, _full_block_runs(slot_mapping, block_size), kv, kv_buffer)

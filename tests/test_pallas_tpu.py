@@ -1,0 +1,581 @@
+"""Mosaic TPU kernels (jaxkv.pallas.tpu) in the TPU interpreter vs the jnp reference.
+
+Every case draws fresh random inputs (the seed is in each failure message; set
+JAXKV_TEST_SEED to replay one). Cache bytes the kernels must not read (past kv_len, out
+of the window, other layer slots, unused and null blocks) are NaN, and the interpreter
+fills its scratch memory with NaN, so a stray read shows up as NaN in the output. The
+reference runs on the same cache with those NaNs replaced by finite noise.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+from jaxkv.pallas import reference as ref
+from jaxkv.pallas import tpu as kernels
+from jaxkv.pallas.reference import KVShapeError
+from jaxkv.pallas.tpu.write_kv import _full_block_runs
+
+INTERPRET = pltpu.InterpretParams()
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+class SeededRng(np.random.Generator):
+    """A generator that remembers its seed, for failure messages."""
+
+    def __init__(self, seed: int):
+        super().__init__(np.random.PCG64(seed))
+        self.seed = seed
+
+
+@pytest.fixture(autouse=True)
+def fresh_interpreter():
+    """Reset the interpreter's global memory/race state (a failed kernel leaves it set)."""
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+@pytest.fixture
+def rng() -> SeededRng:
+    """Fresh random inputs for every case (JAXKV_TEST_SEED replays one)."""
+    return SeededRng(int(os.environ.get("JAXKV_TEST_SEED", secrets.randbits(32))))
+
+
+def bits(x: jax.Array) -> np.ndarray:
+    """The raw bits of an array, so NaNs compare equal to themselves bit for bit."""
+    x = np.asarray(x)
+    return x.view({4: np.uint32, 2: np.uint16}[x.dtype.itemsize])
+
+
+# ---------------------------------------------------------------------------------------
+# paged attention
+
+
+@dataclass
+class Batch:
+    """A ragged batch: kernel inputs (poisoned cache) and the reference's clean cache."""
+
+    q: jax.Array
+    kv_poisoned: jax.Array
+    kv_clean: jax.Array
+    kv_lens: jax.Array
+    tables: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+
+    def args(self, kv: jax.Array) -> tuple[jax.Array, ...]:
+        return (self.q, kv, self.kv_lens, self.tables, self.cu_q_lens, self.num_seqs)
+
+
+def make_batch(
+    rng: SeededRng,
+    seqs: list[tuple[int, int]],
+    *,
+    max_seqs: int,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype,
+    window: int | None = None,
+    num_slots: int | None = None,
+    layer_slot: int | None = None,
+    extra_tokens: int = 3,
+    width_slack: int = 1,
+) -> Batch:
+    """``seqs``: (q_len, kv_len) per real sequence, decodes first. Blocks are random and
+    distinct; pages wholly outside every query's window are freed to the null block."""
+    bs, h = block_size, num_kv_heads
+    num_pages = [-(-kv // bs) for _, kv in seqs]
+    width = max(num_pages + [1]) + width_slack
+    num_blocks = 1 + sum(num_pages) + 2
+    page_shape = (bs, 2 * h, head_dim)
+    full_shape = (num_blocks,) + ((num_slots,) if layer_slot is not None else ()) + page_shape
+    kv = np.full(full_shape, np.nan, np.float32)
+    layer = kv if layer_slot is None else kv[:, layer_slot]
+    tables = np.zeros((max_seqs, width), np.int32)
+    blocks = iter(rng.permutation(np.arange(1, num_blocks)))
+    for i, (q_len, kv_len) in enumerate(seqs):
+        first_visible = max(kv_len - q_len - (window or kv_len) + 1, 0)
+        for p in range(num_pages[i]):
+            if window is not None and (p + 1) * bs <= first_visible:
+                continue  # out of every query's window: freed, reads as the null block
+            b = next(blocks)
+            tables[i, p] = b
+            n = min(bs, kv_len - p * bs)
+            layer[b, :n] = rng.standard_normal((n,) + page_shape[1:])
+    clean = np.where(np.isnan(kv), rng.standard_normal(kv.shape), kv)
+    q_lens = [q for q, _ in seqs]
+    num_tokens = sum(q_lens) + extra_tokens
+    cu = np.full(max_seqs + 1, sum(q_lens), np.int32)
+    cu[: len(seqs) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    kv_lens = np.zeros(max_seqs, np.int32)
+    kv_lens[: len(seqs)] = [kv for _, kv in seqs]
+    return Batch(
+        q=jnp.asarray(rng.standard_normal((num_tokens, h * group, head_dim)), dtype),
+        kv_poisoned=jnp.asarray(kv, dtype),
+        kv_clean=jnp.asarray(clean, dtype),
+        kv_lens=jnp.asarray(kv_lens),
+        tables=jnp.asarray(tables),
+        cu_q_lens=jnp.asarray(cu),
+        num_seqs=jnp.asarray([len(seqs)], jnp.int32),
+    )
+
+
+def random_seqs(
+    rng: SeededRng, num_decodes: int, num_prefills: int, max_len: int
+) -> list[tuple[int, int]]:
+    """Decodes (q_len 1) then prefill chunks (q_len >= 1, some with a computed prefix)."""
+    seqs = [(1, int(rng.integers(1, max_len + 1))) for _ in range(num_decodes)]
+    for _ in range(num_prefills):
+        q_len = int(rng.integers(1, max_len // 2 + 1))
+        seqs.append((q_len, q_len + int(rng.integers(0, max_len // 2 + 1))))
+    return seqs
+
+
+def check_attention(
+    rng: SeededRng,
+    batch: Batch,
+    *,
+    layer_slot: int | None = None,
+    sm_scale: float = 0.35,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: pltpu.InterpretParams = INTERPRET,
+    **tuning,
+) -> np.ndarray:
+    """Run kernel (poisoned cache) and reference (clean cache); compare all rows."""
+    kw = {
+        "layer_slot": layer_slot,
+        "sm_scale": sm_scale,
+        "sliding_window": window,
+        "soft_cap": soft_cap,
+    }
+    out = kernels.paged_attention(
+        *batch.args(batch.kv_poisoned), interpret=interpret, **kw, **tuning
+    )
+    want = ref.paged_attention(*batch.args(batch.kv_clean), **kw)
+    out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    msg = f"seed={rng.seed}"
+    assert out.shape == want.shape, msg
+    assert np.isfinite(out).all(), f"NaN/inf in the kernel output ({msg})"
+    tol = TOL[batch.q.dtype.type]
+    np.testing.assert_allclose(out, want, atol=tol, rtol=tol, equal_nan=False, err_msg=msg)
+    padding = slice(int(batch.cu_q_lens[int(batch.num_seqs[0])]), None)
+    assert not out[padding].any(), f"padding rows must be zero ({msg})"
+    return out
+
+
+ATTENTION_CASES = {
+    # name: (dtype, H, G, D, bs, decodes, prefills, max_len, window, soft_cap, layer_slot, tuning)
+    "fp32-mha-per-layer": (jnp.float32, 2, 1, 8, 4, 3, 2, 13, None, None, None, {}),
+    "fp32-gqa2-cross-layer": (
+        jnp.float32,
+        2,
+        2,
+        8,
+        4,
+        2,
+        2,
+        14,
+        None,
+        None,
+        1,
+        {"pages_per_chunk": 2},
+    ),
+    "fp32-gqa4-window-cap": (
+        jnp.float32,
+        1,
+        4,
+        16,
+        4,
+        2,
+        2,
+        17,
+        5,
+        4.0,
+        None,
+        {"pages_per_chunk": 1},
+    ),
+    "fp32-window-eq-block": (
+        jnp.float32,
+        2,
+        2,
+        8,
+        4,
+        1,
+        2,
+        15,
+        4,
+        None,
+        0,
+        {"queries_per_tile": 8},
+    ),
+    "fp32-window-1": (jnp.float32, 1, 2, 8, 2, 2, 1, 9, 1, None, None, {"pages_per_chunk": 3}),
+    "fp32-prefill-only-tiles": (
+        jnp.float32,
+        1,
+        2,
+        8,
+        4,
+        0,
+        3,
+        20,
+        6,
+        2.5,
+        2,
+        {"queries_per_tile": 8, "pages_per_chunk": 2},
+    ),
+    "bf16-gqa4": (jnp.bfloat16, 1, 4, 16, 4, 3, 1, 12, None, None, None, {}),
+    "bf16-window-cap-cross": (
+        jnp.bfloat16,
+        2,
+        2,
+        16,
+        8,
+        2,
+        2,
+        19,
+        7,
+        3.0,
+        1,
+        {"pages_per_chunk": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_paged_attention_matches_reference(rng, case):
+    dtype, h, g, d, bs, decodes, prefills, max_len, window, cap, slot, tuning = ATTENTION_CASES[
+        case
+    ]
+    seqs = random_seqs(rng, decodes, prefills, max_len)
+    batch = make_batch(
+        rng,
+        seqs,
+        max_seqs=len(seqs) + 1,
+        block_size=bs,
+        num_kv_heads=h,
+        group=g,
+        head_dim=d,
+        dtype=dtype,
+        window=window,
+        num_slots=None if slot is None else 3,
+        layer_slot=slot,
+    )
+    check_attention(rng, batch, layer_slot=slot, window=window, soft_cap=cap, **tuning)
+
+
+def test_paged_attention_full_batch_and_empty_sequences(rng):
+    """num_seqs == max_seqs (no padded sequence), with real zero-length query runs
+    at the start, in the middle and at the end."""
+    seqs = [(0, 3), (1, 6), (0, 5), (1, 1), (5, 9), (0, 4)]
+    batch = make_batch(
+        rng,
+        seqs,
+        max_seqs=len(seqs),
+        block_size=4,
+        num_kv_heads=1,
+        group=2,
+        head_dim=8,
+        dtype=jnp.float32,
+        extra_tokens=0,
+    )
+    check_attention(rng, batch, queries_per_tile=8)
+
+
+def test_paged_attention_no_sequences_gives_zeros(rng):
+    batch = make_batch(
+        rng,
+        [],
+        max_seqs=3,
+        block_size=4,
+        num_kv_heads=1,
+        group=2,
+        head_dim=8,
+        dtype=jnp.float32,
+        extra_tokens=5,
+    )
+    out = check_attention(rng, batch)
+    assert not out.any()
+
+
+def test_paged_attention_window_covers_everything(rng):
+    """A window wider than every sequence is plain causal attention."""
+    seqs = random_seqs(rng, 2, 2, 10)
+    batch = make_batch(
+        rng, seqs, max_seqs=4, block_size=4, num_kv_heads=1, group=2, head_dim=8, dtype=jnp.float32
+    )
+    windowed = check_attention(rng, batch, window=64)
+    causal = kernels.paged_attention(
+        *batch.args(batch.kv_poisoned), sm_scale=0.35, interpret=INTERPRET
+    )
+    np.testing.assert_allclose(windowed, np.asarray(causal), atol=1e-6, rtol=1e-6)
+
+
+def test_paged_attention_matches_jax_bundled_reference(rng):
+    """Second, independent oracle: JAX's own ref_ragged_paged_attention (real rows)."""
+    seqs = random_seqs(rng, 2, 2, 14)
+    batch = make_batch(
+        rng,
+        seqs,
+        max_seqs=5,
+        block_size=4,
+        num_kv_heads=2,
+        group=2,
+        head_dim=8,
+        dtype=jnp.float32,
+        window=6,
+    )
+    out = check_attention(rng, batch, window=6, soft_cap=3.0)
+    theirs = ref_ragged_paged_attention(
+        *batch.args(batch.kv_clean), sm_scale=0.35, sliding_window=6, soft_cap=3.0
+    )
+    n = int(batch.cu_q_lens[len(seqs)])
+    np.testing.assert_allclose(
+        out[:n], np.asarray(theirs), atol=1e-5, rtol=1e-5, err_msg=f"seed={rng.seed}"
+    )
+
+
+def test_paged_attention_never_fetches_pages_outside_the_span(rng):
+    """Freed (out-of-window) and padding table entries point past the cache: the
+    interpreter raises on any DMA from them, so passing proves they are skipped."""
+    seqs = [(1, 23), (1, 9), (3, 21), (6, 6)]
+    batch = make_batch(
+        rng,
+        seqs,
+        max_seqs=6,
+        block_size=4,
+        num_kv_heads=1,
+        group=2,
+        head_dim=8,
+        dtype=jnp.float32,
+        window=5,
+        width_slack=2,
+    )
+    out_of_range = batch.kv_poisoned.shape[0] + 7
+    tables = jnp.where(batch.tables == 0, out_of_range, batch.tables)
+    args = (batch.q, batch.kv_poisoned, batch.kv_lens, tables, batch.cu_q_lens, batch.num_seqs)
+    out = kernels.paged_attention(
+        *args, sm_scale=0.35, sliding_window=5, interpret=INTERPRET, pages_per_chunk=2
+    )
+    want = ref.paged_attention(*batch.args(batch.kv_clean), sm_scale=0.35, sliding_window=5)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5, equal_nan=False
+    )
+
+
+def test_paged_attention_no_races_eager_dmas(rng):
+    """The double-buffered DMAs under the race detector, executed eagerly at start."""
+    seqs = random_seqs(rng, 3, 2, 14)
+    batch = make_batch(
+        rng,
+        seqs,
+        max_seqs=6,
+        block_size=4,
+        num_kv_heads=2,
+        group=2,
+        head_dim=8,
+        dtype=jnp.float32,
+        window=7,
+        num_slots=2,
+        layer_slot=1,
+    )
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
+    check_attention(
+        rng, batch, layer_slot=1, window=7, interpret=params, queries_per_tile=8, pages_per_chunk=2
+    )
+    assert not mosaic_interpret.races.races_found
+
+
+def test_paged_attention_under_jit(rng):
+    """Static args stay static under an outer jit (how jaxkv.ops calls it)."""
+    seqs = random_seqs(rng, 2, 1, 10)
+    batch = make_batch(
+        rng, seqs, max_seqs=4, block_size=4, num_kv_heads=1, group=2, head_dim=8, dtype=jnp.float32
+    )
+    f = jax.jit(functools.partial(kernels.paged_attention, sm_scale=0.35, interpret=INTERPRET))
+    out = f(*batch.args(batch.kv_poisoned))
+    want = ref.paged_attention(*batch.args(batch.kv_clean), sm_scale=0.35)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5, equal_nan=False
+    )
+
+
+def test_paged_attention_rejects_bad_inputs():
+    q = jnp.zeros((4, 4, 8), jnp.float32)
+    kv = jnp.zeros((3, 4, 4, 8), jnp.float32)
+    lens, tables = jnp.zeros((2,), jnp.int32), jnp.zeros((2, 2), jnp.int32)
+    cu, n = jnp.zeros((3,), jnp.int32), jnp.zeros((1,), jnp.int32)
+    good = (q, kv, lens, tables, cu, n)
+    call = functools.partial(kernels.paged_attention, sm_scale=1.0, interpret=INTERPRET)
+    for bad in (
+        (jnp.zeros((4, 3, 8)), *good[1:]),  # 3 query heads, 2 kv heads
+        (q, kv, lens, tables, jnp.zeros((2,), jnp.int32), n),  # cu_q_lens too short
+        (q, kv, lens.astype(jnp.float32), *good[3:]),  # float lens
+    ):
+        with pytest.raises(KVShapeError):
+            call(*bad)
+    with pytest.raises(KVShapeError):
+        call(*good, layer_slot=0)  # per-layer buffer with a slot
+    with pytest.raises(KVShapeError):
+        call(*good, sliding_window=0)
+
+
+# ---------------------------------------------------------------------------------------
+# write_kv
+
+
+def random_slot_mapping(rng: SeededRng, num_blocks: int, bs: int) -> np.ndarray:
+    """Decodes, an aligned multi-block prefill, an unaligned run crossing blocks, and
+    padding tokens (several on null slot 0)."""
+    free = iter(rng.permutation(np.arange(1, num_blocks)))
+    slots = [next(free) * bs + int(rng.integers(0, bs)) for _ in range(3)]  # decodes
+    start = next(free)
+    second = next(free)
+    slots += [start * bs + i for i in range(bs)] + [
+        second * bs + i for i in range(bs)
+    ]  # 2 full blocks
+    a, b = next(free), next(free)
+    off = int(rng.integers(1, bs))
+    slots += [a * bs + i for i in range(off, bs)] + [
+        b * bs + i for i in range(off)
+    ]  # unaligned run
+    slots += [0, 0, int(rng.integers(0, bs))]
+    return np.asarray(slots, np.int32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("layer_slot", [None, 1])
+def test_write_kv_matches_reference_and_touches_nothing_else(rng, dtype, layer_slot):
+    bs, h, d, n = 4, 2, 8, 16
+    shape = (n,) + (() if layer_slot is None else (3,)) + (bs, 2 * h, d)
+    buf = rng.standard_normal(shape)
+    buf[rng.random(shape) < 0.1] = np.nan  # untouched NaNs must survive bit for bit
+    buf = jnp.asarray(buf, dtype)
+    slots = random_slot_mapping(rng, n, bs)
+    k, v = (jnp.asarray(rng.standard_normal((len(slots), h, d)), dtype) for _ in range(2))
+    out = kernels.write_kv(
+        buf, k, v, jnp.asarray(slots), layer_slot=layer_slot, interpret=INTERPRET
+    )
+    want = ref.write_kv(buf, k, v, jnp.asarray(slots), layer_slot=layer_slot)
+    msg = f"seed={rng.seed}"
+    np.testing.assert_array_equal(bits(out)[1:], bits(want)[1:], err_msg=msg)
+    written = np.zeros(shape[:1] + (() if layer_slot is None else (3,)) + (bs,), bool)
+    if layer_slot is None:
+        written[slots // bs, slots % bs] = True
+    else:
+        written[slots // bs, layer_slot, slots % bs] = True
+    written[0] = True  # the null block is a sink: never compared
+    np.testing.assert_array_equal(bits(out)[~written], bits(buf)[~written], err_msg=msg)
+    np.testing.assert_array_equal(bits(out)[0], bits(buf)[0], err_msg=f"null block written ({msg})")
+
+
+def test_write_kv_no_races(rng):
+    bs, h, d, n = 4, 1, 8, 12
+    buf = jnp.asarray(rng.standard_normal((n, bs, 2 * h, d)), jnp.float32)
+    slots = random_slot_mapping(rng, n, bs)
+    k, v = (jnp.asarray(rng.standard_normal((len(slots), h, d)), jnp.float32) for _ in range(2))
+    out = kernels.write_kv(
+        buf, k, v, jnp.asarray(slots), interpret=pltpu.InterpretParams(detect_races=True)
+    )
+    want = ref.write_kv(buf, k, v, jnp.asarray(slots))
+    np.testing.assert_array_equal(bits(out)[1:], bits(want)[1:])
+    assert not mosaic_interpret.races.races_found
+
+
+def test_full_block_runs_finds_aligned_runs_only():
+    bs = 4
+    slots = np.asarray([0, 8, 9, 10, 11, 12, 13, 14, 15, 1, 2, 3, 22, 23, 24, 25, 26, 27], np.int32)
+    got = np.asarray(_full_block_runs(jnp.asarray(slots), bs))
+    want = np.zeros(len(slots), np.int32)
+    want[[1, 5, 14]] = 1  # blocks 2, 3 and 6; not the null block, nor 22, 23 (mid-block)
+    np.testing.assert_array_equal(got, want)
+    assert not np.asarray(_full_block_runs(jnp.asarray(slots[:3]), bs)).any()
+
+
+# ---------------------------------------------------------------------------------------
+# copy_blocks
+
+
+def random_copy_pairs(
+    rng: SeededRng, num_blocks: int, num_pairs: int, padding: int
+) -> tuple[np.ndarray, np.ndarray]:
+    ids = rng.permutation(np.arange(1, num_blocks))[: 2 * num_pairs]
+    src, dst = ids[:num_pairs], ids[num_pairs:]
+    src = np.concatenate([src, np.zeros(padding)]).astype(np.int32)
+    dst = np.concatenate([dst, np.zeros(padding)]).astype(np.int32)
+    order = rng.permutation(len(src))
+    return src[order], dst[order]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
+def test_copy_blocks_matches_reference_and_touches_nothing_else(rng, dtype, layout):
+    n, slots, bs, h, d = 12, 3, 4, 1, 8
+    cross = rng.standard_normal((n, slots, bs, 2 * h, d))
+    cross[rng.random(cross.shape) < 0.1] = np.nan
+    cross = jnp.asarray(cross, dtype)
+    buffers = (cross,) if layout == "cross_layer" else tuple(cross[:, i] for i in range(slots))
+    src, dst = random_copy_pairs(rng, n, 4, padding=2)
+    params = pltpu.InterpretParams(detect_races=layout == "cross_layer")
+    out = kernels.copy_blocks(buffers, jnp.asarray(src), jnp.asarray(dst), interpret=params)
+    want = ref.copy_blocks(buffers, jnp.asarray(src), jnp.asarray(dst))
+    untouched = np.setdiff1d(np.arange(n), dst[src != dst])
+    msg = f"seed={rng.seed}"
+    assert len(out) == len(buffers)
+    for o, w, b in zip(out, want, buffers):
+        np.testing.assert_array_equal(bits(o), bits(w), err_msg=msg)
+        np.testing.assert_array_equal(bits(o)[untouched], bits(b)[untouched], err_msg=msg)
+        np.testing.assert_array_equal(bits(o)[dst], bits(b)[src], err_msg=msg)
+    assert not mosaic_interpret.races.races_found
+
+
+def test_copy_blocks_rejects_bad_inputs():
+    a = jnp.zeros((4, 2, 4, 2, 8))
+    ids = jnp.zeros((2,), jnp.int32)
+    for buffers, src, dst in (
+        ((), ids, ids),
+        ((a, a), ids, ids),  # two cross-layer buffers
+        ((a,), ids, jnp.zeros((3,), jnp.int32)),
+        ((a,), ids.astype(jnp.float32), ids),
+    ):
+        with pytest.raises(KVShapeError):
+            kernels.copy_blocks(buffers, src, dst, interpret=INTERPRET)
+
+
+# ---------------------------------------------------------------------------------------
+# Mosaic lowering (no TPU here: lower for the TPU platform and inspect)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernels_lower_to_mosaic_with_aliased_cache(dtype):
+    """Each kernel lowers to a Mosaic ``tpu_custom_call`` at TPU-tile-aligned shapes, and
+    write/copy alias the cache input to the output (in place once donated)."""
+    s = jax.ShapeDtypeStruct
+    cross, per_layer = s((64, 4, 16, 8, 128), dtype), s((64, 16, 8, 128), dtype)
+    meta = (s((8,), jnp.int32), s((8, 16), jnp.int32), s((9,), jnp.int32), s((1,), jnp.int32))
+
+    def lower(f, *args) -> str:
+        return jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+
+    for kv, slot in ((per_layer, None), (cross, 2)):
+        attn = functools.partial(
+            kernels.paged_attention, layer_slot=slot, sm_scale=0.1, sliding_window=32, soft_cap=30.0
+        )
+        assert "tpu_custom_call" in lower(attn, s((64, 16, 128), dtype), kv, *meta)
+        write = functools.partial(kernels.write_kv, layer_slot=slot)
+        text = lower(write, kv, s((40, 4, 128), dtype), s((40, 4, 128), dtype), s((40,), jnp.int32))
+        assert "tpu_custom_call" in text and "output_operand_alias" in text
+    text = lower(kernels.copy_blocks, (cross,), s((5,), jnp.int32), s((5,), jnp.int32))
+    assert "tpu_custom_call" in text and "output_operand_alias" in text
