@@ -1,12 +1,13 @@
-"""Replay a request trace through a KVCacheManager with a vLLM-like scheduler.
+"""Replay a request trace through a KVCacheManager with the serving loop's scheduler.
 
-No device work happens: "computing" tokens advances ``num_computed_tokens``, and a
-request whose prompt (or preempted context) is fully computed "generates" its next
-token with :func:`output_token_ids`, a deterministic function of (request id,
-position). Runs therefore repeat exactly, and a trace builder knows in advance which
-tokens a turn will generate: :func:`synthetic_trace` builds each follow-up turn
-eagerly as the previous prompt + that turn's output + a new user message, so
-follow-ups hit the prefix cache.
+The scheduling decisions are :class:`jaxkv.serving.scheduler.Scheduler`'s (vLLM v1
+style), exactly those the device engine makes. No device work happens: "computing"
+tokens advances ``num_computed_tokens``, and a request whose prompt (or preempted
+context) is fully computed "generates" its next token with :func:`output_token_ids`,
+a deterministic function of (request id, position). Runs therefore repeat exactly,
+and a trace builder knows in advance which tokens a turn will generate:
+:func:`synthetic_trace` builds each follow-up turn eagerly as the previous prompt +
+that turn's output + a new user message, so follow-ups hit the prefix cache.
 
 Time is in seconds. Requests carry an ``arrival_time``; every scheduler step lasts
 ``step_duration_s`` of simulated time, and when nothing is queued or running the clock
@@ -39,6 +40,31 @@ import numpy as np
 
 from jaxkv.hashing import MAX_TOKEN_ID
 from jaxkv.manager import KVCacheManager, Request
+from jaxkv.serving.scheduler import (
+    PoolTooSmallError,
+    RequestTooLongError,
+    Scheduler,
+    SchedulerError,
+    SeqState,
+    check_positive_int,
+    check_prompt_fits,
+)
+
+__all__ = [
+    "VOCAB_SIZE",
+    "PoolTooSmallError",
+    "Progress",
+    "RequestTooLongError",
+    "SimulationError",
+    "SimulationResult",
+    "Simulator",
+    "TraceError",
+    "TraceRequest",
+    "load_trace",
+    "output_token_ids",
+    "save_trace",
+    "synthetic_trace",
+]
 
 VOCAB_SIZE = 32_000
 """Token ids of synthetic prompts and of generated tokens lie in [0, VOCAB_SIZE)."""
@@ -51,16 +77,9 @@ class TraceError(ValueError):
     """A trace (file, request or synthetic knob) that cannot be replayed."""
 
 
-class SimulationError(ValueError):
-    """The simulator was set up, or given a trace, it cannot run."""
-
-
-class RequestTooLongError(SimulationError):
-    """A prompt leaves no room for one output token within max_model_len."""
-
-
-class PoolTooSmallError(SimulationError):
-    """A request cannot get its blocks even with the whole pool to itself."""
+SimulationError = SchedulerError
+"""The simulator was set up, or given a trace, it cannot run (the scheduler's error
+type, so :class:`RequestTooLongError` and :class:`PoolTooSmallError` are ones too)."""
 
 
 def _is_int(value: object) -> bool:
@@ -320,13 +339,8 @@ class SimulationResult:
         return out
 
 
-def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SimulationError(f"{name} must be a positive int, got {value!r}")
-
-
 class Simulator:
-    """A continuous-batching scheduler over one KVCacheManager, vLLM v1 style.
+    """Replays traces through :class:`jaxkv.serving.scheduler.Scheduler` (vLLM v1 style).
 
     Each step schedules, within ``max_num_batched_tokens``: first the running
     requests in admission order (one decode token, or the next prefill chunk), then
@@ -347,8 +361,8 @@ class Simulator:
     ) -> None:
         if not isinstance(manager, KVCacheManager):
             raise SimulationError(f"manager must be a KVCacheManager, got {manager!r}")
-        _positive_int("max_num_running", max_num_running)
-        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        check_positive_int("max_num_running", max_num_running)
+        check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if isinstance(step_duration_s, bool) or not isinstance(step_duration_s, (int, float)) or not (
             0 < step_duration_s < math.inf
         ):
@@ -361,13 +375,8 @@ class Simulator:
     def check_trace(self, trace: Sequence[TraceRequest]) -> None:
         """Refuse duplicate ids and prompts with no room for an output token."""
         _check_unique_ids(trace)
-        limit = self.manager.max_model_len
         for req in trace:
-            if len(req.prompt_token_ids) >= limit:
-                raise RequestTooLongError(
-                    f"request {req.request_id!r} has a {len(req.prompt_token_ids)}-token prompt; "
-                    f"max_model_len={limit} leaves no room for an output token"
-                )
+            check_prompt_fits(req.request_id, len(req.prompt_token_ids), self.manager.max_model_len)
 
     def run(
         self,
@@ -378,45 +387,42 @@ class Simulator:
     ) -> SimulationResult:
         """Replay ``trace`` until every request has finished; report what happened."""
         self.check_trace(trace)
-        _positive_int("progress_every", progress_every)
+        check_positive_int("progress_every", progress_every)
         return _Replay(self, trace).run(progress, progress_every)
 
 
-@dataclass(slots=True, eq=False)
-class _Entry:
-    """A request in flight: its manager-side Request and the tokens it will generate."""
-
-    trace: TraceRequest
-    request: Request
-    outputs: list[int]
-    first_hit: int | None = None
-
-
 class _Replay:
-    """The state of one Simulator.run: queues, clock and counters."""
+    """The state of one Simulator.run: arrivals, the scheduler, clock and counters."""
 
     def __init__(self, sim: Simulator, trace: Sequence[TraceRequest]) -> None:
         self.sim = sim
         self.manager = sim.manager
+        self.scheduler = Scheduler(
+            sim.manager,
+            max_num_seqs=sim.max_num_running,
+            max_num_batched_tokens=sim.max_num_batched_tokens,
+            record_block_ids=False,
+        )
         self.pending = deque(sorted(trace, key=lambda r: r.arrival_time))
-        self.waiting: deque[_Entry] = deque()
-        self.running: list[_Entry] = []
-        self.finished: list[_Entry] = []
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: list[SeqState] = []
         self.num_requests = len(trace)
         self.clock = 0.0
-        self.num_preemptions = 0
-        self.num_scheduled_tokens = 0
         self.host_s: list[float] = []
         self.usages: list[float] = []
         self.stats_before = self.manager.prefix_cache_stats()
 
     def run(self, progress: Callable[[Progress], None] | None, every: int) -> SimulationResult:
-        while self.pending or self.waiting or self.running:
+        scheduler = self.scheduler
+        while self.pending or scheduler.has_unfinished:
             self._arrive()
             start = time.perf_counter()
-            scheduled = self._schedule()
+            output = scheduler.schedule()
             usage = self.manager.usage
-            self._update(scheduled)
+            sampled = [
+                self.outputs[c.seq.request_id][c.seq.num_output_tokens] if c.samples else 0 for c in output.chunks
+            ]
+            self.finished.extend(scheduler.update(output, sampled))
             self.host_s.append(time.perf_counter() - start)
             self.usages.append(usage)
             self.clock += self.sim.step_duration_s
@@ -424,114 +430,29 @@ class _Replay:
                 progress(self._progress())
         return self._result()
 
-    # ------------------------------------------------------------ one step
     def _arrive(self) -> None:
         """Queue every request that has arrived; jump the clock over idle time."""
-        if not self.waiting and not self.running:
+        if not self.scheduler.has_unfinished:
             self.clock = max(self.clock, self.pending[0].arrival_time)
         while self.pending and self.pending[0].arrival_time <= self.clock:
             req = self.pending.popleft()
             request = Request(
                 req.request_id, req.prompt_token_ids, cache_salt=req.cache_salt, lora_name=req.lora_name
             )
-            self.waiting.append(_Entry(req, request, output_token_ids(req.request_id, req.max_output_tokens)))
-
-    def _schedule(self) -> list[tuple[_Entry, int]]:
-        """Pick this step's (request, num_new_tokens) pairs and allocate their slots."""
-        budget = self.sim.max_num_batched_tokens
-        scheduled: list[tuple[_Entry, int]] = []
-        preemptions = self.num_preemptions
-        i = 0
-        while i < len(self.running) and budget > 0:
-            entry = self.running[i]
-            req = entry.request
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_running(entry, n, alone=i == 0):
-                break
-            scheduled.append((entry, n))
-            budget -= n
-            i += 1
-        if self.num_preemptions == preemptions:
-            self._admit_waiting(budget, scheduled)
-        if not scheduled:
-            head = self.waiting[0].request
-            raise PoolTooSmallError(
-                f"request {head.request_id!r} ({head.num_tokens} tokens) cannot be admitted into an idle "
-                f"pool of {self.manager.config.num_usable_blocks} usable blocks"
-            )
-        return scheduled
-
-    def _allocate_running(self, entry: _Entry, n: int, alone: bool) -> bool:
-        """Allocate ``n`` more slots, preempting from the back; False if ``entry`` itself went."""
-        while self.manager.allocate_slots(entry.request, n) is None:
-            victim = self.running.pop()
-            if victim is entry and alone:
-                raise PoolTooSmallError(
-                    f"request {entry.request.request_id!r} cannot grow to "
-                    f"{entry.request.num_computed_tokens + n} tokens even alone in a pool of "
-                    f"{self.manager.config.num_usable_blocks} usable blocks"
-                )
-            self._preempt(victim)
-            if victim is entry:
-                return False
-        return True
-
-    def _preempt(self, entry: _Entry) -> None:
-        self.manager.free(entry.request)
-        entry.request.num_computed_tokens = 0
-        self.waiting.appendleft(entry)
-        self.num_preemptions += 1
-
-    def _admit_waiting(self, budget: int, scheduled: list[tuple[_Entry, int]]) -> None:
-        """Admit waiting requests FCFS while budget and running slots last."""
-        mgr = self.manager
-        while self.waiting and budget > 0 and len(self.running) < self.sim.max_num_running:
-            entry = self.waiting[0]
-            req = entry.request
-            hit, num_hit = mgr.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
-            if mgr.allocate_slots(req, n, num_hit, hit) is None:
-                return
-            self.waiting.popleft()
-            req.num_computed_tokens = num_hit
-            if entry.first_hit is None:
-                entry.first_hit = num_hit
-            self.running.append(entry)
-            scheduled.append((entry, n))
-            budget -= n
-
-    def _update(self, scheduled: list[tuple[_Entry, int]]) -> None:
-        """Advance computed tokens, generate a token where a context is complete, free the done."""
-        limit = self.manager.max_model_len
-        done = []
-        for entry, n in scheduled:
-            req = entry.request
-            req.num_computed_tokens += n
-            self.num_scheduled_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
-                continue
-            num_out = req.num_tokens - req.num_prompt_tokens
-            req.append_output_token_ids(entry.outputs[num_out])
-            if num_out + 1 >= entry.trace.max_output_tokens or req.num_tokens >= limit:
-                done.append(entry)
-        if done:
-            for entry in done:
-                self.manager.free(entry.request)
-            gone = set(done)
-            self.running = [e for e in self.running if e not in gone]
-            self.finished.extend(done)
+            self.outputs[req.request_id] = output_token_ids(req.request_id, req.max_output_tokens)
+            self.scheduler.add_request(request, req.max_output_tokens)
 
     # ------------------------------------------------------------ reports
     def _progress(self) -> Progress:
         return Progress(
             step=len(self.host_s),
             time_s=self.clock,
-            num_waiting=len(self.waiting),
-            num_running=len(self.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
             num_finished=len(self.finished),
             num_requests=self.num_requests,
             usage=self.usages[-1],
-            num_preemptions=self.num_preemptions,
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     def _result(self) -> SimulationResult:
@@ -539,21 +460,21 @@ class _Replay:
         before = self.stats_before
         host_us = np.asarray(self.host_s) * 1e6
         p50, p99 = np.percentile(host_us, [50, 99]) if host_us.size else (0.0, 0.0)
-        outputs = {e.trace.request_id: tuple(e.request.output_token_ids) for e in self.finished}
+        outputs = {s.request_id: tuple(s.request.output_token_ids) for s in self.finished}
         return SimulationResult(
             num_requests=self.num_requests,
             num_finished=len(self.finished),
-            num_capped=sum(len(outputs[e.trace.request_id]) < e.trace.max_output_tokens for e in self.finished),
+            num_capped=sum(len(outputs[s.request_id]) < s.max_new_tokens for s in self.finished),
             num_steps=len(self.host_s),
             simulated_time_s=self.clock,
-            num_prompt_tokens=sum(e.request.num_prompt_tokens for e in self.finished),
-            num_prompt_hit_tokens=sum(e.first_hit for e in self.finished),
+            num_prompt_tokens=sum(s.request.num_prompt_tokens for s in self.finished),
+            num_prompt_hit_tokens=sum(s.num_cached_tokens for s in self.finished),
             cache_queries=stats.num_requests - before.num_requests,
             cache_queried_tokens=stats.num_queried_tokens - before.num_queried_tokens,
             cache_hit_tokens=stats.num_hit_tokens - before.num_hit_tokens,
-            num_scheduled_tokens=self.num_scheduled_tokens,
+            num_scheduled_tokens=self.scheduler.num_scheduled_tokens,
             num_generated_tokens=sum(map(len, outputs.values())),
-            num_preemptions=self.num_preemptions,
+            num_preemptions=self.scheduler.num_preemptions,
             peak_usage=max(self.usages, default=0.0),
             mean_usage=float(np.mean(self.usages)) if self.usages else 0.0,
             host_us_mean=float(host_us.mean()) if host_us.size else 0.0,

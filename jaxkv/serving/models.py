@@ -1,0 +1,348 @@
+"""Tiny Flax NNX decoder models with seeded random weights, paged and dense.
+
+Two architectures, both small enough to serve on a CPU in seconds:
+
+- ``tiny-llama``: Llama-like: full attention with GQA, RoPE, RMSNorm, SwiGLU MLP;
+- ``tiny-hybrid``: Gemma-3-like: sliding-window : full attention = 5 : 1 (window 32),
+  QK-norm, pre- and post-norms, GeGLU MLP, a larger RoPE base for the global layers,
+  scaled embeddings, and Gemma-2's attention and final logit soft-caps. Its layer specs
+  are exactly the ``tiny-hybrid`` preset.
+
+Every model has two forwards over the same weights:
+
+- :meth:`TinyLM.__call__`: a ragged batch (decodes first, then prefill chunks) against
+  the paged KV cache; each attention layer writes its new K/V with
+  :func:`jaxkv.ops.write_kv` and attends with :func:`jaxkv.ops.paged_attention` through
+  its own KV cache group's block table;
+- :meth:`TinyLM.dense`: plain causal attention over whole sequences (window-masked in
+  window layers), no cache: the correctness oracle of the paged path.
+
+Layer ``i`` is named ``layers.<i>``, as in :mod:`jaxkv.presets`, so
+``plan_kv_cache(config.layer_specs(), ...)`` plans the cache the model reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv import ops
+from jaxkv.cache import KVCache
+from jaxkv.metadata import AttentionMetadata, StepMetadata
+from jaxkv.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
+
+
+class ModelConfigError(ValueError):
+    """A model config, name or input that cannot describe or drive a model."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a :class:`TinyLM`.
+
+    ``windows[i]`` is layer i's sliding window in tokens (a query at position p sees
+    kv positions ``p - window < kv_pos <= p``), or None for full attention.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    windows: tuple[int | None, ...]
+    rope_theta: float = 10_000.0
+    local_rope_theta: float = 10_000.0
+    activation: str = "silu"
+    qk_norm: bool = False
+    post_norms: bool = False
+    scale_embeddings: bool = False
+    attn_soft_cap: float | None = None
+    final_soft_cap: float | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.windows or any(w is not None and (not isinstance(w, int) or w <= 0) for w in self.windows):
+            raise ModelConfigError(f"windows must be a non-empty tuple of ints > 0 or None, got {self.windows!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ModelConfigError(f"unknown activation {self.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.windows)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(f"layers.{i}" for i in range(self.num_layers))
+
+    def layer_specs(self) -> dict[str, KVCacheSpec]:
+        """The KV cache spec of every layer, in model order (input of ``plan_kv_cache``)."""
+        kw = {"num_kv_heads": self.num_kv_heads, "head_size": self.head_dim, "dtype": self.dtype}
+        return {
+            name: FullAttentionSpec(**kw) if window is None else SlidingWindowSpec(**kw, sliding_window=window)
+            for name, window in zip(self.layer_names, self.windows)
+        }
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    "tiny-llama": ModelConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        mlp_dim=256,
+        windows=(None,) * 4,
+        rope_theta=500_000.0,
+    ),
+    "tiny-hybrid": ModelConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        mlp_dim=256,
+        windows=tuple(None if (i + 1) % 6 == 0 else 32 for i in range(6)),
+        rope_theta=1_000_000.0,
+        local_rope_theta=10_000.0,
+        activation="gelu",
+        qk_norm=True,
+        post_norms=True,
+        scale_embeddings=True,
+        attn_soft_cap=50.0,
+        final_soft_cap=30.0,
+    ),
+}
+
+
+def get_model_config(name: str) -> ModelConfig:
+    """The config of a named tiny model (see :data:`MODEL_CONFIGS`)."""
+    try:
+        return MODEL_CONFIGS[name]
+    except (KeyError, TypeError):
+        raise ModelConfigError(f"unknown model {name!r}; valid models: {', '.join(MODEL_CONFIGS)}") from None
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding of ``x (..., T, heads, D)`` at ``positions (T,)`` (rotate-half form)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * freqs
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(x / cap)``, or ``x`` when ``cap`` is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def _linear(din: int, dout: int, dtype: str, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+def _norm(dim: int, dtype: str, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(dim, epsilon=1e-6, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """One attention layer: projections, optional QK-norm, RoPE, then paged or dense attention."""
+
+    def __init__(self, config: ModelConfig, index: int, rngs: nnx.Rngs) -> None:
+        c = config
+        self.name = c.layer_names[index]
+        self.window = c.windows[index]
+        self.theta = c.rope_theta if self.window is None else c.local_rope_theta
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.logit_cap = c.attn_soft_cap
+        self.sm_scale = 1.0 / math.sqrt(c.head_dim)
+        self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.dtype, rngs)
+        self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.dtype, rngs)
+        self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.dtype, rngs)
+        self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, c.dtype, rngs)
+        self.q_norm = _norm(c.head_dim, c.dtype, rngs) if c.qk_norm else None
+        self.k_norm = _norm(c.head_dim, c.dtype, rngs) if c.qk_norm else None
+
+    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q ``(..., T, QH, D)``, k and v ``(..., T, H, D)`` with RoPE applied to q and k."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rope(q, positions, self.theta), rope(k, positions, self.theta), v
+
+    def paged(
+        self, x: jax.Array, cache: KVCache, meta: StepMetadata, group: AttentionMetadata, impl: str | None
+    ) -> tuple[jax.Array, KVCache]:
+        """``x (T, hidden)`` of a ragged batch; writes this step's K/V, then attends through the cache."""
+        q, k, v = self._qkv(x, meta.positions)
+        cache = ops.write_kv(cache, self.name, k, v, group.slot_mapping, impl=impl)
+        out = ops.paged_attention(
+            q, cache, self.name, group.block_tables, meta.kv_lens, meta.cu_q_lens, meta.num_seqs,
+            sm_scale=self.sm_scale, sliding_window=self.window, soft_cap=self.logit_cap, impl=impl,
+        )
+        return self.o_proj(out.reshape(x.shape[0], -1)), cache
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        """``x (B, L, hidden)`` of whole sequences from position 0: causal (and window) masked."""
+        length = x.shape[1]
+        positions = jnp.arange(length, dtype=jnp.int32)
+        q, k, v = self._qkv(x, positions)
+        group = self.num_heads // self.num_kv_heads
+        q = q.reshape(*q.shape[:2], self.num_kv_heads, group, self.head_dim).astype(jnp.float32)
+        logits = jnp.einsum("blhgd,bmhd->bhglm", q, k.astype(jnp.float32), precision=_HIGHEST)
+        logits = soft_cap(logits * self.sm_scale, self.logit_cap)
+        mask = positions[None, :] <= positions[:, None]
+        if self.window is not None:
+            mask &= positions[None, :] > positions[:, None] - self.window
+        probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+        out = jnp.einsum("bhglm,bmhd->blhgd", probs, v.astype(jnp.float32), precision=_HIGHEST)
+        return self.o_proj(out.reshape(*x.shape[:2], -1).astype(x.dtype))
+
+
+class MLP(nnx.Module):
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU with silu, GeGLU with gelu)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+        c = config
+        self.act = c.activation
+        self.gate = _linear(c.hidden_size, c.mlp_dim, c.dtype, rngs)
+        self.up = _linear(c.hidden_size, c.mlp_dim, c.dtype, rngs)
+        self.down = _linear(c.mlp_dim, c.hidden_size, c.dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(ACTIVATIONS[self.act](self.gate(x)) * self.up(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP blocks with residuals (plus Gemma's post-norms if set)."""
+
+    def __init__(self, config: ModelConfig, index: int, rngs: nnx.Rngs) -> None:
+        c = config
+        self.attn_norm = _norm(c.hidden_size, c.dtype, rngs)
+        self.attn = Attention(c, index, rngs)
+        self.mlp_norm = _norm(c.hidden_size, c.dtype, rngs)
+        self.mlp = MLP(c, rngs)
+        self.post_attn_norm = _norm(c.hidden_size, c.dtype, rngs) if c.post_norms else None
+        self.post_mlp_norm = _norm(c.hidden_size, c.dtype, rngs) if c.post_norms else None
+
+    def _residual(self, x: jax.Array, out: jax.Array, post_norm: nnx.RMSNorm | None) -> jax.Array:
+        return x + (out if post_norm is None else post_norm(out))
+
+    def paged(
+        self, x: jax.Array, cache: KVCache, meta: StepMetadata, group: AttentionMetadata, impl: str | None
+    ) -> tuple[jax.Array, KVCache]:
+        out, cache = self.attn.paged(self.attn_norm(x), cache, meta, group, impl)
+        x = self._residual(x, out, self.post_attn_norm)
+        return self._residual(x, self.mlp(self.mlp_norm(x)), self.post_mlp_norm), cache
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        x = self._residual(x, self.attn.dense(self.attn_norm(x)), self.post_attn_norm)
+        return self._residual(x, self.mlp(self.mlp_norm(x)), self.post_mlp_norm)
+
+
+class TinyLM(nnx.Module):
+    """A decoder-only LM built from a :class:`ModelConfig`, weights drawn from ``seed``."""
+
+    def __init__(self, config: ModelConfig, *, seed: int = 0) -> None:
+        c = config
+        rngs = nnx.Rngs(seed)
+        self.config = c
+        self.embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(c, i, rngs) for i in range(c.num_layers)])
+        self.final_norm = _norm(c.hidden_size, c.dtype, rngs)
+        self.lm_head = _linear(c.hidden_size, c.vocab_size, c.dtype, rngs)
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        return x * math.sqrt(self.config.hidden_size) if self.config.scale_embeddings else x
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        logits = self.lm_head(self.final_norm(x)).astype(jnp.float32)
+        return soft_cap(logits, self.config.final_soft_cap)
+
+    def __call__(
+        self, cache: KVCache, meta: StepMetadata, layer_groups: Sequence[int], *, impl: str | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        """Logits ``(S, vocab)`` at ``meta.logits_indices`` of a ragged batch, and the updated cache.
+
+        ``layer_groups[i]`` is the KV cache group of layer i (which block table it reads);
+        ``impl`` picks the :mod:`jaxkv.ops` implementation (None: the current setting).
+        """
+        if len(layer_groups) != self.config.num_layers:
+            raise ModelConfigError(
+                f"layer_groups has {len(layer_groups)} entries for {self.config.num_layers} layers"
+            )
+        x = self._embed(meta.input_ids)
+        for layer, g in zip(self.layers, layer_groups):
+            x, cache = layer.paged(x, cache, meta, meta.groups[g], impl)
+        return self._logits(x[meta.logits_indices]), cache
+
+    def dense(self, tokens: jax.Array) -> jax.Array:
+        """Logits ``(B, L, vocab)`` of whole sequences ``tokens (B, L)``, without a cache."""
+        x = self._embed(tokens)
+        for layer in self.layers:
+            x = layer.dense(x)
+        return self._logits(x)
+
+
+def layer_groups(config: ModelConfig, groups: Sequence[Sequence[str]]) -> tuple[int, ...]:
+    """Index of the group holding each layer of ``config``; ``groups`` lists layer names per group."""
+    where = {name: g for g, names in enumerate(groups) for name in names}
+    missing = [name for name in config.layer_names if name not in where]
+    if missing:
+        raise ModelConfigError(f"layers {missing} are in no KV cache group; groups: {list(map(list, groups))}")
+    return tuple(where[name] for name in config.layer_names)
+
+
+def dense_greedy_generate(
+    model: TinyLM, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` by the dense forward: the oracle of the engine.
+
+    Recomputes every sequence in full each step, padded to one length (a multiple of
+    64), so it compiles once per call.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ModelConfigError("dense_greedy_generate needs non-empty prompts")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ModelConfigError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    lengths = np.array([len(p) for p in prompts])
+    width = -(-int(lengths.max() + max_new_tokens) // 64) * 64
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in zip(tokens, prompts):
+        row[: len(prompt)] = prompt
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def next_tokens(state: nnx.State, tokens: jax.Array, last: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, state).dense(tokens)
+        return jnp.argmax(logits[jnp.arange(tokens.shape[0]), last], axis=-1).astype(jnp.int32)
+
+    for _ in range(max_new_tokens):
+        new = np.asarray(next_tokens(state, tokens, lengths - 1))
+        tokens[np.arange(len(prompts)), lengths] = new
+        lengths += 1
+    return [tokens[i, len(p) : len(p) + max_new_tokens].tolist() for i, p in enumerate(prompts)]

@@ -1,0 +1,122 @@
+"""Run scheduled chunks on the device: step metadata in, greedy next tokens out.
+
+:class:`ModelRunner` owns the model weights and the device :class:`~jaxkv.cache.KVCache`.
+Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.metadata`: one
+host-to-device transfer, shapes padded to :class:`~jaxkv.metadata.Buckets`) and calls
+one jitted step function ``(weights, cache, metadata) -> (next_token_ids, cache)`` with
+the cache donated, so its buffers are updated in place. Sampling is greedy (argmax) on
+the device; only ``num_seqs`` int32 tokens come back to the host.
+
+The step is traced once per bucket combination (and :mod:`jaxkv.ops` implementation,
+read at each step); :attr:`ModelRunner.num_compilations` counts the traces, so tests
+can bound them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv import ops
+from jaxkv.cache import KVCache, allocate_kv_cache
+from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
+from jaxkv.planner import KVCacheConfig
+from jaxkv.serving.models import TinyLM, layer_groups
+from jaxkv.serving.scheduler import ScheduledChunk
+from jaxkv.specs import cdiv
+
+
+class RunnerError(ValueError):
+    """The runner cannot be set up for this model and KV cache config."""
+
+
+def default_buckets(config: KVCacheConfig, max_num_seqs: int, max_num_batched_tokens: int) -> Buckets:
+    """Two step shapes, so a serving run compiles at most twice.
+
+    Tokens: a decode-only batch (``max_num_seqs``) or the whole step budget; one batch
+    size; one table width (``max_model_len`` in the smallest blocks). Pass finer
+    :class:`Buckets` to trade compilations for less padding (see ``Buckets.powers_of_two``).
+    """
+    if config.max_model_len is None:
+        raise RunnerError("the KV cache config has max_model_len=None; block table widths are sized by it")
+    tokens = sorted({min(max_num_seqs, max_num_batched_tokens), max_num_batched_tokens})
+    return Buckets(tuple(tokens), (max_num_seqs,), (cdiv(config.max_model_len, config.hash_block_size),))
+
+
+_num_step_traces = 0
+"""Traces of :func:`_step` in this process (one per compiled shape), all runners together."""
+
+
+def _step(
+    graphdef: nnx.GraphDef,
+    groups: tuple[int, ...],
+    impl: str,
+    weights: nnx.State,
+    cache: KVCache,
+    meta: StepMetadata,
+) -> tuple[jax.Array, KVCache]:
+    """One forward step and greedy sampling: ``(next_token_ids (S,), cache)``."""
+    global _num_step_traces
+    _num_step_traces += 1  # runs once per trace, i.e. per compiled shape
+    logits, cache = nnx.merge(graphdef, weights)(cache, meta, groups, impl=impl)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
+_jitted_step = jax.jit(_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
+"""Shared by all runners: the same architecture, plan, ops implementation and bucket
+shapes compile once per process (all but the weights, cache and metadata are static)."""
+
+
+class ModelRunner:
+    """A model, its paged KV cache (in ``config.layout.kind``), and the one jitted step.
+
+    ``num_compilations`` counts the step shapes this runner had to compile (shapes
+    another runner of the same architecture compiled before are reused).
+    """
+
+    def __init__(self, model: TinyLM, config: KVCacheConfig, buckets: Buckets) -> None:
+        self.config = config
+        self.buckets = buckets
+        self.block_sizes = tuple(g.block_size for g in config.groups)
+        self.cache: KVCache = allocate_kv_cache(config)
+        self.groups = layer_groups(model.config, [g.layer_names for g in config.groups])
+        specs = model.config.layer_specs()
+        for name, g in zip(model.config.layer_names, self.groups):
+            if config.groups[g].spec != specs[name]:
+                raise RunnerError(
+                    f"layer {name!r} needs {specs[name]!r}, but its group is planned for {config.groups[g].spec!r}"
+                )
+        self.graphdef, self.weights = nnx.split(model)
+        self.num_compilations = 0
+
+    def metadata(self, chunks: Sequence[ScheduledChunk]) -> StepMetadata:
+        """The device metadata of one step's chunks (decodes first, as the scheduler orders them)."""
+        seqs = [ScheduledSeq(c.seq.request_id, c.num_computed_tokens, c.num_new_tokens) for c in chunks]
+        return build_step_metadata(
+            seqs,
+            [c.token_ids for c in chunks],
+            [c.block_ids for c in chunks],
+            self.block_sizes,
+            self.buckets,
+            num_blocks=self.config.num_blocks,
+        )
+
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray:
+        """Run one step; the greedy next token after each chunk's last token, ``(len(chunks),)``."""
+        meta = self.metadata(chunks)
+        before = _num_step_traces
+        tokens, self.cache = _jitted_step(
+            self.graphdef, self.groups, ops.get_implementation(), self.weights, self.cache, meta
+        )
+        self.num_compilations += _num_step_traces - before
+        return np.asarray(tokens)[: len(chunks)]
+
+    def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
+        """The step lowered for these chunks' shapes (``.compile().memory_analysis()``)."""
+        return _jitted_step.lower(
+            self.graphdef, self.groups, ops.get_implementation(), self.weights, self.cache, self.metadata(chunks)
+        )

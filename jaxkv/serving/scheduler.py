@@ -1,0 +1,263 @@
+"""Continuous batching over a KVCacheManager: which requests run this step, and how far.
+
+vLLM v1's policy, re-stated. Every step has a budget of ``max_num_batched_tokens``.
+Running requests come first, in admission order: one decode token each, or the next
+chunk of a prefill (chunked prefill). Then waiting requests are admitted first come,
+first served while budget and ``max_num_seqs`` last: a prefix-cache lookup
+(``get_computed_blocks``), then a chunk of what is not cached; admission stops at the
+first request whose blocks do not fit in the free pool. A running request that cannot
+get its blocks preempts the most recently admitted one (preemption by recompute: its
+blocks are freed, its progress reset, and it goes back to the head of the queue), and
+no request is admitted in a step that preempted.
+
+The scheduler is host-only (no JAX): :mod:`jaxkv.simulator` replays traces with it and
+:mod:`jaxkv.serving.engine` drives a model with it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from jaxkv.manager import KVCacheManager, Request
+
+
+class SchedulerError(ValueError):
+    """The scheduler was set up, or given a request, it cannot serve."""
+
+
+class RequestTooLongError(SchedulerError):
+    """A prompt leaves no room for one output token within max_model_len."""
+
+
+class PoolTooSmallError(SchedulerError):
+    """A request cannot get its blocks even with the whole pool to itself."""
+
+
+def check_positive_int(name: str, value: object) -> None:
+    """Raise :class:`SchedulerError` naming ``name`` unless ``value`` is an int > 0."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise SchedulerError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_prompt_fits(request_id: str, num_prompt_tokens: int, max_model_len: int) -> None:
+    """Refuse a prompt that leaves no room for an output token."""
+    if num_prompt_tokens >= max_model_len:
+        raise RequestTooLongError(
+            f"request {request_id!r} has a {num_prompt_tokens}-token prompt; "
+            f"max_model_len={max_model_len} leaves no room for an output token"
+        )
+
+
+@dataclass(eq=False, slots=True)
+class SeqState:
+    """A request in flight: its manager-side ``Request`` and its generation limits.
+
+    ``num_cached_tokens`` is the prefix-cache hit at first admission (None before).
+    """
+
+    request: Request
+    max_new_tokens: int
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_tokens - self.request.num_prompt_tokens
+
+
+class ScheduledChunk(NamedTuple):
+    """Tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` of a request.
+
+    ``block_ids`` is the request's whole block table per KV cache group after this
+    step's allocation. ``samples`` is True when the chunk completes the request's
+    context, so its last token's logits give the next token. (A NamedTuple: the
+    scheduler makes one per running request per step, and it is cheap to build.)
+    """
+
+    seq: SeqState
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: tuple[list[int], ...]
+    samples: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self.num_computed_tokens
+        return self.seq.request.all_token_ids[start : start + self.num_new_tokens]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step: its chunks, decodes (one new token) first, then prefill chunks."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[SeqState, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Continuous batching of requests over one :class:`KVCacheManager`.
+
+    ``record_block_ids=False`` leaves ``ScheduledChunk.block_ids`` empty, for callers
+    that run no device step (the trace simulator) and should not pay for the copies.
+    """
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        record_block_ids: bool = True,
+    ) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise SchedulerError(f"manager must be a KVCacheManager, got {manager!r}")
+        check_positive_int("max_num_seqs", max_num_seqs)
+        check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.record_block_ids = record_block_ids
+        self.waiting: deque[SeqState] = deque()
+        self.running: list[SeqState] = []
+        self.num_preemptions = 0
+        self.num_scheduled_tokens = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request, max_new_tokens: int) -> SeqState:
+        """Queue a new request (``num_computed_tokens`` 0) that may generate ``max_new_tokens``."""
+        check_positive_int("max_new_tokens", max_new_tokens)
+        if not isinstance(request, Request):
+            raise SchedulerError(f"request must be a jaxkv.manager.Request, got {request!r}")
+        if request.num_computed_tokens:
+            raise SchedulerError(
+                f"request {request.request_id!r} has num_computed_tokens={request.num_computed_tokens}; "
+                "a new request starts at 0"
+            )
+        check_prompt_fits(request.request_id, request.num_prompt_tokens, self.manager.max_model_len)
+        seq = SeqState(request, max_new_tokens)
+        self.waiting.append(seq)
+        return seq
+
+    # ------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks and allocate their slots."""
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        preempted: list[SeqState] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            req = seq.request
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_running(seq, n, preempted, alone=i == 0):
+                break
+            self._add_chunk(seq, n, decodes, prefills)
+            budget -= n
+            i += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, decodes, prefills)
+        if not (decodes or prefills) and self.waiting:
+            head = self.waiting[0].request
+            raise PoolTooSmallError(
+                f"request {head.request_id!r} ({head.num_tokens} tokens) cannot be admitted into an idle "
+                f"pool of {self.manager.config.num_usable_blocks} usable blocks"
+            )
+        self.num_scheduled_tokens += self.max_num_batched_tokens - budget
+        return SchedulerOutput(tuple(decodes + prefills), tuple(preempted))
+
+    def _add_chunk(
+        self, seq: SeqState, n: int, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
+    ) -> None:
+        """Record ``n`` tokens of ``seq`` as a decode (one token) or a prefill chunk."""
+        req = seq.request
+        start = req.num_computed_tokens
+        block_ids = self.manager.get_block_ids(req.request_id) if self.record_block_ids else ()
+        chunk = ScheduledChunk(seq, start, n, block_ids, start + n == req.num_tokens)
+        (decodes if n == 1 else prefills).append(chunk)
+
+    def _allocate_running(self, seq: SeqState, n: int, preempted: list[SeqState], alone: bool) -> bool:
+        """Allocate ``n`` more slots, preempting from the back; False if ``seq`` itself went."""
+        while self.manager.allocate_slots(seq.request, n) is None:
+            victim = self.running.pop()
+            if victim is seq and alone:
+                raise PoolTooSmallError(
+                    f"request {seq.request_id!r} cannot grow to {seq.request.num_computed_tokens + n} "
+                    f"tokens even alone in a pool of {self.manager.config.num_usable_blocks} usable blocks"
+                )
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: SeqState) -> None:
+        self.manager.free(seq.request)
+        seq.request.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _admit_waiting(
+        self, budget: int, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
+    ) -> int:
+        """Admit waiting requests FCFS while budget and sequence slots last; return the budget left."""
+        mgr = self.manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            req = seq.request
+            hit, num_hit = mgr.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if mgr.allocate_slots(req, n, num_hit, hit) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_hit
+            self.running.append(seq)
+            self._add_chunk(seq, n, decodes, prefills)
+            budget -= n
+        return budget
+
+    # -------------------------------------------------------------- update
+    def update(self, output: SchedulerOutput, sampled: Sequence[int]) -> list[SeqState]:
+        """Advance the scheduled chunks, append sampled tokens, retire finished requests.
+
+        ``sampled[i]`` is the token generated for ``output.chunks[i]`` (read only
+        where the chunk ``samples``). A request finishes at ``max_new_tokens`` outputs
+        or at ``max_model_len`` tokens; its blocks are freed. Returns the finished.
+        """
+        if len(sampled) < len(output.chunks):
+            raise SchedulerError(f"got {len(sampled)} sampled tokens for {len(output.chunks)} scheduled chunks")
+        limit = self.manager.max_model_len
+        done = []
+        for chunk, token in zip(output.chunks, sampled):
+            seq = chunk.seq
+            req = seq.request
+            req.num_computed_tokens += chunk.num_new_tokens
+            if not chunk.samples:
+                continue
+            req.append_output_token_ids(int(token))
+            if seq.num_output_tokens >= seq.max_new_tokens or req.num_tokens >= limit:
+                done.append(seq)
+        if done:
+            for seq in done:
+                self.manager.free(seq.request)
+            gone = set(done)
+            self.running = [s for s in self.running if s not in gone]
+        return done
+

@@ -1,0 +1,149 @@
+"""Engine end to end: greedy tokens identical with prefix caching on, off and the dense oracle."""
+
+import numpy as np
+import pytest
+
+from jaxkv import ops
+from jaxkv.metadata import Buckets
+from jaxkv.planner import plan_kv_cache
+from jaxkv.serving.engine import Engine, EngineError, GenerationResult
+from jaxkv.serving.models import TinyLM, dense_greedy_generate, get_model_config
+
+MAX_MODEL_LEN = 256
+NEW_TOKENS = 10
+ONE_SHAPE = Buckets((64,), (4,), (16,))
+
+
+def workload() -> list[list[int]]:
+    """Prompts sharing a 40-token prefix (2.5 blocks), a 20-token one, an exact duplicate,
+    one longer than the step budget (chunked) and one unrelated; all outgrow the window of 32."""
+    rng = np.random.default_rng(7)
+
+    def tail(n: int) -> list[int]:
+        return rng.integers(0, 512, n).tolist()
+
+    shared = tail(40)
+    first = shared + tail(5)
+    return [first, shared + tail(38), shared[:20] + tail(17), list(first), tail(33), shared + tail(1)]
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, TinyLM]:
+    return {name: TinyLM(get_model_config(name), seed=0) for name in ("tiny-llama", "tiny-hybrid")}
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(models) -> dict[str, list[list[int]]]:
+    return {name: dense_greedy_generate(m, workload(), NEW_TOKENS) for name, m in models.items()}
+
+
+def engine(
+    model: TinyLM,
+    *,
+    memory_bytes: int = 4 << 20,
+    max_model_len: int = MAX_MODEL_LEN,
+    layout: str = "cross_layer",
+    buckets: Buckets | None = ONE_SHAPE,
+    **kwargs,
+) -> Engine:
+    """An engine with a 64-token step budget and 4 sequences (one step shape unless ``buckets``)."""
+    plan = plan_kv_cache(
+        model.config.layer_specs(), memory_bytes, max_model_len=max_model_len, layout=layout, max_num_batched_tokens=64
+    )
+    return Engine(model, plan, max_num_seqs=4, buckets=buckets, **kwargs)
+
+
+def tokens(result: GenerationResult) -> list[list[int]]:
+    return [list(o.output_token_ids) for o in result.outputs]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
+@pytest.mark.parametrize("layout", ["per_layer", "cross_layer"])
+def test_prefix_caching_on_off_and_dense_give_identical_tokens(models, dense_tokens, name, layout):
+    cached = engine(models[name], layout=layout).generate(workload(), NEW_TOKENS)
+    uncached = engine(models[name], layout=layout, enable_caching=False).generate(workload(), NEW_TOKENS)
+    assert tokens(cached) == tokens(uncached) == dense_tokens[name]
+    assert cached.num_cached_prompt_tokens >= 3 * 32 and cached.prefix_hit_rate > 0.3
+    assert uncached.num_cached_prompt_tokens == 0
+    assert cached.num_scheduled_tokens < uncached.num_scheduled_tokens
+    assert all(len(set(t)) > 1 for t in tokens(cached))  # the model does not just repeat itself
+
+
+@pytest.mark.parametrize(
+    "name, num_blocks, max_model_len", [("tiny-llama", 9, 128), ("tiny-hybrid", 52, MAX_MODEL_LEN)]
+)
+def test_preemption_under_a_small_pool_keeps_the_tokens(models, dense_tokens, name, num_blocks, max_model_len):
+    """The smallest pools that hold one max_model_len request: requests get preempted and recomputed."""
+    block_bytes = plan_kv_cache(models[name].config.layer_specs(), 1 << 30, max_model_len=64).layout.block_bytes
+    small = engine(models[name], memory_bytes=num_blocks * block_bytes, max_model_len=max_model_len)
+    result = small.generate(workload(), NEW_TOKENS)
+    assert result.num_preemptions > 0 and result.peak_usage > 0.9
+    assert tokens(result) == dense_tokens[name]
+    assert small.manager.num_free_blocks == small.manager.config.num_usable_blocks
+
+
+def test_a_later_call_hits_the_prefix_cache_of_an_earlier_one(models, dense_tokens):
+    eng = engine(models["tiny-hybrid"])
+    prompts = workload()
+    eng.generate(prompts[:1], 2)
+    result = eng.generate(prompts[3:4], NEW_TOKENS)  # the same prompt again
+    assert result.outputs[0].num_cached_tokens == 32
+    assert tokens(result) == dense_tokens["tiny-hybrid"][3:4]
+
+
+def test_no_recompilation_after_warm_up_in_a_200_step_run(models):
+    eng = engine(models["tiny-hybrid"], buckets=None)  # default: decode-only and budget-sized steps
+    warm = eng.generate(workload()[:2], 3)
+    assert warm.num_compilations <= 2  # shapes other tests compiled are reused
+    rng = np.random.default_rng(1)
+    run = eng.generate([rng.integers(0, 512, n).tolist() for n in (20, 33, 47, 5)], 220)
+    assert run.num_steps >= 200 and run.num_compilations == 0
+    assert eng.runner.num_compilations <= 2
+
+
+def test_the_xla_attention_path_gives_the_same_tokens(models, dense_tokens):
+    with ops.set_implementation("xla_gpu"):
+        result = engine(models["tiny-hybrid"]).generate(workload(), NEW_TOKENS)
+    assert tokens(result) == dense_tokens["tiny-hybrid"]
+
+
+def test_results_report_progress_timing_and_usage(models):
+    seen = []
+    result = engine(models["tiny-hybrid"]).generate(workload()[:3], [2, 3, 4], progress=seen.append)
+    assert [p.step for p in seen] == list(range(1, result.num_steps + 1))
+    assert seen[-1].num_finished == 3 and seen[-1].num_running == seen[-1].num_waiting == 0
+    assert [len(o.output_token_ids) for o in result.outputs] == [2, 3, 4]
+    assert all(0 < o.ttft_s <= o.finish_s <= result.wall_s for o in result.outputs)
+    assert 0 < result.mean_usage <= result.peak_usage <= 1
+    assert result.num_generated_tokens == 9 and result.output_tokens_per_s > 0
+    report = result.to_dict()
+    assert report["outputs"][0]["request_id"] == result.outputs[0].request_id
+    assert report["prefix_hit_rate"] == result.prefix_hit_rate
+
+
+@pytest.mark.parametrize(
+    "prompts, max_new, match",
+    [
+        ([], 2, "at least one prompt"),
+        ([[1, 2], []], 2, "prompt 1 is empty"),
+        ([[1, 2], 3], 2, "prompt 1 must be a sequence of token ids, got 3"),
+        ([[1, 512]], 2, r"prompt 0: token 512 is not an id in \[0, 512\)"),
+        ([[1, -1]], 2, "token -1"),
+        ([list(range(MAX_MODEL_LEN))], 2, "prompt 0 has 256 tokens; max_model_len=256"),
+        ([[1], [2]], [1], "1 max_new_tokens for 2 prompts"),
+        ([[1]], 0, "max_new_tokens must be a positive int, got 0"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_runs(models, prompts, max_new, match):
+    eng = engine(models["tiny-llama"])
+    with pytest.raises(EngineError, match=match):
+        eng.generate(prompts, max_new)
+    assert eng.manager.num_free_blocks == eng.manager.config.num_usable_blocks
+    assert eng.runner.num_compilations == 0
+
+
+def test_the_step_budget_may_not_exceed_the_plan(models):
+    specs = models["tiny-llama"].config.layer_specs()
+    plan = plan_kv_cache(specs, 4 << 20, max_model_len=256, max_num_batched_tokens=64)
+    with pytest.raises(EngineError, match="max_num_batched_tokens=128 exceeds the plan's max_num_batched_tokens=64"):
+        Engine(models["tiny-llama"], plan, max_num_batched_tokens=128)

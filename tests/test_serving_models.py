@@ -1,0 +1,145 @@
+"""Tiny serving models: configs match the cache plan, the dense oracle masks right, paged == dense."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv.cache import allocate_kv_cache
+from jaxkv.manager import KVCacheManager, Request
+from jaxkv.metadata import Buckets, ScheduledSeq, build_step_metadata
+from jaxkv.planner import plan_kv_cache
+from jaxkv.presets import get_preset
+from jaxkv.serving.models import (
+    MODEL_CONFIGS,
+    ModelConfig,
+    ModelConfigError,
+    TinyLM,
+    dense_greedy_generate,
+    get_model_config,
+    layer_groups,
+)
+from jaxkv.specs import FullAttentionSpec
+
+
+def test_tiny_hybrid_is_the_preset_and_gemma_like():
+    config = get_model_config("tiny-hybrid")
+    assert config.layer_specs() == get_preset("tiny-hybrid")
+    assert config.windows == (32, 32, 32, 32, 32, None)
+    assert config.attn_soft_cap and config.final_soft_cap and config.qk_norm
+
+
+def test_tiny_llama_is_full_attention_with_gqa():
+    config = get_model_config("tiny-llama")
+    specs = config.layer_specs()
+    assert list(specs) == [f"layers.{i}" for i in range(config.num_layers)]
+    assert all(type(s) is FullAttentionSpec and s.num_kv_heads == 2 for s in specs.values())
+    assert config.num_heads == 2 * config.num_kv_heads
+
+
+def test_layer_groups_follow_the_plan():
+    config = get_model_config("tiny-hybrid")
+    plan = plan_kv_cache(config.layer_specs(), 1 << 20, max_model_len=128)
+    groups = layer_groups(config, [g.layer_names for g in plan.groups])
+    for name, g in zip(config.layer_names, groups):
+        assert name in plan.groups[g].layer_names
+    with pytest.raises(ModelConfigError, match=r"\['layers.5'\] are in no KV cache group"):
+        layer_groups(config, [g.layer_names for g in plan.groups if "layers.5" not in g.layer_names])
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"num_heads": 3}, "num_heads=3 must be a multiple of num_kv_heads=2"),
+        ({"head_dim": 7}, "head_dim must be even"),
+        ({"windows": (8, 0)}, "windows must be"),
+        ({"activation": "relu"}, "unknown activation 'relu'"),
+        ({"vocab_size": 0}, "vocab_size must be a positive int, got 0"),
+    ],
+)
+def test_bad_configs_name_the_value(change, match):
+    base = MODEL_CONFIGS["tiny-llama"].__dict__
+    with pytest.raises(ModelConfigError, match=match):
+        ModelConfig(**{**base, **change})
+    with pytest.raises(ModelConfigError, match="unknown model 'gpt-5'"):
+        get_model_config("gpt-5")
+
+
+@nnx.jit
+def dense(model: TinyLM, tokens: jax.Array) -> jax.Array:
+    return model.dense(tokens)
+
+
+def small_config(windows) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, windows=windows
+    )
+
+
+def test_dense_forward_is_causal_and_window_masked():
+    model = TinyLM(small_config((8,)), seed=1)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 24)), jnp.int32)
+    first_changed = tokens.at[0, 0].set((tokens[0, 0] + 1) % 64)
+    later_changed = tokens.at[0, 20].set((tokens[0, 20] + 1) % 64)
+    base, later, first = dense(model, jnp.concatenate([tokens, later_changed, first_changed]))
+    np.testing.assert_array_equal(base[:20], later[:20])  # causal
+    assert not np.allclose(base[20:], later[20:])
+    np.testing.assert_allclose(base[8:], first[8:], rtol=1e-6, atol=1e-6)  # out of the window
+    assert not np.allclose(base[1:8], first[1:8])
+    full_base, full_first = dense(TinyLM(small_config((None,)), seed=1), jnp.concatenate([tokens, first_changed]))
+    assert not np.allclose(full_base[8:], full_first[8:])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
+@pytest.mark.parametrize("layout", ["per_layer", "cross_layer"])
+def test_paged_forward_matches_the_dense_forward(name, layout):
+    """Two steps of a ragged batch (a chunked prefill, a prefill, then a decode) against dense logits."""
+    model = TinyLM(get_model_config(name), seed=3)
+    plan = plan_kv_cache(model.config.layer_specs(), 4 << 20, max_model_len=128, layout=layout)
+    manager = KVCacheManager(plan, enable_caching=False)
+    cache = allocate_kv_cache(plan)
+    groups = layer_groups(model.config, [g.layer_names for g in plan.groups])
+    rng = np.random.default_rng(0)
+    a = Request("a", rng.integers(0, 512, 70).tolist())
+    b = Request("b", rng.integers(0, 512, 45).tolist())
+    buckets = Buckets((128,), (4,), (8,))
+    block_sizes = [g.block_size for g in plan.groups]
+    forward = jax.jit(lambda cache, meta: model(cache, meta, groups))
+
+    def run(steps):
+        nonlocal cache
+        for req, n in steps:
+            manager.allocate_slots(req, n)
+        seqs = [ScheduledSeq(r.request_id, r.num_computed_tokens, n) for r, n in steps]
+        meta = build_step_metadata(
+            seqs, [r.all_token_ids for r, _ in steps],
+            [manager.get_block_ids(r.request_id) for r, _ in steps], block_sizes, buckets,
+        )
+        logits, cache = forward(cache, meta)
+        for req, n in steps:
+            req.num_computed_tokens += n
+        return np.asarray(logits)[: len(steps)]
+
+    first = run([(a, 40), (b, 45)])  # b's window layers look back past 32 tokens
+    b.append_output_token_ids(int(first[1].argmax()))
+    second = run([(b, 1), (a, 30)])
+    dense_a, dense_b = dense(model, jnp.asarray([a.all_token_ids, b.all_token_ids + [0] * 24], jnp.int32))
+    pairs = [(first[0], dense_a[39]), (first[1], dense_b[44]), (second[0], dense_b[45]), (second[1], dense_a[69])]
+    for got, want in pairs:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_dense_greedy_generation_is_seeded_and_context_dependent():
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (5, 40)]
+    model = TinyLM(get_model_config("tiny-hybrid"), seed=0)
+    out = dense_greedy_generate(model, prompts, 6)
+    assert out == dense_greedy_generate(TinyLM(get_model_config("tiny-hybrid"), seed=0), prompts, 6)
+    assert out != dense_greedy_generate(TinyLM(get_model_config("tiny-hybrid"), seed=1), prompts, 6)
+    assert [len(o) for o in out] == [6, 6] and len(set(out[1])) > 1
+    # Same last token, different history: a different continuation.
+    other = dense_greedy_generate(model, [prompts[1][:-1][::-1] + prompts[1][-1:]], 6)
+    assert other[0] != out[1]
+    with pytest.raises(ModelConfigError, match="max_new_tokens must be a positive int, got 0"):
+        dense_greedy_generate(model, prompts, 0)

@@ -1,0 +1,92 @@
+"""Model runner: one jitted step per bucket shape, the cache donated and updated in place."""
+
+import numpy as np
+import pytest
+
+from jaxkv.manager import KVCacheManager, Request
+from jaxkv.metadata import Buckets
+from jaxkv.planner import plan_kv_cache
+from jaxkv.serving.models import TinyLM, get_model_config
+from jaxkv.serving.runner import ModelRunner, RunnerError, default_buckets
+from jaxkv.serving.scheduler import Scheduler
+
+BUCKETS = Buckets((4, 64), (4,), (16,))
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyLM:
+    return TinyLM(get_model_config("tiny-hybrid"), seed=0)
+
+
+def setup(model: TinyLM, memory_bytes: int = 2 << 20, layout: str = "cross_layer"):
+    plan = plan_kv_cache(
+        model.config.layer_specs(), memory_bytes, max_model_len=256, layout=layout, max_num_batched_tokens=64
+    )
+    scheduler = Scheduler(KVCacheManager(plan), max_num_seqs=4, max_num_batched_tokens=64)
+    return ModelRunner(model, plan, BUCKETS), scheduler
+
+
+def run(runner: ModelRunner, scheduler: Scheduler) -> int:
+    """Step until every request is done; return the number of steps."""
+    steps = 0
+    while scheduler.has_unfinished:
+        out = scheduler.schedule()
+        scheduler.update(out, runner.execute(out.chunks).tolist())
+        steps += 1
+    return steps
+
+
+def test_each_bucket_shape_compiles_once_and_runners_share_them(model):
+    runner, scheduler = setup(model, memory_bytes=(2 << 20) + (16 << 10))  # a cache shape of its own
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        scheduler.add_request(Request(f"r{i}", rng.integers(0, 512, 20 + 7 * i).tolist()), 12)
+    before = runner.cache.buffers
+    steps = run(runner, scheduler)
+    assert steps >= 12 and runner.num_compilations == 2  # prefill (64 tokens) and decode (4)
+    assert all(b.is_deleted() for b in before)  # donated to the step
+    for i in range(3, 6):
+        scheduler.add_request(Request(f"r{i}", rng.integers(0, 512, 30).tolist()), 20)
+    run(runner, scheduler)
+    assert runner.num_compilations == 2
+    twin, twin_scheduler = setup(model, memory_bytes=(2 << 20) + (16 << 10))
+    twin_scheduler.add_request(Request("t", rng.integers(0, 512, 30).tolist()), 3)
+    run(twin, twin_scheduler)
+    assert twin.num_compilations == 0
+
+
+@pytest.mark.parametrize("layout, num_buffers", [("per_layer", 4), ("cross_layer", 1)])
+def test_the_cache_is_donated_and_updated_in_place(layout, num_buffers):
+    """The step aliases every cache buffer to its output and allocates no cache-sized temp."""
+    llama = TinyLM(get_model_config("tiny-llama"), seed=0)  # one group of 4 layer slots
+    temps = []
+    for memory in (2 << 20, 8 << 20):
+        runner, scheduler = setup(llama, memory, layout)
+        assert len(runner.cache.buffers) == num_buffers
+        scheduler.add_request(Request("a", list(range(40))), 2)
+        chunks = scheduler.schedule().chunks
+        stats = runner.lower(chunks).compile().memory_analysis()
+        cache_bytes = runner.cache.nbytes
+        assert stats.alias_size_in_bytes == cache_bytes
+        assert stats.output_size_in_bytes < cache_bytes + 4096  # the cache plus the tokens
+        temps.append(stats.temp_size_in_bytes)
+    assert temps[0] == temps[1]  # 4x the cache, same scratch: no copy of the cache
+
+
+def test_a_plan_for_other_specs_is_refused(model):
+    other = TinyLM(get_model_config("tiny-llama"), seed=0)
+    plan = plan_kv_cache(
+        {name: get_model_config("tiny-hybrid").layer_specs()["layers.0"] for name in other.config.layer_names},
+        1 << 20, max_model_len=64,
+    )
+    with pytest.raises(RunnerError, match="layer 'layers.0' needs FullAttentionSpec.*planned for SlidingWindowSpec"):
+        ModelRunner(other, plan, BUCKETS)
+
+
+def test_default_buckets_give_two_shapes():
+    plan = plan_kv_cache(get_model_config("tiny-llama").layer_specs(), 1 << 20, max_model_len=200)
+    assert default_buckets(plan, 8, 256) == Buckets((8, 256), (8,), (13,))
+    assert default_buckets(plan, 8, 8) == Buckets((8,), (8,), (13,))
+    no_len = plan.__class__(num_blocks=plan.num_blocks, groups=plan.groups)
+    with pytest.raises(RunnerError, match="max_model_len=None"):
+        default_buckets(no_len, 8, 256)
