@@ -1,0 +1,178 @@
+"""Time-to-first-token and throughput with prefix caching vs without, in one run.
+
+Workload: prompts of ``--prompt_len`` tokens whose first ``--shared`` fraction (default
+90 %) is one shared prefix (a long system prompt) and the rest a unique tail. Two
+engines with the same model, plan, buckets and step function serve it, one with prefix
+caching and one without (the baseline); every number is reported with its ratio.
+
+- **single request**: the prefix is served once (untimed), then ``--repeats`` requests
+  with fresh tails, one at a time; TTFT is the median over them. This is the issue's
+  "TTFT on a 90%-shared prompt".
+- **batch**: ``--num_requests`` prompts sharing the prefix arrive together: mean TTFT,
+  output tokens/s and wall time of the whole batch.
+
+Each phase first runs untimed on a different prefix with the same lengths, so every
+step shape is compiled before timing (the compilations of the timed runs are printed
+and must be 0). On CPU the numbers are ratios of a tiny model's compute, not absolute
+speeds.
+
+    python scripts/bench_serve.py --out bench_serve.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+
+import jax
+from absl import app, flags, logging
+
+from jaxkv import ops
+from jaxkv.metadata import Buckets
+from jaxkv.plan import SizeError, parse_size
+from jaxkv.planner import LAYOUT_KINDS, PlanError, plan_kv_cache
+from jaxkv.serving.engine import Engine, GenerationResult
+from jaxkv.serving.models import MODEL_CONFIGS, TinyLM, get_model_config
+from jaxkv.serving.workloads import shared_prefix_prompts
+from jaxkv.specs import cdiv
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("model", "tiny-hybrid", list(MODEL_CONFIGS), "model architecture")
+flags.DEFINE_integer("prompt_len", 1024, "tokens per prompt", lower_bound=2)
+flags.DEFINE_float("shared", 0.9, "fraction of each prompt in the shared prefix (the rest, >= 1 token, is unique)",
+                   lower_bound=0, upper_bound=1)
+flags.DEFINE_integer("num_requests", 8, "requests in the batch phase", lower_bound=1)
+flags.DEFINE_integer("repeats", 3, "timed requests in the single-request phase", lower_bound=1)
+flags.DEFINE_integer("max_new_tokens", 16, "tokens generated per request", lower_bound=1)
+flags.DEFINE_string("memory", "64MiB", "KV cache budget")
+flags.DEFINE_integer("max_model_len", 2048, "tokens of the longest request", lower_bound=1)
+flags.DEFINE_enum("layout", "cross_layer", LAYOUT_KINDS, "KV cache buffer layout")
+flags.DEFINE_integer("max_num_seqs", 8, "most requests running at once", lower_bound=1)
+flags.DEFINE_integer("max_num_batched_tokens", 1024, "token budget of one step", lower_bound=1)
+flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.ops implementation")
+flags.DEFINE_integer("seed", 0, "weights and prompts seed")
+flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+def prompts(count: int, seed: int, vocab_size: int) -> list[list[int]]:
+    """``count`` prompts of the flags' length sharing one prefix (a new prefix per seed)."""
+    tail = max(1, FLAGS.prompt_len - round(FLAGS.prompt_len * FLAGS.shared))
+    return shared_prefix_prompts(
+        num_requests=count,
+        num_prefixes=1,
+        prefix_len=FLAGS.prompt_len - tail,
+        suffix_len=(tail, tail),
+        vocab_size=vocab_size,
+        seed=FLAGS.seed * 1000 + seed,
+    )
+
+
+def run(engine: Engine, batch: list[list[int]]) -> GenerationResult:
+    return engine.generate(batch, FLAGS.max_new_tokens)
+
+
+def measure(engines: dict[str, Engine], vocab_size: int) -> dict[str, dict]:
+    """Warm up, then time both phases; every engine gets the same prompts, in turn.
+
+    Single requests alternate between engines, so machine noise hits both alike.
+    """
+    for seed in (0, 1):  # 0: warm-up (compiles every shape), 1: timed
+        served, *timed = prompts(1 + FLAGS.repeats, seed, vocab_size)
+        runs: dict[str, list[GenerationResult]] = {name: [] for name in engines}
+        for name, engine in engines.items():
+            run(engine, [served])
+        for prompt in timed:
+            for name, engine in engines.items():
+                runs[name].append(run(engine, [prompt]))
+    batches = {}
+    for seed in (2, 3):  # 2: warm-up, 3: timed
+        batch = prompts(FLAGS.num_requests, seed, vocab_size)
+        batches = {name: run(engine, batch) for name, engine in engines.items()}
+    return {
+        name: {
+            "single_ttft_s": statistics.median(r.outputs[0].ttft_s for r in runs[name]),
+            "batch_mean_ttft_s": batches[name].mean_ttft_s,
+            "batch_output_tokens_per_s": batches[name].output_tokens_per_s,
+            "batch_wall_s": batches[name].wall_s,
+            "batch_prefix_hit_rate": batches[name].prefix_hit_rate,
+            "batch_tokens_computed": batches[name].num_scheduled_tokens,
+            "timed_compilations": sum(r.num_compilations for r in runs[name]) + batches[name].num_compilations,
+            "outputs": [list(o.output_token_ids) for o in batches[name].outputs],
+        }
+        for name in engines
+    }
+
+
+ROWS = (
+    ("TTFT, one shared-prefix request (ms)", "single_ttft_s", 1e3, "{:,.1f}", "speed-up"),
+    ("batch mean TTFT (ms)", "batch_mean_ttft_s", 1e3, "{:,.1f}", "speed-up"),
+    ("batch output tokens/s", "batch_output_tokens_per_s", 1, "{:,.1f}", "ratio"),
+    ("batch wall time (s)", "batch_wall_s", 1, "{:,.2f}", "speed-up"),
+    ("batch prefix hit rate", "batch_prefix_hit_rate", 1, "{:.1%}", ""),
+    ("batch tokens computed", "batch_tokens_computed", 1, "{:,}", "speed-up"),
+    ("compilations while timed", "timed_compilations", 1, "{}", ""),
+)
+
+
+def table(results: dict[str, dict]) -> tuple[str, dict[str, float]]:
+    """The markdown table and the on-vs-off ratios (speed-ups: off / on; rates: on / off)."""
+    off, on = results["no prefix caching"], results["prefix caching"]
+    lines = ["| metric | no prefix caching | prefix caching | on vs off |", "|---|---|---|---|"]
+    ratios = {}
+    for label, key, scale, fmt, kind in ROWS:
+        cell = ""
+        if kind and off[key] and on[key]:
+            ratios[key] = off[key] / on[key] if kind == "speed-up" else on[key] / off[key]
+            cell = f"{ratios[key]:.2f}x"
+        lines.append(f"| {label} | {fmt.format(off[key] * scale)} | {fmt.format(on[key] * scale)} | {cell} |")
+    return "\n".join(lines), ratios
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    logging.set_verbosity(logging.WARNING)
+    try:
+        memory = parse_size(FLAGS.memory)
+        model = TinyLM(get_model_config(FLAGS.model), seed=FLAGS.seed)
+        config = plan_kv_cache(
+            model.config.layer_specs(), memory, max_model_len=FLAGS.max_model_len, layout=FLAGS.layout,
+            max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        )
+    except (PlanError, SizeError) as err:
+        sys.exit(f"error: {err}")
+    if FLAGS.prompt_len + FLAGS.max_new_tokens > FLAGS.max_model_len:
+        sys.exit(f"error: --prompt_len + --max_new_tokens exceeds --max_model_len={FLAGS.max_model_len}")
+    # Token buckets in powers of two, so a cached request's short prefill runs a small step.
+    max_blocks = cdiv(FLAGS.max_model_len, config.hash_block_size)
+    ladder = Buckets.powers_of_two(FLAGS.max_num_batched_tokens, FLAGS.max_num_seqs, max_blocks)
+    buckets = Buckets(ladder.tokens, (FLAGS.max_num_seqs,), (max_blocks,))
+    print(f"{FLAGS.model}, {FLAGS.layout}, {FLAGS.impl} ops on {jax.default_backend()}: prompts of "
+          f"{FLAGS.prompt_len} tokens, {FLAGS.shared:.0%} shared; {config.num_blocks:,} blocks")
+    with ops.set_implementation(FLAGS.impl):
+        engines = {
+            "no prefix caching": Engine(model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs,
+                                        buckets=buckets),
+            "prefix caching": Engine(model, config, enable_caching=True, max_num_seqs=FLAGS.max_num_seqs,
+                                     buckets=buckets),
+        }
+        results = measure(engines, model.config.vocab_size)
+    text, ratios = table(results)
+    print(text)
+    same = results["prefix caching"]["outputs"] == results["no prefix caching"]["outputs"]
+    print(f"identical tokens with and without prefix caching: {'yes' if same else 'NO'}")
+    if FLAGS.out:
+        flag_values = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
+        report = {"flags": flag_values, "device": jax.default_backend(), "results": results,
+                  "ratios": ratios, "identical_tokens": same}
+        with open(FLAGS.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {FLAGS.out}")
+    if not same:
+        sys.exit("error: prefix caching changed the generated tokens")
+
+
+if __name__ == "__main__":
+    app.run(main)
