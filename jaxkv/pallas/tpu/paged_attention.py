@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxkv.pallas.reference import KVShapeError, check_kv_buffer
+from jaxkv.pallas.reference import KVShapeError, check_paged_attention_args
 from jaxkv.pallas.tpu._common import Interpret, interpret_params, page_ref
 
 DEFAULT_MAX_QUERIES_PER_TILE = 32
@@ -262,22 +262,11 @@ def _check_inputs(
     sliding_window: int | None,
     soft_cap: float | None,
 ) -> None:
-    check_kv_buffer(kv_buffer, layer_slot)
-    num_kv_heads, head_dim = kv_buffer.shape[-2] // 2, kv_buffer.shape[-1]
-    if q.ndim != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
-        raise KVShapeError(
-            f"q {q.shape} needs head_dim {head_dim} and a multiple of {num_kv_heads} heads"
-        )
-    if block_tables.ndim != 2:
-        raise KVShapeError(f"block_tables must be (S, W), got {block_tables.shape}")
-    num_slots_seq = block_tables.shape[0]
-    if kv_lens.shape != (num_slots_seq,) or cu_q_lens.shape != (num_slots_seq + 1,):
-        raise KVShapeError(
-            f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not fit "
-            f"block_tables {block_tables.shape}"
-        )
-    if num_seqs.shape != (1,):
-        raise KVShapeError(f"num_seqs must have shape (1,), got {num_seqs.shape}")
+    """The reference's argument rules, plus int32 metadata (scalar prefetch needs it)."""
+    check_paged_attention_args(
+        q, kv_buffer, kv_lens, block_tables, cu_q_lens, num_seqs,
+        layer_slot=layer_slot, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
     for name, x in (
         ("kv_lens", kv_lens),
         ("block_tables", block_tables),
@@ -286,10 +275,6 @@ def _check_inputs(
     ):
         if x.dtype != jnp.int32:
             raise KVShapeError(f"{name} must be int32, got {x.dtype}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise KVShapeError(f"sliding_window must be positive, got {sliding_window}")
-    if soft_cap is not None and soft_cap <= 0:
-        raise KVShapeError(f"soft_cap must be positive, got {soft_cap}")
 
 
 def paged_attention(
