@@ -1,0 +1,213 @@
+"""Block transfers between the device KV cache and the host pool.
+
+Store: one jitted gather of the blocks (:func:`jaxkv.ops.gather_blocks`, the cache is
+read, not donated), then an asynchronous device->host copy into the host slots. Load:
+a host->device copy of the slots' rows, then one jitted scatter into the donated
+cache. With the cross-layer layout a block is one contiguous region (one copy); with
+the per-layer layout it is one region per layer buffer.
+
+Block counts are padded to powers of two with the null block 0 and the scratch host
+slot 0, so a handful of shapes compile once. Every transfer records the generations
+of its host slots: one that completes after its slot was released or rewritten is
+reported failed (and, on the numpy path, never lands). Injected failures are reported
+the same way: a failed store leaves its slots unwritten, a failed load leaves its
+device blocks untouched, and the caller recomputes them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import ops
+from jaxkv.cache import KVCache
+from jaxkv.offload.host_pool import SCRATCH_SLOT, HostKVPool, HostPoolError, block_shape
+from jaxkv.pool import NULL_BLOCK
+
+FailureHook = Callable[[np.ndarray, np.ndarray], np.ndarray]
+"""``(device_block_ids, host_slots) -> bool mask`` of the rows to fail (injection)."""
+
+
+class TransferError(ValueError):
+    """A transfer request the engine cannot issue; nothing was issued."""
+
+
+class WrongThreadError(RuntimeError):
+    """A transfer was issued from a thread other than the cache-owning one."""
+
+
+def bucket_size(n: int) -> int:
+    """The padded row count for ``n`` rows: the next power of two (at least 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def copies_per_block(cache: KVCache) -> int:
+    """Contiguous device regions one block occupies: 1 cross-layer, one per layer buffer."""
+    return 1 if cache.kind == "cross_layer" else cache.num_slots
+
+
+@dataclass
+class Transfer:
+    """One in-flight store or load; rows are in the caller's order."""
+
+    kind: str
+    slots: np.ndarray
+    generations: np.ndarray
+    injected: np.ndarray
+    staged: jax.Array | None
+    result: TransferResult | None = None
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Row indices (into the issued lists) that completed, and those that failed."""
+
+    ok: tuple[int, ...]
+    failed: tuple[int, ...]
+
+
+def _pad(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    out = np.full(size, fill, np.int32)
+    out[: len(values)] = values
+    return out
+
+
+class TransferEngine:
+    """Issues stores and loads between one device cache and one host pool."""
+
+    def __init__(
+        self,
+        pool: HostKVPool,
+        *,
+        fail_store: FailureHook | None = None,
+        fail_load: FailureHook | None = None,
+    ) -> None:
+        self.pool = pool
+        self.fail_store = fail_store
+        self.fail_load = fail_load
+        self.num_traces = 0
+        self._owner = threading.get_ident()
+        self._gather = jax.jit(self._gather_fn)
+        self._scatter = jax.jit(self._scatter_fn, donate_argnums=0)
+
+    def _gather_fn(self, cache: KVCache, ids: jax.Array) -> jax.Array:
+        self.num_traces += 1
+        return ops.gather_blocks(cache, ids)
+
+    def _scatter_fn(self, cache: KVCache, ids: jax.Array, data: jax.Array) -> KVCache:
+        self.num_traces += 1
+        return ops.scatter_blocks(cache, ids, data)
+
+    # -------------------------------------------------------------- checks
+    def _check(
+        self, cache: KVCache, block_ids: Sequence[int], host_slots: Sequence[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if threading.get_ident() != self._owner:
+            raise WrongThreadError(
+                f"transfers must be issued from the cache-owning thread {self._owner}, "
+                f"not {threading.get_ident()}"
+            )
+        if block_shape(cache) != self.pool.block_shape or cache.dtype != self.pool.dtype:
+            raise TransferError(
+                f"cache blocks {block_shape(cache)} {cache.dtype} do not match the host pool's "
+                f"{self.pool.block_shape} {self.pool.dtype}"
+            )
+        ids = np.asarray(block_ids, np.int64).reshape(-1)
+        slots = np.asarray(host_slots, np.int64).reshape(-1)
+        if len(ids) != len(slots):
+            raise TransferError(f"{len(ids)} block ids but {len(slots)} host slots")
+        bad = ids[(ids <= NULL_BLOCK) | (ids >= cache.num_blocks)]
+        if bad.size:
+            raise TransferError(f"device block ids out of range [1, {cache.num_blocks}): {bad.tolist()}")
+        try:
+            self.pool.check_slots(slots.tolist())
+        except HostPoolError as err:
+            raise TransferError(str(err)) from None
+        if (slots == SCRATCH_SLOT).any():
+            raise TransferError(f"host slot {SCRATCH_SLOT} is the scratch slot: {slots.tolist()}")
+        if len(set(slots.tolist())) != len(slots):
+            raise TransferError(f"host slots repeat: {slots.tolist()}")
+        return ids, slots
+
+    @staticmethod
+    def _injected(hook: FailureHook | None, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        if hook is None or not len(ids):
+            return np.zeros(len(ids), bool)
+        return np.asarray(hook(ids, slots), bool).reshape(len(ids))
+
+    # ------------------------------------------------------------ transfers
+    def store(self, cache: KVCache, block_ids: Sequence[int], host_slots: Sequence[int]) -> Transfer:
+        """Copy device blocks ``block_ids[i]`` into host slots ``host_slots[i]``.
+
+        The cache is only read. Reuse a source device block only once
+        :meth:`is_done` (or :meth:`wait`) says so.
+        """
+        ids, slots = self._check(cache, block_ids, host_slots)
+        injected = self._injected(self.fail_store, ids, slots)
+        targets = np.where(injected, SCRATCH_SLOT, slots)
+        generations = self.pool.bump(targets)
+        size = bucket_size(len(ids))
+        staged = None
+        if len(ids):
+            staged = self._gather(cache, jnp.asarray(_pad(ids, size, NULL_BLOCK)))
+            if self.pool.memory_kind == "pinned_host":
+                self.pool.write(jnp.asarray(_pad(targets, size, SCRATCH_SLOT)), staged)
+                staged = None
+            else:
+                staged.copy_to_host_async()
+        return Transfer("store", targets, generations, injected, staged)
+
+    def load(
+        self, cache: KVCache, block_ids: Sequence[int], host_slots: Sequence[int]
+    ) -> tuple[KVCache, Transfer]:
+        """Copy host slots ``host_slots[i]`` into device blocks ``block_ids[i]``.
+
+        The cache is donated; use the returned one. Rows that fail (injected) are not
+        written: their device blocks keep what they held, and the caller recomputes.
+        """
+        ids, slots = self._check(cache, block_ids, host_slots)
+        injected = self._injected(self.fail_load, ids, slots)
+        ids = np.where(injected, NULL_BLOCK, ids)
+        slots = np.where(injected, SCRATCH_SLOT, slots)
+        generations = self.pool.generation[slots].copy()
+        staged = None
+        if len(ids):
+            size = bucket_size(len(ids))
+            staged = self.pool.read(_pad(slots, size, SCRATCH_SLOT))
+            cache = self._scatter(cache, jnp.asarray(_pad(ids, size, NULL_BLOCK)), staged)
+        return cache, Transfer("load", slots, generations, injected, staged)
+
+    def is_done(self, transfer: Transfer) -> bool:
+        """Whether the transfer's data left its source (a stored device block may be reused)."""
+        if transfer.result is not None or not len(transfer):
+            return True
+        if transfer.staged is None:
+            return self.pool.buffer.is_ready()
+        return transfer.staged.is_ready()
+
+    def wait(self, transfer: Transfer) -> TransferResult:
+        """Block until the transfer completed; which rows succeeded (idempotent)."""
+        if transfer.result is not None:
+            return transfer.result
+        ok = ~transfer.injected
+        if len(transfer):
+            if transfer.staged is None:
+                jax.block_until_ready(self.pool.buffer)
+            else:
+                transfer.staged.block_until_ready()
+            ok &= self.pool.current(transfer.slots, transfer.generations)
+            if transfer.kind == "store" and transfer.staged is not None:
+                rows = np.asarray(transfer.staged)[: len(transfer)]
+                self.pool.commit(transfer.slots[ok], rows[ok])
+        rows = np.arange(len(transfer))
+        transfer.result = TransferResult(tuple(rows[ok].tolist()), tuple(rows[~ok].tolist()))
+        transfer.staged = None
+        return transfer.result

@@ -1,0 +1,176 @@
+"""Transfer engine: store->load round trips, bucketing, generations, failure injection."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxkv import ops
+from jaxkv.cache import allocate_kv_cache
+from jaxkv.offload.host_pool import HostKVPool, block_nbytes, block_shape
+from jaxkv.offload.transfer import (
+    TransferEngine,
+    TransferError,
+    WrongThreadError,
+    bucket_size,
+    copies_per_block,
+)
+from jaxkv.planner import KVCacheConfig, KVCacheGroup
+from jaxkv.specs import FullAttentionSpec
+
+NUM_BLOCKS = 12
+HOST_BLOCKS = 10
+LAYOUTS = ("cross_layer", "per_layer")
+MEMORY = ("pinned_host", "numpy")
+
+
+def random_cache(layout: str, seed: int = 0):
+    spec = FullAttentionSpec(num_kv_heads=1, head_size=4, dtype="float32")
+    group = KVCacheGroup(layer_names=("l0", "l1", "l2"), spec=spec, block_size=2)
+    cache = allocate_kv_cache(KVCacheConfig(num_blocks=NUM_BLOCKS, groups=(group,)), layout=layout)
+    data = jax.random.normal(jax.random.key(seed), (NUM_BLOCKS,) + block_shape(cache), jnp.float32)
+    return ops.scatter_blocks(cache, jnp.arange(NUM_BLOCKS), data)
+
+
+def blocks(cache) -> np.ndarray:
+    return np.asarray(ops.gather_blocks(cache, jnp.arange(NUM_BLOCKS)))
+
+
+_ENGINES: dict = {}
+
+
+def engine_for(layout: str, memory: str) -> TransferEngine:
+    """One engine (and its compiled functions) per layout and memory kind, reused by tests."""
+    if (layout, memory) not in _ENGINES:
+        cache = random_cache(layout)
+        pool = HostKVPool(HOST_BLOCKS, block_shape(cache), cache.dtype, memory_kind=memory)
+        _ENGINES[layout, memory] = TransferEngine(pool)
+    engine = _ENGINES[layout, memory]
+    engine.fail_store = engine.fail_load = None
+    return engine
+
+
+def test_bucket_size_is_next_power_of_two():
+    assert [bucket_size(n) for n in (0, 1, 2, 3, 4, 5, 9)] == [1, 1, 2, 4, 4, 8, 16]
+
+
+def test_copies_per_block_by_layout():
+    assert copies_per_block(random_cache("cross_layer")) == 1
+    assert copies_per_block(random_cache("per_layer")) == 3
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    memory=st.sampled_from(MEMORY),
+    data=st.data(),
+)
+def test_random_round_trip_is_bit_exact(layout, memory, data):
+    engine = engine_for(layout, memory)
+    cache = random_cache(layout, seed=data.draw(st.integers(0, 99)))
+    n = data.draw(st.integers(1, 7))
+    src = data.draw(st.lists(st.integers(1, NUM_BLOCKS - 1), min_size=n, max_size=n, unique=True))
+    slots = data.draw(st.lists(st.integers(1, HOST_BLOCKS), min_size=n, max_size=n, unique=True))
+    dst = data.draw(st.lists(st.integers(1, NUM_BLOCKS - 1), min_size=n, max_size=n, unique=True))
+    before = blocks(cache)
+    store = engine.store(cache, src, slots)
+    assert engine.wait(store).ok == tuple(range(n))
+    np.testing.assert_array_equal(blocks(cache), before)  # sources unchanged
+    np.testing.assert_array_equal(engine.pool.rows(slots), before[src])
+    cache, load = engine.load(cache, dst, slots)
+    assert engine.wait(load).ok == tuple(range(n))
+    expected = before.copy()
+    expected[dst] = before[src]
+    after = blocks(cache)
+    np.testing.assert_array_equal(after[1:], expected[1:])  # block 0 is the padding sink
+
+
+@pytest.mark.parametrize("memory", MEMORY)
+def test_buckets_do_not_recompile(memory):
+    engine = engine_for("cross_layer", memory)
+    cache = random_cache("cross_layer")
+    for n in (5, 6, 7, 8):  # all in bucket 8
+        engine.wait(engine.store(cache, list(range(1, n + 1)), list(range(1, n + 1))))
+        cache, load = engine.load(cache, list(range(1, n + 1)), list(range(1, n + 1)))
+        engine.wait(load)
+    traces = engine.num_traces
+    for n in (5, 7):
+        engine.wait(engine.store(cache, list(range(1, n + 1)), list(range(1, n + 1))))
+        cache, load = engine.load(cache, list(range(1, n + 1)), list(range(1, n + 1)))
+    assert engine.num_traces == traces
+
+
+@pytest.mark.parametrize("memory", MEMORY)
+def test_late_store_never_lands_in_reused_slot(memory):
+    engine = engine_for("cross_layer", memory)
+    cache = random_cache("cross_layer")
+    old = engine.store(cache, [1], [4])
+    engine.pool.release([4])  # the manager freed slot 4 and handed it out again
+    new = engine.store(cache, [2], [4])
+    assert engine.wait(new).ok == (0,)
+    assert engine.wait(old).failed == (0,)
+    np.testing.assert_array_equal(engine.pool.rows([4])[0], blocks(cache)[2])
+
+
+@pytest.mark.parametrize("memory", MEMORY)
+def test_injected_store_failure_leaves_slots_unwritten(memory):
+    engine = engine_for("cross_layer", memory)
+    cache = random_cache("cross_layer", seed=1)
+    engine.wait(engine.store(random_cache("cross_layer", seed=2), [1, 2, 3], [1, 2, 3]))
+    host_before = engine.pool.rows([1, 2, 3])
+    engine.fail_store = lambda ids, slots: ids == 2
+    result = engine.wait(engine.store(cache, [1, 2, 3], [1, 2, 3]))
+    assert result == type(result)(ok=(0, 2), failed=(1,))
+    np.testing.assert_array_equal(engine.pool.rows([2])[0], host_before[1])
+    np.testing.assert_array_equal(engine.pool.rows([1, 3]), blocks(cache)[[1, 3]])
+
+
+@pytest.mark.parametrize("memory", MEMORY)
+def test_injected_load_failure_leaves_device_blocks_untouched(memory):
+    engine = engine_for("per_layer", memory)
+    cache = random_cache("per_layer", seed=3)
+    engine.wait(engine.store(random_cache("per_layer", seed=4), [1, 2], [5, 6]))
+    before = blocks(cache)
+    engine.fail_load = lambda ids, slots: slots == 6
+    cache, load = engine.load(cache, [7, 8], [5, 6])
+    assert engine.wait(load).failed == (1,)
+    after = blocks(cache)
+    np.testing.assert_array_equal(after[8], before[8])  # the caller recomputes block 8
+    np.testing.assert_array_equal(after[7], engine.pool.rows([5])[0])
+
+
+def test_bad_requests_raise_and_issue_nothing():
+    engine = engine_for("cross_layer", "numpy")
+    cache = random_cache("cross_layer")
+    generations = engine.pool.generation.copy()
+    for ids, slots in (([0], [1]), ([NUM_BLOCKS], [1]), ([1], [0]), ([1], [HOST_BLOCKS + 1]), ([1, 2], [3, 3]), ([1], [1, 2])):
+        with pytest.raises(TransferError):
+            engine.store(cache, ids, slots)
+    np.testing.assert_array_equal(engine.pool.generation, generations)
+
+
+def test_transfers_only_from_the_owning_thread():
+    import threading
+
+    engine = engine_for("cross_layer", "numpy")
+    cache = random_cache("cross_layer")
+    errors = []
+
+    def issue():
+        try:
+            engine.store(cache, [1], [1])
+        except WrongThreadError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=issue)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1
+
+
+def test_pool_for_cache_sizes_from_byte_budget():
+    cache = random_cache("cross_layer")
+    pool = HostKVPool.for_cache(cache, 5 * block_nbytes(cache) + 7, memory_kind="numpy")
+    assert pool.num_blocks == 5 and pool.block_bytes == block_nbytes(cache)
