@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from jaxkv.coordinator import KVCacheCoordinator
 from jaxkv.hashing import BlockHasher, ExtraKeys, MultiModalItem
 from jaxkv.planner import KVCacheConfig
-from jaxkv.pool import BlockPool, KVCacheEvent
+from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent
 
 
 class KVCacheManagerError(ValueError):
@@ -214,11 +214,17 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Give the request slots for ``num_new_tokens`` more tokens (plus lookahead).
 
         ``new_computed_blocks`` / ``num_new_computed_tokens`` come from
-        ``get_computed_blocks`` for a request that holds no blocks yet. Returns the
+        ``get_computed_blocks`` for a request that holds no blocks yet.
+        ``num_external_computed_tokens`` (whole blocks of every group, new requests
+        only) follow the device hit and are filled by the caller (an offload tier):
+        they get fresh blocks, except the blocks a group no longer needs after them
+        (out of a sliding window), which stay null. Their hashes are registered now,
+        so a caller that fails to fill them must :meth:`evict_blocks` them. Returns the
         newly allocated blocks per group, or ``None`` when the pool cannot serve the
         request (the caller preempts); a ``None`` or an error changes nothing.
         """
@@ -227,17 +233,20 @@ class KVCacheManager:
             type(num_new_tokens) is not int
             or type(num_new_computed_tokens) is not int
             or type(num_lookahead_tokens) is not int
-            or min(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) < 0
+            or type(num_external_computed_tokens) is not int
+            or min(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens) < 0
         ):
-            self._raise_bad_counts(rid, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+            self._raise_bad_counts(
+                rid, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens
+            )
+        if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
             raise KVCacheManagerError(f"request {rid!r}: nothing to allocate (num_new_tokens=0)")
         num_computed = request.num_computed_tokens
-        total_computed = num_computed + num_new_computed_tokens
+        total_computed = num_computed + num_new_computed_tokens + num_external_computed_tokens
         if total_computed + num_new_tokens > self.max_model_len:
             raise MaxModelLenExceededError(
                 f"request {rid!r}: {num_computed} computed + {num_new_computed_tokens} cached "
-                f"+ {num_new_tokens} new tokens exceeds max_model_len={self.max_model_len}"
+                f"+ {num_external_computed_tokens} external + {num_new_tokens} new tokens exceeds max_model_len={self.max_model_len}"
             )
         num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_cacheable = min(total_computed + num_new_tokens, request.num_tokens) if self.enable_caching else -1
@@ -245,10 +254,13 @@ class KVCacheManager:
         if (
             new_computed_blocks is None
             and not num_new_computed_tokens
+            and not num_external_computed_tokens
             and coord.is_noop(rid, num_slots, num_cacheable, num_computed)
         ):
             return self._no_blocks
         hits = self._check_hit(request, num_new_computed_tokens, new_computed_blocks)
+        if num_external_computed_tokens:
+            hits = self._external_hits(request, hits, num_external_computed_tokens, total_computed)
         needed = coord.num_blocks_to_allocate(rid, num_slots, hits, num_computed)
         if needed > self.pool.num_free_blocks:
             return None
@@ -293,7 +305,7 @@ class KVCacheManager:
 
     @staticmethod
     def _raise_bad_counts(rid: str, *counts: object) -> None:
-        names = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens")
+        names = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens", "num_external_computed_tokens")
         for name, value in zip(names, counts):
             if type(value) is not int or value < 0:
                 raise KVCacheManagerError(f"{name} must be an int >= 0, got {value!r} (request {rid!r})")
@@ -335,3 +347,24 @@ class KVCacheManager:
                                 f"request {rid!r}: hit block {b} of group {g} was evicted since get_computed_blocks"
                             )
         return hit.blocks
+
+    def _external_hits(
+        self, request: Request, hits: tuple[Sequence[int], ...] | None, num_external: int, total_computed: int
+    ) -> tuple[list[int], ...]:
+        """The hit blocks per group, null wherever a group's span no longer reaches at the
+        end of the external tokens: such device-hit blocks are not taken at all."""
+        rid = request.request_id
+        coord = self.coordinator
+        if coord.has_request(rid):
+            raise KVCacheManagerError(f"request {rid!r} already holds blocks; external tokens apply only to a new request")
+        if num_external % coord.lcm_block_size:
+            raise KVCacheManagerError(
+                f"request {rid!r}: num_external_computed_tokens={num_external} is not a multiple of "
+                f"the block sizes' lcm {coord.lcm_block_size}"
+            )
+        out = []
+        for g, m in enumerate(coord.managers):
+            blocks = list(hits[g]) if hits else []
+            skipped = m.num_skipped_tokens(total_computed) // m.block_size
+            out.append([NULL_BLOCK] * skipped + blocks[skipped:])
+        return tuple(out)

@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.metadata import Buckets
+from jaxkv.offload.connector import OffloadConfig, OffloadConnector
 from jaxkv.planner import KVCacheConfig, plan_kv_cache
 from jaxkv.serving.models import TinyLM, get_model_config
 from jaxkv.serving.runner import ModelRunner, default_buckets
@@ -112,6 +113,8 @@ class Engine:
 
     ``max_num_batched_tokens`` (the step's token budget) defaults to the plan's own and
     may not exceed it: the plan sized sliding-window spans for that chunk size.
+    ``offload`` adds a host-memory tier (:mod:`jaxkv.offload.connector`): blocks are
+    stored to host after the step that fills them and loaded back on admission.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class Engine:
         max_num_batched_tokens: int | None = None,
         buckets: Buckets | None = None,
         hash_algo: str = "sha256",
+        offload: OffloadConfig | None = None,
     ) -> None:
         budget = kv_config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
         check_positive_int("max_num_seqs", max_num_seqs)
@@ -139,6 +143,7 @@ class Engine:
         self.max_num_batched_tokens = budget
         buckets = buckets if buckets is not None else default_buckets(kv_config, max_num_seqs, budget)
         self.runner = ModelRunner(model, kv_config, buckets)
+        self.connector = OffloadConnector.create(self.manager, self.runner, offload) if offload else None
         self._ids = itertools.count()
 
     @classmethod
@@ -183,7 +188,10 @@ class Engine:
         """
         limits = self._check(prompts, max_new_tokens)
         scheduler = Scheduler(
-            self.manager, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens
+            self.manager,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            admission=self.connector,
         )
         seqs = [
             scheduler.add_request(Request(f"req-{next(self._ids)}", prompt), limit)
@@ -196,9 +204,13 @@ class Engine:
         start = time.perf_counter()
         try:
             while scheduler.has_unfinished:
+                if self.connector is not None:
+                    self.connector.finish_stores()  # before the pool can hand their blocks out
                 output = scheduler.schedule()
                 usages.append(self.manager.usage)
                 tokens = self.runner.execute(output.chunks)
+                if self.connector is not None:
+                    self.connector.store(output.chunks)
                 done = scheduler.update(output, tokens.tolist())
                 now = time.perf_counter() - start
                 for chunk in output.chunks:
@@ -214,6 +226,8 @@ class Engine:
                         )
                     )
         finally:
+            if self.connector is not None:
+                self.connector.finish_stores()
             for seq in scheduler.running:
                 self.manager.free(seq.request)
         return GenerationResult(

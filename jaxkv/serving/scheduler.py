@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from jaxkv.manager import KVCacheManager, Request
+from jaxkv.manager import KVCacheBlocks, KVCacheManager, Request
 
 
 class SchedulerError(ValueError):
@@ -49,6 +49,14 @@ def check_prompt_fits(request_id: str, num_prompt_tokens: int, max_model_len: in
             f"request {request_id!r} has a {num_prompt_tokens}-token prompt; "
             f"max_model_len={max_model_len} leaves no room for an output token"
         )
+
+
+class AdmissionAllocator(Protocol):
+    """Allocates a waiting request after its device prefix hit (e.g. extending it from
+    an offload tier): returns its computed tokens, having given it slots for
+    ``min(num_tokens - computed, budget)`` new tokens, or None (nothing changed)."""
+
+    def allocate_admitted(self, request: Request, hit: KVCacheBlocks, num_hit: int, budget: int) -> int | None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -110,6 +118,8 @@ class Scheduler:
 
     ``record_block_ids=False`` leaves ``ScheduledChunk.block_ids`` empty, for callers
     that run no device step (the trace simulator) and should not pay for the copies.
+    ``admission`` replaces the allocation of admitted requests (an offload connector);
+    ``SeqState.num_cached_tokens`` then counts the tokens it supplied too.
     """
 
     def __init__(
@@ -119,6 +129,7 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         record_block_ids: bool = True,
+        admission: AdmissionAllocator | None = None,
     ) -> None:
         if not isinstance(manager, KVCacheManager):
             raise SchedulerError(f"manager must be a KVCacheManager, got {manager!r}")
@@ -128,6 +139,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.record_block_ids = record_block_ids
+        self.admission = admission
         self.waiting: deque[SeqState] = deque()
         self.running: list[SeqState] = []
         self.num_preemptions = 0
@@ -221,9 +233,13 @@ class Scheduler:
             seq = self.waiting[0]
             req = seq.request
             hit, num_hit = mgr.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
-            if mgr.allocate_slots(req, n, num_hit, hit) is None:
+            if self.admission is not None:
+                num_hit = self.admission.allocate_admitted(req, hit, num_hit, budget)
+                if num_hit is None:
+                    break
+            elif mgr.allocate_slots(req, min(req.num_tokens - num_hit, budget), num_hit, hit) is None:
                 break
+            n = min(req.num_tokens - num_hit, budget)
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
             if seq.num_cached_tokens is None:

@@ -1,0 +1,102 @@
+"""Host-side rules of the offload connector: external tokens in the manager, host hits."""
+
+import pytest
+from conftest import FULL, make_manager, window
+
+from jaxkv.manager import KVCacheManagerError, Request
+from jaxkv.offload.connector import OffloadConnector
+from jaxkv.offload.host_pool import HostSlotBackend
+from jaxkv.offload.manager import PolicyOffloadingManager
+
+
+def test_external_tokens_get_fresh_blocks_except_out_of_window_nulls(tokens):
+    mgr = make_manager(30, FULL, window(32))
+    req = Request("r", tokens(0, 100))
+    new = mgr.allocate_slots(req, 4, num_external_computed_tokens=96)
+    # 96 computed: the window needs tokens from 65 on, i.e. blocks 4 and 5 (and 6 for new tokens).
+    assert new.get_block_ids() == ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10])
+    assert mgr.get_block_ids("r") == ([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 8, 9, 10])
+    assert len(mgr.pool.cached[0]) == 6 and len(mgr.pool.cached[1]) == 2
+
+
+def test_external_tokens_follow_a_device_hit(tokens):
+    mgr = make_manager(30, FULL, window(32))
+    first = Request("a", tokens(0, 40))
+    mgr.allocate_slots(first, 40)
+    mgr.free(first)
+    req = Request("b", tokens(0, 100))
+    hit, n = mgr.get_computed_blocks(req)
+    assert n == 32
+    mgr.allocate_slots(req, 4, n, hit, num_external_computed_tokens=64)
+    full, win = mgr.get_block_ids("b")
+    assert full[:2] == hit.get_block_ids()[0] and len(full) == 7 and all(full)
+    # At 96 tokens the window no longer reaches the device hit's window blocks nor the
+    # first external ones: they are null, and the hit's window blocks are not taken.
+    assert win[:4] == [0, 0, 0, 0] and all(win[4:]) and len(win) == 7
+    assert not set(hit.get_block_ids()[1]) & set(win)
+    req.num_computed_tokens = 100
+    req.append_output_token_ids(1)
+    mgr.allocate_slots(req, 1)
+    assert mgr.get_block_ids("b")[1][:4] == [0, 0, 0, 0]
+
+
+def test_a_request_freed_right_after_external_admission_returns_everything(tokens):
+    mgr = make_manager(30, FULL, window(32))
+    first = Request("a", tokens(0, 40))
+    mgr.allocate_slots(first, 40)
+    mgr.free(first)
+    req = Request("b", tokens(0, 100))
+    hit, n = mgr.get_computed_blocks(req)
+    mgr.allocate_slots(req, 4, n, hit, num_external_computed_tokens=64)
+    mgr.free(req)
+    assert mgr.pool.ref_cnt[0] == 0 and not any(mgr.pool.ref_cnt)
+    assert mgr.num_free_blocks == 29
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"num_external_computed_tokens": 8}, "multiple"), ({"num_external_computed_tokens": -16}, "external")],
+)
+def test_bad_external_tokens_raise_and_change_nothing(tokens, kwargs, match):
+    mgr = make_manager(30, FULL, window(32))
+    req = Request("r", tokens(0, 100))
+    free = mgr.num_free_blocks
+    with pytest.raises(KVCacheManagerError, match=match):
+        mgr.allocate_slots(req, 4, **kwargs)
+    assert mgr.num_free_blocks == free and not mgr.coordinator.has_request("r")
+
+
+def test_external_tokens_for_a_running_request_are_refused(tokens):
+    mgr = make_manager(30, FULL)
+    req = Request("r", tokens(0, 100))
+    mgr.allocate_slots(req, 16)
+    with pytest.raises(KVCacheManagerError, match="new request"):
+        mgr.allocate_slots(req, 4, num_external_computed_tokens=16)
+
+
+def test_external_tokens_out_of_blocks_return_none(tokens):
+    mgr = make_manager(6, FULL)
+    req = Request("r", tokens(0, 100))
+    assert mgr.allocate_slots(req, 4, num_external_computed_tokens=96) is None
+    assert mgr.num_free_blocks == 5 and not mgr.pool.num_cached_blocks()
+
+
+def host_hit(stored: dict[int, list[int]], num_tokens: int = 100) -> int:
+    """The host hit of a new request when host holds blocks ``stored[group]``."""
+    mgr = make_manager(30, FULL, window(32))
+    req = Request("r", list(range(num_tokens)))
+    mgr.hash_request(req)
+    offload = PolicyOffloadingManager(HostSlotBackend(64))
+    keys = [(req.block_hashes[i], g) for g, idx in stored.items() for i in idx]
+    offload.prepare_store(keys)
+    offload.complete_store(keys)
+    connector = OffloadConnector(mgr, runner=None, offload=offload, transfers=None)  # host rules only
+    return connector._host_hit(req, 0)
+
+
+def test_host_hit_needs_every_group_but_only_the_window_blocks():
+    assert host_hit({0: list(range(6)), 1: [4, 5]}) == 96
+    assert host_hit({0: list(range(6)), 1: [3, 4]}) == 80  # window at 80: blocks 3, 4
+    assert host_hit({0: list(range(4)), 1: list(range(6))}) == 64
+    assert host_hit({0: list(range(6)), 1: []}) == 0
+    assert host_hit({0: [0], 1: [0]}, num_tokens=17) == 16  # capped below the last token

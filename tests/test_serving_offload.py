@@ -1,0 +1,109 @@
+"""Serving loop with the host offload tier: blocks evicted from the device and loaded
+back from host give exactly the tokens of a cold run, with injected failures too."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.metadata import Buckets
+from jaxkv.offload.connector import ConnectorError, OffloadConfig
+from jaxkv.planner import plan_kv_cache
+from jaxkv.serving.engine import Engine
+from jaxkv.serving.models import TinyLM, dense_greedy_generate, get_model_config
+from jaxkv.specs import FullAttentionSpec
+
+NEW_TOKENS = 6
+ONE_SHAPE = Buckets((64,), (4,), (16,))
+LAYOUTS = ("cross_layer", "per_layer")
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyLM:
+    return TinyLM(get_model_config("tiny-hybrid"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return np.random.default_rng(3).integers(0, 512, 100).tolist()
+
+
+@pytest.fixture(scope="module")
+def cold(model, prompt) -> list[int]:
+    return dense_greedy_generate(model, [prompt], NEW_TOKENS)[0]
+
+
+def engine(model: TinyLM, layout: str, *, memory_bytes: int = 4 << 20, **offload) -> Engine:
+    plan = plan_kv_cache(
+        model.config.layer_specs(), memory_bytes, max_model_len=256, layout=layout, max_num_batched_tokens=64
+    )
+    return Engine(model, plan, max_num_seqs=4, buckets=ONE_SHAPE, offload=OffloadConfig(2 << 20, **offload))
+
+
+def wipe_device(eng: Engine) -> None:
+    """Forget the device prefix cache and zero its data: only the host tier can serve a hit."""
+    assert eng.manager.reset_prefix_cache()
+    eng.runner.cache = jax.tree.map(jnp.zeros_like, eng.runner.cache)
+
+
+def rerun(eng: Engine, prompt: list[int]) -> tuple[list[int], list[int], int]:
+    """Tokens of a first run, of a run after wiping the device, and its cached tokens."""
+    first = eng.generate([prompt], NEW_TOKENS).outputs[0]
+    wipe_device(eng)
+    second = eng.generate([prompt], NEW_TOKENS).outputs[0]
+    return list(first.output_token_ids), list(second.output_token_ids), second.num_cached_tokens
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_blocks_loaded_back_from_host_give_the_cold_tokens(model, prompt, cold, layout):
+    eng = engine(model, layout)
+    first, second, cached = rerun(eng, prompt)
+    stats = eng.connector.stats
+    assert first == second == cold
+    assert cached == 96 and stats.num_loaded_tokens == 96
+    num_groups = len(eng.manager.config.groups)
+    full_groups = sum(isinstance(g.spec, FullAttentionSpec) for g in eng.manager.config.groups)
+    # Full-attention groups load all 6 blocks, sliding-window groups only the 2 in the window.
+    assert full_groups == 1 and stats.num_loaded_blocks == 6 * full_groups + 2 * (num_groups - full_groups)
+    assert stats.num_stored_blocks > 0 and stats.num_failed_stores == stats.num_failed_loads == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_failed_loads_recompute(model, prompt, cold, layout):
+    eng = engine(model, layout, fail_load=lambda ids, slots: np.arange(len(ids)) % 2 == 1)
+    first, second, cached = rerun(eng, prompt)
+    assert first == second == cold
+    assert cached == 0 and eng.connector.stats.num_failed_loads == 1
+    assert eng.connector.stats.num_loaded_tokens == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_failed_stores_leave_blocks_unstored(model, prompt, cold, layout):
+    # The first chunk (64 tokens: 4 blocks x 6 groups) lands in slots 1..24; the rest fails.
+    eng = engine(model, layout, fail_store=lambda ids, slots: slots > 24)
+    first, second, cached = rerun(eng, prompt)
+    stats = eng.connector.stats
+    assert first == second == cold
+    assert stats.num_failed_stores > 0 and stats.num_failed_loads == 0
+    assert cached == stats.num_loaded_tokens == 64
+
+
+def test_small_device_pool_with_host_tier_keeps_the_tokens(model):
+    """Shared prefixes in a device pool too small to keep them: host hits, identical tokens."""
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, 512, 64).tolist()
+    prompts = [shared + rng.integers(0, 512, 20).tolist() for _ in range(3)]
+    block_bytes = plan_kv_cache(model.config.layer_specs(), 1 << 30, max_model_len=64).layout.block_bytes
+    eng = engine(model, "cross_layer", memory_bytes=52 * block_bytes)
+    outputs = []
+    for p in prompts:  # one at a time, each followed by a filler evicting the device cache
+        outputs.append(list(eng.generate([p], NEW_TOKENS).outputs[0].output_token_ids))
+        eng.generate([rng.integers(0, 512, 200).tolist()], 1)
+    assert outputs == dense_greedy_generate(model, prompts, NEW_TOKENS)
+    assert eng.connector.stats.num_loaded_tokens >= 2 * 64
+
+
+def test_offload_needs_prefix_caching(model):
+    plan = plan_kv_cache(model.config.layer_specs(), 4 << 20, max_model_len=256, max_num_batched_tokens=64)
+    with pytest.raises(ConnectorError, match="enable_caching"):
+        Engine(model, plan, enable_caching=False, offload=OffloadConfig(1 << 20))
