@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ragged_metadata
 
 from jaxkv import ops
 from jaxkv.cache import allocate_kv_cache
@@ -176,22 +177,6 @@ def test_ops_on_a_cache_match_the_reference(layout, rng):
 # ----------------------------------------------------------------- xla_gpu attention
 
 
-def ragged(rng, seqs, *, num_blocks, width, max_seqs, num_tokens):
-    ids = rng.permutation(np.arange(1, num_blocks))
-    tables = np.zeros((max_seqs, width), np.int32)
-    kv_lens = np.zeros(max_seqs, np.int32)
-    cu = np.zeros(max_seqs + 1, np.int32)
-    used = 0
-    for i, (q_len, kv_len) in enumerate(seqs):
-        n = -(-kv_len // BLOCK)
-        tables[i, :n] = ids[used : used + n]
-        used += n
-        kv_lens[i], cu[i + 1] = kv_len, cu[i] + q_len
-    cu[len(seqs) + 1 :] = cu[len(seqs)]
-    assert cu[-1] <= num_tokens
-    return tables, kv_lens, cu, np.array([len(seqs)], np.int32)
-
-
 @functools.partial(
     jax.jit, static_argnames=("impl", "sm_scale", "sliding_window", "soft_cap", "layer_slot")
 )
@@ -216,9 +201,9 @@ def test_xla_gpu_attention_matches_the_reference(
     # Chunks of 2 blocks over a width of 7: the online softmax spans several chunks,
     # the last one padded; decodes, prefill chunks, an empty sequence and padding.
     seqs = [(1, 1), (1, 9), (1, 27), (0, 6), (6, 6), (5, 17), (4, 28)]
-    tables, kv_lens, cu, num_seqs = ragged(
-        rng, seqs, num_blocks=40, width=7, max_seqs=9, num_tokens=24
-    )
+    meta = ragged_metadata(rng, seqs, block_size=BLOCK, num_blocks=40, width=7, max_seqs=9)
+    tables, kv_lens, cu, num_seqs = (meta[k] for k in ("block_tables", "kv_lens", "cu_q_lens", "num_seqs"))
+    assert cu[-1] <= 24
     shape = (40, BLOCK, 4, HEAD_DIM) if layer_slot is None else (40, 2, BLOCK, 4, HEAD_DIM)
     kv = jnp.asarray(rng.standard_normal(shape), dtype)
     q = jnp.asarray(rng.standard_normal((24, num_q_heads, HEAD_DIM)), dtype)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ragged_metadata
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxkv.pallas import reference as ref
@@ -21,30 +22,10 @@ NUM_TOKENS = 32
 HEAD_DIM = 8
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def ragged_batch(rng: np.random.Generator, seqs: list[tuple[int, int]]) -> dict[str, np.ndarray]:
-    """Inputs for (q_len, kv_len) sequences (decodes first) padded to the fixed shapes.
-
-    Each sequence gets distinct random non-null blocks; unused table entries are 0.
-    """
-    ids = rng.permutation(np.arange(1, NUM_BLOCKS))
-    tables = np.zeros((MAX_SEQS, WIDTH), np.int32)
-    kv_lens = np.zeros(MAX_SEQS, np.int32)
-    cu = np.zeros(MAX_SEQS + 1, np.int32)
-    used = 0
-    for i, (q_len, kv_len) in enumerate(seqs):
-        n = cdiv(kv_len, BLOCK)
-        tables[i, :n] = ids[used : used + n]
-        used += n
-        kv_lens[i] = kv_len
-        cu[i + 1] = cu[i] + q_len
-    cu[len(seqs) + 1 :] = cu[len(seqs)]
-    return dict(
-        kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu,
-        num_seqs=np.array([len(seqs)], np.int32),
+    """Metadata for (q_len, kv_len) sequences (decodes first) at this file's fixed shapes."""
+    return ragged_metadata(
+        rng, seqs, block_size=BLOCK, num_blocks=NUM_BLOCKS, width=WIDTH, max_seqs=MAX_SEQS
     )
 
 
