@@ -14,7 +14,7 @@ hash -> block id.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from jaxkv.free_queue import FreeBlockQueue
@@ -53,6 +53,15 @@ class AllBlocksCleared:
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
+ReuseListener = Callable[[int, bytes, int], None]
+"""``(block_id, block_hash, group)`` of a cached block about to be handed out again.
+
+Set as :attr:`BlockPool.on_reuse`: the last moment its KV (still intact) can be copied
+elsewhere, e.g. to a host tier that stores on eviction. Explicit evictions
+(:meth:`BlockPool.evict_blocks`, :meth:`BlockPool.reset_prefix_cache`) do not call it:
+they drop hashes whose data must not be kept.
+"""
+
 
 class BlockPool:
     """Owns every block id: who holds it, whether it is cached, when it is evicted."""
@@ -84,6 +93,7 @@ class BlockPool:
         # Bumped on every eviction: a cache hit found while it was N is still valid
         # as long as it is still N.
         self.num_evictions = 0
+        self.on_reuse: ReuseListener | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -120,6 +130,8 @@ class BlockPool:
         out = self._free.popleft_n(n)
         for b in out:
             if block_hash[b] is not None:
+                if self.on_reuse is not None:
+                    self.on_reuse(b, block_hash[b], self.block_group[b])
                 self._evict(b)
             ref_cnt[b] = 1
         return out

@@ -1,16 +1,21 @@
 """Host offload tier: transfer throughput by layout, and prefix hit rate by policy.
 
 (a) Transfers: a batch of block stores (gather + device->host) and loads (host->device
-    + scatter into the donated cache), cross-layer vs per-layer layout, same data, same
-    run; copies per block and bytes/s, and the cross/per ratio. On a GPU/TPU the
+    + scatter into the donated cache) through the transfer engine, cross-layer vs
+    per-layer layout, same data, same run; and the baseline the cross-layer layout must
+    beat: the per-layer cache moved one layer buffer at a time (a gather and a host copy
+    per layer, the way each layer's pages travel when layers are separate arrays).
+    Copies per block, bytes/s, and the cross-layer ratios. On a GPU/TPU the
     host<->device bandwidth of one large copy is measured too and each rate is reported
     as a fraction of it; on CPU that column is left empty (unmeasured).
 (b) Policy: block-level multi-turn trace (a request's blocks are its chained hashes)
     whose working set exceeds the device cache. Prefix hit rate (leading blocks found,
     over all requested blocks) for device-only (LRU), device + host tier with LRU and
-    with ARC (blocks evicted from the device are stored to the host), an unlimited
-    device cache, and Belady's offline optimum for the device + host capacity (the
-    ceiling). The same with one-shot scans (unique long prompts) mixed in.
+    with ARC, an unlimited device cache, and Belady's offline optimum for the device +
+    host capacity (the ceiling); the same with one-shot scans (unique long prompts)
+    mixed in. Each host size is run with both store policies of the connector: on
+    eviction (a block reaches host when the device reuses it) and write-through (every
+    block once it is filled); "stored" counts the blocks each copied to host.
 
     python scripts/bench_offload.py --out bench_offload.json
 """
@@ -29,6 +34,7 @@ from absl import app, flags
 
 from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
+from jaxkv.offload.connector import STORE_POLICIES
 from jaxkv.offload.host_pool import (
     HostKVPool,
     HostSlotBackend,
@@ -42,13 +48,13 @@ from jaxkv.specs import FullAttentionSpec
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_layers", 16, "layers (layer slots) per block")
-flags.DEFINE_integer("num_kv_heads", 2, "KV heads")
+flags.DEFINE_list("num_kv_heads", ["1", "8"], "KV heads, one transfer table row set each (page size)")
 flags.DEFINE_integer("head_dim", 64, "head size")
 flags.DEFINE_integer("block_size", 16, "tokens per block")
 flags.DEFINE_integer("batch_blocks", 64, "blocks per store / load batch")
 flags.DEFINE_integer("repeats", 5, "timed repeats; the fastest is reported")
 flags.DEFINE_integer("device_blocks", 256, "device cache capacity (blocks) in the policy trace")
-flags.DEFINE_integer("host_blocks", 1024, "host tier capacity (blocks) in the policy trace")
+flags.DEFINE_list("host_blocks", ["256", "1024"], "host tier capacities (blocks) in the policy trace")
 flags.DEFINE_integer("conversations", 200, "conversations in the multi-turn trace")
 flags.DEFINE_integer("turns", 4, "turns per conversation")
 flags.DEFINE_integer("active", 24, "conversations interleaved at a time")
@@ -59,8 +65,8 @@ flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
 # ------------------------------------------------------------------ (a) transfers
-def make_cache(layout: str) -> KVCache:
-    spec = FullAttentionSpec(num_kv_heads=FLAGS.num_kv_heads, head_size=FLAGS.head_dim, dtype="float32")
+def make_cache(layout: str, heads: int) -> KVCache:
+    spec = FullAttentionSpec(num_kv_heads=heads, head_size=FLAGS.head_dim, dtype="float32")
     layers = tuple(f"layer{i}" for i in range(FLAGS.num_layers))
     group = KVCacheGroup(layer_names=layers, spec=spec, block_size=FLAGS.block_size)
     num_blocks = 2 * FLAGS.batch_blocks + 1
@@ -91,11 +97,11 @@ def host_device_bandwidth(nbytes: int) -> float | None:
     return 2 * nbytes / seconds
 
 
-def time_layout(layout: str) -> dict:
+def time_layout(layout: str, heads: int) -> dict:
     """Best store and load rates of one batch of blocks for one device layout."""
     n = FLAGS.batch_blocks
     src, dst, slots = list(range(1, n + 1)), list(range(n + 1, 2 * n + 1)), list(range(1, n + 1))
-    cache = make_cache(layout)
+    cache = make_cache(layout, heads)
     pool = HostKVPool(n, block_shape(cache), cache.dtype)
     engine = TransferEngine(pool)
     nbytes = n * block_nbytes(cache)
@@ -112,6 +118,7 @@ def time_layout(layout: str) -> dict:
     t_store, t_load = best_time(store, FLAGS.repeats), best_time(load, FLAGS.repeats)
     return {
         "layout": layout,
+        "page_bytes": block_nbytes(cache) // cache.num_slots,
         "memory_kind": pool.memory_kind,
         "copies_per_block": copies_per_block(cache),
         "block_bytes": block_nbytes(cache),
@@ -120,13 +127,62 @@ def time_layout(layout: str) -> dict:
     }
 
 
-def bench_transfers() -> list[dict]:
-    rows = [time_layout(layout) for layout in ("cross_layer", "per_layer")]
-    peak = host_device_bandwidth(FLAGS.batch_blocks * rows[0]["block_bytes"])
+def time_layer_by_layer(heads: int) -> dict:
+    """The baseline: a per-layer cache stored and loaded one layer buffer at a time.
+
+    One host pool per layer (the same pool code), one gather + host write per layer to
+    store, one host read + scatter per layer to load.
+    """
+    n = FLAGS.batch_blocks
+    src, dst, slots = jnp.arange(1, n + 1), jnp.arange(n + 1, 2 * n + 1), np.arange(1, n + 1)
+    cache = make_cache("per_layer", heads)
+    pools = [HostKVPool(n, b.shape[1:], b.dtype) for b in cache.buffers]
+    gather = jax.jit(lambda buffer, ids: buffer[ids])
+    scatter = jax.jit(lambda buffer, ids, rows: buffer.at[ids].set(rows), donate_argnums=0)
+    buffers = list(cache.buffers)
+
+    def store() -> None:
+        for pool, buffer in zip(pools, buffers):
+            if pool.memory_kind == "pinned_host":
+                pool.write(jnp.asarray(slots), gather(buffer, src))
+            else:
+                pool.commit(slots, np.asarray(gather(buffer, src)))
+        jax.block_until_ready([pool.buffer for pool in pools])
+
+    def load() -> None:
+        nonlocal buffers
+        buffers = [scatter(b, dst, pool.read(slots)) for b, pool in zip(buffers, pools)]
+        jax.block_until_ready(buffers)
+
+    nbytes = n * block_nbytes(cache)
+    t_store, t_load = best_time(store, FLAGS.repeats), best_time(load, FLAGS.repeats)
+    return {
+        "layout": "per_layer, layer by layer",
+        "page_bytes": block_nbytes(cache) // cache.num_slots,
+        "memory_kind": pools[0].memory_kind,
+        "copies_per_block": cache.num_slots,
+        "block_bytes": block_nbytes(cache),
+        "store_bytes_per_s": nbytes / t_store,
+        "load_bytes_per_s": nbytes / t_load,
+    }
+
+
+def bench_transfers() -> tuple[list[dict], list[dict]]:
+    """Transfer rows per page size, and the cross-layer ratios of each size."""
+    rows, ratios = [], []
+    for heads in map(int, FLAGS.num_kv_heads):
+        cross, per_layer, by_layer = time_layout("cross_layer", heads), time_layout("per_layer", heads), time_layer_by_layer(heads)
+        rows += [cross, per_layer, by_layer]
+        ratio = {"page_bytes": cross["page_bytes"]}
+        for kind in ("store", "load"):
+            for base, row in (("per_layer", per_layer), ("layer_by_layer", by_layer)):
+                ratio[f"{kind}_vs_{base}"] = cross[f"{kind}_bytes_per_s"] / row[f"{kind}_bytes_per_s"]
+        ratios.append(ratio)
+    peak = host_device_bandwidth(FLAGS.batch_blocks * rows[-1]["block_bytes"])
     for row in rows:
         row["store_frac_of_bw"] = None if peak is None else row["store_bytes_per_s"] / peak
         row["load_frac_of_bw"] = None if peak is None else row["load_bytes_per_s"] / peak
-    return rows
+    return rows, ratios
 
 
 # -------------------------------------------------------------------- (b) policy
@@ -177,11 +233,17 @@ def leading(blocks: list[int], present) -> int:
     return len(blocks)
 
 
-def replay(trace: list[list[int]], device_blocks: float, policy: str | None) -> float:
-    """Prefix hit rate with a device LRU and, if ``policy``, a host tier fed by device evictions."""
+def replay(
+    trace: list[list[int]], device_blocks: float, policy: str | None, host_blocks: int = 0, store: str = ""
+) -> tuple[float, int]:
+    """Prefix hit rate and blocks stored, with a device LRU and, if ``policy``, a host tier.
+
+    ``store`` is the connector's store policy: ``on_eviction`` stores the blocks the
+    device evicts, ``write_through`` every block of a request once it is computed.
+    """
     device: OrderedDict[int, None] = OrderedDict()
-    host = None if policy is None else PolicyOffloadingManager(HostSlotBackend(FLAGS.host_blocks), policy)
-    hits = total = 0
+    host = None if policy is None else PolicyOffloadingManager(HostSlotBackend(host_blocks), policy)
+    hits = total = stored = 0
     for blocks in trace:
         on_device = leading(blocks, device)
         keys = [(b, 0) for b in blocks[on_device:]]
@@ -198,11 +260,13 @@ def replay(trace: list[list[int]], device_blocks: float, policy: str | None) -> 
         evicted = []
         while len(device) > device_blocks:
             evicted.append(device.popitem(last=False)[0])
-        if host is not None and evicted:
-            out = host.prepare_store([(b, 0) for b in evicted])
+        to_store = evicted if store == "on_eviction" else blocks
+        if host is not None and to_store:
+            out = host.prepare_store([(b, 0) for b in to_store])
             if out is not None:
                 host.complete_store(out.keys_to_store)
-    return hits / total
+                stored += len(out.keys_to_store)
+    return hits / total, stored
 
 
 def belady(trace: list[list[int]], capacity: int) -> float:
@@ -237,20 +301,28 @@ def bench_policies() -> list[dict]:
     rows = []
     for name, scans in (("multi-turn", False), ("multi-turn + scans", True)):
         trace = multi_turn_trace(np.random.default_rng(FLAGS.seed), scans)
-        unlimited = replay(trace, float("inf"), None)
-        row = {
-            "trace": name,
-            "requests": len(trace),
-            "distinct_blocks": len({b for blocks in trace for b in blocks}),
-            "device_only": replay(trace, FLAGS.device_blocks, None),
-            "host_lru": replay(trace, FLAGS.device_blocks, "lru"),
-            "host_arc": replay(trace, FLAGS.device_blocks, "arc"),
-            "unlimited": unlimited,
-            "belady": belady(trace, FLAGS.device_blocks + FLAGS.host_blocks),
-        }
-        row["lru_of_unlimited"] = row["host_lru"] / unlimited
-        row["arc_of_unlimited"] = row["host_arc"] / unlimited
-        rows.append(row)
+        unlimited, _ = replay(trace, float("inf"), None)
+        device_only, _ = replay(trace, FLAGS.device_blocks, None)
+        for host_blocks in map(int, FLAGS.host_blocks):
+            ceiling = belady(trace, FLAGS.device_blocks + host_blocks)
+            for store in STORE_POLICIES:
+                (lru, lru_stored), (arc, arc_stored) = (
+                    replay(trace, FLAGS.device_blocks, policy, host_blocks, store) for policy in ("lru", "arc")
+                )
+                rows.append({
+                    "trace": name,
+                    "host_blocks": host_blocks,
+                    "store": store,
+                    "device_only": device_only,
+                    "host_lru": lru,
+                    "host_arc": arc,
+                    "unlimited": unlimited,
+                    "belady": ceiling,
+                    "lru_of_unlimited": lru / unlimited,
+                    "arc_of_unlimited": arc / unlimited,
+                    "stored_lru": lru_stored,
+                    "stored_arc": arc_stored,
+                })
     return rows
 
 
@@ -272,20 +344,18 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> None:
     del argv
-    transfers = bench_transfers()
-    ratio = {
-        kind: transfers[0][f"{kind}_bytes_per_s"] / transfers[1][f"{kind}_bytes_per_s"] for kind in ("store", "load")
-    }
+    transfers, ratios = bench_transfers()
     device = jax.devices()[0]
-    print(f"(a) transfers of {FLAGS.batch_blocks} blocks on {device.platform} ({device.device_kind})")
+    print(f"(a) transfers of {FLAGS.batch_blocks} blocks of {FLAGS.num_layers} layers on {device.platform} ({device.device_kind})")
     print(table(transfers))
-    print(f"cross/per-layer throughput: store {ratio['store']:.2f}x, load {ratio['load']:.2f}x")
+    print("\ncross-layer throughput over the per-layer layout (transfer engine) and over layer by layer")
+    print(table(ratios))
     policies = bench_policies()
-    print(f"\n(b) prefix hit rate: device {FLAGS.device_blocks} blocks, host {FLAGS.host_blocks} blocks")
+    print(f"\n(b) prefix hit rate: device {FLAGS.device_blocks} blocks")
     print(table(policies))
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
-            json.dump({"transfers": transfers, "cross_over_per_layer": ratio, "policies": policies}, f, indent=2)
+            json.dump({"transfers": transfers, "cross_layer_ratios": ratios, "policies": policies}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,27 @@ def test_reset_is_refused_while_blocks_are_in_use():
     assert pool.cached[0] == {} and pool.num_cached_blocks() == 0
     assert isinstance(pool.take_events()[-1], AllBlocksCleared)
 
+def test_reuse_listener_sees_cached_blocks_handed_out_again_but_not_explicit_evictions():
+    pool = BlockPool(6, num_groups=2)
+    seen = []
+
+    def listener(block: int, block_hash: bytes, group: int) -> None:
+        assert pool.cached[group][block_hash] == block  # still cached, data intact
+        seen.append((block, block_hash, group))
+
+    pool.on_reuse = listener
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_blocks(0, [a], [h(1)], 0, 1)
+    pool.cache_blocks(1, [b], [h(2)], 0, 1)
+    pool.cache_blocks(0, [c], [h(3)], 0, 1)
+    pool.free_blocks([c, b, a])
+    pool.evict_blocks([c])  # dropped on purpose: not a reuse
+    assert seen == []
+    taken = pool.get_new_blocks(5)
+    assert seen == [(b, h(2), 1), (a, h(1), 0)] and set(taken) >= {a, b}
+    assert pool.num_cached_blocks() == 0
+
+
 
 @pytest.mark.parametrize("num_blocks", [1, 0, -3, 2.5])
 def test_bad_pool_sizes_are_named(num_blocks):

@@ -1,13 +1,15 @@
 """Serving loop with the host offload tier: blocks evicted from the device and loaded
-back from host give exactly the tokens of a cold run, with injected failures too."""
+back from host give exactly the tokens of a cold run, with injected failures too, for
+both store policies."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv.manager import Request
 from jaxkv.metadata import Buckets
-from jaxkv.offload.connector import ConnectorError, OffloadConfig
+from jaxkv.offload.connector import STORE_POLICIES, ConnectorError, OffloadConfig
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.models import TinyLM, dense_greedy_generate, get_model_config
@@ -40,23 +42,43 @@ def engine(model: TinyLM, layout: str, *, memory_bytes: int = 4 << 20, **offload
     return Engine(model, plan, max_num_seqs=4, buckets=ONE_SHAPE, offload=OffloadConfig(2 << 20, **offload))
 
 
-def wipe_device(eng: Engine) -> None:
-    """Forget the device prefix cache and zero its data: only the host tier can serve a hit."""
-    assert eng.manager.reset_prefix_cache()
+def evict_device(eng: Engine) -> None:
+    """Reuse every free device block, as a full device would, then zero the cache data:
+    only the host tier can serve a hit (stored on eviction, or earlier)."""
+    pool = eng.manager.pool
+    taken = pool.get_new_blocks(pool.num_free_blocks)
+    eng.connector.before_step()
+    pool.free_blocks(taken)
+    eng.connector.finish_stores()
+    assert pool.num_cached_blocks() == 0
     eng.runner.cache = jax.tree.map(jnp.zeros_like, eng.runner.cache)
 
 
+def device_blocks_from(eng: Engine, prompt: list[int], first: int) -> set[int]:
+    """Device blocks caching ``prompt``'s blocks ``first..`` in any group."""
+    req = Request("probe", prompt)
+    eng.manager.hash_request(req)
+    coord = eng.manager.coordinator
+    out = set()
+    for t in coord.types:
+        for g in t.group_ids:
+            hashes = coord.group_hashes(req.block_hashes, t.hash_stride)[first:]
+            out |= {eng.manager.pool.cached[g][h] for h in hashes if h in eng.manager.pool.cached[g]}
+    return out
+
+
 def rerun(eng: Engine, prompt: list[int]) -> tuple[list[int], list[int], int]:
-    """Tokens of a first run, of a run after wiping the device, and its cached tokens."""
+    """Tokens of a first run, of a run after evicting the device, and its cached tokens."""
     first = eng.generate([prompt], NEW_TOKENS).outputs[0]
-    wipe_device(eng)
+    evict_device(eng)
     second = eng.generate([prompt], NEW_TOKENS).outputs[0]
     return list(first.output_token_ids), list(second.output_token_ids), second.num_cached_tokens
 
 
+@pytest.mark.parametrize("store", STORE_POLICIES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_blocks_loaded_back_from_host_give_the_cold_tokens(model, prompt, cold, layout):
-    eng = engine(model, layout)
+def test_blocks_loaded_back_from_host_give_the_cold_tokens(model, prompt, cold, layout, store):
+    eng = engine(model, layout, store=store)
     first, second, cached = rerun(eng, prompt)
     stats = eng.connector.stats
     assert first == second == cold
@@ -79,9 +101,13 @@ def test_failed_loads_recompute(model, prompt, cold, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_failed_stores_leave_blocks_unstored(model, prompt, cold, layout):
-    # The first chunk (64 tokens: 4 blocks x 6 groups) lands in slots 1..24; the rest fails.
-    eng = engine(model, layout, fail_store=lambda ids, slots: slots > 24)
-    first, second, cached = rerun(eng, prompt)
+    failing: set[int] = set()
+    eng = engine(model, layout, fail_store=lambda ids, slots: np.isin(ids, list(failing)))
+    first = list(eng.generate([prompt], NEW_TOKENS).outputs[0].output_token_ids)
+    failing |= device_blocks_from(eng, prompt, 4)  # stores of blocks 4.. (tokens 64..) fail
+    evict_device(eng)
+    out = eng.generate([prompt], NEW_TOKENS).outputs[0]
+    second, cached = list(out.output_token_ids), out.num_cached_tokens
     stats = eng.connector.stats
     assert first == second == cold
     assert stats.num_failed_stores > 0 and stats.num_failed_loads == 0
@@ -101,6 +127,23 @@ def test_small_device_pool_with_host_tier_keeps_the_tokens(model):
         eng.generate([rng.integers(0, 512, 200).tolist()], 1)
     assert outputs == dense_greedy_generate(model, prompts, NEW_TOKENS)
     assert eng.connector.stats.num_loaded_tokens >= 2 * 64
+
+
+def test_write_through_stores_filled_blocks_on_eviction_waits_for_reuse(model, prompt):
+    through, on_eviction = (engine(model, "cross_layer", store=store) for store in STORE_POLICIES[::-1])
+    for eng in (through, on_eviction):
+        eng.generate([prompt], NEW_TOKENS)
+        eng.connector.finish_stores()
+    assert through.connector.stats.num_stored_blocks > 0
+    assert on_eviction.connector.stats.num_stored_blocks == 0
+    evict_device(on_eviction)
+    assert on_eviction.connector.stats.num_stored_blocks == len(on_eviction.connector.offload) > 0
+
+
+def test_unknown_store_policy_is_named(model):
+    plan = plan_kv_cache(model.config.layer_specs(), 4 << 20, max_model_len=256, max_num_batched_tokens=64)
+    with pytest.raises(ConnectorError, match="'lazy'"):
+        Engine(model, plan, offload=OffloadConfig(1 << 20, store="lazy"))
 
 
 def test_offload_needs_prefix_caching(model):

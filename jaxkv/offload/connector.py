@@ -10,15 +10,25 @@ during admission, so a failed load falls back to the device hit before the step 
 built: the request's blocks are dropped from the prefix cache and freed, and it is
 allocated again to recompute those tokens (never reading garbage KV).
 
-Stores are **write-through**: after each step, the blocks its chunks filled are
-stored (:meth:`OffloadConnector.store`), and the stores are waited for before the
-next schedule (:meth:`OffloadConnector.finish_stores`), i.e. before the pool can
-hand one of those device blocks to another request. Storing on eviction instead would
-have to run inside ``BlockPool.get_new_blocks``, synchronously, just before the block
-is overwritten, and would miss sliding-window blocks, which leave a request (and are
-reused) as soon as they fall out of the window, without ever being evicted from the
-prefix cache. Write-through stores each block once (keys already on host are
-skipped), off the allocation path, while its request still holds it.
+Stores (``OffloadConfig.store``, see :data:`STORE_POLICIES`):
+
+- ``on_eviction`` (default): a cached device block is stored when the pool hands it out
+  again (:attr:`jaxkv.pool.BlockPool.on_reuse`), so host holds what the device lost
+  and the two tiers together keep more distinct blocks. The gather of those blocks is
+  issued before anything can overwrite them: before an admission's host load into
+  fresh blocks, and before the step (:meth:`OffloadConnector.before_step`).
+- ``write_through``: every full block is stored after the step that completes it
+  (:meth:`OffloadConnector.after_step`); keys already on host are skipped.
+
+``scripts/bench_offload.py`` compares the two on the multi-turn traces: storing on
+eviction gets the higher hit rate (host does not duplicate the device's blocks) and
+moves fewer bytes, hence the default. Sliding-window blocks are stored either way: a
+block leaving the window stays cached in the free queue until it is reused.
+
+Device order makes the early gather enough: it reads the blocks before any later
+write to the (donated) cache, so a device block can be reused as soon as its store is
+issued; the host copy and the offloading manager's bookkeeping settle later, without
+blocking the loop (:meth:`OffloadConnector.finish_stores`).
 """
 
 from __future__ import annotations
@@ -37,16 +47,21 @@ from jaxkv.serving.runner import ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
 
 
+STORE_POLICIES = ("on_eviction", "write_through")
+"""When device blocks are stored to host: as the pool reuses them, or once filled."""
+
+
 class ConnectorError(ValueError):
     """The connector cannot serve this manager or configuration."""
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """A host tier of ``host_bytes`` with an eviction ``policy`` (and failure injection)."""
+    """A host tier of ``host_bytes`` with an eviction ``policy``, a ``store`` policy (and failure injection)."""
 
     host_bytes: int
     policy: str = "lru"
+    store: str = "on_eviction"
     memory_kind: str | None = None
     fail_store: FailureHook | None = None
     fail_load: FailureHook | None = None
@@ -79,7 +94,10 @@ class OffloadConnector:
         runner: ModelRunner,
         offload: OffloadingManager,
         transfers: TransferEngine,
+        store: str = "on_eviction",
     ) -> None:
+        if store not in STORE_POLICIES:
+            raise ConnectorError(f"unknown store policy {store!r}; valid: {', '.join(STORE_POLICIES)}")
         if not manager.enable_caching:
             raise ConnectorError("the host tier is keyed by block hashes: it needs enable_caching=True")
         mamba = [m.group_id for m in manager.coordinator.managers if isinstance(m, MambaManager)]
@@ -89,9 +107,13 @@ class OffloadConnector:
         self.runner = runner
         self.offload = offload
         self.transfers = transfers
+        self.store_policy = store
         self.stats = ConnectorStats()
         self._slots: dict[OffloadKey, int] = {}
         self._pending: list[_PendingStore] = []
+        self._reused: dict[OffloadKey, int] = {}
+        if store == "on_eviction":
+            manager.pool.on_reuse = self._on_reuse
 
     @classmethod
     def create(cls, manager: KVCacheManager, runner: ModelRunner, config: OffloadConfig) -> OffloadConnector:
@@ -99,7 +121,7 @@ class OffloadConnector:
         pool = HostKVPool.for_cache(runner.cache, config.host_bytes, memory_kind=config.memory_kind)
         offload = PolicyOffloadingManager(HostSlotBackend(pool.num_blocks), config.policy, enable_events=False)
         transfers = TransferEngine(pool, fail_store=config.fail_store, fail_load=config.fail_load)
-        return cls(manager, runner, offload, transfers)
+        return cls(manager, runner, offload, transfers, config.store)
 
     # ------------------------------------------------------------- helpers
     def _group_hashes(self, request: Request) -> list[Sequence[bytes]]:
@@ -151,6 +173,7 @@ class OffloadConnector:
         if num_ext:
             n = min(request.num_tokens - num_hit - num_ext, budget)
             allocated = mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext)
+            self._store_reused()  # the fresh blocks may be reused ones: read them before the load
             if allocated is not None and self._load(request, num_hit, num_hit + num_ext):
                 return num_hit + num_ext
         n = min(request.num_tokens - num_hit, budget)
@@ -185,16 +208,33 @@ class OffloadConnector:
         return False
 
     # -------------------------------------------------------------- stores
-    def store(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """Issue stores of the full blocks the step's chunks completed (call after the step)."""
-        block_of: dict[OffloadKey, int] = {}
-        for chunk in chunks:
-            hashes = self._group_hashes(chunk.seq.request)
-            start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
-            for g, (blocks, bs) in enumerate(zip(chunk.block_ids, self.manager.block_sizes)):
-                for i in range(start // bs, end // bs):
-                    if blocks[i]:
-                        block_of.setdefault((hashes[g][i], g), blocks[i])
+    def _on_reuse(self, block_id: int, block_hash: bytes, group: int) -> None:
+        self._reused.setdefault((block_hash, group), block_id)  # the first block holds computed KV
+
+    def before_step(self) -> None:
+        """Store the blocks the schedule took back from the prefix cache (call before the step)."""
+        self._store_reused()
+
+    def after_step(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """Write-through: store the full blocks the step's chunks completed; settle done stores."""
+        if self.store_policy == "write_through":
+            block_of: dict[OffloadKey, int] = {}
+            for chunk in chunks:
+                hashes = self._group_hashes(chunk.seq.request)
+                start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
+                for g, (blocks, bs) in enumerate(zip(chunk.block_ids, self.manager.block_sizes)):
+                    for i in range(start // bs, end // bs):
+                        if blocks[i]:
+                            block_of.setdefault((hashes[g][i], g), blocks[i])
+            self._store(block_of)
+        self.finish_stores(wait=False)
+
+    def _store_reused(self) -> None:
+        block_of, self._reused = self._reused, {}
+        self._store(block_of)
+
+    def _store(self, block_of: dict[OffloadKey, int]) -> None:
+        """Issue one store of device blocks ``block_of[key]`` for the keys host lacks."""
         if not block_of:
             return
         plan = self.offload.prepare_store(list(block_of))
@@ -211,9 +251,13 @@ class OffloadConnector:
         )
         self._pending.append(_PendingStore(plan.keys_to_store, transfer))
 
-    def finish_stores(self) -> None:
-        """Wait for every issued store and settle it (call before the pool hands blocks out)."""
+    def finish_stores(self, wait: bool = True) -> None:
+        """Settle issued stores: all of them (``wait``), or those already done."""
+        pending = []
         for p in self._pending:
+            if not wait and not self.transfers.is_done(p.transfer):
+                pending.append(p)
+                continue
             result = self.transfers.wait(p.transfer)
             ok = [p.keys[i] for i in result.ok]
             failed = [p.keys[i] for i in result.failed]
@@ -224,4 +268,4 @@ class OffloadConnector:
                 self.transfers.pool.release([self._slots.pop(k) for k in failed])
             self.stats.num_stored_blocks += len(ok)
             self.stats.num_failed_stores += len(failed)
-        self._pending.clear()
+        self._pending = pending

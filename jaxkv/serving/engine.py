@@ -114,7 +114,8 @@ class Engine:
     ``max_num_batched_tokens`` (the step's token budget) defaults to the plan's own and
     may not exceed it: the plan sized sliding-window spans for that chunk size.
     ``offload`` adds a host-memory tier (:mod:`jaxkv.offload.connector`): blocks are
-    stored to host after the step that fills them and loaded back on admission.
+    stored to host when the device reuses them (or once filled, per its ``store``
+    policy) and loaded back on admission.
     """
 
     def __init__(
@@ -204,13 +205,13 @@ class Engine:
         start = time.perf_counter()
         try:
             while scheduler.has_unfinished:
-                if self.connector is not None:
-                    self.connector.finish_stores()  # before the pool can hand their blocks out
                 output = scheduler.schedule()
                 usages.append(self.manager.usage)
+                if self.connector is not None:
+                    self.connector.before_step()  # reads reused blocks before the step writes them
                 tokens = self.runner.execute(output.chunks)
                 if self.connector is not None:
-                    self.connector.store(output.chunks)
+                    self.connector.after_step(output.chunks)
                 done = scheduler.update(output, tokens.tolist())
                 now = time.perf_counter() - start
                 for chunk in output.chunks:
