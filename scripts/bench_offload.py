@@ -16,6 +16,14 @@
     mixed in. Each host size is run with both store policies of the connector: on
     eviction (a block reaches host when the device reuses it) and write-through (every
     block once it is filled); "stored" counts the blocks each copied to host.
+(c) Serving: the tiny model served by the engine on a multi-turn chat (conversations
+    share a system prompt; each turn resends the whole context plus a new user
+    message; conversations take turns, so their contexts outgrow the device cache).
+    Prefix hit rate and mean time-to-first-token for device only, device + host (LRU,
+    ARC) and an unlimited device cache, tokens checked identical. The workload runs
+    twice per engine with different prompts; the second run is timed (every shape
+    compiled, caches warm). On CPU the TTFTs are a tiny model's compute against
+    memcpy: only the ratios of one run mean anything.
 
     python scripts/bench_offload.py --out bench_offload.json
 """
@@ -34,7 +42,7 @@ from absl import app, flags
 
 from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
-from jaxkv.offload.connector import STORE_POLICIES
+from jaxkv.offload.connector import STORE_POLICIES, OffloadConfig
 from jaxkv.offload.host_pool import (
     HostKVPool,
     HostSlotBackend,
@@ -43,7 +51,10 @@ from jaxkv.offload.host_pool import (
 )
 from jaxkv.offload.manager import PolicyOffloadingManager
 from jaxkv.offload.transfer import TransferEngine, copies_per_block
-from jaxkv.planner import KVCacheConfig, KVCacheGroup
+from jaxkv.metadata import Buckets
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
+from jaxkv.serving.engine import Engine
+from jaxkv.serving.models import MODEL_CONFIGS, TinyLM, get_model_config
 from jaxkv.specs import FullAttentionSpec
 
 FLAGS = flags.FLAGS
@@ -61,6 +72,14 @@ flags.DEFINE_integer("active", 24, "conversations interleaved at a time")
 flags.DEFINE_integer("scan_every", 3, "scan trace: one one-shot prompt every N requests")
 flags.DEFINE_integer("scan_blocks", 96, "blocks of a one-shot scan prompt")
 flags.DEFINE_integer("seed", 0, "trace seed")
+flags.DEFINE_enum("serve_model", "tiny-llama", list(MODEL_CONFIGS), "(c) model")
+flags.DEFINE_integer("serve_conversations", 6, "(c) conversations")
+flags.DEFINE_integer("serve_turns", 4, "(c) turns per conversation")
+flags.DEFINE_integer("serve_system_len", 256, "(c) tokens of the shared system prompt")
+flags.DEFINE_integer("serve_user_len", 48, "(c) tokens of each user message")
+flags.DEFINE_integer("serve_new_tokens", 8, "(c) tokens generated per turn")
+flags.DEFINE_integer("serve_device_blocks", 64, "(c) device cache blocks")
+flags.DEFINE_integer("serve_host_blocks", 512, "(c) host tier blocks")
 flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -326,6 +345,68 @@ def bench_policies() -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------- (c) serving
+def chat(engine: Engine, seed: int) -> tuple[list[float], int, int, list[list[int]]]:
+    """Serve the multi-turn chat one request at a time: TTFTs, cached and prompt tokens, outputs."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.model.config.vocab_size
+    system = rng.integers(0, vocab, FLAGS.serve_system_len).tolist()
+    contexts = [system + rng.integers(0, vocab, FLAGS.serve_user_len).tolist() for _ in range(FLAGS.serve_conversations)]
+    ttfts, outputs, cached, prompt_tokens = [], [], 0, 0
+    for _ in range(FLAGS.serve_turns):
+        for c, context in enumerate(contexts):
+            out = engine.generate([context], FLAGS.serve_new_tokens).outputs[0]
+            ttfts.append(out.ttft_s)
+            outputs.append(list(out.output_token_ids))
+            cached += out.num_cached_tokens
+            prompt_tokens += len(context)
+            contexts[c] = context + outputs[-1] + rng.integers(0, vocab, FLAGS.serve_user_len).tolist()
+    return ttfts, cached, prompt_tokens, outputs
+
+
+def bench_serving() -> list[dict]:
+    model = TinyLM(get_model_config(FLAGS.serve_model), seed=FLAGS.seed)
+    specs = model.config.layer_specs()
+    turn = FLAGS.serve_user_len + FLAGS.serve_new_tokens
+    max_model_len = FLAGS.serve_system_len + FLAGS.serve_turns * turn
+    block_bytes = plan_kv_cache(specs, 1 << 30, max_model_len=max_model_len).layout.block_bytes
+
+    def engine(device_blocks: int, policy: str | None) -> Engine:
+        plan = plan_kv_cache(specs, device_blocks * block_bytes, max_model_len=max_model_len, max_num_batched_tokens=256)
+        offload = None if policy is None else OffloadConfig(FLAGS.serve_host_blocks * block_bytes, policy=policy)
+        max_blocks = plan.blocks_per_request()[0]
+        # Power-of-two token buckets, so a cached request's short prefill runs a small step.
+        buckets = Buckets(Buckets.powers_of_two(256, 1, max_blocks).tokens, (1,), (max_blocks,))
+        return Engine(model, plan, max_num_seqs=1, buckets=buckets, offload=offload)
+
+    unlimited_blocks = 2 * FLAGS.serve_conversations * (max_model_len // 16 + 2)
+    configs = {
+        "device only": engine(FLAGS.serve_device_blocks, None),
+        "device + host LRU": engine(FLAGS.serve_device_blocks, "lru"),
+        "device + host ARC": engine(FLAGS.serve_device_blocks, "arc"),
+        "unlimited device": engine(unlimited_blocks, None),
+    }
+    rows, reference = [], None
+    with ops.set_implementation("xla_gpu"):
+        for name, eng in configs.items():
+            if eng.connector is not None:
+                max_blocks = eng.runner.cache.num_blocks
+                eng.runner.cache = eng.connector.transfers.warm_up(eng.runner.cache, max_blocks)
+            chat(eng, FLAGS.seed + 1)  # warm-up: compiles every step shape, fills the caches
+            ttfts, cached, prompt_tokens, outputs = chat(eng, FLAGS.seed + 2)
+            reference = reference or outputs
+            rows.append({
+                "config": name,
+                "prefix_hit_rate": cached / prompt_tokens,
+                "mean_ttft_s": float(np.mean(ttfts)),
+                "loaded_tokens": eng.connector.stats.num_loaded_tokens if eng.connector else 0,
+                "tokens_identical": outputs == reference,
+            })
+    for row in rows:
+        row["ttft_vs_device_only"] = rows[0]["mean_ttft_s"] / row["mean_ttft_s"]
+    return rows
+
+
 # ------------------------------------------------------------------------- main
 def fmt(value: object) -> str:
     if value is None:
@@ -353,9 +434,15 @@ def main(argv: list[str]) -> None:
     policies = bench_policies()
     print(f"\n(b) prefix hit rate: device {FLAGS.device_blocks} blocks")
     print(table(policies))
+    serving = bench_serving()
+    print(
+        f"\n(c) serving {FLAGS.serve_model}: {FLAGS.serve_conversations} conversations x {FLAGS.serve_turns} turns, "
+        f"device {FLAGS.serve_device_blocks} blocks, host {FLAGS.serve_host_blocks} blocks"
+    )
+    print(table(serving))
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
-            json.dump({"transfers": transfers, "cross_layer_ratios": ratios, "policies": policies}, f, indent=2)
+            json.dump({"transfers": transfers, "cross_layer_ratios": ratios, "policies": policies, "serving": serving}, f, indent=2)
 
 
 if __name__ == "__main__":

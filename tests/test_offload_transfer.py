@@ -88,6 +88,23 @@ def test_random_round_trip_is_bit_exact(layout, memory, data):
 
 
 @pytest.mark.parametrize("memory", MEMORY)
+def test_warm_up_compiles_every_bucket_and_changes_no_block(memory):
+    cache = random_cache("per_layer")
+    before = blocks(cache)
+    engine = TransferEngine(HostKVPool(HOST_BLOCKS, block_shape(cache), cache.dtype, memory_kind=memory))
+    cache = engine.warm_up(cache, 5)  # buckets 1, 2, 4, 8
+    np.testing.assert_array_equal(blocks(cache)[1:], before[1:])
+    traces = engine.num_traces
+    for n in (1, 2, 3, 5):
+        engine.wait(engine.store(cache, list(range(1, n + 1)), list(range(1, n + 1))))
+        cache, load = engine.load(cache, list(range(n + 1, 2 * n + 1)), list(range(1, n + 1)))
+        engine.wait(load)
+    assert engine.num_traces == traces
+    with pytest.raises(TransferError, match="max_blocks"):
+        engine.warm_up(cache, 0)
+
+
+@pytest.mark.parametrize("memory", MEMORY)
 def test_buckets_do_not_recompile(memory):
     engine = engine_for("cross_layer", memory)
     cache = random_cache("cross_layer")

@@ -143,6 +143,26 @@ class TransferEngine:
             return np.zeros(len(ids), bool)
         return np.asarray(hook(ids, slots), bool).reshape(len(ids))
 
+    def warm_up(self, cache: KVCache, max_blocks: int) -> KVCache:
+        """Compile every bucket up to ``max_blocks`` rows now, not during serving; returns the cache.
+
+        Each bucket moves the null block through the scratch host slot and back: only
+        those two, which hold nothing anyone reads, are written.
+        """
+        if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1:
+            raise TransferError(f"max_blocks must be an int >= 1, got {max_blocks!r}")
+        size = 1
+        while True:
+            ids = jnp.zeros(size, jnp.int32)
+            staged = self._gather(cache, ids)
+            if self.pool.memory_kind == "pinned_host":
+                self.pool.write(ids, staged)
+            staged = self.pool.read(np.zeros(size, np.int32))
+            cache = self._scatter(cache, ids, staged)
+            if size >= max_blocks:
+                return cache
+            size *= 2
+
     # ------------------------------------------------------------ transfers
     def store(self, cache: KVCache, block_ids: Sequence[int], host_slots: Sequence[int]) -> Transfer:
         """Copy device blocks ``block_ids[i]`` into host slots ``host_slots[i]``.
