@@ -10,6 +10,13 @@ Slot i holds the i-th layer of every group, so a block id means the same bytes i
 group and blocks are interchangeable between groups, as the host pool assumes. K and V
 are interleaved per KV head on the ``2*H`` axis (``2*h`` = K, ``2*h + 1`` = V).
 
+Tile alignment: ``D`` is the planned head size, rounded up to ``head_dim_multiple``
+(128 lanes on TPU; :func:`jaxkv.planner.plan_kv_cache`), and :mod:`jaxkv.ops` zero-pads
+q/k/v to it. Only ``D`` is padded. The second-minor ``2*H`` axis needs no padding for
+packing: interleaving makes it always even, so where 16-bit rows are packed in pairs of
+adjacent rows (bf16, two per 32-bit sublane) a pair is the K and the V of one head,
+never rows of two heads. (Reasoned from the layout, not checked on a real TPU.)
+
 Sharding: with a mesh, the ``2*H`` axis is split over ``kv_axis``. Each device must hold
 whole heads, so ``num_kv_heads`` must be a multiple of the axis size; then K and V of a
 head (adjacent) stay on one device and attention needs no communication. Replicating

@@ -15,6 +15,14 @@ The choice is read when a function is traced: a jitted step keeps the implementa
 it was traced with. Pick it per call with ``impl=``, or process-wide with
 :func:`set_implementation` (also a context manager that restores the previous choice).
 Every op is pure: the cache goes in and a new cache comes out; donate it in jit.
+
+Tile alignment: a cache planned with ``head_dim_multiple`` (see
+:func:`jaxkv.planner.plan_kv_cache`) has a head dim D larger than the model's d.
+:func:`write_kv` and :func:`paged_attention` take q / k / v with any last dim d <= D,
+zero-pad them to D before any implementation runs and slice the attention output back
+to d. Zero q columns make the padded K columns irrelevant and V's padded columns are
+written as zeros, so the result is exactly the unpadded attention; ``sm_scale`` stays
+the caller's (1/sqrt(d)). With d == D nothing extra is traced.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import jax.numpy as jnp
 
 from jaxkv.cache import KVCache
 from jaxkv.pallas import reference
+from jaxkv.pallas.reference import KVShapeError
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "xla_gpu")
 _BACKEND_DEFAULTS = {"tpu": "pallas_tpu", "gpu": "xla_gpu", "cuda": "xla_gpu", "rocm": "xla_gpu"}
@@ -121,6 +130,23 @@ def _tpu_kernel(name: str) -> tuple[Any, Any]:
     return kernel, interpret
 
 
+def _pad_head_dim(name: str, x: jax.Array, head_dim: int) -> jax.Array:
+    """``x`` with its last dim zero-padded to the cache buffer's ``head_dim``.
+
+    ``x`` itself when the dims already match (or ``x`` is a scalar, left to the
+    implementation's shape checks); a last dim larger than ``head_dim`` is a
+    :class:`KVShapeError` naming both, raised before anything runs.
+    """
+    if x.ndim == 0 or x.shape[-1] == head_dim:
+        return x
+    if x.shape[-1] > head_dim:
+        raise KVShapeError(
+            f"{name} {x.shape} has head dim {x.shape[-1]}, larger than the cache's head_dim "
+            f"{head_dim}"
+        )
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])])
+
+
 def write_kv(
     cache: KVCache,
     layer: str,
@@ -130,11 +156,15 @@ def write_kv(
     *,
     impl: str | None = None,
 ) -> KVCache:
-    """Write new K/V ``(T, H, D)`` of ``layer`` into their global slots; returns the cache.
+    """Write new K/V ``(T, H, d)`` of ``layer`` into their global slots; returns the cache.
 
+    ``d`` may be smaller than the cache's head dim: K and V are zero-padded up to it.
     Padding tokens must map into the null block (slot 0).
     """
     buffer, layer_slot = cache.layer_buffer(layer)
+    if k.shape != v.shape:
+        raise KVShapeError(f"k {k.shape} and v {v.shape} must have the same shape")
+    k, v = (_pad_head_dim(name, x, buffer.shape[-1]) for name, x in (("k", k), ("v", v)))
     if get_implementation(impl) == "pallas_tpu":
         kernel, interpret = _tpu_kernel("write_kv")
         new = kernel(buffer, k, v, slot_mapping, layer_slot=layer_slot, interpret=interpret)
@@ -157,23 +187,28 @@ def paged_attention(
     soft_cap: float | None = None,
     impl: str | None = None,
 ) -> jax.Array:
-    """Causal paged attention of ``layer`` over a ragged batch; ``(T, QH, D)`` out.
+    """Causal paged attention of ``layer`` over a ragged batch; ``(T, QH, d)`` out.
 
     Semantics are those of :func:`jaxkv.pallas.reference.paged_attention`;
-    ``block_tables`` is the table of ``layer``'s KV cache group.
+    ``block_tables`` is the table of ``layer``'s KV cache group. ``q``'s head dim ``d``
+    may be smaller than the cache's: q is zero-padded up to it and the output sliced
+    back to ``d``.
     """
     buffer, layer_slot = cache.layer_buffer(layer)
-    args = (q, buffer, kv_lens, block_tables, cu_q_lens, num_seqs)
+    padded = _pad_head_dim("q", q, buffer.shape[-1])
+    args = (padded, buffer, kv_lens, block_tables, cu_q_lens, num_seqs)
     kwargs = dict(
         layer_slot=layer_slot, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
     )
     name = get_implementation(impl)
     if name == "pallas_tpu":
         kernel, interpret = _tpu_kernel("paged_attention")
-        return kernel(*args, **kwargs, interpret=interpret)
-    if name == "xla_gpu":
-        return xla_paged_attention(*args, **kwargs)
-    return reference.paged_attention(*args, **kwargs)
+        out = kernel(*args, **kwargs, interpret=interpret)
+    elif name == "xla_gpu":
+        out = xla_paged_attention(*args, **kwargs)
+    else:
+        out = reference.paged_attention(*args, **kwargs)
+    return out if padded is q else out[..., : q.shape[-1]]
 
 
 def copy_blocks(

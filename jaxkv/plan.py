@@ -19,6 +19,7 @@ from absl import flags
 
 from jaxkv.planner import (
     LAYOUT_KINDS,
+    TPU_HEAD_DIM_MULTIPLE,
     IncompatibleSpecsError,
     InsufficientMemoryError,
     PlanError,
@@ -67,8 +68,14 @@ def _define_flags() -> flags.FlagValues:
         "tokens one step may add to a request (sizes sliding/chunked spans)",
         flag_values=fv,
     )
+    flags.DEFINE_integer(
+        "head_dim_multiple",
+        1,
+        f"round attention head sizes up to a multiple of this ({TPU_HEAD_DIM_MULTIPLE}: TPU tiles)",
+        flag_values=fv,
+    )
     flags.DEFINE_boolean("help", False, "show this help", flag_values=fv)
-    for name in ("max_model_len", "block_size", "max_num_batched_tokens"):
+    for name in ("max_model_len", "block_size", "max_num_batched_tokens", "head_dim_multiple"):
         flags.DEFINE_alias(name.replace("_", "-"), name, flag_values=fv)
     return fv
 
@@ -107,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             block_size=fv.block_size,
             layout=fv.layout,
             max_num_batched_tokens=fv.max_num_batched_tokens,
+            head_dim_multiple=fv.head_dim_multiple,
         )
     except (InsufficientMemoryError, IncompatibleSpecsError) as err:
         return _fail(str(err), 1)

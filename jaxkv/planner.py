@@ -1,7 +1,12 @@
 """Plan device memory for the KV cache of a (hybrid) model.
 
-specs -> groups -> block size per group -> layout -> num_blocks:
+specs -> (tile alignment) -> groups -> block size per group -> layout -> num_blocks:
 
+0. **Tile alignment.** With ``head_dim_multiple`` m > 1, the ``head_size`` of every
+   full, sliding-window and chunked-local attention spec is rounded up to a multiple
+   of m (TPU: :data:`TPU_HEAD_DIM_MULTIPLE`) before anything else, so every number of
+   the plan (pages, blocks, num_blocks, padding, the summary) counts the padded bytes
+   the device buffers really take. MLA latents and Mamba states are left as they are.
 1. **Groups.** Layers whose specs have the same ``type_key`` form a type. Every group
    has the same number of layer slots, ``layers_per_group`` (see
    :func:`choose_layers_per_group`); a type's layers are cut into
@@ -18,13 +23,17 @@ specs -> groups -> block size per group -> layout -> num_blocks:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from jaxkv.specs import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    SlidingWindowSpec,
     cdiv,
 )
 
@@ -32,6 +41,13 @@ LAYOUT_KINDS = ("cross_layer", "per_layer")
 """``cross_layer``: block-major, all slots of a block contiguous (one buffer of
 (num_blocks, num_slots, page)), so a block moves in one copy. ``per_layer``: one
 buffer of (num_blocks, page) per slot."""
+
+TPU_HEAD_DIM_MULTIPLE = 128
+"""``head_dim_multiple`` for TPUs: a vreg is 8 sublanes x 128 lanes and Mosaic kernels
+want the minor dim a multiple of 128, so a head of 64 is padded to 128 (2x the bytes)."""
+
+PADDED_HEAD_SPECS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+"""Spec classes whose ``head_size`` ``head_dim_multiple`` rounds up (not MLA, not Mamba)."""
 
 
 class PlanError(ValueError):
@@ -52,17 +68,33 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
+def pad_head_size(spec: KVCacheSpec, multiple: int) -> KVCacheSpec:
+    """``spec`` with its ``head_size`` rounded up to a multiple of ``multiple``.
+
+    Only :data:`PADDED_HEAD_SPECS` are padded; other specs (MLA, Mamba) and heads
+    already aligned come back unchanged (the same object).
+    """
+    if not isinstance(spec, PADDED_HEAD_SPECS) or spec.head_size % multiple == 0:
+        return spec
+    return dataclasses.replace(spec, head_size=cdiv(spec.head_size, multiple) * multiple)
+
+
 def _unknown_layout(kind: object) -> str:
     return f"unknown layout {kind!r}; valid layouts: {', '.join(LAYOUT_KINDS)}"
 
 
 @dataclass(frozen=True)
 class KVCacheGroup:
-    """Layers that share one block table; ``spec`` is their merged spec."""
+    """Layers that share one block table; ``spec`` is their merged spec.
+
+    ``head_padding_bytes_per_token`` is what tile alignment added to one token of all
+    the group's layers together (zero head columns, no data); the planner sets it.
+    """
 
     layer_names: tuple[str, ...]
     spec: KVCacheSpec
     block_size: int
+    head_padding_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_names, str) or not isinstance(self.layer_names, Sequence):
@@ -73,6 +105,9 @@ class KVCacheGroup:
         if not isinstance(self.spec, KVCacheSpec):
             raise PlanError(f"spec must be a KVCacheSpec, got {self.spec!r}")
         _positive_int("block_size", self.block_size)
+        padding = self.head_padding_bytes_per_token
+        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
+            raise PlanError(f"head_padding_bytes_per_token must be an int >= 0, got {padding!r}")
 
 
 @dataclass(frozen=True)
@@ -123,9 +158,10 @@ class KVCacheConfig:
 
     ``num_blocks`` includes block 0, the null block, which is never handed out.
     ``layout`` may be None in hand-built configs (tests of the host manager);
-    ``max_model_len`` and ``memory_bytes`` are set by the planner. Every group block
-    size is a multiple of the smallest (``hash_block_size``): the manager hashes at
-    that granularity.
+    ``max_model_len`` and ``memory_bytes`` are set by the planner, and
+    ``head_dim_multiple`` is the tile alignment the group specs were padded to (their
+    ``head_size`` is already the padded one). Every group block size is a multiple of
+    the smallest (``hash_block_size``): the manager hashes at that granularity.
     """
 
     num_blocks: int
@@ -134,6 +170,7 @@ class KVCacheConfig:
     max_model_len: int | None = None
     memory_bytes: int | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    head_dim_multiple: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("num_blocks", self.num_blocks)
@@ -160,6 +197,7 @@ class KVCacheConfig:
         if self.memory_bytes is not None:
             _positive_int("memory_bytes", self.memory_bytes)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("head_dim_multiple", self.head_dim_multiple)
 
     @property
     def hash_block_size(self) -> int:
@@ -190,13 +228,15 @@ class KVCacheConfig:
 
     @property
     def padding_bytes_per_block(self) -> tuple[int, ...] | None:
-        """Bytes of a block that hold no data, per group: empty slots + state padding."""
+        """Bytes of a block that hold no data, per group: empty slots, state padding and
+        head padding (tile alignment)."""
         if self.layout is None:
             return None
         page = self.layout.page_size_bytes
         return tuple(
             (self.layout.num_slots - len(g.layer_names)) * page
             + len(g.layer_names) * (page - g.spec.page_size_bytes(g.block_size))
+            + g.block_size * g.head_padding_bytes_per_token
             for g in self.groups
         )
 
@@ -225,6 +265,12 @@ class KVCacheConfig:
             for row in rows
         ]
         lines = [_headline(self)] + table
+        if self.head_dim_multiple > 1:
+            lines.append(
+                f"attention head_size rounded up to a multiple of {self.head_dim_multiple} "
+                "(tile alignment): data B/page includes the zero head columns, pad B/block "
+                "counts them"
+            )
         if self.layout is not None:
             block = self.layout.block_bytes
             lines.append(
@@ -251,7 +297,7 @@ class KVCacheConfig:
                 share = wasted / (need * self.layout.block_bytes)
                 lines.append(
                     f"padding: {_human(wasted)} of a max_model_len request ({share:.1%}) "
-                    "holds no data (empty slots, states padded to the page)"
+                    "holds no data (empty slots, states padded to the page, heads padded to tiles)"
                 )
         return "\n".join(lines)
 
@@ -340,6 +386,19 @@ def _unify_pages(specs: Sequence[KVCacheSpec], block_size: int) -> tuple[list[in
     return sizes, largest * grow
 
 
+def _head_padding_bytes_per_token(
+    names: Sequence[str],
+    original: Mapping[str, KVCacheSpec],
+    padded: Mapping[str, KVCacheSpec],
+) -> int:
+    """Bytes per token that tile alignment added to the layers ``names``, together."""
+    return sum(
+        padded[n].bytes_per_token - original[n].bytes_per_token
+        for n in names
+        if padded[n] is not original[n]
+    )
+
+
 def _num_groups(counts: Sequence[int], layers_per_group: int) -> int:
     return sum(cdiv(n, layers_per_group) for n in counts)
 
@@ -371,8 +430,16 @@ def plan_kv_cache(
     layout: str = "cross_layer",
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     num_blocks_override: int | None = None,
+    head_dim_multiple: int = 1,
 ) -> KVCacheConfig:
     """Plan groups, block sizes, layout and num_blocks for a byte budget.
+
+    ``head_dim_multiple`` rounds the ``head_size`` of full, sliding-window and
+    chunked-local attention specs up to a multiple of it before planning (TPU:
+    :data:`TPU_HEAD_DIM_MULTIPLE`), so the plan counts the padded bytes; MLA and Mamba
+    specs are planned unchanged. The group specs carry the padded head size, which
+    is what :func:`jaxkv.cache.allocate_kv_cache` allocates and :mod:`jaxkv.ops` pads
+    q/k/v up to.
 
     Raises :class:`PlanError` for bad arguments, :class:`IncompatibleSpecsError` when
     pages cannot be unified and :class:`InsufficientMemoryError` when the budget (or
@@ -388,8 +455,10 @@ def plan_kv_cache(
         raise PlanError(_unknown_layout(layout))
     if num_blocks_override is not None:
         _positive_int("num_blocks_override", num_blocks_override)
+    _positive_int("head_dim_multiple", head_dim_multiple)
 
-    types = _layer_types(layer_specs)
+    padded = {name: pad_head_size(spec, head_dim_multiple) for name, spec in layer_specs.items()}
+    types = _layer_types(padded)
     sizes, page = _unify_pages([t.spec for t in types], block_size)
     per_type = [
         t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens)
@@ -397,9 +466,11 @@ def plan_kv_cache(
     ]
     slots = choose_layers_per_group([len(t.layer_names) for t in types], per_type)
     groups = tuple(
-        KVCacheGroup(t.layer_names[i : i + slots], t.spec, size)
+        KVCacheGroup(
+            names, t.spec, size, _head_padding_bytes_per_token(names, layer_specs, padded)
+        )
         for t, size in zip(types, sizes)
-        for i in range(0, len(t.layer_names), slots)
+        for names in (t.layer_names[i : i + slots] for i in range(0, len(t.layer_names), slots))
     )
     kv_layout = KVCacheLayout(
         kind=layout,
@@ -433,4 +504,5 @@ def plan_kv_cache(
         max_model_len=max_model_len,
         memory_bytes=memory_bytes,
         max_num_batched_tokens=max_num_batched_tokens,
+        head_dim_multiple=head_dim_multiple,
     )

@@ -11,6 +11,7 @@ KV usage, and (by default) checks the tokens against the dense, unpaged forward.
     python scripts/serve.py --model tiny-llama --layout per_layer --num_requests 32
     python scripts/serve.py --memory 1MiB --max_new_tokens 64      # preemptions
     python scripts/serve.py --noprefix_caching --out /tmp/serve.json
+    python scripts/serve.py --head_dim_multiple 128                # the TPU cache layout anywhere
 
 Paged attention runs with jaxkv.ops' XLA formulation by default (``--impl xla_gpu``: plain
 XLA, fast on CPU as well); ``--impl reference`` uses the jnp oracle.
@@ -29,7 +30,13 @@ from absl import app, flags, logging
 from jaxkv import ops
 from jaxkv.plan import SizeError, parse_size
 from jaxkv.planner import LAYOUT_KINDS, PlanError, plan_kv_cache
-from jaxkv.serving.engine import Engine, EngineError, GenerationResult, StepProgress
+from jaxkv.serving.engine import (
+    Engine,
+    EngineError,
+    GenerationResult,
+    StepProgress,
+    resolve_head_dim_multiple,
+)
 from jaxkv.serving.models import (
     MODEL_CONFIGS,
     TinyLM,
@@ -53,6 +60,10 @@ flags.DEFINE_integer("block_size", 16, "tokens per block", lower_bound=1)
 flags.DEFINE_enum("layout", "cross_layer", LAYOUT_KINDS, "KV cache buffer layout")
 flags.DEFINE_integer("max_num_seqs", 8, "most requests running at once", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 256, "token budget of one step", lower_bound=1)
+flags.DEFINE_integer(
+    "head_dim_multiple", None, "pad the cache's head_dim to a multiple of this (default: 128 on TPU, else 1)",
+    lower_bound=1,
+)
 flags.DEFINE_boolean("prefix_caching", True, "reuse cached prefix blocks (--noprefix_caching: off)")
 flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.ops implementation")
 flags.DEFINE_integer("progress_every", 10, "print a progress line every N steps", lower_bound=1)
@@ -109,6 +120,7 @@ def serve() -> dict:
         block_size=FLAGS.block_size,
         layout=FLAGS.layout,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        head_dim_multiple=resolve_head_dim_multiple(FLAGS.head_dim_multiple),
     )
     print(f"{FLAGS.model}, {FLAGS.memory}, {ops.get_implementation()} ops, JAX on {jax.default_backend()}:")
     print(config.summary())

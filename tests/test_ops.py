@@ -1,5 +1,5 @@
-"""jaxkv.ops: dispatch by backend and override, ops on KVCache objects, and the
-xla_gpu attention against the reference."""
+"""jaxkv.ops: dispatch by backend and override, ops on KVCache objects, the xla_gpu
+attention against the reference, and heads zero-padded to a tile-aligned cache."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from conftest import ragged_metadata
 from jaxkv import ops
 from jaxkv.cache import allocate_kv_cache
 from jaxkv.pallas import reference as ref
-from jaxkv.planner import KVCacheConfig, KVCacheGroup
+from jaxkv.pallas.reference import KVShapeError
+from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, KVCacheGroup, plan_kv_cache
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 
 BLOCK = 4
@@ -256,3 +257,129 @@ def test_pallas_tpu_kernels_through_ops_in_interpret_mode(rng):
     (ref_cache, ref_attn), (tpu_cache, tpu_attn) = results["reference"], results["pallas_tpu"]
     np.testing.assert_array_equal(tpu_cache[1:], ref_cache[1:])  # block 0 takes padding writes
     np.testing.assert_allclose(tpu_attn, ref_attn, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- tile alignment
+
+LOGICAL_HEAD = 64
+TILE_SPECS = {
+    f"l{i}": SlidingWindowSpec(num_kv_heads=2, head_size=LOGICAL_HEAD, dtype="float32", sliding_window=5)
+    if i % 2 == 0
+    else FullAttentionSpec(num_kv_heads=2, head_size=LOGICAL_HEAD, dtype="float32")
+    for i in range(4)
+}
+
+
+def tile_cache(head_dim_multiple: int, layout: str):
+    """A zeroed cache planned for heads of 64, padded to ``head_dim_multiple``."""
+    plan = plan_kv_cache(
+        TILE_SPECS, 1 << 30, max_model_len=32, block_size=BLOCK, layout=layout,
+        num_blocks_override=24, head_dim_multiple=head_dim_multiple,
+    )
+    return allocate_kv_cache(plan)
+
+
+def history_slots(meta: dict[str, np.ndarray], seqs: list[tuple[int, int]], pad_to: int) -> np.ndarray:
+    """Global slots of every kv position of every sequence, then padding into the null block."""
+    slots = [
+        meta["block_tables"][i, p // BLOCK] * BLOCK + p % BLOCK
+        for i, (_, kv_len) in enumerate(seqs)
+        for p in range(kv_len)
+    ]
+    return np.array(slots + [0] * (pad_to - len(slots)), np.int32)
+
+
+def write_then_attend(impl, cache, k, v, slots, q, meta):
+    """Write K/V into the sliding-window layer l0, then attend through it."""
+    cache = ops.write_kv(cache, "l0", k, v, slots, impl=impl)
+    out = ops.paged_attention(
+        q, cache, "l0", **meta, sm_scale=1 / np.sqrt(LOGICAL_HEAD), sliding_window=5, impl=impl
+    )
+    return cache, out
+
+
+jit_write_then_attend = jax.jit(write_then_attend, static_argnums=0)
+
+
+@pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
+@pytest.mark.parametrize("impl", ["reference", "xla_gpu", "pallas_tpu"])
+def test_heads_of_64_in_a_cache_padded_to_128_lanes_give_the_unpadded_results(impl, layout, rng):
+    if impl == "pallas_tpu":
+        pytest.importorskip("jaxkv.pallas.tpu")  # runs interpreted off TPU
+    # Two decodes and a prefill chunk of a longer sequence, GQA 4:2, padding rows.
+    seqs = [(1, 9), (1, 30), (7, 19)]
+    meta = ragged_metadata(rng, seqs, block_size=BLOCK, num_blocks=24, width=8, max_seqs=4)
+    slots = history_slots(meta, seqs, pad_to=64)
+    k, v = (jnp.asarray(rng.standard_normal((64, 2, LOGICAL_HEAD)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((12, 4, LOGICAL_HEAD)), jnp.float32)
+    meta = {name: jnp.asarray(x) for name, x in meta.items()}
+
+    plain = tile_cache(1, layout)
+    tiled = tile_cache(TPU_HEAD_DIM_MULTIPLE, layout)
+    assert (plain.head_dim, tiled.head_dim) == (LOGICAL_HEAD, 128)
+    plain_cache, want = jit_write_then_attend(impl, plain, k, v, slots, q, meta)
+    tiled_cache, got = jit_write_then_attend(impl, tiled, k, v, slots, q, meta)
+
+    assert got.shape == want.shape == q.shape
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.isfinite(got).all() and got[:9].any() and not got[9:].any()  # 9 real tokens
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    for padded, unpadded in zip(tiled_cache.buffers, plain_cache.buffers):
+        padded, unpadded = np.asarray(padded), np.asarray(unpadded)
+        assert not padded[..., LOGICAL_HEAD:].any(), "padded head columns stay exactly zero"
+        np.testing.assert_array_equal(padded[1:, ..., :LOGICAL_HEAD], unpadded[1:])  # block 0: padding
+    assert np.asarray(plain_cache.buffers[0])[1:].any(), "l0 (slot 0) was written"
+
+
+def primitive_names(jaxpr) -> set[str]:
+    """Every primitive of a jaxpr, nested jaxprs (jit, loops, conds) included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    names |= primitive_names(sub)
+    return names
+
+
+def test_equal_head_dims_trace_no_pad_and_smaller_ones_are_padded():
+    # The reference traces no pad of its own, so any pad here is the ops' alignment.
+    impl = "reference"
+    meta = ragged_metadata(
+        np.random.default_rng(), [(1, 3)], block_size=BLOCK, num_blocks=24, width=8, max_seqs=2
+    )
+    meta = {name: jnp.asarray(x) for name, x in meta.items()}
+    slots = jnp.zeros(8, jnp.int32)
+
+    def traced(cache) -> set[str]:
+        x = jnp.ones((8, 2, LOGICAL_HEAD))
+        step = functools.partial(write_then_attend, impl, slots=slots, meta=meta)
+        return primitive_names(jax.make_jaxpr(step)(cache, k=x, v=x, q=x).jaxpr)
+
+    assert "pad" not in traced(tile_cache(1, "cross_layer"))
+    assert "pad" in traced(tile_cache(TPU_HEAD_DIM_MULTIPLE, "cross_layer"))
+
+
+@pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
+def test_a_head_dim_larger_than_the_cache_is_refused_and_the_cache_kept(layout, rng):
+    cache = tile_cache(TPU_HEAD_DIM_MULTIPLE, layout)
+    cache = cache.replace(
+        tuple(jnp.asarray(rng.standard_normal(b.shape), b.dtype) for b in cache.buffers)
+    )
+    before = [np.asarray(b) for b in cache.buffers]
+    slots = jnp.array([5, 6], jnp.int32)
+    write = jax.jit(ops.write_kv, static_argnums=1, donate_argnums=0)
+    big = jnp.ones((2, 2, 130))
+    too_big = r"k \(2, 2, 130\) has head dim 130, larger than the cache's head_dim 128"
+    with pytest.raises(KVShapeError, match=too_big):
+        write(cache, "l0", big, big, slots)
+    with pytest.raises(KVShapeError, match=r"k \(2, 2, 64\) and v \(2, 2, 32\)"):
+        write(cache, "l0", jnp.ones((2, 2, 64)), jnp.ones((2, 2, 32)), slots)
+    meta = ragged_metadata(rng, [(2, 6)], block_size=BLOCK, num_blocks=24, width=8, max_seqs=2)
+    with pytest.raises(KVShapeError, match="head dim 129, larger than the cache's head_dim 128"):
+        ops.paged_attention(jnp.ones((2, 4, 129)), cache, "l1", **meta, sm_scale=1.0)
+    assert not any(b.is_deleted() for b in cache.buffers), "nothing was donated"
+    for b, old in zip(cache.buffers, before):
+        np.testing.assert_array_equal(np.asarray(b), old)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from jaxkv.plan import SizeError, parse_size
 from jaxkv.planner import (
+    TPU_HEAD_DIM_MULTIPLE,
     IncompatibleSpecsError,
     InsufficientMemoryError,
     KVCacheConfig,
@@ -19,6 +20,7 @@ from jaxkv.planner import (
     KVCacheLayout,
     PlanError,
     choose_layers_per_group,
+    pad_head_size,
     plan_kv_cache,
 )
 from jaxkv.presets import get_preset, list_presets
@@ -245,6 +247,10 @@ def test_slot_index_finds_the_buffer_of_a_layer():
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"num_blocks_override": 0}, "num_blocks_override"),
         ({"layer_specs": {"l0": "full"}}, "'l0'"),
+        ({"head_dim_multiple": 0}, "head_dim_multiple must be a positive int, got 0"),
+        ({"head_dim_multiple": -1}, "got -1"),
+        ({"head_dim_multiple": 2.5}, "got 2.5"),
+        ({"head_dim_multiple": "x"}, "got 'x'"),
     ],
 )
 def test_bad_arguments_raise_a_plan_error_naming_the_value(kwargs, named):
@@ -252,6 +258,77 @@ def test_bad_arguments_raise_a_plan_error_naming_the_value(kwargs, named):
             "max_model_len": 128} | kwargs
     with pytest.raises(PlanError, match=named):
         plan_kv_cache(args.pop("layer_specs"), args.pop("memory_bytes"), **args)
+
+
+# ------------------------------------------------------------ tile alignment
+
+
+def test_a_head_of_64_padded_to_128_lanes_doubles_pages_and_halves_blocks():
+    specs = {f"layers.{i}": FullAttentionSpec(num_kv_heads=8, head_size=64) for i in range(32)}
+    plain = plan_kv_cache(specs, 8 * GiB, max_model_len=8192)
+    tiled = plan_kv_cache(specs, 8 * GiB, max_model_len=8192, head_dim_multiple=TPU_HEAD_DIM_MULTIPLE)
+    check_plan(tiled, {n: pad_head_size(s, 128) for n, s in specs.items()}, 8 * GiB)
+    (group,) = tiled.groups
+    assert group.spec == FullAttentionSpec(num_kv_heads=8, head_size=128)
+    assert tiled.layout.page_size_bytes == 2 * plain.layout.page_size_bytes == 65536
+    assert tiled.num_blocks == plain.num_blocks // 2 == 4096
+    assert tiled.blocks_per_request() == plain.blocks_per_request() == (512,)
+    # Half of every block is zero head columns, and the summary says so.
+    assert tiled.padding_bytes_per_block == (tiled.layout.block_bytes // 2,)
+    assert plain.padding_bytes_per_block == (0,)
+    summary = tiled.summary()
+    assert "multiple of 128" in summary and "(50.0%) holds no data" in summary
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "gemma-3-27b", "deepseek-v3", "jamba-1.5-mini"])
+def test_a_multiple_of_1_plans_exactly_as_before(name):
+    specs = get_preset(name)
+    assert plan_kv_cache(specs, 4 * GiB, max_model_len=4096, head_dim_multiple=1) == plan_kv_cache(
+        specs, 4 * GiB, max_model_len=4096
+    )
+
+
+def test_heads_already_aligned_are_not_padded():
+    specs = get_preset("llama-3.1-8b")  # head_size 128
+    plain = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
+    tiled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, head_dim_multiple=128)
+    assert tiled.groups == plain.groups and tiled.num_blocks == plain.num_blocks == 8192
+    assert tiled.padding_bytes_per_block == (0,)
+    assert pad_head_size(specs["layers.0"], 128) is specs["layers.0"]
+
+
+def test_mamba_states_keep_their_size_while_attention_heads_are_padded():
+    specs = get_preset("tiny-mamba-hybrid")  # attention heads of 16
+    config = plan_kv_cache(specs, 1 << 24, max_model_len=256, head_dim_multiple=128)
+    check_plan(config, {n: pad_head_size(s, 128) for n, s in specs.items()}, 1 << 24)
+    state = specs["layers.0"].state_bytes
+    attention = [g for g in config.groups if isinstance(g.spec, FullAttentionSpec)]
+    mamba = [g for g in config.groups if isinstance(g.spec, MambaSpec)]
+    assert [g.spec.head_size for g in attention] == [128]
+    assert all(g.spec == specs["layers.0"] for g in mamba)
+    # A padded attention page (32 KiB at block 16) already holds a state: no growth.
+    assert attention[0].block_size == 16 and config.layout.page_size_bytes == 16 * 2048
+    padding = dict(zip(config.groups, config.padding_bytes_per_block))
+    page = config.layout.page_size_bytes
+    assert all(padding[g] == len(g.layer_names) * (page - state) for g in mamba)
+    # Every token of every attention layer carries 2 x 2 heads x (128 - 16) zero floats.
+    assert padding[attention[0]] == len(attention[0].layer_names) * 16 * 2 * 2 * 112 * 4
+
+
+def test_mla_latents_are_not_padded_in_a_mix_with_padded_attention():
+    specs = {
+        "mla": MLASpec(kv_lora_rank=512, qk_rope_head_dim=64),  # 576: not a multiple of 128
+        "full": FullAttentionSpec(num_kv_heads=9, head_size=64),
+    }
+    plain = plan_kv_cache(specs, GiB, max_model_len=4096)
+    tiled = plan_kv_cache(specs, GiB, max_model_len=4096, head_dim_multiple=128)
+    mla = {g.layer_names[0]: g for g in tiled.groups}["mla"]
+    full = {g.layer_names[0]: g for g in tiled.groups}["full"]
+    assert mla.spec == specs["mla"] and mla.spec.head_size == 576
+    assert full.spec.head_size == 128
+    # The full page doubled (2,304 -> 4,608 B/token), so MLA blocks scale 4x, not 2x.
+    blocks = {g.layer_names[0]: g.block_size for g in plain.groups}
+    assert (blocks["mla"], mla.block_size) == (32, 64) and full.block_size == 16
 
 
 # ------------------------------------------------------- hand-built configs
@@ -405,3 +482,13 @@ def test_cli_too_small_budget_is_status_1():
     out = run_cli("--preset", "llama-3.1-8b", "--memory", "1MiB", "--max_model_len=32768")
     assert out.returncode == 1 and "memory_bytes=1048576" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_cli_pads_heads_to_tiles_on_request():
+    args = ("--preset", "gpt-oss-120b", "--memory", "16GiB", "--max-model-len", "32768")
+    plain, tiled = run_cli(*args), run_cli(*args, "--head_dim_multiple", "128")
+    assert plain.returncode == tiled.returncode == 0, tiled.stderr
+    assert "32,768" in plain.stdout and "65,536" in tiled.stdout  # head 64 -> 128: pages x2
+    assert "multiple of 128" in tiled.stdout and "multiple of" not in plain.stdout
+    bad = run_cli(*args, "--head-dim-multiple", "0")
+    assert bad.returncode == 2 and "head_dim_multiple must be a positive int, got 0" in bad.stderr

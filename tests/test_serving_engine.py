@@ -5,8 +5,8 @@ import pytest
 
 from jaxkv import ops
 from jaxkv.metadata import Buckets
-from jaxkv.planner import plan_kv_cache
-from jaxkv.serving.engine import Engine, EngineError, GenerationResult
+from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, plan_kv_cache
+from jaxkv.serving.engine import Engine, EngineError, GenerationResult, resolve_head_dim_multiple
 from jaxkv.serving.models import TinyLM, dense_greedy_generate, get_model_config
 
 MAX_MODEL_LEN = 256
@@ -105,6 +105,27 @@ def test_the_xla_attention_path_gives_the_same_tokens(models, dense_tokens):
     with ops.set_implementation("xla_gpu"):
         result = engine(models["tiny-hybrid"]).generate(workload(), NEW_TOKENS)
     assert tokens(result) == dense_tokens["tiny-hybrid"]
+
+
+def test_heads_padded_to_128_lanes_give_the_same_tokens(dense_tokens):
+    """tiny-llama's heads of 64 in a cache padded to 128 (as on TPU): half the blocks, same tokens."""
+    prompts = workload()[:3]
+    kw = dict(memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64, max_num_seqs=4,
+              buckets=ONE_SHAPE)
+    plain = Engine.build("tiny-llama", head_dim_multiple=1, **kw)
+    tiled = Engine.build("tiny-llama", head_dim_multiple=TPU_HEAD_DIM_MULTIPLE, **kw)
+    assert (plain.runner.cache.head_dim, tiled.runner.cache.head_dim) == (64, 128)
+    assert tiled.manager.config.num_blocks == plain.manager.config.num_blocks // 2
+    expected = dense_tokens["tiny-llama"][: len(prompts)]
+    assert tokens(tiled.generate(prompts, NEW_TOKENS)) == tokens(plain.generate(prompts, NEW_TOKENS)) == expected
+
+
+def test_heads_are_padded_by_default_on_tpu_only(monkeypatch):
+    assert resolve_head_dim_multiple(None) == 1  # CPU
+    assert resolve_head_dim_multiple(8) == 8
+    monkeypatch.setattr("jax.default_backend", lambda: "tpu")
+    assert resolve_head_dim_multiple(None) == TPU_HEAD_DIM_MULTIPLE == 128
+    assert resolve_head_dim_multiple(1) == 1
 
 
 def test_results_report_progress_timing_and_usage(models):

@@ -1,5 +1,7 @@
 """Model runner: one jitted step per bucket shape, the cache donated and updated in place."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,17 @@ def test_a_plan_for_other_specs_is_refused(model):
     )
     with pytest.raises(RunnerError, match="layer 'layers.0' needs FullAttentionSpec.*planned for SlidingWindowSpec"):
         ModelRunner(other, plan, BUCKETS)
+
+
+def test_a_plan_may_pad_heads_up_but_never_down():
+    llama = TinyLM(get_model_config("tiny-llama"), seed=0)
+    specs = llama.config.layer_specs()  # heads of 64
+    tiled = plan_kv_cache(specs, 1 << 20, max_model_len=64, head_dim_multiple=128)
+    assert ModelRunner(llama, tiled, BUCKETS).cache.head_dim == 128
+    narrow = {name: dataclasses.replace(spec, head_size=32) for name, spec in specs.items()}
+    plan = plan_kv_cache(narrow, 1 << 20, max_model_len=64, head_dim_multiple=16)
+    with pytest.raises(RunnerError, match="head_size=64.*planned for .*head_size=32"):
+        ModelRunner(llama, plan, BUCKETS)
 
 
 def test_default_buckets_give_two_shapes():

@@ -22,10 +22,12 @@ def test_serve_prints_tokens_throughput_hits_and_usage_and_matches_dense(tmp_pat
     result = run_script(
         "serve.py", "--model=tiny-llama", "--layout=per_layer", "--num_requests=5", "--prefix_len=40",
         "--suffix_len=4,12", "--max_new_tokens=5", "--memory=2MiB", "--max_model_len=128",
-        "--max_num_seqs=4", "--max_num_batched_tokens=64", "--progress_every=2", f"--out={out}",
+        "--max_num_seqs=4", "--max_num_batched_tokens=64", "--progress_every=2", "--head_dim_multiple=128",
+        f"--out={out}",
     )
     assert result.returncode == 0, result.stderr
-    for text in ("KV cache plan", "warm-up: ", "step     2", "req-", "throughput", "prefix hit rate",
+    for text in ("KV cache plan", "head_size rounded up to a multiple of 128", "warm-up: ", "step     2",
+                 "req-", "throughput", "prefix hit rate",
                  "KV usage", "tokens identical to the dense (unpaged) forward: yes"):
         assert text in result.stdout
     report = json.loads(out.read_text())["result"]

@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.metadata import Buckets
 from jaxkv.offload.connector import OffloadConfig, OffloadConnector
-from jaxkv.planner import KVCacheConfig, plan_kv_cache
+from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, plan_kv_cache
 from jaxkv.serving.models import TinyLM, get_model_config
 from jaxkv.serving.runner import ModelRunner, default_buckets
 from jaxkv.serving.scheduler import Scheduler, SeqState, check_positive_int
@@ -29,6 +30,15 @@ from jaxkv.serving.scheduler import Scheduler, SeqState, check_positive_int
 
 class EngineError(ValueError):
     """An engine set-up or a generate call the engine cannot serve; nothing was run."""
+
+
+def resolve_head_dim_multiple(head_dim_multiple: int | None) -> int:
+    """The planner's ``head_dim_multiple``: the given value, or by default
+    :data:`~jaxkv.planner.TPU_HEAD_DIM_MULTIPLE` on TPU (lane-aligned heads for the
+    Mosaic kernels) and 1 elsewhere (no padding where nothing gains from it)."""
+    if head_dim_multiple is not None:
+        return head_dim_multiple
+    return TPU_HEAD_DIM_MULTIPLE if jax.default_backend() == "tpu" else 1
 
 
 @dataclass(frozen=True)
@@ -158,11 +168,14 @@ class Engine:
         layout: str = "cross_layer",
         max_num_batched_tokens: int = 256,
         seed: int = 0,
+        head_dim_multiple: int | None = None,
         **kwargs: object,
     ) -> Engine:
         """A named tiny model with seeded weights and a KV cache planned for ``memory_bytes``.
 
-        Other keyword arguments go to :class:`Engine`.
+        ``head_dim_multiple`` goes to the planner (None: see
+        :func:`resolve_head_dim_multiple`, 128 on TPU, else 1). Other keyword
+        arguments go to :class:`Engine`.
         """
         model = TinyLM(get_model_config(model_name), seed=seed)
         config = plan_kv_cache(
@@ -172,6 +185,7 @@ class Engine:
             block_size=block_size,
             layout=layout,
             max_num_batched_tokens=max_num_batched_tokens,
+            head_dim_multiple=resolve_head_dim_multiple(head_dim_multiple),
         )
         return cls(model, config, **kwargs)
 

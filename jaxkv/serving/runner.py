@@ -24,10 +24,10 @@ from flax import nnx
 from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
 from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
-from jaxkv.planner import KVCacheConfig
+from jaxkv.planner import KVCacheConfig, pad_head_size
 from jaxkv.serving.models import TinyLM, layer_groups
 from jaxkv.serving.scheduler import ScheduledChunk
-from jaxkv.specs import cdiv
+from jaxkv.specs import KVCacheSpec, cdiv
 
 
 class RunnerError(ValueError):
@@ -45,6 +45,17 @@ def default_buckets(config: KVCacheConfig, max_num_seqs: int, max_num_batched_to
         raise RunnerError("the KV cache config has max_model_len=None; block table widths are sized by it")
     tokens = sorted({min(max_num_seqs, max_num_batched_tokens), max_num_batched_tokens})
     return Buckets(tuple(tokens), (max_num_seqs,), (cdiv(config.max_model_len, config.hash_block_size),))
+
+
+def _holds(planned: KVCacheSpec, spec: KVCacheSpec) -> bool:
+    """Whether a group planned as ``planned`` holds a layer of ``spec``.
+
+    Either the same spec, or ``spec`` with its head_size padded up to the group's
+    (tile alignment; :mod:`jaxkv.ops` zero-pads q/k/v): rounding the layer's head up to
+    a multiple of the group's gives exactly the group's head when it is no larger.
+    """
+    head = getattr(planned, "head_size", None)
+    return planned == spec or (isinstance(head, int) and pad_head_size(spec, head) == planned)
 
 
 _num_step_traces = 0
@@ -86,7 +97,7 @@ class ModelRunner:
         self.groups = layer_groups(model.config, [g.layer_names for g in config.groups])
         specs = model.config.layer_specs()
         for name, g in zip(model.config.layer_names, self.groups):
-            if config.groups[g].spec != specs[name]:
+            if not _holds(config.groups[g].spec, specs[name]):
                 raise RunnerError(
                     f"layer {name!r} needs {specs[name]!r}, but its group is planned for {config.groups[g].spec!r}"
                 )
