@@ -1,20 +1,23 @@
-"""Benchmark jaxkv's Mosaic TPU kernels against the jnp reference and JAX's bundled kernel.
+"""Benchmark jaxkv's kernels and GPU path against the jnp reference and JAX's bundled kernel.
 
 Per case (decode / windowed decode / prefill / mixed paged attention, write_kv,
-copy_blocks) three columns, timed in the same run (best of --repeats, after a warm-up
-call that compiles):
+copy_blocks) up to four columns, timed in the same run (best of --repeats, after a
+warm-up call that compiles):
 
-  kernel     jaxkv.pallas.tpu; on CPU it runs in the TPU *interpreter*, so the time
-             only shows that it runs (interpretation overhead, not performance);
-  reference  jaxkv.pallas.reference (plain jnp, XLA on whatever backend this is);
-  jax_rpa    jax.experimental.pallas.ops.tpu.ragged_paged_attention (TPU only).
+  kernel      jaxkv.pallas.tpu; on CPU it runs in the TPU *interpreter*, so the time
+              only shows that it runs (interpretation overhead, not performance);
+  reference   jaxkv.pallas.reference (plain jnp, XLA on whatever backend this is);
+  jax_rpa     jax.experimental.pallas.ops.tpu.ragged_paged_attention (TPU only);
+  xla_gpu     jaxkv.ops.xla_paged_attention, the GPU default (plain XLA, runs anywhere);
+              paged attention only: on GPU, writes and copies are the reference ops.
 
 On a GPU or TPU, each compiled column also reports achieved bandwidth as a fraction of
 the device-to-device copy bandwidth measured in the same run (a jitted ``x + 1`` over
 --copy_mib MiB: read + write). Bytes per case are the minimum the op must move: the
 pages its queries can see (whole pages) plus q and the output for attention; the new
 tokens read and written for write_kv; each block read and written for copy_blocks.
-Every row also gives the kernel's max |error| against the reference.
+Every attention row also gives the largest max |error| of the other columns against
+the reference.
 
   PYTHONPATH=. python scripts/bench_kernels.py --out /tmp/bench_kernels.json
 """
@@ -36,6 +39,7 @@ from absl import app, flags
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
+from jaxkv import ops
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import tpu as kernels
 
@@ -61,8 +65,9 @@ flags.DEFINE_float(
 )
 flags.DEFINE_integer("seed", 0, "Seed of the random inputs.")
 
-COLUMNS = ("kernel", "reference", "jax_rpa")
-KERNEL_NA = "n/a: Mosaic TPU kernel (GPU uses jaxkv.ops' XLA path)"
+COLUMNS = ("kernel", "reference", "jax_rpa", "xla_gpu")
+KERNEL_NA = "n/a: Mosaic TPU kernel (on GPU see the xla_gpu column)"
+GPU_OPS_NA = "n/a: on GPU, writes and copies are the reference op"
 Interpret = pltpu.InterpretParams | bool | None  # None: the kernel cannot run here
 
 
@@ -221,6 +226,8 @@ def attention_case(
     else:
         impls["jax_rpa"] = None
         notes["jax_rpa"] = "n/a: TPU only" if not on_tpu else "n/a: per-layer layout only"
+    xla = jax.jit(functools.partial(ops.xla_paged_attention, layer_slot=slot, **kw))
+    impls["xla_gpu"] = lambda: xla(*args)
     ctx = sorted({kv for _, kv in w.seqs})
     shape = (
         f"{len(w.seqs)} seqs, {num_tokens} tok, ctx {ctx[0]}..{ctx[-1]}, bs {bs}, "
@@ -263,7 +270,7 @@ def write_case(
         jnp.asarray(rng.standard_normal((num_tokens, h, d), np.float32), dtype) for _ in range(2)
     )
     impls: dict[str, Callable[[], jax.Array] | None] = {"kernel": None, "jax_rpa": None}
-    notes = {"kernel": KERNEL_NA, "jax_rpa": "n/a"}
+    notes = {"kernel": KERNEL_NA, "jax_rpa": "n/a", "xla_gpu": GPU_OPS_NA}
     fns = {"reference": ref.write_kv}
     if interpret is not None:
         fns["kernel"] = functools.partial(kernels.write_kv, interpret=interpret)
@@ -290,7 +297,7 @@ def copy_case(p: dict, dtype: jnp.dtype, rng: np.random.Generator, interpret: In
     src, dst = jnp.asarray(ids[:pairs]), jnp.asarray(ids[pairs:])
     shape = (n, s, bs, 2 * h, d)
     impls: dict[str, Callable[[], jax.Array] | None] = {"kernel": None, "jax_rpa": None}
-    notes = {"kernel": KERNEL_NA, "jax_rpa": "n/a"}
+    notes = {"kernel": KERNEL_NA, "jax_rpa": "n/a", "xla_gpu": GPU_OPS_NA}
     fns = {"reference": ref.copy_blocks}
     if interpret is not None:
         fns["kernel"] = functools.partial(kernels.copy_blocks, interpret=interpret)
@@ -348,7 +355,7 @@ def run(
     ]
     cases.append(copy_case(p["copy_blocks"], dtype, rng, interpret))
     peak = None if on_cpu else copy_bandwidth(copy_mib)
-    kernel_compiled = on_tpu
+    interpreted = {"kernel"} if not on_tpu else set()
 
     rows = []
     for case in cases:
@@ -365,15 +372,16 @@ def run(
             if fn is None:
                 row[f"{col}_s"] = None
                 continue
-            interpreted = col == "kernel" and not kernel_compiled
-            row[f"{col}_s"] = best_seconds(fn, min(repeats, 2) if interpreted else repeats)
+            interp = col in interpreted
+            row[f"{col}_s"] = best_seconds(fn, min(repeats, 2) if interp else repeats)
             outputs[col] = fn()
-            compiled = not interpreted
-            row[f"{col}_hbm_fraction"] = (
-                case.bytes_moved / row[f"{col}_s"] / peak if peak is not None and compiled else None
-            )
-        if "kernel" in outputs and "reference" in outputs and case.op == "paged_attention":
-            row["kernel_max_abs_err"] = max_error(outputs["kernel"], outputs["reference"])
+            measured = peak is not None and not interp
+            fraction = case.bytes_moved / row[f"{col}_s"] / peak if measured else None
+            row[f"{col}_hbm_fraction"] = fraction
+        if "reference" in outputs and case.op == "paged_attention":
+            for col in ("kernel", "xla_gpu"):
+                if col in outputs:
+                    row[f"{col}_max_abs_err"] = max_error(outputs[col], outputs["reference"])
         if row.get("kernel_s") and row.get("reference_s"):
             row["kernel_speedup_vs_reference"] = row["reference_s"] / row["kernel_s"]
         rows.append(row)
@@ -408,8 +416,9 @@ def format_table(results: dict) -> str:
         "copy bandwidth: "
         + (f"{m['copy_bandwidth_gb_s']:.0f} GB/s" if m["copy_bandwidth_gb_s"] else "n/a on CPU"),
         (
-            f"{'op':<16} {'case':<14} {'kernel ms':>16} {'reference ms':>16} {'jax_rpa ms':>16} "
-            f"{'ref/kern':>9} {'max|err|':>9}  shape"
+            f"{'op':<16} {'case':<14} "
+            + " ".join(f"{col + ' ms':>16}" for col in COLUMNS)
+            + f" {'ref/kern':>9} {'max|err|':>9}  shape"
         ),
     ]
 
@@ -422,10 +431,12 @@ def format_table(results: dict) -> str:
 
     for r in results["results"]:
         ratio = r.get("kernel_speedup_vs_reference")
-        err = r.get("kernel_max_abs_err")
+        errs = [r[k] for k in r if k.endswith("_max_abs_err")]
+        err = float("nan") if np.isnan(errs).any() else max(errs, default=None)
         lines.append(
-            f"{r['op']:<16} {r['case']:<14} {cell(r, 'kernel'):>16} {cell(r, 'reference'):>16} "
-            f"{cell(r, 'jax_rpa'):>16} {(f'{ratio:.3f}' if ratio else '-'):>9} "
+            f"{r['op']:<16} {r['case']:<14} "
+            + " ".join(f"{cell(r, col):>16}" for col in COLUMNS)
+            + f" {(f'{ratio:.3f}' if ratio else '-'):>9} "
             f"{(f'{err:.1e}' if err is not None else '-'):>9}  {r['shape']}"
         )
     if m["backend"] == "cpu":
