@@ -541,6 +541,20 @@ def test_copy_blocks_matches_reference_and_touches_nothing_else(rng, dtype, layo
     assert not mosaic_interpret.races.races_found
 
 
+def test_write_kv_rejects_bad_inputs():
+    buffer = jnp.zeros((4, 4, 4, 8))  # per-layer: 2 KV heads of 8
+    k = jnp.zeros((3, 2, 8))
+    slots = jnp.zeros((3,), jnp.int32)
+    for kk, vv, sm, match in (
+        (k, jnp.zeros((3, 2, 4)), slots, r"must both be \(T, 2, 8\)"),
+        (jnp.zeros((3, 1, 8)), jnp.zeros((3, 1, 8)), slots, r"must both be \(T, 2, 8\)"),
+        (k, k, jnp.zeros((2,), jnp.int32), r"must be \(3,\)"),
+        (k, k, slots.astype(jnp.float32), "must be int32"),
+    ):
+        with pytest.raises(KVShapeError, match=match):
+            kernels.write_kv(buffer, kk, vv, sm, interpret=INTERPRET)
+
+
 def test_copy_blocks_rejects_bad_inputs():
     a = jnp.zeros((4, 2, 4, 2, 8))
     ids = jnp.zeros((2,), jnp.int32)

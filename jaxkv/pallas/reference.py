@@ -57,6 +57,31 @@ def _page_dims(kv_buffer: jax.Array) -> tuple[int, int, int]:
     return block_size, combined // 2, head_dim
 
 
+def check_write_kv_args(
+    kv_buffer: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    layer_slot: int | None,
+) -> None:
+    """Raise :class:`KVShapeError` unless the arguments fit :func:`write_kv`."""
+    check_kv_buffer(kv_buffer, layer_slot)
+    _, num_kv_heads, head_dim = _page_dims(kv_buffer)
+    if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
+        raise KVShapeError(
+            f"k {k.shape} and v {v.shape} must both be (T, {num_kv_heads}, {head_dim})"
+        )
+    if slot_mapping.shape != k.shape[:1]:
+        raise KVShapeError(f"slot_mapping {slot_mapping.shape} must be ({k.shape[0]},)")
+
+
+def interleave_kv(k: jax.Array, v: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``(T, 2*H, D)`` rows in the cache's order: K of head h at ``2h``, V at ``2h + 1``."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    return jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim).astype(dtype)
+
+
 def write_kv(
     kv_buffer: jax.Array,
     k: jax.Array,
@@ -71,16 +96,9 @@ def write_kv(
     block, so duplicate padding writes only touch block 0. Donate ``kv_buffer`` to make
     the scatter in place.
     """
-    check_kv_buffer(kv_buffer, layer_slot)
-    block_size, num_kv_heads, head_dim = _page_dims(kv_buffer)
-    if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
-        raise KVShapeError(
-            f"k {k.shape} and v {v.shape} must both be (T, {num_kv_heads}, {head_dim})"
-        )
-    if slot_mapping.shape != k.shape[:1]:
-        raise KVShapeError(f"slot_mapping {slot_mapping.shape} must be ({k.shape[0]},)")
-    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], 2 * num_kv_heads, head_dim)
-    kv = kv.astype(kv_buffer.dtype)
+    check_write_kv_args(kv_buffer, k, v, slot_mapping, layer_slot=layer_slot)
+    block_size = kv_buffer.shape[-3]
+    kv = interleave_kv(k, v, kv_buffer.dtype)
     block, offset = slot_mapping // block_size, slot_mapping % block_size
     if layer_slot is None:
         return kv_buffer.at[block, offset].set(kv)

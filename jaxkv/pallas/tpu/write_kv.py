@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxkv.pallas.reference import KVShapeError, check_kv_buffer
+from jaxkv.pallas.reference import KVShapeError, check_write_kv_args, interleave_kv
 from jaxkv.pallas.tpu._common import Interpret, interpret_params, page_ref
 
 
@@ -97,21 +97,15 @@ def write_kv(
     ``block_id * block_size + offset``), except that writes into the null block 0 are
     dropped. Donate ``kv_buffer`` under jit for an in-place update.
     """
-    check_kv_buffer(kv_buffer, layer_slot)
-    block_size, combined, head_dim = kv_buffer.shape[-3:]
-    num_kv_heads = combined // 2
-    if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (num_kv_heads, head_dim):
-        raise KVShapeError(
-            f"k {k.shape} and v {v.shape} must both be (T, {num_kv_heads}, {head_dim})"
-        )
-    if slot_mapping.shape != k.shape[:1] or slot_mapping.dtype != jnp.int32:
+    check_write_kv_args(kv_buffer, k, v, slot_mapping, layer_slot=layer_slot)
+    if slot_mapping.dtype != jnp.int32:
         raise KVShapeError(
             f"slot_mapping {slot_mapping.shape} {slot_mapping.dtype} must be int32 ({k.shape[0]},)"
         )
-    num_tokens = k.shape[0]
-    if num_tokens == 0:
+    block_size = kv_buffer.shape[-3]
+    if k.shape[0] == 0:
         return kv_buffer
-    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, combined, head_dim).astype(kv_buffer.dtype)
+    kv = interleave_kv(k, v, kv_buffer.dtype)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_kernel, block_size=block_size, layer_slot=layer_slot),
