@@ -70,6 +70,15 @@ class KVCacheCoordinator:
         """The chained hashes at one group's block granularity."""
         return block_hashes if stride == 1 else block_hashes[stride - 1 :: stride]
 
+    def hashes_per_group(self, block_hashes: Sequence[bytes]) -> list[Sequence[bytes]]:
+        """:meth:`group_hashes` for every group, indexed by group id."""
+        out: list[Sequence[bytes]] = [()] * self.num_groups
+        for t in self.types:
+            hashes = self.group_hashes(block_hashes, t.hash_stride)
+            for g in t.group_ids:
+                out[g] = hashes
+        return out
+
     # ------------------------------------------------------------------ hits
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int

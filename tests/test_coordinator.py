@@ -46,6 +46,15 @@ def test_hits_agree_across_types_on_a_multiple_of_the_lcm(tokens):
     assert mamba[:2] == [0, 0] and mamba[2] == mgr.get_block_ids("c")[2][2]
 
 
+def test_hashes_per_group_follow_each_group_block_size(tokens):
+    mgr = hybrid_manager()
+    req = Request("r", tokens(0, 100))
+    mgr.hash_request(req)
+    full, swa, mamba = mgr.coordinator.hashes_per_group(req.block_hashes)
+    assert list(full) == list(swa) == list(req.block_hashes) and len(full) == 6
+    assert list(mamba) == list(req.block_hashes[1::2])  # a 32-token block ends every other 16
+
+
 def test_a_hit_shorter_than_the_largest_block_is_no_hit(tokens):
     mgr = hybrid_manager()
     admit(mgr, Request("a", tokens(0, 20)))

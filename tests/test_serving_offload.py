@@ -58,13 +58,13 @@ def device_blocks_from(eng: Engine, prompt: list[int], first: int) -> set[int]:
     """Device blocks caching ``prompt``'s blocks ``first..`` in any group."""
     req = Request("probe", prompt)
     eng.manager.hash_request(req)
-    coord = eng.manager.coordinator
-    out = set()
-    for t in coord.types:
-        for g in t.group_ids:
-            hashes = coord.group_hashes(req.block_hashes, t.hash_stride)[first:]
-            out |= {eng.manager.pool.cached[g][h] for h in hashes if h in eng.manager.pool.cached[g]}
-    return out
+    cached = eng.manager.pool.cached
+    return {
+        cached[g][h]
+        for g, hashes in enumerate(eng.manager.coordinator.hashes_per_group(req.block_hashes))
+        for h in hashes[first:]
+        if h in cached[g]
+    }
 
 
 def rerun(eng: Engine, prompt: list[int]) -> tuple[list[int], list[int], int]:

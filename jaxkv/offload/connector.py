@@ -124,14 +124,6 @@ class OffloadConnector:
         return cls(manager, runner, offload, transfers, config.store)
 
     # ------------------------------------------------------------- helpers
-    def _group_hashes(self, request: Request) -> list[Sequence[bytes]]:
-        coord = self.manager.coordinator
-        out: list[Sequence[bytes]] = [()] * coord.num_groups
-        for t in coord.types:
-            for g in t.group_ids:
-                out[g] = coord.group_hashes(request.block_hashes, t.hash_stride)
-        return out
-
     def _needed(self, g: int, start: int, end: int) -> range:
         """Block indices of group ``g`` in tokens ``[start, end)`` still needed at ``end``."""
         m = self.manager.coordinator.managers[g]
@@ -145,7 +137,7 @@ class OffloadConnector:
         max_end = (request.num_tokens - 1) // lcm * lcm
         if max_end <= start:
             return 0
-        hashes = self._group_hashes(request)
+        hashes = self.manager.coordinator.hashes_per_group(request.block_hashes)
         ready = []  # per group: prefix counts of ready blocks from start's block on
         for g, m in enumerate(coord.managers):
             lo, hi = start // m.block_size, max_end // m.block_size
@@ -181,7 +173,7 @@ class OffloadConnector:
 
     def _load(self, request: Request, start: int, end: int) -> bool:
         """Load the needed blocks of tokens ``[start, end)``; on failure free the request."""
-        hashes = self._group_hashes(request)
+        hashes = self.manager.coordinator.hashes_per_group(request.block_hashes)
         table = self.manager.get_block_ids(request.request_id)
         keys: list[OffloadKey] = []
         ids: list[int] = []
@@ -220,7 +212,7 @@ class OffloadConnector:
         if self.store_policy == "write_through":
             block_of: dict[OffloadKey, int] = {}
             for chunk in chunks:
-                hashes = self._group_hashes(chunk.seq.request)
+                hashes = self.manager.coordinator.hashes_per_group(chunk.seq.request.block_hashes)
                 start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
                 for g, (blocks, bs) in enumerate(zip(chunk.block_ids, self.manager.block_sizes)):
                     for i in range(start // bs, end // bs):
