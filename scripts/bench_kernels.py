@@ -28,7 +28,6 @@ import functools
 import json
 import platform
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,6 +41,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_
 from jaxkv import ops
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import tpu as kernels
+from timing import best_seconds
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write results as JSON to this path.")
@@ -309,17 +309,6 @@ def copy_case(p: dict, dtype: jnp.dtype, rng: np.random.Generator, interpret: In
     block_bytes = s * bs * 2 * h * d * jnp.dtype(dtype).itemsize
     shape_text = f"{pairs} blocks of {block_bytes // 1024} KiB, {s} slots"
     return Case("copy_blocks", "cow", shape_text, 2 * pairs * block_bytes, impls, notes)
-
-
-def best_seconds(fn: Callable[[], jax.Array], repeats: int) -> float:
-    """Best wall time of one call, after one warm-up call (compilation)."""
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def copy_bandwidth(mib: int) -> float:

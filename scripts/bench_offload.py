@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import time
 from collections import OrderedDict, defaultdict
 
 import jax
@@ -42,6 +41,7 @@ from absl import app, flags
 
 from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
+from jaxkv.metadata import Buckets
 from jaxkv.offload.connector import STORE_POLICIES, OffloadConfig
 from jaxkv.offload.host_pool import (
     HostKVPool,
@@ -51,11 +51,11 @@ from jaxkv.offload.host_pool import (
 )
 from jaxkv.offload.manager import PolicyOffloadingManager
 from jaxkv.offload.transfer import TransferEngine, copies_per_block
-from jaxkv.metadata import Buckets
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.models import MODEL_CONFIGS, TinyLM, get_model_config
 from jaxkv.specs import FullAttentionSpec
+from timing import best_seconds
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_layers", 16, "layers (layer slots) per block")
@@ -94,16 +94,6 @@ def make_cache(layout: str, heads: int) -> KVCache:
     return ops.scatter_blocks(cache, jnp.arange(num_blocks), data)
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def host_device_bandwidth(nbytes: int) -> float | None:
     """Bytes/s of one large device->host + host->device round trip; None on CPU."""
     device = jax.devices()[0]
@@ -112,7 +102,7 @@ def host_device_bandwidth(nbytes: int) -> float | None:
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     dev = jax.sharding.SingleDeviceSharding(device)
     x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), dev)
-    seconds = best_time(lambda: jax.device_put(jax.device_put(x, host), dev).block_until_ready(), FLAGS.repeats)
+    seconds = best_seconds(lambda: jax.device_put(jax.device_put(x, host), dev).block_until_ready(), FLAGS.repeats)
     return 2 * nbytes / seconds
 
 
@@ -134,7 +124,7 @@ def time_layout(layout: str, heads: int) -> dict:
         engine.wait(transfer)
         jax.block_until_ready(cache.buffers)
 
-    t_store, t_load = best_time(store, FLAGS.repeats), best_time(load, FLAGS.repeats)
+    t_store, t_load = best_seconds(store, FLAGS.repeats), best_seconds(load, FLAGS.repeats)
     return {
         "layout": layout,
         "page_bytes": block_nbytes(cache) // cache.num_slots,
@@ -174,7 +164,7 @@ def time_layer_by_layer(heads: int) -> dict:
         jax.block_until_ready(buffers)
 
     nbytes = n * block_nbytes(cache)
-    t_store, t_load = best_time(store, FLAGS.repeats), best_time(load, FLAGS.repeats)
+    t_store, t_load = best_seconds(store, FLAGS.repeats), best_seconds(load, FLAGS.repeats)
     return {
         "layout": "per_layer, layer by layer",
         "page_bytes": block_nbytes(cache) // cache.num_slots,
