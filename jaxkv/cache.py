@@ -2,12 +2,14 @@
 
 Two layouts (``KVCacheLayout.kind``):
 
-- ``per_layer``: one buffer per layer slot, ``(num_blocks, block_size, 2*H, D)``;
-- ``cross_layer``: one block-major buffer ``(num_blocks, num_slots, block_size, 2*H, D)``:
-  all layers' pages of a block are one contiguous region, so a block moves in one copy.
+- ``per_layer``: one buffer per layer index, ``(num_blocks, block_size, 2*H, D)``;
+- ``cross_layer``: one block-major buffer
+  ``(num_blocks, num_layers_per_block, block_size, 2*H, D)``: all layers' pages of a
+  block are one contiguous region, so a block moves in one copy.
 
-Slot i holds the i-th layer of every group, so a block id means the same bytes in every
-group and blocks are interchangeable between groups, as the host pool assumes. K and V
+Layer index i (the page at position i of a block) holds the i-th layer of every group,
+so a block id means the same bytes in every group and blocks are interchangeable
+between groups, as the host pool assumes. K and V
 are interleaved per KV head on the ``2*H`` axis (``2*h`` = K, ``2*h + 1`` = V).
 
 Tile alignment: ``D`` is the planned head size, rounded up to ``head_dim_multiple``
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxkv.errors import JaxkvError
 from jaxkv.planner import LAYOUT_KINDS, KVCacheConfig
 from jaxkv.specs import (
     ChunkedLocalAttentionSpec,
@@ -48,16 +51,16 @@ SUPPORTED_SPECS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSp
 """Spec classes the device cache can hold (exact classes: MLA and Mamba are not)."""
 
 
-class UnsupportedLayoutError(ValueError):
+class UnsupportedLayoutError(JaxkvError, ValueError):
     """The config holds a spec (or mix of specs) the device cache cannot lay out."""
 
 
-class KVCacheShardingError(ValueError):
+class KVCacheShardingError(JaxkvError, ValueError):
     """The mesh cannot shard the cache's KV heads."""
 
 
-class UnknownLayerError(KeyError):
-    """A layer name that has no slot in this cache."""
+class UnknownLayerError(JaxkvError, KeyError):
+    """A layer name that has no page in this cache's blocks."""
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -73,35 +76,35 @@ class KVCache:
     """
 
     buffers: tuple[jax.Array, ...]
-    kind: str = dataclasses.field(metadata=dict(static=True))
-    slot_of: tuple[tuple[str, int], ...] = dataclasses.field(metadata=dict(static=True))
-    block_size: int = dataclasses.field(metadata=dict(static=True))
-    num_kv_heads: int = dataclasses.field(metadata=dict(static=True))
-    head_dim: int = dataclasses.field(metadata=dict(static=True))
+    kind: str = dataclasses.field(metadata={"static": True})
+    layer_indices: tuple[tuple[str, int], ...] = dataclasses.field(metadata={"static": True})
+    block_size: int = dataclasses.field(metadata={"static": True})
+    num_kv_heads: int = dataclasses.field(metadata={"static": True})
+    head_dim: int = dataclasses.field(metadata={"static": True})
 
-    def slot(self, layer: str) -> int:
-        """The layer slot holding ``layer``'s pages."""
-        for name, index in self.slot_of:
+    def layer_index(self, layer: str) -> int:
+        """The position of ``layer``'s page inside every block."""
+        for name, index in self.layer_indices:
             if name == layer:
                 return index
         raise UnknownLayerError(
-            f"layer {layer!r} has no slot in this cache; layers: {[n for n, _ in self.slot_of]}"
+            f"layer {layer!r} has no page in this cache; layers: {[n for n, _ in self.layer_indices]}"
         )
 
     def layer_buffer(self, layer: str) -> tuple[jax.Array, int | None]:
-        """``(buffer, layer_slot)`` to pass to a kernel for ``layer``.
+        """``(buffer, layer_index)`` to pass to a kernel for ``layer``.
 
-        Per-layer: the slot's own buffer and ``None``; cross-layer: the shared buffer
-        and the slot index (the kernel reads the page in place, no copy).
+        Per-layer: the layer's own buffer and ``None``; cross-layer: the shared buffer
+        and the layer index (the kernel reads the page in place, no copy).
         """
-        index = self.slot(layer)
+        index = self.layer_index(layer)
         if self.kind == "per_layer":
             return self.buffers[index], None
         return self.buffers[0], index
 
     def with_layer_buffer(self, layer: str, buffer: jax.Array) -> KVCache:
         """This cache with ``layer``'s buffer (per-layer) or the shared buffer replaced."""
-        index = self.slot(layer) if self.kind == "per_layer" else 0
+        index = self.layer_index(layer) if self.kind == "per_layer" else 0
         buffers = self.buffers[:index] + (buffer,) + self.buffers[index + 1 :]
         return self.replace(buffers)
 
@@ -115,8 +118,8 @@ class KVCache:
         return self.buffers[0].shape[0]
 
     @property
-    def num_slots(self) -> int:
-        """Layer slots (pages) per block."""
+    def num_layers_per_block(self) -> int:
+        """Pages per block, one per layer index."""
         return len(self.buffers) if self.kind == "per_layer" else self.buffers[0].shape[1]
 
     @property
@@ -157,8 +160,8 @@ def _device_spec(config: KVCacheConfig) -> KVCacheSpec:
     return first.spec
 
 
-def _slots(config: KVCacheConfig) -> tuple[tuple[str, int], ...]:
-    """(layer, slot) pairs: the layout's slots, or the i-th layer of each group -> i."""
+def _layer_indices(config: KVCacheConfig) -> tuple[tuple[str, int], ...]:
+    """(layer, index) pairs: the layout's rows, or the i-th layer of each group -> i."""
     if config.layout is not None:
         rows = config.layout.slots
     else:
@@ -213,22 +216,22 @@ def allocate_kv_cache(
     kind = layout or (config.layout.kind if config.layout is not None else "cross_layer")
     if kind not in LAYOUT_KINDS:
         raise UnsupportedLayoutError(f"unknown layout {kind!r}; valid layouts: {LAYOUT_KINDS}")
-    slot_of = _slots(config)
-    num_slots = max(index for _, index in slot_of) + 1
+    layer_indices = _layer_indices(config)
+    num_layers_per_block = max(index for _, index in layer_indices) + 1
     block_size = config.groups[0].block_size
     dtype = jnp.dtype(canonical_dtype(spec.dtype if dtype is None else dtype))
     page = (block_size, 2 * spec.num_kv_heads, spec.head_size)
     if kind == "per_layer":
-        shape, count = (config.num_blocks,) + page, num_slots
+        shape, count = (config.num_blocks,) + page, num_layers_per_block
     else:
-        shape, count = (config.num_blocks, num_slots) + page, 1
+        shape, count = (config.num_blocks, num_layers_per_block) + page, 1
     sharding = _sharding(mesh, kv_axis, len(shape), spec.num_kv_heads)
     zeros = jax.jit(_zeros, static_argnums=(0, 1, 2), out_shardings=sharding)
     buffers = zeros(shape, dtype, count)
     return KVCache(
         buffers=tuple(buffers),
         kind=kind,
-        slot_of=slot_of,
+        layer_indices=layer_indices,
         block_size=block_size,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_size,

@@ -12,6 +12,14 @@ Shapes are padded up to :class:`Buckets` so a step function compiles once per bu
 combination. Padding is always the null block 0 (never -1): padded table entries are
 0, padding tokens write slot 0, padded sequences have kv_len 0 and q_len 0.
 
+**Checked here, trusted on device.** The device ops (:mod:`jaxkv.ops`) index the cache
+with these ids unchecked: a slot of -1 gathers from or writes into the last block, an
+out-of-range scatter is silently dropped. So this builder is where ids are checked:
+every block id of every table must be an int in ``[0, num_blocks)`` and every new
+token's block a real (non-null) one, which puts every slot in
+``[block_size, num_blocks * block_size)``; anything else is a :class:`BlockIdError`
+naming the value, raised before anything is sent.
+
 **One transfer.** Every array is packed into one flat int32 numpy buffer that goes to
 the device in a single ``jax.device_put``; :class:`StepMetadata` holds that one array as
 its only pytree leaf, plus static offsets. Its fields (``md.kv_lens``,
@@ -29,8 +37,14 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import cdiv, check_int, is_int
 
-class MetadataError(ValueError):
+_MAX_BLOCKS = 2**31
+"""Upper bound of block ids when the builder is not told ``num_blocks`` (int32 range)."""
+
+
+class MetadataError(JaxkvError, ValueError):
     """The scheduled batch cannot be turned into step metadata."""
 
 
@@ -39,12 +53,13 @@ class BucketOverflowError(MetadataError):
 
 
 class BlockIdError(MetadataError):
-    """A block id is out of range, missing, or the null block where data must go."""
+    """A block id (or the slot it gives) is out of range, not an int, missing, or the
+    null block where data must go."""
 
 
 def _sizes(what: str, sizes: Sequence[int]) -> tuple[int, ...]:
     sizes = tuple(sizes)
-    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
+    if not sizes or any(not is_int(s) or s <= 0 for s in sizes):
         raise MetadataError(f"Buckets.{what} must be positive ints, got {sizes!r}")
     if list(sizes) != sorted(set(sizes)):
         raise MetadataError(f"Buckets.{what} must be strictly increasing, got {sizes!r}")
@@ -74,8 +89,7 @@ class Buckets:
         """Powers of two from ``smallest`` (capped at each max), then the max itself."""
 
         def ladder(limit: int) -> tuple[int, ...]:
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-                raise MetadataError(f"bucket limits must be positive ints, got {limit!r}")
+            limit = check_int("a bucket limit", limit, error=MetadataError)
             sizes, size = [], min(smallest, limit)
             while size < limit:
                 sizes.append(size)
@@ -102,11 +116,13 @@ class ScheduledSeq:
     num_new_tokens: int
 
     def __post_init__(self) -> None:
-        if self.num_computed_tokens < 0 or self.num_new_tokens <= 0:
+        if not (is_int(self.num_computed_tokens) and is_int(self.num_new_tokens)) or (
+            self.num_computed_tokens < 0 or self.num_new_tokens <= 0
+        ):
             raise MetadataError(
                 f"request {self.request_id!r}: num_computed_tokens="
-                f"{self.num_computed_tokens} must be >= 0 and num_new_tokens="
-                f"{self.num_new_tokens} > 0"
+                f"{self.num_computed_tokens!r} must be an int >= 0 and num_new_tokens="
+                f"{self.num_new_tokens!r} an int > 0"
             )
 
     @property
@@ -164,7 +180,7 @@ class StepMetadata:
     """
 
     packed: jax.Array
-    layout: _Layout = dataclasses.field(metadata=dict(static=True))
+    layout: _Layout = dataclasses.field(metadata={"static": True})
 
     def _field(self, name: str) -> jax.Array:
         start, shape = self.layout.offsets[name]
@@ -231,20 +247,25 @@ def _new_tokens(seq: ScheduledSeq, token_ids: Sequence[int]) -> np.ndarray:
 def _block_table(
     seq: ScheduledSeq, blocks: Sequence[int], block_size: int, group: int, num_blocks: int | None
 ) -> np.ndarray:
-    """One group's block ids of ``seq``, checked: in range, enough to hold its tokens."""
-    table = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    """One group's block ids of ``seq``, checked: ints in range, enough to hold its tokens."""
+    table = np.asarray(blocks).reshape(-1)
+    where = f"request {seq.request_id!r}, group {group}"
+    if table.size and (table.dtype == np.bool_ or not np.issubdtype(table.dtype, np.integer)):
+        raise BlockIdError(f"{where}: block ids must be ints, got {table.tolist()!r}")
+    table = table.astype(np.int64)
     total = seq.num_computed_tokens + seq.num_new_tokens
-    needed = -(-total // block_size)
+    needed = cdiv(total, block_size)
     if len(table) < needed:
         raise BlockIdError(
             f"request {seq.request_id!r} has {len(table)} blocks in group {group}, "
             f"needs {needed} for {total} tokens of block size {block_size}"
         )
-    bad = (table < 0) | (table >= (num_blocks if num_blocks is not None else 2**31))
+    limit = num_blocks if num_blocks is not None else _MAX_BLOCKS
+    bad = (table < 0) | (table >= limit)
     if bad.any():
         raise BlockIdError(
-            f"request {seq.request_id!r}, group {group}: block id {int(table[bad][0])} "
-            f"out of range [0, {num_blocks})"
+            f"{where}: block id {int(table[bad][0])} out of range [0, {limit})"
+            + ("" if num_blocks is not None else " (pass num_blocks to check the upper bound)")
         )
     return table
 
@@ -264,10 +285,13 @@ def build_step_metadata(
     ``seqs`` must list decodes (one new token) before prefills (see
     :func:`decodes_first`). ``token_ids[i]`` is sequence i's tokens, all of them or
     only the new ones; ``block_ids[i]`` is ``KVCacheManager.get_block_ids`` of it (one
-    list per group) and ``block_sizes[g]`` group g's block size. With ``num_blocks``,
-    block ids must lie in ``[0, num_blocks)``. Raises :class:`BucketOverflowError`
+    list per group) and ``block_sizes[g]`` group g's block size. Block ids must be
+    ints in ``[0, num_blocks)``; pass ``num_blocks`` (the cache's): without it only the
+    lower bound and the int32 range are checked. Raises :class:`BucketOverflowError`
     when a dimension exceeds its largest bucket and :class:`BlockIdError` for bad ids
-    (out of range, too few, or the null block where a new token must be written).
+    (negative, ``>= num_blocks``, not ints, too few, or the null block where a new
+    token must be written), before anything is sent: the device ops trust what this
+    returns (see the module docstring).
     """
     if not seqs:
         raise MetadataError("no sequences scheduled")
@@ -276,10 +300,10 @@ def build_step_metadata(
             f"{len(seqs)} seqs but {len(token_ids)} token lists and {len(block_ids)} block lists"
         )
     num_groups = len(block_sizes)
-    if not num_groups or any(
-        isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block_sizes
-    ):
+    if not num_groups or any(not is_int(b) or b <= 0 for b in block_sizes):
         raise MetadataError(f"block_sizes must be positive ints, one per group: {block_sizes!r}")
+    if num_blocks is not None:
+        check_int("num_blocks", num_blocks, error=MetadataError)
     for seq, ids in zip(seqs, block_ids):
         if len(ids) != num_groups:
             raise MetadataError(

@@ -5,7 +5,7 @@ Implementations (:data:`IMPLEMENTATIONS`):
 - ``reference``: :mod:`jaxkv.pallas.reference`, plain jnp (CPU default, the oracle);
 - ``pallas_tpu``: the Mosaic TPU kernels of :mod:`jaxkv.pallas.tpu` (TPU default; on
   other backends they run in Pallas interpret mode);
-- ``xla_gpu``: an XLA formulation for GPUs (default there): paged attention as an
+- ``xla_gpu``: :mod:`jaxkv.pallas.xla` for GPUs (default there): paged attention as an
   online-softmax loop over chunks of each sequence's pages, bounded by the batch's real
   kv lengths; writes, copies, gathers and scatters are single XLA scatters/gathers,
   which already are the best XLA formulation, so they are the reference ops.
@@ -15,6 +15,11 @@ The choice is read when a function is traced: a jitted step keeps the implementa
 it was traced with. Pick it per call with ``impl=``, or process-wide with
 :func:`set_implementation` (also a context manager that restores the previous choice).
 Every op is pure: the cache goes in and a new cache comes out; donate it in jit.
+
+Inputs are trusted: shapes are checked (:class:`KVShapeError`), but block ids, slots and
+lengths are not, on device (a slot of -1 wraps into the last block, an out-of-range
+scatter is dropped). They are checked where the metadata is built, by
+:func:`jaxkv.metadata.build_step_metadata`; build them there.
 
 Tile alignment: a cache planned with ``head_dim_multiple`` (see
 :func:`jaxkv.planner.plan_kv_cache`) has a head dim D larger than the model's d.
@@ -36,23 +41,20 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache import KVCache
-from jaxkv.pallas import reference
+from jaxkv.errors import JaxkvError
+from jaxkv.pallas import reference, xla
 from jaxkv.pallas.reference import KVShapeError
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "xla_gpu")
 _BACKEND_DEFAULTS = {"tpu": "pallas_tpu", "gpu": "xla_gpu", "cuda": "xla_gpu", "rocm": "xla_gpu"}
 _TPU_KERNELS = "jaxkv.pallas.tpu"
-XLA_CHUNK_BYTES = 64 << 20
-"""Default size of the pages one step of the ``xla_gpu`` attention loop gathers."""
-XLA_MAX_CHUNK_TOKENS = 512
-"""Most kv positions one step of the ``xla_gpu`` attention loop covers."""
 
 
-class UnknownImplementationError(ValueError):
+class UnknownImplementationError(JaxkvError, ValueError):
     """An implementation name not in :data:`IMPLEMENTATIONS`."""
 
 
-class KernelUnavailableError(ImportError):
+class KernelUnavailableError(JaxkvError, ImportError):
     """The chosen implementation's kernels cannot be imported."""
 
 
@@ -159,17 +161,19 @@ def write_kv(
     """Write new K/V ``(T, H, d)`` of ``layer`` into their global slots; returns the cache.
 
     ``d`` may be smaller than the cache's head dim: K and V are zero-padded up to it.
-    Padding tokens must map into the null block (slot 0).
+    Padding tokens must map into the null block (slot 0). ``slot_mapping`` is trusted,
+    not checked: build it with :func:`jaxkv.metadata.build_step_metadata`, which refuses
+    bad block ids (a slot of -1 would wrap into the last block).
     """
-    buffer, layer_slot = cache.layer_buffer(layer)
+    buffer, layer_index = cache.layer_buffer(layer)
     if k.shape != v.shape:
         raise KVShapeError(f"k {k.shape} and v {v.shape} must have the same shape")
     k, v = (_pad_head_dim(name, x, buffer.shape[-1]) for name, x in (("k", k), ("v", v)))
     if get_implementation(impl) == "pallas_tpu":
         kernel, interpret = _tpu_kernel("write_kv")
-        new = kernel(buffer, k, v, slot_mapping, layer_slot=layer_slot, interpret=interpret)
+        new = kernel(buffer, k, v, slot_mapping, layer_index=layer_index, interpret=interpret)
     else:
-        new = reference.write_kv(buffer, k, v, slot_mapping, layer_slot=layer_slot)
+        new = reference.write_kv(buffer, k, v, slot_mapping, layer_index=layer_index)
     return cache.with_layer_buffer(layer, new)
 
 
@@ -192,20 +196,21 @@ def paged_attention(
     Semantics are those of :func:`jaxkv.pallas.reference.paged_attention`;
     ``block_tables`` is the table of ``layer``'s KV cache group. ``q``'s head dim ``d``
     may be smaller than the cache's: q is zero-padded up to it and the output sliced
-    back to ``d``.
+    back to ``d``. The metadata is trusted, not checked: build it with
+    :func:`jaxkv.metadata.build_step_metadata`.
     """
-    buffer, layer_slot = cache.layer_buffer(layer)
+    buffer, layer_index = cache.layer_buffer(layer)
     padded = _pad_head_dim("q", q, buffer.shape[-1])
     args = (padded, buffer, kv_lens, block_tables, cu_q_lens, num_seqs)
-    kwargs = dict(
-        layer_slot=layer_slot, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
-    )
+    kwargs = {
+        "layer_index": layer_index, "sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap
+    }
     name = get_implementation(impl)
     if name == "pallas_tpu":
         kernel, interpret = _tpu_kernel("paged_attention")
         out = kernel(*args, **kwargs, interpret=interpret)
     elif name == "xla_gpu":
-        out = xla_paged_attention(*args, **kwargs)
+        out = xla.paged_attention(*args, **kwargs)
     else:
         out = reference.paged_attention(*args, **kwargs)
     return out if padded is q else out[..., : q.shape[-1]]
@@ -214,10 +219,10 @@ def paged_attention(
 def copy_blocks(
     cache: KVCache, src: jax.Array, dst: jax.Array, *, impl: str | None = None
 ) -> KVCache:
-    """Copy whole blocks (all layer slots) ``src[i] -> dst[i]``; pad with ``0 -> 0``.
+    """Copy whole blocks (every layer's page) ``src[i] -> dst[i]``; pad with ``0 -> 0``.
 
     Contract (the kernels copy concurrently): real ``dst`` ids are distinct and none is
-    also the ``src`` of another pair.
+    also the ``src`` of another pair. Ids are trusted, not checked on device.
     """
     if get_implementation(impl) == "pallas_tpu":
         kernel, interpret = _tpu_kernel("copy_blocks")
@@ -226,102 +231,14 @@ def copy_blocks(
 
 
 def gather_blocks(cache: KVCache, ids: jax.Array) -> jax.Array:
-    """Whole blocks ``(n, num_slots, block_size, 2*H, D)`` (the offload staging format).
+    """Whole blocks ``(n, num_layers_per_block, block_size, 2*H, D)`` (the offload staging format).
 
-    Cross-layer: one contiguous slice per block. The same format in both layouts.
+    Cross-layer: one contiguous slice per block. The same format in both layouts. Ids
+    are trusted, not checked on device (a -1 gathers the last block).
     """
     return reference.gather_blocks(cache.buffers, ids)
 
 
 def scatter_blocks(cache: KVCache, ids: jax.Array, data: jax.Array) -> KVCache:
-    """Write whole blocks gathered by :func:`gather_blocks` back at ``ids``."""
+    """Write whole blocks gathered by :func:`gather_blocks` back at ``ids`` (trusted ids)."""
     return cache.replace(reference.scatter_blocks(cache.buffers, ids, data))
-
-
-def xla_paged_attention(
-    q: jax.Array,
-    kv_buffer: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    layer_slot: int | None = None,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    chunk_tokens: int | None = None,
-) -> jax.Array:
-    """The ``xla_gpu`` paged attention: same contract as the reference, built for speed.
-
-    Each token reads only its own sequence's pages, through its block table,
-    ``chunk_tokens`` kv positions (rounded down to whole blocks; default: what fits
-    :data:`XLA_CHUNK_BYTES` for T tokens, at most :data:`XLA_MAX_CHUNK_TOKENS`) per loop
-    step, with an online softmax in float32: memory O(T * chunk) instead of
-    O(T * table width). The loop runs only over the chunks some token can see (lowest
-    window start to longest kv length in the batch), so bucketed table widths and empty
-    padding cost nothing.
-    A decode token reads each of its pages once; a prefill chunk re-reads its pages per
-    query token, the price of staying in plain XLA.
-    """
-    reference.check_paged_attention_args(
-        q, kv_buffer, kv_lens, block_tables, cu_q_lens, num_seqs,
-        layer_slot=layer_slot, sliding_window=sliding_window, soft_cap=soft_cap,
-    )
-    block_size, combined, head_dim = kv_buffer.shape[-3:]
-    num_kv_heads = combined // 2
-    num_tokens, num_q_heads, _ = q.shape
-    group = num_q_heads // num_kv_heads
-    if chunk_tokens is None:
-        token_bytes = num_tokens * combined * head_dim * kv_buffer.dtype.itemsize
-        chunk_tokens = min(XLA_MAX_CHUNK_TOKENS, XLA_CHUNK_BYTES // max(token_bytes, 1))
-    chunk_blocks = max(1, min(block_tables.shape[1], chunk_tokens // block_size))
-    chunk = chunk_blocks * block_size
-    width = -(-block_tables.shape[1] // chunk_blocks) * chunk_blocks
-    tables = jnp.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
-
-    seq, position, valid = reference.token_sequences(num_tokens, cu_q_lens, kv_lens, num_seqs)
-    token_tables = tables[seq]  # (T, width)
-    lowest = jnp.zeros_like(position) if sliding_window is None else position - sliding_window + 1
-    first = jnp.min(jnp.where(valid, jnp.maximum(lowest, 0), width * block_size)) // chunk
-    last = -(-jnp.max(jnp.where(valid, position + 1, 0)) // chunk)
-
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    precision = jax.lax.Precision.HIGHEST
-
-    def step(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        row_max, denom, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(token_tables, j * chunk_blocks, chunk_blocks, 1)
-        kv = kv_buffer[pages] if layer_slot is None else kv_buffer[pages, layer_slot]
-        kv = kv.reshape(num_tokens, chunk, combined, head_dim)  # keeps the 2H axis whole
-        logits = jnp.einsum(
-            "thgd,tlhd->thgl", qg, kv[:, :, 0::2],
-            precision=precision, preferred_element_type=jnp.float32,
-        ) * sm_scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        kv_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        mask = (kv_pos[None, :] <= position[:, None]) & valid[:, None]
-        if sliding_window is not None:
-            mask &= kv_pos[None, :] > position[:, None] - sliding_window
-        logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))
-        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-        scale = jnp.exp(row_max - safe_max)
-        probs = jnp.exp(logits - safe_max[..., None])
-        denom = denom * scale + jnp.sum(probs, axis=-1)
-        acc = acc * scale[..., None] + jnp.einsum(
-            "thgl,tlhd->thgd", probs.astype(kv.dtype), kv[:, :, 1::2],
-            precision=precision, preferred_element_type=jnp.float32,
-        )
-        return new_max, denom, acc
-
-    shape = (num_tokens, num_kv_heads, group)
-    init = (
-        jnp.full(shape, -jnp.inf, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros(shape + (head_dim,), jnp.float32),
-    )
-    _, denom, acc = jax.lax.fori_loop(first, last, step, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

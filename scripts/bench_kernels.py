@@ -8,7 +8,7 @@ warm-up call that compiles):
               only shows that it runs (interpretation overhead, not performance);
   reference   jaxkv.pallas.reference (plain jnp, XLA on whatever backend this is);
   jax_rpa     jax.experimental.pallas.ops.tpu.ragged_paged_attention (TPU only);
-  xla_gpu     jaxkv.ops.xla_paged_attention, the GPU default (plain XLA, runs anywhere);
+  xla_gpu     jaxkv.pallas.xla.paged_attention, the GPU default (plain XLA, runs anywhere);
               paged attention only: on GPU, writes and copies are the reference ops.
 
 On a GPU or TPU, each compiled column also reports achieved bandwidth as a fraction of
@@ -37,11 +37,11 @@ import numpy as np
 from absl import app, flags
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+from timing import best_seconds
 
-from jaxkv import ops
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import tpu as kernels
-from timing import best_seconds
+from jaxkv.pallas import xla as xla_attention
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write results as JSON to this path.")
@@ -91,11 +91,11 @@ class Attn:
     seqs: tuple[tuple[int, int], ...]
     block_size: int
     num_kv_heads: int
-    group: int
+    num_queries_per_kv: int  # query heads per KV head (GQA)
     head_dim: int
     window: int | None = None
     soft_cap: float | None = None
-    num_slots: int | None = None  # cross-layer layout with this many slots
+    num_layers_per_block: int | None = None  # cross-layer layout with this many layers
 
 
 PRESETS: dict[str, dict] = {
@@ -111,7 +111,7 @@ PRESETS: dict[str, dict] = {
                 64,
                 window=24,
                 soft_cap=30.0,
-                num_slots=4,
+                num_layers_per_block=4,
             ),
             Attn("prefill", ((48, 64),), 16, 2, 2, 64),
             Attn("mixed", ((1, 40), (1, 25), (1, 50), (32, 48)), 16, 2, 2, 64),
@@ -127,7 +127,7 @@ PRESETS: dict[str, dict] = {
         "copy_blocks": {
             "pairs": 8,
             "num_blocks": 32,
-            "num_slots": 4,
+            "num_layers_per_block": 4,
             "block_size": 16,
             "num_kv_heads": 2,
             "head_dim": 64,
@@ -138,7 +138,7 @@ PRESETS: dict[str, dict] = {
             Attn("decode", ((1, 4096),) * 32, 16, 8, 4, 128),
             Attn("decode-long", ((1, 32768),) * 8, 16, 8, 4, 128),
             Attn("decode+window", ((1, 8192),) * 32, 16, 8, 4, 128, window=1024, soft_cap=50.0),
-            Attn("decode-xlayer", ((1, 4096),) * 32, 16, 8, 4, 128, num_slots=6),
+            Attn("decode-xlayer", ((1, 4096),) * 32, 16, 8, 4, 128, num_layers_per_block=6),
             Attn("prefill", ((256, 1024),) * 2, 16, 8, 4, 128),
             Attn("mixed", ((1, 2048),) * 24 + ((256, 1024),), 16, 8, 4, 128),
         ],
@@ -153,7 +153,7 @@ PRESETS: dict[str, dict] = {
         "copy_blocks": {
             "pairs": 256,
             "num_blocks": 2048,
-            "num_slots": 8,
+            "num_layers_per_block": 8,
             "block_size": 16,
             "num_kv_heads": 8,
             "head_dim": 128,
@@ -175,7 +175,7 @@ def attention_case(
     pages = [-(-kv // bs) for _, kv in w.seqs]
     width = max(pages)
     num_blocks = 1 + sum(pages)
-    layer_shape = (num_blocks,) + ((w.num_slots,) if w.num_slots else ()) + (bs, 2 * h, d)
+    layer_shape = (num_blocks,) + ((w.num_layers_per_block,) if w.num_layers_per_block else ()) + (bs, 2 * h, d)
     kv = jnp.asarray(rng.standard_normal(layer_shape, np.float32), dtype)
     tables = np.zeros((len(w.seqs), width), np.int32)
     ids = iter(rng.permutation(np.arange(1, num_blocks)).astype(np.int32))
@@ -183,7 +183,7 @@ def attention_case(
         tables[i, :n] = [next(ids) for _ in range(n)]
     q_lens = [q for q, _ in w.seqs]
     num_tokens = sum(q_lens)
-    q = jnp.asarray(rng.standard_normal((num_tokens, h * w.group, d), np.float32), dtype)
+    q = jnp.asarray(rng.standard_normal((num_tokens, h * w.num_queries_per_kv, d), np.float32), dtype)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     meta = (
         jnp.asarray([kv for _, kv in w.seqs], jnp.int32),
@@ -191,7 +191,7 @@ def attention_case(
         cu,
         jnp.asarray([len(w.seqs)], jnp.int32),
     )
-    slot = 1 if w.num_slots else None
+    layer_index = 1 if w.num_layers_per_block else None
     kw = {"sm_scale": d**-0.5, "sliding_window": w.window, "soft_cap": w.soft_cap}
     args = (q, kv) + meta
 
@@ -208,32 +208,32 @@ def attention_case(
         impls["kernel"], notes["kernel"] = None, KERNEL_NA
     else:
         kernel = jax.jit(
-            functools.partial(kernels.paged_attention, layer_slot=slot, interpret=interpret, **kw)
+            functools.partial(kernels.paged_attention, layer_index=layer_index, interpret=interpret, **kw)
         )
         impls["kernel"] = lambda: kernel(*args)
     gather_bytes = (
-        num_tokens * width * bs * (2 * h * d * (jnp.dtype(dtype).itemsize + 4) + h * w.group * 12)
+        num_tokens * width * bs * (2 * h * d * (jnp.dtype(dtype).itemsize + 4) + h * w.num_queries_per_kv * 12)
     )
     if gather_bytes <= ref_budget:
-        reference = jax.jit(functools.partial(ref.paged_attention, layer_slot=slot, **kw))
+        reference = jax.jit(functools.partial(ref.paged_attention, layer_index=layer_index, **kw))
         impls["reference"] = lambda: reference(*args)
     else:
         impls["reference"] = None
         notes["reference"] = "skipped: token-major gather too large"
-    if on_tpu and slot is None:
+    if on_tpu and layer_index is None:
         rpa = jax.jit(functools.partial(ragged_paged_attention, **kw))
         impls["jax_rpa"] = lambda: rpa(*args)
     else:
         impls["jax_rpa"] = None
         notes["jax_rpa"] = "n/a: TPU only" if not on_tpu else "n/a: per-layer layout only"
-    xla = jax.jit(functools.partial(ops.xla_paged_attention, layer_slot=slot, **kw))
+    xla = jax.jit(functools.partial(xla_attention.paged_attention, layer_index=layer_index, **kw))
     impls["xla_gpu"] = lambda: xla(*args)
     ctx = sorted({kv for _, kv in w.seqs})
     shape = (
         f"{len(w.seqs)} seqs, {num_tokens} tok, ctx {ctx[0]}..{ctx[-1]}, bs {bs}, "
-        f"H {h}x{w.group}, D {d}"
+        f"H {h}x{w.num_queries_per_kv}, D {d}"
         + (f", W {w.window}" if w.window else "")
-        + (", cross-layer" if slot is not None else "")
+        + (", cross-layer" if layer_index is not None else "")
     )
     return Case("paged_attention", w.name, shape, bytes_moved, impls, notes)
 
@@ -287,7 +287,7 @@ def copy_case(p: dict, dtype: jnp.dtype, rng: np.random.Generator, interpret: In
     """Copy-on-write of ``pairs`` whole cross-layer blocks into fresh blocks."""
     n, s, bs, h, d, pairs = (
         p["num_blocks"],
-        p["num_slots"],
+        p["num_layers_per_block"],
         p["block_size"],
         p["num_kv_heads"],
         p["head_dim"],
@@ -307,7 +307,7 @@ def copy_case(p: dict, dtype: jnp.dtype, rng: np.random.Generator, interpret: In
             jitted, [(jnp.asarray(rng.standard_normal(shape, np.float32), dtype),)]
         )
     block_bytes = s * bs * 2 * h * d * jnp.dtype(dtype).itemsize
-    shape_text = f"{pairs} blocks of {block_bytes // 1024} KiB, {s} slots"
+    shape_text = f"{pairs} blocks of {block_bytes // 1024} KiB, {s} layers each"
     return Case("copy_blocks", "cow", shape_text, 2 * pairs * block_bytes, impls, notes)
 
 

@@ -30,7 +30,7 @@ def spec(cls=FullAttentionSpec, **kw):
 
 
 def hand_config(num_blocks: int = 10) -> KVCacheConfig:
-    """Three groups of uneven size: slot 1 is used by groups 0 and 2 only."""
+    """Three groups of uneven size: layer index 1 is used by groups 0 and 2 only."""
     return KVCacheConfig(
         num_blocks=num_blocks,
         groups=(
@@ -45,8 +45,8 @@ def hand_config(num_blocks: int = 10) -> KVCacheConfig:
 def test_allocate_hand_built_config(layout):
     cache = allocate_kv_cache(hand_config(), layout=layout)
     assert cache.kind == layout
-    assert dict(cache.slot_of) == {"a0": 0, "b0": 0, "c0": 0, "a1": 1, "c1": 1}
-    assert (cache.num_blocks, cache.num_slots, cache.block_size) == (10, 2, 8)
+    assert dict(cache.layer_indices) == {"a0": 0, "b0": 0, "c0": 0, "a1": 1, "c1": 1}
+    assert (cache.num_blocks, cache.num_layers_per_block, cache.block_size) == (10, 2, 8)
     assert (cache.num_kv_heads, cache.head_dim, cache.dtype) == (2, 16, jnp.float32)
     if layout == "cross_layer":
         assert [b.shape for b in cache.buffers] == [(10, 2, 8, 4, 16)]
@@ -62,15 +62,16 @@ def test_allocate_planned_tiny_hybrid(layout):
     config = plan_kv_cache(get_preset("tiny-hybrid"), 1 << 20, max_model_len=64, layout=layout)
     cache = allocate_kv_cache(config)
     assert cache.kind == layout
-    slots = config.layout.num_slots
+    layers = config.layout.num_slots
+    assert cache.num_layers_per_block == layers
     page = (config.groups[0].block_size, 4, 64)
     if layout == "cross_layer":
-        assert [b.shape for b in cache.buffers] == [(config.num_blocks, slots) + page]
+        assert [b.shape for b in cache.buffers] == [(config.num_blocks, layers) + page]
     else:
-        assert [b.shape for b in cache.buffers] == [(config.num_blocks,) + page] * slots
+        assert [b.shape for b in cache.buffers] == [(config.num_blocks,) + page] * layers
     assert cache.nbytes == config.num_blocks * config.layout.block_bytes
     for name in get_preset("tiny-hybrid"):
-        assert cache.slot(name) == config.layout.slot_index(name)
+        assert cache.layer_index(name) == config.layout.slot_index(name)
     assert allocate_kv_cache(config, dtype="bfloat16").dtype == jnp.bfloat16
 
 
@@ -88,15 +89,15 @@ def test_pytree_round_trip_keeps_static_fields():
     assert len(leaves) == 2 and all(isinstance(x, jax.Array) for x in leaves)
     again = jax.tree_util.tree_unflatten(treedef, leaves)
     assert isinstance(again, KVCache)
-    assert (again.kind, again.slot_of, again.block_size) == (cache.kind, cache.slot_of, 8)
+    assert (again.kind, again.layer_indices, again.block_size) == (cache.kind, cache.layer_indices, 8)
     doubled = jax.tree_util.tree_map(lambda x: x + 1, cache)
-    assert doubled.slot_of == cache.slot_of and float(doubled.buffers[1][0, 0, 0, 0]) == 1
+    assert doubled.layer_indices == cache.layer_indices and float(doubled.buffers[1][0, 0, 0, 0]) == 1
 
 
 def test_unknown_layer_is_a_typed_error():
     cache = allocate_kv_cache(hand_config())
     with pytest.raises(UnknownLayerError, match="'zz'"):
-        cache.slot("zz")
+        cache.layer_index("zz")
 
 
 @pytest.mark.parametrize(
@@ -221,6 +222,6 @@ def test_heads_are_split_whole_across_devices():
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env},
-        timeout=120,
+        timeout=120, check=False,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -16,8 +16,8 @@ from jaxkv.metadata import (
     MetadataError,
     ScheduledSeq,
     StepMetadata,
-    build_step_metadata,
     bucket,
+    build_step_metadata,
     decodes_first,
 )
 from jaxkv.planner import KVCacheConfig, KVCacheGroup
@@ -176,14 +176,54 @@ def test_bad_block_ids_are_typed_errors_naming_the_value():
     with pytest.raises(BlockIdError, match=r"'b', group 0: block id 25 out of range \[0, 20\)"):
         build_step_metadata(seqs, tokens, bad, [4, 8], BUCKETS, num_blocks=20)
     bad[1] = ([6, -1, 8], [9, 10])
-    with pytest.raises(BlockIdError, match="block id -1"):
-        build_step_metadata(seqs, tokens, bad, [4, 8], BUCKETS)
+    with pytest.raises(BlockIdError, match=r"block id -1 out of range \[0, 2147483648\)"):
+        build_step_metadata(seqs, tokens, bad, [4, 8], BUCKETS)  # no num_blocks: lower bound only
     bad[1] = ([6, 7], [9, 10])
     with pytest.raises(BlockIdError, match="'b' has 2 blocks in group 0, needs 3"):
         build_step_metadata(seqs, tokens, bad, [4, 8], BUCKETS)
     bad[1] = ([6, 7, 0], [9, 10])
     with pytest.raises(BlockIdError, match="position 8 maps to the null block"):
         build_step_metadata(seqs, tokens, bad, [4, 8], BUCKETS)
+
+
+@pytest.mark.parametrize(
+    "table,match",
+    [
+        ([-1], r"'x', group 0: block id -1 out of range \[0, 20\)"),  # slot -1: the last block's
+        ([20], r"'x', group 0: block id 20 out of range \[0, 20\)"),  # == num_blocks
+        ([3, 5, 7, 21], "block id 21 out of range"),  # an entry no new token writes
+        ([1.0], r"block ids must be ints, got \[1.0\]"),  # would be truncated silently
+        ([True], r"block ids must be ints, got \[True\]"),
+    ],
+)
+def test_ids_the_device_would_wrap_or_drop_are_refused_before_any_transfer(table, match, monkeypatch):
+    """The ops trust slots: slot -1 would write into the last block (a -1 gather wraps)
+    and a slot past the cache would be dropped. The builder refuses the block ids that
+    give them, naming the value, and sends nothing."""
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: pytest.fail("sent bad metadata"))
+    seq = ScheduledSeq("x", 0, 1)
+    with pytest.raises(BlockIdError, match=match):
+        build_step_metadata([seq], [[7]], [(table,)], [1], BUCKETS, num_blocks=20)
+
+
+def test_positions_and_counts_that_would_give_slot_minus_one_are_refused():
+    with pytest.raises(MetadataError, match="num_computed_tokens=-1 must be an int >= 0"):
+        ScheduledSeq("x", -1, 1)  # position -1: slot -1
+    with pytest.raises(MetadataError, match="num_computed_tokens=2.5"):
+        ScheduledSeq("x", 2.5, 1)
+    with pytest.raises(MetadataError, match="num_new_tokens=True"):
+        ScheduledSeq("x", 0, True)
+    seqs, tokens, block_ids = example()
+    for bad in (0, -3, 2.0):
+        with pytest.raises(MetadataError, match=f"num_blocks must be an int >= 1, got {bad!r}"):
+            build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS, num_blocks=bad)
+
+
+def test_errors_are_jaxkv_errors():
+    from jaxkv.errors import JaxkvError
+
+    assert issubclass(BlockIdError, JaxkvError) and issubclass(BlockIdError, ValueError)
+    assert issubclass(BucketOverflowError, MetadataError) and issubclass(MetadataError, JaxkvError)
 
 
 def test_bad_sequences_and_tokens():

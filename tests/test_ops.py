@@ -1,5 +1,6 @@
 """jaxkv.ops: dispatch by backend and override, ops on KVCache objects, the xla_gpu
-attention against the reference, and heads zero-padded to a tile-aligned cache."""
+attention (jaxkv.pallas.xla) against the reference, NaN in unread cache positions for
+every implementation, and heads zero-padded to a tile-aligned cache."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import pytest
 from conftest import ragged_metadata
 
 from jaxkv import ops
-from jaxkv.cache import allocate_kv_cache
+from jaxkv.cache import KVCache, allocate_kv_cache
 from jaxkv.pallas import reference as ref
+from jaxkv.pallas import xla
 from jaxkv.pallas.reference import KVShapeError
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, KVCacheGroup, plan_kv_cache
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
@@ -90,7 +92,7 @@ def test_missing_tpu_kernels_give_a_clear_error(monkeypatch):
         ops.write_kv(cache, "l0", k, k, jnp.zeros(1, jnp.int32), impl="pallas_tpu")
 
 
-def test_pallas_tpu_dispatch_passes_layer_slot_and_interpret(monkeypatch):
+def test_pallas_tpu_dispatch_passes_layer_index_and_interpret(monkeypatch):
     calls = []
 
     def fake(name):
@@ -118,9 +120,9 @@ def test_pallas_tpu_dispatch_passes_layer_slot_and_interpret(monkeypatch):
         )
     from jax.experimental.pallas import tpu as pltpu
 
-    (write, write_kw), (copy, copy_kw), (attn, attn_kw) = calls
+    (write, write_kw), (copy, _copy_kw), (attn, attn_kw) = calls
     assert (write, copy, attn) == ("write_kv", "copy_blocks", "paged_attention")
-    assert write_kw["layer_slot"] == 1 and attn_kw["layer_slot"] == 1
+    assert write_kw["layer_index"] == 1 and attn_kw["layer_index"] == 1
     assert isinstance(write_kw["interpret"], pltpu.InterpretParams), "interpret mode off TPU"
     assert attn_kw["interpret"] is True and attn_kw["sliding_window"] == 5
 
@@ -133,15 +135,15 @@ def test_ops_on_a_cache_match_the_reference(layout, rng):
     v = jnp.asarray(rng.standard_normal((3, 2, HEAD_DIM)), jnp.float32)
     slots = jnp.array([9, 10, 0], jnp.int32)
     out = jax.jit(ops.write_kv, static_argnums=1)(cache, "l2", k, v, slots)
-    layer_slot = 1
+    layer_index = 1
     if layout == "cross_layer":
-        expected = ref.write_kv(jnp.asarray(before[0]), k, v, slots, layer_slot=layer_slot)
+        expected = ref.write_kv(jnp.asarray(before[0]), k, v, slots, layer_index=layer_index)
         np.testing.assert_array_equal(np.asarray(out.buffers[0]), np.asarray(expected))
     else:
-        expected = ref.write_kv(jnp.asarray(before[layer_slot]), k, v, slots)
-        np.testing.assert_array_equal(np.asarray(out.buffers[layer_slot]), np.asarray(expected))
+        expected = ref.write_kv(jnp.asarray(before[layer_index]), k, v, slots)
+        np.testing.assert_array_equal(np.asarray(out.buffers[layer_index]), np.asarray(expected))
         np.testing.assert_array_equal(np.asarray(out.buffers[0]), before[0])
-    assert out.kind == cache.kind and out.slot_of == cache.slot_of
+    assert out.kind == cache.kind and out.layer_indices == cache.layer_indices
 
     ids = jnp.array([3, 7], jnp.int32)
     blocks = ops.gather_blocks(out, ids)
@@ -154,20 +156,20 @@ def test_ops_on_a_cache_match_the_reference(layout, rng):
     np.testing.assert_array_equal(np.asarray(ops.gather_blocks(back, ids)), np.asarray(blocks))
 
     q = jnp.asarray(rng.standard_normal((4, 4, HEAD_DIM)), jnp.float32)
-    meta = dict(
-        block_tables=jnp.array([[3, 0, 0], [5, 6, 0]], jnp.int32),
-        kv_lens=jnp.array([2, 7], jnp.int32),
-        cu_q_lens=jnp.array([0, 1, 4], jnp.int32),
-        num_seqs=jnp.array([2], jnp.int32),
-    )
-    buffer, slot = out.layer_buffer("l2")
+    meta = {
+        "block_tables": jnp.array([[3, 0, 0], [5, 6, 0]], jnp.int32),
+        "kv_lens": jnp.array([2, 7], jnp.int32),
+        "cu_q_lens": jnp.array([0, 1, 4], jnp.int32),
+        "num_seqs": jnp.array([2], jnp.int32),
+    }
+    buffer, layer_index = out.layer_buffer("l2")
 
     @jax.jit
     def both(q, cache, buffer):
         got = ops.paged_attention(q, cache, "l2", **meta, sm_scale=0.3)
         want = ref.paged_attention(
             q, buffer, meta["kv_lens"], meta["block_tables"], meta["cu_q_lens"],
-            meta["num_seqs"], layer_slot=slot, sm_scale=0.3,
+            meta["num_seqs"], layer_index=layer_index, sm_scale=0.3,
         )
         return got, want
 
@@ -175,20 +177,20 @@ def test_ops_on_a_cache_match_the_reference(layout, rng):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-# ----------------------------------------------------------------- xla_gpu attention
+# ----------------------------------------------------------------- xla_gpu attention (jaxkv.pallas.xla)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("impl", "sm_scale", "sliding_window", "soft_cap", "layer_slot")
+    jax.jit, static_argnames=("impl", "sm_scale", "sliding_window", "soft_cap", "layer_index")
 )
 def attend(impl, q, kv, tables, kv_lens, cu, num_seqs, **kw):
     if impl == "xla_gpu":
-        return ops.xla_paged_attention(q, kv, kv_lens, tables, cu, num_seqs, chunk_tokens=8, **kw)
+        return xla.paged_attention(q, kv, kv_lens, tables, cu, num_seqs, chunk_tokens=8, **kw)
     return ref.paged_attention(q, kv, kv_lens, tables, cu, num_seqs, **kw)
 
 
 @pytest.mark.parametrize(
-    "num_q_heads,sliding_window,soft_cap,layer_slot,dtype",
+    "num_q_heads,sliding_window,soft_cap,layer_index,dtype",
     [
         (2, None, None, None, jnp.float32),
         (4, 3, 4.0, 1, jnp.float32),
@@ -197,7 +199,7 @@ def attend(impl, q, kv, tables, kv_lens, cu, num_seqs, **kw):
     ],
 )
 def test_xla_gpu_attention_matches_the_reference(
-    num_q_heads, sliding_window, soft_cap, layer_slot, dtype, rng
+    num_q_heads, sliding_window, soft_cap, layer_index, dtype, rng
 ):
     # Chunks of 2 blocks over a width of 7: the online softmax spans several chunks,
     # the last one padded; decodes, prefill chunks, an empty sequence and padding.
@@ -205,10 +207,10 @@ def test_xla_gpu_attention_matches_the_reference(
     meta = ragged_metadata(rng, seqs, block_size=BLOCK, num_blocks=40, width=7, max_seqs=9)
     tables, kv_lens, cu, num_seqs = (meta[k] for k in ("block_tables", "kv_lens", "cu_q_lens", "num_seqs"))
     assert cu[-1] <= 24
-    shape = (40, BLOCK, 4, HEAD_DIM) if layer_slot is None else (40, 2, BLOCK, 4, HEAD_DIM)
+    shape = (40, BLOCK, 4, HEAD_DIM) if layer_index is None else (40, 2, BLOCK, 4, HEAD_DIM)
     kv = jnp.asarray(rng.standard_normal(shape), dtype)
     q = jnp.asarray(rng.standard_normal((24, num_q_heads, HEAD_DIM)), dtype)
-    kw = dict(sm_scale=0.4, sliding_window=sliding_window, soft_cap=soft_cap, layer_slot=layer_slot)
+    kw = {"sm_scale": 0.4, "sliding_window": sliding_window, "soft_cap": soft_cap, "layer_index": layer_index}
     got = attend("xla_gpu", q, kv, tables, kv_lens, cu, num_seqs, **kw)
     want = attend("reference", q, kv, tables, kv_lens, cu, num_seqs, **kw)
     assert got.dtype == dtype
@@ -220,12 +222,60 @@ def test_xla_gpu_attention_matches_the_reference(
 
 
 def test_xla_gpu_attention_with_nothing_scheduled():
-    attention = jax.jit(functools.partial(ops.xla_paged_attention, sm_scale=1.0))
+    attention = jax.jit(functools.partial(xla.paged_attention, sm_scale=1.0))
     out = attention(
         jnp.ones((4, 2, HEAD_DIM)), jnp.ones((6, BLOCK, 4, HEAD_DIM)), jnp.zeros(2, jnp.int32),
         jnp.zeros((2, 3), jnp.int32), jnp.zeros(3, jnp.int32), jnp.array([0], jnp.int32),
     )
     assert not np.asarray(out).any()
+
+
+# ------------------------------------------------- NaN where no query may look
+
+
+def poison_unread(cache: KVCache, layer: str, meta: dict[str, np.ndarray], window: int | None) -> KVCache:
+    """``cache`` with NaN at every position no query of ``meta`` may read through ``layer``:
+    other layers' pages, the null block, unused blocks (other requests' data), positions
+    past each kv length and before each query's window."""
+    ids = jnp.arange(cache.num_blocks, dtype=jnp.int32)
+    blocks = np.array(ops.gather_blocks(cache, ids))  # (N, L, bs, 2H, D)
+    readable = np.zeros(blocks.shape[:3], bool)
+    index = cache.layer_index(layer)
+    q_lens = np.diff(meta["cu_q_lens"])
+    for i in range(int(meta["num_seqs"][0])):
+        kv_len, q_len = int(meta["kv_lens"][i]), int(q_lens[i])
+        first = kv_len - q_len - (window or kv_len) + 1  # the first query's window start
+        for p in range(max(first, 0), kv_len if q_len else 0):
+            readable[meta["block_tables"][i, p // BLOCK], index, p % BLOCK] = True
+    blocks[~readable] = np.nan
+    return ops.scatter_blocks(cache, ids, jnp.asarray(blocks))
+
+
+@pytest.mark.parametrize("layout,window", [("cross_layer", 5), ("per_layer", None)])
+@pytest.mark.parametrize("impl", ["reference", "xla_gpu", "pallas_tpu"])
+def test_nan_where_no_query_may_look_never_reaches_the_output(impl, layout, window, rng):
+    """Masking selects, never multiplies (0 * NaN is NaN): a cache holding NaN wherever no
+    query may look gives the finite result of a clean cache, for every implementation."""
+    if impl == "pallas_tpu":
+        pytest.importorskip("jaxkv.pallas.tpu")  # runs interpreted off TPU
+    # Decodes, an empty run, prefill chunks; two padded sequences and 3 padding tokens.
+    seqs = [(1, 1), (1, 9), (0, 6), (6, 6), (5, 17)]
+    meta = ragged_metadata(rng, seqs, block_size=BLOCK, num_blocks=24, width=5, max_seqs=7)
+    clean = random_cache(rng, layout)
+    poisoned = poison_unread(clean, "l2", meta, window)
+    assert np.isnan(np.asarray(poisoned.buffers[0])).any()
+    q = jnp.asarray(rng.standard_normal((16, 4, HEAD_DIM)), jnp.float32)
+    meta = {name: jnp.asarray(x) for name, x in meta.items()}
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def attend(impl, cache):
+        return ops.paged_attention(q, cache, "l2", **meta, sm_scale=0.3, sliding_window=window, impl=impl)
+
+    got = np.asarray(attend(impl, poisoned))
+    assert np.isfinite(got).all(), f"NaN reached rows {np.unique(np.nonzero(~np.isfinite(got))[0])}"
+    np.testing.assert_allclose(got, np.asarray(attend(impl, clean)), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(got, np.asarray(attend("reference", clean)), atol=1e-5, rtol=1e-5)
+    assert not got[13:].any(), "padding rows are zeros"
 
 
 def test_pallas_tpu_kernels_through_ops_in_interpret_mode(rng):
@@ -328,7 +378,7 @@ def test_heads_of_64_in_a_cache_padded_to_128_lanes_give_the_unpadded_results(im
         padded, unpadded = np.asarray(padded), np.asarray(unpadded)
         assert not padded[..., LOGICAL_HEAD:].any(), "padded head columns stay exactly zero"
         np.testing.assert_array_equal(padded[1:, ..., :LOGICAL_HEAD], unpadded[1:])  # block 0: padding
-    assert np.asarray(plain_cache.buffers[0])[1:].any(), "l0 (slot 0) was written"
+    assert np.asarray(plain_cache.buffers[0])[1:].any(), "l0 (layer index 0) was written"
 
 
 def primitive_names(jaxpr) -> set[str]:

@@ -2,7 +2,7 @@
 
 Every case draws fresh random inputs (the seed is in each failure message; set
 JAXKV_TEST_SEED to replay one). Cache bytes the kernels must not read (past kv_len, out
-of the window, other layer slots, unused and null blocks) are NaN, and the interpreter
+of the window, other layers' pages, unused and null blocks) are NaN, and the interpreter
 fills its scratch memory with NaN, so a stray read shows up as NaN in the output. The
 reference runs on the same cache with those NaNs replaced by finite noise.
 """
@@ -84,12 +84,12 @@ def make_batch(
     max_seqs: int,
     block_size: int,
     num_kv_heads: int,
-    group: int,
+    num_queries_per_kv: int,
     head_dim: int,
     dtype,
     window: int | None = None,
-    num_slots: int | None = None,
-    layer_slot: int | None = None,
+    num_layers_per_block: int | None = None,
+    layer_index: int | None = None,
     extra_tokens: int = 3,
     width_slack: int = 1,
 ) -> Batch:
@@ -100,9 +100,9 @@ def make_batch(
     width = max(num_pages + [1]) + width_slack
     num_blocks = 1 + sum(num_pages) + 2
     page_shape = (bs, 2 * h, head_dim)
-    full_shape = (num_blocks,) + ((num_slots,) if layer_slot is not None else ()) + page_shape
+    full_shape = (num_blocks,) + ((num_layers_per_block,) if layer_index is not None else ()) + page_shape
     kv = np.full(full_shape, np.nan, np.float32)
-    layer = kv if layer_slot is None else kv[:, layer_slot]
+    layer = kv if layer_index is None else kv[:, layer_index]
     tables = np.zeros((max_seqs, width), np.int32)
     blocks = iter(rng.permutation(np.arange(1, num_blocks)))
     for i, (q_len, kv_len) in enumerate(seqs):
@@ -122,7 +122,7 @@ def make_batch(
     kv_lens = np.zeros(max_seqs, np.int32)
     kv_lens[: len(seqs)] = [kv for _, kv in seqs]
     return Batch(
-        q=jnp.asarray(rng.standard_normal((num_tokens, h * group, head_dim)), dtype),
+        q=jnp.asarray(rng.standard_normal((num_tokens, h * num_queries_per_kv, head_dim)), dtype),
         kv_poisoned=jnp.asarray(kv, dtype),
         kv_clean=jnp.asarray(clean, dtype),
         kv_lens=jnp.asarray(kv_lens),
@@ -147,7 +147,7 @@ def check_attention(
     rng: SeededRng,
     batch: Batch,
     *,
-    layer_slot: int | None = None,
+    layer_index: int | None = None,
     sm_scale: float = 0.35,
     window: int | None = None,
     soft_cap: float | None = None,
@@ -156,7 +156,7 @@ def check_attention(
 ) -> np.ndarray:
     """Run kernel (poisoned cache) and reference (clean cache); compare all rows."""
     kw = {
-        "layer_slot": layer_slot,
+        "layer_index": layer_index,
         "sm_scale": sm_scale,
         "sliding_window": window,
         "soft_cap": soft_cap,
@@ -177,7 +177,7 @@ def check_attention(
 
 
 ATTENTION_CASES = {
-    # name: (dtype, H, G, D, bs, decodes, prefills, max_len, window, soft_cap, layer_slot, tuning)
+    # name: (dtype, H, G, D, bs, decodes, prefills, max_len, window, soft_cap, layer_index, tuning)
     "fp32-mha-per-layer": (jnp.float32, 2, 1, 8, 4, 3, 2, 13, None, None, None, {}),
     "fp32-gqa2-cross-layer": (
         jnp.float32,
@@ -256,7 +256,7 @@ ATTENTION_CASES = {
 
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 def test_paged_attention_matches_reference(rng, case):
-    dtype, h, g, d, bs, decodes, prefills, max_len, window, cap, slot, tuning = ATTENTION_CASES[
+    dtype, h, g, d, bs, decodes, prefills, max_len, window, cap, layer, tuning = ATTENTION_CASES[
         case
     ]
     seqs = random_seqs(rng, decodes, prefills, max_len)
@@ -266,14 +266,14 @@ def test_paged_attention_matches_reference(rng, case):
         max_seqs=len(seqs) + 1,
         block_size=bs,
         num_kv_heads=h,
-        group=g,
+        num_queries_per_kv=g,
         head_dim=d,
         dtype=dtype,
         window=window,
-        num_slots=None if slot is None else 3,
-        layer_slot=slot,
+        num_layers_per_block=None if layer is None else 3,
+        layer_index=layer,
     )
-    check_attention(rng, batch, layer_slot=slot, window=window, soft_cap=cap, **tuning)
+    check_attention(rng, batch, layer_index=layer, window=window, soft_cap=cap, **tuning)
 
 
 def test_paged_attention_full_batch_and_empty_sequences(rng):
@@ -286,7 +286,7 @@ def test_paged_attention_full_batch_and_empty_sequences(rng):
         max_seqs=len(seqs),
         block_size=4,
         num_kv_heads=1,
-        group=2,
+        num_queries_per_kv=2,
         head_dim=8,
         dtype=jnp.float32,
         extra_tokens=0,
@@ -301,7 +301,7 @@ def test_paged_attention_no_sequences_gives_zeros(rng):
         max_seqs=3,
         block_size=4,
         num_kv_heads=1,
-        group=2,
+        num_queries_per_kv=2,
         head_dim=8,
         dtype=jnp.float32,
         extra_tokens=5,
@@ -314,7 +314,7 @@ def test_paged_attention_window_covers_everything(rng):
     """A window wider than every sequence is plain causal attention."""
     seqs = random_seqs(rng, 2, 2, 10)
     batch = make_batch(
-        rng, seqs, max_seqs=4, block_size=4, num_kv_heads=1, group=2, head_dim=8, dtype=jnp.float32
+        rng, seqs, max_seqs=4, block_size=4, num_kv_heads=1, num_queries_per_kv=2, head_dim=8, dtype=jnp.float32
     )
     windowed = check_attention(rng, batch, window=64)
     causal = kernels.paged_attention(
@@ -332,7 +332,7 @@ def test_paged_attention_matches_jax_bundled_reference(rng):
         max_seqs=5,
         block_size=4,
         num_kv_heads=2,
-        group=2,
+        num_queries_per_kv=2,
         head_dim=8,
         dtype=jnp.float32,
         window=6,
@@ -357,7 +357,7 @@ def test_paged_attention_never_fetches_pages_outside_the_span(rng):
         max_seqs=6,
         block_size=4,
         num_kv_heads=1,
-        group=2,
+        num_queries_per_kv=2,
         head_dim=8,
         dtype=jnp.float32,
         window=5,
@@ -384,16 +384,16 @@ def test_paged_attention_no_races_eager_dmas(rng):
         max_seqs=6,
         block_size=4,
         num_kv_heads=2,
-        group=2,
+        num_queries_per_kv=2,
         head_dim=8,
         dtype=jnp.float32,
         window=7,
-        num_slots=2,
-        layer_slot=1,
+        num_layers_per_block=2,
+        layer_index=1,
     )
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
     check_attention(
-        rng, batch, layer_slot=1, window=7, interpret=params, queries_per_tile=8, pages_per_chunk=2
+        rng, batch, layer_index=1, window=7, interpret=params, queries_per_tile=8, pages_per_chunk=2
     )
     assert not mosaic_interpret.races.races_found
 
@@ -402,7 +402,7 @@ def test_paged_attention_under_jit(rng):
     """Static args stay static under an outer jit (how jaxkv.ops calls it)."""
     seqs = random_seqs(rng, 2, 1, 10)
     batch = make_batch(
-        rng, seqs, max_seqs=4, block_size=4, num_kv_heads=1, group=2, head_dim=8, dtype=jnp.float32
+        rng, seqs, max_seqs=4, block_size=4, num_kv_heads=1, num_queries_per_kv=2, head_dim=8, dtype=jnp.float32
     )
     f = jax.jit(functools.partial(kernels.paged_attention, sm_scale=0.35, interpret=INTERPRET))
     out = f(*batch.args(batch.kv_poisoned))
@@ -427,7 +427,7 @@ def test_paged_attention_rejects_bad_inputs():
         with pytest.raises(KVShapeError):
             call(*bad)
     with pytest.raises(KVShapeError):
-        call(*good, layer_slot=0)  # per-layer buffer with a slot
+        call(*good, layer_index=0)  # per-layer buffer with a layer index
     with pytest.raises(KVShapeError):
         call(*good, sliding_window=0)
 
@@ -456,26 +456,26 @@ def random_slot_mapping(rng: SeededRng, num_blocks: int, bs: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("layer_slot", [None, 1])
-def test_write_kv_matches_reference_and_touches_nothing_else(rng, dtype, layer_slot):
+@pytest.mark.parametrize("layer_index", [None, 1])
+def test_write_kv_matches_reference_and_touches_nothing_else(rng, dtype, layer_index):
     bs, h, d, n = 4, 2, 8, 16
-    shape = (n,) + (() if layer_slot is None else (3,)) + (bs, 2 * h, d)
+    shape = (n,) + (() if layer_index is None else (3,)) + (bs, 2 * h, d)
     buf = rng.standard_normal(shape)
     buf[rng.random(shape) < 0.1] = np.nan  # untouched NaNs must survive bit for bit
     buf = jnp.asarray(buf, dtype)
     slots = random_slot_mapping(rng, n, bs)
     k, v = (jnp.asarray(rng.standard_normal((len(slots), h, d)), dtype) for _ in range(2))
     out = kernels.write_kv(
-        buf, k, v, jnp.asarray(slots), layer_slot=layer_slot, interpret=INTERPRET
+        buf, k, v, jnp.asarray(slots), layer_index=layer_index, interpret=INTERPRET
     )
-    want = ref.write_kv(buf, k, v, jnp.asarray(slots), layer_slot=layer_slot)
+    want = ref.write_kv(buf, k, v, jnp.asarray(slots), layer_index=layer_index)
     msg = f"seed={rng.seed}"
     np.testing.assert_array_equal(bits(out)[1:], bits(want)[1:], err_msg=msg)
-    written = np.zeros(shape[:1] + (() if layer_slot is None else (3,)) + (bs,), bool)
-    if layer_slot is None:
+    written = np.zeros(shape[:1] + (() if layer_index is None else (3,)) + (bs,), bool)
+    if layer_index is None:
         written[slots // bs, slots % bs] = True
     else:
-        written[slots // bs, layer_slot, slots % bs] = True
+        written[slots // bs, layer_index, slots % bs] = True
     written[0] = True  # the null block is a sink: never compared
     np.testing.assert_array_equal(bits(out)[~written], bits(buf)[~written], err_msg=msg)
     np.testing.assert_array_equal(bits(out)[0], bits(buf)[0], err_msg=f"null block written ({msg})")
@@ -522,11 +522,11 @@ def random_copy_pairs(
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
 def test_copy_blocks_matches_reference_and_touches_nothing_else(rng, dtype, layout):
-    n, slots, bs, h, d = 12, 3, 4, 1, 8
-    cross = rng.standard_normal((n, slots, bs, 2 * h, d))
+    n, layers, bs, h, d = 12, 3, 4, 1, 8
+    cross = rng.standard_normal((n, layers, bs, 2 * h, d))
     cross[rng.random(cross.shape) < 0.1] = np.nan
     cross = jnp.asarray(cross, dtype)
-    buffers = (cross,) if layout == "cross_layer" else tuple(cross[:, i] for i in range(slots))
+    buffers = (cross,) if layout == "cross_layer" else tuple(cross[:, i] for i in range(layers))
     src, dst = random_copy_pairs(rng, n, 4, padding=2)
     params = pltpu.InterpretParams(detect_races=layout == "cross_layer")
     out = kernels.copy_blocks(buffers, jnp.asarray(src), jnp.asarray(dst), interpret=params)
@@ -583,12 +583,12 @@ def test_kernels_lower_to_mosaic_with_aliased_cache(dtype):
     def lower(f, *args) -> str:
         return jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
 
-    for kv, slot in ((per_layer, None), (cross, 2)):
+    for kv, layer in ((per_layer, None), (cross, 2)):
         attn = functools.partial(
-            kernels.paged_attention, layer_slot=slot, sm_scale=0.1, sliding_window=32, soft_cap=30.0
+            kernels.paged_attention, layer_index=layer, sm_scale=0.1, sliding_window=32, soft_cap=30.0
         )
         assert "tpu_custom_call" in lower(attn, s((64, 16, 128), dtype), kv, *meta)
-        write = functools.partial(kernels.write_kv, layer_slot=slot)
+        write = functools.partial(kernels.write_kv, layer_index=layer)
         text = lower(write, kv, s((40, 4, 128), dtype), s((40, 4, 128), dtype), s((40,), jnp.int32))
         assert "tpu_custom_call" in text and "output_operand_alias" in text
     text = lower(kernels.copy_blocks, (cross,), s((5,), jnp.int32), s((5,), jnp.int32))

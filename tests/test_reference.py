@@ -50,7 +50,7 @@ def random_inputs(rng, num_q_heads, num_kv_heads, dtype, seqs=MIXED):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "layer_slot")
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "layer_index")
 )
 def attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, **kw):
     return ref.paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, **kw)
@@ -81,7 +81,7 @@ FP32_CASES = [
 @pytest.mark.parametrize("num_q_heads,sliding_window,soft_cap", FP32_CASES)
 def test_paged_attention_matches_jax_reference_fp32(num_q_heads, sliding_window, soft_cap, rng):
     q, kv, batch = random_inputs(rng, num_q_heads, 2, jnp.float32)
-    kw = dict(sm_scale=HEAD_DIM**-0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    kw = {"sm_scale": HEAD_DIM**-0.5, "sliding_window": sliding_window, "soft_cap": soft_cap}
     out = np.asarray(attention(q, kv, **batch, **kw))
     total = int(batch["cu_q_lens"][-1])
     assert np.isfinite(out).all()
@@ -91,7 +91,7 @@ def test_paged_attention_matches_jax_reference_fp32(num_q_heads, sliding_window,
 
 def test_paged_attention_matches_jax_reference_bf16(rng):
     q, kv, batch = random_inputs(rng, 4, 2, jnp.bfloat16)
-    kw = dict(sm_scale=HEAD_DIM**-0.5, sliding_window=4, soft_cap=5.0)
+    kw = {"sm_scale": HEAD_DIM**-0.5, "sliding_window": 4, "soft_cap": 5.0}
     out = attention(q, kv, **batch, **kw)
     assert out.dtype == jnp.bfloat16
     out = np.asarray(out.astype(jnp.float32))
@@ -114,9 +114,9 @@ def test_paged_attention_empty_batch_and_zero_length_sequences(rng):
 def test_cross_layer_buffer_gives_the_per_layer_result(rng):
     q, _, batch = random_inputs(rng, 4, 2, jnp.float32)
     cross = jnp.asarray(rng.standard_normal((NUM_BLOCKS, 3, BLOCK, 4, HEAD_DIM)), jnp.float32)
-    kw = dict(sm_scale=0.5, sliding_window=6)
+    kw = {"sm_scale": 0.5, "sliding_window": 6}
     per_layer = attention(q, cross[:, 2], **batch, **kw)
-    in_place = attention(q, cross, **batch, layer_slot=2, **kw)
+    in_place = attention(q, cross, **batch, layer_index=2, **kw)
     np.testing.assert_array_equal(np.asarray(in_place), np.asarray(per_layer))
 
 
@@ -125,8 +125,8 @@ def test_paged_attention_rejects_bad_shapes(rng):
     with pytest.raises(ref.KVShapeError, match=r"\(32, 3, 8\)"):
         ref.paged_attention(q, kv, **batch, sm_scale=1.0)
     q, kv, batch = random_inputs(rng, 2, 2, jnp.float32)
-    with pytest.raises(ref.KVShapeError, match="layer_slot=0"):
-        ref.paged_attention(q, kv, **batch, sm_scale=1.0, layer_slot=0)
+    with pytest.raises(ref.KVShapeError, match="layer_index=0"):
+        ref.paged_attention(q, kv, **batch, sm_scale=1.0, layer_index=0)
     with pytest.raises(ref.KVShapeError, match="sliding_window must be positive, got 0"):
         ref.paged_attention(q, kv, **batch, sm_scale=1.0, sliding_window=0)
 
@@ -134,11 +134,11 @@ def test_paged_attention_rejects_bad_shapes(rng):
 # --------------------------------------------------------------------------- write_kv
 
 
-@pytest.mark.parametrize("layer_slot", [None, 1])
-def test_write_kv_touches_only_its_slots(layer_slot, rng):
+@pytest.mark.parametrize("layer_index", [None, 1])
+def test_write_kv_touches_only_its_slots(layer_index, rng):
     heads, tokens = 2, 12
     shape = (NUM_BLOCKS, BLOCK, 2 * heads, HEAD_DIM)
-    if layer_slot is not None:
+    if layer_index is not None:
         shape = (NUM_BLOCKS, 3, BLOCK, 2 * heads, HEAD_DIM)
     before = rng.standard_normal(shape).astype(np.float32)
     real = 9
@@ -146,25 +146,25 @@ def test_write_kv_touches_only_its_slots(layer_slot, rng):
     slots[:real] = rng.choice(np.arange(BLOCK, NUM_BLOCKS * BLOCK), real, replace=False)
     k = rng.standard_normal((tokens, heads, HEAD_DIM)).astype(np.float32)
     v = rng.standard_normal((tokens, heads, HEAD_DIM)).astype(np.float32)
-    write = jax.jit(functools.partial(ref.write_kv, layer_slot=layer_slot))
+    write = jax.jit(functools.partial(ref.write_kv, layer_index=layer_index))
     after = np.asarray(write(jnp.asarray(before), k, v, slots))
 
     def page(buf: np.ndarray) -> np.ndarray:
-        return buf if layer_slot is None else buf[:, layer_slot]
+        return buf if layer_index is None else buf[:, layer_index]
 
     block, offset = slots[:real] // BLOCK, slots[:real] % BLOCK
     written = page(after)[block, offset]
     np.testing.assert_array_equal(written[:, 0::2], k[:real])
     np.testing.assert_array_equal(written[:, 1::2], v[:real])
     expected = before.copy()
-    if layer_slot is None:
+    if layer_index is None:
         expected[block, offset] = written
     else:
-        expected[block, layer_slot, offset] = written
+        expected[block, layer_index, offset] = written
     # Everything but the written slots and the null block is bit-identical.
     np.testing.assert_array_equal(after[1:], expected[1:])
-    if layer_slot is not None:
-        other = [s for s in range(3) if s != layer_slot]
+    if layer_index is not None:
+        other = [s for s in range(3) if s != layer_index]
         np.testing.assert_array_equal(after[0, other], before[0, other])
 
 
@@ -187,7 +187,7 @@ def block_buffers(rng, layout: str) -> tuple[jax.Array, ...]:
 
 
 def as_blocks(buffers) -> np.ndarray:
-    """(num_blocks, slots, ...) whatever the layout."""
+    """(num_blocks, layers, ...) whatever the layout."""
     if len(buffers) == 1:
         return np.asarray(buffers[0])
     return np.stack([np.asarray(b) for b in buffers], axis=1)
@@ -229,8 +229,8 @@ def test_cross_layer_gather_is_one_contiguous_slice_per_block(rng):
     (buffer,) = block_buffers(rng, "cross_layer")
     ids = jnp.array([7, 2], jnp.int32)
     got = ref.gather_blocks((buffer,), ids)
-    # All slots of a block sit together: the block is buffer[id], a C-contiguous
-    # sub-array of block_bytes (leading axis = block id), not a per-slot gather.
+    # All layers' pages of a block sit together: the block is buffer[id], a C-contiguous
+    # sub-array of block_bytes (leading axis = block id), not a per-layer gather.
     assert got.shape == (2,) + buffer.shape[1:]
     host = np.asarray(buffer)
     assert host[7].flags.c_contiguous and host[7].nbytes == host.nbytes // NUM_BLOCKS

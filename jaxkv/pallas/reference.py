@@ -2,14 +2,19 @@
 
 Works on raw arrays (no :class:`~jaxkv.cache.KVCache`), in either layout:
 
-- per-layer buffer ``(num_blocks, block_size, 2*H, D)``, ``layer_slot=None``;
-- cross-layer buffer ``(num_blocks, num_slots, block_size, 2*H, D)``, ``layer_slot=i``
-  picks layer slot ``i`` (a static int) straight from the buffer.
+- per-layer buffer ``(num_blocks, block_size, 2*H, D)``, ``layer_index=None``;
+- cross-layer buffer ``(num_blocks, num_layers_per_block, block_size, 2*H, D)``,
+  ``layer_index=i`` picks the page of the block's layer ``i`` (a static int) straight
+  from the buffer.
 
 K and V are interleaved per head: index ``2*h`` is K and ``2*h + 1`` is V of KV head h.
 Block 0 is the null block; padding tokens write to it and padded table entries are 0.
 Everything is vectorised (no Python loop over sequences), jit-able with static shapes,
 and accumulates attention in float32 at full matmul precision.
+
+Shapes are checked here (:class:`KVShapeError`); values are trusted: block ids, slots
+and lengths are checked on the host, where :func:`jaxkv.metadata.build_step_metadata`
+builds them, never on device (a slot of -1 would wrap into the last block).
 """
 
 from __future__ import annotations
@@ -19,33 +24,36 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import is_int
+
 PER_LAYER_NDIM = 4
 CROSS_LAYER_NDIM = 5
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-class KVShapeError(ValueError):
+class KVShapeError(JaxkvError, ValueError):
     """An op got arrays whose shapes, dtypes or layout do not fit together."""
 
 
-def check_kv_buffer(kv_buffer: jax.Array, layer_slot: int | None) -> None:
-    """Per-layer ``(N, bs, 2H, D)`` with ``layer_slot=None``, cross-layer ``(N, S, bs, 2H, D)``
-    with a static slot index in range; shared by the reference and the kernels."""
-    if layer_slot is None:
+def check_kv_buffer(kv_buffer: jax.Array, layer_index: int | None) -> None:
+    """Per-layer ``(N, bs, 2H, D)`` with ``layer_index=None``, cross-layer ``(N, L, bs, 2H, D)``
+    with a static layer index in range; shared by the reference and the kernels."""
+    if layer_index is None:
         if kv_buffer.ndim != PER_LAYER_NDIM:
             raise KVShapeError(
-                f"layer_slot=None expects a per-layer buffer (num_blocks, block_size, 2*H, D), "
+                f"layer_index=None expects a per-layer buffer (num_blocks, block_size, 2*H, D), "
                 f"got shape {kv_buffer.shape}"
             )
     else:
         if kv_buffer.ndim != CROSS_LAYER_NDIM:
             raise KVShapeError(
-                f"layer_slot={layer_slot} expects a cross-layer buffer "
-                f"(num_blocks, num_slots, block_size, 2*H, D), got shape {kv_buffer.shape}"
+                f"layer_index={layer_index} expects a cross-layer buffer "
+                f"(num_blocks, num_layers_per_block, block_size, 2*H, D), got shape {kv_buffer.shape}"
             )
-        if not isinstance(layer_slot, int) or not 0 <= layer_slot < kv_buffer.shape[1]:
+        if not is_int(layer_index) or not 0 <= layer_index < kv_buffer.shape[1]:
             raise KVShapeError(
-                f"layer_slot={layer_slot!r} must be a static int in [0, {kv_buffer.shape[1]})"
+                f"layer_index={layer_index!r} must be a static int in [0, {kv_buffer.shape[1]})"
             )
     if kv_buffer.shape[-2] % 2:
         raise KVShapeError(f"the K/V axis must have size 2*H, got {kv_buffer.shape[-2]}")
@@ -63,10 +71,10 @@ def check_write_kv_args(
     v: jax.Array,
     slot_mapping: jax.Array,
     *,
-    layer_slot: int | None,
+    layer_index: int | None,
 ) -> None:
     """Raise :class:`KVShapeError` unless the arguments fit :func:`write_kv`."""
-    check_kv_buffer(kv_buffer, layer_slot)
+    check_kv_buffer(kv_buffer, layer_index)
     _, num_kv_heads, head_dim = _page_dims(kv_buffer)
     if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
         raise KVShapeError(
@@ -88,21 +96,22 @@ def write_kv(
     v: jax.Array,
     slot_mapping: jax.Array,
     *,
-    layer_slot: int | None = None,
+    layer_index: int | None = None,
 ) -> jax.Array:
     """Write token t's K/V (``k, v: (T, H, D)``) into global slot ``slot_mapping[t]``.
 
     Global slot = ``block_id * block_size + offset``. Padding tokens map into the null
     block, so duplicate padding writes only touch block 0. Donate ``kv_buffer`` to make
-    the scatter in place.
+    the scatter in place. Slots are trusted, not checked: a -1 would wrap into the last
+    block (:func:`jaxkv.metadata.build_step_metadata` refuses such ids).
     """
-    check_write_kv_args(kv_buffer, k, v, slot_mapping, layer_slot=layer_slot)
+    check_write_kv_args(kv_buffer, k, v, slot_mapping, layer_index=layer_index)
     block_size = kv_buffer.shape[-3]
     kv = interleave_kv(k, v, kv_buffer.dtype)
     block, offset = slot_mapping // block_size, slot_mapping % block_size
-    if layer_slot is None:
+    if layer_index is None:
         return kv_buffer.at[block, offset].set(kv)
-    return kv_buffer.at[block, layer_slot, offset].set(kv)
+    return kv_buffer.at[block, layer_index, offset].set(kv)
 
 
 def token_sequences(
@@ -121,6 +130,21 @@ def token_sequences(
     return seq, position, valid
 
 
+def attention_mask(
+    kv_pos: jax.Array, position: jax.Array, valid: jax.Array, sliding_window: int | None
+) -> jax.Array:
+    """bool ``(T, L)``: whether token t (at ``position[t]``, real if ``valid[t]``) sees ``kv_pos[l]``.
+
+    Causal (``kv_pos <= position``) and, with a window, ``kv_pos > position - sliding_window``.
+    Attention selects with it (``jnp.where``) on both the logits and V, never multiplies
+    by it: a masked position may hold anything, NaN included (``0 * NaN`` is NaN).
+    """
+    mask = (kv_pos[None, :] <= position[:, None]) & valid[:, None]
+    if sliding_window is not None:
+        mask &= kv_pos[None, :] > position[:, None] - sliding_window
+    return mask
+
+
 def check_paged_attention_args(
     q: jax.Array,
     kv_buffer: jax.Array,
@@ -129,12 +153,12 @@ def check_paged_attention_args(
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
     *,
-    layer_slot: int | None,
+    layer_index: int | None,
     sliding_window: int | None,
     soft_cap: float | None,
 ) -> None:
     """Raise :class:`KVShapeError` unless the arguments fit :func:`paged_attention`."""
-    check_kv_buffer(kv_buffer, layer_slot)
+    check_kv_buffer(kv_buffer, layer_index)
     _, num_kv_heads, head_dim = _page_dims(kv_buffer)
     max_seqs = block_tables.shape[0]
     if q.ndim != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
@@ -163,7 +187,7 @@ def paged_attention(
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
     *,
-    layer_slot: int | None = None,
+    layer_index: int | None = None,
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -175,36 +199,36 @@ def paged_attention(
     ``block_tables[i]``; query j sits at position ``kv_lens[i] - q_len + j`` and sees kv
     positions ``p - sliding_window < kv_pos <= p``. Logits are ``sm_scale * q.k``, then
     ``soft_cap * tanh(x / soft_cap)``. Rows of padding tokens (past
-    ``cu_q_lens[num_seqs]``) are zeros.
+    ``cu_q_lens[num_seqs]``) are zeros. Cache positions no query sees (past a kv
+    length, outside the window, padding pages) may hold anything, NaN included.
+    Block tables, lengths and ``num_seqs`` are trusted (see the module docstring).
 
     Token-major: every token gathers its own sequence's pages, so memory is
     O(T * W * block_size); it is the oracle, not the fast path.
     """
     check_paged_attention_args(
         q, kv_buffer, kv_lens, block_tables, cu_q_lens, num_seqs,
-        layer_slot=layer_slot, sliding_window=sliding_window, soft_cap=soft_cap,
+        layer_index=layer_index, sliding_window=sliding_window, soft_cap=soft_cap,
     )
     block_size, num_kv_heads, head_dim = _page_dims(kv_buffer)
     num_tokens, num_q_heads, _ = q.shape
     width = block_tables.shape[1]
     seq, position, valid = token_sequences(num_tokens, cu_q_lens, kv_lens, num_seqs)
     pages = block_tables[seq]  # (T, W)
-    kv = kv_buffer[pages] if layer_slot is None else kv_buffer[pages, layer_slot]
-    kv = kv.reshape(num_tokens, width * block_size, 2 * num_kv_heads, head_dim)
-    k = kv[:, :, 0::2].astype(jnp.float32)
-    v = kv[:, :, 1::2].astype(jnp.float32)
+    kv = kv_buffer[pages] if layer_index is None else kv_buffer[pages, layer_index]
+    kv = kv.reshape(num_tokens, width * block_size, 2 * num_kv_heads, head_dim)  # (T, L, 2H, D)
+    kv_pos = jnp.arange(width * block_size, dtype=jnp.int32)
+    mask = attention_mask(kv_pos, position, valid, sliding_window)  # (T, L)
+    k = kv[:, :, 0::2].astype(jnp.float32)  # (T, L, H, D)
+    v = jnp.where(mask[:, :, None, None], kv[:, :, 1::2].astype(jnp.float32), 0.0)
 
-    group = num_q_heads // num_kv_heads
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    num_queries_per_kv = num_q_heads // num_kv_heads
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, num_queries_per_kv, head_dim)
     logits = jnp.einsum("thgd,tlhd->thgl", qg, k, precision=_HIGHEST) * sm_scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
 
-    kv_pos = jnp.arange(width * block_size, dtype=jnp.int32)
-    mask = (kv_pos[None, :] <= position[:, None]) & valid[:, None]
-    if sliding_window is not None:
-        mask &= kv_pos[None, :] > position[:, None] - sliding_window
-    mask = mask[:, None, None, :]
+    mask = mask[:, None, None, :]  # (T, 1, 1, L) against logits (T, H, G, L)
     logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     probs = jnp.where(mask, jnp.exp(logits - jnp.where(mask, row_max, 0.0)), 0.0)
@@ -214,8 +238,9 @@ def paged_attention(
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def _check_block_buffers(buffers: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-    """Either one cross-layer buffer or per-layer buffers of one shape and dtype."""
+def check_block_buffers(buffers: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """Either one cross-layer buffer or per-layer buffers of one shape and dtype; shared
+    by the reference and the kernels."""
     buffers = tuple(buffers)
     if not buffers:
         raise KVShapeError("no buffers given")
@@ -235,23 +260,23 @@ def _check_block_buffers(buffers: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
 def copy_blocks(
     buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array
 ) -> tuple[jax.Array, ...]:
-    """Copy whole blocks (every layer slot): block ``dst[i]`` := block ``src[i]``.
+    """Copy whole blocks (every layer's page): block ``dst[i]`` := block ``src[i]``.
 
     All sources are read before any write. Pad with ``src = dst = 0`` (null onto
     itself); distinct real ``dst`` ids are the caller's contract.
     """
-    buffers = _check_block_buffers(buffers)
+    buffers = check_block_buffers(buffers)
     if src.shape != dst.shape or src.ndim != 1:
         raise KVShapeError(f"src {src.shape} and dst {dst.shape} must be equal 1-D shapes")
     return tuple(b.at[dst].set(b[src]) for b in buffers)
 
 
 def gather_blocks(buffers: Sequence[jax.Array], ids: jax.Array) -> jax.Array:
-    """Whole blocks ``(n, num_slots, block_size, 2*H, D)``, the same in both layouts.
+    """Whole blocks ``(n, num_layers_per_block, block_size, 2*H, D)``, the same in both layouts.
 
     Cross-layer: ``buffer[ids]``, one contiguous region per block.
     """
-    buffers = _check_block_buffers(buffers)
+    buffers = check_block_buffers(buffers)
     if len(buffers) == 1 and buffers[0].ndim == CROSS_LAYER_NDIM:
         return buffers[0][ids]
     return jnp.stack([b[ids] for b in buffers], axis=1)
@@ -260,8 +285,8 @@ def gather_blocks(buffers: Sequence[jax.Array], ids: jax.Array) -> jax.Array:
 def scatter_blocks(
     buffers: Sequence[jax.Array], ids: jax.Array, data: jax.Array
 ) -> tuple[jax.Array, ...]:
-    """Inverse of :func:`gather_blocks`: block ``ids[i]`` := ``data[i]`` (all slots)."""
-    buffers = _check_block_buffers(buffers)
+    """Inverse of :func:`gather_blocks`: block ``ids[i]`` := ``data[i]`` (all layers)."""
+    buffers = check_block_buffers(buffers)
     cross = buffers[0].ndim == CROSS_LAYER_NDIM
     expected = ids.shape + (
         buffers[0].shape[1:] if cross else (len(buffers),) + buffers[0].shape[1:]

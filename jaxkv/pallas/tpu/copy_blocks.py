@@ -1,47 +1,50 @@
 """Copy whole KV blocks in place (copy-on-write, state copies), as a Mosaic TPU kernel.
 
-In the cross-layer layout a block (all layer slots) is one contiguous region, so each
+In the cross-layer layout a block (all its layers' pages) is one contiguous region, so each
 ``src -> dst`` pair is ONE HBM -> HBM DMA; with per-layer buffers it is one DMA per
 buffer. The buffers are aliased input -> output (in place under a donating jit); all
 DMAs are started, then all are waited for. Pairs with ``src == dst`` (the ``0 -> 0``
 padding) do nothing.
+
+Operands (``B`` buffers, ``P`` pairs):
+
+- scalar prefetch (SMEM): ``src_ref``, ``dst_ref`` (P,) int32;
+- inputs: the ``B`` cache buffers in HBM (``pl.ANY``), aliased to the outputs;
+- outputs: the same ``B`` buffers;
+- scratch: one DMA semaphore shared by every copy.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxkv.pallas.reference import CROSS_LAYER_NDIM, PER_LAYER_NDIM, KVShapeError
-from jaxkv.pallas.tpu._common import Interpret, interpret_params
+from jaxkv.pallas.reference import KVShapeError, check_block_buffers
+from jaxkv.pallas.tpu._common import Interpret, check_int32, interpret_params
 
 
 def _check(buffers: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) -> None:
-    if not buffers:
-        raise KVShapeError("no buffers given")
-    first = buffers[0]
-    cross = first.ndim == CROSS_LAYER_NDIM and len(buffers) == 1
-    per_layer = first.ndim == PER_LAYER_NDIM and all(
-        b.shape == first.shape and b.dtype == first.dtype for b in buffers
-    )
-    if not (cross or per_layer):
-        raise KVShapeError(
-            "expected one cross-layer buffer or per-layer buffers of one shape, got shapes "
-            f"{[b.shape for b in buffers]}"
-        )
-    if src.shape != dst.shape or src.ndim != 1 or src.dtype != jnp.int32 or dst.dtype != jnp.int32:
-        raise KVShapeError(
-            f"src {src.shape} {src.dtype} and dst {dst.shape} {dst.dtype} must be equal 1-D int32"
-        )
+    """The reference's buffer rules, plus int32 ids (scalar prefetch needs them)."""
+    check_block_buffers(buffers)
+    if src.shape != dst.shape or src.ndim != 1:
+        raise KVShapeError(f"src {src.shape} and dst {dst.shape} must be equal 1-D shapes")
+    check_int32(src=src, dst=dst)
 
 
-def _kernel(src_ref, dst_ref, *refs, num_buffers: int):
-    outs, sem = refs[num_buffers : 2 * num_buffers], refs[-1]
+def _kernel(
+    # Scalar prefetch
+    src_ref,  # (P,) int32, SMEM: source block ids
+    dst_ref,  # (P,) int32, SMEM: destination block ids
+    # Inputs (B of them), then outputs (B), then scratch
+    *refs,  # B x (N, L, bs, 2H, D) or (N, bs, 2H, D) in HBM, in then out; a DMA semaphore
+    num_buffers: int,
+):
+    outs, sem = refs[num_buffers : 2 * num_buffers], refs[-1]  # inputs alias the outputs
 
     def visit(action):
         def body(i, carry):
@@ -63,13 +66,14 @@ def _kernel(src_ref, dst_ref, *refs, num_buffers: int):
 def copy_blocks(
     buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array, *, interpret: Interpret = False
 ) -> tuple[jax.Array, ...]:
-    """Return ``buffers`` with block ``dst[i]`` := block ``src[i]`` in every layer slot.
+    """Return ``buffers`` with block ``dst[i]`` := block ``src[i]``, every layer's page.
 
-    ``buffers``: one cross-layer ``(N, S, bs, 2H, D)`` buffer or per-layer
+    ``buffers``: one cross-layer ``(N, L, bs, 2H, D)`` buffer or per-layer
     ``(N, bs, 2H, D)`` buffers. Contract (as the reference, plus one clause): real
     ``dst`` ids are distinct and none is also a ``src`` of another pair (copy-on-write
     targets are fresh blocks), since the DMAs run concurrently on one buffer. Pad with
-    ``src = dst = 0``. Donate the buffers under jit for an in-place copy.
+    ``src = dst = 0``. Donate the buffers under jit for an in-place copy. Block ids are
+    trusted (checked where the metadata is built): an id out of range is not checked here.
     """
     buffers = tuple(buffers)
     _check(buffers, src, dst)
@@ -77,18 +81,20 @@ def copy_blocks(
         return buffers
     n = len(buffers)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    scalar_prefetches = (src, dst)
+    scratch_shapes = [pltpu.SemaphoreType.DMA(())]  # every copy signals one semaphore
     out = pl.pallas_call(
-        lambda *refs: _kernel(*refs, num_buffers=n),
+        functools.partial(_kernel, num_buffers=n),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=len(scalar_prefetches),
             grid=(),
             in_specs=[any_spec] * n,
             out_specs=[any_spec] * n,
-            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+            scratch_shapes=scratch_shapes,
         ),
         out_shape=[jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers],
-        input_output_aliases={2 + i: i for i in range(n)},
+        input_output_aliases={len(scalar_prefetches) + i: i for i in range(n)},
         interpret=interpret_params(interpret),
         name="jaxkv_copy_blocks",
-    )(src, dst, *buffers)
+    )(*scalar_prefetches, *buffers)
     return tuple(out)

@@ -13,7 +13,7 @@ Design
   the span are never fetched; padded sequences (``i >= num_seqs``) and padding tiles
   do no work and their rows come out as zeros.
 - Pages are DMA'd from the cache in HBM (``pl.ANY``; per-layer or cross-layer layout,
-  page = ``kv[block]`` or ``kv[block, layer_slot]``) into a double buffer in VMEM.
+  page = ``kv[block]`` or ``kv[block, layer_index]``) into a double buffer in VMEM.
   While a chunk is computed the next work item's pages are already in flight; the
   look-ahead crosses sequence and tile boundaries (the grid runs in order, so the
   first fetch of tile ``t + 1`` is started by the last item of tile ``t``; its buffer
@@ -26,12 +26,21 @@ Design
 The page buffer is ``(2, pages_per_chunk * bs, 2H, D)`` so a page DMA lands in it
 without any reshape, and one head's K (or V) is a plain load of row ``2h`` (``2h + 1``)
 across it; the TPU interpreter cannot run ``ref.reshape``, so no ref is reshaped.
+
+Reading order: the operands by name with their shapes (:class:`_Refs`), the work-item
+walk (:func:`_seq_span`, :func:`_next_item`), one page DMA and a chunk's issue / wait
+(:func:`_page_copies`, :func:`_start_chunk_fetch`, :func:`_wait_chunk_fetch`), the
+online-softmax update (:func:`_online_softmax_update`), the final normalisation and
+store (:func:`_normalize_and_store`), then :func:`_kernel` and the wrapper.
+Block tables and lengths are trusted: they are checked on the host, where
+:func:`jaxkv.metadata.build_step_metadata` builds them.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +48,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxkv.ints import cdiv
 from jaxkv.pallas.reference import KVShapeError, check_paged_attention_args
-from jaxkv.pallas.tpu._common import Interpret, interpret_params, page_ref
+from jaxkv.pallas.tpu._common import Interpret, check_int32, interpret_params, page_ref
 
 DEFAULT_MAX_QUERIES_PER_TILE = 32
 DEFAULT_KV_TOKENS_PER_CHUNK = 256
@@ -55,18 +65,50 @@ class _Dims:
     ppc: int  # pages per chunk
     block_size: int
     num_kv_heads: int
-    group: int  # query heads per KV head
+    num_queries_per_kv: int  # query heads per KV head (GQA)
     head_dim: int
     table_width: int
     max_seqs: int
-    layer_slot: int | None
+    layer_index: int | None
     sm_scale: float
     sliding_window: int | None
     soft_cap: float | None
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+@dataclass(frozen=True)
+class _Refs:
+    """The kernel's operands by name (shapes: S sequences, W table width, N blocks, L
+    layers per block, bs block size, H KV heads, G queries per KV head, D head dim)."""
+
+    # Scalar prefetch (SMEM)
+    kv_lens: Any  # (S,) int32: tokens of each sequence after this step
+    block_tables: Any  # (S * W,) int32: the block tables, flattened
+    cu_q_lens: Any  # (S + 1,) int32: start of each sequence's query tokens
+    num_seqs: Any  # (1,) int32: real sequences
+    # Input
+    q: Any  # (H, G, tq, D) VMEM: this tile's queries, head-major
+    kv_hbm: Any  # (N, bs, 2H, D) or (N, L, bs, 2H, D) HBM: the cache, never copied whole
+    # Output
+    out: Any  # (H, G, tq, D) VMEM
+    # Scratch
+    kv_bufs: Any  # (2, ppc * bs, 2H, D) VMEM: double buffer of one chunk of pages
+    sems: Any  # (2,) DMA semaphores, one per buffer
+    m: Any  # (H, G * tq, 128) f32 VMEM: running row max, broadcast over lanes
+    l: Any  # (H, G * tq, 128) f32 VMEM: running softmax normaliser, same
+    acc: Any  # (H, G * tq, D) f32 VMEM: running numerator
+    next_tile: Any  # (2,) int32 SMEM: first sequence and buffer of the next tile
+
+
+class _Span(NamedTuple):
+    """What sequence s contributes to tile t: its query rows and the pages they see."""
+
+    q_start: jax.Array  # its first query token in the batch
+    q_end: jax.Array  # one past its last
+    kv_len: jax.Array
+    kv_lo: jax.Array  # first kv position any of its rows in the tile sees
+    kv_hi: jax.Array  # one past the last
+    page_lo: jax.Array  # pages [page_lo, page_hi) of its table hold [kv_lo, kv_hi)
+    page_hi: jax.Array
 
 
 def _sublane_multiple(dtype: jnp.dtype) -> int:
@@ -74,207 +116,216 @@ def _sublane_multiple(dtype: jnp.dtype) -> int:
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
-def _kernel(
-    kv_lens_ref,
-    tables_ref,
-    cu_ref,
-    num_seqs_ref,
-    q_ref,
-    kv_hbm,
-    o_ref,
-    kv_vmem,
-    sems,
-    m_ref,
-    l_ref,
-    acc_ref,
-    state_ref,
-    *,
-    d: _Dims,
-):
-    tq, ppc, bs = d.tq, d.ppc, d.block_size
-    tile = pl.program_id(0)
-    num_tiles = pl.num_programs(0)
-    num_seqs = num_seqs_ref[0]
-    total_tokens = cu_ref[num_seqs]
-    tile_start = tile * tq
-    tile_end = tile_start + tq
+# ---------------------------------------------------------------- work items: (tile, seq, chunk)
 
-    def seq_span(t, s):
-        """Token range of sequence s, its kv_len, and its pages [lo, hi) for tile t."""
-        q_start, q_end, kv_len = cu_ref[s], cu_ref[s + 1], kv_lens_ref[s]
-        row_lo = jnp.maximum(q_start, t * tq)
-        row_hi = jnp.minimum(q_end, t * tq + tq)
-        kv_hi = kv_len - q_end + row_hi  # one past the last row's position
-        kv_lo = 0
-        if d.sliding_window is not None:
-            kv_lo = jnp.maximum(kv_len - q_end + row_lo - d.sliding_window + 1, 0)
-        page_lo = lax.div(kv_lo, bs)
-        page_hi = jnp.minimum(lax.div(kv_hi + bs - 1, bs), d.table_width)
-        page_hi = jnp.where(row_lo < row_hi, page_hi, page_lo)
-        return q_start, q_end, kv_len, kv_lo, kv_hi, page_lo, page_hi
 
-    def num_chunks(t, s):
-        *_, page_lo, page_hi = seq_span(t, s)
-        return lax.div(page_hi - page_lo + ppc - 1, ppc)
+def _seq_span(r: _Refs, d: _Dims, t, s) -> _Span:
+    """Token range of sequence s, its kv_len, and its pages [lo, hi) for tile t."""
+    q_start, q_end, kv_len = r.cu_q_lens[s], r.cu_q_lens[s + 1], r.kv_lens[s]
+    row_lo = jnp.maximum(q_start, t * d.tq)
+    row_hi = jnp.minimum(q_end, t * d.tq + d.tq)
+    kv_hi = kv_len - q_end + row_hi  # one past the last row's position
+    kv_lo = 0
+    if d.sliding_window is not None:
+        kv_lo = jnp.maximum(kv_len - q_end + row_lo - d.sliding_window + 1, 0)
+    page_lo = lax.div(kv_lo, d.block_size)
+    page_hi = jnp.minimum(lax.div(kv_hi + d.block_size - 1, d.block_size), d.table_width)
+    page_hi = jnp.where(row_lo < row_hi, page_hi, page_lo)
+    return _Span(q_start, q_end, kv_len, kv_lo, kv_hi, page_lo, page_hi)
 
-    def skip_empty(s):
-        """The first sequence >= s that has query tokens (or num_seqs)."""
 
-        def empty(s):
-            i = jnp.minimum(s, d.max_seqs - 1)
-            return jnp.logical_and(s < num_seqs, cu_ref[i + 1] == cu_ref[i])
+def _num_chunks(r: _Refs, d: _Dims, t, s):
+    """Chunks of ``ppc`` pages that sequence s reads for tile t."""
+    span = _seq_span(r, d, t, s)
+    return lax.div(span.page_hi - span.page_lo + d.ppc - 1, d.ppc)
 
-        return lax.while_loop(
-            empty,
-            lambda s: s + 1,
-            s,
-        )
 
-    def page_copies(t, s, c, buf):
-        """(valid, descriptor) per page slot of chunk c of sequence s in tile t."""
-        *_, page_lo, page_hi = seq_span(t, s)
-        copies = []
-        for j in range(ppc):
-            page = page_lo + c * ppc + j
-            block = tables_ref[s * d.table_width + jnp.minimum(page, d.table_width - 1)]
-            src = page_ref(kv_hbm, block, d.layer_slot)
-            dst = kv_vmem.at[buf, pl.ds(j * bs, bs)]
-            copies.append((page < page_hi, pltpu.make_async_copy(src, dst, sems.at[buf])))
-        return copies
+def _skip_empty(r: _Refs, d: _Dims, s):
+    """The first sequence >= s that has query tokens (or num_seqs)."""
 
-    def start_fetch(t, s, c, buf):
-        for valid, copy in page_copies(t, s, c, buf):
-            pl.when(valid)(copy.start)
+    def empty(s):
+        i = jnp.minimum(s, d.max_seqs - 1)
+        return jnp.logical_and(s < r.num_seqs[0], r.cu_q_lens[i + 1] == r.cu_q_lens[i])
 
-    def wait_fetch(t, s, c, buf):
-        for valid, copy in page_copies(t, s, c, buf):
-            pl.when(valid)(copy.wait)
+    return lax.while_loop(empty, lambda s: s + 1, s)
 
-    def next_item(s, c):
-        """The work item after (tile, s, c), possibly the first of the next tile."""
-        q_end = cu_ref[s + 1]
-        s_next = skip_empty(s + 1)
-        more_chunks = c + 1 < num_chunks(tile, s)
-        next_in_tile = jnp.logical_and(
-            q_end <= tile_end, jnp.logical_and(s_next < num_seqs, cu_ref[s_next] < tile_end)
-        )
-        first_of_next_tile = jnp.where(q_end > tile_end, s, s_next)
-        nt = jnp.where(jnp.logical_or(more_chunks, next_in_tile), tile, tile + 1)
-        ns = jnp.where(more_chunks, s, jnp.where(next_in_tile, s_next, first_of_next_tile))
-        nc = jnp.where(more_chunks, c + 1, 0)
-        return nt, ns, nc
 
-    def compute(s, c, buf):
-        q_start, q_end, kv_len, kv_lo, kv_hi, page_lo, _ = seq_span(tile, s)
-        chunk_pos = (page_lo + c * ppc) * bs
-        rows, cols = d.group * tq, ppc * bs
-        token = tile_start + lax.rem(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), tq)
-        row_pos = token + (kv_len - q_end)
-        col_pos = chunk_pos + lax.broadcasted_iota(jnp.int32, (1, cols), 1)
-        mask = jnp.logical_and(jnp.logical_and(token >= q_start, token < q_end), col_pos <= row_pos)
-        if d.sliding_window is not None:
-            mask = jnp.logical_and(mask, col_pos > row_pos - d.sliding_window)
-        v_pos = chunk_pos + lax.broadcasted_iota(jnp.int32, (cols, 1), 0)
-        v_live = jnp.logical_and(v_pos >= kv_lo, v_pos < kv_hi)
+def _next_item(r: _Refs, d: _Dims, tile, s, c):
+    """The work item after (tile, s, c), possibly the first of the next tile."""
+    tile_end = (tile + 1) * d.tq
+    q_end = r.cu_q_lens[s + 1]
+    s_next = _skip_empty(r, d, s + 1)
+    more_chunks = c + 1 < _num_chunks(r, d, tile, s)
+    next_in_tile = jnp.logical_and(
+        q_end <= tile_end,
+        jnp.logical_and(s_next < r.num_seqs[0], r.cu_q_lens[s_next] < tile_end),
+    )
+    first_of_next_tile = jnp.where(q_end > tile_end, s, s_next)
+    nt = jnp.where(jnp.logical_or(more_chunks, next_in_tile), tile, tile + 1)
+    ns = jnp.where(more_chunks, s, jnp.where(next_in_tile, s_next, first_of_next_tile))
+    nc = jnp.where(more_chunks, c + 1, 0)
+    return nt, ns, nc
+
+
+# ---------------------------------------------------------------- page DMAs
+
+
+def _page_copies(r: _Refs, d: _Dims, t, s, c, buf):
+    """(valid, DMA) per page of chunk c of sequence s in tile t, into buffer ``buf``.
+
+    A page past the span (the chunk's tail) is not valid: it is never fetched and its
+    rows of the buffer are masked out of the softmax.
+    """
+    span = _seq_span(r, d, t, s)
+    copies = []
+    for j in range(d.ppc):
+        page = span.page_lo + c * d.ppc + j
+        block = r.block_tables[s * d.table_width + jnp.minimum(page, d.table_width - 1)]
+        src = page_ref(r.kv_hbm, block, d.layer_index)  # (bs, 2H, D)
+        dst = r.kv_bufs.at[buf, pl.ds(j * d.block_size, d.block_size)]  # (bs, 2H, D)
+        copies.append((page < span.page_hi, pltpu.make_async_copy(src, dst, r.sems.at[buf])))
+    return copies
+
+
+def _start_chunk_fetch(r: _Refs, d: _Dims, t, s, c, buf) -> None:
+    """Issue the DMAs of chunk c of sequence s in tile t into buffer ``buf``."""
+    for valid, copy in _page_copies(r, d, t, s, c, buf):
+        pl.when(valid)(copy.start)
+
+
+def _wait_chunk_fetch(r: _Refs, d: _Dims, t, s, c, buf) -> None:
+    """Wait for the DMAs :func:`_start_chunk_fetch` issued with the same arguments."""
+    for valid, copy in _page_copies(r, d, t, s, c, buf):
+        pl.when(valid)(copy.wait)
+
+
+# ---------------------------------------------------------------- online softmax
+
+
+def _chunk_masks(r: _Refs, d: _Dims, tile, s, c):
+    """Which (query row, kv column) pairs of chunk c count, and which kv rows are live.
+
+    ``mask (G * tq, ppc * bs)``: the row is sequence s's token and the column within its
+    causal window. ``v_live (ppc * bs, 1)``: the column is inside the sequence's span
+    (fetched and written); V elsewhere in the buffer is stale or never fetched.
+    """
+    span = _seq_span(r, d, tile, s)
+    chunk_pos = (span.page_lo + c * d.ppc) * d.block_size
+    rows, cols = d.num_queries_per_kv * d.tq, d.ppc * d.block_size
+    token = tile * d.tq + lax.rem(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), d.tq)
+    row_pos = token + (span.kv_len - span.q_end)
+    col_pos = chunk_pos + lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+    mask = jnp.logical_and(
+        jnp.logical_and(token >= span.q_start, token < span.q_end), col_pos <= row_pos
+    )
+    if d.sliding_window is not None:
+        mask = jnp.logical_and(mask, col_pos > row_pos - d.sliding_window)
+    v_pos = chunk_pos + lax.broadcasted_iota(jnp.int32, (cols, 1), 0)
+    v_live = jnp.logical_and(v_pos >= span.kv_lo, v_pos < span.kv_hi)
+    return mask, v_live
+
+
+def _online_softmax_update(r: _Refs, d: _Dims, h: int, buf, mask, v_live) -> None:
+    """Fold KV head h's part of the chunk in buffer ``buf`` into its running m, l, acc.
+
+    Masked logits are -inf and masked V rows are selected to 0, so rows of other
+    sequences stay exactly unchanged and stale buffer contents (NaN too) never leak.
+    """
+    rows = d.num_queries_per_kv * d.tq
+    q = r.q[h].reshape(rows, d.head_dim)  # (G * tq, D)
+    k = r.kv_bufs[buf, :, 2 * h, :]  # (ppc * bs, D)
+    v = r.kv_bufs[buf, :, 2 * h + 1, :]  # (ppc * bs, D)
+    if q.dtype != k.dtype:
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
+    logits = lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )  # (G * tq, ppc * bs)
+    logits = logits * d.sm_scale
+    if d.soft_cap is not None:
+        logits = d.soft_cap * jnp.tanh(logits / d.soft_cap)
+    logits = jnp.where(mask, logits, -jnp.inf)
+    m_prev = r.m[h][:, :1]  # (G * tq, 1)
+    m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    p = jnp.exp(logits - m_safe)
+    alpha = jnp.exp(m_prev - m_safe)
+    v = jnp.where(v_live, v, jnp.zeros_like(v))
+    pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+    l_next = alpha * r.l[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
+    r.acc[h] = alpha * r.acc[h] + pv
+    r.m[h] = jnp.broadcast_to(m_next, (rows, _LANES))
+    r.l[h] = jnp.broadcast_to(l_next, (rows, _LANES))
+
+
+def _reset_accumulators(r: _Refs) -> None:
+    """m = -inf, l = 0, acc = 0 for every row of the tile."""
+    r.m[...] = jnp.full(r.m.shape, -jnp.inf, jnp.float32)
+    r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
+    r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
+
+
+def _normalize_and_store(r: _Refs, d: _Dims) -> None:
+    """out = acc / l per KV head; rows that saw nothing (l == 0) stay zeros."""
+    for h in range(d.num_kv_heads):
+        l = r.l[h][:, :1]
+        out = r.acc[h] / jnp.where(l == 0.0, 1.0, l)
+        r.out[h] = out.reshape(d.num_queries_per_kv, d.tq, d.head_dim).astype(r.out.dtype)
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+def _process_tile(r: _Refs, d: _Dims, tile) -> None:
+    """Every work item of ``tile``, each one prefetching the next item's pages first."""
+
+    def body(carry):
+        s, c, buf, _ = carry
+        nt, ns, nc = _next_item(r, d, tile, s, c)
+        nbuf = 1 - buf
+        has_next = jnp.logical_and(nt < pl.num_programs(0), nt * d.tq < r.cu_q_lens[r.num_seqs[0]])
+
+        @pl.when(has_next)
+        def _():
+            _start_chunk_fetch(r, d, nt, ns, nc, nbuf)
+
+        _wait_chunk_fetch(r, d, tile, s, c, buf)
+        mask, v_live = _chunk_masks(r, d, tile, s, c)
         for h in range(d.num_kv_heads):
-            q = q_ref[h].reshape(rows, d.head_dim)
-            k, v = kv_vmem[buf, :, 2 * h, :], kv_vmem[buf, :, 2 * h + 1, :]
-            if q.dtype != k.dtype:
-                q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-            precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
-            logits = lax.dot_general(
-                q,
-                k,
-                (((1,), (1,)), ((), ())),
-                precision=precision,
-                preferred_element_type=jnp.float32,
-            )
-            logits = logits * d.sm_scale
-            if d.soft_cap is not None:
-                logits = d.soft_cap * jnp.tanh(logits / d.soft_cap)
-            logits = jnp.where(mask, logits, -jnp.inf)
-            m_prev = m_ref[h][:, :1]
-            m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
-            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-            p = jnp.exp(logits - m_safe)
-            alpha = jnp.exp(m_prev - m_safe)
-            v = jnp.where(v_live, v, jnp.zeros_like(v))
-            pv = jnp.dot(
-                p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32
-            )
-            l_next = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-            acc_ref[h] = alpha * acc_ref[h] + pv
-            m_ref[h] = jnp.broadcast_to(m_next, (rows, _LANES))
-            l_ref[h] = jnp.broadcast_to(l_next, (rows, _LANES))
+            _online_softmax_update(r, d, h, buf, mask, v_live)
+        return ns, nc, nbuf, (nt != tile).astype(jnp.int32)
+
+    s, _, buf, _ = lax.while_loop(
+        lambda carry: carry[3] == 0,
+        body,
+        (r.next_tile[0], jnp.int32(0), r.next_tile[1], jnp.int32(0)),
+    )
+    r.next_tile[0] = s
+    r.next_tile[1] = buf
+
+
+def _kernel(*refs, d: _Dims):
+    r = _Refs(*refs)
+    tile = pl.program_id(0)
+    total_tokens = r.cu_q_lens[r.num_seqs[0]]
 
     @pl.when(tile == 0)
     def _prologue():
-        first = skip_empty(0)
-        state_ref[0] = first
-        state_ref[1] = 0
+        first = _skip_empty(r, d, 0)
+        r.next_tile[0] = first
+        r.next_tile[1] = 0
 
         @pl.when(total_tokens > 0)
         def _():
-            start_fetch(0, first, 0, 0)
+            _start_chunk_fetch(r, d, 0, first, 0, 0)
 
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    _reset_accumulators(r)
 
-    @pl.when(tile_start < total_tokens)
+    @pl.when(tile * d.tq < total_tokens)
     def _work():
-        def body(carry):
-            s, c, buf, _ = carry
-            nt, ns, nc = next_item(s, c)
-            nbuf = 1 - buf
-            has_next = jnp.logical_and(nt < num_tiles, nt * tq < total_tokens)
+        _process_tile(r, d, tile)
 
-            @pl.when(has_next)
-            def _():
-                start_fetch(nt, ns, nc, nbuf)
-
-            wait_fetch(tile, s, c, buf)
-            compute(s, c, buf)
-            return ns, nc, nbuf, (nt != tile).astype(jnp.int32)
-
-        s, _, buf, _ = lax.while_loop(
-            lambda carry: carry[3] == 0,
-            body,
-            (state_ref[0], jnp.int32(0), state_ref[1], jnp.int32(0)),
-        )
-        state_ref[0] = s
-        state_ref[1] = buf
-
-    for h in range(d.num_kv_heads):
-        l = l_ref[h][:, :1]
-        out = acc_ref[h] / jnp.where(l == 0.0, 1.0, l)
-        o_ref[h] = out.reshape(d.group, tq, d.head_dim).astype(o_ref.dtype)
-
-
-def _check_inputs(
-    q: jax.Array,
-    kv_buffer: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    layer_slot: int | None,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> None:
-    """The reference's argument rules, plus int32 metadata (scalar prefetch needs it)."""
-    check_paged_attention_args(
-        q, kv_buffer, kv_lens, block_tables, cu_q_lens, num_seqs,
-        layer_slot=layer_slot, sliding_window=sliding_window, soft_cap=soft_cap,
-    )
-    for name, x in (
-        ("kv_lens", kv_lens),
-        ("block_tables", block_tables),
-        ("cu_q_lens", cu_q_lens),
-        ("num_seqs", num_seqs),
-    ):
-        if x.dtype != jnp.int32:
-            raise KVShapeError(f"{name} must be int32, got {x.dtype}")
+    _normalize_and_store(r, d)
 
 
 def paged_attention(
@@ -285,7 +336,7 @@ def paged_attention(
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
     *,
-    layer_slot: int | None = None,
+    layer_index: int | None = None,
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -300,74 +351,77 @@ def paged_attention(
     sequence i owns tokens ``cu_q_lens[i]:cu_q_lens[i+1]`` at positions ending at
     ``kv_lens[i] - 1`` and pages ``block_tables[i]``; rows past ``cu_q_lens[num_seqs]``
     are zeros. ``kv_buffer`` is per-layer ``(N, bs, 2H, D)`` or cross-layer
-    ``(N, S, bs, 2H, D)`` read at ``layer_slot``.
+    ``(N, L, bs, 2H, D)`` read at ``layer_index``. Block tables and lengths are trusted
+    (checked where the metadata is built): the kernel DMAs whatever block ids it gets.
 
     Tuning: ``queries_per_tile`` (rows of the ragged batch per grid step, default up to
     32, rounded to the dtype's sublane tile) and ``pages_per_chunk`` (pages per DMA
     batch / softmax step, default ~256 kv tokens). ``interpret`` runs the kernel in the
     TPU interpreter (``True`` or a :class:`pltpu.InterpretParams`).
     """
-    _check_inputs(
-        q,
-        kv_buffer,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
-        layer_slot,
-        sliding_window,
-        soft_cap,
+    check_paged_attention_args(
+        q, kv_buffer, kv_lens, block_tables, cu_q_lens, num_seqs,
+        layer_index=layer_index, sliding_window=sliding_window, soft_cap=soft_cap,
     )
+    check_int32(kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens, num_seqs=num_seqs)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size = kv_buffer.shape[-3]
     num_kv_heads = kv_buffer.shape[-2] // 2
-    group = num_q_heads // num_kv_heads
+    num_queries_per_kv = num_q_heads // num_kv_heads
     table_width = block_tables.shape[1]
 
     sub = max(_sublane_multiple(q.dtype), _sublane_multiple(kv_buffer.dtype))
-    tq = queries_per_tile or min(DEFAULT_MAX_QUERIES_PER_TILE, _round_up(num_tokens, sub))
+    tq = queries_per_tile or min(DEFAULT_MAX_QUERIES_PER_TILE, cdiv(num_tokens, sub) * sub)
     ppc = pages_per_chunk or max(1, min(table_width, DEFAULT_KV_TOKENS_PER_CHUNK // block_size))
     if tq <= 0 or tq % sub or ppc <= 0:
         raise KVShapeError(
             f"queries_per_tile={tq} must be a positive multiple of {sub} and "
             f"pages_per_chunk={ppc} positive"
         )
-    num_tiles = -(-num_tokens // tq)
+    num_tiles = cdiv(num_tokens, tq)
     padded = num_tiles * tq
 
-    qt = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+    # (T, QH, D) -> (H, G, T_padded, D): a tile's G * tq rows of one KV head are one operand.
+    qt = q.reshape(num_tokens, num_kv_heads, num_queries_per_kv, head_dim).transpose(1, 2, 0, 3)
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, padded - num_tokens), (0, 0)))
     dims = _Dims(
         tq=tq,
         ppc=ppc,
         block_size=block_size,
         num_kv_heads=num_kv_heads,
-        group=group,
+        num_queries_per_kv=num_queries_per_kv,
         head_dim=head_dim,
         table_width=table_width,
         max_seqs=block_tables.shape[0],
-        layer_slot=layer_slot,
+        layer_index=layer_index,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    q_spec = pl.BlockSpec((num_kv_heads, group, tq, head_dim), lambda t, *_: (0, 0, t, 0))
-    rows = group * tq
+    rows = num_queries_per_kv * tq
+    # The operand lists, in the order of _Refs.
+    scalar_prefetches = (kv_lens, block_tables.reshape(-1), cu_q_lens, num_seqs)
+    q_spec = pl.BlockSpec((num_kv_heads, num_queries_per_kv, tq, head_dim), lambda t, *_: (0, 0, t, 0))
+    in_specs = [
+        q_spec,  # q: this tile's rows
+        pl.BlockSpec(memory_space=pl.ANY),  # kv_hbm: the cache stays in HBM
+    ]
+    scratch_shapes = [
+        pltpu.VMEM((2, ppc * block_size, 2 * num_kv_heads, head_dim), kv_buffer.dtype),  # kv_bufs
+        pltpu.SemaphoreType.DMA((2,)),  # sems
+        pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),  # m
+        pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),  # l
+        pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # acc
+        pltpu.SMEM((2,), jnp.int32),  # next_tile
+    ]
     out = pl.pallas_call(
         functools.partial(_kernel, d=dims),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=len(scalar_prefetches),
             grid=(num_tiles,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=in_specs,
             out_specs=q_spec,
-            scratch_shapes=[
-                pltpu.VMEM((2, ppc * block_size, 2 * num_kv_heads, head_dim), kv_buffer.dtype),
-                pltpu.SemaphoreType.DMA((2,)),
-                pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),
-                pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),
-                pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
-                pltpu.SMEM((2,), jnp.int32),
-            ],
+            scratch_shapes=scratch_shapes,
         ),
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(
@@ -375,5 +429,5 @@ def paged_attention(
         ),
         interpret=interpret_params(interpret),
         name="jaxkv_paged_attention",
-    )(kv_lens, block_tables.reshape(-1), cu_q_lens, num_seqs, qt, kv_buffer)
+    )(*scalar_prefetches, qt, kv_buffer)
     return out[:, :, :num_tokens].transpose(2, 0, 1, 3).reshape(num_tokens, num_q_heads, head_dim)

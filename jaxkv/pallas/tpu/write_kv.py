@@ -11,6 +11,17 @@ Runs are found in the wrapper with a vectorised scan of ``slot_mapping`` and
 scalar-prefetched with it. All DMAs are started, then all are waited for. Tokens aimed
 at the null block 0 (padding) are dropped: block 0 is a sink whose content nobody reads,
 and dropping them keeps duplicate padding slots from racing.
+
+Operands (``T`` new tokens):
+
+- scalar prefetch (SMEM): ``slots_ref`` (T,) int32, the slot mapping; ``full_ref`` (T,)
+  int32, 1 where a run of ``block_size`` tokens filling one block starts;
+- inputs: the new K/V ``(T, 2H, D)`` and the cache, both in HBM (``pl.ANY``);
+- output: the cache, aliased to its input;
+- scratch: one DMA semaphore shared by every copy.
+
+Slots are trusted: :func:`jaxkv.metadata.build_step_metadata` checks the block ids they
+come from; a slot out of range is not checked here.
 """
 
 from __future__ import annotations
@@ -23,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxkv.pallas.reference import KVShapeError, check_write_kv_args, interleave_kv
-from jaxkv.pallas.tpu._common import Interpret, interpret_params, page_ref
+from jaxkv.pallas.reference import check_write_kv_args, interleave_kv
+from jaxkv.pallas.tpu._common import Interpret, check_int32, interpret_params, page_ref
 
 
 def _full_block_runs(slot_mapping: jax.Array, block_size: int) -> jax.Array:
@@ -44,15 +55,19 @@ def _full_block_runs(slot_mapping: jax.Array, block_size: int) -> jax.Array:
 
 
 def _kernel(
-    slots_ref,
-    full_ref,
-    kv_ref,
-    cache_in,
-    cache_out,
-    sem,
+    # Scalar prefetch
+    slots_ref,  # (T,) int32, SMEM: global slot of each token
+    full_ref,  # (T,) int32, SMEM: 1 where a whole-block run starts
+    # Inputs
+    kv_ref,  # (T, 2H, D) in HBM: the new K/V, interleaved per head
+    cache_in,  # (N, bs, 2H, D) or (N, L, bs, 2H, D) in HBM, aliased with cache_out
+    # Output
+    cache_out,  # the same shape as cache_in
+    # Scratch
+    sem,  # DMA semaphore
     *,
     block_size: int,
-    layer_slot: int | None,
+    layer_index: int | None,
 ):
     del cache_in  # aliased with cache_out: the same HBM buffer
     num_tokens = slots_ref.shape[0]
@@ -64,7 +79,7 @@ def _kernel(
             slot = slots_ref[t]
             block, offset = lax.div(slot, block_size), lax.rem(slot, block_size)
             full = full_ref[t] == 1
-            page = page_ref(cache_out, block, layer_slot)
+            page = page_ref(cache_out, block, layer_index)  # (bs, 2H, D)
 
             @pl.when(full)
             def _():
@@ -88,36 +103,36 @@ def write_kv(
     v: jax.Array,
     slot_mapping: jax.Array,
     *,
-    layer_slot: int | None = None,
+    layer_index: int | None = None,
     interpret: Interpret = False,
 ) -> jax.Array:
     """Return ``kv_buffer`` with token t's K/V (``k, v: (T, H, D)``) at ``slot_mapping[t]``.
 
     Same contract as :func:`jaxkv.pallas.reference.write_kv` (global slot =
     ``block_id * block_size + offset``), except that writes into the null block 0 are
-    dropped. Donate ``kv_buffer`` under jit for an in-place update.
+    dropped. Donate ``kv_buffer`` under jit for an in-place update. Slots are trusted
+    (checked where the metadata is built).
     """
-    check_write_kv_args(kv_buffer, k, v, slot_mapping, layer_slot=layer_slot)
-    if slot_mapping.dtype != jnp.int32:
-        raise KVShapeError(
-            f"slot_mapping {slot_mapping.shape} {slot_mapping.dtype} must be int32 ({k.shape[0]},)"
-        )
+    check_write_kv_args(kv_buffer, k, v, slot_mapping, layer_index=layer_index)
+    check_int32(slot_mapping=slot_mapping)
     block_size = kv_buffer.shape[-3]
     if k.shape[0] == 0:
         return kv_buffer
     kv = interleave_kv(k, v, kv_buffer.dtype)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    scalar_prefetches = (slot_mapping, _full_block_runs(slot_mapping, block_size))
+    scratch_shapes = [pltpu.SemaphoreType.DMA(())]  # every copy signals one semaphore
     return pl.pallas_call(
-        functools.partial(_kernel, block_size=block_size, layer_slot=layer_slot),
+        functools.partial(_kernel, block_size=block_size, layer_index=layer_index),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=len(scalar_prefetches),
             grid=(),
-            in_specs=[any_spec, any_spec],
+            in_specs=[any_spec, any_spec],  # kv, cache
             out_specs=any_spec,
-            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+            scratch_shapes=scratch_shapes,
         ),
         out_shape=jax.ShapeDtypeStruct(kv_buffer.shape, kv_buffer.dtype),
-        input_output_aliases={3: 0},
+        input_output_aliases={len(scalar_prefetches) + 1: 0},  # the cache, in place
         interpret=interpret_params(interpret),
         name="jaxkv_write_kv",
-    )(slot_mapping, _full_block_runs(slot_mapping, block_size), kv, kv_buffer)
+    )(*scalar_prefetches, kv, kv_buffer)

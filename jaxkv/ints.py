@@ -1,0 +1,29 @@
+"""Integer helpers shared by every module: ceiling division and int checks.
+
+``bool`` is never an int here (``True`` as a block count is a bug), and numpy
+integers are (token ids and counts often come from arrays). Host-only: no JAX.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from jaxkv.errors import JaxkvError
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+def is_int(value: object) -> bool:
+    """An int or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, *, minimum: int = 1, error: type[JaxkvError] = JaxkvError) -> int:
+    """``value`` as an int; raise ``error`` naming ``name`` unless it is an int >= ``minimum``."""
+    if not is_int(value) or value < minimum:
+        kind = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+        raise error(f"{name} must be {kind}, got {value!r}")
+    return int(value)

@@ -1,0 +1,114 @@
+"""Paged attention in plain XLA, built for GPUs: the ``xla_gpu`` implementation of :mod:`jaxkv.ops`.
+
+An online softmax over chunks of each sequence's pages, bounded by the batch's real kv
+lengths (the same contract as :func:`jaxkv.pallas.reference.paged_attention`). Writes,
+copies, gathers and scatters need no XLA formulation of their own: they are single
+XLA scatters/gathers already, so ``xla_gpu`` uses the reference ops for them.
+
+Inputs are trusted: block ids and lengths are checked on the host, where
+:func:`jaxkv.metadata.build_step_metadata` builds them, never here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.ints import cdiv
+from jaxkv.pallas import reference
+
+CHUNK_BYTES = 64 << 20
+"""Default size of the pages one step of the attention loop gathers."""
+MAX_CHUNK_TOKENS = 512
+"""Most kv positions one step of the attention loop covers."""
+
+
+def paged_attention(
+    q: jax.Array,
+    kv_buffer: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    layer_index: int | None = None,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    chunk_tokens: int | None = None,
+) -> jax.Array:
+    """Causal paged attention over a ragged batch; same contract as the reference, built for speed.
+
+    Each token reads only its own sequence's pages, through its block table,
+    ``chunk_tokens`` kv positions (rounded down to whole blocks; default: what fits
+    :data:`CHUNK_BYTES` for T tokens, at most :data:`MAX_CHUNK_TOKENS`) per loop step,
+    with an online softmax in float32: memory O(T * chunk) instead of O(T * table
+    width). The loop runs only over the chunks some token can see (lowest window start
+    to longest kv length in the batch), so bucketed table widths and empty padding cost
+    nothing. A decode token reads each of its pages once; a prefill chunk re-reads its
+    pages per query token, the price of staying in plain XLA.
+
+    Masked positions are selected away, never multiplied by zero: whatever a page holds
+    past a sequence's kv length or outside its window (NaN included) cannot reach the
+    output.
+    """
+    reference.check_paged_attention_args(
+        q, kv_buffer, kv_lens, block_tables, cu_q_lens, num_seqs,
+        layer_index=layer_index, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    block_size, combined, head_dim = kv_buffer.shape[-3:]
+    num_kv_heads = combined // 2
+    num_tokens, num_q_heads, _ = q.shape
+    num_queries_per_kv = num_q_heads // num_kv_heads
+    if chunk_tokens is None:
+        token_bytes = num_tokens * combined * head_dim * kv_buffer.dtype.itemsize
+        chunk_tokens = min(MAX_CHUNK_TOKENS, CHUNK_BYTES // max(token_bytes, 1))
+    chunk_blocks = max(1, min(block_tables.shape[1], chunk_tokens // block_size))
+    chunk = chunk_blocks * block_size
+    width = cdiv(block_tables.shape[1], chunk_blocks) * chunk_blocks
+    tables = jnp.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
+
+    seq, position, valid = reference.token_sequences(num_tokens, cu_q_lens, kv_lens, num_seqs)
+    token_tables = tables[seq]  # (T, width)
+    lowest = jnp.zeros_like(position) if sliding_window is None else position - sliding_window + 1
+    first = jnp.min(jnp.where(valid, jnp.maximum(lowest, 0), width * block_size)) // chunk
+    last = cdiv(jnp.max(jnp.where(valid, position + 1, 0)), chunk)
+
+    qg = q.reshape(num_tokens, num_kv_heads, num_queries_per_kv, head_dim)  # (T, H, G, D)
+    precision = jax.lax.Precision.HIGHEST
+
+    def step(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        row_max, denom, acc = carry  # (T, H, G), (T, H, G), (T, H, G, D)
+        pages = jax.lax.dynamic_slice_in_dim(token_tables, j * chunk_blocks, chunk_blocks, 1)
+        kv = kv_buffer[pages] if layer_index is None else kv_buffer[pages, layer_index]
+        kv = kv.reshape(num_tokens, chunk, combined, head_dim)  # keeps the 2H axis whole
+        kv_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        mask = reference.attention_mask(kv_pos, position, valid, sliding_window)  # (T, chunk)
+        logits = jnp.einsum(
+            "thgd,tlhd->thgl", qg, kv[:, :, 0::2],
+            precision=precision, preferred_element_type=jnp.float32,
+        ) * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))
+        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        scale = jnp.exp(row_max - safe_max)
+        probs = jnp.exp(logits - safe_max[..., None])
+        denom = denom * scale + jnp.sum(probs, axis=-1)
+        v = jnp.where(mask[:, :, None, None], kv[:, :, 1::2], 0)  # 0 * NaN is NaN: select
+        acc = acc * scale[..., None] + jnp.einsum(
+            "thgl,tlhd->thgd", probs.astype(kv.dtype), v,
+            precision=precision, preferred_element_type=jnp.float32,
+        )
+        return new_max, denom, acc
+
+    shape = (num_tokens, num_kv_heads, num_queries_per_kv)
+    init = (
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros(shape + (head_dim,), jnp.float32),
+    )
+    _, denom, acc = jax.lax.fori_loop(first, last, step, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
