@@ -8,19 +8,23 @@ is kept a multiple of the lcm of the groups' block sizes.
 
 Prefix hashes are computed once per request at the smallest block size; a group whose
 block is ``k`` times larger uses every ``k``-th hash (a chained hash names the whole
-prefix up to its block's end).
+prefix up to its block's end): :meth:`KVCacheCoordinator.typed_hashes`.
+
+The coordinator owns the :class:`~jaxkv.pool.BlockPool`; the façade
+(:class:`~jaxkv.manager.KVCacheManager`) talks to it only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from itertools import chain
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jaxkv.managers import NEVER, CacheHit, FullAttentionManager, SingleTypeManager, manager_class_for
+from jaxkv.single_type import NEVER, CacheHit, FullAttentionManager, SingleTypeManager, manager_class_for
 from jaxkv.planner import KVCacheConfig
-from jaxkv.pool import BlockPool
+from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
 from jaxkv.specs import KVCacheSpec
 
 
@@ -36,11 +40,12 @@ class AttentionType:
 
 
 class KVCacheCoordinator:
-    """Runs each operation over every group of a config, sharing one block pool."""
+    """Runs each operation over every group of a config, sharing one block pool it owns."""
 
-    def __init__(self, config: KVCacheConfig, pool: BlockPool) -> None:
+    def __init__(self, config: KVCacheConfig, *, enable_events: bool = False) -> None:
         groups = config.groups
-        self.pool = pool
+        self.pool = BlockPool(config.num_blocks, len(groups), enable_events=enable_events)
+        pool = self.pool
         self.managers: list[SingleTypeManager] = [
             manager_class_for(g.spec)(pool, i, g.block_size, g.spec) for i, g in enumerate(groups)
         ]
@@ -57,6 +62,7 @@ class KVCacheCoordinator:
         # Full attention first: its hits are prefix-closed, so it bounds the rest early.
         types.sort(key=lambda t: t.manager_cls is not FullAttentionManager)
         self.types = types
+        self._maps = [pool.hash_maps(t.group_ids) for t in types]
         # Per running request: (slot capacity, tokens at which a block becomes full,
         # computed tokens at which a block falls out of span). Below all three an
         # allocation changes nothing, which is what most decode steps are.
@@ -66,43 +72,95 @@ class KVCacheCoordinator:
     def num_groups(self) -> int:
         return len(self.managers)
 
-    def group_hashes(self, block_hashes: Sequence[bytes], stride: int) -> Sequence[bytes]:
-        """The chained hashes at one group's block granularity."""
-        return block_hashes if stride == 1 else block_hashes[stride - 1 :: stride]
+    # ------------------------------------------------------------- the pool
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_evictions(self) -> int:
+        """The pool's eviction count: a hit found at count N is intact while it is N."""
+        return self.pool.num_evictions
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.pool.take_events()
+
+    def evict_blocks(self, block_ids: Sequence[int]) -> int:
+        return self.pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def add_reuse_listener(self, listener: ReuseListener) -> None:
+        self.pool.add_reuse_listener(listener)
+
+    def remove_reuse_listener(self, listener: ReuseListener) -> None:
+        self.pool.remove_reuse_listener(listener)
+
+    @contextlib.contextmanager
+    def journal(self) -> Iterator[None]:
+        """Blocks cached inside the scope lose their hashes if it exits by an exception."""
+        pool = self.pool
+        pool.begin_journal()
+        try:
+            yield
+        except BaseException:
+            pool.rollback_journal()
+            raise
+        pool.commit_journal()
+
+    def group_ids_of(self, manager_cls: type[SingleTypeManager]) -> list[int]:
+        """Groups whose cache rules are ``manager_cls``'s (or a subclass's)."""
+        return [m.group_id for m in self.managers if isinstance(m, manager_cls)]
+
+    def typed_hashes(self, block_hashes: Sequence[bytes]) -> Iterator[tuple[AttentionType, Sequence[bytes]]]:
+        """Each attention type with the chained hashes at its block granularity.
+
+        The one place that knows a group whose block is ``k`` hash blocks long uses
+        every ``k``-th hash (a chained hash names the whole prefix up to its end)."""
+        for t in self.types:
+            stride = t.hash_stride
+            yield t, (block_hashes if stride == 1 else block_hashes[stride - 1 :: stride])
 
     def hashes_per_group(self, block_hashes: Sequence[bytes]) -> list[Sequence[bytes]]:
-        """:meth:`group_hashes` for every group, indexed by group id."""
+        """The chained hashes at each group's block granularity, indexed by group id."""
         out: list[Sequence[bytes]] = [()] * self.num_groups
-        for t in self.types:
-            hashes = self.group_hashes(block_hashes, t.hash_stride)
+        for t, hashes in self.typed_hashes(block_hashes):
             for g in t.group_ids:
                 out[g] = hashes
         return out
+
+    def needed_blocks(self, group: int, start: int, end: int) -> range:
+        """Block indices of ``group`` covering tokens ``[start, end)`` that later tokens
+        still need once ``end`` tokens are computed (a window group drops older ones)."""
+        m = self.managers[group]
+        bs = m.block_size
+        return range(max(start // bs, m.num_skipped_tokens(end) // bs), end // bs)
 
     # ------------------------------------------------------------------ hits
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> tuple[tuple[list[int], ...], int]:
         """The longest prefix (tokens) every group can serve, and its blocks per group."""
-        cached = self.pool.cached
         lcm = self.lcm_block_size
         length = max_length // lcm * lcm
-        found: list[CacheHit] = [None] * len(self.types)
+        typed = list(self.typed_hashes(block_hashes))
+        found: list[CacheHit] = [None] * len(typed)
         changed = True
         while changed:
             changed = False
-            for t_idx, t in enumerate(self.types):
+            for t_idx, (t, hashes) in enumerate(typed):
                 hit = t.manager_cls.find_longest_cache_hit(
-                    [cached[g] for g in t.group_ids],
-                    self.group_hashes(block_hashes, t.hash_stride),
-                    length // t.block_size,
-                    t.spec,
-                    t.block_size,
+                    self._maps[t_idx], hashes, length // t.block_size, t.spec, t.block_size
                 )
                 found[t_idx] = hit
                 if hit.num_blocks * t.block_size < length:
                     length = hit.num_blocks * t.block_size // lcm * lcm
-                    changed = len(self.types) > 1
+                    changed = len(typed) > 1
         # The last pass ran every search at the final length, so each hit is exact.
         blocks: list[list[int]] = [[] for _ in self.managers]
         if length:
@@ -110,6 +168,27 @@ class KVCacheCoordinator:
                 for g, ids in zip(t.group_ids, hit.block_ids):
                     blocks[g] = [0] * hit.first_real + ids
         return tuple(blocks), length
+
+    def invalid_hit_block(
+        self, block_hashes: Sequence[bytes], hit_blocks: Sequence[Sequence[int]]
+    ) -> tuple[int, object] | None:
+        """The first ``(group, block)`` of a hit that this request cannot use, or None.
+
+        A usable hit has, in each group, null blocks where the group's span no longer
+        reaches and, from there on, in-range blocks cached under the request's own
+        chained hash at their position (so another request's or tenant's hit, an
+        uncached or evicted block and a repeated block all fail)."""
+        is_cached = self.pool.is_cached_as
+        for t, hashes in self.typed_hashes(block_hashes):
+            for g in t.group_ids:
+                blocks = hit_blocks[g]
+                if len(blocks) > len(hashes):
+                    return g, blocks[len(hashes)]
+                first = self.needed_blocks(g, 0, len(blocks) * t.block_size).start
+                for i, b in enumerate(blocks):
+                    if (b != NULL_BLOCK) if i < first else not is_cached(b, g, hashes[i]):
+                        return g, b
+        return None
 
     # ------------------------------------------------------------ allocation
     def num_blocks_to_allocate(
@@ -155,8 +234,7 @@ class KVCacheCoordinator:
         lora_name: str | None,
     ) -> None:
         """Offer every group's newly full blocks to the prefix cache."""
-        for t in self.types:
-            hashes = self.group_hashes(block_hashes, t.hash_stride)
+        for t, hashes in self.typed_hashes(block_hashes):
             for g in t.group_ids:
                 self.managers[g].cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
 
@@ -178,7 +256,11 @@ class KVCacheCoordinator:
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group, in one pass over the pool."""
         self.thresholds.pop(request_id, None)
-        self.pool.free_blocks(chain.from_iterable([m.release(request_id) for m in self.managers]))
+        managers = self.managers
+        if len(managers) == 1:
+            self.pool.free_blocks(managers[0].release(request_id))
+        else:
+            self.pool.free_blocks(chain.from_iterable([m.release(request_id) for m in managers]))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Copies of the request's block lists, one per group."""

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+from jaxkv.errors import JaxkvError
 
 __all__ = [
     "HASH_ALGORITHMS",
@@ -92,7 +93,7 @@ _MAX_I64 = 2**63 - 1
 _ASCII_SIGN_CHECK_MAX = 4096  # up to this many ids, a bytes scan beats a numpy reduction
 
 
-class BlockHashError(ValueError):
+class BlockHashError(JaxkvError, ValueError):
     """Base class of the errors raised for bad hashing input."""
 
 

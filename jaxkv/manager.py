@@ -9,16 +9,21 @@ device step needs. The vocabulary follows vLLM's scheduler side on purpose.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from jaxkv.coordinator import KVCacheCoordinator
-from jaxkv.hashing import BlockHasher, ExtraKeys, MultiModalItem
+from jaxkv.errors import JaxkvError, OwnerThread
+from jaxkv.hashing import MAX_TOKEN_ID, BlockHasher, ExtraKeys, MultiModalItem
+from jaxkv.ints import is_int
 from jaxkv.planner import KVCacheConfig
-from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent
+from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
+from jaxkv.single_type import MambaManager
 
 
-class KVCacheManagerError(ValueError):
+class KVCacheManagerError(JaxkvError, ValueError):
     """A call named something the manager cannot act on; nothing was changed."""
 
 
@@ -29,19 +34,89 @@ class UnknownRequestError(KVCacheManagerError, KeyError):
         return str(self.args[0])
 
 
+class DuplicateRequestError(KVCacheManagerError):
+    """Another live request already uses this request id."""
+
+
 class MaxModelLenExceededError(KVCacheManagerError):
     """An allocation would give a request more tokens than ``max_model_len``."""
 
 
-class StaleCacheHitError(KVCacheManagerError):
+class InvalidCacheHitError(KVCacheManagerError):
+    """A cache hit handed to ``allocate_slots`` was not computed for this request."""
+
+
+class StaleCacheHitError(InvalidCacheHitError):
     """Blocks from ``get_computed_blocks`` were evicted before ``allocate_slots``."""
+
+
+class ReadOnlyTokenIds(Sequence):
+    """A read-only view of a request's token ids (slices come back as lists).
+
+    The manager hashes full blocks once and caches them under those hashes, so a token
+    edited in place afterwards would cache KV under the hash of tokens never computed;
+    tokens only grow through :meth:`Request.append_output_token_ids`.
+    """
+
+    __slots__ = ("_ids",)
+
+    def __init__(self, ids: list[int]) -> None:
+        self._ids = ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._ids[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __add__(self, other: Sequence[int]) -> list[int]:
+        return self._ids + list(other)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ReadOnlyTokenIds):
+            other = other._ids
+        return isinstance(other, (list, tuple)) and self._ids == list(other)
+
+    def __hash__(self) -> int:
+        raise TypeError("ReadOnlyTokenIds is unhashable: it grows as tokens are appended")
+
+    def __repr__(self) -> str:
+        return repr(self._ids)
+
+
+def token_id_list(values: object, what: str) -> list[int]:
+    """``values`` as a list of token ids; :class:`KVCacheManagerError` naming the first bad one.
+
+    A 1-D sequence or array of ints (numpy ints too) in ``[0, MAX_TOKEN_ID]``; bools,
+    floats, strings, nested lists and 2-D arrays are refused.
+    """
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise KVCacheManagerError(f"{what} must be a sequence of token ids, got {values!r:.80}")
+    ndim = getattr(values, "ndim", 1)
+    if ndim != 1:
+        raise KVCacheManagerError(f"{what} must be 1-D, got an array of shape {getattr(values, 'shape', None)}")
+    ids = list(values)  # type: ignore[call-overload]
+    if set(map(type, ids)) - {int}:
+        bad = next((t for t in ids if not is_int(t)), None)
+        if bad is not None or any(isinstance(t, bool) for t in ids):
+            bad = bad if bad is not None else next(t for t in ids if isinstance(t, bool))
+            raise KVCacheManagerError(f"{what}: {bad!r} is not a token id (an int)")
+        ids = [int(t) for t in ids]
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        bad = next(t for t in ids if not 0 <= t <= MAX_TOKEN_ID)
+        raise KVCacheManagerError(f"{what}: token id {bad} is outside [0, {MAX_TOKEN_ID}]")
+    return ids
 
 
 class Request:
     """A request's tokens and scheduling progress, as the KV cache manager sees them.
 
     ``num_computed_tokens`` is advanced by the caller's scheduler, as in vLLM. Block
-    hashes are filled in lazily by the manager, only for full blocks.
+    hashes are filled in lazily by the manager, only for full blocks. Token ids are
+    checked on the way in and read-only afterwards (``all_token_ids`` is a view).
     """
 
     def __init__(
@@ -55,12 +130,14 @@ class Request:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise KVCacheManagerError(f"request_id must be a non-empty str, got {request_id!r}")
-        if len(prompt_token_ids) == 0:
+        ids = token_id_list(prompt_token_ids, f"request {request_id!r}: prompt_token_ids")
+        if not ids:
             raise KVCacheManagerError(f"request {request_id!r} has an empty prompt")
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.all_token_ids = list(self.prompt_token_ids)
-        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.prompt_token_ids: tuple[int, ...] = tuple(ids)
+        self._token_ids = ids
+        self._token_view = ReadOnlyTokenIds(ids)
+        self.num_prompt_tokens = len(ids)
         self.extra_keys = ExtraKeys(cache_salt=cache_salt, lora_name=lora_name, mm_items=tuple(mm_items))
         self.num_computed_tokens = 0
         self.block_hashes: list[bytes] = []
@@ -70,11 +147,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
-        return len(self.all_token_ids)
+        return len(self._token_ids)
+
+    @property
+    def all_token_ids(self) -> ReadOnlyTokenIds:
+        """Prompt plus generated tokens (a read-only view)."""
+        return self._token_view
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
+        return self._token_ids[self.num_prompt_tokens :]
 
     @property
     def cache_salt(self) -> str | None:
@@ -85,11 +167,13 @@ class Request:
         return self.extra_keys.lora_name
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        """Record generated tokens (one id or several)."""
-        if isinstance(token_ids, int):
-            self.all_token_ids.append(token_ids)
+        """Record generated tokens (one id or several); a bad id changes nothing."""
+        if type(token_ids) is int and 0 <= token_ids <= MAX_TOKEN_ID:
+            self._token_ids.append(token_ids)
+        elif is_int(token_ids):
+            self._token_ids.extend(token_id_list([token_ids], f"request {self.request_id!r}: output token"))
         else:
-            self.all_token_ids.extend(token_ids)
+            self._token_ids.extend(token_id_list(token_ids, f"request {self.request_id!r}: output tokens"))
 
     def __repr__(self) -> str:
         return (
@@ -102,12 +186,16 @@ class Request:
 class KVCacheBlocks:
     """Block ids per KV cache group (one list each), as handed to the scheduler.
 
-    ``eviction_stamp`` records the pool's eviction count when a cache hit was found,
-    so ``allocate_slots`` can tell in O(1) that the hit is still intact.
+    A cache hit from ``get_computed_blocks`` also records whom it was found for: the
+    request id, the chained hash of its last block and the pool's eviction count then.
+    ``allocate_slots`` trusts it in O(1) while all three still hold, and otherwise
+    checks every block against the request's own hashes.
     """
 
     blocks: tuple[Sequence[int], ...]
     eviction_stamp: int = -1
+    request_id: str | None = None
+    prefix_hash: bytes | None = None
 
     def get_block_ids(self) -> tuple[Sequence[int], ...]:
         return self.blocks
@@ -132,7 +220,12 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    """Decides which blocks hold which tokens, for every KV cache group of a model."""
+    """Decides which blocks hold which tokens, for every KV cache group of a model.
+
+    Single-owner: the thread that creates it is the only one that may call it (a call
+    from another thread raises :class:`~jaxkv.errors.WrongThreadError`), as vLLM's
+    scheduler thread owns its manager. It talks to the coordinator only.
+    """
 
     def __init__(
         self,
@@ -143,20 +236,24 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         enable_events: bool = False,
     ) -> None:
+        if not isinstance(config, KVCacheConfig):
+            raise KVCacheManagerError(f"config must be a KVCacheConfig, got {config!r:.80}")
         max_model_len = max_model_len if max_model_len is not None else config.max_model_len
-        if not isinstance(max_model_len, int) or max_model_len <= 0:
+        if not is_int(max_model_len) or max_model_len <= 0:
             raise KVCacheManagerError(
                 f"max_model_len must be a positive int (here or in the config), got {max_model_len!r}"
             )
         self.config = config
-        self.max_model_len = max_model_len
+        self.max_model_len = int(max_model_len)
         self.enable_caching = enable_caching
-        self.pool = BlockPool(config.num_blocks, len(config.groups), enable_events=enable_events)
-        self.coordinator = KVCacheCoordinator(config, self.pool)
+        self.coordinator = KVCacheCoordinator(config, enable_events=enable_events)
         self.hasher = BlockHasher(self.coordinator.hash_block_size, hash_algo)
         # Returned for a miss or an allocation needing no new block: immutable, so shared.
         self._no_blocks = KVCacheBlocks(tuple(() for _ in config.groups))
         self._hasher_key = (self.hasher.block_size, self.hasher.algo)
+        self._owner = OwnerThread("KVCacheManager")
+        # Requests holding blocks, by id: a second live request with the same id is refused.
+        self._requests: dict[str, Request] = {}
         self._num_requests = 0
         self._num_queried = 0
         self._num_hits = 0
@@ -164,30 +261,73 @@ class KVCacheManager:
 
     # --------------------------------------------------------------- queries
     @property
+    def pool(self) -> BlockPool:
+        """The coordinator's block pool, read only: for tests and benchmarks to inspect."""
+        return self.coordinator.pool
+
+    @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        return self.coordinator.num_free_blocks
 
     @property
     def usage(self) -> float:
         """Fraction of the pool's blocks referenced by requests now."""
-        return self.pool.usage
+        return self.coordinator.usage
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
         return tuple(g.block_size for g in self.config.groups)
 
+    @property
+    def lcm_block_size(self) -> int:
+        """The granularity of a hit: every group's blocks end on its multiples."""
+        return self.coordinator.lcm_block_size
+
+    @property
+    def num_requests(self) -> int:
+        """Requests holding blocks now."""
+        return len(self._requests)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of this id holds blocks."""
+        return request_id in self._requests
+
+    def recurrent_group_ids(self) -> list[int]:
+        """Groups holding recurrent (Mamba / linear-attention) state, not token KV."""
+        return self.coordinator.group_ids_of(MambaManager)
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids, one list per group (nulls for skipped blocks)."""
-        if not self.coordinator.has_request(request_id):
+        if request_id not in self._requests:
             raise UnknownRequestError(f"unknown request id {request_id!r}")
         return self.coordinator.get_block_ids(request_id)
+
+    def hashes_per_group(self, request: Request) -> list[Sequence[bytes]]:
+        """The request's chained block hashes at each group's block size (hashing it first)."""
+        self.hash_request(request)
+        return self.coordinator.hashes_per_group(request.block_hashes)
+
+    def needed_blocks(self, group: int, start: int, end: int) -> range:
+        """Block indices of ``group`` for tokens ``[start, end)`` that later tokens still
+        read once ``end`` tokens are computed (what an offload tier must load)."""
+        return self.coordinator.needed_blocks(group, start, end)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self._num_requests, self._num_queried, self._num_hits, self._num_resets)
 
     def take_events(self) -> list[KVCacheEvent]:
         """Cache events (stored, removed, cleared) since the last call."""
-        return self.pool.take_events()
+        return self.coordinator.take_events()
+
+    def add_reuse_listener(self, listener: ReuseListener) -> None:
+        """Call ``listener(block_id, block_hash, group)`` whenever a cached block is
+        about to be handed out again (its KV is still intact then)."""
+        self._owner.check()
+        self.coordinator.add_reuse_listener(listener)
+
+    def remove_reuse_listener(self, listener: ReuseListener) -> None:
+        self._owner.check()
+        self.coordinator.remove_reuse_listener(listener)
 
     # ------------------------------------------------------------ operations
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -196,6 +336,8 @@ class KVCacheManager:
         Only full blocks hit, and at most ``num_tokens - 1`` tokens, so the last token
         is always computed (its logits are needed).
         """
+        self._owner.check()
+        self._check_request(request)
         if not self.enable_caching:
             return self._no_blocks, 0
         self.hash_request(request)
@@ -205,7 +347,8 @@ class KVCacheManager:
         self._num_hits += n
         if n == 0:
             return self._no_blocks, 0
-        return KVCacheBlocks(blocks, self.pool.num_evictions), n
+        prefix_hash = request.block_hashes[n // self.coordinator.hash_block_size - 1]
+        return KVCacheBlocks(blocks, self.coordinator.num_evictions, request.request_id, prefix_hash), n
 
     def allocate_slots(
         self,
@@ -219,7 +362,7 @@ class KVCacheManager:
         """Give the request slots for ``num_new_tokens`` more tokens (plus lookahead).
 
         ``new_computed_blocks`` / ``num_new_computed_tokens`` come from
-        ``get_computed_blocks`` for a request that holds no blocks yet.
+        ``get_computed_blocks`` for this request, which holds no blocks yet.
         ``num_external_computed_tokens`` (whole blocks of every group, new requests
         only) follow the device hit and are filled by the caller (an offload tier):
         they get fresh blocks, except the blocks a group no longer needs after them
@@ -228,6 +371,9 @@ class KVCacheManager:
         newly allocated blocks per group, or ``None`` when the pool cannot serve the
         request (the caller preempts); a ``None`` or an error changes nothing.
         """
+        self._owner.check()
+        if type(request) is not Request:
+            self._check_request(request)
         rid = request.request_id
         if (
             type(num_new_tokens) is not int
@@ -246,48 +392,72 @@ class KVCacheManager:
         if total_computed + num_new_tokens > self.max_model_len:
             raise MaxModelLenExceededError(
                 f"request {rid!r}: {num_computed} computed + {num_new_computed_tokens} cached "
-                f"+ {num_external_computed_tokens} external + {num_new_tokens} new tokens exceeds max_model_len={self.max_model_len}"
+                f"+ {num_external_computed_tokens} external + {num_new_tokens} new tokens exceeds "
+                f"max_model_len={self.max_model_len}"
             )
         num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_cacheable = min(total_computed + num_new_tokens, request.num_tokens) if self.enable_caching else -1
         coord = self.coordinator
+        held = self._requests.get(rid) is request
         if (
-            new_computed_blocks is None
+            held
+            and new_computed_blocks is None
             and not num_new_computed_tokens
             and not num_external_computed_tokens
             and coord.is_noop(rid, num_slots, num_cacheable, num_computed)
         ):
             return self._no_blocks
+        if not held:
+            self._check_new_request(request)
+        if self.enable_caching:
+            self.hash_request(request)
         hits = self._check_hit(request, num_new_computed_tokens, new_computed_blocks)
         if num_external_computed_tokens:
             hits = self._external_hits(request, hits, num_external_computed_tokens, total_computed)
         needed = coord.num_blocks_to_allocate(rid, num_slots, hits, num_computed)
-        if needed > self.pool.num_free_blocks:
+        if needed > coord.num_free_blocks:
             return None
         new_blocks = coord.allocate(rid, num_slots, hits, num_computed)
+        self._requests[rid] = request
         if self.enable_caching:
-            self.hash_request(request)
-            coord.cache_blocks(rid, request.block_hashes, num_cacheable, request.all_token_ids, request.lora_name)
+            coord.cache_blocks(rid, request.block_hashes, num_cacheable, request._token_ids, request.lora_name)
         coord.update_thresholds(rid)
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted)."""
-        rid = request if isinstance(request, str) else request.request_id
-        if not self.coordinator.has_request(rid):
+        self._owner.check()
+        rid = request if isinstance(request, str) else getattr(request, "request_id", request)
+        if self._requests.pop(rid, None) is None:
             raise UnknownRequestError(f"cannot free unknown (or already freed) request {rid!r}")
         self.coordinator.free(rid)
 
     def evict_blocks(self, block_ids: Sequence[int]) -> int:
         """Drop the cached hashes of these blocks; return how many were cached."""
-        return self.pool.evict_blocks(block_ids)
+        self._owner.check()
+        return self.coordinator.evict_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the whole prefix cache; refused (False) while any block is in use."""
-        ok = self.pool.reset_prefix_cache()
+        self._owner.check()
+        ok = self.coordinator.reset_prefix_cache()
         if ok:
             self._num_resets += 1
         return ok
+
+    @contextlib.contextmanager
+    def step_transaction(self) -> Iterator[None]:
+        """Scope one engine step: blocks cached inside it are trusted only once it ends.
+
+        Blocks are cached when allocated (vLLM's rule, so a request admitted later in
+        the same step shares them), before the step writes their KV. If anything
+        raises inside the scope (an interrupt, a failed compile, a failing callback),
+        those blocks' hashes are dropped before the exception propagates, so no later
+        lookup can hit KV that was never written.
+        """
+        self._owner.check()
+        with self.coordinator.journal():
+            yield
 
     def hash_request(self, request: Request) -> None:
         """Hash the request's newly full blocks now.
@@ -301,7 +471,24 @@ class KVCacheManager:
                 f"request {request.request_id!r} was hashed with (block_size, algo)="
                 f"{request.block_hash_key}, this manager uses {self._hasher_key}"
             )
-        self.hasher.extend(request.block_hashes, request.all_token_ids, request.extra_keys)
+        self.hasher.extend(request.block_hashes, request._token_ids, request.extra_keys)
+
+    # ------------------------------------------------------------------ checks
+    @staticmethod
+    def _check_request(request: object) -> None:
+        if not isinstance(request, Request):
+            raise KVCacheManagerError(f"expected a jaxkv.manager.Request, got {request!r:.80}")
+
+    def _check_new_request(self, request: Request) -> None:
+        """A request about to get its first blocks: its id is free and nothing counts as computed."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise DuplicateRequestError(f"request id {rid!r} is already used by another live request")
+        if request.num_computed_tokens:
+            raise KVCacheManagerError(
+                f"request {rid!r} holds no blocks but has num_computed_tokens={request.num_computed_tokens} "
+                "(stale after free or preemption?): a request starts from 0 computed tokens"
+            )
 
     @staticmethod
     def _raise_bad_counts(rid: str, *counts: object) -> None:
@@ -312,21 +499,25 @@ class KVCacheManager:
 
     def _check_hit(
         self, request: Request, num_new_computed_tokens: int, hit: KVCacheBlocks | None
-    ) -> tuple[list[int], ...] | None:
+    ) -> tuple[Sequence[int], ...] | None:
         """Validate a cache hit handed back by the caller; return its blocks per group."""
         rid = request.request_id
-        has_blocks = self.coordinator.has_request(rid)
+        if hit is not None and not isinstance(hit, KVCacheBlocks):
+            raise KVCacheManagerError(f"request {rid!r}: new_computed_blocks must be KVCacheBlocks, got {hit!r:.80}")
         if hit is None or not any(hit.blocks):
             if num_new_computed_tokens:
                 raise KVCacheManagerError(
                     f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} without new_computed_blocks"
                 )
             return None
-        if has_blocks:
+        coord = self.coordinator
+        if rid in self._requests:
             raise KVCacheManagerError(f"request {rid!r} already holds blocks; a cache hit applies only to a new request")
-        if len(hit.blocks) != self.coordinator.num_groups:
+        if not self.enable_caching:
+            raise InvalidCacheHitError(f"request {rid!r}: a cache hit was given to a manager without prefix caching")
+        if len(hit.blocks) != coord.num_groups:
             raise KVCacheManagerError(
-                f"request {rid!r}: new_computed_blocks has {len(hit.blocks)} groups, config has {self.coordinator.num_groups}"
+                f"request {rid!r}: new_computed_blocks has {len(hit.blocks)} groups, config has {coord.num_groups}"
             )
         for blocks, bs in zip(hit.blocks, self.block_sizes):
             if len(blocks) * bs != num_new_computed_tokens:
@@ -334,18 +525,21 @@ class KVCacheManager:
                     f"request {rid!r}: {len(blocks)} hit blocks of {bs} tokens do not cover "
                     f"num_new_computed_tokens={num_new_computed_tokens}"
                 )
-        if hit.eviction_stamp != self.pool.num_evictions:
-            self.hash_request(request)
-            block_hash = self.pool.block_hash
-            coord = self.coordinator
-            for t in coord.types:
-                hashes = coord.group_hashes(request.block_hashes, t.hash_stride)
-                for g in t.group_ids:
-                    for b, h in zip(hit.blocks[g], hashes):
-                        if b and block_hash[b] != h:
-                            raise StaleCacheHitError(
-                                f"request {rid!r}: hit block {b} of group {g} was evicted since get_computed_blocks"
-                            )
+        hashes = request.block_hashes
+        n = num_new_computed_tokens // coord.hash_block_size
+        if n > len(hashes) or num_new_computed_tokens >= request.num_tokens:
+            raise InvalidCacheHitError(
+                f"request {rid!r}: a hit of {num_new_computed_tokens} tokens does not fit its {request.num_tokens}-token prompt"
+            )
+        mine = hit.request_id == rid and hit.prefix_hash == hashes[n - 1]
+        if not mine or hit.eviction_stamp != coord.num_evictions:
+            bad = coord.invalid_hit_block(hashes, hit.blocks)
+            if bad is not None:
+                error = StaleCacheHitError if mine else InvalidCacheHitError
+                raise error(
+                    f"request {rid!r}: hit block {bad[1]!r} of group {bad[0]} is not cached for this request's "
+                    + ("prefix (evicted since get_computed_blocks)" if mine else "prefix (another request's or forged hit)")
+                )
         return hit.blocks
 
     def _external_hits(
@@ -355,16 +549,18 @@ class KVCacheManager:
         end of the external tokens: such device-hit blocks are not taken at all."""
         rid = request.request_id
         coord = self.coordinator
-        if coord.has_request(rid):
+        if rid in self._requests:
             raise KVCacheManagerError(f"request {rid!r} already holds blocks; external tokens apply only to a new request")
         if num_external % coord.lcm_block_size:
             raise KVCacheManagerError(
                 f"request {rid!r}: num_external_computed_tokens={num_external} is not a multiple of "
                 f"the block sizes' lcm {coord.lcm_block_size}"
             )
+        if not self.enable_caching:
+            raise KVCacheManagerError(f"request {rid!r}: external tokens are keyed by block hashes (caching is off)")
         out = []
-        for g, m in enumerate(coord.managers):
+        for g in range(coord.num_groups):
             blocks = list(hits[g]) if hits else []
-            skipped = m.num_skipped_tokens(total_computed) // m.block_size
+            skipped = coord.needed_blocks(g, 0, total_computed).start
             out.append([NULL_BLOCK] * skipped + blocks[skipped:])
         return tuple(out)

@@ -27,6 +27,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import cdiv, check_int
 from jaxkv.specs import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     ChunkedLocalAttentionSpec,
@@ -34,7 +36,6 @@ from jaxkv.specs import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
-    cdiv,
 )
 
 LAYOUT_KINDS = ("cross_layer", "per_layer")
@@ -50,7 +51,7 @@ PADDED_HEAD_SPECS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttention
 """Spec classes whose ``head_size`` ``head_dim_multiple`` rounds up (not MLA, not Mamba)."""
 
 
-class PlanError(ValueError):
+class PlanError(JaxkvError, ValueError):
     """The planner was given an argument it cannot plan with."""
 
 
@@ -63,9 +64,7 @@ class InsufficientMemoryError(PlanError):
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PlanError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return check_int(name, value, minimum=1, error=PlanError)
 
 
 def pad_head_size(spec: KVCacheSpec, multiple: int) -> KVCacheSpec:

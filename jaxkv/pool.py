@@ -17,12 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from jaxkv.errors import JaxkvError
 from jaxkv.free_queue import FreeBlockQueue
 
 NULL_BLOCK = 0
 
 
-class BlockPoolError(ValueError):
+class BlockPoolError(JaxkvError, ValueError):
     """A pool operation was given ids or counts it cannot act on."""
 
 
@@ -56,10 +57,11 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 ReuseListener = Callable[[int, bytes, int], None]
 """``(block_id, block_hash, group)`` of a cached block about to be handed out again.
 
-Set as :attr:`BlockPool.on_reuse`: the last moment its KV (still intact) can be copied
-elsewhere, e.g. to a host tier that stores on eviction. Explicit evictions
-(:meth:`BlockPool.evict_blocks`, :meth:`BlockPool.reset_prefix_cache`) do not call it:
-they drop hashes whose data must not be kept.
+Registered with :meth:`BlockPool.add_reuse_listener`: the last moment its KV (still
+intact) can be copied elsewhere, e.g. to a host tier that stores on eviction. Explicit
+evictions (:meth:`BlockPool.evict_blocks`, :meth:`BlockPool.reset_prefix_cache`,
+:meth:`BlockPool.rollback_journal`) do not call it: they drop hashes whose data must
+not be kept.
 """
 
 
@@ -86,14 +88,19 @@ class BlockPool:
         # block id -> its hash while cached, and the group it is cached for.
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_group: list[int] = [-1] * num_blocks
-        # group -> {hash: block id}; read directly by the managers' hit searches.
+        # group -> {hash: the earliest cached block still holding it}; read by the hit searches.
         self.cached: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
+        # group -> {hash: later copies, oldest first}: every computed copy of a block is
+        # cached (as in vLLM v1), so evicting one copy leaves the prefix findable.
+        self._copies: list[dict[bytes, list[int]]] = [{} for _ in range(num_groups)]
         self._free = FreeBlockQueue(range(1, num_blocks), num_blocks)
         self._events: list[KVCacheEvent] = []
         # Bumped on every eviction: a cache hit found while it was N is still valid
         # as long as it is still N.
         self.num_evictions = 0
-        self.on_reuse: ReuseListener | None = None
+        self._reuse_listeners: list[ReuseListener] = []
+        # Blocks cached since begin_journal(), while a journal is open (else None).
+        self._journal: set[int] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -115,8 +122,31 @@ class BlockPool:
         return block_id in self._free
 
     def num_cached_blocks(self) -> int:
-        """Blocks currently registered in the prefix cache, over all groups."""
-        return sum(len(m) for m in self.cached)
+        """Blocks currently registered in the prefix cache, over all groups (every copy)."""
+        return sum(len(m) for m in self.cached) + sum(len(c) for d in self._copies for c in d.values())
+
+    def hash_maps(self, groups: Sequence[int]) -> list[dict[bytes, int]]:
+        """The ``hash -> block id`` maps of these groups, for hit searches (read only)."""
+        cached = self.cached
+        return [cached[g] for g in groups]
+
+    def is_cached_as(self, block_id: object, group: int, block_hash: bytes) -> bool:
+        """Whether ``block_id`` is a real block cached for ``group`` under ``block_hash``."""
+        return (
+            type(block_id) is int
+            and 0 < block_id < self.num_blocks
+            and self.block_hash[block_id] == block_hash
+            and self.block_group[block_id] == group
+        )
+
+    # --------------------------------------------------------------- listeners
+    def add_reuse_listener(self, listener: ReuseListener) -> None:
+        """Call ``listener`` for each cached block about to be handed out again."""
+        self._reuse_listeners.append(listener)
+
+    def remove_reuse_listener(self, listener: ReuseListener) -> None:
+        """Stop calling a listener added by :meth:`add_reuse_listener`."""
+        self._reuse_listeners.remove(listener)
 
     # -------------------------------------------------------------- allocation
     def get_new_blocks(self, n: int) -> list[int]:
@@ -128,10 +158,12 @@ class BlockPool:
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
         out = self._free.popleft_n(n)
+        journal = self._journal
         for b in out:
             if block_hash[b] is not None:
-                if self.on_reuse is not None:
-                    self.on_reuse(b, block_hash[b], self.block_group[b])
+                if journal is None or b not in journal:  # a journaled block's KV is not written yet
+                    for listener in self._reuse_listeners:
+                        listener(b, block_hash[b], self.block_group[b])
                 self._evict(b)
             ref_cnt[b] = 1
         return out
@@ -197,13 +229,14 @@ class BlockPool:
     ) -> None:
         """Register blocks ``block_ids[start:end]`` of one group under their hashes.
 
-        Null blocks are skipped. A hash already cached by another block keeps that
-        block: the duplicate stays uncached, so when freed it is reused first instead
-        of pushing a useful cached block out of the queue.
+        Null blocks and blocks already cached are skipped. A hash already cached by
+        another block gets this block as one more copy (vLLM v1's rule): lookups find
+        the earliest copy, and evicting it leaves the next one findable.
         """
         cached = self.cached[group]
         block_hash = self.block_hash
         block_group = self.block_group
+        journal = self._journal
         stored = []
         for i in range(start, end):
             b = block_ids[i]
@@ -211,10 +244,13 @@ class BlockPool:
                 continue
             h = block_hashes[i]
             if h in cached:
-                continue
-            cached[h] = b
+                self._copies[group].setdefault(h, []).append(b)
+            else:
+                cached[h] = b
             block_hash[b] = h
             block_group[b] = group
+            if journal is not None:
+                journal.add(b)
             if self.enable_events:
                 stored.append(i)
         if stored:
@@ -249,6 +285,10 @@ class BlockPool:
             return False
         for m in self.cached:
             m.clear()
+        for d in self._copies:
+            d.clear()
+        if self._journal is not None:
+            self._journal.clear()
         self.block_hash = [None] * self.num_blocks
         self.block_group = [-1] * self.num_blocks
         self.num_evictions += 1
@@ -261,10 +301,41 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
+    # ----------------------------------------------------------------- journal
+    def begin_journal(self) -> None:
+        """Record the blocks cached from now on, until :meth:`commit_journal` or
+        :meth:`rollback_journal` (a step whose KV writes may still fail)."""
+        self._journal = set()
+
+    def commit_journal(self) -> None:
+        """The journaled blocks hold their KV: keep them cached; close the journal."""
+        self._journal = None
+
+    def rollback_journal(self) -> int:
+        """Drop the hashes of the journaled blocks still cached (their KV was never
+        written); close the journal and return how many were dropped."""
+        journal, self._journal = self._journal or set(), None
+        n = 0
+        for b in journal:
+            if self.block_hash[b] is not None:
+                self._evict(b)
+                n += 1
+        return n
+
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]
         g = self.block_group[b]
-        del self.cached[g][h]
+        cached = self.cached[g]
+        copies = self._copies[g].get(h)
+        if cached[h] == b:
+            if copies:
+                cached[h] = copies.pop(0)
+            else:
+                del cached[h]
+        else:
+            copies.remove(b)
+        if copies is not None and not copies:
+            del self._copies[g][h]
         self.block_hash[b] = None
         self.block_group[b] = -1
         self.num_evictions += 1

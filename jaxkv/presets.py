@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from jaxkv.errors import JaxkvError
 from jaxkv.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -29,7 +30,7 @@ CONV_STATE_DTYPE = "bfloat16"
 SSM_STATE_DTYPE = "float32"
 
 
-class UnknownPresetError(KeyError, ValueError):
+class UnknownPresetError(JaxkvError, KeyError, ValueError):
     """No preset has this name."""
 
     def __str__(self) -> str:

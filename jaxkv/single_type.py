@@ -17,6 +17,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import cdiv
 from jaxkv.pool import NULL_BLOCK, BlockPool
 from jaxkv.specs import (
     ChunkedLocalAttentionSpec,
@@ -31,8 +33,8 @@ from jaxkv.specs import (
 NEVER = sys.maxsize
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class UnsupportedSpecError(JaxkvError, TypeError):
+    """No single-type manager implements this spec type."""
 
 
 class CacheHit(NamedTuple):
@@ -188,21 +190,36 @@ class SlidingWindowManager(SingleTypeManager):
 
     @classmethod
     def find_longest_cache_hit(cls, maps, hashes, max_blocks, spec, block_size):
-        """Rightmost contiguous run of cached blocks covering the window."""
+        """Rightmost contiguous run of cached blocks covering the window.
+
+        One pass from the right, each block read once: a run of ``needed`` blocks
+        cached in every group ends the search; a miss restarts the run.
+        """
         needed = cdiv(spec.sliding_window - 1, block_size)
         end = min(max_blocks, len(hashes))
         if needed == 0:
             return CacheHit(end, end, [[] for _ in maps])
-        while end >= needed:
-            lo = end - needed
-            window = hashes[lo:end]
-            found = [list(map(m.get, window)) for m in maps]
-            miss = max((needed - 1 - ids[::-1].index(None) for ids in found if None in ids), default=-1)
-            if miss < 0:
-                return CacheHit(end, lo, found)
-            end = lo + miss
-        # No full window: only a run from block 0 (shorter than the window) serves.
-        return super().find_longest_cache_hit(maps, hashes, end, spec, block_size)
+        run = 0
+        if len(maps) == 1:
+            m = maps[0]
+            for i in range(end - 1, -1, -1):
+                if hashes[i] in m:
+                    run += 1
+                    if run == needed:
+                        return CacheHit(i + needed, i, [[m[h] for h in hashes[i : i + needed]]])
+                else:
+                    run = 0
+        else:
+            for i in range(end - 1, -1, -1):
+                h = hashes[i]
+                if all(h in m for m in maps):
+                    run += 1
+                    if run == needed:
+                        return CacheHit(i + needed, i, [[m[h] for h in hashes[i : i + needed]] for m in maps])
+                else:
+                    run = 0
+        # No full window: only the run from block 0 (shorter than the window) serves.
+        return CacheHit(run, 0, [[m[h] for h in hashes[:run]] for m in maps])
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.spec.sliding_window + 1)
@@ -308,4 +325,4 @@ def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeManager]:
         return MambaManager
     if isinstance(spec, (FullAttentionSpec, MLASpec)):
         return FullAttentionManager
-    raise TypeError(f"no block manager for spec type {type(spec).__name__}: {spec!r}")
+    raise UnsupportedSpecError(f"no block manager for spec type {type(spec).__name__}: {spec!r}")

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import cdiv, check_int
+
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 """Tokens one scheduler step may add to one request (the chunked-prefill chunk)."""
 
@@ -31,7 +34,7 @@ prefix cache may share with other requests intact; older checkpoints are cache
 (evictable), not per-request need."""
 
 
-class SpecError(ValueError):
+class SpecError(JaxkvError, ValueError):
     """A spec was built with a value that cannot describe a real layer."""
 
 
@@ -40,9 +43,7 @@ class SpecMergeError(SpecError):
 
 
 def _positive_int(what: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise SpecError(f"{what} must be a positive int, got {value!r}")
-    return int(value)
+    return check_int(what, value, minimum=1, error=SpecError)
 
 
 def canonical_dtype(value: object) -> str:
@@ -82,11 +83,6 @@ def dtype_itemsize(name: str) -> int:
     if hasattr(ml_dtypes, name):
         return np.dtype(getattr(ml_dtypes, name)).itemsize
     return np.dtype(name).itemsize
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative ints."""
-    return -(-a // b)
 
 
 def _blocks_touched(num_tokens: int, block_size: int) -> int:

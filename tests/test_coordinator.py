@@ -6,7 +6,6 @@ from conftest import FULL, admit, window
 from jaxkv.coordinator import KVCacheCoordinator
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanError
-from jaxkv.pool import BlockPool
 from jaxkv.specs import MambaSpec
 
 MAMBA = MambaSpec(shapes=((8, 3), (8, 16)), dtypes=("float32", "float32"))
@@ -71,5 +70,5 @@ def test_groups_of_one_type_are_searched_together():
     groups = tuple(KVCacheGroup((f"l{i}",), window(64), 16) for i in range(5)) + (
         KVCacheGroup(("f",), FULL, 16),
     )
-    coord = KVCacheCoordinator(KVCacheConfig(num_blocks=8, groups=groups), BlockPool(8, 6))
+    coord = KVCacheCoordinator(KVCacheConfig(num_blocks=8, groups=groups))
     assert [t.group_ids for t in coord.types] == [(5,), (0, 1, 2, 3, 4)]

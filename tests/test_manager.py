@@ -1,9 +1,16 @@
 """KVCacheManager scenarios: prefix hits, eviction order, hybrid groups, bad input."""
 
+import threading
+
+import numpy as np
 import pytest
 from conftest import FULL, admit, make_manager, window
 
+from jaxkv.errors import JaxkvError, WrongThreadError
 from jaxkv.manager import (
+    DuplicateRequestError,
+    InvalidCacheHitError,
+    KVCacheBlocks,
     KVCacheManagerError,
     MaxModelLenExceededError,
     Request,
@@ -239,3 +246,148 @@ def test_a_request_hashed_by_another_manager_is_refused(tokens):
     a.get_computed_blocks(req)
     with pytest.raises(KVCacheManagerError, match="hashed with"):
         b.get_computed_blocks(req)
+
+
+def pool_state(mgr):
+    """Everything a refused call must leave unchanged."""
+    pool = mgr.pool
+    return (pool.free_block_ids(), list(pool.ref_cnt), [dict(m) for m in pool.cached], list(pool.block_hash))
+
+
+def test_a_recomputed_copy_is_cached_so_evicting_the_first_keeps_the_prefix(tokens):
+    """The issue's scenario: vLLM hits 32 tokens here; before, jaxkv hit 16."""
+    mgr = make_manager(11, FULL)
+    prompt = tokens(0, 32)
+    first, second = Request("a", prompt), Request("b", prompt)
+    admit(mgr, first)
+    _, n, _ = admit(mgr, second)
+    assert n == 16  # the hit stops below the last token: block 2 is computed twice
+    mgr.free(first)
+    mgr.evict_blocks([2])  # the first's copy of block 2 (b's own copy is block 3)
+    hit, n = mgr.get_computed_blocks(Request("c", prompt + tokens(500, 16)))
+    assert n == 32 and hit.get_block_ids()[0][1] == mgr.get_block_ids("b")[0][1]
+
+
+def test_a_second_live_request_with_the_same_id_is_refused(tokens):
+    mgr = make_manager(11, FULL)
+    admit(mgr, Request("dup", tokens(0, 20)))
+    before = pool_state(mgr)
+    with pytest.raises(DuplicateRequestError, match="'dup'"):
+        mgr.allocate_slots(Request("dup", tokens(100, 20)), 20)
+    assert pool_state(mgr) == before and mgr.get_block_ids("dup") == ([1, 2],)
+
+
+def test_a_hit_computed_for_another_request_or_tenant_is_refused(tokens):
+    mgr = make_manager(11, FULL)
+    admit(mgr, Request("a", tokens(0, 40)))
+    hit, n = mgr.get_computed_blocks(Request("b", tokens(0, 40)))
+    before = pool_state(mgr)
+    other_tenant = Request("c", tokens(0, 40), cache_salt="tenant-2")
+    with pytest.raises(InvalidCacheHitError, match="another request's or forged"):
+        mgr.allocate_slots(other_tenant, 40 - n, n, hit)
+    assert pool_state(mgr) == before
+
+
+@pytest.mark.parametrize(
+    "blocks, what",
+    [(([5, 6],), "uncached"), (([1, 1],), "repeated"), (([1, 99],), "out of range"), (([1, -1],), "negative")],
+)
+def test_forged_hits_are_refused_and_change_nothing(tokens, blocks, what):
+    mgr = make_manager(11, FULL)
+    admit(mgr, Request("a", tokens(0, 40)))
+    req = Request("b", tokens(0, 40))
+    mgr.get_computed_blocks(req)
+    before = pool_state(mgr)
+    with pytest.raises(InvalidCacheHitError):
+        mgr.allocate_slots(req, 8, 32, KVCacheBlocks(blocks))
+    assert pool_state(mgr) == before, what
+
+
+def test_a_bad_output_token_is_refused_before_anything_is_allocated(tokens):
+    mgr = make_manager(11, FULL)
+    req = Request("a", tokens(0, 16))
+    admit(mgr, req)
+    before = pool_state(mgr)
+    for bad in (-1, 2**31, 1.5, True, None, "7"):
+        with pytest.raises(KVCacheManagerError):
+            req.append_output_token_ids(bad)
+    assert req.num_tokens == 16 and pool_state(mgr) == before
+
+
+def test_tokens_cannot_be_edited_in_place_after_the_lookup(tokens):
+    mgr = make_manager(11, FULL)
+    admit(mgr, Request("a", tokens(0, 40)))
+    req = Request("b", tokens(0, 40))
+    mgr.get_computed_blocks(req)
+    with pytest.raises(TypeError):
+        req.all_token_ids[3] = 999
+    with pytest.raises(TypeError):
+        req.prompt_token_ids[3] = 999
+    assert req.all_token_ids == tokens(0, 40)
+
+
+def test_allocating_after_free_with_stale_computed_tokens_is_refused(tokens):
+    mgr = make_manager(11, FULL)
+    req = Request("a", tokens(0, 40))
+    admit(mgr, req)
+    mgr.free(req)
+    before = pool_state(mgr)
+    with pytest.raises(KVCacheManagerError, match="num_computed_tokens=40"):
+        mgr.allocate_slots(req, 1)
+    assert pool_state(mgr) == before
+
+
+def test_calls_from_another_thread_are_refused(tokens):
+    mgr = make_manager(11, FULL)
+    req = Request("a", tokens(0, 40))
+    errors = []
+
+    def call():
+        try:
+            mgr.get_computed_blocks(req)
+        except WrongThreadError as err:
+            errors.append(err)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1 and "single-owner" in str(errors[0])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda mgr: mgr.get_computed_blocks(None),
+        lambda mgr: mgr.allocate_slots(None, 1),
+        lambda mgr: mgr.allocate_slots(Request("x", [1, 2]), None),
+        lambda mgr: mgr.allocate_slots(Request("x", [1, 2]), 2, 0, [[1]]),
+        lambda mgr: mgr.free(None),
+        lambda mgr: mgr.evict_blocks([None]),
+        lambda mgr: Request("x", None),
+        lambda mgr: Request("x", [[1, 2]]),
+        lambda mgr: Request("x", [True, 2]),
+        lambda mgr: Request("x", "abc"),
+        lambda mgr: Request("x", (t for t in [1, 2])),
+        lambda mgr: Request("x", np.zeros((2, 3), np.int32)),
+    ],
+)
+def test_wrong_types_get_a_typed_error(call):
+    mgr = make_manager(11, FULL)
+    with pytest.raises(JaxkvError):
+        call(mgr)
+    assert mgr.num_free_blocks == 10
+
+
+def test_numpy_prompts_become_plain_ints():
+    req = Request("x", np.arange(5, dtype=np.int64))
+    assert req.all_token_ids == [0, 1, 2, 3, 4] and all(type(t) is int for t in req.all_token_ids)
+
+
+def test_the_window_search_finds_the_rightmost_full_window_after_the_newest_blocks_go(tokens):
+    mgr = make_manager(64, FULL, window(64))
+    admit(mgr, Request("a", tokens(0, 320)))  # 20 blocks per group
+    window_blocks = mgr.get_block_ids("a")[1]
+    mgr.free("a")
+    mgr.evict_blocks(window_blocks[15:])  # the newest window blocks: the usual state under pressure
+    hit, n = mgr.get_computed_blocks(Request("b", tokens(0, 321)))
+    assert n == 240 and hit.get_block_ids()[1] == [0] * 11 + window_blocks[11:15]

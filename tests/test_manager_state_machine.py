@@ -184,14 +184,15 @@ TestManagerMachine = ManagerMachine.TestCase
 # --------------------------------------------------------------------------
 class VllmRulesReference:
     """vLLM v1's single-group decisions, written as plainly as possible: a Python
-    list as the free queue, tuples of all tokens up to a block's end as hashes."""
+    list as the free queue, tuples of all tokens up to a block's end as hashes, and
+    every computed copy of a block cached (a lookup finds the oldest copy left)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.bs = block_size
         self.free_queue = list(range(1, num_blocks))
         self.ref = [0] * num_blocks
         self.hash_of: dict[int, tuple] = {}
-        self.block_of: dict[tuple, int] = {}
+        self.block_of: dict[tuple, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
 
     def key(self, tokens, i):
@@ -200,10 +201,10 @@ class VllmRulesReference:
     def lookup(self, tokens) -> list[int]:
         hit = []
         for i in range((len(tokens) - 1) // self.bs):
-            b = self.block_of.get(self.key(tokens, i))
-            if b is None:
+            copies = self.block_of.get(self.key(tokens, i))
+            if not copies:
                 break
-            hit.append(b)
+            hit.append(copies[0])
         return hit
 
     def allocate(self, rid, tokens, hit, num_slots) -> bool:
@@ -219,14 +220,14 @@ class VllmRulesReference:
         for _ in range(max(need, 0)):
             b = self.free_queue.pop(0)
             if b in self.hash_of:
-                del self.block_of[self.hash_of.pop(b)]
+                self.block_of[self.hash_of.pop(b)].remove(b)
             self.ref[b] = 1
             blocks.append(b)
         for i in range(min(len(tokens), num_slots) // self.bs):
             k = self.key(tokens, i)
-            if blocks[i] not in self.hash_of and k not in self.block_of:
+            if blocks[i] not in self.hash_of:
                 self.hash_of[blocks[i]] = k
-                self.block_of[k] = blocks[i]
+                self.block_of.setdefault(k, []).append(blocks[i])
         return True
 
     def free(self, rid):
@@ -243,22 +244,26 @@ class VllmRulesReference:
 @given(
     num_blocks=st.integers(6, 30),
     ops=st.lists(
-        st.tuples(st.sampled_from(["admit", "decode", "free"]), st.integers(0, 2), st.integers(0, 30)),
+        st.tuples(st.sampled_from(["admit", "admit_whole_blocks", "decode", "free"]), st.integers(0, 2), st.integers(0, 30)),
         max_size=50,
     ),
 )
 def test_single_full_group_decides_exactly_like_the_vllm_rules(num_blocks, ops):
     """Same hit lengths, same block ids, same free-queue (eviction) order, step by step.
 
-    Unhashed freed blocks go to the head (vLLM appends them to the tail): the project's
-    documented rule, which only ever spares cached blocks."""
+    Unhashed freed blocks go to the head, as in vLLM 0.33. Prompts of whole blocks
+    recompute their last block (a hit stops below the last token), so the same block
+    is computed twice and both copies are cached."""
     config = KVCacheConfig(num_blocks=num_blocks, groups=(KVCacheGroup(("l",), FULL, BS),))
     mgr = KVCacheManager(config, max_model_len=256)
     ref = VllmRulesReference(num_blocks, BS)
     running: dict[str, Request] = {}
     for n, (op, prefix, k) in enumerate(ops):
-        if op == "admit":
-            req = Request(f"r{n}", PREFIXES[prefix][: 4 + k] + [k, n])
+        if op.startswith("admit"):
+            if op == "admit":
+                req = Request(f"r{n}", PREFIXES[prefix][: 4 + k] + [k, n])
+            else:
+                req = Request(f"r{n}", PREFIXES[prefix][: BS * (1 + k % 4)])
             hit, num_hit = mgr.get_computed_blocks(req)
             ref_hit = ref.lookup(req.all_token_ids)
             assert list(hit.get_block_ids()[0]) == ref_hit and num_hit == len(ref_hit) * BS

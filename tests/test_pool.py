@@ -70,16 +70,47 @@ def test_allocation_evicts_the_hash_of_a_reused_block():
     assert pool.take_events() == []
 
 
-def test_a_duplicate_hash_keeps_the_first_block_and_the_copy_is_reused_first():
+def test_every_computed_copy_is_cached_and_evicting_one_leaves_the_other_findable():
     pool = BlockPool(6)
     a = pool.get_new_blocks(1)
     b = pool.get_new_blocks(1)
     pool.cache_blocks(0, a, [h(5)], 0, 1)
     pool.cache_blocks(0, b, [h(5)], 0, 1)
-    assert pool.cached[0] == {h(5): a[0]} and pool.block_hash[b[0]] is None
+    assert pool.cached[0] == {h(5): a[0]} and pool.block_hash[b[0]] == h(5)
+    assert pool.num_cached_blocks() == 2
     pool.free_blocks(a)
     pool.free_blocks(b)
-    assert pool.free_block_ids()[0] == b[0] and pool.free_block_ids()[-1] == a[0]
+    assert pool.free_block_ids()[-2:] == [a[0], b[0]]  # both cached: both at the tail
+    pool.evict_blocks(a)
+    assert pool.cached[0] == {h(5): b[0]}
+    pool.evict_blocks(b)
+    assert pool.cached[0] == {} and pool.num_cached_blocks() == 0
+
+
+def test_evicting_a_later_copy_keeps_the_first_findable():
+    pool = BlockPool(6)
+    a, b, c = pool.get_new_blocks(3)
+    for block in (a, b, c):
+        pool.cache_blocks(0, [block], [h(5)], 0, 1)
+    pool.evict_blocks([b])
+    assert pool.cached[0] == {h(5): a}
+    pool.evict_blocks([a])
+    assert pool.cached[0] == {h(5): c}
+
+
+def test_a_rolled_back_journal_uncaches_only_the_blocks_cached_inside_it():
+    pool = BlockPool(6)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_blocks(0, [a], [h(1)], 0, 1)
+    pool.begin_journal()
+    pool.cache_blocks(0, [b], [h(2)], 0, 1)
+    assert pool.cached[0] == {h(1): a, h(2): b}
+    assert pool.rollback_journal() == 1
+    assert pool.cached[0] == {h(1): a} and pool.block_hash[b] is None
+    pool.begin_journal()
+    pool.cache_blocks(0, [b], [h(2)], 0, 1)
+    pool.commit_journal()
+    assert pool.rollback_journal() == 0 and pool.cached[0] == {h(1): a, h(2): b}
 
 
 def test_the_same_hash_in_two_groups_maps_to_two_blocks():
@@ -129,7 +160,7 @@ def test_reuse_listener_sees_cached_blocks_handed_out_again_but_not_explicit_evi
         assert pool.cached[group][block_hash] == block  # still cached, data intact
         seen.append((block, block_hash, group))
 
-    pool.on_reuse = listener
+    pool.add_reuse_listener(listener)
     a, b, c = pool.get_new_blocks(3)
     pool.cache_blocks(0, [a], [h(1)], 0, 1)
     pool.cache_blocks(1, [b], [h(2)], 0, 1)

@@ -4,7 +4,7 @@ import pytest
 from conftest import FULL, admit, make_manager, window
 
 from jaxkv.manager import Request
-from jaxkv.managers import (
+from jaxkv.single_type import (
     ChunkedLocalAttentionManager,
     FullAttentionManager,
     MambaManager,
