@@ -42,14 +42,14 @@ from absl import app, flags
 from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
 from jaxkv.metadata import Buckets
-from jaxkv.offload.connector import STORE_POLICIES, OffloadConfig
+from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 from jaxkv.offload.host_pool import (
     HostKVPool,
-    HostSlotBackend,
+    HostBlockBackend,
     block_nbytes,
     block_shape,
 )
-from jaxkv.offload.manager import PolicyOffloadingManager
+from jaxkv.offload.catalog import PolicyOffloadingManager
 from jaxkv.offload.transfer import TransferEngine, copies_per_block
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
 from jaxkv.serving.engine import Engine
@@ -127,7 +127,7 @@ def time_layout(layout: str, heads: int) -> dict:
     t_store, t_load = best_seconds(store, FLAGS.repeats), best_seconds(load, FLAGS.repeats)
     return {
         "layout": layout,
-        "page_bytes": block_nbytes(cache) // cache.num_slots,
+        "page_bytes": block_nbytes(cache) // cache.num_layers_per_block,
         "memory_kind": pool.memory_kind,
         "copies_per_block": copies_per_block(cache),
         "block_bytes": block_nbytes(cache),
@@ -167,9 +167,9 @@ def time_layer_by_layer(heads: int) -> dict:
     t_store, t_load = best_seconds(store, FLAGS.repeats), best_seconds(load, FLAGS.repeats)
     return {
         "layout": "per_layer, layer by layer",
-        "page_bytes": block_nbytes(cache) // cache.num_slots,
+        "page_bytes": block_nbytes(cache) // cache.num_layers_per_block,
         "memory_kind": pools[0].memory_kind,
-        "copies_per_block": cache.num_slots,
+        "copies_per_block": cache.num_layers_per_block,
         "block_bytes": block_nbytes(cache),
         "store_bytes_per_s": nbytes / t_store,
         "load_bytes_per_s": nbytes / t_load,
@@ -251,7 +251,7 @@ def replay(
     device evicts, ``write_through`` every block of a request once it is computed.
     """
     device: OrderedDict[int, None] = OrderedDict()
-    host = None if policy is None else PolicyOffloadingManager(HostSlotBackend(host_blocks), policy)
+    host = None if policy is None else PolicyOffloadingManager(HostBlockBackend(host_blocks), policy)
     hits = total = stored = 0
     for blocks in trace:
         on_device = leading(blocks, device)

@@ -5,8 +5,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from jaxkv.offload.host_pool import HostSlotBackend
-from jaxkv.offload.manager import (
+from jaxkv.offload.host_blocks import HostBlockBackend
+from jaxkv.offload.catalog import (
     KeysRemoved,
     KeysStored,
     NotPinnedError,
@@ -27,7 +27,7 @@ def keys(*ids: int):
 
 
 def stored(name: str, capacity: int, *ids: int) -> PolicyOffloadingManager:
-    mgr = PolicyOffloadingManager(HostSlotBackend(capacity), name)
+    mgr = PolicyOffloadingManager(HostBlockBackend(capacity), name)
     if ids:
         mgr.prepare_store(keys(*ids))
         mgr.complete_store(keys(*ids))
@@ -165,7 +165,7 @@ class OffloadMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.mgrs = [PolicyOffloadingManager(HostSlotBackend(CAPACITY), n) for n in POLICY_NAMES]
+        self.mgrs = [PolicyOffloadingManager(HostBlockBackend(CAPACITY), n) for n in POLICY_NAMES]
         self.announced = [set() for _ in self.mgrs]
 
     def _each(self, fn):
@@ -228,3 +228,23 @@ class OffloadMachine(RuleBasedStateMachine):
 
 OffloadMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_random_sequences_keep_invariants = OffloadMachine.TestCase
+
+
+def test_touching_keys_still_being_stored_does_not_promote_them_in_arc():
+    """A one-shot scan touched while its store is in flight stays in ARC's recent list,
+    so the next stores evict the scan, not the frequently used set (vLLM's ARC rule)."""
+    mgr = stored("arc", 4, 0, 1)
+    mgr.touch(keys(0, 1))  # hot: used twice, now in the frequent list
+    mgr.prepare_store(keys(2, 3))
+    mgr.touch(keys(2, 3))  # the scan is looked up while storing
+    assert key(2) not in mgr.policy.t2 and key(3) not in mgr.policy.t2
+    mgr.complete_store(keys(2, 3))
+    assert set(mgr.prepare_store(keys(4, 5)).evicted) == set(keys(2, 3))
+
+
+def test_audit_counts_keys_by_state_and_allocated_places(name):
+    mgr = stored(name, 4, 0, 1)
+    mgr.prepare_store(keys(2))
+    mgr.prepare_load(keys(0))
+    assert mgr.num_keys_by_state() == {"storing": 1, "ready": 1, "pinned": 1}
+    assert mgr.num_allocated_places() == len(mgr) == 3

@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 
 from jaxkv import ops
 from jaxkv.cache import allocate_kv_cache
+from jaxkv.errors import WrongThreadError
 from jaxkv.offload.host_pool import HostKVPool, block_nbytes, block_shape
 from jaxkv.offload.transfer import (
     TransferEngine,
     TransferError,
-    WrongThreadError,
     bucket_size,
     copies_per_block,
 )

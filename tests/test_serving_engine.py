@@ -149,9 +149,9 @@ def test_results_report_progress_timing_and_usage(models):
         ([[1, 2], []], 2, "prompt 1 is empty"),
         ([[1, 2], 3], 2, "prompt 1 must be a sequence of token ids, got 3"),
         ([[1, 512]], 2, r"prompt 0: token 512 is not an id in \[0, 512\)"),
-        ([[1, -1]], 2, "token -1"),
+        ([[1, -1]], 2, "token id -1"),
         ([list(range(MAX_MODEL_LEN))], 2, "prompt 0 has 256 tokens; max_model_len=256"),
-        ([[1], [2]], [1], "1 max_new_tokens for 2 prompts"),
+        ([[1], [2]], [1], "1 max_new_tokens values for 2 prompts"),
         ([[1]], 0, "max_new_tokens must be a positive int, got 0"),
     ],
 )

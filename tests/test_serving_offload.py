@@ -9,7 +9,7 @@ import pytest
 
 from jaxkv.manager import Request
 from jaxkv.metadata import Buckets
-from jaxkv.offload.connector import STORE_POLICIES, ConnectorError, OffloadConfig
+from jaxkv.serving.offload_connector import STORE_POLICIES, ConnectorError, OffloadConfig
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.models import TinyLM, dense_greedy_generate, get_model_config

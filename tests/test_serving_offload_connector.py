@@ -4,9 +4,9 @@ import pytest
 from conftest import FULL, make_manager, window
 
 from jaxkv.manager import KVCacheManagerError, Request
-from jaxkv.offload.connector import OffloadConnector
-from jaxkv.offload.host_pool import HostSlotBackend
-from jaxkv.offload.manager import PolicyOffloadingManager
+from jaxkv.serving.offload_connector import OffloadConnector
+from jaxkv.offload.host_blocks import HostBlockBackend
+from jaxkv.offload.catalog import PolicyOffloadingManager
 
 
 def test_external_tokens_get_fresh_blocks_except_out_of_window_nulls(tokens):
@@ -86,12 +86,13 @@ def host_hit(stored: dict[int, list[int]], num_tokens: int = 100) -> int:
     mgr = make_manager(30, FULL, window(32))
     req = Request("r", list(range(num_tokens)))
     mgr.hash_request(req)
-    offload = PolicyOffloadingManager(HostSlotBackend(64))
+    offload = PolicyOffloadingManager(HostBlockBackend(64))
     keys = [(req.block_hashes[i], g) for g, idx in stored.items() for i in idx]
     offload.prepare_store(keys)
     offload.complete_store(keys)
     connector = OffloadConnector(mgr, runner=None, offload=offload, transfers=None)  # host rules only
-    return connector._host_hit(req, 0)
+    hit = connector._host_hit(req, 0)
+    return hit.end - hit.start if hit else 0
 
 
 def test_host_hit_needs_every_group_but_only_the_window_blocks():
@@ -100,3 +101,26 @@ def test_host_hit_needs_every_group_but_only_the_window_blocks():
     assert host_hit({0: list(range(4)), 1: list(range(6))}) == 64
     assert host_hit({0: list(range(6)), 1: []}) == 0
     assert host_hit({0: [0], 1: [0]}, num_tokens=17) == 16  # capped below the last token
+
+
+def test_an_admission_served_from_the_device_refreshes_the_prefix_on_host(tokens):
+    """vLLM refreshes host recency on every lookup: a prefix used constantly from the
+    device must not age out of the host tier."""
+    mgr = make_manager(30, FULL)
+    prompt = tokens(0, 64)
+    mgr.allocate_slots(Request("warm", prompt), 64)
+    mgr.free("warm")
+    hot = Request("probe", prompt)
+    mgr.hash_request(hot)
+    offload = PolicyOffloadingManager(HostBlockBackend(4), "lru")
+    hot_keys = [(h, 0) for h in hot.block_hashes[:2]]
+    cold_keys = [(bytes([i]) * 32, 0) for i in range(2)]
+    for keys in (hot_keys, cold_keys):  # the hot prefix is the least recent on host
+        offload.prepare_store(keys)
+        offload.complete_store(keys)
+    connector = OffloadConnector(mgr, runner=None, offload=offload, transfers=None)
+    req = Request("r", prompt)
+    hit, n = mgr.get_computed_blocks(req)
+    assert connector.allocate_admitted(req, hit, n, budget=64) == 48
+    plan = offload.prepare_store([(b"new" * 11, 0), (b"new2" * 8, 0)])
+    assert set(plan.evicted) == set(cold_keys)

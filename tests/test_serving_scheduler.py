@@ -5,6 +5,7 @@ from conftest import FULL, make_manager, window
 
 from jaxkv.manager import Request
 from jaxkv.serving.scheduler import (
+    DuplicateRequestIdError,
     PoolTooSmallError,
     RequestTooLongError,
     Scheduler,
@@ -173,3 +174,19 @@ def test_bad_requests_and_arguments_are_refused_with_the_value():
     out = ok.schedule()
     with pytest.raises(SchedulerError, match="got 0 sampled tokens for 1 scheduled chunks"):
         ok.update(out, [])
+
+
+def test_a_request_id_already_queued_running_or_holding_blocks_is_refused():
+    mgr = make_manager(20, FULL)
+    sched = Scheduler(mgr)
+    sched.add_request(Request("a", range(10)), 2)
+    with pytest.raises(DuplicateRequestIdError, match="'a'"):
+        sched.add_request(Request("a", range(50, 60)), 2)  # waiting
+    sched.schedule()
+    with pytest.raises(DuplicateRequestIdError, match="'a'"):
+        sched.add_request(Request("a", range(50, 60)), 2)  # running
+    held = Request("b", range(20))
+    mgr.allocate_slots(held, 20)
+    with pytest.raises(DuplicateRequestIdError, match="'b'"):
+        Scheduler(mgr).add_request(Request("b", range(5)), 1)  # holds blocks in the manager
+    assert mgr.get_block_ids("a") == ([1],)

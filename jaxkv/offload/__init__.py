@@ -1,61 +1,13 @@
-"""The host-memory offload tier: manager (metadata), policies, host pool, transfers."""
+"""The host-memory offload tier.
 
-from jaxkv.offload.host_pool import (
-    Backend,
-    HostKVPool,
-    HostPoolError,
-    HostSlotBackend,
-    blocks_in_budget,
-    pinned_host_supported,
-)
-from jaxkv.offload.manager import (
-    KeysRemoved,
-    KeysStored,
-    NotPinnedError,
-    NotReadyError,
-    NotStoredError,
-    OffloadError,
-    OffloadingManager,
-    PolicyOffloadingManager,
-    PrepareStoreOutput,
-)
-from jaxkv.offload.policies import (
-    POLICIES,
-    ARCPolicy,
-    EvictionPolicy,
-    LRUPolicy,
-    make_policy,
-)
-from jaxkv.offload.transfer import (
-    TransferEngine,
-    TransferError,
-    TransferResult,
-    bucket_size,
-)
+- :mod:`jaxkv.offload.catalog`: which (block hash, group) keys the tier holds, and where
+  (the offloading manager; host only, no JAX);
+- :mod:`jaxkv.offload.policies`: LRU and ARC eviction (host only);
+- :mod:`jaxkv.offload.host_blocks`: the places a backend hands out (host only);
+- :mod:`jaxkv.offload.host_pool`: the pinned-host buffer holding the bytes (JAX);
+- :mod:`jaxkv.offload.transfer`: bucketed device<->host block copies (JAX).
 
-__all__ = [
-    "POLICIES",
-    "ARCPolicy",
-    "Backend",
-    "EvictionPolicy",
-    "HostKVPool",
-    "HostPoolError",
-    "HostSlotBackend",
-    "KeysRemoved",
-    "KeysStored",
-    "LRUPolicy",
-    "NotPinnedError",
-    "NotReadyError",
-    "NotStoredError",
-    "OffloadError",
-    "OffloadingManager",
-    "PolicyOffloadingManager",
-    "PrepareStoreOutput",
-    "TransferEngine",
-    "TransferError",
-    "TransferResult",
-    "blocks_in_budget",
-    "bucket_size",
-    "make_policy",
-    "pinned_host_supported",
-]
+Import the submodules directly; this package imports nothing, so the host-side
+bookkeeping does not pull in JAX. The serving loop joins the tier to a runner in
+:mod:`jaxkv.serving.offload_connector`.
+"""

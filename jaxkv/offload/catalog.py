@@ -14,14 +14,15 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from jaxkv.offload.host_pool import Backend
+from jaxkv.errors import JaxkvError
+from jaxkv.offload.host_blocks import Backend
 from jaxkv.offload.policies import EvictionPolicy, make_policy
 
 OffloadKey = tuple[Hashable, int]
 """(block hash, KV cache group)."""
 
 
-class OffloadError(ValueError):
+class OffloadError(JaxkvError, ValueError):
     """A call named keys in a state it cannot act on; nothing was changed."""
 
 
@@ -148,7 +149,11 @@ class PolicyOffloadingManager(OffloadingManager):
         return [self._entries[key].place for key in keys]
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        self.policy.touch(key for key in reversed(keys) if key in self._entries)
+        """Only ready keys count as used: a key still being stored has not been read, so
+        touching it must not promote it (ARC would move a one-shot scan into its
+        frequent list and evict the hot set, which vLLM's ARC does not)."""
+        entries = self._entries
+        self.policy.touch(key for key in reversed(keys) if (e := entries.get(key)) is not None and e.ready)
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         for key, count in Counter(keys).items():
@@ -201,3 +206,15 @@ class PolicyOffloadingManager(OffloadingManager):
     def take_events(self) -> list[OffloadEvent]:
         events, self._events = self._events, []
         return events
+
+    # ---------------------------------------------------------------- audit
+    def num_keys_by_state(self) -> dict[str, int]:
+        """How many keys are ``storing``, ``ready`` and ``pinned`` (for leak checks)."""
+        counts = {"storing": 0, "ready": 0, "pinned": 0}
+        for entry in self._entries.values():
+            counts["pinned" if entry.pins else "ready" if entry.ready else "storing"] += 1
+        return counts
+
+    def num_allocated_places(self) -> int:
+        """Places the backend has handed out; equals ``len(self)`` unless one leaked."""
+        return self.backend.num_allocated

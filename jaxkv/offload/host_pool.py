@@ -1,21 +1,20 @@
-"""Host memory of the offload tier: the slot allocator (metadata) and the buffer (data).
+"""Host memory of the offload tier: the buffer that holds the bytes of host blocks.
 
-One host slot holds one whole cross-layer block ``(num_slots, block_size, 2*H, D)``,
-the staging format of :func:`jaxkv.ops.gather_blocks` in either device layout. Slot 0
-is a scratch slot: padded rows of bucketed transfers read and write it, it is never
-handed out. The buffer lives in ``pinned_host`` memory when the backend supports the
+One host block holds one whole cross-layer block ``(num_layers_per_block, block_size,
+2*H, D)``, the staging format of :func:`jaxkv.ops.gather_blocks` in either device
+layout. Host block 0 is a scratch block: padded rows of bucketed transfers read and
+write it, it is never handed out (the allocator is :mod:`jaxkv.offload.host_blocks`). The buffer lives in ``pinned_host`` memory when the backend supports the
 writes and reads the transfer engine compiles (probed once per backend), else in a
 numpy array.
 
-Each slot has a generation counter, bumped by every store issued into it and by
+Each host block has a generation counter, bumped by every store issued into it and by
 :meth:`HostKVPool.release`; a transfer records the generations it was issued with, so
-one that completes after its slot was reused is recognised as stale.
+one that completes after its host block was reused is recognised as stale.
 """
 
 from __future__ import annotations
 
 import functools
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import jax
@@ -23,69 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache import KVCache
+from jaxkv.errors import JaxkvError
+from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
 
-SCRATCH_SLOT = 0
 MEMORY_KINDS = ("pinned_host", "numpy")
 
 
-class HostPoolError(ValueError):
-    """A host slot, count or budget the host tier cannot act on; nothing was changed."""
-
-
-class Backend(ABC):
-    """Hands out the places offloaded blocks live in (host slots, disk pages...)."""
-
-    @property
-    @abstractmethod
-    def capacity(self) -> int:
-        """Blocks the medium holds in all."""
-
-    @property
-    @abstractmethod
-    def num_free(self) -> int:
-        """Blocks that can be allocated now."""
-
-    @abstractmethod
-    def allocate(self, n: int) -> list[int]:
-        """``n`` free places; raises when fewer are free."""
-
-    @abstractmethod
-    def free(self, places: Sequence[int]) -> None:
-        """Return allocated places; raises (changing nothing) on one not allocated."""
-
-
-class HostSlotBackend(Backend):
-    """Host slots ``1..capacity`` from a free list (slot 0 is the scratch slot)."""
-
-    def __init__(self, capacity: int) -> None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise HostPoolError(f"capacity must be an int >= 1, got {capacity!r}")
-        self._capacity = capacity
-        self._free = list(range(capacity, 0, -1))  # pop() hands out 1, 2, ...
-        self._allocated: set[int] = set()
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n < 0 or n > len(self._free):
-            raise HostPoolError(f"cannot allocate {n} host slots: {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
-        self._allocated.update(out)
-        return out
-
-    def free(self, places: Sequence[int]) -> None:
-        places = list(places)
-        bad = [s for s in places if s not in self._allocated]
-        if bad or len(set(places)) != len(places):
-            raise HostPoolError(f"host slots not allocated (or repeated): {bad or places}")
-        self._allocated.difference_update(places)
-        self._free.extend(reversed(places))
+class HostPoolError(JaxkvError, ValueError):
+    """A host block, count or budget the host tier cannot act on; nothing was changed."""
 
 
 def blocks_in_budget(byte_budget: int, block_bytes: int) -> int:
@@ -97,11 +41,11 @@ def blocks_in_budget(byte_budget: int, block_bytes: int) -> int:
 
 def block_shape(cache: KVCache) -> tuple[int, ...]:
     """Shape of one whole block in the staging format, for either layout."""
-    return (cache.num_slots, cache.block_size, 2 * cache.num_kv_heads, cache.head_dim)
+    return (cache.num_layers_per_block, cache.block_size, 2 * cache.num_kv_heads, cache.head_dim)
 
 
 def block_nbytes(cache: KVCache) -> int:
-    """Bytes of one whole block (all layer slots)."""
+    """Bytes of one whole block (all its layers)."""
     return int(np.prod(block_shape(cache))) * cache.dtype.itemsize
 
 
@@ -121,17 +65,17 @@ def _to_host(x: jax.Array) -> jax.Array:
 def _pinned_ops(device: jax.Device) -> tuple:
     """Jitted (write, read) of rows of a pinned_host buffer, indexed on the host side.
 
-    jax 0.10 types memory spaces: the slot indices (and written rows) move to host
+    jax 0.10 types memory spaces: the host block indices (and written rows) move to host
     memory inside the jit, the indexing runs there, and read rows move to the device.
     """
     host, dev = _host_sharding(device), _device_sharding(device)
     write = jax.jit(
-        lambda buf, slots, data: buf.at[_to_host(slots)].set(_to_host(data.astype(buf.dtype))),
+        lambda buf, host_blocks, data: buf.at[_to_host(host_blocks)].set(_to_host(data.astype(buf.dtype))),
         donate_argnums=0,
         out_shardings=host,
     )
     read = jax.jit(
-        lambda buf, slots: jax.device_put(buf[_to_host(slots)], jax.memory.Space.Device),
+        lambda buf, host_blocks: jax.device_put(buf[_to_host(host_blocks)], jax.memory.Space.Device),
         out_shardings=dev,
     )
     return write, read
@@ -159,7 +103,7 @@ def pinned_host_supported(device: jax.Device | None = None) -> bool:
 
 
 class HostKVPool:
-    """Host buffer of ``num_blocks`` slots (+ the scratch slot 0) and their generations."""
+    """Host buffer of ``num_blocks`` host blocks (+ the scratch host block 0) and their generations."""
 
     def __init__(
         self,
@@ -205,45 +149,53 @@ class HostKVPool:
     def block_bytes(self) -> int:
         return int(np.prod(self.block_shape)) * self.dtype.itemsize
 
-    def check_slots(self, slots: Sequence[int]) -> None:
-        """Raise naming the first slot outside ``0..num_blocks``."""
-        bad = [s for s in slots if not 0 <= s <= self.num_blocks]
+    def check_host_blocks(self, host_blocks: Sequence[int]) -> None:
+        """Raise naming the first host block outside ``0..num_blocks``."""
+        bad = [s for s in host_blocks if not 0 <= s <= self.num_blocks]
         if bad:
-            raise HostPoolError(f"host slots out of range [0, {self.num_blocks}]: {bad}")
+            raise HostPoolError(f"host blocks out of range [0, {self.num_blocks}]: {bad}")
 
-    def bump(self, slots: Sequence[int]) -> np.ndarray:
-        """A new generation for each slot (a new writer owns it); returns them."""
-        slots = np.asarray(slots, np.int64)
-        self.generation[slots] += 1
-        self.generation[SCRATCH_SLOT] = 0
-        return self.generation[slots].copy()
+    def bump(self, host_blocks: Sequence[int]) -> np.ndarray:
+        """A new generation for each host block (a new writer owns it); returns them."""
+        host_blocks = np.asarray(host_blocks, np.int64)
+        self.generation[host_blocks] += 1
+        self.generation[SCRATCH_HOST_BLOCK] = 0
+        return self.generation[host_blocks].copy()
 
-    def release(self, slots: Sequence[int]) -> None:
-        """The slots were freed by the manager: any transfer still in flight is stale."""
-        self.check_slots(slots)
-        self.bump(slots)
+    def release(self, host_blocks: Sequence[int]) -> None:
+        """The host blocks were freed by the manager: any transfer still in flight is stale."""
+        self.check_host_blocks(host_blocks)
+        self.bump(host_blocks)
 
-    def current(self, slots: Sequence[int], generations: np.ndarray) -> np.ndarray:
-        """Which slots still have the given generations (scratch rows count as current)."""
-        return self.generation[np.asarray(slots, np.int64)] == generations
+    def current(self, host_blocks: Sequence[int], generations: np.ndarray) -> np.ndarray:
+        """Which host blocks still have the given generations (scratch rows count as current)."""
+        return self.generation[np.asarray(host_blocks, np.int64)] == generations
 
     # ------------------------------------------------------------------ data
-    def write(self, slots: jax.Array, data: jax.Array) -> None:
+    def write(self, host_blocks: jax.Array, data: jax.Array) -> None:
         """pinned_host: scatter device rows into the buffer now (async D2H copy)."""
         write, _ = _pinned_ops(self.device)
-        self.buffer = write(self.buffer, slots, data)
+        self.buffer = write(self.buffer, host_blocks, data)
 
-    def commit(self, slots: np.ndarray, rows: np.ndarray) -> None:
-        """numpy: copy rows that already reached the host into their slots."""
-        self.buffer[slots] = rows
+    def commit(self, host_blocks: np.ndarray, rows: np.ndarray) -> None:
+        """numpy: copy rows that already reached the host into their host blocks."""
+        self.buffer[host_blocks] = rows
 
-    def read(self, slots: np.ndarray) -> jax.Array:
-        """Rows of the slots as a device array (the host->device copy of a load)."""
+    def read(self, host_blocks: np.ndarray) -> jax.Array:
+        """Rows of the host blocks as a device array (the host->device copy of a load)."""
         if self.memory_kind == "pinned_host":
             _, read = _pinned_ops(self.device)
-            return read(self.buffer, jnp.asarray(slots, jnp.int32))
-        return jax.device_put(self.buffer[slots], _device_sharding(self.device))
+            return read(self.buffer, jnp.asarray(host_blocks, jnp.int32))
+        return jax.device_put(self.buffer[host_blocks], _device_sharding(self.device))
 
-    def rows(self, slots: Sequence[int]) -> np.ndarray:
-        """A host copy of the slots' data (tests and debugging)."""
-        return np.asarray(self.buffer)[np.asarray(slots, np.int64)]
+    def rows(self, host_blocks: Sequence[int]) -> np.ndarray:
+        """A host copy of the host blocks' data (tests and debugging).
+
+        The rows are read into a fresh numpy array: ``np.asarray`` of the whole
+        ``pinned_host`` buffer would be a zero-copy view that keeps an external
+        reference to it, and the next store (which donates the buffer) would fail on
+        a GPU ("Donation requested for buffer with external reference")."""
+        index = np.asarray(host_blocks, np.int64)
+        if self.memory_kind == "pinned_host":
+            return np.array(self.read(index), copy=True)
+        return self.buffer[index].copy()

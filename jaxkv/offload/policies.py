@@ -13,11 +13,18 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import check_int
+
 Key = Hashable
 Evictable = Callable[[Key], bool]
 
 
-class UnknownPolicyError(ValueError):
+class PolicyError(JaxkvError, ValueError):
+    """A policy was built with a value it cannot use."""
+
+
+class UnknownPolicyError(PolicyError):
     """A policy name that is not in :data:`POLICIES`."""
 
 
@@ -25,9 +32,7 @@ class EvictionPolicy(ABC):
     """Orders resident keys for eviction; ``capacity`` is the host tier's size in blocks."""
 
     def __init__(self, capacity: int) -> None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = check_int("capacity", capacity, error=PolicyError)
 
     @abstractmethod
     def touch(self, keys: Iterable[Key]) -> None:

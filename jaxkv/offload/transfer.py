@@ -1,22 +1,21 @@
 """Block transfers between the device KV cache and the host pool.
 
 Store: one jitted gather of the blocks (:func:`jaxkv.ops.gather_blocks`, the cache is
-read, not donated), then an asynchronous device->host copy into the host slots. Load:
-a host->device copy of the slots' rows, then one jitted scatter into the donated
+read, not donated), then an asynchronous device->host copy into the host blocks. Load:
+a host->device copy of the host blocks' rows, then one jitted scatter into the donated
 cache. With the cross-layer layout a block is one contiguous region (one copy); with
 the per-layer layout it is one region per layer buffer.
 
 Block counts are padded to powers of two with the null block 0 and the scratch host
-slot 0, so a handful of shapes compile once. Every transfer records the generations
-of its host slots: one that completes after its slot was released or rewritten is
+host block 0, so a handful of shapes compile once. Every transfer records the generations
+of its host blocks: one that completes after its host block was released or rewritten is
 reported failed (and, on the numpy path, never lands). Injected failures are reported
-the same way: a failed store leaves its slots unwritten, a failed load leaves its
+the same way: a failed store leaves its host blocks unwritten, a failed load leaves its
 device blocks untouched, and the caller recomputes them.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,19 +25,17 @@ import numpy as np
 
 from jaxkv import ops
 from jaxkv.cache import KVCache
-from jaxkv.offload.host_pool import SCRATCH_SLOT, HostKVPool, HostPoolError, block_shape
+from jaxkv.errors import JaxkvError, OwnerThread
+from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
+from jaxkv.offload.host_pool import HostKVPool, HostPoolError, block_shape
 from jaxkv.pool import NULL_BLOCK
 
 FailureHook = Callable[[np.ndarray, np.ndarray], np.ndarray]
-"""``(device_block_ids, host_slots) -> bool mask`` of the rows to fail (injection)."""
+"""``(device_block_ids, host_blocks) -> bool mask`` of the rows to fail (injection)."""
 
 
-class TransferError(ValueError):
+class TransferError(JaxkvError, ValueError):
     """A transfer request the engine cannot issue; nothing was issued."""
-
-
-class WrongThreadError(RuntimeError):
-    """A transfer was issued from a thread other than the cache-owning one."""
 
 
 def bucket_size(n: int) -> int:
@@ -48,7 +45,7 @@ def bucket_size(n: int) -> int:
 
 def copies_per_block(cache: KVCache) -> int:
     """Contiguous device regions one block occupies: 1 cross-layer, one per layer buffer."""
-    return 1 if cache.kind == "cross_layer" else cache.num_slots
+    return 1 if cache.kind == "cross_layer" else cache.num_layers_per_block
 
 
 @dataclass
@@ -56,14 +53,14 @@ class Transfer:
     """One in-flight store or load; rows are in the caller's order."""
 
     kind: str
-    slots: np.ndarray
+    host_blocks: np.ndarray
     generations: np.ndarray
     injected: np.ndarray
     staged: jax.Array | None
     result: TransferResult | None = None
 
     def __len__(self) -> int:
-        return len(self.slots)
+        return len(self.host_blocks)
 
 
 @dataclass(frozen=True)
@@ -94,7 +91,7 @@ class TransferEngine:
         self.fail_store = fail_store
         self.fail_load = fail_load
         self.num_traces = 0
-        self._owner = threading.get_ident()
+        self._owner = OwnerThread("TransferEngine")
         self._gather = jax.jit(self._gather_fn)
         self._scatter = jax.jit(self._scatter_fn, donate_argnums=0)
 
@@ -108,45 +105,41 @@ class TransferEngine:
 
     # -------------------------------------------------------------- checks
     def _check(
-        self, cache: KVCache, block_ids: Sequence[int], host_slots: Sequence[int]
+        self, cache: KVCache, block_ids: Sequence[int], host_blocks: Sequence[int]
     ) -> tuple[np.ndarray, np.ndarray]:
-        if threading.get_ident() != self._owner:
-            raise WrongThreadError(
-                f"transfers must be issued from the cache-owning thread {self._owner}, "
-                f"not {threading.get_ident()}"
-            )
+        self._owner.check()
         if block_shape(cache) != self.pool.block_shape or cache.dtype != self.pool.dtype:
             raise TransferError(
                 f"cache blocks {block_shape(cache)} {cache.dtype} do not match the host pool's "
                 f"{self.pool.block_shape} {self.pool.dtype}"
             )
         ids = np.asarray(block_ids, np.int64).reshape(-1)
-        slots = np.asarray(host_slots, np.int64).reshape(-1)
-        if len(ids) != len(slots):
-            raise TransferError(f"{len(ids)} block ids but {len(slots)} host slots")
+        host_blocks = np.asarray(host_blocks, np.int64).reshape(-1)
+        if len(ids) != len(host_blocks):
+            raise TransferError(f"{len(ids)} block ids but {len(host_blocks)} host blocks")
         bad = ids[(ids <= NULL_BLOCK) | (ids >= cache.num_blocks)]
         if bad.size:
             raise TransferError(f"device block ids out of range [1, {cache.num_blocks}): {bad.tolist()}")
         try:
-            self.pool.check_slots(slots.tolist())
+            self.pool.check_host_blocks(host_blocks.tolist())
         except HostPoolError as err:
             raise TransferError(str(err)) from None
-        if (slots == SCRATCH_SLOT).any():
-            raise TransferError(f"host slot {SCRATCH_SLOT} is the scratch slot: {slots.tolist()}")
-        if len(set(slots.tolist())) != len(slots):
-            raise TransferError(f"host slots repeat: {slots.tolist()}")
-        return ids, slots
+        if (host_blocks == SCRATCH_HOST_BLOCK).any():
+            raise TransferError(f"host block {SCRATCH_HOST_BLOCK} is the scratch host block: {host_blocks.tolist()}")
+        if len(set(host_blocks.tolist())) != len(host_blocks):
+            raise TransferError(f"host blocks repeat: {host_blocks.tolist()}")
+        return ids, host_blocks
 
     @staticmethod
-    def _injected(hook: FailureHook | None, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    def _injected(hook: FailureHook | None, ids: np.ndarray, host_blocks: np.ndarray) -> np.ndarray:
         if hook is None or not len(ids):
             return np.zeros(len(ids), bool)
-        return np.asarray(hook(ids, slots), bool).reshape(len(ids))
+        return np.asarray(hook(ids, host_blocks), bool).reshape(len(ids))
 
     def warm_up(self, cache: KVCache, max_blocks: int) -> KVCache:
         """Compile every bucket up to ``max_blocks`` rows now, not during serving; returns the cache.
 
-        Each bucket moves the null block through the scratch host slot and back: only
+        Each bucket moves the null block through the scratch host block and back: only
         those two, which hold nothing anyone reads, are written.
         """
         if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1:
@@ -164,46 +157,56 @@ class TransferEngine:
             size *= 2
 
     # ------------------------------------------------------------ transfers
-    def store(self, cache: KVCache, block_ids: Sequence[int], host_slots: Sequence[int]) -> Transfer:
-        """Copy device blocks ``block_ids[i]`` into host slots ``host_slots[i]``.
+    def store(self, cache: KVCache, block_ids: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
+        """Copy device blocks ``block_ids[i]`` into host blocks ``host_blocks[i]``.
 
         The cache is only read. Reuse a source device block only once
         :meth:`is_done` (or :meth:`wait`) says so.
         """
-        ids, slots = self._check(cache, block_ids, host_slots)
-        injected = self._injected(self.fail_store, ids, slots)
-        targets = np.where(injected, SCRATCH_SLOT, slots)
+        ids, host_blocks = self._check(cache, block_ids, host_blocks)
+        injected = self._injected(self.fail_store, ids, host_blocks)
+        targets = np.where(injected, SCRATCH_HOST_BLOCK, host_blocks)
         generations = self.pool.bump(targets)
         size = bucket_size(len(ids))
         staged = None
         if len(ids):
             staged = self._gather(cache, jnp.asarray(_pad(ids, size, NULL_BLOCK)))
             if self.pool.memory_kind == "pinned_host":
-                self.pool.write(jnp.asarray(_pad(targets, size, SCRATCH_SLOT)), staged)
+                self.pool.write(jnp.asarray(_pad(targets, size, SCRATCH_HOST_BLOCK)), staged)
                 staged = None
             else:
                 staged.copy_to_host_async()
         return Transfer("store", targets, generations, injected, staged)
 
     def load(
-        self, cache: KVCache, block_ids: Sequence[int], host_slots: Sequence[int]
+        self, cache: KVCache, block_ids: Sequence[int], host_blocks: Sequence[int]
     ) -> tuple[KVCache, Transfer]:
-        """Copy host slots ``host_slots[i]`` into device blocks ``block_ids[i]``.
+        """Copy host blocks ``host_blocks[i]`` into device blocks ``block_ids[i]``.
 
         The cache is donated; use the returned one. Rows that fail (injected) are not
         written: their device blocks keep what they held, and the caller recomputes.
         """
-        ids, slots = self._check(cache, block_ids, host_slots)
-        injected = self._injected(self.fail_load, ids, slots)
+        ids, host_blocks = self._check(cache, block_ids, host_blocks)
+        injected = self._injected(self.fail_load, ids, host_blocks)
         ids = np.where(injected, NULL_BLOCK, ids)
-        slots = np.where(injected, SCRATCH_SLOT, slots)
-        generations = self.pool.generation[slots].copy()
+        host_blocks = np.where(injected, SCRATCH_HOST_BLOCK, host_blocks)
+        generations = self.pool.generation[host_blocks].copy()
         staged = None
         if len(ids):
             size = bucket_size(len(ids))
-            staged = self.pool.read(_pad(slots, size, SCRATCH_SLOT))
+            staged = self.pool.read(_pad(host_blocks, size, SCRATCH_HOST_BLOCK))
             cache = self._scatter(cache, jnp.asarray(_pad(ids, size, NULL_BLOCK)), staged)
-        return cache, Transfer("load", slots, generations, injected, staged)
+        return cache, Transfer("load", host_blocks, generations, injected, staged)
+
+    def release(self, host_blocks: Sequence[int]) -> None:
+        """The caller freed these host blocks: a transfer still in flight into them is stale."""
+        self._owner.check()
+        self.pool.release(host_blocks)
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Host blocks the pool holds (the scratch block not counted)."""
+        return self.pool.num_blocks
 
     def is_done(self, transfer: Transfer) -> bool:
         """Whether the transfer's data left its source (a stored device block may be reused)."""
@@ -223,10 +226,10 @@ class TransferEngine:
                 jax.block_until_ready(self.pool.buffer)
             else:
                 transfer.staged.block_until_ready()
-            ok &= self.pool.current(transfer.slots, transfer.generations)
+            ok &= self.pool.current(transfer.host_blocks, transfer.generations)
             if transfer.kind == "store" and transfer.staged is not None:
                 rows = np.asarray(transfer.staged)[: len(transfer)]
-                self.pool.commit(transfer.slots[ok], rows[ok])
+                self.pool.commit(transfer.host_blocks[ok], rows[ok])
         rows = np.arange(len(transfer))
         transfer.result = TransferResult(tuple(rows[ok].tolist()), tuple(rows[~ok].tolist()))
         transfer.staged = None

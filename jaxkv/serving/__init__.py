@@ -7,5 +7,5 @@
 - :mod:`jaxkv.serving.workloads`: shared-prefix prompt batches for demos and benchmarks.
 
 Import the submodules directly; this package imports nothing, so the host-only
-scheduler (used by :mod:`jaxkv.simulator`) does not pull in JAX or Flax.
+scheduler (used by :mod:`jaxkv.serving.simulator`) does not pull in JAX or Flax.
 """

@@ -19,17 +19,27 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxkv.manager import KVCacheManager, Request
+from jaxkv.errors import JaxkvError, OwnerThread
+from jaxkv.ints import is_int
+from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request, token_id_list
 from jaxkv.metadata import Buckets
-from jaxkv.offload.connector import OffloadConfig, OffloadConnector
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, plan_kv_cache
 from jaxkv.serving.models import TinyLM, get_model_config
+from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
 from jaxkv.serving.scheduler import Scheduler, SeqState, check_positive_int
 
 
-class EngineError(ValueError):
+class EngineError(JaxkvError, ValueError):
     """An engine set-up or a generate call the engine cannot serve; nothing was run."""
+
+
+@dataclass(frozen=True)
+class CacheAudit:
+    """Blocks held by nobody, found between ``generate`` calls (both must be 0)."""
+
+    device_blocks_leaked: int
+    host_blocks_leaked: int
 
 
 def resolve_head_dim_multiple(head_dim_multiple: int | None) -> int:
@@ -123,9 +133,15 @@ class Engine:
 
     ``max_num_batched_tokens`` (the step's token budget) defaults to the plan's own and
     may not exceed it: the plan sized sliding-window spans for that chunk size.
-    ``offload`` adds a host-memory tier (:mod:`jaxkv.offload.connector`): blocks are
+    ``offload`` adds a host-memory tier (:mod:`jaxkv.serving.offload_connector`): blocks are
     stored to host when the device reuses them (or once filled, per its ``store``
     policy) and loaded back on admission.
+
+    Single-owner, like the manager: only the creating thread may call it. Each step
+    runs in :meth:`~jaxkv.manager.KVCacheManager.step_transaction`, so an exception
+    anywhere in a step (an interrupt, a failed compile, a failing callback) drops
+    the hashes of the blocks that step would have written, frees every request of
+    the call, and leaves the engine usable with an exact prefix cache.
     """
 
     def __init__(
@@ -156,6 +172,7 @@ class Engine:
         self.runner = ModelRunner(model, kv_config, buckets)
         self.connector = OffloadConnector.create(self.manager, self.runner, offload) if offload else None
         self._ids = itertools.count()
+        self._owner = OwnerThread("Engine")
 
     @classmethod
     def build(
@@ -194,14 +211,19 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | Sequence[int],
         *,
+        cache_salt: str | Sequence[str | None] | None = None,
         progress: Callable[[StepProgress], None] | None = None,
     ) -> GenerationResult:
         """Greedy continuations of ``prompts`` (``max_new_tokens`` each, or one limit per prompt).
 
-        A request also stops at ``max_model_len`` tokens. Bad prompts raise
-        :class:`EngineError` before anything runs.
+        ``cache_salt`` (one for all prompts, or one per prompt) separates tenants:
+        prompts with different salts never share a cached block (see README on the
+        hash algorithm). A request also stops at ``max_model_len`` tokens. Bad input
+        raises :class:`EngineError` before anything runs; an exception during the run
+        leaves nothing held and the prefix cache exact.
         """
-        limits = self._check(prompts, max_new_tokens)
+        self._owner.check()
+        prompts, limits, salts = self._check(prompts, max_new_tokens, cache_salt)
         scheduler = Scheduler(
             self.manager,
             max_num_seqs=self.max_num_seqs,
@@ -209,8 +231,8 @@ class Engine:
             admission=self.connector,
         )
         seqs = [
-            scheduler.add_request(Request(f"req-{next(self._ids)}", prompt), limit)
-            for prompt, limit in zip(prompts, limits)
+            scheduler.add_request(Request(f"req-{next(self._ids)}", prompt, cache_salt=salt), limit)
+            for prompt, limit, salt in zip(prompts, limits, salts)
         ]
         compilations = self.runner.num_compilations
         ttft: dict[str, float] = {}
@@ -219,13 +241,14 @@ class Engine:
         start = time.perf_counter()
         try:
             while scheduler.has_unfinished:
-                output = scheduler.schedule()
-                usages.append(self.manager.usage)
-                if self.connector is not None:
-                    self.connector.before_step()  # reads reused blocks before the step writes them
-                tokens = self.runner.execute(output.chunks)
-                if self.connector is not None:
-                    self.connector.after_step(output.chunks)
+                with self.manager.step_transaction():
+                    output = scheduler.schedule()
+                    usages.append(self.manager.usage)
+                    if self.connector is not None:
+                        self.connector.before_step()  # reads reused blocks before the step writes them
+                    tokens = self.runner.execute(output.chunks)
+                    if self.connector is not None:
+                        self.connector.after_step(output.chunks)
                 done = scheduler.update(output, tokens.tolist())
                 now = time.perf_counter() - start
                 for chunk in output.chunks:
@@ -236,15 +259,18 @@ class Engine:
                 if progress is not None:
                     progress(
                         StepProgress(
-                            len(usages), now, output.num_tokens, len(scheduler.waiting),
-                            len(scheduler.running), len(finish), len(seqs), usages[-1],
+                            len(usages),
+                            now,
+                            output.num_tokens,
+                            len(scheduler.waiting),
+                            len(scheduler.running),
+                            len(finish),
+                            len(seqs),
+                            usages[-1],
                         )
                     )
         finally:
-            if self.connector is not None:
-                self.connector.finish_stores()
-            for seq in scheduler.running:
-                self.manager.free(seq.request)
+            self._release(seqs)
         return GenerationResult(
             outputs=tuple(self._output(s, ttft, finish) for s in seqs),
             wall_s=time.perf_counter() - start,
@@ -259,30 +285,84 @@ class Engine:
             num_compilations=self.runner.num_compilations - compilations,
         )
 
-    def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[int]:
-        """Per-prompt limits; raise :class:`EngineError` naming the first bad prompt or limit."""
-        if not prompts:
+    def audit(self) -> CacheAudit:
+        """Count blocks held by nobody; call it between ``generate`` calls (when no
+        request is live, every usable device block is free and every host block
+        belongs to a stored key)."""
+        self._owner.check()
+        usable = self.manager.config.num_blocks - 1
+        host = self.connector.num_leaked_host_blocks() if self.connector is not None else 0
+        return CacheAudit(usable - self.manager.num_free_blocks, host)
+
+    def _release(self, seqs: Sequence[SeqState]) -> None:
+        """End a call, normally or not: settle stores, free what its requests still
+        hold, and replace the cache if an interrupted step consumed it."""
+        try:
+            if self.connector is not None:
+                self.connector.finish_stores()
+        finally:
+            for seq in seqs:
+                if self.manager.has_request(seq.request_id):
+                    self.manager.free(seq.request)
+            if not self.runner.cache_is_intact():
+                self.runner.reallocate_cache()
+                if self.connector is not None:
+                    self.connector.discard_reused()
+                self.manager.reset_prefix_cache()
+
+    def _check(
+        self,
+        prompts: object,
+        max_new_tokens: object,
+        cache_salt: object,
+    ) -> tuple[list[list[int]], list[int], list[str | None]]:
+        """Prompts as token lists, per-prompt limits and salts; :class:`EngineError`
+        naming the first bad value."""
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+            prompts = list(prompts)
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
+            raise EngineError(f"prompts must be a list of token-id sequences, got {prompts!r:.80}")
+        if not len(prompts):
             raise EngineError("generate needs at least one prompt")
-        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(limits) != len(prompts):
-            raise EngineError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts")
+        if is_int(prompts[0]):
+            raise EngineError("prompts must be a list of prompts, got a flat list of ints (wrap one prompt in a list)")
+        n = len(prompts)
+        limits = self._per_prompt("max_new_tokens", max_new_tokens, n, scalar=lambda v: not isinstance(v, Sequence))
+        salts = self._per_prompt("cache_salt", cache_salt, n, scalar=lambda v: v is None or isinstance(v, str))
         vocab = self.model.config.vocab_size
-        for i, (prompt, limit) in enumerate(zip(prompts, limits)):
-            if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        max_len = self.manager.max_model_len
+        out = []
+        for i, (prompt, limit, salt) in enumerate(zip(prompts, limits, salts)):
+            if not is_int(limit) or limit <= 0:
                 raise EngineError(f"prompt {i}: max_new_tokens must be a positive int, got {limit!r}")
-            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence | np.ndarray):
-                raise EngineError(f"prompt {i} must be a sequence of token ids, got {prompt!r:.60}")
-            if len(prompt) == 0:
+            if salt is not None and not isinstance(salt, str):
+                raise EngineError(f"prompt {i}: cache_salt must be a str or None, got {salt!r}")
+            try:
+                ids = token_id_list(prompt, f"prompt {i}")
+            except KVCacheManagerError as err:
+                raise EngineError(str(err)) from None
+            if not ids:
                 raise EngineError(f"prompt {i} is empty")
-            bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
-            if bad:
-                raise EngineError(f"prompt {i}: token {bad[0]!r} is not an id in [0, {vocab})")
-            if len(prompt) >= self.manager.max_model_len:
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise EngineError(f"prompt {i}: token {bad!r} is not an id in [0, {vocab})")
+            if len(ids) >= max_len:
                 raise EngineError(
-                    f"prompt {i} has {len(prompt)} tokens; max_model_len={self.manager.max_model_len} "
-                    "leaves no room for an output token"
+                    f"prompt {i} has {len(ids)} tokens; max_model_len={max_len} leaves no room for an output token"
                 )
-        return limits
+            out.append(ids)
+        return out, [int(x) for x in limits], salts
+
+    @staticmethod
+    def _per_prompt(name: str, value: object, n: int, *, scalar: Callable[[object], bool]) -> list:
+        """One value per prompt: ``value`` repeated when it is a scalar, else its items."""
+        if scalar(value):
+            return [value] * n
+        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+            raise EngineError(f"{name} must be one value or one per prompt, got {value!r:.80}")
+        if len(value) != n:
+            raise EngineError(f"{len(value)} {name} values for {n} prompts")
+        return list(value)
 
     @staticmethod
     def _output(seq: SeqState, ttft: dict[str, float], finish: dict[str, float]) -> RequestOutput:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv.errors import JaxkvError
 from jaxkv import ops
 from jaxkv.cache import KVCache
 from jaxkv.metadata import AttentionMetadata, StepMetadata
@@ -41,7 +42,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(JaxkvError, ValueError):
     """A model config, name or input that cannot describe or drive a model."""
 
 
@@ -210,8 +211,8 @@ class Attention(nnx.Module):
         length = x.shape[1]
         positions = jnp.arange(length, dtype=jnp.int32)
         q, k, v = self._qkv(x, positions)
-        group = self.num_heads // self.num_kv_heads
-        q = q.reshape(*q.shape[:2], self.num_kv_heads, group, self.head_dim).astype(jnp.float32)
+        num_queries_per_kv = self.num_heads // self.num_kv_heads
+        q = q.reshape(*q.shape[:2], self.num_kv_heads, num_queries_per_kv, self.head_dim).astype(jnp.float32)
         logits = jnp.einsum("blhgd,bmhd->bhglm", q, k.astype(jnp.float32), precision=_HIGHEST)
         logits = soft_cap(logits * self.sm_scale, self.logit_cap)
         mask = positions[None, :] <= positions[:, None]

@@ -4,16 +4,21 @@ Admission (:meth:`OffloadConnector.allocate_admitted`, called by the scheduler):
 device prefix hit first, then the host tier for the blocks after it. A block position
 counts only if every group holds it on host; a sliding-window group only needs the
 blocks still in its window at the end of the host hit (the others stay null, see
-``KVCacheManager.allocate_slots(num_external_computed_tokens=...)``). The needed blocks
-get fresh device blocks and are loaded host->device at once; the load is waited for
-during admission, so a failed load falls back to the device hit before the step is
-built: the request's blocks are dropped from the prefix cache and freed, and it is
-allocated again to recompute those tokens (never reading garbage KV).
+``KVCacheManager.allocate_slots(num_external_computed_tokens=...)``). The host keys are
+pinned before anything else happens, so neither the allocation nor the stores it
+triggers can evict them; the needed blocks get fresh device blocks and are loaded
+host->device at once. The load is waited for during admission, so a failed load falls
+back before the step is built: the request's blocks past the device hit are dropped
+from the prefix cache and freed, the prefix is looked up again (the allocation may
+have evicted blocks of the first device hit) and the rest is recomputed, never read
+as garbage KV. Any exception during admission leaves nothing held. Every admission
+refreshes the host recency of the request's prefix, as vLLM does on each lookup, so a
+prefix served from the device does not age out of the host tier.
 
 Stores (``OffloadConfig.store``, see :data:`STORE_POLICIES`):
 
 - ``on_eviction`` (default): a cached device block is stored when the pool hands it out
-  again (:attr:`jaxkv.pool.BlockPool.on_reuse`), so host holds what the device lost
+  again (a reuse listener, :meth:`jaxkv.manager.KVCacheManager.add_reuse_listener`), so host holds what the device lost
   and the two tiers together keep more distinct blocks. The gather of those blocks is
   issued before anything can overwrite them: before an admission's host load into
   fresh blocks, and before the step (:meth:`OffloadConnector.before_step`).
@@ -38,20 +43,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.manager import KVCacheBlocks, KVCacheManager, Request
-from jaxkv.managers import MambaManager
-from jaxkv.offload.host_pool import HostKVPool, HostSlotBackend
-from jaxkv.offload.manager import OffloadingManager, OffloadKey, PolicyOffloadingManager
+from jaxkv.offload.catalog import OffloadingManager, OffloadKey, PolicyOffloadingManager
+from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
 from jaxkv.serving.runner import ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
-
 
 STORE_POLICIES = ("on_eviction", "write_through")
 """When device blocks are stored to host: as the pool reuses them, or once filled."""
 
 
-class ConnectorError(ValueError):
+class ConnectorError(JaxkvError, ValueError):
     """The connector cannot serve this manager or configuration."""
 
 
@@ -85,6 +89,15 @@ class _PendingStore:
     transfer: Transfer
 
 
+@dataclass(frozen=True)
+class _HostHit:
+    """Tokens ``[start, end)`` served by the host tier: the keys to load, group by group."""
+
+    start: int
+    end: int
+    keys: tuple[OffloadKey, ...]
+
+
 class OffloadConnector:
     """Moves blocks between one runner's device cache and a host tier, for one manager."""
 
@@ -100,58 +113,66 @@ class OffloadConnector:
             raise ConnectorError(f"unknown store policy {store!r}; valid: {', '.join(STORE_POLICIES)}")
         if not manager.enable_caching:
             raise ConnectorError("the host tier is keyed by block hashes: it needs enable_caching=True")
-        mamba = [m.group_id for m in manager.coordinator.managers if isinstance(m, MambaManager)]
-        if mamba:
-            raise ConnectorError(f"groups {mamba} hold Mamba state, which the host tier does not offload")
+        recurrent = manager.recurrent_group_ids()
+        if recurrent:
+            raise ConnectorError(f"groups {recurrent} hold recurrent state, which the host tier does not offload")
         self.manager = manager
         self.runner = runner
         self.offload = offload
         self.transfers = transfers
         self.store_policy = store
         self.stats = ConnectorStats()
-        self._slots: dict[OffloadKey, int] = {}
+        self._owner = OwnerThread("OffloadConnector")
+        self._host_blocks: dict[OffloadKey, int] = {}
         self._pending: list[_PendingStore] = []
         self._reused: dict[OffloadKey, int] = {}
         if store == "on_eviction":
-            manager.pool.on_reuse = self._on_reuse
+            manager.add_reuse_listener(self._on_reuse)
 
     @classmethod
     def create(cls, manager: KVCacheManager, runner: ModelRunner, config: OffloadConfig) -> OffloadConnector:
-        """A host pool of ``config.host_bytes``, its slot backend, manager and transfer engine."""
-        pool = HostKVPool.for_cache(runner.cache, config.host_bytes, memory_kind=config.memory_kind)
-        offload = PolicyOffloadingManager(HostSlotBackend(pool.num_blocks), config.policy, enable_events=False)
+        """A host pool of ``config.host_bytes``, its block backend, catalog and transfer engine."""
+        pool = runner.host_pool(config.host_bytes, memory_kind=config.memory_kind)
+        offload = PolicyOffloadingManager(HostBlockBackend(pool.num_blocks), config.policy, enable_events=False)
         transfers = TransferEngine(pool, fail_store=config.fail_store, fail_load=config.fail_load)
         return cls(manager, runner, offload, transfers, config.store)
 
-    # ------------------------------------------------------------- helpers
-    def _needed(self, g: int, start: int, end: int) -> range:
-        """Block indices of group ``g`` in tokens ``[start, end)`` still needed at ``end``."""
-        m = self.manager.coordinator.managers[g]
-        first = max(start // m.block_size, m.num_skipped_tokens(end) // m.block_size)
-        return range(first, end // m.block_size)
-
-    def _host_hit(self, request: Request, start: int) -> int:
-        """Tokens after ``start`` whose needed blocks are on host in every group."""
-        coord = self.manager.coordinator
-        lcm = coord.lcm_block_size
+    # ------------------------------------------------------------- lookups
+    def _host_hit(self, request: Request, start: int) -> _HostHit | None:
+        """The longest run of tokens after ``start`` whose needed blocks are on host in
+        every group (whole multiples of the block sizes' lcm), or None."""
+        mgr = self.manager
+        lcm = mgr.lcm_block_size
         max_end = (request.num_tokens - 1) // lcm * lcm
         if max_end <= start:
-            return 0
-        hashes = self.manager.coordinator.hashes_per_group(request.block_hashes)
+            return None
+        hashes = mgr.hashes_per_group(request)
         ready = []  # per group: prefix counts of ready blocks from start's block on
-        for g, m in enumerate(coord.managers):
-            lo, hi = start // m.block_size, max_end // m.block_size
+        for g, bs in enumerate(mgr.block_sizes):
+            lo, hi = start // bs, max_end // bs
             flags = [self.offload.lookup([(hashes[g][i], g)]) == 1 for i in range(lo, hi)]
             ready.append((lo, np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])))
 
         def covered(end: int) -> bool:
             for g, (lo, cum) in enumerate(ready):
-                r = self._needed(g, start, end)
+                r = mgr.needed_blocks(g, start, end)
                 if cum[r.stop - lo] - cum[r.start - lo] != len(r):
                     return False
             return True
 
-        return next((end - start for end in range(max_end, start, -lcm) if covered(end)), 0)
+        end = next((end for end in range(max_end, start, -lcm) if covered(end)), start)
+        if end == start:
+            return None
+        keys = tuple((hashes[g][i], g) for g in range(len(hashes)) for i in mgr.needed_blocks(g, start, end))
+        return _HostHit(start, end, keys)
+
+    def _touch_prefix(self, request: Request) -> None:
+        """Refresh the host recency of every full block of the request's prompt."""
+        hashes = self.manager.hashes_per_group(request)
+        keys = []
+        for g, bs in enumerate(self.manager.block_sizes):
+            keys.extend((h, g) for h in hashes[g][: request.num_prompt_tokens // bs])
+        self.offload.touch(keys)
 
     # ----------------------------------------------------------- admission
     def allocate_admitted(self, request: Request, hit: KVCacheBlocks, num_hit: int, budget: int) -> int | None:
@@ -159,45 +180,55 @@ class OffloadConnector:
 
         Extends the hit from the host tier when it can (loading the blocks now); the
         request then has slots for ``min(num_tokens - computed, budget)`` new tokens.
+        An exception leaves the request holding nothing.
         """
+        self._owner.check()
         mgr = self.manager
-        num_ext = self._host_hit(request, num_hit)
-        if num_ext:
-            n = min(request.num_tokens - num_hit - num_ext, budget)
-            allocated = mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext)
-            self._store_reused()  # the fresh blocks may be reused ones: read them before the load
-            if allocated is not None and self._load(request, num_hit, num_hit + num_ext):
-                return num_hit + num_ext
-        n = min(request.num_tokens - num_hit, budget)
-        return num_hit if mgr.allocate_slots(request, n, num_hit, hit) is not None else None
+        host = self._host_hit(request, num_hit)
+        if host is not None:
+            host_blocks = self.offload.prepare_load(host.keys)  # pinned: nothing below can evict them
+            try:
+                num_ext = host.end - host.start
+                n = min(request.num_tokens - host.end, budget)
+                if mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext) is not None:
+                    if self._load(request, host, host_blocks):
+                        self._touch_prefix(request)
+                        return host.end
+                    hit, num_hit = mgr.get_computed_blocks(request)  # the allocation may have evicted the first hit
+            finally:
+                self.offload.complete_load(host.keys)
+        if mgr.allocate_slots(request, min(request.num_tokens - num_hit, budget), num_hit, hit) is None:
+            return None
+        self._touch_prefix(request)
+        return num_hit
 
-    def _load(self, request: Request, start: int, end: int) -> bool:
-        """Load the needed blocks of tokens ``[start, end)``; on failure free the request."""
-        hashes = self.manager.coordinator.hashes_per_group(request.block_hashes)
-        table = self.manager.get_block_ids(request.request_id)
-        keys: list[OffloadKey] = []
-        ids: list[int] = []
-        for g in range(len(table)):
-            for i in self._needed(g, start, end):
-                keys.append((hashes[g][i], g))
-                ids.append(table[g][i])
-        slots = self.offload.prepare_load(keys)
-        self.offload.touch(keys)
-        self.runner.cache, transfer = self.transfers.load(self.runner.cache, ids, slots)
-        result = self.transfers.wait(transfer)
-        self.offload.complete_load(keys)
-        if not result.failed:
-            self.stats.num_loaded_tokens += end - start
-            self.stats.num_loaded_blocks += len(keys)
-            return True
-        self.stats.num_failed_loads += 1
-        # Every block past the device hit was registered before its data arrived.
+    def _load(self, request: Request, host: _HostHit, host_blocks: Sequence[int]) -> bool:
+        """Load the host hit into the request's fresh blocks; on failure (or any
+        exception) uncache and free everything past the device hit."""
+        try:
+            self._store_reused()  # the fresh blocks may be reused ones: read them before the load
+            table = self.manager.get_block_ids(request.request_id)
+            ids = [table[g][i] for g in range(len(table)) for i in self.manager.needed_blocks(g, host.start, host.end)]
+            transfer = self.runner.load_blocks(self.transfers, ids, host_blocks)
+            failed = bool(self.transfers.wait(transfer).failed)
+        except BaseException:
+            self._drop(request, host.start)
+            raise
+        if failed:
+            self.stats.num_failed_loads += 1
+            self._drop(request, host.start)
+            return False
+        self.stats.num_loaded_tokens += host.end - host.start
+        self.stats.num_loaded_blocks += len(host.keys)
+        return True
+
+    def _drop(self, request: Request, start: int) -> None:
+        """Uncache the request's blocks from token ``start`` on (registered before their
+        KV arrived) and free the request."""
         mgr = self.manager
-        mgr.evict_blocks(
-            [b for g, blocks in enumerate(table) for b in blocks[start // mgr.block_sizes[g] :] if b]
-        )
+        table = mgr.get_block_ids(request.request_id)
+        mgr.evict_blocks([b for g, blocks in enumerate(table) for b in blocks[start // mgr.block_sizes[g] :] if b])
         mgr.free(request)
-        return False
 
     # -------------------------------------------------------------- stores
     def _on_reuse(self, block_id: int, block_hash: bytes, group: int) -> None:
@@ -205,14 +236,16 @@ class OffloadConnector:
 
     def before_step(self) -> None:
         """Store the blocks the schedule took back from the prefix cache (call before the step)."""
+        self._owner.check()
         self._store_reused()
 
     def after_step(self, chunks: Sequence[ScheduledChunk]) -> None:
         """Write-through: store the full blocks the step's chunks completed; settle done stores."""
+        self._owner.check()
         if self.store_policy == "write_through":
             block_of: dict[OffloadKey, int] = {}
             for chunk in chunks:
-                hashes = self.manager.coordinator.hashes_per_group(chunk.seq.request.block_hashes)
+                hashes = self.manager.hashes_per_group(chunk.seq.request)
                 start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
                 for g, (blocks, bs) in enumerate(zip(chunk.block_ids, self.manager.block_sizes)):
                     for i in range(start // bs, end // bs):
@@ -220,6 +253,10 @@ class OffloadConnector:
                             block_of.setdefault((hashes[g][i], g), blocks[i])
             self._store(block_of)
         self.finish_stores(wait=False)
+
+    def discard_reused(self) -> None:
+        """Forget the reused blocks not stored yet (their device data was lost)."""
+        self._reused = {}
 
     def _store_reused(self) -> None:
         block_of, self._reused = self._reused, {}
@@ -234,13 +271,15 @@ class OffloadConnector:
             self.stats.num_skipped_stores += len(block_of)
             return
         if plan.evicted:
-            self.transfers.pool.release([self._slots.pop(k) for k in plan.evicted])
+            self.transfers.release([self._host_blocks.pop(k) for k in plan.evicted])
         if not plan.keys_to_store:
             return
-        self._slots.update(zip(plan.keys_to_store, plan.where))
-        transfer = self.transfers.store(
-            self.runner.cache, [block_of[k] for k in plan.keys_to_store], plan.where
-        )
+        self._host_blocks.update(zip(plan.keys_to_store, plan.where))
+        try:
+            transfer = self.runner.store_blocks(self.transfers, [block_of[k] for k in plan.keys_to_store], plan.where)
+        except BaseException:
+            self._settle(plan.keys_to_store, (), plan.keys_to_store)
+            raise
         self._pending.append(_PendingStore(plan.keys_to_store, transfer))
 
     def finish_stores(self, wait: bool = True) -> None:
@@ -251,13 +290,24 @@ class OffloadConnector:
                 pending.append(p)
                 continue
             result = self.transfers.wait(p.transfer)
-            ok = [p.keys[i] for i in result.ok]
-            failed = [p.keys[i] for i in result.failed]
-            if ok:
-                self.offload.complete_store(ok, success=True)
-            if failed:
-                self.offload.complete_store(failed, success=False)
-                self.transfers.pool.release([self._slots.pop(k) for k in failed])
-            self.stats.num_stored_blocks += len(ok)
-            self.stats.num_failed_stores += len(failed)
+            self._settle(p.keys, [p.keys[i] for i in result.ok], [p.keys[i] for i in result.failed])
         self._pending = pending
+
+    def _settle(self, keys: Sequence[OffloadKey], ok: Sequence[OffloadKey], failed: Sequence[OffloadKey]) -> None:
+        """Mark a store's keys ready or drop them (freeing their host blocks)."""
+        if ok:
+            self.offload.complete_store(ok, success=True)
+        if failed:
+            self.offload.complete_store(failed, success=False)
+            self.transfers.release([self._host_blocks.pop(k) for k in failed])
+        self.stats.num_stored_blocks += len(ok)
+        self.stats.num_failed_stores += len(failed)
+
+    # ---------------------------------------------------------------- audit
+    def num_leaked_host_blocks(self) -> int:
+        """Host blocks not accounted for once every store has settled: allocated but
+        held by no key, or keys still pinned or storing with nothing in flight."""
+        self.finish_stores()
+        states = self.offload.num_keys_by_state()
+        stuck = states.get("pinned", 0) + states.get("storing", 0)
+        return abs(self.offload.num_allocated_places() - len(self._host_blocks)) + stuck

@@ -23,14 +23,18 @@ from flax import nnx
 
 from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
+from jaxkv.errors import JaxkvError
 from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
+from jaxkv.offload.host_pool import HostKVPool
+from jaxkv.offload.transfer import Transfer, TransferEngine
 from jaxkv.planner import KVCacheConfig, pad_head_size
 from jaxkv.serving.models import TinyLM, layer_groups
 from jaxkv.serving.scheduler import ScheduledChunk
-from jaxkv.specs import KVCacheSpec, cdiv
+from jaxkv.ints import cdiv
+from jaxkv.specs import KVCacheSpec
 
 
-class RunnerError(ValueError):
+class RunnerError(JaxkvError, ValueError):
     """The runner cannot be set up for this model and KV cache config."""
 
 
@@ -125,6 +129,29 @@ class ModelRunner:
         )
         self.num_compilations += _num_step_traces - before
         return np.asarray(tokens)[: len(chunks)]
+
+    def cache_is_intact(self) -> bool:
+        """False when a step was interrupted after donating the cache (its buffers are gone)."""
+        return not any(buf.is_deleted() for buf in self.cache.buffers)
+
+    def reallocate_cache(self) -> None:
+        """A fresh, zeroed cache after :meth:`cache_is_intact` turned False; every block's
+        KV is lost, so the caller must also drop the prefix cache."""
+        self.cache = allocate_kv_cache(self.config)
+
+    # ------------------------------------------------------------ host tier
+    def host_pool(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVPool:
+        """A host pool of whole blocks of this runner's cache, as many as fit in ``host_bytes``."""
+        return HostKVPool.for_cache(self.cache, host_bytes, memory_kind=memory_kind)
+
+    def store_blocks(self, transfers: TransferEngine, block_ids: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
+        """Issue a copy of device blocks into host blocks (the cache is only read)."""
+        return transfers.store(self.cache, block_ids, host_blocks)
+
+    def load_blocks(self, transfers: TransferEngine, block_ids: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
+        """Issue a copy of host blocks into device blocks of the (donated) cache."""
+        self.cache, transfer = transfers.load(self.cache, block_ids, host_blocks)
+        return transfer
 
     def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
         """The step lowered for these chunks' shapes (``.compile().memory_analysis()``)."""

@@ -10,7 +10,7 @@ get its blocks preempts the most recently admitted one (preemption by recompute:
 blocks are freed, its progress reset, and it goes back to the head of the queue), and
 no request is admitted in a step that preempted.
 
-The scheduler is host-only (no JAX): :mod:`jaxkv.simulator` replays traces with it and
+The scheduler is host-only (no JAX): :mod:`jaxkv.serving.simulator` replays traces with it and
 :mod:`jaxkv.serving.engine` drives a model with it.
 """
 
@@ -21,11 +21,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import check_int
 from jaxkv.manager import KVCacheBlocks, KVCacheManager, Request
 
 
-class SchedulerError(ValueError):
+class SchedulerError(JaxkvError, ValueError):
     """The scheduler was set up, or given a request, it cannot serve."""
+
+
+class DuplicateRequestIdError(SchedulerError):
+    """A request id already waiting, running or holding blocks was queued again."""
 
 
 class RequestTooLongError(SchedulerError):
@@ -36,10 +42,9 @@ class PoolTooSmallError(SchedulerError):
     """A request cannot get its blocks even with the whole pool to itself."""
 
 
-def check_positive_int(name: str, value: object) -> None:
-    """Raise :class:`SchedulerError` naming ``name`` unless ``value`` is an int > 0."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SchedulerError(f"{name} must be a positive int, got {value!r}")
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` as an int; :class:`SchedulerError` naming ``name`` unless it is an int > 0."""
+    return check_int(name, value, minimum=1, error=SchedulerError)
 
 
 def check_prompt_fits(request_id: str, num_prompt_tokens: int, max_model_len: int) -> None:
@@ -142,6 +147,7 @@ class Scheduler:
         self.admission = admission
         self.waiting: deque[SeqState] = deque()
         self.running: list[SeqState] = []
+        self._queued_ids: set[str] = set()  # waiting or running
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0
 
@@ -151,9 +157,12 @@ class Scheduler:
 
     def add_request(self, request: Request, max_new_tokens: int) -> SeqState:
         """Queue a new request (``num_computed_tokens`` 0) that may generate ``max_new_tokens``."""
-        check_positive_int("max_new_tokens", max_new_tokens)
+        max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         if not isinstance(request, Request):
             raise SchedulerError(f"request must be a jaxkv.manager.Request, got {request!r}")
+        rid = request.request_id
+        if rid in self._queued_ids or self.manager.has_request(rid):
+            raise DuplicateRequestIdError(f"request id {rid!r} is already queued, running or holding blocks")
         if request.num_computed_tokens:
             raise SchedulerError(
                 f"request {request.request_id!r} has num_computed_tokens={request.num_computed_tokens}; "
@@ -162,6 +171,7 @@ class Scheduler:
         check_prompt_fits(request.request_id, request.num_prompt_tokens, self.manager.max_model_len)
         seq = SeqState(request, max_new_tokens)
         self.waiting.append(seq)
+        self._queued_ids.add(rid)
         return seq
 
     # ------------------------------------------------------------ schedule
@@ -273,6 +283,7 @@ class Scheduler:
         if done:
             for seq in done:
                 self.manager.free(seq.request)
+                self._queued_ids.discard(seq.request_id)
             gone = set(done)
             self.running = [s for s in self.running if s not in gone]
         return done
