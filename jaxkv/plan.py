@@ -4,19 +4,30 @@
 
 Flags are absl flags kept in a private registry (importing this module defines no
 global flags); ``--max-model-len`` and ``--max_model_len`` spellings both work. Bad
-arguments print one line on stderr and exit with status 2; a plan that cannot be
-made (budget too small for one request, pages that cannot be unified) exits with 1.
+arguments (unknown or unparsable flags, sizes that are not positive, counts below 1)
+print one line ``jaxkv.plan: error: ...`` on stderr and exit with status 2; a plan that
+cannot be made (budget too small for one request, pages that cannot be unified) exits
+with 1.
+
+The module also holds what the scripts share: :func:`parse_size`, :func:`is_int_range`,
+:func:`device_memory_bytes` / :func:`check_fits_device` (refuse a KV budget larger than
+the device) and :func:`flags_parser` / :func:`exit_error` (absl flag errors and refused
+input as one line on stderr, exit status 2).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
+from typing import NoReturn
 
 from absl import flags
 
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import is_int
 from jaxkv.planner import (
     LAYOUT_KINDS,
     TPU_HEAD_DIM_MULTIPLE,
@@ -31,26 +42,127 @@ from jaxkv.specs import DEFAULT_MAX_NUM_BATCHED_TOKENS
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "pb": 10**15,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50,
 }
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+# ASCII digits only, at most 24 before and after the point: no 5000-digit literal
+# reaches int() (Python refuses those with a raw ValueError).
+_SIZE = re.compile(r"\s*([0-9]{1,24}(?:\.[0-9]{0,24})?|\.[0-9]{1,24})\s*([a-zA-Z]*)\s*")
 
 
-class SizeError(ValueError):
+PROG = "jaxkv.plan"
+USAGE_STATUS = 2
+"""Exit status of a command refused for bad input (flags, sizes, trace files)."""
+
+
+class SizeError(JaxkvError, ValueError):
     """A memory size that cannot be read."""
 
 
+class DeviceMemoryError(SizeError):
+    """A KV cache budget larger than the memory of the device that would hold it."""
+
+
 def parse_size(text: str) -> int:
-    """Bytes in ``text``: "16GiB", "512MiB", "1.5GB", "17179869184" (fractions floor)."""
+    """Bytes in ``text``: "16GiB", "512MiB", "1.5GB", "17179869184" (fractions floor).
+
+    Raises :class:`SizeError` naming ``text`` unless it is a positive size of at most
+    24 digits before and after the decimal point.
+    """
+    if not isinstance(text, str):
+        raise SizeError(f"memory size must be a str such as '16GiB', got {text!r}")
     match = _SIZE.fullmatch(text)
     unit = match and match.group(2).lower()
     if not match or unit not in _UNITS:
         units = ", ".join(u for u in _UNITS if u)
-        raise SizeError(f"cannot read memory size {text!r}; use bytes or one of {units}")
+        raise SizeError(f"cannot read memory size {text!r:.60}; use bytes or one of {units}")
     size = int(Fraction(match.group(1)) * _UNITS[unit])
     if size <= 0:
         raise SizeError(f"memory size must be positive, got {text!r}")
     return size
+
+
+_INT = re.compile(r"\s*[0-9]{1,18}\s*")
+
+
+def is_int_range(value: Sequence[str]) -> bool:
+    """Whether a list flag's value is ``lo,hi``: two ASCII ints with ``1 <= lo <= hi < 10**18``."""
+    if len(value) != 2 or not all(_INT.fullmatch(v) for v in value):
+        return False
+    return 1 <= int(value[0]) <= int(value[1])
+
+
+def _format_bytes(n: int) -> str:
+    for unit, scale in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n:,} bytes ({n / scale:,.1f} {unit})"
+    return f"{n:,} bytes"
+
+
+def device_memory_bytes(device: object) -> tuple[int, str] | None:
+    """(bytes, what they are) of memory on a JAX ``device``, or None if unknown.
+
+    ``device.memory_stats()["bytes_limit"]`` where the backend reports it (GPU, TPU);
+    else, on CPU (whose memory_stats is None), the host's physical RAM.
+    """
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without stats raise various errors
+        stats = None
+    limit = stats.get("bytes_limit") if isinstance(stats, dict) else None
+    if is_int(limit) and limit > 0:
+        return int(limit), f"{device} bytes_limit"
+    if getattr(device, "platform", None) == "cpu":
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+        if ram > 0:
+            return ram, f"{device} physical RAM"
+    return None
+
+
+def check_fits_device(memory_bytes: int, device: object, *, name: str = "memory") -> None:
+    """Raise :class:`DeviceMemoryError` if a ``memory_bytes`` budget exceeds ``device``'s memory.
+
+    Unknown device memory passes (nothing to compare with).
+    """
+    known = device_memory_bytes(device)
+    if known is not None and memory_bytes > known[0]:
+        raise DeviceMemoryError(
+            f"{name} budget of {_format_bytes(memory_bytes)} exceeds the device memory: "
+            f"{_format_bytes(known[0])} ({known[1]})"
+        )
+
+
+def print_error(prog: str, message: object) -> None:
+    """Print ``{prog}: error: {message}`` on stderr, as one line (the message's first)."""
+    lines = str(message).strip().splitlines() or [""]
+    print(f"{prog}: error: {lines[0]}", file=sys.stderr)
+
+
+def exit_error(prog: str, message: object, status: int = USAGE_STATUS) -> NoReturn:
+    """:func:`print_error`, then exit with ``status``."""
+    print_error(prog, message)
+    sys.exit(status)
+
+
+def flags_parser(prog: str, flag_values: flags.FlagValues = flags.FLAGS) -> Callable[[list[str]], list[str]]:
+    """A ``flags_parser`` for ``absl.app.run``: a bad flag is one line on stderr, exit status 2.
+
+    (absl's own parser prints two lines and exits with 1.) Positional arguments are refused.
+    """
+
+    def parse(argv: list[str]) -> list[str]:
+        try:
+            rest = flag_values(argv)
+        except flags.Error as err:
+            exit_error(prog, err)
+        if len(rest) > 1:
+            exit_error(prog, f"unexpected arguments: {' '.join(rest[1:])}")
+        return rest
+
+    return parse
 
 
 def _define_flags() -> flags.FlagValues:
@@ -80,8 +192,8 @@ def _define_flags() -> flags.FlagValues:
     return fv
 
 
-def _fail(message: str, status: int) -> int:
-    print(f"error: {message}", file=sys.stderr)
+def _fail(message: object, status: int) -> int:
+    print_error(PROG, message)
     return status
 
 

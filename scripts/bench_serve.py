@@ -17,6 +17,10 @@ and must be 0). On CPU the numbers are ratios of a tiny model's compute, not abs
 speeds.
 
     python scripts/bench_serve.py --out bench_serve.json
+
+Bad input (a flag out of range or unreadable, a ``--memory`` budget larger than the
+device or too small, prompts that do not fit ``--max_model_len``) prints one line
+``bench_serve.py: error: ...`` on stderr and exits with status 2.
 """
 
 from __future__ import annotations
@@ -30,14 +34,16 @@ import jax
 from absl import app, flags, logging
 
 from jaxkv import ops
+from jaxkv.errors import JaxkvError
 from jaxkv.metadata import Buckets
-from jaxkv.plan import SizeError, parse_size
+from jaxkv.plan import check_fits_device, exit_error, flags_parser, parse_size
 from jaxkv.planner import LAYOUT_KINDS, PlanError, plan_kv_cache
-from jaxkv.serving.engine import Engine, GenerationResult
-from jaxkv.serving.models import MODEL_CONFIGS, TinyLM, get_model_config
+from jaxkv.serving.engine import Engine, EngineError, GenerationResult
+from jaxkv.serving.models import MODEL_CONFIGS, ModelConfigError, TinyLM, get_model_config
 from jaxkv.serving.workloads import shared_prefix_prompts
 from jaxkv.specs import cdiv
 
+PROG = "bench_serve.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "tiny-hybrid", list(MODEL_CONFIGS), "model architecture")
 flags.DEFINE_integer("prompt_len", 1024, "tokens per prompt", lower_bound=2)
@@ -52,8 +58,9 @@ flags.DEFINE_enum("layout", "cross_layer", LAYOUT_KINDS, "KV cache buffer layout
 flags.DEFINE_integer("max_num_seqs", 8, "most requests running at once", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 1024, "token budget of one step", lower_bound=1)
 flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.ops implementation")
-flags.DEFINE_integer("seed", 0, "weights and prompts seed")
+flags.DEFINE_integer("seed", 0, "weights and prompts seed", lower_bound=0)
 flags.DEFINE_string("out", None, "write the results as JSON here")
+flags.register_validator("shared", lambda v: 0 <= v <= 1, message="--shared must be a fraction in [0, 1]")  # NaN too
 
 
 def prompts(count: int, seed: int, vocab_size: int) -> list[list[int]]:
@@ -131,34 +138,42 @@ def table(results: dict[str, dict]) -> tuple[str, dict[str, float]]:
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    del argv  # flags_parser refused positional arguments
     logging.set_verbosity(logging.WARNING)
+    if FLAGS.prompt_len + FLAGS.max_new_tokens > FLAGS.max_model_len:
+        exit_error(
+            PROG,
+            f"--prompt_len={FLAGS.prompt_len} + --max_new_tokens={FLAGS.max_new_tokens} exceeds "
+            f"--max_model_len={FLAGS.max_model_len}",
+        )
     try:
         memory = parse_size(FLAGS.memory)
+        check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
         model = TinyLM(get_model_config(FLAGS.model), seed=FLAGS.seed)
         config = plan_kv_cache(
             model.config.layer_specs(), memory, max_model_len=FLAGS.max_model_len, layout=FLAGS.layout,
             max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         )
-    except (PlanError, SizeError) as err:
-        sys.exit(f"error: {err}")
-    if FLAGS.prompt_len + FLAGS.max_new_tokens > FLAGS.max_model_len:
-        sys.exit(f"error: --prompt_len + --max_new_tokens exceeds --max_model_len={FLAGS.max_model_len}")
+    # PlanError, EngineError, ModelConfigError: listed until they subclass JaxkvError too.
+    except (JaxkvError, PlanError, EngineError, ModelConfigError) as err:
+        exit_error(PROG, err)
     # Token buckets in powers of two, so a cached request's short prefill runs a small step.
     max_blocks = cdiv(FLAGS.max_model_len, config.hash_block_size)
     ladder = Buckets.powers_of_two(FLAGS.max_num_batched_tokens, FLAGS.max_num_seqs, max_blocks)
     buckets = Buckets(ladder.tokens, (FLAGS.max_num_seqs,), (max_blocks,))
     print(f"{FLAGS.model}, {FLAGS.layout}, {FLAGS.impl} ops on {jax.default_backend()}: prompts of "
           f"{FLAGS.prompt_len} tokens, {FLAGS.shared:.0%} shared; {config.num_blocks:,} blocks")
-    with ops.set_implementation(FLAGS.impl):
-        engines = {
-            "no prefix caching": Engine(model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs,
-                                        buckets=buckets),
-            "prefix caching": Engine(model, config, enable_caching=True, max_num_seqs=FLAGS.max_num_seqs,
-                                     buckets=buckets),
-        }
-        results = measure(engines, model.config.vocab_size)
+    try:
+        with ops.set_implementation(FLAGS.impl):
+            engines = {
+                "no prefix caching": Engine(model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs,
+                                            buckets=buckets),
+                "prefix caching": Engine(model, config, enable_caching=True, max_num_seqs=FLAGS.max_num_seqs,
+                                         buckets=buckets),
+            }
+            results = measure(engines, model.config.vocab_size)
+    except (JaxkvError, EngineError) as err:
+        exit_error(PROG, err)
     text, ratios = table(results)
     print(text)
     same = results["prefix caching"]["outputs"] == results["no prefix caching"]["outputs"]
@@ -167,12 +182,15 @@ def main(argv: Sequence[str]) -> None:
         flag_values = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
         report = {"flags": flag_values, "device": jax.default_backend(), "results": results,
                   "ratios": ratios, "identical_tokens": same}
-        with open(FLAGS.out, "w") as f:
-            json.dump(report, f, indent=2)
+        try:
+            with open(FLAGS.out, "w") as f:
+                json.dump(report, f, indent=2)
+        except OSError as err:
+            exit_error(PROG, err)
         print(f"wrote {FLAGS.out}")
     if not same:
-        sys.exit("error: prefix caching changed the generated tokens")
+        exit_error(PROG, "prefix caching changed the generated tokens", status=1)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))

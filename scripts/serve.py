@@ -15,6 +15,11 @@ KV usage, and (by default) checks the tokens against the dense, unpaged forward.
 
 Paged attention runs with jaxkv.ops' XLA formulation by default (``--impl xla_gpu``: plain
 XLA, fast on CPU as well); ``--impl reference`` uses the jnp oracle.
+
+Bad input prints one line ``serve.py: error: ...`` on stderr and exits with status 2:
+a flag value out of range or unreadable, a ``--memory`` budget larger than the device
+(``memory_stats()["bytes_limit"]``, or physical RAM on CPU) or too small for one
+request. Tokens that differ from the dense reference exit with status 1.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import jax
 from absl import app, flags, logging
 
 from jaxkv import ops
-from jaxkv.plan import SizeError, parse_size
+from jaxkv.errors import JaxkvError
+from jaxkv.plan import check_fits_device, exit_error, flags_parser, is_int_range, parse_size
 from jaxkv.planner import LAYOUT_KINDS, PlanError, plan_kv_cache
 from jaxkv.serving.engine import (
     Engine,
@@ -39,16 +45,17 @@ from jaxkv.serving.engine import (
 )
 from jaxkv.serving.models import (
     MODEL_CONFIGS,
+    ModelConfigError,
     TinyLM,
     dense_greedy_generate,
     get_model_config,
 )
-from jaxkv.serving.scheduler import SchedulerError
-from jaxkv.serving.workloads import WorkloadError, shared_prefix_prompts
+from jaxkv.serving.workloads import shared_prefix_prompts
 
+PROG = "serve.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "tiny-hybrid", list(MODEL_CONFIGS), "model architecture")
-flags.DEFINE_integer("seed", 0, "weights and prompts seed")
+flags.DEFINE_integer("seed", 0, "weights and prompts seed", lower_bound=0)
 flags.DEFINE_integer("num_requests", 16, "requests in the batch", lower_bound=1)
 flags.DEFINE_integer("num_prefixes", 2, "distinct shared prefixes (system prompts)", lower_bound=1)
 flags.DEFINE_integer("prefix_len", 96, "tokens per shared prefix", lower_bound=0)
@@ -69,11 +76,7 @@ flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.ops imple
 flags.DEFINE_integer("progress_every", 10, "print a progress line every N steps", lower_bound=1)
 flags.DEFINE_boolean("verify", True, "check the tokens against the dense (unpaged) forward")
 flags.DEFINE_string("out", None, "write the result as JSON to this path")
-flags.register_validator(
-    "suffix_len",
-    lambda v: len(v) == 2 and all(x.strip().isdigit() for x in v) and 1 <= int(v[0]) <= int(v[1]),
-    message="--suffix_len must be lo,hi with 1 <= lo <= hi",
-)
+flags.register_validator("suffix_len", is_int_range, message="--suffix_len must be lo,hi with 1 <= lo <= hi")
 
 
 def _suffix_range() -> tuple[int, int]:
@@ -109,13 +112,27 @@ def _report(result: GenerationResult, engine: Engine) -> str:
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
+def _check_prompts_fit() -> None:
+    """Refuse a batch whose longest prompt leaves no room for an output token."""
+    longest = FLAGS.prefix_len + _suffix_range()[1]
+    if longest >= FLAGS.max_model_len:
+        exit_error(
+            PROG,
+            f"--prefix_len={FLAGS.prefix_len} + --suffix_len hi={_suffix_range()[1]} = {longest:,} prompt tokens "
+            f"leave no room for output in --max_model_len={FLAGS.max_model_len}",
+        )
+
+
 def serve() -> dict:
     """Plan, build, generate, print; return the JSON report."""
     start = time.perf_counter()
+    _check_prompts_fit()
+    memory = parse_size(FLAGS.memory)
+    check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
     model_config = get_model_config(FLAGS.model)
     config = plan_kv_cache(
         model_config.layer_specs(),
-        parse_size(FLAGS.memory),
+        memory,
         max_model_len=FLAGS.max_model_len,
         block_size=FLAGS.block_size,
         layout=FLAGS.layout,
@@ -136,7 +153,7 @@ def serve() -> dict:
         vocab_size=model.config.vocab_size,
         seed=FLAGS.seed,
     )
-    warm = engine.generate([[0] * min(16, FLAGS.max_model_len - 2)], 2)
+    warm = engine.generate([[0] * max(1, min(16, FLAGS.max_model_len - 2))], 2)
     print(f"warm-up: {warm.num_compilations} step shapes compiled in {warm.wall_s:.2f} s")
     print(f"serving {len(prompts)} requests ({FLAGS.num_prefixes} shared prefixes of {FLAGS.prefix_len} tokens)")
     result = engine.generate(prompts, FLAGS.max_new_tokens, progress=_print_progress)
@@ -159,8 +176,7 @@ def serve() -> dict:
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    del argv  # flags_parser refused positional arguments
     logging.set_verbosity(logging.WARNING)  # JAX's backend probing is INFO noise here
     try:
         with ops.set_implementation(FLAGS.impl):
@@ -169,11 +185,12 @@ def main(argv: Sequence[str]) -> None:
             with open(FLAGS.out, "w") as f:
                 json.dump(report, f, indent=2)
             print(f"wrote {FLAGS.out}")
-    except (PlanError, SizeError, EngineError, SchedulerError, WorkloadError, OSError) as err:
-        sys.exit(f"error: {err}")
+    # PlanError, EngineError, ModelConfigError: listed until they subclass JaxkvError too.
+    except (JaxkvError, PlanError, EngineError, ModelConfigError, OSError) as err:
+        exit_error(PROG, err)
     if report.get("matches_dense") is False:
-        sys.exit("error: the engine's tokens differ from the dense reference")
+        exit_error(PROG, "the engine's tokens differ from the dense reference", status=1)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))

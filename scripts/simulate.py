@@ -2,7 +2,7 @@
 
 Plans the KV cache of a preset model for a memory budget, replays a trace (default: a
 synthetic multi-turn chat trace over shared system prompts) with a vLLM-like
-continuous-batching scheduler (jaxkv.simulator), and prints the plan, progress lines
+continuous-batching scheduler (jaxkv.serving.simulator), and prints the plan, progress lines
 and a final table: prefix hit rate, peak/mean KV usage, preemptions, host time per
 scheduler step. No device work is done.
 
@@ -14,33 +14,44 @@ scheduler step. No device work is done.
 
 The default (gemma-3-27b, 12 GiB, 300 three-turn conversations arriving at 2 per
 second) fills the pool and evicts cached blocks, with a handful of preemptions.
+
+Bad input (a flag value out of range, an unreadable size, a plan of more than
+jaxkv.serving.simulator.MAX_NUM_BLOCKS blocks, a trace file that is not UTF-8 JSON of
+the schema, a synthetic knob that cannot fit --max_model_len) prints one line
+``simulate.py: error: ...`` on stderr and exits with status 2. A trace request's
+``max_output_tokens`` beyond --max_model_len is fine: generation stops there.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
 
 from absl import app, flags
 
+from jaxkv.errors import JaxkvError
 from jaxkv.hashing import HASH_ALGORITHMS
 from jaxkv.manager import KVCacheManager
-from jaxkv.plan import SizeError, parse_size
+from jaxkv.plan import exit_error, flags_parser, is_int_range, parse_size
 from jaxkv.planner import KVCacheConfig, PlanError, plan_kv_cache
 from jaxkv.presets import get_preset, list_presets
-from jaxkv.simulator import (
+from jaxkv.serving.simulator import (
+    PlanTooLargeError,
     Progress,
-    SimulationError,
     SimulationResult,
     Simulator,
     TraceError,
     TraceRequest,
+    check_num_blocks,
     load_trace,
     save_trace,
     synthetic_trace,
 )
+
+PROG = "simulate.py"
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("preset", "gemma-3-27b", list_presets(), "model architecture")
@@ -48,7 +59,7 @@ flags.DEFINE_string("memory", "12GiB", "KV cache budget: 16GiB, 512MiB, 1.5GB or
 flags.DEFINE_integer("max_model_len", 8192, "tokens of the longest request", lower_bound=1)
 flags.DEFINE_integer("block_size", 16, "base tokens per block", lower_bound=1)
 flags.DEFINE_enum("hash_algo", "sha256", HASH_ALGORITHMS, "prefix hash algorithm")
-flags.DEFINE_string("trace", None, "JSON trace file (schema in jaxkv/simulator.py); default: synthetic")
+flags.DEFINE_string("trace", None, "JSON trace file (schema in jaxkv/serving/simulator.py); default: synthetic")
 flags.DEFINE_integer("num_conversations", 300, "synthetic: conversations", lower_bound=1)
 flags.DEFINE_integer("turns_per_conversation", 3, "synthetic: turns per conversation", lower_bound=1)
 flags.DEFINE_integer("num_system_prompts", 4, "synthetic: distinct shared system prompts", lower_bound=1)
@@ -57,8 +68,8 @@ flags.DEFINE_list("user_turn_len", ["64", "512"], "synthetic: lo,hi tokens of a 
 flags.DEFINE_list("output_len", ["32", "256"], "synthetic: lo,hi tokens generated per turn")
 flags.DEFINE_float("arrival_rate", 2.0, "synthetic: new conversations per second (Poisson)")
 flags.DEFINE_float("turn_gap_s", 10.0, "synthetic: mean seconds between a turn's arrival and the next")
-flags.DEFINE_integer("seed", 0, "synthetic trace seed")
-flags.DEFINE_integer("max_num_running", 64, "most requests running at once", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "synthetic trace seed", lower_bound=0)
+flags.DEFINE_integer("max_num_seqs", 64, "most requests running at once", lower_bound=1)
 flags.DEFINE_integer(
     "max_num_batched_tokens", 2048, "token budget of one scheduler step (also sizes the plan)", lower_bound=1
 )
@@ -69,35 +80,38 @@ flags.DEFINE_string("out", None, "write the result as JSON to this path")
 flags.DEFINE_string("save_trace", None, "write the replayed trace as JSON to this path")
 
 
-def _is_range(value: list[str]) -> bool:
-    return len(value) == 2 and all(v.strip().isdigit() for v in value) and 1 <= int(value[0]) <= int(value[1])
-
-
-def _is_size(value: str) -> bool:
-    try:
-        parse_size(value)
-    except SizeError:
-        return False
-    return True
-
-
 for _name in ("user_turn_len", "output_len"):
-    flags.register_validator(_name, _is_range, message=f"--{_name} must be lo,hi with 1 <= lo <= hi")
-flags.register_validator("memory", _is_size, message="--memory must be a size such as 16GiB, 512MiB or bytes")
-flags.register_validator("step_ms", lambda v: v > 0, message="--step_ms must be > 0")
+    flags.register_validator(_name, is_int_range, message=f"--{_name} must be lo,hi with 1 <= lo <= hi")
+flags.register_validator("step_ms", lambda v: 0 < v < math.inf, message="--step_ms must be a finite number > 0")
+
+
+def _check_synthetic_lengths(user_turn_len: tuple[int, int], output_len: tuple[int, int]) -> None:
+    """Refuse knobs whose first turn cannot fit --max_model_len (before building huge lists)."""
+    limit = FLAGS.max_model_len
+    if FLAGS.system_prompt_len + user_turn_len[0] >= limit:
+        raise TraceError(
+            f"--system_prompt_len={FLAGS.system_prompt_len} + --user_turn_len lo={user_turn_len[0]} leaves no room "
+            f"for output in --max_model_len={limit}"
+        )
+    for name, (_, hi) in (("user_turn_len", user_turn_len), ("output_len", output_len)):
+        if hi > limit:
+            raise TraceError(f"--{name} hi={hi} exceeds --max_model_len={limit}")
 
 
 def make_trace() -> list[TraceRequest]:
     """The trace file named by --trace, else the synthetic trace of the flags."""
     if FLAGS.trace:
         return load_trace(FLAGS.trace)
+    user_turn_len = (int(FLAGS.user_turn_len[0]), int(FLAGS.user_turn_len[1]))
+    output_len = (int(FLAGS.output_len[0]), int(FLAGS.output_len[1]))
+    _check_synthetic_lengths(user_turn_len, output_len)
     return synthetic_trace(
         num_conversations=FLAGS.num_conversations,
         turns_per_conversation=FLAGS.turns_per_conversation,
         num_system_prompts=FLAGS.num_system_prompts,
         system_prompt_len=FLAGS.system_prompt_len,
-        user_turn_len=tuple(map(int, FLAGS.user_turn_len)),
-        output_len=tuple(map(int, FLAGS.output_len)),
+        user_turn_len=user_turn_len,
+        output_len=output_len,
         arrival_rate=FLAGS.arrival_rate,
         turn_gap_s=FLAGS.turn_gap_s,
         seed=FLAGS.seed,
@@ -122,8 +136,10 @@ def format_table(result: SimulationResult, wall_s: float) -> str:
         ("prefix hit rate", f"{r.prompt_hit_rate:.1%} of {r.num_prompt_tokens:,} prompt tokens, first admissions"),
         (
             "manager hit rate",
-            f"{r.cache_hit_rate:.1%} of {r.cache_queried_tokens:,} tokens in {r.cache_queries:,} lookups "
-            "(re-queries included)",
+            (
+                f"{r.cache_hit_rate:.1%} of {r.cache_queried_tokens:,} tokens in {r.cache_queries:,} lookups "
+                "(re-queries included)"
+            ),
         ),
         ("KV usage peak / mean", f"{r.peak_usage:.1%} / {r.mean_usage:.1%}"),
         ("preemptions", f"{r.num_preemptions:,}"),
@@ -137,14 +153,19 @@ def format_table(result: SimulationResult, wall_s: float) -> str:
 
 
 def plan() -> KVCacheConfig:
-    """The KV cache plan of the flags."""
-    return plan_kv_cache(
+    """The KV cache plan of the flags; refuses one of more than MAX_NUM_BLOCKS blocks."""
+    config = plan_kv_cache(
         get_preset(FLAGS.preset),
         parse_size(FLAGS.memory),
         max_model_len=FLAGS.max_model_len,
         block_size=FLAGS.block_size,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
     )
+    try:
+        check_num_blocks(config.num_blocks)
+    except PlanTooLargeError as err:
+        raise PlanTooLargeError(f"--memory={FLAGS.memory}: {err}") from None
+    return config
 
 
 def simulate() -> dict:
@@ -161,7 +182,7 @@ def simulate() -> dict:
     manager = KVCacheManager(config, enable_caching=not FLAGS.no_prefix_caching, hash_algo=FLAGS.hash_algo)
     sim = Simulator(
         manager,
-        max_num_running=FLAGS.max_num_running,
+        max_num_seqs=FLAGS.max_num_seqs,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         step_duration_s=FLAGS.step_ms / 1000,
     )
@@ -177,17 +198,17 @@ def simulate() -> dict:
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    del argv  # flags_parser refused positional arguments
     try:
         report = simulate()
         if FLAGS.out:
             with open(FLAGS.out, "w") as f:
                 json.dump(report, f, indent=2)
             print(f"wrote {FLAGS.out}")
-    except (PlanError, TraceError, SimulationError, OSError) as err:
-        sys.exit(f"error: {err}")
+    # PlanError is listed until the planner's errors subclass JaxkvError too.
+    except (JaxkvError, PlanError, OSError) as err:
+        exit_error(PROG, err)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))

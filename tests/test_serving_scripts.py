@@ -1,10 +1,20 @@
-"""The serving demo (scripts/serve.py) and benchmark (scripts/bench_serve.py) run end to end."""
+"""The serving demo (scripts/serve.py) and benchmark (scripts/bench_serve.py): end to end, and bad input.
+
+Bad input is one line ``<script>: error: ...`` on stderr with exit status 2 and no
+traceback. Those runs stop before any model is built, so they run side by side (each
+pays only for importing JAX, ~4 s of CPU); the other refusals (flag parsing, sizes) are
+the shared helpers of jaxkv.plan, tested in-process in test_plan_cli.py. The whole file
+takes about 40 s on 2 CPU cores (the two end-to-end runs, ~10 s and ~15 s, most of it).
+"""
 
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,12 +45,6 @@ def test_serve_prints_tokens_throughput_hits_and_usage_and_matches_dense(tmp_pat
     assert report["prefix_hit_rate"] > 0.3 and report["num_compilations"] == 0
 
 
-def test_serve_reports_bad_flags_in_one_line():
-    result = run_script("serve.py", "--memory=1KiB", "--noverify")
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith("error: memory_bytes=1024 holds 0 blocks")
-
-
 def test_bench_serve_reports_ratios_in_one_run(tmp_path):
     out = tmp_path / "bench.json"
     result = run_script(
@@ -55,3 +59,46 @@ def test_bench_serve_reports_ratios_in_one_run(tmp_path):
     assert report["results"]["prefix caching"]["batch_prefix_hit_rate"] > 0.5
     assert report["ratios"]["batch_tokens_computed"] > 1.5
     assert all(r["timed_compilations"] == 0 for r in report["results"].values())
+
+
+# case: (script, flags, what the one line on stderr must hold)
+BAD_INPUT = {
+    # 1 PiB exceeds any device (bytes_limit, or physical RAM on CPU): refused before planning.
+    "serve: budget over device memory": (
+        "serve.py",
+        ["--memory=1PiB"],
+        "--memory=1PiB budget of 1,125,899,906,842,624 bytes (1.0 PiB) exceeds the device memory: ",
+    ),
+    "serve: zero memory": ("serve.py", ["--memory=0"], "memory size must be positive, got '0'"),
+    "serve: memory too small": ("serve.py", ["--memory=1KiB"], "memory_bytes=1024 holds 0 blocks"),
+    "serve: negative seed": ("serve.py", ["--seed=-1"], "flag --seed=-1"),
+    "serve: reversed suffix range": ("serve.py", ["--suffix_len=48,8"], "--suffix_len must be lo,hi with 1 <= lo"),
+    "serve: prompts longer than max_model_len": (
+        "serve.py", ["--max_model_len=40"],
+        "--prefix_len=96 + --suffix_len hi=48 = 144 prompt tokens leave no room for output in --max_model_len=40",
+    ),
+    "bench: budget over device memory": ("bench_serve.py", ["--memory=1PiB"], "exceeds the device memory: "),
+    "bench: prompts longer than max_model_len": (
+        "bench_serve.py", ["--max_model_len=100"], "--prompt_len=1024 + --max_new_tokens=16 exceeds --max_model_len=100"
+    ),
+    "bench: NaN shared fraction": ("bench_serve.py", ["--shared=nan"], "--shared must be a fraction in [0, 1]"),
+}
+
+
+@pytest.fixture(scope="module")
+def refused() -> dict[str, subprocess.CompletedProcess]:
+    """Every BAD_INPUT case, run side by side."""
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        futures = {case: pool.submit(run_script, script, *args) for case, (script, args, _) in BAD_INPUT.items()}
+        return {case: future.result() for case, future in futures.items()}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line_on_stderr_and_status_2(refused, case):
+    script, _, expected = BAD_INPUT[case]
+    result = refused[case]
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: error: "), lines
+    assert expected in lines[0]

@@ -9,16 +9,20 @@ from pathlib import Path
 import pytest
 from conftest import FULL, make_manager
 
+from jaxkv.errors import JaxkvError
 from jaxkv.manager import KVCacheManager
 from jaxkv.planner import plan_kv_cache
 from jaxkv.presets import get_preset
-from jaxkv.simulator import (
+from jaxkv.serving.simulator import (
+    MAX_NUM_BLOCKS,
+    PlanTooLargeError,
     PoolTooSmallError,
     RequestTooLongError,
     SimulationError,
     Simulator,
     TraceError,
     TraceRequest,
+    check_num_blocks,
     load_trace,
     output_token_ids,
     save_trace,
@@ -28,16 +32,16 @@ from jaxkv.simulator import (
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_BYTES = 16 * 1024  # tiny-hybrid: one slot of 16 tokens x 2 heads x 64 x K/V x float32
 
-TRACE_KNOBS = dict(
-    num_conversations=12,
-    turns_per_conversation=3,
-    num_system_prompts=2,
-    system_prompt_len=128,
-    user_turn_len=(8, 64),
-    output_len=(4, 32),
-    arrival_rate=2.0,
-    turn_gap_s=2.0,
-)
+TRACE_KNOBS = {
+    "num_conversations": 12,
+    "turns_per_conversation": 3,
+    "num_system_prompts": 2,
+    "system_prompt_len": 128,
+    "user_turn_len": (8, 64),
+    "output_len": (4, 32),
+    "arrival_rate": 2.0,
+    "turn_gap_s": 2.0,
+}
 
 
 def chat_trace(seed: int = 1) -> list[TraceRequest]:
@@ -51,7 +55,7 @@ def tiny_hybrid_sim(num_blocks: int, *, caching: bool = True) -> Simulator:
     )
     assert config.num_blocks == num_blocks
     manager = KVCacheManager(config, enable_caching=caching)
-    return Simulator(manager, max_num_running=8, max_num_batched_tokens=128)
+    return Simulator(manager, max_num_seqs=8, max_num_batched_tokens=128)
 
 
 # ------------------------------------------------------------ synthetic traces
@@ -87,10 +91,14 @@ def test_output_tokens_are_a_prefix_stable_function_of_the_id():
 @pytest.mark.parametrize(
     "knobs, match",
     [
-        (dict(user_turn_len=(5, 2)), "user_turn_len"),
-        (dict(output_len=(0, 4)), "output_len"),
-        (dict(arrival_rate=0.0), "arrival_rate"),
-        (dict(num_system_prompts=0), "num_system_prompts"),
+        ({"user_turn_len": (5, 2)}, "user_turn_len"),
+        ({"output_len": (0, 4)}, "output_len"),
+        ({"arrival_rate": 0.0}, "arrival_rate"),
+        ({"num_system_prompts": 0}, "num_system_prompts"),
+        ({"seed": -1}, "seed must be a.* int.*, got -1"),
+        ({"user_turn_len": (1, 2, 3)}, r"user_turn_len .*got \(1, 2, 3\)"),
+        ({"output_len": 7}, "output_len .*got 7"),
+        ({"num_conversations": True}, "num_conversations must be a.* int.*, got True"),
     ],
 )
 def test_bad_synthetic_knobs_are_named(knobs, match):
@@ -142,7 +150,7 @@ def test_the_most_recently_admitted_request_is_preempted():
     free = mgr.free
     mgr.free = lambda req: (freed.append((req.request_id, req.num_tokens)), free(req))
     trace = [TraceRequest("a", 0.0, range(40), 30), TraceRequest("b", 0.0, range(100, 130), 30)]
-    result = Simulator(mgr, max_num_running=4, max_num_batched_tokens=512).run(trace)
+    result = Simulator(mgr, max_num_seqs=4, max_num_batched_tokens=512).run(trace)
     assert result.num_preemptions == 1
     assert [rid for rid, _ in freed] == ["b", "a", "b"]
     assert freed[0][1] < 60 and freed[1] == ("a", 70) and freed[2] == ("b", 60)
@@ -172,6 +180,26 @@ def test_generation_stops_at_max_model_len():
     assert result.num_capped == 1 and len(result.outputs["a"]) == 4
 
 
+def test_a_huge_max_output_tokens_is_capped_at_max_model_len():
+    # 10**11 output tokens: the replay draws only what fits in max_model_len (no huge list).
+    mgr = make_manager(20, FULL, max_model_len=64)
+    result = Simulator(mgr).run([TraceRequest("a", 0.0, range(10), 10**11), TraceRequest("b", 0.0, range(5), 3)])
+    assert result.num_finished == 2 and result.num_capped == 1
+    assert result.outputs["a"] == tuple(output_token_ids("a", 54))
+    assert len(result.outputs["b"]) == 3
+    assert mgr.num_free_blocks == 19
+
+
+def test_a_plan_of_too_many_blocks_is_refused_before_a_manager_exists():
+    assert check_num_blocks(MAX_NUM_BLOCKS) == MAX_NUM_BLOCKS == 2**24
+    config = plan_kv_cache(get_preset("gemma-3-27b"), 1 << 50, max_model_len=8192)  # 1 PiB
+    with pytest.raises(PlanTooLargeError, match=f"{config.num_blocks:,} blocks.*at most 16,777,216") as err:
+        check_num_blocks(config.num_blocks)
+    assert isinstance(err.value, SimulationError) and isinstance(err.value, JaxkvError)
+    with pytest.raises(SimulationError, match="num_blocks must be a.* int.*, got 0"):
+        check_num_blocks(0)
+
+
 def test_a_prompt_without_room_for_output_is_refused_up_front():
     mgr = make_manager(20, FULL, max_model_len=64)
     trace = [TraceRequest("ok", 0.0, range(10), 2), TraceRequest("big", 0.0, range(64), 2)]
@@ -189,8 +217,10 @@ def test_a_pool_too_small_for_one_request_is_an_error(prompt, output):
 
 def test_bad_simulator_arguments_are_named():
     mgr = make_manager(20, FULL)
-    with pytest.raises(SimulationError, match="max_num_running"):
-        Simulator(mgr, max_num_running=0)
+    with pytest.raises(SimulationError, match="max_num_seqs must be a.* int.*, got 0"):
+        Simulator(mgr, max_num_seqs=0)
+    with pytest.raises(TypeError, match="max_num_running"):  # renamed to the scheduler's word, no alias
+        Simulator(mgr, max_num_running=4)
     with pytest.raises(SimulationError, match="step_duration_s"):
         Simulator(mgr, step_duration_s=-1.0)
     with pytest.raises(TraceError, match="duplicate request_id 'a'"):
@@ -224,15 +254,29 @@ GOOD = {"request_id": "r0", "arrival_time": 0, "prompt_token_ids": [1, 2], "max_
         ([GOOD, 7], r"entry \[1\]: must be an object"),
         ([GOOD, {"request_id": "r1", "arrival_time": 0, "prompt_token_ids": [1]}], r"\[1\]: missing field 'max_output"),
         ([{**GOOD, "priority": 1}], r"\[0\]: unknown field 'priority'"),
-        ([{**GOOD, "max_output_tokens": 0}], r"\[0\]: request 'r0': field 'max_output_tokens' must be an int >= 1"),
+        ([{**GOOD, "max_output_tokens": 0}], r"\[0\]: request 'r0': field 'max_output_tokens' must be .*, got 0"),
         ([{**GOOD, "arrival_time": -1}], r"field 'arrival_time'.*-1"),
         ([{**GOOD, "arrival_time": "soon"}], r"field 'arrival_time'"),
         ([{**GOOD, "prompt_token_ids": [1, -5]}], r"field 'prompt_token_ids'\[1\].*-5"),
         ([{**GOOD, "prompt_token_ids": [1, 2.5]}], r"field 'prompt_token_ids'\[1\].*2.5"),
         ([{**GOOD, "prompt_token_ids": []}], r"field 'prompt_token_ids' must be a non-empty list"),
         ([{**GOOD, "request_id": 5}], r"\[0\]: field 'request_id'"),
-        ([{**GOOD, "cache_salt": 3}], r"field 'cache_salt' must be a str or null"),
+        ([{**GOOD, "cache_salt": 3}], r"field 'cache_salt' must be a UTF-8 str or null"),
         ([GOOD, GOOD], r"entry \[1\]: duplicate request_id 'r0'"),
+        ([{**GOOD, "max_output_tokens": 1e11}], r"field 'max_output_tokens' must be a.* int.*, got 100000000000.0"),
+        ([{**GOOD, "max_output_tokens": True}], r"field 'max_output_tokens' must be a.* int.*, got True"),
+        ([{**GOOD, "arrival_time": 10**400}], r"field 'arrival_time' must be a finite number >= 0, got 1000"),
+        ([{**GOOD, "prompt_token_ids": [1, 10**300]}], r"field 'prompt_token_ids'\[1\] must be a token id"),
+        ([{**GOOD, "prompt_token_ids": "12"}], r"field 'prompt_token_ids' must be a non-empty list"),
+        ([{**GOOD, "request_id": ""}], r"field 'request_id' must be a non-empty UTF-8 str"),
+        ('[{"request_id": "\\ud800", "arrival_time": 0, "prompt_token_ids": [1], "max_output_tokens": 1}]',
+         r"field 'request_id' must be a non-empty UTF-8 str, got '\\ud800'"),
+        ([{**GOOD, "lora_name": ["x"]}], r"field 'lora_name' must be a UTF-8 str or null"),
+        ('[{"request_id": "r", "arrival_time": 0, "prompt_token_ids": [1' + "0" * 5000 + '], "max_output_tokens": 1}]',
+         "cannot read the JSON: Exceeds the limit"),
+        ("[" * 100_000 + "]" * 100_000, "cannot read the JSON: maximum recursion depth"),
+        ("[NaN]", r"entry \[0\]: must be an object"),
+        ("", "not valid JSON"),
     ],
 )
 def test_bad_trace_files_give_typed_errors_naming_the_field(tmp_path, content, match):
@@ -241,6 +285,23 @@ def test_bad_trace_files_give_typed_errors_naming_the_field(tmp_path, content, m
     with pytest.raises(TraceError, match=match) as err:
         load_trace(path)
     assert str(path) in str(err.value)
+    assert isinstance(err.value, JaxkvError) and isinstance(err.value, ValueError)
+
+
+def test_a_trace_file_that_is_not_utf8_is_a_trace_error(tmp_path):
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'[{"request_id": "caf\xe9", "arrival_time": 0, "prompt_token_ids": [1], "max_output_tokens": 1}]')
+    with pytest.raises(TraceError, match=r"latin1.json: not UTF-8 text: byte b'\\xe9' at offset 20"):
+        load_trace(path)
+
+
+def test_a_trace_asking_for_10_to_the_11_output_tokens_loads_and_replays(tmp_path):
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps([{**GOOD, "max_output_tokens": 10**11}]))
+    (req,) = load_trace(path)
+    assert req.max_output_tokens == 10**11
+    result = Simulator(make_manager(20, FULL, max_model_len=64)).run([req])
+    assert result.num_capped == 1 and len(result.outputs["r0"]) == 62
 
 
 # --------------------------------------------------------------------- CLI
@@ -249,6 +310,7 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(REPO / "scripts" / "simulate.py"), *args],
         capture_output=True,
+        check=False,
         text=True,
         env=env,
         timeout=120,
@@ -291,5 +353,64 @@ def test_script_reports_bad_input_in_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1]")
     result = run_script(*CLI_FLAGS, f"--trace={bad}")
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {bad}: entry [0]")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [(f"simulate.py: error: {bad}: entry [0]: must be an object with fields "
+                                          "request_id, arrival_time, prompt_token_ids, max_output_tokens, got 1")]
+
+
+def _trace_file(tmp_path: Path, name: str, data: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+LONG_PROMPT_TRACE = json.dumps([{**GOOD, "prompt_token_ids": [1] * 512}]).encode()
+
+# Each: (extra flags, a function of tmp_path giving more flags, what stderr's one line must hold).
+BAD_CLI = {
+    # 300 GiB of tiny-hybrid is 19.7M blocks of 16 KiB: over the 2**24 cap (before: built and ran).
+    "too many blocks": (["--memory=300GiB"], None, "--memory=300GiB: the plan has 19,660,800 blocks"),
+    "unreadable size": (["--memory=lots"], None, "cannot read memory size 'lots'"),
+    "zero size": (["--memory=0"], None, "memory size must be positive, got '0'"),
+    "negative size": (["--memory=-4MiB"], None, "cannot read memory size '-4MiB'"),
+    "zero max_num_seqs": (["--max_num_seqs=0"], None, "flag --max_num_seqs=0: 0 is not a positive integer"),
+    "old flag name": (["--max_num_running=4"], None, "Unknown command line flag 'max_num_running'"),
+    "negative seed": (["--seed=-1"], None, "flag --seed=-1"),
+    "bad range": (["--user_turn_len=32,8"], None, "--user_turn_len must be lo,hi with 1 <= lo <= hi"),
+    "non-ASCII digits": (["--output_len=\u00b2,3"], None, "--output_len must be lo,hi"),
+    "infinite step": (["--step_ms=inf"], None, "--step_ms must be a finite number > 0"),
+    "huge system prompt": (["--system_prompt_len=10000000000"], None, "--system_prompt_len=10000000000 + "),
+    "huge outputs": (["--output_len=1,10000000000"], None, "--output_len hi=10000000000 exceeds --max_model_len=512"),
+    "positional": (["extra"], None, "unexpected arguments: extra"),
+    "missing trace": (["--trace=/nonexistent/trace.json"], None, "No such file or directory"),
+    "non-UTF-8 trace": ([], lambda tmp: [f"--trace={_trace_file(tmp, 'b.json', bytes([0xFF, 0x5B, 0x5D]))}"],
+                        "not UTF-8 text: byte b'\\xff' at offset 0"),
+    "trace with a 5000-digit int": (
+        [], lambda tmp: [f"--trace={_trace_file(tmp, 'd.json', b'[' + b'7' * 5000 + b']')}"], "cannot read the JSON"
+    ),
+    "prompt too long": (
+        [],
+        lambda tmp: [f"--trace={_trace_file(tmp, 'p.json', LONG_PROMPT_TRACE)}"],
+        "'r0' has a 512-token prompt; max_model_len=512",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CLI))
+def test_script_refuses_bad_input_in_one_line_with_status_2(tmp_path, case):
+    flags, more, expected = BAD_CLI[case]
+    result = run_script(*CLI_FLAGS, *flags, *(more(tmp_path) if more else []))
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("simulate.py: error: "), lines
+    assert expected in lines[0]
+
+
+def test_script_caps_a_trace_request_at_max_model_len(tmp_path):
+    trace = _trace_file(tmp_path, "t.json", json.dumps([{**GOOD, "max_output_tokens": 10**11}]).encode())
+    out = tmp_path / "out.json"
+    result = run_script(*CLI_FLAGS, f"--trace={trace}", f"--out={out}")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())["result"]
+    assert report["num_capped"] == 1 and report["num_generated_tokens"] == 510

@@ -13,15 +13,25 @@ Time is in seconds. Requests carry an ``arrival_time``; every scheduler step las
 ``step_duration_s`` of simulated time, and when nothing is queued or running the clock
 jumps to the next arrival (idle time costs no steps).
 
-Trace files are JSON: a list of objects, one per request, with the fields of
-:class:`TraceRequest` (``request_id`` str, ``arrival_time`` number >= 0,
+Trace files are UTF-8 JSON: a list of objects, one per request, with the fields of
+:class:`TraceRequest` (``request_id`` non-empty str, ``arrival_time`` finite number >= 0,
 ``prompt_token_ids`` non-empty list of ints in [0, 2**31), ``max_output_tokens``
-int >= 1, and optionally ``cache_salt`` and ``lora_name``, str or null).
+int >= 1, and optionally ``cache_salt`` and ``lora_name``, str or null). Anything
+else in a file (bad bytes, bad JSON, a wrong type, a missing or unknown field, a
+number too large to read) raises :class:`TraceError` naming the file, the entry and
+the value; only an unreadable file raises ``OSError``.
 
 A prompt of ``max_model_len`` tokens or more leaves no room for an output token: the
 simulator refuses the whole trace up front with :class:`RequestTooLongError`. A
 request whose prompt fits but whose outputs would pass ``max_model_len`` stops there
-(counted in ``num_capped``), as in vLLM.
+(counted in ``num_capped``), as in vLLM: ``max_output_tokens`` may be any int >= 1
+(10**11 too), and the replay generates at most ``max_model_len - len(prompt)`` of them.
+
+The manager keeps host bookkeeping for every block up front (about 72 bytes a block,
+more once used), so a plan of more than :data:`MAX_NUM_BLOCKS` (2**24, about 1.2 GiB
+of bookkeeping) blocks is refused by :func:`check_num_blocks` before a manager is
+built: a 1 PiB budget would otherwise plan hundreds of millions of blocks. Real
+budgets stay far below it (Gemma-3-27B in 80 GiB: about 50,000 blocks).
 """
 
 from __future__ import annotations
@@ -38,7 +48,9 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxkv.errors import JaxkvError
 from jaxkv.hashing import MAX_TOKEN_ID
+from jaxkv.ints import check_int, is_int
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.serving.scheduler import (
     PoolTooSmallError,
@@ -51,7 +63,9 @@ from jaxkv.serving.scheduler import (
 )
 
 __all__ = [
+    "MAX_NUM_BLOCKS",
     "VOCAB_SIZE",
+    "PlanTooLargeError",
     "PoolTooSmallError",
     "Progress",
     "RequestTooLongError",
@@ -60,6 +74,7 @@ __all__ = [
     "Simulator",
     "TraceError",
     "TraceRequest",
+    "check_num_blocks",
     "load_trace",
     "output_token_ids",
     "save_trace",
@@ -69,11 +84,14 @@ __all__ = [
 VOCAB_SIZE = 32_000
 """Token ids of synthetic prompts and of generated tokens lie in [0, VOCAB_SIZE)."""
 
+MAX_NUM_BLOCKS = 1 << 24
+"""The most blocks a simulated plan may have (host bookkeeping; see the module docstring)."""
+
 _REQUIRED_FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "max_output_tokens")
 _OPTIONAL_FIELDS = ("cache_salt", "lora_name")
 
 
-class TraceError(ValueError):
+class TraceError(JaxkvError, ValueError):
     """A trace (file, request or synthetic knob) that cannot be replayed."""
 
 
@@ -82,8 +100,22 @@ SimulationError = SchedulerError
 type, so :class:`RequestTooLongError` and :class:`PoolTooSmallError` are ones too)."""
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+class PlanTooLargeError(SimulationError):
+    """A KV cache plan with more blocks than the simulator keeps bookkeeping for."""
+
+
+def check_num_blocks(num_blocks: int) -> int:
+    """``num_blocks`` if a manager of that many blocks is sane to build on the host.
+
+    Raises :class:`PlanTooLargeError` naming it above :data:`MAX_NUM_BLOCKS`.
+    """
+    num_blocks = check_int("num_blocks", num_blocks, minimum=1, error=SimulationError)
+    if num_blocks > MAX_NUM_BLOCKS:
+        raise PlanTooLargeError(
+            f"the plan has {num_blocks:,} blocks; the simulator keeps host bookkeeping per block and "
+            f"takes at most {MAX_NUM_BLOCKS:,} (2**24): plan a smaller memory budget"
+        )
+    return num_blocks
 
 
 def _token_ids(value: object, where: str) -> tuple[int, ...]:
@@ -91,11 +123,32 @@ def _token_ids(value: object, where: str) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) == 0:
         raise TraceError(f"{where}field 'prompt_token_ids' must be a non-empty list of ints, got {value!r:.80}")
     for pos, token in enumerate(value):
-        if not _is_int(token) or not 0 <= token <= MAX_TOKEN_ID:
+        if not is_int(token) or not 0 <= token <= MAX_TOKEN_ID:
             raise TraceError(
-                f"{where}field 'prompt_token_ids'[{pos}] must be a token id in [0, 2**31), got {token!r}"
+                f"{where}field 'prompt_token_ids'[{pos}] must be a token id in [0, 2**31), got {token!r:.80}"
             )
     return tuple(int(t) for t in value)
+
+
+def _is_utf8(text: str) -> bool:
+    """False for a str holding lone surrogates (JSON's "\\ud800"), which cannot be hashed or saved."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _arrival_time(value: object, where: str) -> float:
+    """``value`` as a finite float >= 0, or a TraceError (ints too large for a float included)."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    try:
+        arrival = float(value) if ok else math.nan
+    except OverflowError:
+        arrival = math.inf
+    if not (math.isfinite(arrival) and arrival >= 0):
+        raise TraceError(f"{where}field 'arrival_time' must be a finite number >= 0, got {value!r:.80}")
+    return arrival
 
 
 @dataclass(frozen=True)
@@ -115,23 +168,17 @@ class TraceRequest:
 
     def __post_init__(self) -> None:
         rid = self.request_id
-        if not isinstance(rid, str) or not rid:
-            raise TraceError(f"field 'request_id' must be a non-empty str, got {rid!r}")
-        where = f"request {rid!r}: "
-        arrival = self.arrival_time
-        if not isinstance(arrival, (int, float, np.integer, np.floating)) or isinstance(arrival, bool) or not (
-            math.isfinite(arrival) and arrival >= 0
-        ):
-            raise TraceError(f"{where}field 'arrival_time' must be a finite number >= 0, got {arrival!r}")
-        object.__setattr__(self, "arrival_time", float(arrival))
+        if not isinstance(rid, str) or not rid or not _is_utf8(rid):
+            raise TraceError(f"field 'request_id' must be a non-empty UTF-8 str, got {rid!r:.80}")
+        where = f"request {rid!r:.80}: "
+        object.__setattr__(self, "arrival_time", _arrival_time(self.arrival_time, where))
         object.__setattr__(self, "prompt_token_ids", _token_ids(self.prompt_token_ids, where))
-        if not _is_int(self.max_output_tokens) or self.max_output_tokens < 1:
-            raise TraceError(f"{where}field 'max_output_tokens' must be an int >= 1, got {self.max_output_tokens!r}")
-        object.__setattr__(self, "max_output_tokens", int(self.max_output_tokens))
+        max_out = check_int(f"{where}field 'max_output_tokens'", self.max_output_tokens, minimum=1, error=TraceError)
+        object.__setattr__(self, "max_output_tokens", max_out)
         for name in _OPTIONAL_FIELDS:
             value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise TraceError(f"{where}field {name!r} must be a str or null, got {value!r}")
+            if value is not None and not (isinstance(value, str) and _is_utf8(value)):
+                raise TraceError(f"{where}field {name!r} must be a UTF-8 str or null, got {value!r:.80}")
 
     def to_json(self) -> dict:
         """The request as a JSON-able object of the trace file schema."""
@@ -156,16 +203,11 @@ def output_token_ids(request_id: str, count: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, VOCAB_SIZE, count).tolist()
 
 
-def _length_range(name: str, value: tuple[int, int]) -> tuple[int, int]:
-    lo, hi = value
-    if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
-        raise TraceError(f"{name} must be a range (lo, hi) of ints with 1 <= lo <= hi, got {value!r}")
-    return int(lo), int(hi)
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:
-        raise TraceError(f"{name} must be an int >= {minimum}, got {value!r}")
+def _length_range(name: str, value: object) -> tuple[int, int]:
+    ok = isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2
+    if not (ok and is_int(value[0]) and is_int(value[1]) and 1 <= value[0] <= value[1]):
+        raise TraceError(f"{name} must be a range (lo, hi) of ints with 1 <= lo <= hi, got {value!r:.80}")
+    return int(value[0]), int(value[1])
 
 
 def _check_rate(name: str, value: object) -> None:
@@ -194,10 +236,11 @@ def synthetic_trace(
     mean ``turn_gap_s`` after turn k-1 arrived. Turn k's request id is
     ``conv{c}-turn{k}``; every turn asks for exactly its output length.
     """
-    _check_int("num_conversations", num_conversations, 1)
-    _check_int("turns_per_conversation", turns_per_conversation, 1)
-    _check_int("num_system_prompts", num_system_prompts, 1)
-    _check_int("system_prompt_len", system_prompt_len, 0)
+    check_int("num_conversations", num_conversations, minimum=1, error=TraceError)
+    check_int("turns_per_conversation", turns_per_conversation, minimum=1, error=TraceError)
+    check_int("num_system_prompts", num_system_prompts, minimum=1, error=TraceError)
+    check_int("system_prompt_len", system_prompt_len, minimum=0, error=TraceError)
+    check_int("seed", seed, minimum=0, error=TraceError)
     _check_rate("arrival_rate", arrival_rate)
     _check_rate("turn_gap_s", turn_gap_s)
     user_lo, user_hi = _length_range("user_turn_len", user_turn_len)
@@ -242,11 +285,24 @@ def _check_unique_ids(trace: Sequence[TraceRequest]) -> None:
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    """Read a JSON trace file (schema in the module docstring), in file order."""
+    """Read a JSON trace file (schema in the module docstring), in file order.
+
+    Raises :class:`TraceError` naming the file (and entry) for anything but a readable
+    UTF-8 JSON trace; ``OSError`` if the file cannot be read at all.
+    """
+    raw = Path(path).read_bytes()
     try:
-        data = json.loads(Path(path).read_text())
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TraceError(
+            f"{path}: not UTF-8 text: byte {raw[err.start:err.start + 1]!r} at offset {err.start}"
+        ) from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as err:
         raise TraceError(f"{path}: not valid JSON: {err}") from None
+    except (ValueError, RecursionError) as err:  # a number of over 4300 digits; nesting too deep
+        raise TraceError(f"{path}: cannot read the JSON: {str(err).splitlines()[0]:.160}") from None
     if not isinstance(data, list):
         raise TraceError(f"{path}: a trace is a JSON list of request objects, got {type(data).__name__}")
     trace = []
@@ -344,7 +400,7 @@ class Simulator:
 
     Each step schedules, within ``max_num_batched_tokens``: first the running
     requests in admission order (one decode token, or the next prefill chunk), then
-    waiting requests FCFS up to ``max_num_running`` (prefix-cache lookup, then a
+    waiting requests FCFS up to ``max_num_seqs`` running (prefix-cache lookup, then a
     chunk limited by the remaining budget). A running request that cannot get its
     blocks preempts the most recently admitted running request (freed, progress
     reset, back at the head of the queue) and retries; no waiting request is admitted
@@ -355,20 +411,20 @@ class Simulator:
         self,
         manager: KVCacheManager,
         *,
-        max_num_running: int = 64,
+        max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         step_duration_s: float = 0.02,
     ) -> None:
         if not isinstance(manager, KVCacheManager):
             raise SimulationError(f"manager must be a KVCacheManager, got {manager!r}")
-        check_positive_int("max_num_running", max_num_running)
+        check_positive_int("max_num_seqs", max_num_seqs)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if isinstance(step_duration_s, bool) or not isinstance(step_duration_s, (int, float)) or not (
             0 < step_duration_s < math.inf
         ):
             raise SimulationError(f"step_duration_s must be a finite number > 0, got {step_duration_s!r}")
         self.manager = manager
-        self.max_num_running = max_num_running
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_duration_s = float(step_duration_s)
 
@@ -399,7 +455,7 @@ class _Replay:
         self.manager = sim.manager
         self.scheduler = Scheduler(
             sim.manager,
-            max_num_seqs=sim.max_num_running,
+            max_num_seqs=sim.max_num_seqs,
             max_num_batched_tokens=sim.max_num_batched_tokens,
             record_block_ids=False,
         )
@@ -439,7 +495,11 @@ class _Replay:
             request = Request(
                 req.request_id, req.prompt_token_ids, cache_salt=req.cache_salt, lora_name=req.lora_name
             )
-            self.outputs[req.request_id] = output_token_ids(req.request_id, req.max_output_tokens)
+            # Generation stops at max_model_len: draw no more tokens than fit (a trace may
+            # ask for 10**11); the scheduler still sees the request's own limit, so a
+            # request stopped by max_model_len counts in num_capped.
+            room = self.manager.max_model_len - len(req.prompt_token_ids)
+            self.outputs[req.request_id] = output_token_ids(req.request_id, min(req.max_output_tokens, room))
             self.scheduler.add_request(request, req.max_output_tokens)
 
     # ------------------------------------------------------------ reports
