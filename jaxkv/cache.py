@@ -1,6 +1,6 @@
 """The KV cache on device: a pytree of buffers allocated in their final layout.
 
-Two layouts (``KVCacheLayout.kind``):
+Two layouts (``BlockPages.layout``):
 
 - ``per_layer``: one buffer per layer index, ``(num_blocks, block_size, 2*H, D)``;
 - ``cross_layer``: one block-major buffer
@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv.errors import JaxkvError
-from jaxkv.planner import LAYOUT_KINDS, KVCacheConfig
+from jaxkv.planner import LAYOUTS, KVCacheConfig
 from jaxkv.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -76,7 +76,7 @@ class KVCache:
     """
 
     buffers: tuple[jax.Array, ...]
-    kind: str = dataclasses.field(metadata={"static": True})
+    layout: str = dataclasses.field(metadata={"static": True})
     layer_indices: tuple[tuple[str, int], ...] = dataclasses.field(metadata={"static": True})
     block_size: int = dataclasses.field(metadata={"static": True})
     num_kv_heads: int = dataclasses.field(metadata={"static": True})
@@ -98,13 +98,13 @@ class KVCache:
         and the layer index (the kernel reads the page in place, no copy).
         """
         index = self.layer_index(layer)
-        if self.kind == "per_layer":
+        if self.layout == "per_layer":
             return self.buffers[index], None
         return self.buffers[0], index
 
     def with_layer_buffer(self, layer: str, buffer: jax.Array) -> KVCache:
         """This cache with ``layer``'s buffer (per-layer) or the shared buffer replaced."""
-        index = self.layer_index(layer) if self.kind == "per_layer" else 0
+        index = self.layer_index(layer) if self.layout == "per_layer" else 0
         buffers = self.buffers[:index] + (buffer,) + self.buffers[index + 1 :]
         return self.replace(buffers)
 
@@ -120,7 +120,7 @@ class KVCache:
     @property
     def num_layers_per_block(self) -> int:
         """Pages per block, one per layer index."""
-        return len(self.buffers) if self.kind == "per_layer" else self.buffers[0].shape[1]
+        return len(self.buffers) if self.layout == "per_layer" else self.buffers[0].shape[1]
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -162,8 +162,8 @@ def _device_spec(config: KVCacheConfig) -> KVCacheSpec:
 
 def _layer_indices(config: KVCacheConfig) -> tuple[tuple[str, int], ...]:
     """(layer, index) pairs: the layout's rows, or the i-th layer of each group -> i."""
-    if config.layout is not None:
-        rows = config.layout.slots
+    if config.pages is not None:
+        rows = config.pages.layers
     else:
         width = max(len(g.layer_names) for g in config.groups)
         rows = tuple(
@@ -206,16 +206,16 @@ def allocate_kv_cache(
 ) -> KVCache:
     """Zero-filled device buffers for ``config``, directly in their final layout.
 
-    ``layout`` overrides ``config.layout.kind`` (default ``cross_layer`` for configs
+    ``layout`` overrides ``config.pages.layout`` (default ``cross_layer`` for configs
     without a layout); ``dtype`` overrides the spec dtype. Buffers are created on device
     (sharded when ``mesh`` is given), never materialised on the host. Raises
     :class:`UnsupportedLayoutError` for specs other than full / sliding-window /
     chunked-local attention with one (num_kv_heads, head_size, dtype) and block size.
     """
     spec = _device_spec(config)
-    kind = layout or (config.layout.kind if config.layout is not None else "cross_layer")
-    if kind not in LAYOUT_KINDS:
-        raise UnsupportedLayoutError(f"unknown layout {kind!r}; valid layouts: {LAYOUT_KINDS}")
+    kind = layout or (config.pages.layout if config.pages is not None else "cross_layer")
+    if kind not in LAYOUTS:
+        raise UnsupportedLayoutError(f"unknown layout {kind!r}; valid layouts: {LAYOUTS}")
     layer_indices = _layer_indices(config)
     num_layers_per_block = max(index for _, index in layer_indices) + 1
     block_size = config.groups[0].block_size
@@ -230,7 +230,7 @@ def allocate_kv_cache(
     buffers = zeros(shape, dtype, count)
     return KVCache(
         buffers=tuple(buffers),
-        kind=kind,
+        layout=kind,
         layer_indices=layer_indices,
         block_size=block_size,
         num_kv_heads=spec.num_kv_heads,

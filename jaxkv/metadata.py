@@ -146,7 +146,7 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _Packing:
     """Static shape of a packed :class:`StepMetadata`: tokens, seqs, table widths."""
 
     num_tokens: int
@@ -180,10 +180,10 @@ class StepMetadata:
     """
 
     packed: jax.Array
-    layout: _Layout = dataclasses.field(metadata={"static": True})
+    packing: _Packing = dataclasses.field(metadata={"static": True})
 
     def _field(self, name: str) -> jax.Array:
-        start, shape = self.layout.offsets[name]
+        start, shape = self.packing.offsets[name]
         return self.packed[start : start + int(np.prod(shape))].reshape(shape)
 
     @property
@@ -221,13 +221,13 @@ class StepMetadata:
         """Per KV cache group: block table and slot mapping."""
         return tuple(
             AttentionMetadata(self._field(f"tables{g}"), self._field(f"slots{g}"))
-            for g in range(len(self.layout.widths))
+            for g in range(len(self.packing.widths))
         )
 
     @property
     def num_tokens(self) -> int:
         """T, the bucketed token count (static)."""
-        return self.layout.num_tokens
+        return self.packing.num_tokens
 
 
 def _new_tokens(seq: ScheduledSeq, token_ids: Sequence[int]) -> np.ndarray:
@@ -334,8 +334,8 @@ def build_step_metadata(
             table[i, : len(row)] = row
         tables.append(table)
 
-    layout = _Layout(num_tokens, max_seqs, tuple(t.shape[1] for t in tables))
-    offsets = layout.offsets
+    packing = _Packing(num_tokens, max_seqs, tuple(t.shape[1] for t in tables))
+    offsets = packing.offsets
     packed = np.zeros(offsets["_end"][0], dtype=np.int64)
 
     def put(name: str, values: np.ndarray) -> None:
@@ -367,4 +367,4 @@ def build_step_metadata(
     info = np.iinfo(np.int32)
     if packed.size and (packed.max() > info.max or packed.min() < info.min):
         raise MetadataError(f"values [{packed.min()}, {packed.max()}] do not fit int32")
-    return StepMetadata(jax.device_put(packed.astype(np.int32), device), layout)
+    return StepMetadata(jax.device_put(packed.astype(np.int32), device), packing)

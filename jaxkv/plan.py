@@ -29,7 +29,7 @@ from absl import flags
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import is_int
 from jaxkv.planner import (
-    LAYOUT_KINDS,
+    LAYOUTS,
     TPU_HEAD_DIM_MULTIPLE,
     IncompatibleSpecsError,
     InsufficientMemoryError,
@@ -173,7 +173,7 @@ def _define_flags() -> flags.FlagValues:
     )
     flags.DEFINE_integer("max_model_len", None, "tokens of the longest request", flag_values=fv)
     flags.DEFINE_integer("block_size", 16, "base tokens per block", flag_values=fv)
-    flags.DEFINE_enum("layout", "cross_layer", LAYOUT_KINDS, "buffer layout", flag_values=fv)
+    flags.DEFINE_enum("layout", "cross_layer", LAYOUTS, "buffer layout", flag_values=fv)
     flags.DEFINE_integer(
         "max_num_batched_tokens",
         DEFAULT_MAX_NUM_BATCHED_TOKENS,

@@ -8,7 +8,7 @@ specs -> (tile alignment) -> groups -> block size per group -> layout -> num_blo
    the plan (pages, blocks, num_blocks, padding, the summary) counts the padded bytes
    the device buffers really take. MLA latents and Mamba states are left as they are.
 1. **Groups.** Layers whose specs have the same ``type_key`` form a type. Every group
-   has the same number of layer slots, ``layers_per_group`` (see
+   has the same number of layers per block, ``layers_per_group`` (see
    :func:`choose_layers_per_group`); a type's layers are cut into
    ceil(count / layers_per_group) groups in model order. One block id then means the
    same bytes in every group, so all groups draw from one shared pool.
@@ -38,10 +38,10 @@ from jaxkv.specs import (
     SlidingWindowSpec,
 )
 
-LAYOUT_KINDS = ("cross_layer", "per_layer")
-"""``cross_layer``: block-major, all slots of a block contiguous (one buffer of
-(num_blocks, num_slots, page)), so a block moves in one copy. ``per_layer``: one
-buffer of (num_blocks, page) per slot."""
+LAYOUTS = ("cross_layer", "per_layer")
+"""``cross_layer``: block-major, all layers of a block contiguous (one buffer of
+(num_blocks, num_layers_per_block, page)), so a block moves in one copy. ``per_layer``: one
+buffer of (num_blocks, page) per layer index."""
 
 TPU_HEAD_DIM_MULTIPLE = 128
 """``head_dim_multiple`` for TPUs: a vreg is 8 sublanes x 128 lanes and Mosaic kernels
@@ -79,7 +79,7 @@ def pad_head_size(spec: KVCacheSpec, multiple: int) -> KVCacheSpec:
 
 
 def _unknown_layout(kind: object) -> str:
-    return f"unknown layout {kind!r}; valid layouts: {', '.join(LAYOUT_KINDS)}"
+    return f"unknown layout {kind!r}; valid layouts: {', '.join(LAYOUTS)}"
 
 
 @dataclass(frozen=True)
@@ -110,42 +110,43 @@ class KVCacheGroup:
 
 
 @dataclass(frozen=True)
-class KVCacheLayout:
+class BlockPages:
     """How blocks map to bytes.
 
-    ``slots[i]`` is the i-th layer of every group (None where a group has fewer
-    layers): layers of different groups share slot i, because a block belongs to one
-    group at a time. Every slot of a block is one page of ``page_size_bytes``.
+    ``layers[i]`` is the i-th layer of every group (None where a group has fewer
+    layers): layers of different groups share layer index i, because a block belongs
+    to one group at a time. Every layer index of a block is one page of
+    ``page_size_bytes``.
     """
 
-    kind: str
-    slots: tuple[tuple[str | None, ...], ...]
+    layout: str
+    layers: tuple[tuple[str | None, ...], ...]
     page_size_bytes: int
 
     def __post_init__(self) -> None:
-        if self.kind not in LAYOUT_KINDS:
-            raise PlanError(_unknown_layout(self.kind))
+        if self.layout not in LAYOUTS:
+            raise PlanError(_unknown_layout(self.layout))
         _positive_int("page_size_bytes", self.page_size_bytes)
-        object.__setattr__(self, "slots", tuple(tuple(row) for row in self.slots))
-        if not self.slots or len({len(row) for row in self.slots}) != 1 or not self.slots[0]:
-            raise PlanError(f"slots must be a non-empty rectangle, got {self.slots!r}")
-        names = [name for row in self.slots for name in row if name is not None]
+        object.__setattr__(self, "layers", tuple(tuple(row) for row in self.layers))
+        if not self.layers or len({len(row) for row in self.layers}) != 1 or not self.layers[0]:
+            raise PlanError(f"layers must be a non-empty rectangle, got {self.layers!r}")
+        names = [name for row in self.layers for name in row if name is not None]
         if len(names) != len(set(names)):
-            raise PlanError(f"a layer appears in more than one slot: {self.slots!r}")
+            raise PlanError(f"a layer appears at more than one layer index: {self.layers!r}")
 
     @property
-    def num_slots(self) -> int:
+    def num_layers_per_block(self) -> int:
         """Pages per block (= layers_per_group)."""
-        return len(self.slots)
+        return len(self.layers)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block id: one page per slot."""
-        return self.page_size_bytes * self.num_slots
+        """Bytes of one block id: one page per layer index."""
+        return self.page_size_bytes * self.num_layers_per_block
 
-    def slot_index(self, layer_name: str) -> int:
-        """The slot (buffer) holding ``layer_name``'s pages."""
-        for i, row in enumerate(self.slots):
+    def layer_index(self, layer_name: str) -> int:
+        """The layer index (page of a block, buffer of the per-layer layout) holding ``layer_name``'s pages."""
+        for i, row in enumerate(self.layers):
             if layer_name in row:
                 return i
         raise KeyError(f"layer {layer_name!r} is not in this layout")
@@ -165,7 +166,7 @@ class KVCacheConfig:
 
     num_blocks: int
     groups: tuple[KVCacheGroup, ...]
-    layout: KVCacheLayout | None = None
+    pages: BlockPages | None = None
     max_model_len: int | None = None
     memory_bytes: int | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -189,8 +190,8 @@ class KVCacheConfig:
                     f"block sizes must be multiples of the smallest ({smallest}), "
                     f"got {group.block_size} for {group.layer_names[0]!r}"
                 )
-        if self.layout is not None:
-            _check_layout_fits(self.groups, self.layout)
+        if self.pages is not None:
+            _check_pages_fit(self.groups, self.pages)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if self.memory_bytes is not None:
@@ -227,13 +228,13 @@ class KVCacheConfig:
 
     @property
     def padding_bytes_per_block(self) -> tuple[int, ...] | None:
-        """Bytes of a block that hold no data, per group: empty slots, state padding and
+        """Bytes of a block that hold no data, per group: empty layer pages, state padding and
         head padding (tile alignment)."""
-        if self.layout is None:
+        if self.pages is None:
             return None
-        page = self.layout.page_size_bytes
+        page = self.pages.page_size_bytes
         return tuple(
-            (self.layout.num_slots - len(g.layer_names)) * page
+            (self.pages.num_layers_per_block - len(g.layer_names)) * page
             + len(g.layer_names) * (page - g.spec.page_size_bytes(g.block_size))
             + g.block_size * g.head_padding_bytes_per_token
             for g in self.groups
@@ -244,12 +245,12 @@ class KVCacheConfig:
         rows = [("group", "spec", "layers", "block", "data B/page", "pad B/block", "blocks/req")]
         padding = self.padding_bytes_per_block
         per_request = self.blocks_per_request() if self.max_model_len is not None else None
-        slots = f"/{self.layout.num_slots}" if self.layout is not None else ""
+        per_block = f"/{self.pages.num_layers_per_block}" if self.pages is not None else ""
         for i, g in enumerate(self.groups):
             rows.append((
                 str(i),
                 g.spec.label,
-                f"{len(g.layer_names)}{slots}",
+                f"{len(g.layer_names)}{per_block}",
                 str(g.block_size),
                 f"{g.spec.page_size_bytes(g.block_size):,}",
                 f"{padding[i]:,}" if padding is not None else "-",
@@ -270,11 +271,11 @@ class KVCacheConfig:
                 "(tile alignment): data B/page includes the zero head columns, pad B/block "
                 "counts them"
             )
-        if self.layout is not None:
-            block = self.layout.block_bytes
+        if self.pages is not None:
+            block = self.pages.block_bytes
             lines.append(
-                f"page {self.layout.page_size_bytes:,} B per slot; block = "
-                f"{self.layout.num_slots} slot(s) = {block:,} B ({_human(block)})"
+                f"page {self.pages.page_size_bytes:,} B per layer; block = "
+                f"{self.pages.num_layers_per_block} layer page(s) = {block:,} B ({_human(block)})"
             )
             used = f" = {_human(self.num_blocks * block)}"
             if self.memory_bytes is not None:
@@ -288,39 +289,39 @@ class KVCacheConfig:
         if per_request is not None:
             need = sum(per_request)
             line = f"max_model_len {self.max_model_len:,}: one request needs {need:,} blocks"
-            if self.layout is not None:
-                line += f" ({_human(need * self.layout.block_bytes)})"
+            if self.pages is not None:
+                line += f" ({_human(need * self.pages.block_bytes)})"
             lines.append(f"{line}; max concurrency {self.max_concurrency:,}")
             if padding is not None:
                 wasted = sum(n * p for n, p in zip(per_request, padding))
-                share = wasted / (need * self.layout.block_bytes)
+                share = wasted / (need * self.pages.block_bytes)
                 lines.append(
                     f"padding: {_human(wasted)} of a max_model_len request ({share:.1%}) "
-                    "holds no data (empty slots, states padded to the page, heads padded to tiles)"
+                    "holds no data (empty layer pages, states padded to the page, heads padded to tiles)"
                 )
         return "\n".join(lines)
 
 
-def _check_layout_fits(groups: Sequence[KVCacheGroup], layout: KVCacheLayout) -> None:
-    """Slot column i must list group i's layers, and every page must fit a slot."""
-    if len(layout.slots[0]) != len(groups):
-        raise PlanError(f"layout has {len(layout.slots[0])} group columns for {len(groups)} groups")
+def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
+    """Column i of the layers must list group i's layers, and every page must fit."""
+    if len(pages.layers[0]) != len(groups):
+        raise PlanError(f"layout has {len(pages.layers[0])} group columns for {len(groups)} groups")
     for i, group in enumerate(groups):
-        column = tuple(row[i] for row in layout.slots)
-        expected = group.layer_names + (None,) * (layout.num_slots - len(group.layer_names))
+        column = tuple(row[i] for row in pages.layers)
+        expected = group.layer_names + (None,) * (pages.num_layers_per_block - len(group.layer_names))
         if column != expected:
             raise PlanError(f"layout column {i} is {column!r}, group {i} has {group.layer_names!r}")
         data = group.spec.page_size_bytes(group.block_size)
-        if data > layout.page_size_bytes:
+        if data > pages.page_size_bytes:
             raise PlanError(
-                f"group {i} needs {data} B pages but the layout page is {layout.page_size_bytes} B"
+                f"group {i} needs {data} B pages but the layout page is {pages.page_size_bytes} B"
             )
 
 
 def _headline(config: KVCacheConfig) -> str:
     head = f"KV cache plan: {len(config.groups)} group(s)"
-    if config.layout is not None:
-        head += f" x {config.layout.num_slots} slot(s), {config.layout.kind} layout"
+    if config.pages is not None:
+        head += f" x {config.pages.num_layers_per_block} layer page(s), {config.pages.layout} layout"
     return f"{head}, hash block size {config.hash_block_size} tokens"
 
 
@@ -355,7 +356,7 @@ def _layer_types(layer_specs: Mapping[str, KVCacheSpec]) -> list[_LayerType]:
 
 
 def _unify_pages(specs: Sequence[KVCacheSpec], block_size: int) -> tuple[list[int], int]:
-    """Block size per spec and the common page size (bytes per layer slot).
+    """Block size per spec and the common page size (bytes per layer page).
 
     Attention pages are made equal by scaling the block size of the smaller pages by
     the integer ratio to the largest; then all attention block sizes grow by the
@@ -406,15 +407,15 @@ def choose_layers_per_group(counts: Sequence[int], blocks_per_request: Sequence[
     """Slots per group for types of ``counts`` layers needing ``blocks_per_request`` each.
 
     Among sizes that make no more groups than the smallest type's count would (the
-    vLLM rule), pick the one whose groups waste the fewest slot-pages for one
+    vLLM rule), pick the one whose groups waste the fewest layer pages for one
     max_model_len request: sum over types of ceil(n / size) * size * blocks. Ties go
     to fewer groups, then to the smaller size. A single type gives one group.
     """
     bound = _num_groups(counts, min(counts))
 
     def cost(size: int) -> tuple[int, int, int]:
-        slots = sum(cdiv(n, size) * size * b for n, b in zip(counts, blocks_per_request))
-        return slots, _num_groups(counts, size), size
+        pages = sum(cdiv(n, size) * size * b for n, b in zip(counts, blocks_per_request))
+        return pages, _num_groups(counts, size), size
 
     candidates = [s for s in range(1, max(counts) + 1) if _num_groups(counts, s) <= bound]
     return min(candidates, key=cost)
@@ -450,7 +451,7 @@ def plan_kv_cache(
     _positive_int("max_model_len", max_model_len)
     _positive_int("block_size", block_size)
     _positive_int("max_num_batched_tokens", max_num_batched_tokens)
-    if layout not in LAYOUT_KINDS:
+    if layout not in LAYOUTS:
         raise PlanError(_unknown_layout(layout))
     if num_blocks_override is not None:
         _positive_int("num_blocks_override", num_blocks_override)
@@ -463,23 +464,23 @@ def plan_kv_cache(
         t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens)
         for t, size in zip(types, sizes)
     ]
-    slots = choose_layers_per_group([len(t.layer_names) for t in types], per_type)
+    per_group = choose_layers_per_group([len(t.layer_names) for t in types], per_type)
     groups = tuple(
         KVCacheGroup(
             names, t.spec, size, _head_padding_bytes_per_token(names, layer_specs, padded)
         )
         for t, size in zip(types, sizes)
-        for names in (t.layer_names[i : i + slots] for i in range(0, len(t.layer_names), slots))
+        for names in (t.layer_names[i : i + per_group] for i in range(0, len(t.layer_names), per_group))
     )
-    kv_layout = KVCacheLayout(
-        kind=layout,
-        slots=tuple(
+    pages = BlockPages(
+        layout=layout,
+        layers=tuple(
             tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in groups)
-            for i in range(slots)
+            for i in range(per_group)
         ),
         page_size_bytes=page,
     )
-    block_bytes = kv_layout.block_bytes
+    block_bytes = pages.block_bytes
     num_blocks = memory_bytes // block_bytes if num_blocks_override is None else num_blocks_override
     needed = sum(
         g.spec.blocks_per_request(max_model_len, g.block_size, max_num_batched_tokens)
@@ -499,7 +500,7 @@ def plan_kv_cache(
     return KVCacheConfig(
         num_blocks=num_blocks,
         groups=groups,
-        layout=kv_layout,
+        pages=pages,
         max_model_len=max_model_len,
         memory_bytes=memory_bytes,
         max_num_batched_tokens=max_num_batched_tokens,

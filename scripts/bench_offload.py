@@ -359,7 +359,7 @@ def bench_serving() -> list[dict]:
     specs = model.config.layer_specs()
     turn = FLAGS.serve_user_len + FLAGS.serve_new_tokens
     max_model_len = FLAGS.serve_system_len + FLAGS.serve_turns * turn
-    block_bytes = plan_kv_cache(specs, 1 << 30, max_model_len=max_model_len).layout.block_bytes
+    block_bytes = plan_kv_cache(specs, 1 << 30, max_model_len=max_model_len).pages.block_bytes
 
     def engine(device_blocks: int, policy: str | None) -> Engine:
         plan = plan_kv_cache(specs, device_blocks * block_bytes, max_model_len=max_model_len, max_num_batched_tokens=256)

@@ -37,7 +37,7 @@ from jaxkv import ops
 from jaxkv.errors import JaxkvError
 from jaxkv.metadata import Buckets
 from jaxkv.plan import check_fits_device, exit_error, flags_parser, parse_size
-from jaxkv.planner import LAYOUT_KINDS, PlanError, plan_kv_cache
+from jaxkv.planner import LAYOUTS, PlanError, plan_kv_cache
 from jaxkv.serving.engine import Engine, EngineError, GenerationResult
 from jaxkv.serving.models import MODEL_CONFIGS, ModelConfigError, TinyLM, get_model_config
 from jaxkv.serving.workloads import shared_prefix_prompts
@@ -54,7 +54,7 @@ flags.DEFINE_integer("repeats", 3, "timed requests in the single-request phase",
 flags.DEFINE_integer("max_new_tokens", 16, "tokens generated per request", lower_bound=1)
 flags.DEFINE_string("memory", "64MiB", "KV cache budget")
 flags.DEFINE_integer("max_model_len", 2048, "tokens of the longest request", lower_bound=1)
-flags.DEFINE_enum("layout", "cross_layer", LAYOUT_KINDS, "KV cache buffer layout")
+flags.DEFINE_enum("layout", "cross_layer", LAYOUTS, "KV cache buffer layout")
 flags.DEFINE_integer("max_num_seqs", 8, "most requests running at once", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 1024, "token budget of one step", lower_bound=1)
 flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.ops implementation")

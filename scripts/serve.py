@@ -35,7 +35,7 @@ from absl import app, flags, logging
 from jaxkv import ops
 from jaxkv.errors import JaxkvError
 from jaxkv.plan import check_fits_device, exit_error, flags_parser, is_int_range, parse_size
-from jaxkv.planner import LAYOUT_KINDS, PlanError, plan_kv_cache
+from jaxkv.planner import LAYOUTS, PlanError, plan_kv_cache
 from jaxkv.serving.engine import (
     Engine,
     EngineError,
@@ -64,7 +64,7 @@ flags.DEFINE_integer("max_new_tokens", 24, "tokens generated per request", lower
 flags.DEFINE_string("memory", "4MiB", "KV cache budget: 4MiB, 512KiB or bytes")
 flags.DEFINE_integer("max_model_len", 512, "tokens of the longest request", lower_bound=1)
 flags.DEFINE_integer("block_size", 16, "tokens per block", lower_bound=1)
-flags.DEFINE_enum("layout", "cross_layer", LAYOUT_KINDS, "KV cache buffer layout")
+flags.DEFINE_enum("layout", "cross_layer", LAYOUTS, "KV cache buffer layout")
 flags.DEFINE_integer("max_num_seqs", 8, "most requests running at once", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 256, "token budget of one step", lower_bound=1)
 flags.DEFINE_integer(
@@ -163,7 +163,7 @@ def serve() -> dict:
     print(_report(result, engine))
     report = {
         "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])},
-        "plan": {"num_blocks": config.num_blocks, "block_bytes": config.layout.block_bytes},
+        "plan": {"num_blocks": config.num_blocks, "block_bytes": config.pages.block_bytes},
         "result": result.to_dict(),
     }
     if FLAGS.verify:

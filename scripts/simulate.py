@@ -191,7 +191,7 @@ def simulate() -> dict:
     print(format_table(result, wall_s))
     return {
         "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])},
-        "plan": {"num_blocks": config.num_blocks, "block_bytes": config.layout.block_bytes},
+        "plan": {"num_blocks": config.num_blocks, "block_bytes": config.pages.block_bytes},
         "result": result.to_dict(),
         "wall_s": wall_s,
     }

@@ -44,7 +44,7 @@ def hand_config(num_blocks: int = 10) -> KVCacheConfig:
 @pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
 def test_allocate_hand_built_config(layout):
     cache = allocate_kv_cache(hand_config(), layout=layout)
-    assert cache.kind == layout
+    assert cache.layout == layout
     assert dict(cache.layer_indices) == {"a0": 0, "b0": 0, "c0": 0, "a1": 1, "c1": 1}
     assert (cache.num_blocks, cache.num_layers_per_block, cache.block_size) == (10, 2, 8)
     assert (cache.num_kv_heads, cache.head_dim, cache.dtype) == (2, 16, jnp.float32)
@@ -61,24 +61,24 @@ def test_allocate_hand_built_config(layout):
 def test_allocate_planned_tiny_hybrid(layout):
     config = plan_kv_cache(get_preset("tiny-hybrid"), 1 << 20, max_model_len=64, layout=layout)
     cache = allocate_kv_cache(config)
-    assert cache.kind == layout
-    layers = config.layout.num_slots
+    assert cache.layout == layout
+    layers = config.pages.num_layers_per_block
     assert cache.num_layers_per_block == layers
     page = (config.groups[0].block_size, 4, 64)
     if layout == "cross_layer":
         assert [b.shape for b in cache.buffers] == [(config.num_blocks, layers) + page]
     else:
         assert [b.shape for b in cache.buffers] == [(config.num_blocks,) + page] * layers
-    assert cache.nbytes == config.num_blocks * config.layout.block_bytes
+    assert cache.nbytes == config.num_blocks * config.pages.block_bytes
     for name in get_preset("tiny-hybrid"):
-        assert cache.layer_index(name) == config.layout.slot_index(name)
+        assert cache.layer_index(name) == config.pages.layer_index(name)
     assert allocate_kv_cache(config, dtype="bfloat16").dtype == jnp.bfloat16
 
 
 def test_layout_override_and_default():
     config = plan_kv_cache(get_preset("tiny-hybrid"), 1 << 20, max_model_len=64)
-    assert allocate_kv_cache(config, layout="per_layer").kind == "per_layer"
-    assert allocate_kv_cache(hand_config()).kind == "cross_layer"
+    assert allocate_kv_cache(config, layout="per_layer").layout == "per_layer"
+    assert allocate_kv_cache(hand_config()).layout == "cross_layer"
     with pytest.raises(UnsupportedLayoutError, match="'diagonal'"):
         allocate_kv_cache(config, layout="diagonal")
 
@@ -89,7 +89,7 @@ def test_pytree_round_trip_keeps_static_fields():
     assert len(leaves) == 2 and all(isinstance(x, jax.Array) for x in leaves)
     again = jax.tree_util.tree_unflatten(treedef, leaves)
     assert isinstance(again, KVCache)
-    assert (again.kind, again.layer_indices, again.block_size) == (cache.kind, cache.layer_indices, 8)
+    assert (again.layout, again.layer_indices, again.block_size) == (cache.layout, cache.layer_indices, 8)
     doubled = jax.tree_util.tree_map(lambda x: x + 1, cache)
     assert doubled.layer_indices == cache.layer_indices and float(doubled.buffers[1][0, 0, 0, 0]) == 1
 

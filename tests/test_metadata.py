@@ -122,7 +122,7 @@ def test_one_leaf_one_transfer_and_a_bounded_number_of_shapes():
     # Other batches that round to the same buckets reuse the compiled step.
     for n in range(1, 4):
         md2 = build_step_metadata(seqs[:n], tokens[:n], block_ids[:n], [4, 8], BUCKETS)
-        if (md2.num_tokens, md2.layout.max_seqs, md2.layout.widths) == (16, 4, (4, 2)):
+        if (md2.num_tokens, md2.packing.max_seqs, md2.packing.widths) == (16, 4, (4, 2)):
             step(md2)
     shapes = set()
     for total in range(1, 33):
@@ -130,7 +130,7 @@ def test_one_leaf_one_transfer_and_a_bounded_number_of_shapes():
             [ScheduledSeq("x", 0, total)], [list(range(total))], [([1] * 8, [2] * 4)], [4, 8],
             BUCKETS,
         )
-        shapes.add(md3.layout)
+        shapes.add(md3.packing)
     assert len(shapes) == 3  # tokens buckets 8, 16, 32
 
 
@@ -215,7 +215,7 @@ def test_positions_and_counts_that_would_give_slot_minus_one_are_refused():
         ScheduledSeq("x", 0, True)
     seqs, tokens, block_ids = example()
     for bad in (0, -3, 2.0):
-        with pytest.raises(MetadataError, match=f"num_blocks must be an int >= 1, got {bad!r}"):
+        with pytest.raises(MetadataError, match=f"num_blocks must be a positive int, got {bad!r}"):
             build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS, num_blocks=bad)
 
 

@@ -143,7 +143,7 @@ def test_ops_on_a_cache_match_the_reference(layout, rng):
         expected = ref.write_kv(jnp.asarray(before[layer_index]), k, v, slots)
         np.testing.assert_array_equal(np.asarray(out.buffers[layer_index]), np.asarray(expected))
         np.testing.assert_array_equal(np.asarray(out.buffers[0]), before[0])
-    assert out.kind == cache.kind and out.layer_indices == cache.layer_indices
+    assert out.layout == cache.layout and out.layer_indices == cache.layer_indices
 
     ids = jnp.array([3, 7], jnp.int32)
     blocks = ops.gather_blocks(out, ids)

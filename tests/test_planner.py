@@ -17,7 +17,7 @@ from jaxkv.planner import (
     InsufficientMemoryError,
     KVCacheConfig,
     KVCacheGroup,
-    KVCacheLayout,
+    BlockPages,
     PlanError,
     choose_layers_per_group,
     pad_head_size,
@@ -37,8 +37,8 @@ GiB = 1 << 30
 
 def check_plan(config: KVCacheConfig, layer_specs, memory_bytes: int) -> None:
     """Invariants every plan keeps."""
-    layout = config.layout
-    slots = layout.num_slots
+    pages = config.pages
+    slots = pages.num_layers_per_block
     # Every layer in exactly one group, model order kept inside each group.
     names = [n for g in config.groups for n in g.layer_names]
     assert Counter(names) == Counter(list(layer_specs))
@@ -48,22 +48,22 @@ def check_plan(config: KVCacheConfig, layer_specs, memory_bytes: int) -> None:
         assert [order[n] for n in g.layer_names] == sorted(order[n] for n in g.layer_names)
         assert all(g.spec.type_key == layer_specs[n].type_key for n in g.layer_names)
     # Slot i of every group is the same memory.
-    assert all(len(row) == len(config.groups) for row in layout.slots)
+    assert all(len(row) == len(config.groups) for row in pages.layers)
     for gi, g in enumerate(config.groups):
-        column = [row[gi] for row in layout.slots]
+        column = [row[gi] for row in pages.layers]
         assert column == list(g.layer_names) + [None] * (slots - len(g.layer_names))
     # One page size: attention pages equal it, states fit in it.
     for g in config.groups:
         data = g.spec.page_size_bytes(g.block_size)
         if isinstance(g.spec, MambaSpec):
-            assert data <= layout.page_size_bytes
+            assert data <= pages.page_size_bytes
         else:
-            assert data == layout.page_size_bytes
+            assert data == pages.page_size_bytes
     smallest = min(g.block_size for g in config.groups)
     assert all(g.block_size % smallest == 0 for g in config.groups)
     assert config.hash_block_size == smallest
-    assert layout.block_bytes == layout.page_size_bytes * slots
-    assert config.num_blocks * layout.block_bytes <= memory_bytes
+    assert pages.block_bytes == pages.page_size_bytes * slots
+    assert config.num_blocks * pages.block_bytes <= memory_bytes
     assert config.num_blocks >= sum(config.blocks_per_request()) + 1
     assert config.max_concurrency >= 1
 
@@ -88,8 +88,8 @@ def test_llama_3_1_8b_is_one_group_of_64_kib_pages():
     config = plan_kv_cache(get_preset("llama-3.1-8b"), 16 * GiB, max_model_len=32768)
     (group,) = config.groups
     assert len(group.layer_names) == 32 and group.block_size == 16
-    assert config.layout.page_size_bytes == 65536
-    assert config.layout.block_bytes == 32 * 65536
+    assert config.pages.page_size_bytes == 65536
+    assert config.pages.block_bytes == 32 * 65536
     assert config.num_blocks == 16 * GiB // (32 * 65536) == 8192
     assert config.blocks_per_request() == (2048,)
     assert config.max_concurrency == (8192 - 1) // 2048 == 3
@@ -98,7 +98,7 @@ def test_llama_3_1_8b_is_one_group_of_64_kib_pages():
 def test_gemma_3_27b_groups_are_equal_sized_with_one_full_group():
     specs = get_preset("gemma-3-27b")
     config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
-    slots = config.layout.num_slots
+    slots = config.pages.num_layers_per_block
     full = [g for g in config.groups if isinstance(g.spec, FullAttentionSpec)]
     local = [g for g in config.groups if isinstance(g.spec, SlidingWindowSpec)]
     assert len(full) == 1 and len(full[0].layer_names) == 10
@@ -123,7 +123,7 @@ def test_jamba_grows_attention_blocks_until_a_page_holds_a_mamba_state():
     config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
     state = specs["layers.0"].state_bytes
     attention = next(g for g in config.groups if isinstance(g.spec, FullAttentionSpec))
-    page = config.layout.page_size_bytes
+    page = config.pages.page_size_bytes
     # The smallest multiple of 16 tokens whose 4096 B/token page holds 573,440 B.
     assert attention.block_size % 16 == 0
     assert page >= state > attention.spec.page_size_bytes(attention.block_size - 16)
@@ -142,7 +142,7 @@ def test_mamba_only_models_use_the_base_block_size_and_the_state_as_page():
     spec = MambaSpec(shapes=((8, 3), (8, 16)), dtypes=("bfloat16", "float32"))
     config = plan_kv_cache({f"m{i}": spec for i in range(3)}, 1 << 20, max_model_len=1000)
     (group,) = config.groups
-    assert group.block_size == 16 and config.layout.page_size_bytes == spec.state_bytes
+    assert group.block_size == 16 and config.pages.page_size_bytes == spec.state_bytes
 
 
 def test_smaller_attention_pages_get_proportionally_larger_blocks():
@@ -212,9 +212,9 @@ def test_layout_kind_changes_no_byte():
     specs = get_preset("gemma-3-27b")
     cross = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
     per_layer = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, layout="per_layer")
-    assert per_layer.layout.kind == "per_layer"
+    assert per_layer.pages.layout == "per_layer"
     assert per_layer.num_blocks == cross.num_blocks
-    assert per_layer.layout.slots == cross.layout.slots
+    assert per_layer.pages.layers == cross.pages.layers
 
 
 def test_plans_are_deterministic():
@@ -226,12 +226,12 @@ def test_plans_are_deterministic():
 
 def test_slot_index_finds_the_buffer_of_a_layer():
     config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 1 << 24, max_model_len=256)
-    layout = config.layout
+    pages = config.pages
     for group in config.groups:
         for i, name in enumerate(group.layer_names):
-            assert layout.slot_index(name) == i
+            assert pages.layer_index(name) == i
     with pytest.raises(KeyError, match="nope"):
-        layout.slot_index("nope")
+        pages.layer_index("nope")
 
 
 @pytest.mark.parametrize(
@@ -270,11 +270,11 @@ def test_a_head_of_64_padded_to_128_lanes_doubles_pages_and_halves_blocks():
     check_plan(tiled, {n: pad_head_size(s, 128) for n, s in specs.items()}, 8 * GiB)
     (group,) = tiled.groups
     assert group.spec == FullAttentionSpec(num_kv_heads=8, head_size=128)
-    assert tiled.layout.page_size_bytes == 2 * plain.layout.page_size_bytes == 65536
+    assert tiled.pages.page_size_bytes == 2 * plain.pages.page_size_bytes == 65536
     assert tiled.num_blocks == plain.num_blocks // 2 == 4096
     assert tiled.blocks_per_request() == plain.blocks_per_request() == (512,)
     # Half of every block is zero head columns, and the summary says so.
-    assert tiled.padding_bytes_per_block == (tiled.layout.block_bytes // 2,)
+    assert tiled.padding_bytes_per_block == (tiled.pages.block_bytes // 2,)
     assert plain.padding_bytes_per_block == (0,)
     summary = tiled.summary()
     assert "multiple of 128" in summary and "(50.0%) holds no data" in summary
@@ -307,9 +307,9 @@ def test_mamba_states_keep_their_size_while_attention_heads_are_padded():
     assert [g.spec.head_size for g in attention] == [128]
     assert all(g.spec == specs["layers.0"] for g in mamba)
     # A padded attention page (32 KiB at block 16) already holds a state: no growth.
-    assert attention[0].block_size == 16 and config.layout.page_size_bytes == 16 * 2048
+    assert attention[0].block_size == 16 and config.pages.page_size_bytes == 16 * 2048
     padding = dict(zip(config.groups, config.padding_bytes_per_block))
-    page = config.layout.page_size_bytes
+    page = config.pages.page_size_bytes
     assert all(padding[g] == len(g.layer_names) * (page - state) for g in mamba)
     # Every token of every attention layer carries 2 x 2 heads x (128 - 16) zero floats.
     assert padding[attention[0]] == len(attention[0].layer_names) * 16 * 2 * 2 * 112 * 4
@@ -337,7 +337,7 @@ def test_mla_latents_are_not_padded_in_a_mix_with_padded_attention():
 def test_hand_built_configs_need_no_layout():
     spec = FullAttentionSpec(num_kv_heads=1, head_size=1)
     config = KVCacheConfig(num_blocks=11, groups=(KVCacheGroup(("l0",), spec, 16),))
-    assert config.layout is None and config.num_usable_blocks == 10
+    assert config.pages is None and config.num_usable_blocks == 10
     assert config.max_concurrency is None and config.padding_bytes_per_block is None
     assert config.blocks_per_request(40) == (3,)
     with pytest.raises(PlanError, match="max_model_len"):
@@ -359,16 +359,16 @@ def test_hand_built_configs_are_validated():
     with pytest.raises(PlanError, match="-16"):
         KVCacheGroup(("a",), spec, -16)
     with pytest.raises(PlanError, match="unknown layout 'x'"):
-        KVCacheLayout(kind="x", slots=(("a",),), page_size_bytes=8)
+        BlockPages(layout="x", layers=(("a",),), page_size_bytes=8)
     with pytest.raises(PlanError, match="rectangle"):
-        KVCacheLayout(kind="per_layer", slots=(("a", "b"), ("c",)), page_size_bytes=8)
+        BlockPages(layout="per_layer", layers=(("a", "b"), ("c",)), page_size_bytes=8)
     group = KVCacheGroup(("a",), spec, 16)  # 16 tokens x (K + V) x 2 B = 64 B pages
-    too_small = KVCacheLayout("per_layer", (("a",),), 32)
+    too_small = BlockPages("per_layer", (("a",),), 32)
     with pytest.raises(PlanError, match="64 B pages"):
-        KVCacheConfig(num_blocks=4, groups=(group,), layout=too_small)
-    wrong_layer = KVCacheLayout("per_layer", (("b",),), 64)
+        KVCacheConfig(num_blocks=4, groups=(group,), pages=too_small)
+    wrong_layer = BlockPages("per_layer", (("b",),), 64)
     with pytest.raises(PlanError, match="column 0"):
-        KVCacheConfig(num_blocks=4, groups=(group,), layout=wrong_layer)
+        KVCacheConfig(num_blocks=4, groups=(group,), pages=wrong_layer)
 
 
 # ------------------------------------------------------------------ property
@@ -438,7 +438,7 @@ def test_any_mix_plans_equal_slots_and_pages_within_budget(
     per_type = {g.spec.type_key: b for g, b in zip(config.groups, config.blocks_per_request())}
     counts = list(types.values())
     blocks = [per_type[k] for k in types]
-    assert request_pages(counts, blocks, config.layout.num_slots) <= request_pages(
+    assert request_pages(counts, blocks, config.pages.num_layers_per_block) <= request_pages(
         counts, blocks, smallest
     )
 

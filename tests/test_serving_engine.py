@@ -74,7 +74,7 @@ def test_prefix_caching_on_off_and_dense_give_identical_tokens(models, dense_tok
 )
 def test_preemption_under_a_small_pool_keeps_the_tokens(models, dense_tokens, name, num_blocks, max_model_len):
     """The smallest pools that hold one max_model_len request: requests get preempted and recomputed."""
-    block_bytes = plan_kv_cache(models[name].config.layer_specs(), 1 << 30, max_model_len=64).layout.block_bytes
+    block_bytes = plan_kv_cache(models[name].config.layer_specs(), 1 << 30, max_model_len=64).pages.block_bytes
     small = engine(models[name], memory_bytes=num_blocks * block_bytes, max_model_len=max_model_len)
     result = small.generate(workload(), NEW_TOKENS)
     assert result.num_preemptions > 0 and result.peak_usage > 0.9

@@ -36,7 +36,7 @@ def engine(model: TinyLM, num_blocks: int | None = None, host_blocks: int | None
     config = plan(model, num_blocks)
     tier = None
     if host_blocks is not None:
-        block_bytes = config.layout.page_size_bytes * len(config.layout.slots)
+        block_bytes = config.pages.page_size_bytes * len(config.pages.layers)
         tier = OffloadConfig(host_blocks * block_bytes, **offload)
     return Engine(model, config, max_num_seqs=4, buckets=ONE_SHAPE, offload=tier)
 

@@ -119,7 +119,7 @@ def test_small_device_pool_with_host_tier_keeps_the_tokens(model):
     rng = np.random.default_rng(5)
     shared = rng.integers(0, 512, 64).tolist()
     prompts = [shared + rng.integers(0, 512, 20).tolist() for _ in range(3)]
-    block_bytes = plan_kv_cache(model.config.layer_specs(), 1 << 30, max_model_len=64).layout.block_bytes
+    block_bytes = plan_kv_cache(model.config.layer_specs(), 1 << 30, max_model_len=64).pages.block_bytes
     eng = engine(model, "cross_layer", memory_bytes=52 * block_bytes)
     outputs = []
     for p in prompts:  # one at a time, each followed by a filler evicting the device cache

@@ -45,7 +45,7 @@ def bucket_size(n: int) -> int:
 
 def copies_per_block(cache: KVCache) -> int:
     """Contiguous device regions one block occupies: 1 cross-layer, one per layer buffer."""
-    return 1 if cache.kind == "cross_layer" else cache.num_layers_per_block
+    return 1 if cache.layout == "cross_layer" else cache.num_layers_per_block
 
 
 @dataclass

@@ -87,7 +87,7 @@ shapes compile once per process (all but the weights, cache and metadata are sta
 
 
 class ModelRunner:
-    """A model, its paged KV cache (in ``config.layout.kind``), and the one jitted step.
+    """A model, its paged KV cache (in ``config.pages.layout``), and the one jitted step.
 
     ``num_compilations`` counts the step shapes this runner had to compile (shapes
     another runner of the same architecture compiled before are reused).
