@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from itertools import chain
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,10 +62,6 @@ class KVCacheCoordinator:
         types.sort(key=lambda t: t.manager_cls is not FullAttentionManager)
         self.types = types
         self._maps = [pool.hash_maps(t.group_ids) for t in types]
-        # Per running request: (slot capacity, tokens at which a block becomes full,
-        # computed tokens at which a block falls out of span). Below all three an
-        # allocation changes nothing, which is what most decode steps are.
-        self.thresholds: dict[str, tuple[int, int, int]] = {}
 
     @property
     def num_groups(self) -> int:
@@ -203,10 +198,13 @@ class KVCacheCoordinator:
         pool = self.pool
         total = 0
         for g, m in enumerate(self.managers):
-            hits = hit_blocks[g] if hit_blocks else ()
-            total += m.num_new_blocks(request_id, num_tokens, len(hits))
-            total += pool.count_evictable(hits)
-            total -= pool.count_newly_freed(m.skippable_blocks(request_id, num_computed_tokens))
+            if hit_blocks:
+                hits = hit_blocks[g]
+                total += m.num_new_blocks(request_id, num_tokens, len(hits)) + pool.count_evictable(hits)
+            else:
+                total += m.num_new_blocks(request_id, num_tokens, 0)
+            if m.skips_blocks:
+                total -= pool.count_newly_freed(m.skippable_blocks(request_id, num_computed_tokens))
         return total
 
     def allocate(
@@ -218,7 +216,8 @@ class KVCacheCoordinator:
     ) -> tuple[list[int], ...]:
         """Skip out-of-span blocks, adopt hit blocks, then take fresh ones; return the fresh ones."""
         for m in self.managers:
-            m.remove_skipped_blocks(request_id, num_computed_tokens)
+            if m.skips_blocks:
+                m.remove_skipped_blocks(request_id, num_computed_tokens)
         if hit_blocks:
             for m, hits in zip(self.managers, hit_blocks):
                 self.pool.touch(hits)
@@ -234,33 +233,32 @@ class KVCacheCoordinator:
         lora_name: str | None,
     ) -> None:
         """Offer every group's newly full blocks to the prefix cache."""
+        managers = self.managers
         for t, hashes in self.typed_hashes(block_hashes):
             for g in t.group_ids:
-                self.managers[g].cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
+                managers[g].cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
 
-    def update_thresholds(self, request_id: str) -> None:
-        """Recompute the request's next event thresholds (after a real allocation)."""
+    def thresholds(self, request_id: str) -> tuple[int, int, int]:
+        """The request's next event thresholds (after a real allocation): its slot
+        capacity, the tokens at which a block becomes full, the computed tokens at which
+        a block falls out of span. Below all three an allocation changes nothing, which
+        is what most decode steps are."""
         capacity = next_full = next_skip = NEVER
         for m in self.managers:
             bs = m.block_size
             capacity = min(capacity, len(m.req_blocks[request_id]) * bs)
             next_full = min(next_full, (m.num_cached.get(request_id, 0) + 1) * bs)
-            next_skip = min(next_skip, m.next_skip_computed(request_id))
-        self.thresholds[request_id] = (capacity, next_full, next_skip)
-
-    def is_noop(self, request_id: str, num_slots: int, num_cacheable: int, num_computed: int) -> bool:
-        """Whether allocating for a running request would change nothing."""
-        t = self.thresholds.get(request_id)
-        return t is not None and num_slots <= t[0] and num_cacheable < t[1] and num_computed < t[2]
+            if m.skips_blocks:
+                next_skip = min(next_skip, m.next_skip_computed(request_id))
+        return capacity, next_full, next_skip
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group, in one pass over the pool."""
-        self.thresholds.pop(request_id, None)
         managers = self.managers
         if len(managers) == 1:
             self.pool.free_blocks(managers[0].release(request_id))
         else:
-            self.pool.free_blocks(chain.from_iterable([m.release(request_id) for m in managers]))
+            self.pool.free_block_lists([m.release(request_id) for m in managers])
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Copies of the request's block lists, one per group."""

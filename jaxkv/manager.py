@@ -10,9 +10,10 @@ device step needs. The vocabulary follows vLLM's scheduler side on purpose.
 from __future__ import annotations
 
 import contextlib
-import threading
+from threading import get_ident as _get_ident
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from jaxkv.coordinator import KVCacheCoordinator
 from jaxkv.errors import JaxkvError, OwnerThread
@@ -20,7 +21,7 @@ from jaxkv.hashing import MAX_TOKEN_ID, BlockHasher, ExtraKeys, MultiModalItem
 from jaxkv.ints import is_int
 from jaxkv.planner import KVCacheConfig
 from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
-from jaxkv.single_type import MambaManager
+from jaxkv.single_type import NEVER, MambaManager
 
 
 class KVCacheManagerError(JaxkvError, ValueError):
@@ -143,6 +144,10 @@ class Request:
         self.block_hashes: list[bytes] = []
         # (block size, algorithm) of the hasher that filled block_hashes.
         self.block_hash_key: tuple[int, str] | None = None
+        # Set by the manager holding the request's blocks: the manager, and the event
+        # thresholds below which its next allocation changes nothing.
+        self._holder: object | None = None
+        self._thresholds = (0, 0, 0)
 
     @property
     def num_tokens(self) -> int:
@@ -182,14 +187,14 @@ class Request:
         )
 
 
-@dataclass(frozen=True)
-class KVCacheBlocks:
+class KVCacheBlocks(NamedTuple):
     """Block ids per KV cache group (one list each), as handed to the scheduler.
 
     A cache hit from ``get_computed_blocks`` also records whom it was found for: the
     request id, the chained hash of its last block and the pool's eviction count then.
     ``allocate_slots`` trusts it in O(1) while all three still hold, and otherwise
-    checks every block against the request's own hashes.
+    checks every block against the request's own hashes. (A NamedTuple: immutable, and
+    cheap to build on every allocation.)
     """
 
     blocks: tuple[Sequence[int], ...]
@@ -251,6 +256,7 @@ class KVCacheManager:
         # Returned for a miss or an allocation needing no new block: immutable, so shared.
         self._no_blocks = KVCacheBlocks(tuple(() for _ in config.groups))
         self._hasher_key = (self.hasher.block_size, self.hasher.algo)
+        self._hash_block_size = self.hasher.block_size
         self._owner = OwnerThread("KVCacheManager")
         # Requests holding blocks, by id: a second live request with the same id is refused.
         self._requests: dict[str, Request] = {}
@@ -371,9 +377,27 @@ class KVCacheManager:
         newly allocated blocks per group, or ``None`` when the pool cannot serve the
         request (the caller preempts); a ``None`` or an error changes nothing.
         """
-        self._owner.check()
-        if type(request) is not Request:
-            self._check_request(request)
+        if _get_ident() != self._owner.ident:
+            self._owner.check()
+        # Fast path, most decode steps: a held request grows within its blocks and crosses
+        # no event threshold. Everything else was validated when it got those blocks.
+        if (
+            type(request) is Request
+            and request._holder is self
+            and new_computed_blocks is None
+            and type(num_new_tokens) is int
+            and type(num_lookahead_tokens) is int
+            and num_new_tokens > 0
+            and num_lookahead_tokens >= 0
+            and num_new_computed_tokens == 0
+            and num_external_computed_tokens == 0
+        ):
+            capacity, next_full, next_skip = request._thresholds
+            computed = request.num_computed_tokens
+            end = computed + num_new_tokens
+            if end + num_lookahead_tokens <= capacity and end < next_full and computed < next_skip:
+                return self._no_blocks
+        self._check_request(request)
         rid = request.request_id
         if (
             type(num_new_tokens) is not int
@@ -399,14 +423,6 @@ class KVCacheManager:
         num_cacheable = min(total_computed + num_new_tokens, request.num_tokens) if self.enable_caching else -1
         coord = self.coordinator
         held = self._requests.get(rid) is request
-        if (
-            held
-            and new_computed_blocks is None
-            and not num_new_computed_tokens
-            and not num_external_computed_tokens
-            and coord.is_noop(rid, num_slots, num_cacheable, num_computed)
-        ):
-            return self._no_blocks
         if not held:
             self._check_new_request(request)
         if self.enable_caching:
@@ -421,15 +437,23 @@ class KVCacheManager:
         self._requests[rid] = request
         if self.enable_caching:
             coord.cache_blocks(rid, request.block_hashes, num_cacheable, request._token_ids, request.lora_name)
-        coord.update_thresholds(rid)
+        capacity, next_full, next_skip = coord.thresholds(rid)
+        request._thresholds = (
+            min(capacity, self.max_model_len),
+            next_full if self.enable_caching else NEVER,
+            next_skip,
+        )
+        request._holder = self
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted)."""
         self._owner.check()
         rid = request if isinstance(request, str) else getattr(request, "request_id", request)
-        if self._requests.pop(rid, None) is None:
+        held = self._requests.pop(rid, None)
+        if held is None:
             raise UnknownRequestError(f"cannot free unknown (or already freed) request {rid!r}")
+        held._holder = None
         self.coordinator.free(rid)
 
     def evict_blocks(self, block_ids: Sequence[int]) -> int:
@@ -464,14 +488,18 @@ class KVCacheManager:
 
         The manager does this lazily when it needs the hashes; an engine may call it
         earlier, off the critical path (on arrival, after appending tokens)."""
-        if request.block_hash_key is None:
-            request.block_hash_key = self._hasher_key
-        elif request.block_hash_key != self._hasher_key:
-            raise KVCacheManagerError(
-                f"request {request.request_id!r} was hashed with (block_size, algo)="
-                f"{request.block_hash_key}, this manager uses {self._hasher_key}"
-            )
-        self.hasher.extend(request.block_hashes, request._token_ids, request.extra_keys)
+        key = request.block_hash_key
+        if key is not self._hasher_key:
+            if key is None:
+                request.block_hash_key = self._hasher_key
+            elif key != self._hasher_key:
+                raise KVCacheManagerError(
+                    f"request {request.request_id!r} was hashed with (block_size, algo)="
+                    f"{request.block_hash_key}, this manager uses {self._hasher_key}"
+                )
+        tokens = request._token_ids
+        if len(tokens) >= (len(request.block_hashes) + 1) * self._hash_block_size:  # a new full block
+            self.hasher.extend(request.block_hashes, tokens, request.extra_keys)
 
     # ------------------------------------------------------------------ checks
     @staticmethod

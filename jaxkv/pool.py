@@ -188,20 +188,32 @@ class BlockPool:
         in the given order (kept longest), uncached ones at the head (reused first,
         the first given ends up first).
         """
+        self.free_block_lists((ordered_block_ids,))
+
+    def free_block_lists(self, block_lists: Sequence[Iterable[int]]) -> None:
+        """:meth:`free_blocks` of each list in turn (one per group, as vLLM frees a
+        request group by group), in one pass: cached blocks reach the tail in list
+        order, each list's uncached blocks the head, the last list's first."""
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
-        cached = []
-        uncached = []
-        for b in ordered_block_ids:
-            r = ref_cnt[b] - 1
-            ref_cnt[b] = r
-            if r == 0:
-                if block_hash[b] is None:
-                    uncached.append(b)
-                else:
-                    cached.append(b)
+        cached: list[int] = []
+        uncached_per_list = []
+        for ids in block_lists:
+            uncached = []
+            for b in ids:
+                r = ref_cnt[b] - 1
+                ref_cnt[b] = r
+                if r == 0:
+                    if block_hash[b] is None:
+                        uncached.append(b)
+                    else:
+                        cached.append(b)
+            uncached_per_list.append(uncached)
         self._free.append(cached)
-        self._free.prepend(uncached)
+        if len(uncached_per_list) == 1:
+            self._free.prepend(uncached_per_list[0])
+        else:
+            self._free.prepend([b for uncached in reversed(uncached_per_list) for b in uncached])
 
     def count_newly_freed(self, block_ids: Iterable[int]) -> int:
         """How many of these (distinct) blocks one ``free_blocks`` call would return to the queue."""

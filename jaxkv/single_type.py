@@ -13,6 +13,7 @@ one of the groups, and ``block_ids`` holds them, one list per group.
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -33,6 +34,18 @@ from jaxkv.specs import (
 NEVER = sys.maxsize
 
 
+_MIN_FLAG_CHUNK = 32
+"""Blocks whose cache flags a window search reads at a time (at least a window's)."""
+
+
+def _cached_flags(maps: Sequence[dict[bytes, int]], hashes: Sequence[bytes]) -> bytes:
+    """One byte per hash: 1 where every map holds it, else 0."""
+    flags = map(maps[0].__contains__, hashes)
+    for m in maps[1:]:
+        flags = map(operator.and_, flags, map(m.__contains__, hashes))
+    return bytes(flags)
+
+
 class UnsupportedSpecError(JaxkvError, TypeError):
     """No single-type manager implements this spec type."""
 
@@ -47,6 +60,9 @@ class CacheHit(NamedTuple):
 
 class SingleTypeManager:
     """Block lists of one group; the base behaviour is full attention's."""
+
+    skips_blocks = False
+    """Whether leading blocks can fall out of the span (then they are nulled and freed)."""
 
     def __init__(self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec) -> None:
         self.pool = pool
@@ -188,38 +204,43 @@ class FullAttentionManager(SingleTypeManager):
 class SlidingWindowManager(SingleTypeManager):
     """Sliding-window attention: only the last ``window - 1`` tokens are kept."""
 
+    skips_blocks = True
+
     @classmethod
     def find_longest_cache_hit(cls, maps, hashes, max_blocks, spec, block_size):
-        """Rightmost contiguous run of cached blocks covering the window.
+        """Rightmost contiguous run of cached blocks covering the window (vLLM's rule).
 
-        One pass from the right, each block read once: a run of ``needed`` blocks
-        cached in every group ends the search; a miss restarts the run.
+        Linear in the blocks scanned: chunks of "cached in every group" flags are read
+        right to left (C-level dict lookups into a byte string) and searched for a run
+        of ``needed`` ones; each block is read once, however many of the newest blocks
+        were evicted.
         """
         needed = cdiv(spec.sliding_window - 1, block_size)
         end = min(max_blocks, len(hashes))
         if needed == 0:
             return CacheHit(end, end, [[] for _ in maps])
-        run = 0
-        if len(maps) == 1:
-            m = maps[0]
-            for i in range(end - 1, -1, -1):
-                if hashes[i] in m:
-                    run += 1
-                    if run == needed:
-                        return CacheHit(i + needed, i, [[m[h] for h in hashes[i : i + needed]]])
-                else:
-                    run = 0
-        else:
-            for i in range(end - 1, -1, -1):
-                h = hashes[i]
-                if all(h in m for m in maps):
-                    run += 1
-                    if run == needed:
-                        return CacheHit(i + needed, i, [[m[h] for h in hashes[i : i + needed]] for m in maps])
-                else:
-                    run = 0
+        lo = end - needed
+        if lo >= 0:  # the usual case first: the newest window is cached whole
+            found = [list(map(m.get, hashes[lo:end])) for m in maps]
+            if not any(None in ids for ids in found):
+                return CacheHit(end, lo, found)
+        window = b"\x01" * needed
+        chunk = max(needed, _MIN_FLAG_CHUNK)
+        flags = b""  # cached-in-every-group flags of blocks [lo, end)
+        lo = end
+        while lo > 0:
+            new_lo = max(0, lo - chunk)
+            flags = _cached_flags(maps, hashes[new_lo:lo]) + flags
+            at = flags.rfind(window, 0, lo - new_lo + needed - 1)  # runs starting in the new chunk
+            lo = new_lo
+            if at >= 0:
+                first = lo + at
+                ids = hashes[first : first + needed]
+                return CacheHit(first + needed, first, [list(map(m.__getitem__, ids)) for m in maps])
         # No full window: only the run from block 0 (shorter than the window) serves.
-        return CacheHit(run, 0, [[m[h] for h in hashes[:run]] for m in maps])
+        run = flags.find(b"\x00")
+        run = len(flags) if run < 0 else run
+        return CacheHit(run, 0, [list(map(m.__getitem__, hashes[:run])) for m in maps])
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.spec.sliding_window + 1)
@@ -230,6 +251,8 @@ class SlidingWindowManager(SingleTypeManager):
 
 class ChunkedLocalAttentionManager(SingleTypeManager):
     """Chunked-local attention: a token attends only within its own chunk."""
+
+    skips_blocks = True
 
     @classmethod
     def find_longest_cache_hit(cls, maps, hashes, max_blocks, spec, block_size):
@@ -260,6 +283,8 @@ class MambaManager(SingleTypeManager):
     indices a long chunk jumps over stay null, since a kernel that writes only the
     final state never materialises them.
     """
+
+    skips_blocks = True
 
     @classmethod
     def find_longest_cache_hit(cls, maps, hashes, max_blocks, spec, block_size):

@@ -1,24 +1,41 @@
-"""Host time of the KV cache manager per call and per scheduler step.
+"""Host time of the KV cache manager, side by side with vLLM's own manager.
 
-Workload (the issue's): 64 requests, 4 shared 2048-token system prompts plus unique
-256-1024-token suffixes, 128 decode steps each, at most 32 running. Run for one
-full-attention group and for a Gemma-3-like hybrid (5 sliding-window groups + 1 full).
+One request stream drives jaxkv's :class:`~jaxkv.manager.KVCacheManager` and, when vLLM
+is importable, vLLM v1's ``KVCacheManager`` (same groups, block size and pool size)
+through the same small scheduler loop: FCFS admission up to ``max_running`` (a prefix
+lookup, then the rest of the prompt; admission stops at the first request that does not
+fit), one decode token per running request per step, and preemption of the newest
+running request when a decode cannot get its block (freed, reset to 0 computed tokens,
+back to the head of the queue). Timed per call: ``lookup`` (``get_computed_blocks``),
+``alloc_prefill``, ``alloc_decode``, ``free``, and ``hash`` (appending a token, which
+hashes a newly full block: vLLM's ``Request`` does it inside
+``append_output_token_ids``, ours through ``manager.hash_request``). Garbage
+collection stays on for both. The two run alternately, ``--pairs`` times each, and every
+figure is the median over the pairs; the ratio is jaxkv / vLLM in this run.
 
-Block hashing is timed on its own column: like vLLM's Request, the engine hashes a
-request when it arrives and after each appended token (``manager.hash_request``), so
-lookups and allocations are compared on the same footing. Each of our times is also
-reported as a ratio to vLLM v1's manager on the same workload, measured by the project
-on these 2-core machines (reference numbers, not this run).
+Workloads: ``base`` (64 requests, 4 shared 2048-token system prompts plus 256-1024-token
+suffixes, 128 decode steps, at most 32 running, a pool that holds them all), ``pressure``
+(the same stream in a pool of 40 % of its working set: admissions fail, requests are
+preempted, window blocks are evicted) and ``running512`` (512 requests running at once:
+512-token system prompts, 64-256-token suffixes, 32 decode steps). Models: ``full``
+(one full-attention group) and ``gemma3-like`` (5 sliding-window groups of window 1024 +
+1 full). With ``--check_decisions`` (on when vLLM is importable) the stream first runs
+through both managers in lockstep, untimed, and every hit, block id list, allocation
+failure and the free queue after every scheduler step must agree.
 
     python scripts/bench_manager.py --out bench_manager.json
+
+vLLM is a benchmark-only extra, never a dependency; BUILD.md says how to install it.
 """
 
 from __future__ import annotations
 
-import gc
 import json
+import statistics
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from absl import app, flags
@@ -28,155 +45,330 @@ from jaxkv.planner import KVCacheConfig, KVCacheGroup
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("num_requests", 64, "requests in the workload")
-flags.DEFINE_integer("num_system_prompts", 4, "distinct shared system prompts")
-flags.DEFINE_integer("system_prompt_len", 2048, "tokens per system prompt")
-flags.DEFINE_integer("min_suffix", 256, "shortest unique suffix")
-flags.DEFINE_integer("max_suffix", 1024, "longest unique suffix")
-flags.DEFINE_integer("decode_steps", 128, "tokens generated per request")
-flags.DEFINE_integer("max_running", 32, "at most this many requests run at once")
-flags.DEFINE_integer("block_size", 16, "tokens per block")
-flags.DEFINE_integer("sliding_window", 1024, "window of the hybrid's sliding groups")
-flags.DEFINE_enum("hash_algo", "sha256", ["sha256", "xxh3_128"], "prefix hash algorithm")
-flags.DEFINE_integer("repeats", 3, "runs per model; the fastest is reported")
+flags.DEFINE_list("models", ["full", "gemma3-like"], "models to run")
+flags.DEFINE_list("workloads", ["base", "pressure", "running512"], "workloads to run")
+flags.DEFINE_integer("pairs", 5, "alternating jaxkv / vLLM runs per workload; medians are reported", lower_bound=1)
+flags.DEFINE_integer("block_size", 16, "tokens per block", lower_bound=1)
+flags.DEFINE_integer("sliding_window", 1024, "window of the hybrid's sliding groups", lower_bound=2)
+flags.DEFINE_enum("hash_algo", "sha256", ["sha256", "xxh3_128"], "jaxkv's prefix hash (vLLM uses sha256)")
+flags.DEFINE_float("scale", 1.0, "multiplies the number of requests of every workload (quick runs)", lower_bound=0.01)
+flags.DEFINE_boolean("check_decisions", None, "compare every decision with vLLM's (default: when vLLM is there)")
+flags.DEFINE_boolean("peer", True, "time vLLM's manager too when it is importable")
 flags.DEFINE_integer("seed", 0, "workload seed")
 flags.DEFINE_string("out", None, "write the results as JSON here")
 
-# vLLM v1's manager on this workload, measured by the project on these machines (µs).
-VLLM_US = {
-    "full": {"lookup": 81.7, "alloc_prefill": 77.5, "alloc_decode": 4.7, "free": 35.1},
-    "gemma3-like": {"lookup": 229.5, "alloc_prefill": 426.8, "alloc_decode": 18.5, "free": 96.4},
-}
-OPS = ("lookup", "alloc_prefill", "alloc_decode", "free", "hash", "step")
+OPS = ("lookup", "alloc_prefill", "alloc_decode", "free", "hash")
+PRESSURE = 0.6
+"""The pressure workload's pool, as a fraction of the blocks the stream holds at its peak."""
+MAX_MODEL_LEN = 8192
 
 
-def make_config(model: str, num_blocks: int) -> KVCacheConfig:
-    spec = FullAttentionSpec(num_kv_heads=8, head_size=128)
-    if model == "full":
-        specs = [spec]
+@dataclass(frozen=True)
+class Workload:
+    """A request stream and the pool it runs in."""
+
+    name: str
+    prompts: tuple[tuple[int, ...], ...]
+    decode_steps: int
+    max_running: int
+    num_blocks: int
+
+
+def make_workload(name: str, model: str, seed: int, scale: float) -> Workload:
+    rng = np.random.default_rng(seed)
+    if name == "running512":
+        num, systems, system_len, suffix, steps, running = 512, 4, 512, (64, 256), 32, 512
     else:
-        window = SlidingWindowSpec(num_kv_heads=8, head_size=128, sliding_window=FLAGS.sliding_window)
-        specs = [window] * 5 + [spec]
-    groups = tuple(KVCacheGroup((f"layer{i}",), s, FLAGS.block_size) for i, s in enumerate(specs))
-    return KVCacheConfig(num_blocks=num_blocks, groups=groups)
-
-
-def make_prompts(rng: np.random.Generator) -> list[list[int]]:
-    systems = [rng.integers(0, 50_000, FLAGS.system_prompt_len).tolist() for _ in range(FLAGS.num_system_prompts)]
-    return [
-        systems[i % len(systems)]
-        + rng.integers(0, 50_000, int(rng.integers(FLAGS.min_suffix, FLAGS.max_suffix + 1))).tolist()
-        for i in range(FLAGS.num_requests)
-    ]
-
-
-def run_once(model: str, prompts: list[list[int]], decode_tokens: np.ndarray) -> dict[str, list[float]]:
-    """Serve the workload once; return the per-call times (µs) of every operation."""
-    longest = max(map(len, prompts)) + FLAGS.decode_steps
-    per_request = -(-longest // FLAGS.block_size) + 1
+        num, systems, system_len, suffix, steps, running = 64, 4, 2048, (256, 1024), 128, 32
+    num = max(1, round(num * scale))
+    shared = [rng.integers(0, 50_000, system_len).tolist() for _ in range(systems)]
+    prompts = tuple(
+        tuple(shared[i % systems] + rng.integers(50_000, 100_000, int(rng.integers(*suffix))).tolist())
+        for i in range(num)
+    )
+    per_request = -(-(max(map(len, prompts)) + steps) // FLAGS.block_size)
     groups = 1 if model == "full" else 6
-    num_blocks = FLAGS.max_running * per_request * groups + 4096
-    mgr = KVCacheManager(
-        make_config(model, num_blocks), max_model_len=longest + 16, hash_algo=FLAGS.hash_algo
-    )
-    times: dict[str, list[float]] = defaultdict(list)
-    clock = time.perf_counter
-    waiting = [Request(f"r{i}", p) for i, p in enumerate(prompts)]
-    running: list[Request] = []
-    generated: dict[str, int] = {}
-    gc.disable()
-    try:
-        while waiting or running:
-            t_step = clock()
-            for req in list(running):
-                if generated[req.request_id] == FLAGS.decode_steps:
-                    t = clock()
-                    mgr.free(req)
-                    times["free"].append(clock() - t)
-                    running.remove(req)
-                    continue
-                req.append_output_token_ids(int(decode_tokens[generated[req.request_id]]))
-                generated[req.request_id] += 1
-                t = clock()
-                mgr.hash_request(req)
-                t1 = clock()
-                blocks = mgr.allocate_slots(req, 1)
-                t2 = clock()
-                times["hash"].append(t1 - t)
-                times["alloc_decode"].append(t2 - t1)
-                if blocks is None:
-                    raise RuntimeError("the benchmark's pool is sized to never preempt")
-                req.num_computed_tokens += 1
-            while waiting and len(running) < FLAGS.max_running:
-                req = waiting[0]
-                t = clock()
-                mgr.hash_request(req)
-                t1 = clock()
-                hit, n = mgr.get_computed_blocks(req)
-                t2 = clock()
-                blocks = mgr.allocate_slots(req, req.num_tokens - n, n, hit)
-                t3 = clock()
-                if blocks is None:
-                    break
-                times["hash"].append(t1 - t)
-                times["lookup"].append(t2 - t1)
-                times["alloc_prefill"].append(t3 - t2)
-                req.num_computed_tokens = req.num_tokens
-                waiting.pop(0)
-                running.append(req)
-                generated[req.request_id] = 0
-            times["step"].append(clock() - t_step)
-    finally:
-        gc.enable()
-    assert mgr.num_free_blocks == num_blocks - 1
-    stats = mgr.prefix_cache_stats()
-    times["hit_rate"] = [stats.hit_rate]
-    return {k: [x * 1e6 for x in v] if k != "hit_rate" else v for k, v in times.items()}
+    roomy = Workload(name, prompts, steps, running, groups * per_request * (min(running, num) + systems) + 2)
+    if name != "pressure":
+        return roomy
+    # 60 % of the blocks the stream holds at its peak in a pool that fits everything.
+    _, min_free = run_loop([JaxkvSide(model, roomy.num_blocks)], roomy, None)
+    peak = roomy.num_blocks - 1 - min_free
+    return Workload(name, prompts, steps, running, max(int(peak * PRESSURE), groups * per_request + 2))
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    rng = np.random.default_rng(FLAGS.seed)
-    prompts = make_prompts(rng)
-    decode_tokens = rng.integers(0, 50_000, FLAGS.decode_steps)
-    results = {}
-    for model in ("full", "gemma3-like"):
-        runs = [run_once(model, prompts, decode_tokens) for _ in range(FLAGS.repeats)]
-        best = {op: min(float(np.mean(r[op])) for r in runs) for op in OPS}
-        calls = {op: len(runs[0][op]) for op in OPS}
-        ref = VLLM_US[model]
-        total_ref = sum(calls[op] * ref[op] for op in ref)
-        total = sum(calls[op] * best[op] for op in ref)
-        results[model] = {
-            "mean_us": best,
-            "calls": calls,
-            "hit_rate": runs[0]["hit_rate"][0],
-            "vllm_us": ref,
-            "ratio_to_vllm": {op: best[op] / ref[op] for op in ref},
-            "workload_ratio_to_vllm": total / total_ref,
-            "workload_ratio_to_vllm_with_hashing": (total + calls["hash"] * best["hash"]) / total_ref,
-        }
-    print(
-        f"KV cache manager host time, µs per call (best of {FLAGS.repeats} runs; hash={FLAGS.hash_algo}; "
-        "ratio = ours / vLLM v1 reference; target <= 0.33)"
-    )
-    print(f"{'model':<12} {'op':<14} {'calls':>6} {'jaxkv µs':>9} {'vLLM µs':>8} {'ratio':>6}")
-    for model, r in results.items():
-        for op in OPS:
-            ref = VLLM_US[model].get(op)
-            ratio = f"{r['ratio_to_vllm'][op]:.2f}" if ref else "-"
-            ref_s = f"{ref:.1f}" if ref else "-"
-            print(f"{model:<12} {op:<14} {r['calls'][op]:>6} {r['mean_us'][op]:>9.2f} {ref_s:>8} {ratio:>6}")
-        print(
-            f"{model:<12} prefix hit rate {r['hit_rate']:.3f}; whole workload (calls x µs) vs vLLM "
-            f"{r['workload_ratio_to_vllm']:.2f}, with our hashing {r['workload_ratio_to_vllm_with_hashing']:.2f}"
+def group_specs(model: str) -> list[tuple[str, int | None]]:
+    """(kind, window) per group."""
+    return [("full", None)] if model == "full" else [("window", FLAGS.sliding_window)] * 5 + [("full", None)]
+
+
+# ------------------------------------------------------------------------ the two sides
+class JaxkvSide:
+    """jaxkv's manager behind the loop's small interface."""
+
+    name = "jaxkv"
+
+    def __init__(self, model: str, num_blocks: int) -> None:
+        specs = [
+            FullAttentionSpec(num_kv_heads=8, head_size=128)
+            if kind == "full"
+            else SlidingWindowSpec(num_kv_heads=8, head_size=128, sliding_window=window)
+            for kind, window in group_specs(model)
+        ]
+        groups = tuple(KVCacheGroup((f"layer{i}",), s, FLAGS.block_size) for i, s in enumerate(specs))
+        self.manager = KVCacheManager(
+            KVCacheConfig(num_blocks=num_blocks, groups=groups), max_model_len=MAX_MODEL_LEN, hash_algo=FLAGS.hash_algo
         )
+
+    def request(self, rid: str, tokens: Sequence[int]) -> Request:
+        req = Request(rid, tokens)
+        self.manager.hash_request(req)
+        return req
+
+    def lookup(self, req: Request) -> tuple[object, int]:
+        return self.manager.get_computed_blocks(req)
+
+    def allocate(self, req: Request, num_new: int, num_hit: int = 0, hit: object = None) -> object:
+        return self.manager.allocate_slots(req, num_new, num_hit, hit)
+
+    def append(self, req: Request, token: int) -> None:
+        req.append_output_token_ids(token)
+        self.manager.hash_request(req)
+
+    def free(self, req: Request) -> None:
+        self.manager.free(req)
+
+    def free_queue(self) -> list[int]:
+        return self.manager.pool.free_block_ids()
+
+    def num_free(self) -> int:
+        return self.manager.num_free_blocks
+
+
+class VllmSide:
+    """vLLM v1's own manager (and Request, which hashes itself) behind the same interface."""
+
+    name = "vllm"
+
+    def __init__(self, model: str, num_blocks: int) -> None:
+        import torch
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
+        from vllm.v1.kv_cache_interface import KVCacheConfig as VConfig
+        from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec as VWindow
+        from vllm.v1.request import Request as VRequest
+
+        init_none_hash(sha256)
+        bs = FLAGS.block_size
+        common = dict(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+        specs = [VFull(**common) if kind == "full" else VWindow(**common, sliding_window=w) for kind, w in group_specs(model)]
+        config = VConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
+        )
+        self.manager = VllmManager(
+            config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=bs, hash_block_size=bs, enable_caching=True
+        )
+        self._hasher = get_request_block_hasher(bs, sha256)
+        self._params = SamplingParams(max_tokens=MAX_MODEL_LEN)
+        self._request_cls = VRequest
+
+    def request(self, rid: str, tokens: Sequence[int]) -> object:
+        return self._request_cls(rid, list(tokens), self._params, None, block_hasher=self._hasher)
+
+    def lookup(self, req: object) -> tuple[object, int]:
+        blocks, n, _ = self.manager.get_computed_blocks(req)
+        return blocks, n
+
+    def allocate(self, req: object, num_new: int, num_hit: int = 0, hit: object = None) -> object:
+        return self.manager.allocate_slots(req, num_new, num_hit, hit)
+
+    def append(self, req: object, token: int) -> None:
+        req.append_output_token_ids(token)
+
+    def free(self, req: object) -> None:
+        self.manager.free(req)
+
+    def free_queue(self) -> list[int]:
+        return [b.block_id for b in self.manager.block_pool.free_block_queue.get_all_free_blocks()]
+
+    def num_free(self) -> int:
+        return self.manager.block_pool.get_num_free_blocks()
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm.v1.core.kv_cache_manager  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------- the loop
+class DecisionMismatch(Exception):
+    """The two managers decided differently; the message says where."""
+
+
+def block_ids(blocks: object) -> tuple[tuple[int, ...], ...] | None:
+    return None if blocks is None else tuple(tuple(g) for g in blocks.get_block_ids())
+
+
+def run_loop(sides: Sequence, workload: Workload, times: list[dict[str, float]] | None) -> tuple[int, int]:
+    """Serve the workload on every side in lockstep; return the number of preemptions
+    and the fewest free blocks seen after a step (of the first side).
+
+    With one side, ``times[0]`` collects its host time per op. With two, nothing is
+    timed and every decision is compared (:class:`DecisionMismatch` on the first
+    difference)."""
+    clock = time.perf_counter
+    reqs = [[side.request(f"r{i}", p) for side in sides] for i, p in enumerate(workload.prompts)]
+    generated = [0] * len(reqs)
+    waiting: deque[int] = deque(range(len(reqs)))
+    running: list[int] = []
+    preemptions = step = 0
+    min_free = workload.num_blocks
+
+    def call(op: str, fn: Callable, *args_per_side: Sequence) -> list:
+        out = []
+        for k, side in enumerate(sides):
+            start = clock()
+            out.append(fn(side, *args_per_side[k]))
+            if times is not None:
+                times[k][op] += clock() - start
+        return out
+
+    def agree(what: str, results: list) -> None:
+        if len(results) > 1 and results[0] != results[1]:
+            raise DecisionMismatch(f"step {step}, {what}: jaxkv {results[0]!r:.300} != vLLM {results[1]!r:.300}")
+
+    def preempt(i: int) -> None:
+        nonlocal preemptions
+        call("free", lambda s, r: s.free(r), *[(r,) for r in reqs[i]])
+        for r in reqs[i]:
+            r.num_computed_tokens = 0
+        waiting.appendleft(i)
+        preemptions += 1
+
+    while waiting or running:
+        step += 1
+        preempted = False
+        pos = 0
+        while pos < len(running):
+            i = running[pos]
+            call("hash", lambda s, r: s.append(r, 7), *[(r,) for r in reqs[i]])
+            while True:
+                got = call("alloc_decode", lambda s, r: s.allocate(r, 1), *[(r,) for r in reqs[i]])
+                agree(f"decode of r{i}", [g is None for g in got])
+                if got[0] is not None:
+                    break
+                victim = running.pop()
+                preempt(victim)
+                preempted = True
+                if victim == i:
+                    break
+            if got[0] is None:
+                continue
+            for r in reqs[i]:
+                r.num_computed_tokens += 1
+            generated[i] += 1
+            if generated[i] >= workload.decode_steps:
+                call("free", lambda s, r: s.free(r), *[(r,) for r in reqs[i]])
+                running.pop(pos)
+            else:
+                pos += 1
+        while waiting and not preempted and len(running) < workload.max_running:
+            i = waiting[0]
+            found = call("lookup", lambda s, r: s.lookup(r), *[(r,) for r in reqs[i]])
+            agree(f"lookup of r{i}", [(n, block_ids(b)) for b, n in found])
+            num_tokens = [r.num_tokens for r in reqs[i]]
+            got = call(
+                "alloc_prefill",
+                lambda s, r, n, b, t: s.allocate(r, t - n, n, b),
+                *[(r, n, b, t) for r, (b, n), t in zip(reqs[i], found, num_tokens)],
+            )
+            agree(f"prefill of r{i}", [block_ids(g) for g in got])
+            if got[0] is None:
+                if not running:
+                    raise RuntimeError(f"request r{i} does not fit an idle pool of {workload.num_blocks} blocks")
+                break
+            for r in reqs[i]:
+                r.num_computed_tokens = r.num_tokens
+            waiting.popleft()
+            running.append(i)
+        if len(sides) > 1:
+            agree("free queue", [side.free_queue() for side in sides])
+        min_free = min(min_free, sides[0].num_free())
+    return preemptions, min_free
+
+
+# ---------------------------------------------------------------------- reporting
+def time_side(cls: type, model: str, workload: Workload) -> tuple[dict[str, float], int]:
+    times = [defaultdict(float)]
+    side = cls(model, workload.num_blocks)
+    preemptions, _ = run_loop([side], workload, times)
+    return dict(times[0]), preemptions
+
+
+def median_times(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {op: statistics.median(r.get(op, 0.0) for r in runs) for op in OPS}
+
+
+def bench(model: str, name: str, peer: bool, check: bool) -> dict:
+    workload = make_workload(name, model, FLAGS.seed, FLAGS.scale)
+    result: dict = {"model": model, "workload": name, "num_requests": len(workload.prompts)}
+    result["num_blocks"] = workload.num_blocks
+    if check:
+        try:
+            run_loop([JaxkvSide(model, workload.num_blocks), VllmSide(model, workload.num_blocks)], workload, None)
+            result["decisions"] = "identical"
+        except DecisionMismatch as err:
+            result["decisions"] = f"MISMATCH at {err}"
+    runs: dict[str, list] = {"jaxkv": [], "vllm": []}
+    for pair in range(FLAGS.pairs):
+        order = [JaxkvSide, VllmSide] if pair % 2 == 0 else [VllmSide, JaxkvSide]
+        for cls in order:
+            if cls is VllmSide and not peer:
+                continue
+            times, preemptions = time_side(cls, model, workload)
+            runs[cls.name].append(times)
+            result[f"{cls.name}_preemptions"] = preemptions
+    for side, side_runs in runs.items():
+        if side_runs:
+            result[side] = median_times(side_runs)
+            result[f"{side}_total"] = statistics.median(sum(r.values()) for r in side_runs)
+    return result
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"KV cache manager host time, ms per workload (median of {FLAGS.pairs} alternating runs; jaxkv hash={FLAGS.hash_algo}, vLLM sha256)")
+    print(f"{'model':12s} {'workload':11s} {'op':14s} {'jaxkv ms':>10s} {'vLLM ms':>10s} {'ratio':>6s}")
+    for r in results:
+        for op in OPS + ("total",):
+            ours = r["jaxkv_total"] if op == "total" else r["jaxkv"][op]
+            peer = (r["vllm_total"] if op == "total" else r["vllm"][op]) if "vllm" in r else None
+            ratio = f"{ours / peer:6.2f}" if peer else "   n/a"
+            peer_s = f"{peer * 1e3:10.2f}" if peer is not None else f"{'n/a':>10s}"
+            print(f"{r['model']:12s} {r['workload']:11s} {op:14s} {ours * 1e3:10.2f} {peer_s} {ratio}")
+        extra = f"preemptions jaxkv {r.get('jaxkv_preemptions')} / vLLM {r.get('vllm_preemptions', 'n/a')}"
+        print(f"{r['model']:12s} {r['workload']:11s} {extra}; decisions: {r.get('decisions', 'not checked')}")
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv
+    peer = FLAGS.peer and vllm_available()
+    check = peer if FLAGS.check_decisions is None else FLAGS.check_decisions and vllm_available()
+    if not peer:
+        print("vLLM is not importable: jaxkv columns only (see BUILD.md to install the peer)")
+    results = [bench(model, name, peer, check) for model in FLAGS.models for name in FLAGS.workloads]
+    print_table(results)
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
-            json.dump({"workload": {k: FLAGS[k].value for k in (
-                "num_requests", "num_system_prompts", "system_prompt_len", "min_suffix", "max_suffix",
-                "decode_steps", "max_running", "block_size", "sliding_window", "hash_algo")},
-                "results": results}, f, indent=2)
+            json.dump({"hash_algo": FLAGS.hash_algo, "pairs": FLAGS.pairs, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

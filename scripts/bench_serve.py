@@ -37,9 +37,9 @@ from jaxkv import ops
 from jaxkv.errors import JaxkvError
 from jaxkv.metadata import Buckets
 from jaxkv.plan import check_fits_device, exit_error, flags_parser, parse_size
-from jaxkv.planner import LAYOUTS, PlanError, plan_kv_cache
-from jaxkv.serving.engine import Engine, EngineError, GenerationResult
-from jaxkv.serving.models import MODEL_CONFIGS, ModelConfigError, TinyLM, get_model_config
+from jaxkv.planner import LAYOUTS, plan_kv_cache
+from jaxkv.serving.engine import Engine, GenerationResult
+from jaxkv.serving.models import MODEL_CONFIGS, TinyLM, get_model_config
 from jaxkv.serving.workloads import shared_prefix_prompts
 from jaxkv.specs import cdiv
 
@@ -155,7 +155,7 @@ def main(argv: Sequence[str]) -> None:
             max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         )
     # PlanError, EngineError, ModelConfigError: listed until they subclass JaxkvError too.
-    except (JaxkvError, PlanError, EngineError, ModelConfigError) as err:
+    except JaxkvError as err:
         exit_error(PROG, err)
     # Token buckets in powers of two, so a cached request's short prefill runs a small step.
     max_blocks = cdiv(FLAGS.max_model_len, config.hash_block_size)
@@ -172,7 +172,7 @@ def main(argv: Sequence[str]) -> None:
                                          buckets=buckets),
             }
             results = measure(engines, model.config.vocab_size)
-    except (JaxkvError, EngineError) as err:
+    except JaxkvError as err:
         exit_error(PROG, err)
     text, ratios = table(results)
     print(text)

@@ -36,7 +36,7 @@ from jaxkv.errors import JaxkvError
 from jaxkv.hashing import HASH_ALGORITHMS
 from jaxkv.manager import KVCacheManager
 from jaxkv.plan import exit_error, flags_parser, is_int_range, parse_size
-from jaxkv.planner import KVCacheConfig, PlanError, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, plan_kv_cache
 from jaxkv.presets import get_preset, list_presets
 from jaxkv.serving.simulator import (
     PlanTooLargeError,
@@ -206,7 +206,7 @@ def main(argv: Sequence[str]) -> None:
                 json.dump(report, f, indent=2)
             print(f"wrote {FLAGS.out}")
     # PlanError is listed until the planner's errors subclass JaxkvError too.
-    except (JaxkvError, PlanError, OSError) as err:
+    except (JaxkvError, OSError) as err:
         exit_error(PROG, err)
 
 

@@ -391,3 +391,15 @@ def test_the_window_search_finds_the_rightmost_full_window_after_the_newest_bloc
     mgr.evict_blocks(window_blocks[15:])  # the newest window blocks: the usual state under pressure
     hit, n = mgr.get_computed_blocks(Request("b", tokens(0, 321)))
     assert n == 240 and hit.get_block_ids()[1] == [0] * 11 + window_blocks[11:15]
+
+
+def test_decoding_past_max_model_len_raises_even_with_room_in_the_last_block(tokens):
+    mgr = make_manager(11, FULL, max_model_len=40)  # 3 blocks hold 48 slots
+    req = Request("a", tokens(0, 39))
+    admit(mgr, req)
+    req.append_output_token_ids(1)
+    assert mgr.allocate_slots(req, 1) is not None
+    req.num_computed_tokens += 1
+    req.append_output_token_ids(2)
+    with pytest.raises(MaxModelLenExceededError):
+        mgr.allocate_slots(req, 1)
