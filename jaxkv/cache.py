@@ -167,15 +167,12 @@ def _layer_indices(config: KVCacheConfig) -> tuple[tuple[str, int], ...]:
     else:
         width = max(len(g.layer_names) for g in config.groups)
         rows = tuple(
-            tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in config.groups)
-            for i in range(width)
+            tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in config.groups) for i in range(width)
         )
     return tuple((name, i) for i, row in enumerate(rows) for name in row if name is not None)
 
 
-def _sharding(
-    mesh: Mesh | None, kv_axis: str, ndim: int, num_kv_heads: int
-) -> NamedSharding | None:
+def _sharding(mesh: Mesh | None, kv_axis: str, ndim: int, num_kv_heads: int) -> NamedSharding | None:
     """Shard the 2*H axis (second to last) on ``kv_axis``, whole heads per device."""
     if mesh is None:
         return None

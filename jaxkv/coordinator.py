@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from jaxkv.single_type import NEVER, CacheHit, FullAttentionManager, SingleTypeManager, manager_class_for
 from jaxkv.planner import KVCacheConfig
 from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
+from jaxkv.single_type import NEVER, CacheHit, FullAttentionManager, SingleTypeManager, manager_class_for
 from jaxkv.specs import KVCacheSpec
 
 

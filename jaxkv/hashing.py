@@ -51,7 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+
 from jaxkv.errors import JaxkvError
+from jaxkv.ints import check_int
 
 __all__ = [
     "HASH_ALGORITHMS",
@@ -124,9 +126,7 @@ class InvalidBlockError(BlockHashError):
 
 def _check_algo(algo: object) -> str:
     if algo not in _DIGEST_SIZES:
-        raise UnknownHashAlgorithmError(
-            f"unknown hash algorithm {algo!r}; valid ones: {', '.join(HASH_ALGORITHMS)}"
-        )
+        raise UnknownHashAlgorithmError(f"unknown hash algorithm {algo!r}; valid ones: {', '.join(HASH_ALGORITHMS)}")
     return algo  # type: ignore[return-value]
 
 
@@ -136,9 +136,7 @@ def digest_size(algo: str) -> int:
 
 
 def _check_block_size(block_size: object) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise InvalidBlockSizeError(f"block_size must be a positive int, got {block_size!r}")
-    return block_size
+    return check_int("block_size", block_size, minimum=1, error=InvalidBlockSizeError)
 
 
 def root_hash(algo: str, block_size: int) -> bytes:
@@ -181,9 +179,7 @@ class MultiModalItem:
 
     def __post_init__(self) -> None:
         if not isinstance(self.hash, (str, bytes)) or not self.hash:
-            raise InvalidExtraKeysError(
-                f"multimodal item hash must be a non-empty str or bytes, got {self.hash!r}"
-            )
+            raise InvalidExtraKeysError(f"multimodal item hash must be a non-empty str or bytes, got {self.hash!r}")
         offset = _index(self.offset, "multimodal item offset")
         length = _index(self.length, "multimodal item length")
         if not 0 <= offset <= _MAX_I64:
@@ -228,9 +224,7 @@ class ExtraKeys:
             if value is not None and not isinstance(value, str):
                 raise InvalidExtraKeysError(f"{name} must be a str or None, got {value!r}")
         if isinstance(self.mm_items, (str, bytes)) or not isinstance(self.mm_items, Iterable):
-            raise InvalidExtraKeysError(
-                f"mm_items must be an iterable of MultiModalItem, got {self.mm_items!r}"
-            )
+            raise InvalidExtraKeysError(f"mm_items must be an iterable of MultiModalItem, got {self.mm_items!r}")
         items = tuple(self.mm_items)
         for item in items:
             if not isinstance(item, MultiModalItem):
@@ -238,9 +232,7 @@ class ExtraKeys:
         items = tuple(sorted(items, key=lambda item: item.offset))
         for prev, cur in zip(items, items[1:]):
             if cur.offset < prev.end:
-                raise InvalidExtraKeysError(
-                    f"multimodal items overlap: {prev!r} and {cur!r}"
-                )
+                raise InvalidExtraKeysError(f"multimodal items overlap: {prev!r} and {cur!r}")
         salt_key = b""
         if self.cache_salt is not None:
             data = _utf8(self.cache_salt, "cache_salt")
@@ -286,9 +278,7 @@ def _bad_token(values: Iterable[object], base: int) -> InvalidTokenIdError:
     """Locate the first invalid id (the slow path, only taken once input is known bad)."""
     for pos, value in enumerate(values, base):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            return InvalidTokenIdError(
-                f"token id {value!r} at position {pos} is not an int", value, pos
-            )
+            return InvalidTokenIdError(f"token id {value!r} at position {pos} is not an int", value, pos)
         if not 0 <= int(value) <= MAX_TOKEN_ID:
             return InvalidTokenIdError(
                 f"token id {int(value)} at position {pos} is outside [0, 2**31)", int(value), pos
@@ -307,8 +297,7 @@ def _token_bytes(token_ids: Sequence[int], lo: int, hi: int, packer: struct.Stru
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             raise InvalidTokenIdError(
-                f"token_ids must be a 1-D integer array, got shape {token_ids.shape} "
-                f"dtype {token_ids.dtype}"
+                f"token_ids must be a 1-D integer array, got shape {token_ids.shape} dtype {token_ids.dtype}"
             )
         ids = token_ids[lo:hi]
         if ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
@@ -340,9 +329,7 @@ class BlockHasher:
     serves every request.
     """
 
-    __slots__ = (
-        "_block_size", "_algo", "_root", "_digest_size", "_step", "_is_sha256", "_packer"
-    )
+    __slots__ = ("_block_size", "_algo", "_root", "_digest_size", "_step", "_is_sha256", "_packer")
 
     def __init__(self, block_size: int, algo: str = "sha256"):
         self._block_size = _check_block_size(block_size)
@@ -376,9 +363,7 @@ class BlockHasher:
     def __repr__(self) -> str:
         return f"BlockHasher(block_size={self._block_size}, algo={self._algo!r})"
 
-    def extend(
-        self, hashes: list[bytes], token_ids: Sequence[int], extra: ExtraKeys = NO_EXTRA_KEYS
-    ) -> int:
+    def extend(self, hashes: list[bytes], token_ids: Sequence[int], extra: ExtraKeys = NO_EXTRA_KEYS) -> int:
         """Append to `hashes` the hashes of every full block of token_ids not yet hashed
         (block index len(hashes) onwards); return how many were added. Lazy/incremental:
         calling it again after more tokens arrive hashes only the new full blocks.
@@ -397,8 +382,7 @@ class BlockHasher:
             parent = hashes[-1]
             if type(parent) is not bytes or len(parent) != self._digest_size:
                 raise InvalidBlockError(
-                    f"hashes[-1] must be a {self._digest_size}-byte {self._algo} digest, "
-                    f"got {parent!r}"
+                    f"hashes[-1] must be a {self._digest_size}-byte {self._algo} digest, got {parent!r}"
                 )
         else:
             parent = self._root
@@ -448,8 +432,7 @@ class BlockHasher:
         """Validate one block's inputs; return (effective parent, token bytes)."""
         if type(extra) is not ExtraKeys:
             raise InvalidExtraKeysError(f"extra must be an ExtraKeys, got {extra!r}")
-        if isinstance(block_index, bool) or not isinstance(block_index, int) or block_index < 0:
-            raise InvalidBlockError(f"block_index must be an int >= 0, got {block_index!r}")
+        check_int("block_index", block_index, minimum=0, error=InvalidBlockError)
         if parent is None:
             if block_index != 0:
                 raise InvalidBlockError(f"parent is None but block_index is {block_index}, not 0")
@@ -457,18 +440,12 @@ class BlockHasher:
         elif block_index == 0:
             raise InvalidBlockError("block 0 chains from the root: its parent must be None")
         elif type(parent) is not bytes or len(parent) != self._digest_size:
-            raise InvalidBlockError(
-                f"parent must be a {self._digest_size}-byte {self._algo} digest, got {parent!r}"
-            )
+            raise InvalidBlockError(f"parent must be a {self._digest_size}-byte {self._algo} digest, got {parent!r}")
         if len(block_token_ids) != self._block_size:
-            raise InvalidBlockError(
-                f"a block has {self._block_size} tokens, got {len(block_token_ids)}"
-            )
+            raise InvalidBlockError(f"a block has {self._block_size} tokens, got {len(block_token_ids)}")
         return parent, _token_bytes(block_token_ids, 0, self._block_size, self._packer)
 
-    def _chain(
-        self, parent: bytes, data: bytes, first: int, count: int, extra: ExtraKeys
-    ) -> list[bytes]:
+    def _chain(self, parent: bytes, data: bytes, first: int, count: int, extra: ExtraKeys) -> list[bytes]:
         """Hash `count` consecutive blocks held in `data` (int32 bytes), block `first` on."""
         step = self._step
         offsets = range(0, count * step, step)
@@ -482,8 +459,6 @@ class BlockHasher:
         suffixes = extra.block_extras(self._block_size, first, count)
         if self._is_sha256:
             sha256 = hashlib.sha256
-            return [
-                p := sha256(p + data[i : i + step] + s).digest() for i, s in zip(offsets, suffixes)
-            ]
+            return [p := sha256(p + data[i : i + step] + s).digest() for i, s in zip(offsets, suffixes)]
         xxh3 = _xxh3
         return [p := xxh3(p + data[i : i + step] + s) for i, s in zip(offsets, suffixes)]

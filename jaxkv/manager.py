@@ -10,9 +10,9 @@ device step needs. The vocabulary follows vLLM's scheduler side on purpose.
 from __future__ import annotations
 
 import contextlib
-from threading import get_ident as _get_ident
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from threading import get_ident as _get_ident
 from typing import NamedTuple
 
 from jaxkv.coordinator import KVCacheCoordinator
@@ -540,7 +540,9 @@ class KVCacheManager:
             return None
         coord = self.coordinator
         if rid in self._requests:
-            raise KVCacheManagerError(f"request {rid!r} already holds blocks; a cache hit applies only to a new request")
+            raise KVCacheManagerError(
+                f"request {rid!r} already holds blocks; a cache hit applies only to a new request"
+            )
         if not self.enable_caching:
             raise InvalidCacheHitError(f"request {rid!r}: a cache hit was given to a manager without prefix caching")
         if len(hit.blocks) != coord.num_groups:
@@ -557,7 +559,8 @@ class KVCacheManager:
         n = num_new_computed_tokens // coord.hash_block_size
         if n > len(hashes) or num_new_computed_tokens >= request.num_tokens:
             raise InvalidCacheHitError(
-                f"request {rid!r}: a hit of {num_new_computed_tokens} tokens does not fit its {request.num_tokens}-token prompt"
+                f"request {rid!r}: a hit of {num_new_computed_tokens} tokens does not fit its "
+                f"{request.num_tokens}-token prompt"
             )
         mine = hit.request_id == rid and hit.prefix_hash == hashes[n - 1]
         if not mine or hit.eviction_stamp != coord.num_evictions:
@@ -566,7 +569,11 @@ class KVCacheManager:
                 error = StaleCacheHitError if mine else InvalidCacheHitError
                 raise error(
                     f"request {rid!r}: hit block {bad[1]!r} of group {bad[0]} is not cached for this request's "
-                    + ("prefix (evicted since get_computed_blocks)" if mine else "prefix (another request's or forged hit)")
+                    + (
+                        "prefix (evicted since get_computed_blocks)"
+                        if mine
+                        else "prefix (another request's or forged hit)"
+                    )
                 )
         return hit.blocks
 
@@ -578,7 +585,9 @@ class KVCacheManager:
         rid = request.request_id
         coord = self.coordinator
         if rid in self._requests:
-            raise KVCacheManagerError(f"request {rid!r} already holds blocks; external tokens apply only to a new request")
+            raise KVCacheManagerError(
+                f"request {rid!r} already holds blocks; external tokens apply only to a new request"
+            )
         if num_external % coord.lcm_block_size:
             raise KVCacheManagerError(
                 f"request {rid!r}: num_external_computed_tokens={num_external} is not a multiple of "

@@ -83,9 +83,7 @@ class Buckets:
             object.__setattr__(self, name, _sizes(name, getattr(self, name)))
 
     @classmethod
-    def powers_of_two(
-        cls, max_tokens: int, max_seqs: int, max_blocks: int, *, smallest: int = 8
-    ) -> Buckets:
+    def powers_of_two(cls, max_tokens: int, max_seqs: int, max_blocks: int, *, smallest: int = 8) -> Buckets:
         """Powers of two from ``smallest`` (capped at each max), then the max itself."""
 
         def ladder(limit: int) -> tuple[int, ...]:
@@ -158,8 +156,12 @@ class _Packing:
         """Field -> (start, shape) in the packed buffer; groups as ``tables{g}``/``slots{g}``."""
         t, s = self.num_tokens, self.max_seqs
         fields = [
-            ("input_ids", (t,)), ("positions", (t,)), ("kv_lens", (s,)),
-            ("cu_q_lens", (s + 1,)), ("num_seqs", (1,)), ("logits_indices", (s,)),
+            ("input_ids", (t,)),
+            ("positions", (t,)),
+            ("kv_lens", (s,)),
+            ("cu_q_lens", (s + 1,)),
+            ("num_seqs", (1,)),
+            ("logits_indices", (s,)),
         ]
         for g, width in enumerate(self.widths):
             fields += [(f"tables{g}", (s, width)), (f"slots{g}", (t,))]
@@ -296,9 +298,7 @@ def build_step_metadata(
     if not seqs:
         raise MetadataError("no sequences scheduled")
     if len(token_ids) != len(seqs) or len(block_ids) != len(seqs):
-        raise MetadataError(
-            f"{len(seqs)} seqs but {len(token_ids)} token lists and {len(block_ids)} block lists"
-        )
+        raise MetadataError(f"{len(seqs)} seqs but {len(token_ids)} token lists and {len(block_ids)} block lists")
     num_groups = len(block_sizes)
     if not num_groups or any(not is_int(b) or b <= 0 for b in block_sizes):
         raise MetadataError(f"block_sizes must be positive ints, one per group: {block_sizes!r}")
@@ -307,15 +307,12 @@ def build_step_metadata(
     for seq, ids in zip(seqs, block_ids):
         if len(ids) != num_groups:
             raise MetadataError(
-                f"request {seq.request_id!r} has block ids for {len(ids)} groups, "
-                f"expected {num_groups}"
+                f"request {seq.request_id!r} has block ids for {len(ids)} groups, expected {num_groups}"
             )
     decodes = [s.is_decode for s in seqs]
     if sorted(decodes, reverse=True) != decodes:
         late = seqs[decodes.index(True, decodes.index(False))]
-        raise MetadataError(
-            f"decode {late.request_id!r} comes after a prefill; order seqs with decodes_first()"
-        )
+        raise MetadataError(f"decode {late.request_id!r} comes after a prefill; order seqs with decodes_first()")
     q_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
     kv_lens = np.array([s.num_computed_tokens + s.num_new_tokens for s in seqs], dtype=np.int64)
     total = int(q_lens.sum())
@@ -324,10 +321,7 @@ def build_step_metadata(
 
     tables = []
     for g, block_size in enumerate(block_sizes):
-        rows = [
-            _block_table(seq, ids[g], block_size, g, num_blocks)
-            for seq, ids in zip(seqs, block_ids)
-        ]
+        rows = [_block_table(seq, ids[g], block_size, g, num_blocks) for seq, ids in zip(seqs, block_ids)]
         width = bucket(max(len(r) for r in rows), buckets.blocks, f"blocks of group {g}")
         table = np.zeros((max_seqs, width), dtype=np.int64)
         for i, row in enumerate(rows):
@@ -344,9 +338,7 @@ def build_step_metadata(
 
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)])
     seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
-    positions = (
-        np.arange(total) - cu_q_lens[seq_of_token] + (kv_lens - q_lens)[seq_of_token]
-    )
+    positions = np.arange(total) - cu_q_lens[seq_of_token] + (kv_lens - q_lens)[seq_of_token]
     put("input_ids", np.concatenate([_new_tokens(s, t) for s, t in zip(seqs, token_ids)]))
     put("positions", positions)
     put("kv_lens", kv_lens)

@@ -84,9 +84,7 @@ class _Restore:
 
 def _check_name(name: object) -> str:
     if name not in IMPLEMENTATIONS:
-        raise UnknownImplementationError(
-            f"unknown implementation {name!r}; valid: {', '.join(IMPLEMENTATIONS)}"
-        )
+        raise UnknownImplementationError(f"unknown implementation {name!r}; valid: {', '.join(IMPLEMENTATIONS)}")
     return name  # type: ignore[return-value]
 
 
@@ -142,10 +140,7 @@ def _pad_head_dim(name: str, x: jax.Array, head_dim: int) -> jax.Array:
     if x.ndim == 0 or x.shape[-1] == head_dim:
         return x
     if x.shape[-1] > head_dim:
-        raise KVShapeError(
-            f"{name} {x.shape} has head dim {x.shape[-1]}, larger than the cache's head_dim "
-            f"{head_dim}"
-        )
+        raise KVShapeError(f"{name} {x.shape} has head dim {x.shape[-1]}, larger than the cache's head_dim {head_dim}")
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])])
 
 
@@ -202,9 +197,7 @@ def paged_attention(
     buffer, layer_index = cache.layer_buffer(layer)
     padded = _pad_head_dim("q", q, buffer.shape[-1])
     args = (padded, buffer, kv_lens, block_tables, cu_q_lens, num_seqs)
-    kwargs = {
-        "layer_index": layer_index, "sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap
-    }
+    kwargs = {"layer_index": layer_index, "sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
     name = get_implementation(impl)
     if name == "pallas_tpu":
         kernel, interpret = _tpu_kernel("paged_attention")
@@ -216,9 +209,7 @@ def paged_attention(
     return out if padded is q else out[..., : q.shape[-1]]
 
 
-def copy_blocks(
-    cache: KVCache, src: jax.Array, dst: jax.Array, *, impl: str | None = None
-) -> KVCache:
+def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, *, impl: str | None = None) -> KVCache:
     """Copy whole blocks (every layer's page) ``src[i] -> dst[i]``; pad with ``0 -> 0``.
 
     Contract (the kernels copy concurrently): real ``dst`` ids are distinct and none is

@@ -40,10 +40,18 @@ from jaxkv.presets import UnknownPresetError, get_preset, list_presets
 from jaxkv.specs import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
     "pb": 10**15,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "pib": 1 << 50,
 }
 # ASCII digits only, at most 24 before and after the point: no 5000-digit literal
 # reaches int() (Python refuses those with a raw ValueError).
@@ -168,9 +176,7 @@ def flags_parser(prog: str, flag_values: flags.FlagValues = flags.FLAGS) -> Call
 def _define_flags() -> flags.FlagValues:
     fv = flags.FlagValues()
     flags.DEFINE_string("preset", None, f"model: {', '.join(list_presets())}", flag_values=fv)
-    flags.DEFINE_string(
-        "memory", None, "KV cache budget: 16GiB, 512MiB, 1.5GB or bytes", flag_values=fv
-    )
+    flags.DEFINE_string("memory", None, "KV cache budget: 16GiB, 512MiB, 1.5GB or bytes", flag_values=fv)
     flags.DEFINE_integer("max_model_len", None, "tokens of the longest request", flag_values=fv)
     flags.DEFINE_integer("block_size", 16, "base tokens per block", flag_values=fv)
     flags.DEFINE_enum("layout", "cross_layer", LAYOUTS, "buffer layout", flag_values=fv)

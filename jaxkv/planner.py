@@ -104,9 +104,7 @@ class KVCacheGroup:
         if not isinstance(self.spec, KVCacheSpec):
             raise PlanError(f"spec must be a KVCacheSpec, got {self.spec!r}")
         _positive_int("block_size", self.block_size)
-        padding = self.head_padding_bytes_per_token
-        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-            raise PlanError(f"head_padding_bytes_per_token must be an int >= 0, got {padding!r}")
+        check_int("head_padding_bytes_per_token", self.head_padding_bytes_per_token, minimum=0, error=PlanError)
 
 
 @dataclass(frozen=True)
@@ -215,8 +213,7 @@ class KVCacheConfig:
         if num_tokens is None:
             raise PlanError("blocks_per_request needs num_tokens: the config has no max_model_len")
         return tuple(
-            g.spec.blocks_per_request(num_tokens, g.block_size, self.max_num_batched_tokens)
-            for g in self.groups
+            g.spec.blocks_per_request(num_tokens, g.block_size, self.max_num_batched_tokens) for g in self.groups
         )
 
     @property
@@ -247,20 +244,21 @@ class KVCacheConfig:
         per_request = self.blocks_per_request() if self.max_model_len is not None else None
         per_block = f"/{self.pages.num_layers_per_block}" if self.pages is not None else ""
         for i, g in enumerate(self.groups):
-            rows.append((
-                str(i),
-                g.spec.label,
-                f"{len(g.layer_names)}{per_block}",
-                str(g.block_size),
-                f"{g.spec.page_size_bytes(g.block_size):,}",
-                f"{padding[i]:,}" if padding is not None else "-",
-                f"{per_request[i]:,}" if per_request is not None else "-",
-            ))
+            rows.append(
+                (
+                    str(i),
+                    g.spec.label,
+                    f"{len(g.layer_names)}{per_block}",
+                    str(g.block_size),
+                    f"{g.spec.page_size_bytes(g.block_size):,}",
+                    f"{padding[i]:,}" if padding is not None else "-",
+                    f"{per_request[i]:,}" if per_request is not None else "-",
+                )
+            )
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         table = [
             "  ".join(
-                cell.ljust(w) if c < 2 else cell.rjust(w)
-                for c, (cell, w) in enumerate(zip(row, widths))
+                cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))
             ).rstrip()
             for row in rows
         ]
@@ -313,9 +311,7 @@ def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
             raise PlanError(f"layout column {i} is {column!r}, group {i} has {group.layer_names!r}")
         data = group.spec.page_size_bytes(group.block_size)
         if data > pages.page_size_bytes:
-            raise PlanError(
-                f"group {i} needs {data} B pages but the layout page is {pages.page_size_bytes} B"
-            )
+            raise PlanError(f"group {i} needs {data} B pages but the layout page is {pages.page_size_bytes} B")
 
 
 def _headline(config: KVCacheConfig) -> str:
@@ -349,10 +345,7 @@ def _layer_types(layer_specs: Mapping[str, KVCacheSpec]) -> list[_LayerType]:
             raise PlanError(f"layer {name!r} has no KVCacheSpec: {spec!r}")
         by_key.setdefault(spec.type_key, []).append(name)
         specs.setdefault(spec.type_key, []).append(spec)
-    return [
-        _LayerType(type(specs[key][0]).merge(specs[key]), tuple(names))
-        for key, names in by_key.items()
-    ]
+    return [_LayerType(type(specs[key][0]).merge(specs[key]), tuple(names)) for key, names in by_key.items()]
 
 
 def _unify_pages(specs: Sequence[KVCacheSpec], block_size: int) -> tuple[list[int], int]:
@@ -380,9 +373,7 @@ def _unify_pages(specs: Sequence[KVCacheSpec], block_size: int) -> tuple[list[in
         factors[spec] = largest // page
     grow = max([1] + [cdiv(state, largest) for state in states])
     attention_block = block_size * grow
-    sizes = [
-        attention_block if isinstance(s, MambaSpec) else attention_block * factors[s] for s in specs
-    ]
+    sizes = [attention_block if isinstance(s, MambaSpec) else attention_block * factors[s] for s in specs]
     return sizes, largest * grow
 
 
@@ -392,11 +383,7 @@ def _head_padding_bytes_per_token(
     padded: Mapping[str, KVCacheSpec],
 ) -> int:
     """Bytes per token that tile alignment added to the layers ``names``, together."""
-    return sum(
-        padded[n].bytes_per_token - original[n].bytes_per_token
-        for n in names
-        if padded[n] is not original[n]
-    )
+    return sum(padded[n].bytes_per_token - original[n].bytes_per_token for n in names if padded[n] is not original[n])
 
 
 def _num_groups(counts: Sequence[int], layers_per_group: int) -> int:
@@ -460,32 +447,23 @@ def plan_kv_cache(
     padded = {name: pad_head_size(spec, head_dim_multiple) for name, spec in layer_specs.items()}
     types = _layer_types(padded)
     sizes, page = _unify_pages([t.spec for t in types], block_size)
-    per_type = [
-        t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens)
-        for t, size in zip(types, sizes)
-    ]
+    per_type = [t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens) for t, size in zip(types, sizes)]
     per_group = choose_layers_per_group([len(t.layer_names) for t in types], per_type)
     groups = tuple(
-        KVCacheGroup(
-            names, t.spec, size, _head_padding_bytes_per_token(names, layer_specs, padded)
-        )
+        KVCacheGroup(names, t.spec, size, _head_padding_bytes_per_token(names, layer_specs, padded))
         for t, size in zip(types, sizes)
         for names in (t.layer_names[i : i + per_group] for i in range(0, len(t.layer_names), per_group))
     )
     pages = BlockPages(
         layout=layout,
         layers=tuple(
-            tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in groups)
-            for i in range(per_group)
+            tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in groups) for i in range(per_group)
         ),
         page_size_bytes=page,
     )
     block_bytes = pages.block_bytes
     num_blocks = memory_bytes // block_bytes if num_blocks_override is None else num_blocks_override
-    needed = sum(
-        g.spec.blocks_per_request(max_model_len, g.block_size, max_num_batched_tokens)
-        for g in groups
-    ) + 1
+    needed = sum(g.spec.blocks_per_request(max_model_len, g.block_size, max_num_batched_tokens) for g in groups) + 1
     if num_blocks * block_bytes > memory_bytes:
         raise InsufficientMemoryError(
             f"num_blocks_override={num_blocks} needs {num_blocks * block_bytes} B "

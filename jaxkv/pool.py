@@ -76,9 +76,7 @@ class BlockPool:
         enable_events: bool = False,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
-            raise BlockPoolError(
-                f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}"
-            )
+            raise BlockPoolError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}")
         if not isinstance(num_groups, int) or num_groups < 1:
             raise BlockPoolError(f"num_groups must be an int >= 1, got {num_groups!r}")
         self.num_blocks = num_blocks
@@ -152,9 +150,7 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[int]:
         """Pop ``n`` blocks from the head of the free queue, evicting their hashes."""
         if n < 0 or n > len(self._free):
-            raise BlockPoolError(
-                f"cannot take {n} blocks: {len(self._free)} free of {self.num_blocks}"
-            )
+            raise BlockPoolError(f"cannot take {n} blocks: {len(self._free)} free of {self.num_blocks}")
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
         out = self._free.popleft_n(n)

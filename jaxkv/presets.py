@@ -46,9 +46,7 @@ def mamba1_spec(*, d_inner: int, d_conv: int, d_state: int) -> MambaSpec:
     )
 
 
-def mamba2_spec(
-    *, d_inner: int, n_groups: int, d_state: int, n_heads: int, head_dim: int, d_conv: int
-) -> MambaSpec:
+def mamba2_spec(*, d_inner: int, n_groups: int, d_state: int, n_heads: int, head_dim: int, d_conv: int) -> MambaSpec:
     """Mamba-2 layer: conv over x, B and C; SSM state (n_heads, head_dim, d_state)."""
     return MambaSpec(
         shapes=((d_inner + 2 * n_groups * d_state, d_conv - 1), (n_heads, head_dim, d_state)),
@@ -133,9 +131,7 @@ def _nemotron_h_8b() -> dict[str, KVCacheSpec]:
     # hidden_size 4096, expand 2 (d_inner 8192), mamba_num_heads 128,
     # mamba_head_dim 64, ssm_state_size 128, n_groups 8, conv_kernel 4.
     attention = FullAttentionSpec(num_kv_heads=8, head_size=128)
-    mamba = mamba2_spec(
-        d_inner=2 * 4096, n_groups=8, d_state=128, n_heads=128, head_dim=64, d_conv=4
-    )
+    mamba = mamba2_spec(d_inner=2 * 4096, n_groups=8, d_state=128, n_heads=128, head_dim=64, d_conv=4)
     by_char: dict[str, KVCacheSpec | None] = {"M": mamba, "*": attention, "-": None}
     return _layers([by_char[c] for c in NEMOTRON_H_8B_PATTERN])
 
@@ -146,9 +142,7 @@ def _qwen3_next_80b() -> dict[str, KVCacheSpec]:
     # head_dim 256; linear attention linear_num_key_heads 16, linear_num_value_heads
     # 32, linear_key_head_dim 128, linear_value_head_dim 128, linear_conv_kernel_dim 4.
     full = FullAttentionSpec(num_kv_heads=2, head_size=256)
-    linear = gated_delta_net_spec(
-        num_k_heads=16, num_v_heads=32, k_head_dim=128, v_head_dim=128, conv_kernel=4
-    )
+    linear = gated_delta_net_spec(num_k_heads=16, num_v_heads=32, k_head_dim=128, v_head_dim=128, conv_kernel=4)
     return _layers([full if (i + 1) % 4 == 0 else linear for i in range(48)])
 
 
@@ -192,7 +186,5 @@ def get_preset(name: str) -> dict[str, KVCacheSpec]:
     try:
         build = _PRESETS[name]
     except (KeyError, TypeError):
-        raise UnknownPresetError(
-            f"unknown preset {name!r}; valid presets: {', '.join(list_presets())}"
-        ) from None
+        raise UnknownPresetError(f"unknown preset {name!r}; valid presets: {', '.join(list_presets())}") from None
     return build()

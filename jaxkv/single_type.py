@@ -30,7 +30,6 @@ from jaxkv.specs import (
     SlidingWindowSpec,
 )
 
-
 NEVER = sys.maxsize
 
 

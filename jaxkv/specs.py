@@ -127,9 +127,7 @@ class KVCacheSpec(abc.ABC):
     @property
     def type_key(self) -> Hashable:
         """Layers with equal type_key may share a KV cache group: class and all fields."""
-        return (type(self).__name__,) + tuple(
-            getattr(self, f.name) for f in dataclasses.fields(self)
-        )
+        return (type(self).__name__,) + tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     def max_memory_bytes(
         self,
@@ -155,9 +153,7 @@ class KVCacheSpec(abc.ABC):
             if not isinstance(spec, cls):
                 raise SpecMergeError(f"{cls.__name__}.merge got a {type(spec).__name__}: {spec!r}")
             if spec.type_key != specs[0].type_key:
-                raise SpecMergeError(
-                    f"cannot merge {specs[0]!r} with {spec!r}: different type_key"
-                )
+                raise SpecMergeError(f"cannot merge {specs[0]!r} with {spec!r}: different type_key")
         return specs[0]
 
 
@@ -329,8 +325,7 @@ class MambaSpec(KVCacheSpec):
             raise SpecError(f"{owner}.shapes is empty; a state needs at least one tensor")
         if len(self.shapes) != len(self.dtypes):
             raise SpecError(
-                f"{owner} has {len(self.shapes)} shapes {self.shapes!r} "
-                f"but {len(self.dtypes)} dtypes {self.dtypes!r}"
+                f"{owner} has {len(self.shapes)} shapes {self.shapes!r} but {len(self.dtypes)} dtypes {self.dtypes!r}"
             )
         shapes = []
         for shape in self.shapes:
@@ -350,10 +345,7 @@ class MambaSpec(KVCacheSpec):
     @property
     def state_bytes(self) -> int:
         """Bytes of one layer's state for one request (all tensors)."""
-        return sum(
-            math.prod(shape) * dtype_itemsize(dtype)
-            for shape, dtype in zip(self.shapes, self.dtypes)
-        )
+        return sum(math.prod(shape) * dtype_itemsize(dtype) for shape, dtype in zip(self.shapes, self.dtypes))
 
     def page_size_bytes(self, block_size: int) -> int:
         """The state size; a Mamba page holds one state whatever the block size."""

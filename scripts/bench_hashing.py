@@ -88,9 +88,7 @@ class NoopHasher:
 Hasher = NaiveHasher | BlockHasher | NoopHasher
 
 
-def time_prompt(
-    hasher: Hasher, tokens: Sequence[int], extra: ExtraKeys, inner: int
-) -> tuple[float, list]:
+def time_prompt(hasher: Hasher, tokens: Sequence[int], extra: ExtraKeys, inner: int) -> tuple[float, list]:
     """Seconds per one-shot extend over `tokens` (mean of `inner` calls)."""
     start = time.perf_counter()
     for _ in range(inner):
@@ -155,15 +153,17 @@ def run(num_tokens: int, block_size: int, repeats: int, seed: int) -> dict:
     rows = []
     for (scenario, extras_name, name), seconds in best.items():
         base = best[("prompt" if scenario == "prompt_numpy" else scenario, extras_name, NAIVE)]
-        rows.append({
-            "scenario": scenario,
-            "extras": extras_name,
-            "algo": name,
-            "seconds": seconds,
-            "tokens_per_s": num_tokens / seconds,
-            "us_per_block": seconds / max(num_blocks, 1) * 1e6,
-            "speedup_vs_naive": base / seconds,
-        })
+        rows.append(
+            {
+                "scenario": scenario,
+                "extras": extras_name,
+                "algo": name,
+                "seconds": seconds,
+                "tokens_per_s": num_tokens / seconds,
+                "us_per_block": seconds / max(num_blocks, 1) * 1e6,
+                "speedup_vs_naive": base / seconds,
+            }
+        )
     order = {"prompt": 0, "prompt_numpy": 1, "decode": 2}
     rows.sort(key=lambda r: (order[r["scenario"]], r["extras"] != "none", -r["seconds"]))
     return {
@@ -190,8 +190,7 @@ def run(num_tokens: int, block_size: int, repeats: int, seed: int) -> dict:
 def format_table(results: dict) -> str:
     """The results as a fixed-width text table."""
     lines = [
-        f"{'scenario':<13} {'extras':<10} {'algo':<23} "
-        f"{'Mtok/s':>8} {'us/block':>9} {'x naive':>8}",
+        f"{'scenario':<13} {'extras':<10} {'algo':<23} {'Mtok/s':>8} {'us/block':>9} {'x naive':>8}",
     ]
     for r in results["results"]:
         lines.append(

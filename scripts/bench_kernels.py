@@ -45,24 +45,16 @@ from jaxkv.pallas import xla as xla_attention
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write results as JSON to this path.")
-flags.DEFINE_enum(
-    "preset", "auto", ["auto", "cpu", "accelerator"], "Case sizes; auto picks by backend."
-)
+flags.DEFINE_enum("preset", "auto", ["auto", "cpu", "accelerator"], "Case sizes; auto picks by backend.")
 flags.DEFINE_enum(
     "dtype",
     "auto",
     ["auto", "float32", "bfloat16"],
     "Cache/query dtype (auto: f32 on CPU, bf16 else).",
 )
-flags.DEFINE_integer(
-    "repeats", 3, "Timed repeats per column (best is reported); the interpreter gets at most 2."
-)
-flags.DEFINE_integer(
-    "copy_mib", 1024, "Size of the device-to-device copy that measures peak bandwidth."
-)
-flags.DEFINE_float(
-    "reference_gib", 16.0, "Skip the reference where its token-major gather would exceed this."
-)
+flags.DEFINE_integer("repeats", 3, "Timed repeats per column (best is reported); the interpreter gets at most 2.")
+flags.DEFINE_integer("copy_mib", 1024, "Size of the device-to-device copy that measures peak bandwidth.")
+flags.DEFINE_float("reference_gib", 16.0, "Skip the reference where its token-major gather would exceed this.")
 flags.DEFINE_integer("seed", 0, "Seed of the random inputs.")
 
 COLUMNS = ("kernel", "reference", "jax_rpa", "xla_gpu")
@@ -207,9 +199,7 @@ def attention_case(
     if interpret is None:
         impls["kernel"], notes["kernel"] = None, KERNEL_NA
     else:
-        kernel = jax.jit(
-            functools.partial(kernels.paged_attention, layer_index=layer_index, interpret=interpret, **kw)
-        )
+        kernel = jax.jit(functools.partial(kernels.paged_attention, layer_index=layer_index, interpret=interpret, **kw))
         impls["kernel"] = lambda: kernel(*args)
     gather_bytes = (
         num_tokens * width * bs * (2 * h * d * (jnp.dtype(dtype).itemsize + 4) + h * w.num_queries_per_kv * 12)
@@ -266,9 +256,7 @@ def write_case(
         start = int(rng.integers(1, n - num_tokens // bs))
         slots = start * bs + np.arange(num_tokens)
     slots = jnp.asarray(slots, jnp.int32)
-    k, v = (
-        jnp.asarray(rng.standard_normal((num_tokens, h, d), np.float32), dtype) for _ in range(2)
-    )
+    k, v = (jnp.asarray(rng.standard_normal((num_tokens, h, d), np.float32), dtype) for _ in range(2))
     impls: dict[str, Callable[[], jax.Array] | None] = {"kernel": None, "jax_rpa": None}
     notes = {"kernel": KERNEL_NA, "jax_rpa": "n/a", "xla_gpu": GPU_OPS_NA}
     fns = {"reference": ref.write_kv}
@@ -278,9 +266,7 @@ def write_case(
         jitted = jax.jit(lambda buf, fn=fn: fn(buf, k, v, slots), donate_argnums=0)
         impls[col] = donating(jitted, [jnp.asarray(rng.standard_normal(shape, np.float32), dtype)])
     bytes_moved = 2 * 2 * k.size * k.dtype.itemsize
-    return Case(
-        "write_kv", name, f"{num_tokens} tok, bs {bs}, H {h}, D {d}", bytes_moved, impls, notes
-    )
+    return Case("write_kv", name, f"{num_tokens} tok, bs {bs}, H {h}, D {d}", bytes_moved, impls, notes)
 
 
 def copy_case(p: dict, dtype: jnp.dtype, rng: np.random.Generator, interpret: Interpret) -> Case:
@@ -303,9 +289,7 @@ def copy_case(p: dict, dtype: jnp.dtype, rng: np.random.Generator, interpret: In
         fns["kernel"] = functools.partial(kernels.copy_blocks, interpret=interpret)
     for col, fn in fns.items():
         jitted = jax.jit(lambda bufs, fn=fn: fn(bufs, src, dst), donate_argnums=0)
-        impls[col] = donating(
-            jitted, [(jnp.asarray(rng.standard_normal(shape, np.float32), dtype),)]
-        )
+        impls[col] = donating(jitted, [(jnp.asarray(rng.standard_normal(shape, np.float32), dtype),)])
     block_bytes = s * bs * 2 * h * d * jnp.dtype(dtype).itemsize
     shape_text = f"{pairs} blocks of {block_bytes // 1024} KiB, {s} layers each"
     return Case("copy_blocks", "cow", shape_text, 2 * pairs * block_bytes, impls, notes)
@@ -324,9 +308,7 @@ def max_error(a: jax.Array, b: jax.Array) -> float:
     return float(np.max(np.abs(a - b))) if np.isfinite(a).all() else float("nan")
 
 
-def run(
-    preset: str, dtype_name: str, repeats: int, copy_mib: int, reference_gib: float, seed: int
-) -> dict:
+def run(preset: str, dtype_name: str, repeats: int, copy_mib: int, reference_gib: float, seed: int) -> dict:
     backend = jax.default_backend()
     on_cpu, on_tpu = backend == "cpu", backend == "tpu"
     preset = preset if preset != "auto" else ("cpu" if on_cpu else "accelerator")
@@ -334,13 +316,9 @@ def run(
     interpret: Interpret = False if on_tpu else (pltpu.InterpretParams() if on_cpu else None)
     rng = np.random.default_rng(seed)
     p = PRESETS[preset]
-    cases = [
-        attention_case(w, dtype, rng, interpret, on_tpu, reference_gib * 2**30)
-        for w in p["attention"]
-    ]
+    cases = [attention_case(w, dtype, rng, interpret, on_tpu, reference_gib * 2**30) for w in p["attention"]]
     cases += [
-        write_case(name, p["write_kv"][name], p["write_kv"], dtype, rng, interpret)
-        for name in ("decode", "prefill")
+        write_case(name, p["write_kv"][name], p["write_kv"], dtype, rng, interpret) for name in ("decode", "prefill")
     ]
     cases.append(copy_case(p["copy_blocks"], dtype, rng, interpret))
     peak = None if on_cpu else copy_bandwidth(copy_mib)
@@ -402,8 +380,7 @@ def format_table(results: dict) -> str:
     m = results["machine"]
     lines = [
         f"device: {m['device']} ({m['backend']}); kernel column: {m['kernel_mode']}",
-        "copy bandwidth: "
-        + (f"{m['copy_bandwidth_gb_s']:.0f} GB/s" if m["copy_bandwidth_gb_s"] else "n/a on CPU"),
+        "copy bandwidth: " + (f"{m['copy_bandwidth_gb_s']:.0f} GB/s" if m["copy_bandwidth_gb_s"] else "n/a on CPU"),
         (
             f"{'op':<16} {'case':<14} "
             + " ".join(f"{col + ' ms':>16}" for col in COLUMNS)
@@ -430,17 +407,14 @@ def format_table(results: dict) -> str:
         )
     if m["backend"] == "cpu":
         lines.append(
-            "kernel = the Mosaic TPU kernel in the TPU interpreter: its time and ref/kern only "
-            "show that it runs."
+            "kernel = the Mosaic TPU kernel in the TPU interpreter: its time and ref/kern only show that it runs."
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> None:
     del argv
-    results = run(
-        FLAGS.preset, FLAGS.dtype, FLAGS.repeats, FLAGS.copy_mib, FLAGS.reference_gib, FLAGS.seed
-    )
+    results = run(FLAGS.preset, FLAGS.dtype, FLAGS.repeats, FLAGS.copy_mib, FLAGS.reference_gib, FLAGS.seed)
     print(format_table(results))
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:

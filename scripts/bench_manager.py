@@ -165,7 +165,9 @@ class VllmSide:
         init_none_hash(sha256)
         bs = FLAGS.block_size
         common = dict(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-        specs = [VFull(**common) if kind == "full" else VWindow(**common, sliding_window=w) for kind, w in group_specs(model)]
+        specs = [
+            VFull(**common) if kind == "full" else VWindow(**common, sliding_window=w) for kind, w in group_specs(model)
+        ]
         config = VConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[],
@@ -345,7 +347,10 @@ def bench(model: str, name: str, peer: bool, check: bool) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"KV cache manager host time, ms per workload (median of {FLAGS.pairs} alternating runs; jaxkv hash={FLAGS.hash_algo}, vLLM sha256)")
+    print(
+        f"KV cache manager host time, ms per workload (median of {FLAGS.pairs} alternating runs; "
+        f"jaxkv hash={FLAGS.hash_algo}, vLLM sha256)"
+    )
     print(f"{'model':12s} {'workload':11s} {'op':14s} {'jaxkv ms':>10s} {'vLLM ms':>10s} {'ratio':>6s}")
     for r in results:
         for op in OPS + ("total",):

@@ -38,24 +38,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from timing import best_seconds
 
 from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
 from jaxkv.metadata import Buckets
-from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
+from jaxkv.offload.catalog import PolicyOffloadingManager
 from jaxkv.offload.host_pool import (
-    HostKVPool,
     HostBlockBackend,
+    HostKVPool,
     block_nbytes,
     block_shape,
 )
-from jaxkv.offload.catalog import PolicyOffloadingManager
 from jaxkv.offload.transfer import TransferEngine, copies_per_block
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.models import MODEL_CONFIGS, TinyLM, get_model_config
+from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 from jaxkv.specs import FullAttentionSpec
-from timing import best_seconds
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_layers", 16, "layers (layer slots) per block")
@@ -180,7 +180,11 @@ def bench_transfers() -> tuple[list[dict], list[dict]]:
     """Transfer rows per page size, and the cross-layer ratios of each size."""
     rows, ratios = [], []
     for heads in map(int, FLAGS.num_kv_heads):
-        cross, per_layer, by_layer = time_layout("cross_layer", heads), time_layout("per_layer", heads), time_layer_by_layer(heads)
+        cross, per_layer, by_layer = (
+            time_layout("cross_layer", heads),
+            time_layout("per_layer", heads),
+            time_layer_by_layer(heads),
+        )
         rows += [cross, per_layer, by_layer]
         ratio = {"page_bytes": cross["page_bytes"]}
         for kind in ("store", "load"):
@@ -318,20 +322,22 @@ def bench_policies() -> list[dict]:
                 (lru, lru_stored), (arc, arc_stored) = (
                     replay(trace, FLAGS.device_blocks, policy, host_blocks, store) for policy in ("lru", "arc")
                 )
-                rows.append({
-                    "trace": name,
-                    "host_blocks": host_blocks,
-                    "store": store,
-                    "device_only": device_only,
-                    "host_lru": lru,
-                    "host_arc": arc,
-                    "unlimited": unlimited,
-                    "belady": ceiling,
-                    "lru_of_unlimited": lru / unlimited,
-                    "arc_of_unlimited": arc / unlimited,
-                    "stored_lru": lru_stored,
-                    "stored_arc": arc_stored,
-                })
+                rows.append(
+                    {
+                        "trace": name,
+                        "host_blocks": host_blocks,
+                        "store": store,
+                        "device_only": device_only,
+                        "host_lru": lru,
+                        "host_arc": arc,
+                        "unlimited": unlimited,
+                        "belady": ceiling,
+                        "lru_of_unlimited": lru / unlimited,
+                        "arc_of_unlimited": arc / unlimited,
+                        "stored_lru": lru_stored,
+                        "stored_arc": arc_stored,
+                    }
+                )
     return rows
 
 
@@ -341,7 +347,9 @@ def chat(engine: Engine, seed: int) -> tuple[list[float], int, int, list[list[in
     rng = np.random.default_rng(seed)
     vocab = engine.model.config.vocab_size
     system = rng.integers(0, vocab, FLAGS.serve_system_len).tolist()
-    contexts = [system + rng.integers(0, vocab, FLAGS.serve_user_len).tolist() for _ in range(FLAGS.serve_conversations)]
+    contexts = [
+        system + rng.integers(0, vocab, FLAGS.serve_user_len).tolist() for _ in range(FLAGS.serve_conversations)
+    ]
     ttfts, outputs, cached, prompt_tokens = [], [], 0, 0
     for _ in range(FLAGS.serve_turns):
         for c, context in enumerate(contexts):
@@ -362,7 +370,9 @@ def bench_serving() -> list[dict]:
     block_bytes = plan_kv_cache(specs, 1 << 30, max_model_len=max_model_len).pages.block_bytes
 
     def engine(device_blocks: int, policy: str | None) -> Engine:
-        plan = plan_kv_cache(specs, device_blocks * block_bytes, max_model_len=max_model_len, max_num_batched_tokens=256)
+        plan = plan_kv_cache(
+            specs, device_blocks * block_bytes, max_model_len=max_model_len, max_num_batched_tokens=256
+        )
         offload = None if policy is None else OffloadConfig(FLAGS.serve_host_blocks * block_bytes, policy=policy)
         max_blocks = plan.blocks_per_request()[0]
         # Power-of-two token buckets, so a cached request's short prefill runs a small step.
@@ -385,13 +395,15 @@ def bench_serving() -> list[dict]:
             chat(eng, FLAGS.seed + 1)  # warm-up: compiles every step shape, fills the caches
             ttfts, cached, prompt_tokens, outputs = chat(eng, FLAGS.seed + 2)
             reference = reference or outputs
-            rows.append({
-                "config": name,
-                "prefix_hit_rate": cached / prompt_tokens,
-                "mean_ttft_s": float(np.mean(ttfts)),
-                "loaded_tokens": eng.connector.stats.num_loaded_tokens if eng.connector else 0,
-                "tokens_identical": outputs == reference,
-            })
+            rows.append(
+                {
+                    "config": name,
+                    "prefix_hit_rate": cached / prompt_tokens,
+                    "mean_ttft_s": float(np.mean(ttfts)),
+                    "loaded_tokens": eng.connector.stats.num_loaded_tokens if eng.connector else 0,
+                    "tokens_identical": outputs == reference,
+                }
+            )
     for row in rows:
         row["ttft_vs_device_only"] = rows[0]["mean_ttft_s"] / row["mean_ttft_s"]
     return rows
@@ -417,7 +429,10 @@ def main(argv: list[str]) -> None:
     del argv
     transfers, ratios = bench_transfers()
     device = jax.devices()[0]
-    print(f"(a) transfers of {FLAGS.batch_blocks} blocks of {FLAGS.num_layers} layers on {device.platform} ({device.device_kind})")
+    print(
+        f"(a) transfers of {FLAGS.batch_blocks} blocks of {FLAGS.num_layers} layers "
+        f"on {device.platform} ({device.device_kind})"
+    )
     print(table(transfers))
     print("\ncross-layer throughput over the per-layer layout (transfer engine) and over layer by layer")
     print(table(ratios))
@@ -432,7 +447,11 @@ def main(argv: list[str]) -> None:
     print(table(serving))
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
-            json.dump({"transfers": transfers, "cross_layer_ratios": ratios, "policies": policies, "serving": serving}, f, indent=2)
+            json.dump(
+                {"transfers": transfers, "cross_layer_ratios": ratios, "policies": policies, "serving": serving},
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,13 @@ PROG = "bench_serve.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "tiny-hybrid", list(MODEL_CONFIGS), "model architecture")
 flags.DEFINE_integer("prompt_len", 1024, "tokens per prompt", lower_bound=2)
-flags.DEFINE_float("shared", 0.9, "fraction of each prompt in the shared prefix (the rest, >= 1 token, is unique)",
-                   lower_bound=0, upper_bound=1)
+flags.DEFINE_float(
+    "shared",
+    0.9,
+    "fraction of each prompt in the shared prefix (the rest, >= 1 token, is unique)",
+    lower_bound=0,
+    upper_bound=1,
+)
 flags.DEFINE_integer("num_requests", 8, "requests in the batch phase", lower_bound=1)
 flags.DEFINE_integer("repeats", 3, "timed requests in the single-request phase", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 16, "tokens generated per request", lower_bound=1)
@@ -151,7 +156,10 @@ def main(argv: Sequence[str]) -> None:
         check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
         model = TinyLM(get_model_config(FLAGS.model), seed=FLAGS.seed)
         config = plan_kv_cache(
-            model.config.layer_specs(), memory, max_model_len=FLAGS.max_model_len, layout=FLAGS.layout,
+            model.config.layer_specs(),
+            memory,
+            max_model_len=FLAGS.max_model_len,
+            layout=FLAGS.layout,
             max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         )
     # PlanError, EngineError, ModelConfigError: listed until they subclass JaxkvError too.
@@ -161,15 +169,19 @@ def main(argv: Sequence[str]) -> None:
     max_blocks = cdiv(FLAGS.max_model_len, config.hash_block_size)
     ladder = Buckets.powers_of_two(FLAGS.max_num_batched_tokens, FLAGS.max_num_seqs, max_blocks)
     buckets = Buckets(ladder.tokens, (FLAGS.max_num_seqs,), (max_blocks,))
-    print(f"{FLAGS.model}, {FLAGS.layout}, {FLAGS.impl} ops on {jax.default_backend()}: prompts of "
-          f"{FLAGS.prompt_len} tokens, {FLAGS.shared:.0%} shared; {config.num_blocks:,} blocks")
+    print(
+        f"{FLAGS.model}, {FLAGS.layout}, {FLAGS.impl} ops on {jax.default_backend()}: prompts of "
+        f"{FLAGS.prompt_len} tokens, {FLAGS.shared:.0%} shared; {config.num_blocks:,} blocks"
+    )
     try:
         with ops.set_implementation(FLAGS.impl):
             engines = {
-                "no prefix caching": Engine(model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs,
-                                            buckets=buckets),
-                "prefix caching": Engine(model, config, enable_caching=True, max_num_seqs=FLAGS.max_num_seqs,
-                                         buckets=buckets),
+                "no prefix caching": Engine(
+                    model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs, buckets=buckets
+                ),
+                "prefix caching": Engine(
+                    model, config, enable_caching=True, max_num_seqs=FLAGS.max_num_seqs, buckets=buckets
+                ),
             }
             results = measure(engines, model.config.vocab_size)
     except JaxkvError as err:
@@ -180,8 +192,13 @@ def main(argv: Sequence[str]) -> None:
     print(f"identical tokens with and without prefix caching: {'yes' if same else 'NO'}")
     if FLAGS.out:
         flag_values = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
-        report = {"flags": flag_values, "device": jax.default_backend(), "results": results,
-                  "ratios": ratios, "identical_tokens": same}
+        report = {
+            "flags": flag_values,
+            "device": jax.default_backend(),
+            "results": results,
+            "ratios": ratios,
+            "identical_tokens": same,
+        }
         try:
             with open(FLAGS.out, "w") as f:
                 json.dump(report, f, indent=2)

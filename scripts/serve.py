@@ -66,7 +66,9 @@ flags.DEFINE_enum("layout", "cross_layer", LAYOUTS, "KV cache buffer layout")
 flags.DEFINE_integer("max_num_seqs", 8, "most requests running at once", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 256, "token budget of one step", lower_bound=1)
 flags.DEFINE_integer(
-    "head_dim_multiple", None, "pad the cache's head_dim to a multiple of this (default: 128 on TPU, else 1)",
+    "head_dim_multiple",
+    None,
+    "pad the cache's head_dim to a multiple of this (default: 128 on TPU, else 1)",
     lower_bound=1,
 )
 flags.DEFINE_boolean("prefix_caching", True, "reuse cached prefix blocks (--noprefix_caching: off)")
@@ -140,9 +142,7 @@ def serve() -> dict:
     print(f"{FLAGS.model}, {FLAGS.memory}, {ops.get_implementation()} ops, JAX on {jax.default_backend()}:")
     print(config.summary())
     model = TinyLM(model_config, seed=FLAGS.seed)
-    engine = Engine(
-        model, config, enable_caching=FLAGS.prefix_caching, max_num_seqs=FLAGS.max_num_seqs
-    )
+    engine = Engine(model, config, enable_caching=FLAGS.prefix_caching, max_num_seqs=FLAGS.max_num_seqs)
     prompts = shared_prefix_prompts(
         num_requests=FLAGS.num_requests,
         num_prefixes=FLAGS.num_prefixes,
@@ -156,8 +156,10 @@ def serve() -> dict:
     print(f"serving {len(prompts)} requests ({FLAGS.num_prefixes} shared prefixes of {FLAGS.prefix_len} tokens)")
     result = engine.generate(prompts, FLAGS.max_new_tokens, progress=_print_progress)
     for out in result.outputs:
-        print(f"{out.request_id:>7}  prompt {len(out.prompt_token_ids):4d}  cached {out.num_cached_tokens:4d}  "
-              f"ttft {out.ttft_s * 1e3:7.1f} ms  -> {list(out.output_token_ids)}")
+        print(
+            f"{out.request_id:>7}  prompt {len(out.prompt_token_ids):4d}  cached {out.num_cached_tokens:4d}  "
+            f"ttft {out.ttft_s * 1e3:7.1f} ms  -> {list(out.output_token_ids)}"
+        )
     print(_report(result, engine))
     report = {
         "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])},

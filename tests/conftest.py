@@ -23,9 +23,7 @@ def make_config(num_blocks: int, *specs, block_size: int = 16) -> KVCacheConfig:
 
 
 def make_manager(num_blocks: int, *specs, block_size: int = 16, max_model_len: int = 8192, **kw) -> KVCacheManager:
-    return KVCacheManager(
-        make_config(num_blocks, *specs, block_size=block_size), max_model_len=max_model_len, **kw
-    )
+    return KVCacheManager(make_config(num_blocks, *specs, block_size=block_size), max_model_len=max_model_len, **kw)
 
 
 def admit(mgr: KVCacheManager, req: Request, num_lookahead_tokens: int = 0):
@@ -66,6 +64,4 @@ def ragged_metadata(
         kv_lens[i] = kv_len
         cu[i + 1] = cu[i] + q_len
     cu[len(seqs) + 1 :] = cu[len(seqs)]
-    return dict(
-        kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu, num_seqs=np.array([len(seqs)], np.int32)
-    )
+    return dict(kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu, num_seqs=np.array([len(seqs)], np.int32))

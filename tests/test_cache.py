@@ -109,9 +109,7 @@ def test_unknown_layer_is_a_typed_error():
     ],
 )
 def test_unsupported_specs_raise_naming_the_spec(odd, match):
-    config = KVCacheConfig(
-        num_blocks=4, groups=(KVCacheGroup(("a",), spec(), 8), KVCacheGroup(("b",), odd, 8))
-    )
+    config = KVCacheConfig(num_blocks=4, groups=(KVCacheGroup(("a",), spec(), 8), KVCacheGroup(("b",), odd, 8)))
     with pytest.raises(UnsupportedLayoutError, match=match) as err:
         allocate_kv_cache(config)
     assert "'b'" in str(err.value)
@@ -121,18 +119,14 @@ def test_mamba_and_mixed_block_sizes_are_unsupported():
     config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 1 << 22, max_model_len=64)
     with pytest.raises(UnsupportedLayoutError, match="MambaSpec"):
         allocate_kv_cache(config)
-    config = KVCacheConfig(
-        num_blocks=4, groups=(KVCacheGroup(("a",), spec(), 8), KVCacheGroup(("b",), spec(), 16))
-    )
+    config = KVCacheConfig(num_blocks=4, groups=(KVCacheGroup(("a",), spec(), 8), KVCacheGroup(("b",), spec(), 16)))
     with pytest.raises(UnsupportedLayoutError, match="block_size 16"):
         allocate_kv_cache(config)
 
 
 @pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
 def test_donated_write_is_in_place(layout):
-    config = KVCacheConfig(
-        num_blocks=256, groups=(KVCacheGroup(("a", "b"), spec(), 16),)
-    )
+    config = KVCacheConfig(num_blocks=256, groups=(KVCacheGroup(("a", "b"), spec(), 16),))
     cache = allocate_kv_cache(config, layout=layout)
     k = jnp.ones((8, 2, 16), jnp.float32)
     slots = jnp.arange(16, 24, dtype=jnp.int32)
@@ -221,7 +215,11 @@ def test_heads_are_split_whole_across_devices():
     )
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env},
-        timeout=120, check=False,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -67,8 +67,6 @@ def test_block_sizes_must_be_multiples_of_the_smallest():
 
 
 def test_groups_of_one_type_are_searched_together():
-    groups = tuple(KVCacheGroup((f"l{i}",), window(64), 16) for i in range(5)) + (
-        KVCacheGroup(("f",), FULL, 16),
-    )
+    groups = tuple(KVCacheGroup((f"l{i}",), window(64), 16) for i in range(5)) + (KVCacheGroup(("f",), FULL, 16),)
     coord = KVCacheCoordinator(KVCacheConfig(num_blocks=8, groups=groups))
     assert [t.group_ids for t in coord.types] == [(5,), (0, 1, 2, 3, 4)]

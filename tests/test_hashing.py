@@ -132,15 +132,10 @@ def test_algorithms_and_digest_sizes():
 
 def test_golden_values_are_stable():
     # Pinned: these must never change (hashes are shared across processes and hosts).
-    assert root_hash("sha256", 16).hex() == (
-        "af62a322dda0bfd7cf012c4a093d1ea2db38dea3896bdc53697dd66f05c1de3e"
-    )
+    assert root_hash("sha256", 16).hex() == ("af62a322dda0bfd7cf012c4a093d1ea2db38dea3896bdc53697dd66f05c1de3e")
     assert root_hash("xxh3_128", 16).hex() == "3af6e0309306f01abc2701332c2ba9b2"
     extra = ExtraKeys("tenant", "adapter", (MultiModalItem("img", 3, 4),))
-    got = {
-        algo: [h.hex() for h in hashes_of(BlockHasher(4, algo), list(range(10)), extra)]
-        for algo in HASH_ALGORITHMS
-    }
+    got = {algo: [h.hex() for h in hashes_of(BlockHasher(4, algo), list(range(10)), extra)] for algo in HASH_ALGORITHMS}
     assert got == GOLDEN
 
 
@@ -284,9 +279,7 @@ def test_lora_changes_every_block(algo):
             assert hasher.serialize_block(h[b - 1], tokens[4 * b : 4 * b + 4], b, extra).endswith(
                 b"L" + struct.pack("<I", len(extra.lora_name)) + extra.lora_name.encode()
             )
-    assert hashes_of(hasher, tokens, ExtraKeys(lora_name="x")) != hashes_of(
-        hasher, tokens, ExtraKeys(lora_name="y")
-    )
+    assert hashes_of(hasher, tokens, ExtraKeys(lora_name="x")) != hashes_of(hasher, tokens, ExtraKeys(lora_name="y"))
 
 
 @ALGOS
@@ -303,8 +296,7 @@ def test_mm_item_changes_exactly_the_blocks_it_overlaps(algo):
         msg = hasher.serialize_block(h[b - 1] if b else None, tokens[4 * b : 4 * b + 4], b, extra)
         assert (b"image-1" in msg) == (2 <= b <= 4)
     # Another item, or the same item at another offset or length, gives other hashes.
-    for other in (MultiModalItem("image-2", 10, 7), MultiModalItem("image-1", 11, 6),
-                  MultiModalItem("image-1", 10, 6)):
+    for other in (MultiModalItem("image-2", 10, 7), MultiModalItem("image-1", 11, 6), MultiModalItem("image-1", 10, 6)):
         h2 = hashes_of(hasher, tokens, ExtraKeys(mm_items=(other,)))
         assert h2[:2] == plain[:2] and h2[4] != h[4]
 
@@ -340,8 +332,13 @@ def test_list_numpy_tuple_inputs_agree(algo):
     extra = ExtraKeys(lora_name="l")
     want = hashes_of(hasher, arr.tolist(), extra)
     assert len(want) == 62
-    for tokens in (arr, arr.astype(np.int32), arr.astype(np.uint32), tuple(arr.tolist()),
-                   [np.int64(t) for t in arr[:100]] + arr[100:].tolist()):
+    for tokens in (
+        arr,
+        arr.astype(np.int32),
+        arr.astype(np.uint32),
+        tuple(arr.tolist()),
+        [np.int64(t) for t in arr[:100]] + arr[100:].tolist(),
+    ):
         assert hashes_of(hasher, tokens, extra) == want
     small = rng.integers(0, 200, size=64)
     assert hashes_of(hasher, small.astype(np.uint8)) == hashes_of(hasher, small.tolist())
@@ -427,8 +424,7 @@ def test_bad_block_size(block_size):
 @ALGOS
 @pytest.mark.parametrize(
     "bad, shown",
-    [(-1, "-1"), (2**31, "2147483648"), (2**70, str(2**70)), (1.5, "1.5"), ("3", "'3'"),
-     (None, "None")],
+    [(-1, "-1"), (2**31, "2147483648"), (2**70, str(2**70)), (1.5, "1.5"), ("3", "'3'"), (None, "None")],
 )
 def test_bad_token_ids_leave_hashes_unchanged(algo, bad, shown):
     hasher = BlockHasher(4, algo)
@@ -486,8 +482,7 @@ def test_bad_token_found_in_small_and_large_lists(bad, size):
         (lambda: ExtraKeys(cache_salt="\ud800"), "ud800"),
         (lambda: ExtraKeys(mm_items=("h", 0, 1)), "'h'"),
         (lambda: ExtraKeys(mm_items=MultiModalItem("h", 0, 1)), "MultiModalItem"),
-        (lambda: ExtraKeys(mm_items=(MultiModalItem("a", 0, 5), MultiModalItem("b", 4, 1))),
-         "overlap"),
+        (lambda: ExtraKeys(mm_items=(MultiModalItem("a", 0, 5), MultiModalItem("b", 4, 1))), "overlap"),
     ],
 )
 def test_malformed_extras(make, shown):

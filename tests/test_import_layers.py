@@ -31,7 +31,10 @@ HOST_MODULES = [
 
 
 def test_the_host_side_imports_no_jax():
-    code = f"import sys\nfor m in {HOST_MODULES!r}: __import__(m)\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')))"
+    code = (
+        f"import sys\nfor m in {HOST_MODULES!r}: __import__(m)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

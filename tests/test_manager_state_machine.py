@@ -244,7 +244,9 @@ class VllmRulesReference:
 @given(
     num_blocks=st.integers(6, 30),
     ops=st.lists(
-        st.tuples(st.sampled_from(["admit", "admit_whole_blocks", "decode", "free"]), st.integers(0, 2), st.integers(0, 30)),
+        st.tuples(
+            st.sampled_from(["admit", "admit_whole_blocks", "decode", "free"]), st.integers(0, 2), st.integers(0, 30)
+        ),
         max_size=50,
     ),
 )

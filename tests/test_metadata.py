@@ -42,15 +42,15 @@ def example():
     with a null (out-of-window) block, as a sliding-window manager leaves it.
     """
     seqs = [
-        ScheduledSeq("a", 5, 1),   # decode at position 5: block 1 of group 0, offset 1
-        ScheduledSeq("b", 8, 1),   # decode at position 8: first slot of a fresh block
-        ScheduledSeq("c", 6, 4),   # prefill chunk 6..9, crosses a group-0 block boundary
-        ScheduledSeq("d", 0, 3),   # fresh prefill
+        ScheduledSeq("a", 5, 1),  # decode at position 5: block 1 of group 0, offset 1
+        ScheduledSeq("b", 8, 1),  # decode at position 8: first slot of a fresh block
+        ScheduledSeq("c", 6, 4),  # prefill chunk 6..9, crosses a group-0 block boundary
+        ScheduledSeq("d", 0, 3),  # fresh prefill
     ]
     tokens = [
-        list(range(100, 106)),          # all of "a"'s tokens: the builder takes the new one
-        [208],                          # only the new token
-        list(range(300, 312)),          # more than computed + new (the prompt's tail)
+        list(range(100, 106)),  # all of "a"'s tokens: the builder takes the new one
+        [208],  # only the new token
+        list(range(300, 312)),  # more than computed + new (the prompt's tail)
         [400, 401, 402],
     ]
     block_ids = [
@@ -68,26 +68,22 @@ def test_layout_of_a_mixed_batch():
     h = host(md)
     # 9 tokens -> bucket 16; 4 seqs -> 4; widest table 3 (group 0) -> 4, 2 (group 1) -> 2.
     assert md.num_tokens == 16
-    np.testing.assert_array_equal(
-        h["input_ids"], [105, 208, 306, 307, 308, 309, 400, 401, 402] + [0] * 7
-    )
+    np.testing.assert_array_equal(h["input_ids"], [105, 208, 306, 307, 308, 309, 400, 401, 402] + [0] * 7)
     np.testing.assert_array_equal(h["positions"], [5, 8, 6, 7, 8, 9, 0, 1, 2] + [0] * 7)
     np.testing.assert_array_equal(h["kv_lens"], [6, 9, 10, 3])
     np.testing.assert_array_equal(h["cu_q_lens"], [0, 1, 2, 6, 9])
     np.testing.assert_array_equal(h["num_seqs"], [4])
     np.testing.assert_array_equal(h["logits_indices"], [0, 1, 5, 8])
-    np.testing.assert_array_equal(
-        h["tables0"], [[3, 4, 0, 0], [6, 7, 8, 0], [0, 11, 12, 0], [15, 0, 0, 0]]
-    )
+    np.testing.assert_array_equal(h["tables0"], [[3, 4, 0, 0], [6, 7, 8, 0], [0, 11, 12, 0], [15, 0, 0, 0]])
     np.testing.assert_array_equal(h["tables1"], [[5, 0], [9, 10], [13, 14], [16, 0]])
     # Per group: block_id * block_size + offset; padding tokens -> slot 0 (null block).
     np.testing.assert_array_equal(
-        h["slots0"], [4 * 4 + 1, 8 * 4, 11 * 4 + 2, 11 * 4 + 3, 12 * 4, 12 * 4 + 1, 60, 61, 62]
-        + [0] * 7,
+        h["slots0"],
+        [4 * 4 + 1, 8 * 4, 11 * 4 + 2, 11 * 4 + 3, 12 * 4, 12 * 4 + 1, 60, 61, 62] + [0] * 7,
     )
     np.testing.assert_array_equal(
-        h["slots1"], [5 * 8 + 5, 10 * 8, 13 * 8 + 6, 13 * 8 + 7, 14 * 8, 14 * 8 + 1, 128, 129, 130]
-        + [0] * 7,
+        h["slots1"],
+        [5 * 8 + 5, 10 * 8, 13 * 8 + 6, 13 * 8 + 7, 14 * 8, 14 * 8 + 1, 128, 129, 130] + [0] * 7,
     )
     assert all(v.dtype == np.int32 for v in h.values())
     assert all((v >= 0).all() for v in h.values()), "padding is 0, never -1"
@@ -127,7 +123,10 @@ def test_one_leaf_one_transfer_and_a_bounded_number_of_shapes():
     shapes = set()
     for total in range(1, 33):
         md3 = build_step_metadata(
-            [ScheduledSeq("x", 0, total)], [list(range(total))], [([1] * 8, [2] * 4)], [4, 8],
+            [ScheduledSeq("x", 0, total)],
+            [list(range(total))],
+            [([1] * 8, [2] * 4)],
+            [4, 8],
             BUCKETS,
         )
         shapes.add(md3.packing)
@@ -139,9 +138,7 @@ def test_decodes_must_come_first():
     order = [3, 0, 2, 1]
     shuffled = [seqs[i] for i in order]
     with pytest.raises(MetadataError, match="decode 'a' comes after a prefill"):
-        build_step_metadata(
-            shuffled, [tokens[i] for i in order], [block_ids[i] for i in order], [4, 8], BUCKETS
-        )
+        build_step_metadata(shuffled, [tokens[i] for i in order], [block_ids[i] for i in order], [4, 8], BUCKETS)
     fixed = decodes_first(shuffled)
     assert [shuffled[i].request_id for i in fixed] == ["a", "b", "d", "c"]
 
@@ -260,21 +257,29 @@ def test_metadata_drives_write_and_attention_end_to_end():
     def step(cache, md, k, q):
         cache = ops.write_kv(cache, "l", k, k, md.groups[0].slot_mapping)
         out = ops.paged_attention(
-            q, cache, "l", md.groups[0].block_tables, md.kv_lens, md.cu_q_lens, md.num_seqs,
+            q,
+            cache,
+            "l",
+            md.groups[0].block_tables,
+            md.kv_lens,
+            md.cu_q_lens,
+            md.num_seqs,
             sm_scale=1.0,
         )
         return cache, out
 
     def run(cache, seqs):
         md = build_step_metadata(
-            seqs, [[0] * s.num_new_tokens for s in seqs], [blocks[s.request_id] for s in seqs],
-            [4], BUCKETS,
+            seqs,
+            [[0] * s.num_new_tokens for s in seqs],
+            [blocks[s.request_id] for s in seqs],
+            [4],
+            BUCKETS,
         )
         k = np.zeros((md.num_tokens, 1, 4), np.float32)
-        k[: sum(s.num_new_tokens for s in seqs)] = np.concatenate([
-            keys[s.request_id][s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens]
-            for s in seqs
-        ])
+        k[: sum(s.num_new_tokens for s in seqs)] = np.concatenate(
+            [keys[s.request_id][s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens] for s in seqs]
+        )
         return step(cache, md, k, np.repeat(k, 2, axis=1))
 
     def dense(request: str, length: int) -> np.ndarray:

@@ -5,7 +5,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.catalog import (
     KeysRemoved,
     KeysStored,
@@ -14,6 +13,7 @@ from jaxkv.offload.catalog import (
     NotStoredError,
     PolicyOffloadingManager,
 )
+from jaxkv.offload.host_blocks import HostBlockBackend
 
 POLICY_NAMES = ("lru", "arc")
 

@@ -162,7 +162,14 @@ def test_bad_requests_raise_and_issue_nothing():
     engine = engine_for("cross_layer", "numpy")
     cache = random_cache("cross_layer")
     generations = engine.pool.generation.copy()
-    for ids, slots in (([0], [1]), ([NUM_BLOCKS], [1]), ([1], [0]), ([1], [HOST_BLOCKS + 1]), ([1, 2], [3, 3]), ([1], [1, 2])):
+    for ids, slots in (
+        ([0], [1]),
+        ([NUM_BLOCKS], [1]),
+        ([1], [0]),
+        ([1], [HOST_BLOCKS + 1]),
+        ([1, 2], [3, 3]),
+        ([1], [1, 2]),
+    ):
         with pytest.raises(TransferError):
             engine.store(cache, ids, slots)
     np.testing.assert_array_equal(engine.pool.generation, generations)

@@ -46,9 +46,7 @@ def config(num_blocks: int = 24) -> KVCacheConfig:
 
 def random_cache(rng, layout: str):
     cache = allocate_kv_cache(config(), layout=layout)
-    return cache.replace(
-        tuple(jnp.asarray(rng.standard_normal(b.shape), b.dtype) for b in cache.buffers)
-    )
+    return cache.replace(tuple(jnp.asarray(rng.standard_normal(b.shape), b.dtype) for b in cache.buffers))
 
 
 def test_auto_picks_the_reference_on_cpu():
@@ -114,9 +112,15 @@ def test_pallas_tpu_dispatch_passes_layer_index_and_interpret(monkeypatch):
         ops.copy_blocks(cache, jnp.array([1], jnp.int32), jnp.array([2], jnp.int32))
     with ops.set_implementation("pallas_tpu", interpret=True):
         ops.paged_attention(
-            jnp.ones((1, 2, HEAD_DIM)), cache, "l2", jnp.ones((1, 2), jnp.int32),
-            jnp.array([5], jnp.int32), jnp.array([0, 1], jnp.int32), jnp.array([1], jnp.int32),
-            sm_scale=1.0, sliding_window=5,
+            jnp.ones((1, 2, HEAD_DIM)),
+            cache,
+            "l2",
+            jnp.ones((1, 2), jnp.int32),
+            jnp.array([5], jnp.int32),
+            jnp.array([0, 1], jnp.int32),
+            jnp.array([1], jnp.int32),
+            sm_scale=1.0,
+            sliding_window=5,
         )
     from jax.experimental.pallas import tpu as pltpu
 
@@ -168,8 +172,14 @@ def test_ops_on_a_cache_match_the_reference(layout, rng):
     def both(q, cache, buffer):
         got = ops.paged_attention(q, cache, "l2", **meta, sm_scale=0.3)
         want = ref.paged_attention(
-            q, buffer, meta["kv_lens"], meta["block_tables"], meta["cu_q_lens"],
-            meta["num_seqs"], layer_index=layer_index, sm_scale=0.3,
+            q,
+            buffer,
+            meta["kv_lens"],
+            meta["block_tables"],
+            meta["cu_q_lens"],
+            meta["num_seqs"],
+            layer_index=layer_index,
+            sm_scale=0.3,
         )
         return got, want
 
@@ -180,9 +190,7 @@ def test_ops_on_a_cache_match_the_reference(layout, rng):
 # ----------------------------------------------------------------- xla_gpu attention (jaxkv.pallas.xla)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("impl", "sm_scale", "sliding_window", "soft_cap", "layer_index")
-)
+@functools.partial(jax.jit, static_argnames=("impl", "sm_scale", "sliding_window", "soft_cap", "layer_index"))
 def attend(impl, q, kv, tables, kv_lens, cu, num_seqs, **kw):
     if impl == "xla_gpu":
         return xla.paged_attention(q, kv, kv_lens, tables, cu, num_seqs, chunk_tokens=8, **kw)
@@ -198,9 +206,7 @@ def attend(impl, q, kv, tables, kv_lens, cu, num_seqs, **kw):
         (4, 4, None, 0, jnp.bfloat16),
     ],
 )
-def test_xla_gpu_attention_matches_the_reference(
-    num_q_heads, sliding_window, soft_cap, layer_index, dtype, rng
-):
+def test_xla_gpu_attention_matches_the_reference(num_q_heads, sliding_window, soft_cap, layer_index, dtype, rng):
     # Chunks of 2 blocks over a width of 7: the online softmax spans several chunks,
     # the last one padded; decodes, prefill chunks, an empty sequence and padding.
     seqs = [(1, 1), (1, 9), (1, 27), (0, 6), (6, 6), (5, 17), (4, 28)]
@@ -224,8 +230,12 @@ def test_xla_gpu_attention_matches_the_reference(
 def test_xla_gpu_attention_with_nothing_scheduled():
     attention = jax.jit(functools.partial(xla.paged_attention, sm_scale=1.0))
     out = attention(
-        jnp.ones((4, 2, HEAD_DIM)), jnp.ones((6, BLOCK, 4, HEAD_DIM)), jnp.zeros(2, jnp.int32),
-        jnp.zeros((2, 3), jnp.int32), jnp.zeros(3, jnp.int32), jnp.array([0], jnp.int32),
+        jnp.ones((4, 2, HEAD_DIM)),
+        jnp.ones((6, BLOCK, 4, HEAD_DIM)),
+        jnp.zeros(2, jnp.int32),
+        jnp.zeros((2, 3), jnp.int32),
+        jnp.zeros(3, jnp.int32),
+        jnp.array([0], jnp.int32),
     )
     assert not np.asarray(out).any()
 
@@ -289,8 +299,10 @@ def test_pallas_tpu_kernels_through_ops_in_interpret_mode(rng):
     k = jnp.asarray(rng.standard_normal((4, 2, 128)), jnp.float32)
     q = jnp.asarray(rng.standard_normal((8, 4, 128)), jnp.float32)
     meta = (
-        jnp.array([[2, 3], [4, 0], [0, 0]], jnp.int32), jnp.array([11, 3, 0], jnp.int32),
-        jnp.array([0, 1, 4, 4], jnp.int32), jnp.array([2], jnp.int32),
+        jnp.array([[2, 3], [4, 0], [0, 0]], jnp.int32),
+        jnp.array([11, 3, 0], jnp.int32),
+        jnp.array([0, 1, 4, 4], jnp.int32),
+        jnp.array([2], jnp.int32),
     )
 
     @functools.partial(jax.jit, static_argnums=0)
@@ -323,8 +335,13 @@ TILE_SPECS = {
 def tile_cache(head_dim_multiple: int, layout: str):
     """A zeroed cache planned for heads of 64, padded to ``head_dim_multiple``."""
     plan = plan_kv_cache(
-        TILE_SPECS, 1 << 30, max_model_len=32, block_size=BLOCK, layout=layout,
-        num_blocks_override=24, head_dim_multiple=head_dim_multiple,
+        TILE_SPECS,
+        1 << 30,
+        max_model_len=32,
+        block_size=BLOCK,
+        layout=layout,
+        num_blocks_override=24,
+        head_dim_multiple=head_dim_multiple,
     )
     return allocate_kv_cache(plan)
 
@@ -342,9 +359,7 @@ def history_slots(meta: dict[str, np.ndarray], seqs: list[tuple[int, int]], pad_
 def write_then_attend(impl, cache, k, v, slots, q, meta):
     """Write K/V into the sliding-window layer l0, then attend through it."""
     cache = ops.write_kv(cache, "l0", k, v, slots, impl=impl)
-    out = ops.paged_attention(
-        q, cache, "l0", **meta, sm_scale=1 / np.sqrt(LOGICAL_HEAD), sliding_window=5, impl=impl
-    )
+    out = ops.paged_attention(q, cache, "l0", **meta, sm_scale=1 / np.sqrt(LOGICAL_HEAD), sliding_window=5, impl=impl)
     return cache, out
 
 
@@ -397,9 +412,7 @@ def primitive_names(jaxpr) -> set[str]:
 def test_equal_head_dims_trace_no_pad_and_smaller_ones_are_padded():
     # The reference traces no pad of its own, so any pad here is the ops' alignment.
     impl = "reference"
-    meta = ragged_metadata(
-        np.random.default_rng(), [(1, 3)], block_size=BLOCK, num_blocks=24, width=8, max_seqs=2
-    )
+    meta = ragged_metadata(np.random.default_rng(), [(1, 3)], block_size=BLOCK, num_blocks=24, width=8, max_seqs=2)
     meta = {name: jnp.asarray(x) for name, x in meta.items()}
     slots = jnp.zeros(8, jnp.int32)
 
@@ -415,9 +428,7 @@ def test_equal_head_dims_trace_no_pad_and_smaller_ones_are_padded():
 @pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
 def test_a_head_dim_larger_than_the_cache_is_refused_and_the_cache_kept(layout, rng):
     cache = tile_cache(TPU_HEAD_DIM_MULTIPLE, layout)
-    cache = cache.replace(
-        tuple(jnp.asarray(rng.standard_normal(b.shape), b.dtype) for b in cache.buffers)
-    )
+    cache = cache.replace(tuple(jnp.asarray(rng.standard_normal(b.shape), b.dtype) for b in cache.buffers))
     before = [np.asarray(b) for b in cache.buffers]
     slots = jnp.array([5, 6], jnp.int32)
     write = jax.jit(ops.write_kv, static_argnums=1, donate_argnums=0)

@@ -132,9 +132,7 @@ def make_batch(
     )
 
 
-def random_seqs(
-    rng: SeededRng, num_decodes: int, num_prefills: int, max_len: int
-) -> list[tuple[int, int]]:
+def random_seqs(rng: SeededRng, num_decodes: int, num_prefills: int, max_len: int) -> list[tuple[int, int]]:
     """Decodes (q_len 1) then prefill chunks (q_len >= 1, some with a computed prefix)."""
     seqs = [(1, int(rng.integers(1, max_len + 1))) for _ in range(num_decodes)]
     for _ in range(num_prefills):
@@ -161,9 +159,7 @@ def check_attention(
         "sliding_window": window,
         "soft_cap": soft_cap,
     }
-    out = kernels.paged_attention(
-        *batch.args(batch.kv_poisoned), interpret=interpret, **kw, **tuning
-    )
+    out = kernels.paged_attention(*batch.args(batch.kv_poisoned), interpret=interpret, **kw, **tuning)
     want = ref.paged_attention(*batch.args(batch.kv_clean), **kw)
     out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
     msg = f"seed={rng.seed}"
@@ -256,9 +252,7 @@ ATTENTION_CASES = {
 
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 def test_paged_attention_matches_reference(rng, case):
-    dtype, h, g, d, bs, decodes, prefills, max_len, window, cap, layer, tuning = ATTENTION_CASES[
-        case
-    ]
+    dtype, h, g, d, bs, decodes, prefills, max_len, window, cap, layer, tuning = ATTENTION_CASES[case]
     seqs = random_seqs(rng, decodes, prefills, max_len)
     batch = make_batch(
         rng,
@@ -317,9 +311,7 @@ def test_paged_attention_window_covers_everything(rng):
         rng, seqs, max_seqs=4, block_size=4, num_kv_heads=1, num_queries_per_kv=2, head_dim=8, dtype=jnp.float32
     )
     windowed = check_attention(rng, batch, window=64)
-    causal = kernels.paged_attention(
-        *batch.args(batch.kv_poisoned), sm_scale=0.35, interpret=INTERPRET
-    )
+    causal = kernels.paged_attention(*batch.args(batch.kv_poisoned), sm_scale=0.35, interpret=INTERPRET)
     np.testing.assert_allclose(windowed, np.asarray(causal), atol=1e-6, rtol=1e-6)
 
 
@@ -338,13 +330,9 @@ def test_paged_attention_matches_jax_bundled_reference(rng):
         window=6,
     )
     out = check_attention(rng, batch, window=6, soft_cap=3.0)
-    theirs = ref_ragged_paged_attention(
-        *batch.args(batch.kv_clean), sm_scale=0.35, sliding_window=6, soft_cap=3.0
-    )
+    theirs = ref_ragged_paged_attention(*batch.args(batch.kv_clean), sm_scale=0.35, sliding_window=6, soft_cap=3.0)
     n = int(batch.cu_q_lens[len(seqs)])
-    np.testing.assert_allclose(
-        out[:n], np.asarray(theirs), atol=1e-5, rtol=1e-5, err_msg=f"seed={rng.seed}"
-    )
+    np.testing.assert_allclose(out[:n], np.asarray(theirs), atol=1e-5, rtol=1e-5, err_msg=f"seed={rng.seed}")
 
 
 def test_paged_attention_never_fetches_pages_outside_the_span(rng):
@@ -366,13 +354,9 @@ def test_paged_attention_never_fetches_pages_outside_the_span(rng):
     out_of_range = batch.kv_poisoned.shape[0] + 7
     tables = jnp.where(batch.tables == 0, out_of_range, batch.tables)
     args = (batch.q, batch.kv_poisoned, batch.kv_lens, tables, batch.cu_q_lens, batch.num_seqs)
-    out = kernels.paged_attention(
-        *args, sm_scale=0.35, sliding_window=5, interpret=INTERPRET, pages_per_chunk=2
-    )
+    out = kernels.paged_attention(*args, sm_scale=0.35, sliding_window=5, interpret=INTERPRET, pages_per_chunk=2)
     want = ref.paged_attention(*batch.args(batch.kv_clean), sm_scale=0.35, sliding_window=5)
-    np.testing.assert_allclose(
-        np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5, equal_nan=False
-    )
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5, equal_nan=False)
 
 
 def test_paged_attention_no_races_eager_dmas(rng):
@@ -392,9 +376,7 @@ def test_paged_attention_no_races_eager_dmas(rng):
         layer_index=1,
     )
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
-    check_attention(
-        rng, batch, layer_index=1, window=7, interpret=params, queries_per_tile=8, pages_per_chunk=2
-    )
+    check_attention(rng, batch, layer_index=1, window=7, interpret=params, queries_per_tile=8, pages_per_chunk=2)
     assert not mosaic_interpret.races.races_found
 
 
@@ -407,9 +389,7 @@ def test_paged_attention_under_jit(rng):
     f = jax.jit(functools.partial(kernels.paged_attention, sm_scale=0.35, interpret=INTERPRET))
     out = f(*batch.args(batch.kv_poisoned))
     want = ref.paged_attention(*batch.args(batch.kv_clean), sm_scale=0.35)
-    np.testing.assert_allclose(
-        np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5, equal_nan=False
-    )
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5, equal_nan=False)
 
 
 def test_paged_attention_rejects_bad_inputs():
@@ -443,14 +423,10 @@ def random_slot_mapping(rng: SeededRng, num_blocks: int, bs: int) -> np.ndarray:
     slots = [next(free) * bs + int(rng.integers(0, bs)) for _ in range(3)]  # decodes
     start = next(free)
     second = next(free)
-    slots += [start * bs + i for i in range(bs)] + [
-        second * bs + i for i in range(bs)
-    ]  # 2 full blocks
+    slots += [start * bs + i for i in range(bs)] + [second * bs + i for i in range(bs)]  # 2 full blocks
     a, b = next(free), next(free)
     off = int(rng.integers(1, bs))
-    slots += [a * bs + i for i in range(off, bs)] + [
-        b * bs + i for i in range(off)
-    ]  # unaligned run
+    slots += [a * bs + i for i in range(off, bs)] + [b * bs + i for i in range(off)]  # unaligned run
     slots += [0, 0, int(rng.integers(0, bs))]
     return np.asarray(slots, np.int32)
 
@@ -465,9 +441,7 @@ def test_write_kv_matches_reference_and_touches_nothing_else(rng, dtype, layer_i
     buf = jnp.asarray(buf, dtype)
     slots = random_slot_mapping(rng, n, bs)
     k, v = (jnp.asarray(rng.standard_normal((len(slots), h, d)), dtype) for _ in range(2))
-    out = kernels.write_kv(
-        buf, k, v, jnp.asarray(slots), layer_index=layer_index, interpret=INTERPRET
-    )
+    out = kernels.write_kv(buf, k, v, jnp.asarray(slots), layer_index=layer_index, interpret=INTERPRET)
     want = ref.write_kv(buf, k, v, jnp.asarray(slots), layer_index=layer_index)
     msg = f"seed={rng.seed}"
     np.testing.assert_array_equal(bits(out)[1:], bits(want)[1:], err_msg=msg)
@@ -486,9 +460,7 @@ def test_write_kv_no_races(rng):
     buf = jnp.asarray(rng.standard_normal((n, bs, 2 * h, d)), jnp.float32)
     slots = random_slot_mapping(rng, n, bs)
     k, v = (jnp.asarray(rng.standard_normal((len(slots), h, d)), jnp.float32) for _ in range(2))
-    out = kernels.write_kv(
-        buf, k, v, jnp.asarray(slots), interpret=pltpu.InterpretParams(detect_races=True)
-    )
+    out = kernels.write_kv(buf, k, v, jnp.asarray(slots), interpret=pltpu.InterpretParams(detect_races=True))
     want = ref.write_kv(buf, k, v, jnp.asarray(slots))
     np.testing.assert_array_equal(bits(out)[1:], bits(want)[1:])
     assert not mosaic_interpret.races.races_found
@@ -508,9 +480,7 @@ def test_full_block_runs_finds_aligned_runs_only():
 # copy_blocks
 
 
-def random_copy_pairs(
-    rng: SeededRng, num_blocks: int, num_pairs: int, padding: int
-) -> tuple[np.ndarray, np.ndarray]:
+def random_copy_pairs(rng: SeededRng, num_blocks: int, num_pairs: int, padding: int) -> tuple[np.ndarray, np.ndarray]:
     ids = rng.permutation(np.arange(1, num_blocks))[: 2 * num_pairs]
     src, dst = ids[:num_pairs], ids[num_pairs:]
     src = np.concatenate([src, np.zeros(padding)]).astype(np.int32)

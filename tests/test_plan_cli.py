@@ -131,12 +131,20 @@ def test_cli_refuses_bad_flags_in_one_line(capsys, args, message, status):
 def test_cli_plans_a_petabyte_and_runs_as_a_module():
     out = subprocess.run(
         [sys.executable, "-m", "jaxkv.plan", "--preset=gemma-3-27b", "--memory=1PiB", "--max-model-len=8192"],
-        capture_output=True, text=True, timeout=60, cwd=REPO, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     assert "num_blocks" in out.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "jaxkv.plan", "--preset=gemma-3-27b", "--memory=1PiB", "--max-model-len=x"],
-        capture_output=True, text=True, timeout=60, cwd=REPO, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr

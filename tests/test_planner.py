@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from jaxkv.plan import SizeError, parse_size
 from jaxkv.planner import (
     TPU_HEAD_DIM_MULTIPLE,
+    BlockPages,
     IncompatibleSpecsError,
     InsufficientMemoryError,
     KVCacheConfig,
     KVCacheGroup,
-    BlockPages,
     PlanError,
     choose_layers_per_group,
     pad_head_size,
@@ -219,9 +219,7 @@ def test_layout_kind_changes_no_byte():
 
 def test_plans_are_deterministic():
     specs = get_preset("qwen3-next-80b")
-    assert plan_kv_cache(specs, 8 * GiB, max_model_len=8192) == plan_kv_cache(
-        specs, 8 * GiB, max_model_len=8192
-    )
+    assert plan_kv_cache(specs, 8 * GiB, max_model_len=8192) == plan_kv_cache(specs, 8 * GiB, max_model_len=8192)
 
 
 def test_slot_index_finds_the_buffer_of_a_layer():
@@ -254,8 +252,7 @@ def test_slot_index_finds_the_buffer_of_a_layer():
     ],
 )
 def test_bad_arguments_raise_a_plan_error_naming_the_value(kwargs, named):
-    args = {"layer_specs": get_preset("tiny-hybrid"), "memory_bytes": GiB,
-            "max_model_len": 128} | kwargs
+    args = {"layer_specs": get_preset("tiny-hybrid"), "memory_bytes": GiB, "max_model_len": 128} | kwargs
     with pytest.raises(PlanError, match=named):
         plan_kv_cache(args.pop("layer_specs"), args.pop("memory_bytes"), **args)
 
@@ -350,8 +347,7 @@ def test_hand_built_configs_are_validated():
     with pytest.raises(PlanError, match="num_blocks"):
         KVCacheConfig(num_blocks=0, groups=(KVCacheGroup(("a",), spec, 16),))
     with pytest.raises(PlanError, match=r"multiples of the smallest \(16\), got 24"):
-        KVCacheConfig(num_blocks=4, groups=(KVCacheGroup(("a",), spec, 16),
-                                            KVCacheGroup(("b",), spec, 24)))
+        KVCacheConfig(num_blocks=4, groups=(KVCacheGroup(("a",), spec, 16), KVCacheGroup(("b",), spec, 24)))
     with pytest.raises(PlanError, match="more than one group"):
         KVCacheConfig(num_blocks=4, groups=(KVCacheGroup(("a",), spec, 16),) * 2)
     with pytest.raises(PlanError, match="at least one layer"):
@@ -380,23 +376,29 @@ def attention_specs():
     dtype = st.sampled_from(["float32", "bfloat16", "float8_e4m3fn"])
     return st.one_of(
         st.builds(FullAttentionSpec, num_kv_heads=heads, head_size=size, dtype=dtype),
-        st.builds(SlidingWindowSpec, num_kv_heads=heads, head_size=size, dtype=dtype,
-                  sliding_window=st.integers(1, 4096)),
-        st.builds(ChunkedLocalAttentionSpec, num_kv_heads=heads, head_size=size, dtype=dtype,
-                  attention_chunk_size=st.sampled_from([64, 100, 1024])),
-        st.builds(MLASpec, kv_lora_rank=st.sampled_from([64, 448, 512]),
-                  qk_rope_head_dim=st.just(64), dtype=dtype),
+        st.builds(
+            SlidingWindowSpec, num_kv_heads=heads, head_size=size, dtype=dtype, sliding_window=st.integers(1, 4096)
+        ),
+        st.builds(
+            ChunkedLocalAttentionSpec,
+            num_kv_heads=heads,
+            head_size=size,
+            dtype=dtype,
+            attention_chunk_size=st.sampled_from([64, 100, 1024]),
+        ),
+        st.builds(MLASpec, kv_lora_rank=st.sampled_from([64, 448, 512]), qk_rope_head_dim=st.just(64), dtype=dtype),
     )
 
 
 def mamba_specs():
     shape = st.lists(st.integers(1, 64), min_size=1, max_size=3).map(tuple)
-    return st.integers(1, 3).flatmap(lambda n: st.builds(
-        MambaSpec,
-        shapes=st.lists(shape, min_size=n, max_size=n).map(tuple),
-        dtypes=st.lists(st.sampled_from(["float32", "bfloat16"]), min_size=n, max_size=n)
-        .map(tuple),
-    ))
+    return st.integers(1, 3).flatmap(
+        lambda n: st.builds(
+            MambaSpec,
+            shapes=st.lists(shape, min_size=n, max_size=n).map(tuple),
+            dtypes=st.lists(st.sampled_from(["float32", "bfloat16"]), min_size=n, max_size=n).map(tuple),
+        )
+    )
 
 
 @st.composite
@@ -415,9 +417,7 @@ def models(draw):
     max_model_len=st.integers(1, 20000),
     block_size=st.sampled_from([8, 16, 32]),
 )
-def test_any_mix_plans_equal_slots_and_pages_within_budget(
-    specs, memory, max_model_len, block_size
-):
+def test_any_mix_plans_equal_slots_and_pages_within_budget(specs, memory, max_model_len, block_size):
     try:
         config = plan_kv_cache(specs, memory, max_model_len=max_model_len, block_size=block_size)
     except IncompatibleSpecsError:
@@ -438,9 +438,7 @@ def test_any_mix_plans_equal_slots_and_pages_within_budget(
     per_type = {g.spec.type_key: b for g, b in zip(config.groups, config.blocks_per_request())}
     counts = list(types.values())
     blocks = [per_type[k] for k in types]
-    assert request_pages(counts, blocks, config.pages.num_layers_per_block) <= request_pages(
-        counts, blocks, smallest
-    )
+    assert request_pages(counts, blocks, config.pages.num_layers_per_block) <= request_pages(counts, blocks, smallest)
 
 
 # ------------------------------------------------------------------ CLI
@@ -460,7 +458,10 @@ def test_parse_size_reads_binary_and_decimal_units():
 def run_cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "jaxkv.plan", *args],
-        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).parents[1],
     )
 
 

@@ -64,7 +64,9 @@ def test_allocation_evicts_the_hash_of_a_reused_block():
     assert pool.cached[0] == {} and pool.block_hash[b] is None
     events = pool.take_events()
     assert events == [
-        BlockStored(group=0, block_hashes=(h(1),), parent_block_hash=None, block_size=2, token_ids=(7, 8), lora_name=None),
+        BlockStored(
+            group=0, block_hashes=(h(1),), parent_block_hash=None, block_size=2, token_ids=(7, 8), lora_name=None
+        ),
         BlockRemoved(group=0, block_hashes=(h(1),)),
     ]
     assert pool.take_events() == []
@@ -152,6 +154,7 @@ def test_reset_is_refused_while_blocks_are_in_use():
     assert pool.cached[0] == {} and pool.num_cached_blocks() == 0
     assert isinstance(pool.take_events()[-1], AllBlocksCleared)
 
+
 def test_reuse_listener_sees_cached_blocks_handed_out_again_but_not_explicit_evictions():
     pool = BlockPool(6, num_groups=2)
     seen = []
@@ -171,7 +174,6 @@ def test_reuse_listener_sees_cached_blocks_handed_out_again_but_not_explicit_evi
     taken = pool.get_new_blocks(5)
     assert seen == [(b, h(2), 1), (a, h(1), 0)] and set(taken) >= {a, b}
     assert pool.num_cached_blocks() == 0
-
 
 
 @pytest.mark.parametrize("num_blocks", [1, 0, -3, 2.5])

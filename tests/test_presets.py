@@ -140,7 +140,6 @@ def test_state_builders_follow_the_published_formulas():
     assert mamba1_spec(d_inner=16, d_conv=4, d_state=8).shapes == ((16, 3), (16, 8))
     m2 = mamba2_spec(d_inner=64, n_groups=2, d_state=16, n_heads=4, head_dim=16, d_conv=4)
     assert m2.shapes == ((64 + 2 * 2 * 16, 3), (4, 16, 16))
-    gdn = gated_delta_net_spec(num_k_heads=2, num_v_heads=4, k_head_dim=8, v_head_dim=16,
-                               conv_kernel=4)
+    gdn = gated_delta_net_spec(num_k_heads=2, num_v_heads=4, k_head_dim=8, v_head_dim=16, conv_kernel=4)
     assert gdn.shapes == ((2 * 16 + 64, 3), (4, 8, 16))
     assert all(isinstance(s, MambaSpec) for s in (m2, gdn))

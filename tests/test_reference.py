@@ -24,9 +24,7 @@ HEAD_DIM = 8
 
 def ragged_batch(rng: np.random.Generator, seqs: list[tuple[int, int]]) -> dict[str, np.ndarray]:
     """Metadata for (q_len, kv_len) sequences (decodes first) at this file's fixed shapes."""
-    return ragged_metadata(
-        rng, seqs, block_size=BLOCK, num_blocks=NUM_BLOCKS, width=WIDTH, max_seqs=MAX_SEQS
-    )
+    return ragged_metadata(rng, seqs, block_size=BLOCK, num_blocks=NUM_BLOCKS, width=WIDTH, max_seqs=MAX_SEQS)
 
 
 # Decodes (partial block, exactly one block, several blocks), then prefills: fresh,
@@ -49,9 +47,7 @@ def random_inputs(rng, num_q_heads, num_kv_heads, dtype, seqs=MIXED):
     return jnp.asarray(q, dtype), jnp.asarray(kv, dtype), batch
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "layer_index")
-)
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "layer_index"))
 def attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, **kw):
     return ref.paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, **kw)
 
@@ -61,9 +57,7 @@ def jax_oracle(q, kv, batch, **kw) -> np.ndarray:
     lens = {k: np.asarray(batch[k]) for k in ("kv_lens", "cu_q_lens", "num_seqs")}
 
     def run(q, kv, tables):
-        return ref_ragged_paged_attention(
-            q, kv, lens["kv_lens"], tables, lens["cu_q_lens"], lens["num_seqs"], **kw
-        )
+        return ref_ragged_paged_attention(q, kv, lens["kv_lens"], tables, lens["cu_q_lens"], lens["num_seqs"], **kw)
 
     tables = batch["block_tables"]
     # The oracle unrolls its loop over sequences; compiling it unoptimised halves the time.
@@ -74,7 +68,12 @@ def jax_oracle(q, kv, batch, **kw) -> np.ndarray:
 # GQA ratios 1/2/4 x windows: none, smaller than a block, a block minus one, exactly
 # one block, two blocks; soft-cap on and off. One compile per case keeps this fast.
 FP32_CASES = [
-    (2, None, None), (4, 1, 3.0), (8, 3, None), (4, 4, None), (2, 8, 3.0), (8, None, 3.0),
+    (2, None, None),
+    (4, 1, 3.0),
+    (8, 3, None),
+    (4, 4, None),
+    (2, 8, 3.0),
+    (8, None, 3.0),
 ]
 
 

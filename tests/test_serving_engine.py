@@ -110,8 +110,9 @@ def test_the_xla_attention_path_gives_the_same_tokens(models, dense_tokens):
 def test_heads_padded_to_128_lanes_give_the_same_tokens(dense_tokens):
     """tiny-llama's heads of 64 in a cache padded to 128 (as on TPU): half the blocks, same tokens."""
     prompts = workload()[:3]
-    kw = dict(memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64, max_num_seqs=4,
-              buckets=ONE_SHAPE)
+    kw = dict(
+        memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64, max_num_seqs=4, buckets=ONE_SHAPE
+    )
     plain = Engine.build("tiny-llama", head_dim_multiple=1, **kw)
     tiled = Engine.build("tiny-llama", head_dim_multiple=TPU_HEAD_DIM_MULTIPLE, **kw)
     assert (plain.runner.cache.head_dim, tiled.runner.cache.head_dim) == (64, 128)

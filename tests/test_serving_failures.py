@@ -26,9 +26,7 @@ def models() -> dict[str, TinyLM]:
 
 
 def plan(model: TinyLM, num_blocks: int | None = None) -> KVCacheConfig:
-    config = plan_kv_cache(
-        model.config.layer_specs(), 4 << 20, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64
-    )
+    config = plan_kv_cache(model.config.layer_specs(), 4 << 20, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64)
     return dataclasses.replace(config, num_blocks=num_blocks) if num_blocks else config
 
 

@@ -113,8 +113,11 @@ def test_paged_forward_matches_the_dense_forward(name, layout):
             manager.allocate_slots(req, n)
         seqs = [ScheduledSeq(r.request_id, r.num_computed_tokens, n) for r, n in steps]
         meta = build_step_metadata(
-            seqs, [r.all_token_ids for r, _ in steps],
-            [manager.get_block_ids(r.request_id) for r, _ in steps], block_sizes, buckets,
+            seqs,
+            [r.all_token_ids for r, _ in steps],
+            [manager.get_block_ids(r.request_id) for r, _ in steps],
+            block_sizes,
+            buckets,
         )
         logits, cache = forward(cache, meta)
         for req, n in steps:

@@ -4,9 +4,9 @@ import pytest
 from conftest import FULL, make_manager, window
 
 from jaxkv.manager import KVCacheManagerError, Request
-from jaxkv.serving.offload_connector import OffloadConnector
-from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.catalog import PolicyOffloadingManager
+from jaxkv.offload.host_blocks import HostBlockBackend
+from jaxkv.serving.offload_connector import OffloadConnector
 
 
 def test_external_tokens_get_fresh_blocks_except_out_of_window_nulls(tokens):

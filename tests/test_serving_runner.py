@@ -79,7 +79,8 @@ def test_a_plan_for_other_specs_is_refused(model):
     other = TinyLM(get_model_config("tiny-llama"), seed=0)
     plan = plan_kv_cache(
         {name: get_model_config("tiny-hybrid").layer_specs()["layers.0"] for name in other.config.layer_names},
-        1 << 20, max_model_len=64,
+        1 << 20,
+        max_model_len=64,
     )
     with pytest.raises(RunnerError, match="layer 'layers.0' needs FullAttentionSpec.*planned for SlidingWindowSpec"):
         ModelRunner(other, plan, BUCKETS)

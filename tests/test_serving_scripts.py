@@ -23,22 +23,44 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(
         [sys.executable, str(REPO / "scripts" / name), *args],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
     )
 
 
 def test_serve_prints_tokens_throughput_hits_and_usage_and_matches_dense(tmp_path):
     out = tmp_path / "serve.json"
     result = run_script(
-        "serve.py", "--model=tiny-llama", "--layout=per_layer", "--num_requests=5", "--prefix_len=40",
-        "--suffix_len=4,12", "--max_new_tokens=5", "--memory=2MiB", "--max_model_len=128",
-        "--max_num_seqs=4", "--max_num_batched_tokens=64", "--progress_every=2", "--head_dim_multiple=128",
+        "serve.py",
+        "--model=tiny-llama",
+        "--layout=per_layer",
+        "--num_requests=5",
+        "--prefix_len=40",
+        "--suffix_len=4,12",
+        "--max_new_tokens=5",
+        "--memory=2MiB",
+        "--max_model_len=128",
+        "--max_num_seqs=4",
+        "--max_num_batched_tokens=64",
+        "--progress_every=2",
+        "--head_dim_multiple=128",
         f"--out={out}",
     )
     assert result.returncode == 0, result.stderr
-    for text in ("KV cache plan", "head_size rounded up to a multiple of 128", "warm-up: ", "step     2",
-                 "req-", "throughput", "prefix hit rate",
-                 "KV usage", "tokens identical to the dense (unpaged) forward: yes"):
+    for text in (
+        "KV cache plan",
+        "head_size rounded up to a multiple of 128",
+        "warm-up: ",
+        "step     2",
+        "req-",
+        "throughput",
+        "prefix hit rate",
+        "KV usage",
+        "tokens identical to the dense (unpaged) forward: yes",
+    ):
         assert text in result.stdout
     report = json.loads(out.read_text())["result"]
     assert len(report["outputs"]) == 5 and all(len(o["output_token_ids"]) == 5 for o in report["outputs"])
@@ -48,8 +70,15 @@ def test_serve_prints_tokens_throughput_hits_and_usage_and_matches_dense(tmp_pat
 def test_bench_serve_reports_ratios_in_one_run(tmp_path):
     out = tmp_path / "bench.json"
     result = run_script(
-        "bench_serve.py", "--model=tiny-llama", "--prompt_len=80", "--num_requests=3", "--repeats=1",
-        "--max_new_tokens=2", "--max_model_len=128", "--max_num_batched_tokens=128", "--memory=4MiB",
+        "bench_serve.py",
+        "--model=tiny-llama",
+        "--prompt_len=80",
+        "--num_requests=3",
+        "--repeats=1",
+        "--max_new_tokens=2",
+        "--max_model_len=128",
+        "--max_num_batched_tokens=128",
+        "--memory=4MiB",
         f"--out={out}",
     )
     assert result.returncode == 0, result.stderr
@@ -74,12 +103,15 @@ BAD_INPUT = {
     "serve: negative seed": ("serve.py", ["--seed=-1"], "flag --seed=-1"),
     "serve: reversed suffix range": ("serve.py", ["--suffix_len=48,8"], "--suffix_len must be lo,hi with 1 <= lo"),
     "serve: prompts longer than max_model_len": (
-        "serve.py", ["--max_model_len=40"],
+        "serve.py",
+        ["--max_model_len=40"],
         "--prefix_len=96 + --suffix_len hi=48 = 144 prompt tokens leave no room for output in --max_model_len=40",
     ),
     "bench: budget over device memory": ("bench_serve.py", ["--memory=1PiB"], "exceeds the device memory: "),
     "bench: prompts longer than max_model_len": (
-        "bench_serve.py", ["--max_model_len=100"], "--prompt_len=1024 + --max_new_tokens=16 exceeds --max_model_len=100"
+        "bench_serve.py",
+        ["--max_model_len=100"],
+        "--prompt_len=1024 + --max_new_tokens=16 exceeds --max_model_len=100",
     ),
     "bench: NaN shared fraction": ("bench_serve.py", ["--shared=nan"], "--shared must be a fraction in [0, 1]"),
 }

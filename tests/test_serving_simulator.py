@@ -269,11 +269,17 @@ GOOD = {"request_id": "r0", "arrival_time": 0, "prompt_token_ids": [1, 2], "max_
         ([{**GOOD, "prompt_token_ids": [1, 10**300]}], r"field 'prompt_token_ids'\[1\] must be a token id"),
         ([{**GOOD, "prompt_token_ids": "12"}], r"field 'prompt_token_ids' must be a non-empty list"),
         ([{**GOOD, "request_id": ""}], r"field 'request_id' must be a non-empty UTF-8 str"),
-        ('[{"request_id": "\\ud800", "arrival_time": 0, "prompt_token_ids": [1], "max_output_tokens": 1}]',
-         r"field 'request_id' must be a non-empty UTF-8 str, got '\\ud800'"),
+        (
+            '[{"request_id": "\\ud800", "arrival_time": 0, "prompt_token_ids": [1], "max_output_tokens": 1}]',
+            r"field 'request_id' must be a non-empty UTF-8 str, got '\\ud800'",
+        ),
         ([{**GOOD, "lora_name": ["x"]}], r"field 'lora_name' must be a UTF-8 str or null"),
-        ('[{"request_id": "r", "arrival_time": 0, "prompt_token_ids": [1' + "0" * 5000 + '], "max_output_tokens": 1}]',
-         "cannot read the JSON: Exceeds the limit"),
+        (
+            '[{"request_id": "r", "arrival_time": 0, "prompt_token_ids": [1'
+            + "0" * 5000
+            + '], "max_output_tokens": 1}]',
+            "cannot read the JSON: Exceeds the limit",
+        ),
         ("[" * 100_000 + "]" * 100_000, "cannot read the JSON: maximum recursion depth"),
         ("[NaN]", r"entry \[0\]: must be an object"),
         ("", "not valid JSON"),
@@ -354,8 +360,12 @@ def test_script_reports_bad_input_in_one_line(tmp_path):
     bad.write_text("[1]")
     result = run_script(*CLI_FLAGS, f"--trace={bad}")
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [(f"simulate.py: error: {bad}: entry [0]: must be an object with fields "
-                                          "request_id, arrival_time, prompt_token_ids, max_output_tokens, got 1")]
+    assert result.stderr.splitlines() == [
+        (
+            f"simulate.py: error: {bad}: entry [0]: must be an object with fields "
+            "request_id, arrival_time, prompt_token_ids, max_output_tokens, got 1"
+        )
+    ]
 
 
 def _trace_file(tmp_path: Path, name: str, data: bytes) -> str:
@@ -383,10 +393,15 @@ BAD_CLI = {
     "huge outputs": (["--output_len=1,10000000000"], None, "--output_len hi=10000000000 exceeds --max_model_len=512"),
     "positional": (["extra"], None, "unexpected arguments: extra"),
     "missing trace": (["--trace=/nonexistent/trace.json"], None, "No such file or directory"),
-    "non-UTF-8 trace": ([], lambda tmp: [f"--trace={_trace_file(tmp, 'b.json', bytes([0xFF, 0x5B, 0x5D]))}"],
-                        "not UTF-8 text: byte b'\\xff' at offset 0"),
+    "non-UTF-8 trace": (
+        [],
+        lambda tmp: [f"--trace={_trace_file(tmp, 'b.json', bytes([0xFF, 0x5B, 0x5D]))}"],
+        "not UTF-8 text: byte b'\\xff' at offset 0",
+    ),
     "trace with a 5000-digit int": (
-        [], lambda tmp: [f"--trace={_trace_file(tmp, 'd.json', b'[' + b'7' * 5000 + b']')}"], "cannot read the JSON"
+        [],
+        lambda tmp: [f"--trace={_trace_file(tmp, 'd.json', b'[' + b'7' * 5000 + b']')}"],
+        "cannot read the JSON",
     ),
     "prompt too long": (
         [],

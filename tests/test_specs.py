@@ -26,8 +26,7 @@ LLAMA = FullAttentionSpec(num_kv_heads=8, head_size=128, dtype="bfloat16")
 
 
 def sliding(window: int, **kw) -> SlidingWindowSpec:
-    return SlidingWindowSpec(num_kv_heads=kw.pop("num_kv_heads", 8), head_size=128,
-                             sliding_window=window, **kw)
+    return SlidingWindowSpec(num_kv_heads=kw.pop("num_kv_heads", 8), head_size=128, sliding_window=window, **kw)
 
 
 # ------------------------------------------------------------------ bytes
@@ -50,8 +49,9 @@ def test_dtype_sets_the_itemsize_including_ml_dtypes():
 def test_dtype_objects_and_aliases_are_stored_by_canonical_name():
     assert FullAttentionSpec(num_kv_heads=1, head_size=8, dtype=np.float32).dtype == "float32"
     assert FullAttentionSpec(num_kv_heads=1, head_size=8, dtype="f4").dtype == "float32"
-    assert FullAttentionSpec(num_kv_heads=1, head_size=8, dtype=ml_dtypes.bfloat16) == \
-        FullAttentionSpec(num_kv_heads=1, head_size=8)
+    assert FullAttentionSpec(num_kv_heads=1, head_size=8, dtype=ml_dtypes.bfloat16) == FullAttentionSpec(
+        num_kv_heads=1, head_size=8
+    )
     assert canonical_dtype("float8_e5m2") == "float8_e5m2"
 
 
@@ -112,8 +112,7 @@ def test_abstract_specs_cannot_be_built():
         (lambda: FullAttentionSpec(num_kv_heads=8, head_size=8, dtype="bool"), "bool"),
         (lambda: FullAttentionSpec(num_kv_heads=8, head_size=8, dtype="float4_e2m1fn"), "sub-byte"),
         (lambda: sliding(0), "sliding_window"),
-        (lambda: ChunkedLocalAttentionSpec(num_kv_heads=1, head_size=8, attention_chunk_size=-8),
-         "-8"),
+        (lambda: ChunkedLocalAttentionSpec(num_kv_heads=1, head_size=8, attention_chunk_size=-8), "-8"),
         (lambda: MLASpec(kv_lora_rank=0, qk_rope_head_dim=64), "kv_lora_rank"),
         (lambda: MambaSpec(shapes=((4, 3),), dtypes=("float32", "float32")), "2 dtypes"),
         (lambda: MambaSpec(shapes=(), dtypes=()), "empty"),
@@ -143,9 +142,7 @@ def test_type_key_separates_window_dtype_head_shape_and_class():
         sliding(1024, dtype="float32").type_key,
         sliding(1024, num_kv_heads=4).type_key,
         FullAttentionSpec(num_kv_heads=8, head_size=128).type_key,
-        ChunkedLocalAttentionSpec(
-            num_kv_heads=8, head_size=128, attention_chunk_size=1024
-        ).type_key,
+        ChunkedLocalAttentionSpec(num_kv_heads=8, head_size=128, attention_chunk_size=1024).type_key,
     }
     assert len(keys) == 6
     assert sliding(1024).type_key == sliding(1024).type_key

@@ -106,9 +106,7 @@ class _Entry:
 class PolicyOffloadingManager(OffloadingManager):
     """An offloading manager over a :class:`Backend` with an eviction policy by name."""
 
-    def __init__(
-        self, backend: Backend, policy: str | EvictionPolicy = "lru", *, enable_events: bool = True
-    ) -> None:
+    def __init__(self, backend: Backend, policy: str | EvictionPolicy = "lru", *, enable_events: bool = True) -> None:
         self.backend = backend
         self.policy = make_policy(policy, backend.capacity) if isinstance(policy, str) else policy
         self.enable_events = enable_events
@@ -173,9 +171,7 @@ class PolicyOffloadingManager(OffloadingManager):
         need = len(incoming) - self.backend.num_free
         if need > 0:
             protected = set(keys)
-            chosen = self.policy.choose_victims(
-                need, lambda k: k not in protected and self._evictable(k), incoming
-            )
+            chosen = self.policy.choose_victims(need, lambda k: k not in protected and self._evictable(k), incoming)
             if chosen is None:
                 return None
             victims = chosen

@@ -3,9 +3,9 @@
 One host block holds one whole cross-layer block ``(num_layers_per_block, block_size,
 2*H, D)``, the staging format of :func:`jaxkv.ops.gather_blocks` in either device
 layout. Host block 0 is a scratch block: padded rows of bucketed transfers read and
-write it, it is never handed out (the allocator is :mod:`jaxkv.offload.host_blocks`). The buffer lives in ``pinned_host`` memory when the backend supports the
-writes and reads the transfer engine compiles (probed once per backend), else in a
-numpy array.
+write it, it is never handed out (the allocator is :mod:`jaxkv.offload.host_blocks`).
+The buffer lives in ``pinned_host`` memory when the backend supports the writes and
+reads the transfer engine compiles (probed once per backend), else in a numpy array.
 
 Each host block has a generation counter, bumped by every store issued into it and by
 :meth:`HostKVPool.release`; a transfer records the generations it was issued with, so
@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
+from jaxkv.ints import check_int
 from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
 
 MEMORY_KINDS = ("pinned_host", "numpy")
@@ -114,8 +115,7 @@ class HostKVPool:
         memory_kind: str | None = None,
         device: jax.Device | None = None,
     ) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise HostPoolError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, minimum=1, error=HostPoolError)
         self.device = device or jax.devices()[0]
         if memory_kind is None:
             memory_kind = "pinned_host" if pinned_host_supported(self.device) else "numpy"
@@ -137,9 +137,7 @@ class HostKVPool:
         self.generation = np.zeros(num_blocks + 1, np.int64)
 
     @classmethod
-    def for_cache(
-        cls, cache: KVCache, byte_budget: int, *, memory_kind: str | None = None
-    ) -> HostKVPool:
+    def for_cache(cls, cache: KVCache, byte_budget: int, *, memory_kind: str | None = None) -> HostKVPool:
         """A pool of as many whole blocks of ``cache`` as fit in ``byte_budget`` bytes."""
         num_blocks = blocks_in_budget(byte_budget, block_nbytes(cache))
         device = next(iter(cache.buffers[0].devices()))

@@ -39,9 +39,7 @@ class EvictionPolicy(ABC):
         """Record an access of each resident key, in order (the last ends most recent)."""
 
     @abstractmethod
-    def choose_victims(
-        self, n: int, evictable: Evictable, incoming: Sequence[Key]
-    ) -> list[Key] | None:
+    def choose_victims(self, n: int, evictable: Evictable, incoming: Sequence[Key]) -> list[Key] | None:
         """``n`` evictable keys to make room for ``incoming``, or None; changes nothing."""
 
     @abstractmethod
@@ -76,9 +74,7 @@ class LRUPolicy(EvictionPolicy):
             if key in self._order:
                 self._order.move_to_end(key)
 
-    def choose_victims(
-        self, n: int, evictable: Evictable, incoming: Sequence[Key]
-    ) -> list[Key] | None:
+    def choose_victims(self, n: int, evictable: Evictable, incoming: Sequence[Key]) -> list[Key] | None:
         victims = [key for key in self._order if evictable(key)][:n]
         return victims if len(victims) == n else None
 
@@ -140,9 +136,7 @@ class ARCPolicy(EvictionPolicy):
                 b2 -= 1
         return p
 
-    def choose_victims(
-        self, n: int, evictable: Evictable, incoming: Sequence[Key]
-    ) -> list[Key] | None:
+    def choose_victims(self, n: int, evictable: Evictable, incoming: Sequence[Key]) -> list[Key] | None:
         p = self._adapted_p(incoming)
         prefer_t1_at_p = bool(incoming) and incoming[0] in self.b2
         t1_size = len(self.t1)

@@ -26,6 +26,7 @@ import numpy as np
 from jaxkv import ops
 from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError, OwnerThread
+from jaxkv.ints import check_int
 from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
 from jaxkv.offload.host_pool import HostKVPool, HostPoolError, block_shape
 from jaxkv.pool import NULL_BLOCK
@@ -142,8 +143,7 @@ class TransferEngine:
         Each bucket moves the null block through the scratch host block and back: only
         those two, which hold nothing anyone reads, are written.
         """
-        if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1:
-            raise TransferError(f"max_blocks must be an int >= 1, got {max_blocks!r}")
+        check_int("max_blocks", max_blocks, minimum=1, error=TransferError)
         size = 1
         while True:
             ids = jnp.zeros(size, jnp.int32)
@@ -178,9 +178,7 @@ class TransferEngine:
                 staged.copy_to_host_async()
         return Transfer("store", targets, generations, injected, staged)
 
-    def load(
-        self, cache: KVCache, block_ids: Sequence[int], host_blocks: Sequence[int]
-    ) -> tuple[KVCache, Transfer]:
+    def load(self, cache: KVCache, block_ids: Sequence[int], host_blocks: Sequence[int]) -> tuple[KVCache, Transfer]:
         """Copy host blocks ``host_blocks[i]`` into device blocks ``block_ids[i]``.
 
         The cache is donated; use the returned one. Rows that fail (injected) are not

@@ -52,9 +52,7 @@ def check_kv_buffer(kv_buffer: jax.Array, layer_index: int | None) -> None:
                 f"(num_blocks, num_layers_per_block, block_size, 2*H, D), got shape {kv_buffer.shape}"
             )
         if not is_int(layer_index) or not 0 <= layer_index < kv_buffer.shape[1]:
-            raise KVShapeError(
-                f"layer_index={layer_index!r} must be a static int in [0, {kv_buffer.shape[1]})"
-            )
+            raise KVShapeError(f"layer_index={layer_index!r} must be a static int in [0, {kv_buffer.shape[1]})")
     if kv_buffer.shape[-2] % 2:
         raise KVShapeError(f"the K/V axis must have size 2*H, got {kv_buffer.shape[-2]}")
 
@@ -77,9 +75,7 @@ def check_write_kv_args(
     check_kv_buffer(kv_buffer, layer_index)
     _, num_kv_heads, head_dim = _page_dims(kv_buffer)
     if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
-        raise KVShapeError(
-            f"k {k.shape} and v {v.shape} must both be (T, {num_kv_heads}, {head_dim})"
-        )
+        raise KVShapeError(f"k {k.shape} and v {v.shape} must both be (T, {num_kv_heads}, {head_dim})")
     if slot_mapping.shape != k.shape[:1]:
         raise KVShapeError(f"slot_mapping {slot_mapping.shape} must be ({k.shape[0]},)")
 
@@ -130,9 +126,7 @@ def token_sequences(
     return seq, position, valid
 
 
-def attention_mask(
-    kv_pos: jax.Array, position: jax.Array, valid: jax.Array, sliding_window: int | None
-) -> jax.Array:
+def attention_mask(kv_pos: jax.Array, position: jax.Array, valid: jax.Array, sliding_window: int | None) -> jax.Array:
     """bool ``(T, L)``: whether token t (at ``position[t]``, real if ``valid[t]``) sees ``kv_pos[l]``.
 
     Causal (``kv_pos <= position``) and, with a window, ``kv_pos > position - sliding_window``.
@@ -162,13 +156,9 @@ def check_paged_attention_args(
     _, num_kv_heads, head_dim = _page_dims(kv_buffer)
     max_seqs = block_tables.shape[0]
     if q.ndim != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
-        raise KVShapeError(
-            f"q {q.shape} must be (T, QH, {head_dim}) with QH a multiple of {num_kv_heads}"
-        )
+        raise KVShapeError(f"q {q.shape} must be (T, QH, {head_dim}) with QH a multiple of {num_kv_heads}")
     if block_tables.ndim != 2 or kv_lens.shape != (max_seqs,):
-        raise KVShapeError(
-            f"kv_lens {kv_lens.shape} does not fit block_tables {block_tables.shape}"
-        )
+        raise KVShapeError(f"kv_lens {kv_lens.shape} does not fit block_tables {block_tables.shape}")
     if cu_q_lens.shape != (max_seqs + 1,):
         raise KVShapeError(f"cu_q_lens {cu_q_lens.shape} must be ({max_seqs + 1},)")
     if num_seqs.shape != (1,):
@@ -207,8 +197,15 @@ def paged_attention(
     O(T * W * block_size); it is the oracle, not the fast path.
     """
     check_paged_attention_args(
-        q, kv_buffer, kv_lens, block_tables, cu_q_lens, num_seqs,
-        layer_index=layer_index, sliding_window=sliding_window, soft_cap=soft_cap,
+        q,
+        kv_buffer,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        layer_index=layer_index,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     block_size, num_kv_heads, head_dim = _page_dims(kv_buffer)
     num_tokens, num_q_heads, _ = q.shape
@@ -247,19 +244,14 @@ def check_block_buffers(buffers: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     first = buffers[0]
     if first.ndim == CROSS_LAYER_NDIM and len(buffers) == 1:
         return buffers
-    if first.ndim == PER_LAYER_NDIM and all(
-        b.shape == first.shape and b.dtype == first.dtype for b in buffers
-    ):
+    if first.ndim == PER_LAYER_NDIM and all(b.shape == first.shape and b.dtype == first.dtype for b in buffers):
         return buffers
     raise KVShapeError(
-        "expected one cross-layer buffer or per-layer buffers of one shape, got shapes "
-        f"{[b.shape for b in buffers]}"
+        f"expected one cross-layer buffer or per-layer buffers of one shape, got shapes {[b.shape for b in buffers]}"
     )
 
 
-def copy_blocks(
-    buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array
-) -> tuple[jax.Array, ...]:
+def copy_blocks(buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
     """Copy whole blocks (every layer's page): block ``dst[i]`` := block ``src[i]``.
 
     All sources are read before any write. Pad with ``src = dst = 0`` (null onto
@@ -282,15 +274,11 @@ def gather_blocks(buffers: Sequence[jax.Array], ids: jax.Array) -> jax.Array:
     return jnp.stack([b[ids] for b in buffers], axis=1)
 
 
-def scatter_blocks(
-    buffers: Sequence[jax.Array], ids: jax.Array, data: jax.Array
-) -> tuple[jax.Array, ...]:
+def scatter_blocks(buffers: Sequence[jax.Array], ids: jax.Array, data: jax.Array) -> tuple[jax.Array, ...]:
     """Inverse of :func:`gather_blocks`: block ``ids[i]`` := ``data[i]`` (all layers)."""
     buffers = check_block_buffers(buffers)
     cross = buffers[0].ndim == CROSS_LAYER_NDIM
-    expected = ids.shape + (
-        buffers[0].shape[1:] if cross else (len(buffers),) + buffers[0].shape[1:]
-    )
+    expected = ids.shape + (buffers[0].shape[1:] if cross else (len(buffers),) + buffers[0].shape[1:])
     if data.shape != expected:
         raise KVShapeError(f"data {data.shape} must be {expected} for ids {ids.shape}")
     data = data.astype(buffers[0].dtype)

@@ -53,8 +53,15 @@ def paged_attention(
     output.
     """
     reference.check_paged_attention_args(
-        q, kv_buffer, kv_lens, block_tables, cu_q_lens, num_seqs,
-        layer_index=layer_index, sliding_window=sliding_window, soft_cap=soft_cap,
+        q,
+        kv_buffer,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        layer_index=layer_index,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     block_size, combined, head_dim = kv_buffer.shape[-3:]
     num_kv_heads = combined // 2
@@ -84,10 +91,16 @@ def paged_attention(
         kv = kv.reshape(num_tokens, chunk, combined, head_dim)  # keeps the 2H axis whole
         kv_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
         mask = reference.attention_mask(kv_pos, position, valid, sliding_window)  # (T, chunk)
-        logits = jnp.einsum(
-            "thgd,tlhd->thgl", qg, kv[:, :, 0::2],
-            precision=precision, preferred_element_type=jnp.float32,
-        ) * sm_scale
+        logits = (
+            jnp.einsum(
+                "thgd,tlhd->thgl",
+                qg,
+                kv[:, :, 0::2],
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+            * sm_scale
+        )
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
@@ -98,8 +111,11 @@ def paged_attention(
         denom = denom * scale + jnp.sum(probs, axis=-1)
         v = jnp.where(mask[:, :, None, None], kv[:, :, 1::2], 0)  # 0 * NaN is NaN: select
         acc = acc * scale[..., None] + jnp.einsum(
-            "thgl,tlhd->thgd", probs.astype(kv.dtype), v,
-            precision=precision, preferred_element_type=jnp.float32,
+            "thgl,tlhd->thgd",
+            probs.astype(kv.dtype),
+            v,
+            precision=precision,
+            preferred_element_type=jnp.float32,
         )
         return new_max, denom, acc
 

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.errors import JaxkvError
 from jaxkv import ops
 from jaxkv.cache import KVCache
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import check_int
 from jaxkv.metadata import AttentionMetadata, StepMetadata
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
@@ -74,12 +75,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelConfigError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value, minimum=1, error=ModelConfigError)
         if self.num_heads % self.num_kv_heads:
-            raise ModelConfigError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+            raise ModelConfigError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not self.windows or any(w is not None and (not isinstance(w, int) or w <= 0) for w in self.windows):
@@ -201,8 +199,17 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, meta.positions)
         cache = ops.write_kv(cache, self.name, k, v, group.slot_mapping, impl=impl)
         out = ops.paged_attention(
-            q, cache, self.name, group.block_tables, meta.kv_lens, meta.cu_q_lens, meta.num_seqs,
-            sm_scale=self.sm_scale, sliding_window=self.window, soft_cap=self.logit_cap, impl=impl,
+            q,
+            cache,
+            self.name,
+            group.block_tables,
+            meta.kv_lens,
+            meta.cu_q_lens,
+            meta.num_seqs,
+            sm_scale=self.sm_scale,
+            sliding_window=self.window,
+            soft_cap=self.logit_cap,
+            impl=impl,
         )
         return self.o_proj(out.reshape(x.shape[0], -1)), cache
 
@@ -293,9 +300,7 @@ class TinyLM(nnx.Module):
         ``impl`` picks the :mod:`jaxkv.ops` implementation (None: the current setting).
         """
         if len(layer_groups) != self.config.num_layers:
-            raise ModelConfigError(
-                f"layer_groups has {len(layer_groups)} entries for {self.config.num_layers} layers"
-            )
+            raise ModelConfigError(f"layer_groups has {len(layer_groups)} entries for {self.config.num_layers} layers")
         x = self._embed(meta.input_ids)
         for layer, g in zip(self.layers, layer_groups):
             x, cache = layer.paged(x, cache, meta, meta.groups[g], impl)
@@ -318,9 +323,7 @@ def layer_groups(config: ModelConfig, groups: Sequence[Sequence[str]]) -> tuple[
     return tuple(where[name] for name in config.layer_names)
 
 
-def dense_greedy_generate(
-    model: TinyLM, prompts: Sequence[Sequence[int]], max_new_tokens: int
-) -> list[list[int]]:
+def dense_greedy_generate(model: TinyLM, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations of ``prompts`` by the dense forward: the oracle of the engine.
 
     Recomputes every sequence in full each step, padded to one length (a multiple of

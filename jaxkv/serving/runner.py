@@ -24,13 +24,13 @@ from flax import nnx
 from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
 from jaxkv.errors import JaxkvError
+from jaxkv.ints import cdiv
 from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
 from jaxkv.offload.host_pool import HostKVPool
 from jaxkv.offload.transfer import Transfer, TransferEngine
 from jaxkv.planner import KVCacheConfig, pad_head_size
 from jaxkv.serving.models import TinyLM, layer_groups
 from jaxkv.serving.scheduler import ScheduledChunk
-from jaxkv.ints import cdiv
 from jaxkv.specs import KVCacheSpec
 
 

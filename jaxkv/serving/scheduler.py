@@ -202,9 +202,7 @@ class Scheduler:
         self.num_scheduled_tokens += self.max_num_batched_tokens - budget
         return SchedulerOutput(tuple(decodes + prefills), tuple(preempted))
 
-    def _add_chunk(
-        self, seq: SeqState, n: int, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
-    ) -> None:
+    def _add_chunk(self, seq: SeqState, n: int, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> None:
         """Record ``n`` tokens of ``seq`` as a decode (one token) or a prefill chunk."""
         req = seq.request
         start = req.num_computed_tokens
@@ -234,9 +232,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _admit_waiting(
-        self, budget: int, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
-    ) -> int:
+    def _admit_waiting(self, budget: int, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> int:
         """Admit waiting requests FCFS while budget and sequence slots last; return the budget left."""
         mgr = self.manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -287,4 +283,3 @@ class Scheduler:
             gone = set(done)
             self.running = [s for s in self.running if s not in gone]
         return done
-

@@ -295,7 +295,7 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise TraceError(
-            f"{path}: not UTF-8 text: byte {raw[err.start:err.start + 1]!r} at offset {err.start}"
+            f"{path}: not UTF-8 text: byte {raw[err.start : err.start + 1]!r} at offset {err.start}"
         ) from None
     try:
         data = json.loads(text)
@@ -419,8 +419,10 @@ class Simulator:
             raise SimulationError(f"manager must be a KVCacheManager, got {manager!r}")
         check_positive_int("max_num_seqs", max_num_seqs)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        if isinstance(step_duration_s, bool) or not isinstance(step_duration_s, (int, float)) or not (
-            0 < step_duration_s < math.inf
+        if (
+            isinstance(step_duration_s, bool)
+            or not isinstance(step_duration_s, (int, float))
+            or not (0 < step_duration_s < math.inf)
         ):
             raise SimulationError(f"step_duration_s must be a finite number > 0, got {step_duration_s!r}")
         self.manager = manager
@@ -492,9 +494,7 @@ class _Replay:
             self.clock = max(self.clock, self.pending[0].arrival_time)
         while self.pending and self.pending[0].arrival_time <= self.clock:
             req = self.pending.popleft()
-            request = Request(
-                req.request_id, req.prompt_token_ids, cache_salt=req.cache_salt, lora_name=req.lora_name
-            )
+            request = Request(req.request_id, req.prompt_token_ids, cache_salt=req.cache_salt, lora_name=req.lora_name)
             # Generation stops at max_model_len: draw no more tokens than fit (a trace may
             # ask for 10**11); the scheduler still sees the request's own limit, so a
             # request stopped by max_model_len counts in num_capped.

@@ -19,7 +19,7 @@ Design
   first fetch of tile ``t + 1`` is started by the last item of tile ``t``; its buffer
   and first sequence are carried in SMEM).
 - Per KV head, an online softmax in float32 over the chunks: running max ``m``,
-  normaliser ``l`` and accumulator in VMEM scratch. Rows of other sequences in the
+  normaliser ``denom`` and accumulator in VMEM scratch. Rows of other sequences in the
   tile are masked to ``-inf`` and so left exactly unchanged by the update.
 - Block tables (flattened), kv lens, cu_q_lens and num_seqs are scalar-prefetched.
 
@@ -94,7 +94,7 @@ class _Refs:
     kv_bufs: Any  # (2, ppc * bs, 2H, D) VMEM: double buffer of one chunk of pages
     sems: Any  # (2,) DMA semaphores, one per buffer
     m: Any  # (H, G * tq, 128) f32 VMEM: running row max, broadcast over lanes
-    l: Any  # (H, G * tq, 128) f32 VMEM: running softmax normaliser, same
+    denom: Any  # (H, G * tq, 128) f32 VMEM: running softmax normaliser, same
     acc: Any  # (H, G * tq, D) f32 VMEM: running numerator
     next_tile: Any  # (2,) int32 SMEM: first sequence and buffer of the next tile
 
@@ -215,9 +215,7 @@ def _chunk_masks(r: _Refs, d: _Dims, tile, s, c):
     token = tile * d.tq + lax.rem(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), d.tq)
     row_pos = token + (span.kv_len - span.q_end)
     col_pos = chunk_pos + lax.broadcasted_iota(jnp.int32, (1, cols), 1)
-    mask = jnp.logical_and(
-        jnp.logical_and(token >= span.q_start, token < span.q_end), col_pos <= row_pos
-    )
+    mask = jnp.logical_and(jnp.logical_and(token >= span.q_start, token < span.q_end), col_pos <= row_pos)
     if d.sliding_window is not None:
         mask = jnp.logical_and(mask, col_pos > row_pos - d.sliding_window)
     v_pos = chunk_pos + lax.broadcasted_iota(jnp.int32, (cols, 1), 0)
@@ -226,7 +224,7 @@ def _chunk_masks(r: _Refs, d: _Dims, tile, s, c):
 
 
 def _online_softmax_update(r: _Refs, d: _Dims, h: int, buf, mask, v_live) -> None:
-    """Fold KV head h's part of the chunk in buffer ``buf`` into its running m, l, acc.
+    """Fold KV head h's part of the chunk in buffer ``buf`` into its running m, denom, acc.
 
     Masked logits are -inf and masked V rows are selected to 0, so rows of other
     sequences stay exactly unchanged and stale buffer contents (NaN too) never leak.
@@ -252,24 +250,24 @@ def _online_softmax_update(r: _Refs, d: _Dims, h: int, buf, mask, v_live) -> Non
     alpha = jnp.exp(m_prev - m_safe)
     v = jnp.where(v_live, v, jnp.zeros_like(v))
     pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-    l_next = alpha * r.l[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
+    denom_next = alpha * r.denom[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
     r.acc[h] = alpha * r.acc[h] + pv
     r.m[h] = jnp.broadcast_to(m_next, (rows, _LANES))
-    r.l[h] = jnp.broadcast_to(l_next, (rows, _LANES))
+    r.denom[h] = jnp.broadcast_to(denom_next, (rows, _LANES))
 
 
 def _reset_accumulators(r: _Refs) -> None:
-    """m = -inf, l = 0, acc = 0 for every row of the tile."""
+    """m = -inf, denom = 0, acc = 0 for every row of the tile."""
     r.m[...] = jnp.full(r.m.shape, -jnp.inf, jnp.float32)
-    r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
+    r.denom[...] = jnp.zeros(r.denom.shape, jnp.float32)
     r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
 
 
 def _normalize_and_store(r: _Refs, d: _Dims) -> None:
-    """out = acc / l per KV head; rows that saw nothing (l == 0) stay zeros."""
+    """out = acc / denom per KV head; rows that saw nothing (denom == 0) stay zeros."""
     for h in range(d.num_kv_heads):
-        l = r.l[h][:, :1]
-        out = r.acc[h] / jnp.where(l == 0.0, 1.0, l)
+        denom = r.denom[h][:, :1]
+        out = r.acc[h] / jnp.where(denom == 0.0, 1.0, denom)
         r.out[h] = out.reshape(d.num_queries_per_kv, d.tq, d.head_dim).astype(r.out.dtype)
 
 
@@ -360,8 +358,15 @@ def paged_attention(
     TPU interpreter (``True`` or a :class:`pltpu.InterpretParams`).
     """
     check_paged_attention_args(
-        q, kv_buffer, kv_lens, block_tables, cu_q_lens, num_seqs,
-        layer_index=layer_index, sliding_window=sliding_window, soft_cap=soft_cap,
+        q,
+        kv_buffer,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        layer_index=layer_index,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     check_int32(kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens, num_seqs=num_seqs)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -375,8 +380,7 @@ def paged_attention(
     ppc = pages_per_chunk or max(1, min(table_width, DEFAULT_KV_TOKENS_PER_CHUNK // block_size))
     if tq <= 0 or tq % sub or ppc <= 0:
         raise KVShapeError(
-            f"queries_per_tile={tq} must be a positive multiple of {sub} and "
-            f"pages_per_chunk={ppc} positive"
+            f"queries_per_tile={tq} must be a positive multiple of {sub} and pages_per_chunk={ppc} positive"
         )
     num_tiles = cdiv(num_tokens, tq)
     padded = num_tiles * tq
@@ -410,7 +414,7 @@ def paged_attention(
         pltpu.VMEM((2, ppc * block_size, 2 * num_kv_heads, head_dim), kv_buffer.dtype),  # kv_bufs
         pltpu.SemaphoreType.DMA((2,)),  # sems
         pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),  # m
-        pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),  # l
+        pltpu.VMEM((num_kv_heads, rows, _LANES), jnp.float32),  # denom
         pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # acc
         pltpu.SMEM((2,), jnp.int32),  # next_tile
     ]
@@ -424,9 +428,7 @@ def paged_attention(
             scratch_shapes=scratch_shapes,
         ),
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes
-        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret_params(interpret),
         name="jaxkv_paged_attention",
     )(*scalar_prefetches, qt, kv_buffer)

@@ -46,9 +46,7 @@ def _full_block_runs(slot_mapping: jax.Array, block_size: int) -> jax.Array:
     step = (slot_mapping[1:] == slot_mapping[:-1] + 1).astype(jnp.int32)
     prefix = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(step)])
     starts = num_tokens - block_size + 1
-    consecutive = (
-        prefix[block_size - 1 : block_size - 1 + starts] - prefix[:starts] == block_size - 1
-    )
+    consecutive = prefix[block_size - 1 : block_size - 1 + starts] - prefix[:starts] == block_size - 1
     first = slot_mapping[:starts]
     full = consecutive & (first % block_size == 0) & (first >= block_size)
     return jnp.pad(full, (0, block_size - 1)).astype(jnp.int32)
