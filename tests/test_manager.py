@@ -403,3 +403,18 @@ def test_decoding_past_max_model_len_raises_even_with_room_in_the_last_block(tok
     req.append_output_token_ids(2)
     with pytest.raises(MaxModelLenExceededError):
         mgr.allocate_slots(req, 1)
+
+
+def test_reuse_listeners_hear_reused_cached_blocks_until_removed(tokens):
+    mgr = make_manager(4, FULL)
+    heard = []
+    listener = lambda block, block_hash, group: heard.append((block, group))  # noqa: E731
+    mgr.add_reuse_listener(listener)
+    admit(mgr, Request("a", tokens(0, 33)))  # blocks 1, 2 cached, 3 not
+    mgr.free("a")
+    admit(mgr, Request("b", tokens(100, 17)))  # takes 3 (uncached), then 2 (cached)
+    assert heard == [(2, 0)]
+    mgr.remove_reuse_listener(listener)
+    mgr.free("b")
+    admit(mgr, Request("c", tokens(200, 40)))
+    assert heard == [(2, 0)]

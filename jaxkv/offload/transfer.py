@@ -201,11 +201,6 @@ class TransferEngine:
         self._owner.check()
         self.pool.release(host_blocks)
 
-    @property
-    def num_host_blocks(self) -> int:
-        """Host blocks the pool holds (the scratch block not counted)."""
-        return self.pool.num_blocks
-
     def is_done(self, transfer: Transfer) -> bool:
         """Whether the transfer's data left its source (a stored device block may be reused)."""
         if transfer.result is not None or not len(transfer):
