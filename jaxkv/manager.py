@@ -101,9 +101,8 @@ def token_id_list(values: object, what: str) -> list[int]:
         raise KVCacheManagerError(f"{what} must be 1-D, got an array of shape {getattr(values, 'shape', None)}")
     ids = list(values)  # type: ignore[call-overload]
     if set(map(type, ids)) - {int}:
-        bad = next((t for t in ids if not is_int(t)), None)
-        if bad is not None or any(isinstance(t, bool) for t in ids):
-            bad = bad if bad is not None else next(t for t in ids if isinstance(t, bool))
+        bad = next((t for t in ids if not is_int(t)), None)  # is_int refuses bools
+        if bad is not None:
             raise KVCacheManagerError(f"{what}: {bad!r} is not a token id (an int)")
         ids = [int(t) for t in ids]
     if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):

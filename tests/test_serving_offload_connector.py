@@ -91,7 +91,7 @@ def host_hit(stored: dict[int, list[int]], num_tokens: int = 100) -> int:
     offload.prepare_store(keys)
     offload.complete_store(keys)
     connector = OffloadConnector(mgr, runner=None, offload=offload, transfers=None)  # host rules only
-    hit = connector._host_hit(req, 0)
+    hit = connector._host_hit(req, mgr.hashes_per_group(req), 0)
     return hit.end - hit.start if hit else 0
 
 

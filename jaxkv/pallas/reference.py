@@ -57,7 +57,7 @@ def check_kv_buffer(kv_buffer: jax.Array, layer_index: int | None) -> None:
         raise KVShapeError(f"the K/V axis must have size 2*H, got {kv_buffer.shape[-2]}")
 
 
-def _page_dims(kv_buffer: jax.Array) -> tuple[int, int, int]:
+def page_dims(kv_buffer: jax.Array) -> tuple[int, int, int]:
     """(block_size, num_kv_heads, head_dim) of either layout."""
     block_size, combined, head_dim = kv_buffer.shape[-3:]
     return block_size, combined // 2, head_dim
@@ -73,7 +73,7 @@ def check_write_kv_args(
 ) -> None:
     """Raise :class:`KVShapeError` unless the arguments fit :func:`write_kv`."""
     check_kv_buffer(kv_buffer, layer_index)
-    _, num_kv_heads, head_dim = _page_dims(kv_buffer)
+    _, num_kv_heads, head_dim = page_dims(kv_buffer)
     if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
         raise KVShapeError(f"k {k.shape} and v {v.shape} must both be (T, {num_kv_heads}, {head_dim})")
     if slot_mapping.shape != k.shape[:1]:
@@ -153,7 +153,7 @@ def check_paged_attention_args(
 ) -> None:
     """Raise :class:`KVShapeError` unless the arguments fit :func:`paged_attention`."""
     check_kv_buffer(kv_buffer, layer_index)
-    _, num_kv_heads, head_dim = _page_dims(kv_buffer)
+    _, num_kv_heads, head_dim = page_dims(kv_buffer)
     max_seqs = block_tables.shape[0]
     if q.ndim != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
         raise KVShapeError(f"q {q.shape} must be (T, QH, {head_dim}) with QH a multiple of {num_kv_heads}")
@@ -207,7 +207,7 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    block_size, num_kv_heads, head_dim = _page_dims(kv_buffer)
+    block_size, num_kv_heads, head_dim = page_dims(kv_buffer)
     num_tokens, num_q_heads, _ = q.shape
     width = block_tables.shape[1]
     seq, position, valid = token_sequences(num_tokens, cu_q_lens, kv_lens, num_seqs)

@@ -63,12 +63,11 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    block_size, combined, head_dim = kv_buffer.shape[-3:]
-    num_kv_heads = combined // 2
+    block_size, num_kv_heads, head_dim = reference.page_dims(kv_buffer)
     num_tokens, num_q_heads, _ = q.shape
     num_queries_per_kv = num_q_heads // num_kv_heads
     if chunk_tokens is None:
-        token_bytes = num_tokens * combined * head_dim * kv_buffer.dtype.itemsize
+        token_bytes = num_tokens * 2 * num_kv_heads * head_dim * kv_buffer.dtype.itemsize
         chunk_tokens = min(MAX_CHUNK_TOKENS, CHUNK_BYTES // max(token_bytes, 1))
     chunk_blocks = max(1, min(block_tables.shape[1], chunk_tokens // block_size))
     chunk = chunk_blocks * block_size
@@ -88,7 +87,7 @@ def paged_attention(
         row_max, denom, acc = carry  # (T, H, G), (T, H, G), (T, H, G, D)
         pages = jax.lax.dynamic_slice_in_dim(token_tables, j * chunk_blocks, chunk_blocks, 1)
         kv = kv_buffer[pages] if layer_index is None else kv_buffer[pages, layer_index]
-        kv = kv.reshape(num_tokens, chunk, combined, head_dim)  # keeps the 2H axis whole
+        kv = kv.reshape(num_tokens, chunk, 2 * num_kv_heads, head_dim)  # keeps the 2H axis whole
         kv_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
         mask = reference.attention_mask(kv_pos, position, valid, sliding_window)  # (T, chunk)
         logits = (

@@ -138,7 +138,7 @@ class OffloadConnector:
         return cls(manager, runner, offload, transfers, config.store)
 
     # ------------------------------------------------------------- lookups
-    def _host_hit(self, request: Request, start: int) -> _HostHit | None:
+    def _host_hit(self, request: Request, hashes: Sequence[Sequence[bytes]], start: int) -> _HostHit | None:
         """The longest run of tokens after ``start`` whose needed blocks are on host in
         every group (whole multiples of the block sizes' lcm), or None."""
         mgr = self.manager
@@ -146,7 +146,6 @@ class OffloadConnector:
         max_end = (request.num_tokens - 1) // lcm * lcm
         if max_end <= start:
             return None
-        hashes = mgr.hashes_per_group(request)
         ready = []  # per group: prefix counts of ready blocks from start's block on
         for g, bs in enumerate(mgr.block_sizes):
             lo, hi = start // bs, max_end // bs
@@ -166,9 +165,8 @@ class OffloadConnector:
         keys = tuple((hashes[g][i], g) for g in range(len(hashes)) for i in mgr.needed_blocks(g, start, end))
         return _HostHit(start, end, keys)
 
-    def _touch_prefix(self, request: Request) -> None:
+    def _touch_prefix(self, request: Request, hashes: Sequence[Sequence[bytes]]) -> None:
         """Refresh the host recency of every full block of the request's prompt."""
-        hashes = self.manager.hashes_per_group(request)
         keys = []
         for g, bs in enumerate(self.manager.block_sizes):
             keys.extend((h, g) for h in hashes[g][: request.num_prompt_tokens // bs])
@@ -184,7 +182,8 @@ class OffloadConnector:
         """
         self._owner.check()
         mgr = self.manager
-        host = self._host_hit(request, num_hit)
+        hashes = mgr.hashes_per_group(request)
+        host = self._host_hit(request, hashes, num_hit)
         if host is not None:
             host_blocks = self.offload.prepare_load(host.keys)  # pinned: nothing below can evict them
             try:
@@ -192,14 +191,14 @@ class OffloadConnector:
                 n = min(request.num_tokens - host.end, budget)
                 if mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext) is not None:
                     if self._load(request, host, host_blocks):
-                        self._touch_prefix(request)
+                        self._touch_prefix(request, hashes)
                         return host.end
                     hit, num_hit = mgr.get_computed_blocks(request)  # the allocation may have evicted the first hit
             finally:
                 self.offload.complete_load(host.keys)
         if mgr.allocate_slots(request, min(request.num_tokens - num_hit, budget), num_hit, hit) is None:
             return None
-        self._touch_prefix(request)
+        self._touch_prefix(request, hashes)
         return num_hit
 
     def _load(self, request: Request, host: _HostHit, host_blocks: Sequence[int]) -> bool:
