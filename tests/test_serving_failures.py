@@ -193,3 +193,30 @@ def test_numpy_limits_and_a_2d_prompt_array_are_accepted(models):
     batch = np.asarray(prompts(14, 20, 20))
     result = eng.generate(batch, np.int64(2))
     assert [len(o.output_token_ids) for o in result.outputs] == [2, 2]
+
+
+@pytest.mark.parametrize("transfer", ["load_blocks", "store_blocks"])
+def test_a_transfer_that_raises_leaves_every_block_accounted_for(models, monkeypatch, transfer):
+    """An exception inside a host load (admission) or store (on eviction) frees what the
+    request got, settles the host keys it had claimed, and the next calls are exact."""
+    model = models["tiny-llama"]
+    eng = engine(model, 20, 64)
+    a, b, c = prompts(11, 70, 150, 200)
+    dense = dense_greedy_generate(model, [a, b, c], NEW_TOKENS)
+    original = getattr(eng.runner, transfer)
+    calls = []
+
+    def raising(*args):
+        calls.append(args)
+        raise Boom(f"{transfer} failed")
+
+    monkeypatch.setattr(eng.runner, transfer, raising)
+    with pytest.raises(Boom):
+        for prompt in (a, b, c, a):
+            served(eng, [prompt])
+    assert calls and eng.connector.offload.num_keys_by_state()["pinned"] == 0
+    assert_nothing_leaked(eng)
+    monkeypatch.setattr(eng.runner, transfer, original)
+    for prompt, expected in [(a, dense[0]), (b, dense[1]), (c, dense[2]), (a, dense[0])]:
+        assert served(eng, [prompt]) == [expected]
+        assert_nothing_leaked(eng)
