@@ -20,11 +20,39 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from jaxkv.errors import JaxkvError
 from jaxkv.planner import KVCacheConfig
 from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
 from jaxkv.single_type import NEVER, CacheHit, FullAttentionManager, SingleTypeManager, manager_class_for
 from jaxkv.specs import KVCacheSpec
+
+RETENTION_RULES = ("vllm", "group_aware")
+"""How a hybrid model's unreferenced blocks queue for eviction.
+
+``vllm``: as vLLM v1 (the default; same decisions): blocks join the free queue when
+their request frees them, group by group, and window blocks that slide out of span
+join it at once, so under memory pressure they go first and take with them the hits
+they would have completed. ``group_aware``: the window blocks a hit at one of the
+request's *anchors* needs (where its own hit ended, and how far full attention alone
+matched: the points a later request sharing the prefix is likely to hit) are retained
+while the request runs, evicted only once nothing else is free; when the request ends,
+all its blocks of every group queue position by position, last position first, so a
+prefix keeps the window blocks that make it a hit."""
+
+
+class CoordinatorError(JaxkvError, ValueError):
+    """A coordinator option it does not know."""
+
+
+class PrefixHit(NamedTuple):
+    """A prefix-cache lookup: blocks per group, the hit length in tokens, and ``reach``:
+    how many tokens full attention alone matched (at least ``length``)."""
+
+    blocks: tuple[list[int], ...]
+    length: int
+    reach: int
 
 
 @dataclass(frozen=True)
@@ -41,7 +69,10 @@ class AttentionType:
 class KVCacheCoordinator:
     """Runs each operation over every group of a config, sharing one block pool it owns."""
 
-    def __init__(self, config: KVCacheConfig, *, enable_events: bool = False) -> None:
+    def __init__(self, config: KVCacheConfig, *, enable_events: bool = False, retention: str = "vllm") -> None:
+        if retention not in RETENTION_RULES:
+            raise CoordinatorError(f"unknown retention {retention!r}; valid: {', '.join(RETENTION_RULES)}")
+        self.retention = retention
         groups = config.groups
         self.pool = BlockPool(config.num_blocks, len(groups), enable_events=enable_events)
         pool = self.pool
@@ -137,14 +168,13 @@ class KVCacheCoordinator:
         return range(max(start // bs, m.num_skipped_tokens(end) // bs), end // bs)
 
     # ------------------------------------------------------------------ hits
-    def find_longest_cache_hit(
-        self, block_hashes: Sequence[bytes], max_length: int
-    ) -> tuple[tuple[list[int], ...], int]:
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> PrefixHit:
         """The longest prefix (tokens) every group can serve, and its blocks per group."""
         lcm = self.lcm_block_size
         length = max_length // lcm * lcm
         typed = list(self.typed_hashes(block_hashes))
         found: list[CacheHit] = [None] * len(typed)
+        reach = None
         changed = True
         while changed:
             changed = False
@@ -153,6 +183,8 @@ class KVCacheCoordinator:
                     self._maps[t_idx], hashes, length // t.block_size, t.spec, t.block_size
                 )
                 found[t_idx] = hit
+                if reach is None and t.manager_cls is FullAttentionManager:
+                    reach = hit.num_blocks * t.block_size
                 if hit.num_blocks * t.block_size < length:
                     length = hit.num_blocks * t.block_size // lcm * lcm
                     changed = len(typed) > 1
@@ -162,7 +194,7 @@ class KVCacheCoordinator:
             for t, hit in zip(self.types, found):
                 for g, ids in zip(t.group_ids, hit.block_ids):
                     blocks[g] = [0] * hit.first_real + ids
-        return tuple(blocks), length
+        return PrefixHit(tuple(blocks), length, length if reach is None else reach)
 
     def invalid_hit_block(
         self, block_hashes: Sequence[bytes], hit_blocks: Sequence[Sequence[int]]
@@ -252,10 +284,22 @@ class KVCacheCoordinator:
                 next_skip = min(next_skip, m.next_skip_computed(request_id))
         return capacity, next_full, next_skip
 
+    def set_anchors(self, request_id: str, anchors: Sequence[int]) -> None:
+        """Under ``group_aware`` retention, the request's anchors (token positions) in
+        every group that drops blocks out of span; a no-op under ``vllm``."""
+        if self.retention == "group_aware":
+            for m in self.managers:
+                if m.skips_blocks:
+                    m.set_anchors(request_id, anchors)
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group, in one pass over the pool."""
         managers = self.managers
-        if len(managers) == 1:
+        if self.retention == "group_aware":
+            entries = [e for m in managers for e in m.release_by_position(request_id)]
+            entries.sort(key=lambda e: -e[0])  # last position first; stable: group order within one
+            self.pool.free_in_order((b, retained) for _, b, retained in entries)
+        elif len(managers) == 1:
             self.pool.free_blocks(managers[0].release(request_id))
         else:
             self.pool.free_block_lists([m.release(request_id) for m in managers])

@@ -147,6 +147,8 @@ class Request:
         # thresholds below which its next allocation changes nothing.
         self._holder: object | None = None
         self._thresholds = (0, 0, 0)
+        # How far full attention alone matched at the last lookup (an anchor for retention).
+        self._reach = 0
 
     @property
     def num_tokens(self) -> int:
@@ -229,6 +231,11 @@ class KVCacheManager:
     Single-owner: the thread that creates it is the only one that may call it (a call
     from another thread raises :class:`~jaxkv.errors.WrongThreadError`), as vLLM's
     scheduler thread owns its manager. It talks to the coordinator only.
+
+    ``retention`` picks how unreferenced blocks queue for eviction
+    (:data:`jaxkv.coordinator.RETENTION_RULES`): ``vllm`` makes vLLM v1's decisions;
+    ``group_aware`` keeps, under memory pressure, the sliding-window blocks that
+    complete hits of a hybrid model.
     """
 
     def __init__(
@@ -239,6 +246,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: str = "sha256",
         enable_events: bool = False,
+        retention: str = "vllm",
     ) -> None:
         if not isinstance(config, KVCacheConfig):
             raise KVCacheManagerError(f"config must be a KVCacheConfig, got {config!r:.80}")
@@ -250,7 +258,7 @@ class KVCacheManager:
         self.config = config
         self.max_model_len = int(max_model_len)
         self.enable_caching = enable_caching
-        self.coordinator = KVCacheCoordinator(config, enable_events=enable_events)
+        self.coordinator = KVCacheCoordinator(config, enable_events=enable_events, retention=retention)
         self.hasher = BlockHasher(self.coordinator.hash_block_size, hash_algo)
         # Returned for a miss or an allocation needing no new block: immutable, so shared.
         self._no_blocks = KVCacheBlocks(tuple(() for _ in config.groups))
@@ -346,7 +354,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return self._no_blocks, 0
         self.hash_request(request)
-        blocks, n = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        blocks, n, request._reach = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
         self._num_requests += 1
         self._num_queried += request.num_tokens
         self._num_hits += n
@@ -432,6 +442,8 @@ class KVCacheManager:
         needed = coord.num_blocks_to_allocate(rid, num_slots, hits, num_computed)
         if needed > coord.num_free_blocks:
             return None
+        if not held:
+            coord.set_anchors(rid, (total_computed, request._reach))
         new_blocks = coord.allocate(rid, num_slots, hits, num_computed)
         self._requests[rid] = request
         if self.enable_caching:

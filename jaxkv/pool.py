@@ -92,6 +92,9 @@ class BlockPool:
         # cached (as in vLLM v1), so evicting one copy leaves the prefix findable.
         self._copies: list[dict[bytes, list[int]]] = [{} for _ in range(num_groups)]
         self._free = FreeBlockQueue(range(1, num_blocks), num_blocks)
+        # Unreferenced cached blocks held back from eviction until the free queue is
+        # empty (group-aware retention: window blocks that complete a hit).
+        self._retained = FreeBlockQueue((), num_blocks)
         self._events: list[KVCacheEvent] = []
         # Bumped on every eviction: a cache hit found while it was N is still valid
         # as long as it is still N.
@@ -104,20 +107,25 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (cached-but-unreferenced ones included)."""
-        return len(self._free)
+        return len(self._free) + len(self._retained)
 
     @property
     def usage(self) -> float:
         """Fraction of allocatable blocks (the null block excluded) referenced now."""
-        return 1.0 - len(self._free) / (self.num_blocks - 1)
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
     def free_block_ids(self) -> list[int]:
-        """The free queue, head (evicted first) to tail (kept longest)."""
-        return list(self._free)
+        """Every unreferenced block in eviction order: the free queue head (evicted
+        first) to tail, then the retained blocks, oldest first."""
+        return [*self._free, *self._retained]
 
     def is_free(self, block_id: int) -> bool:
-        """Whether the block waits in the free queue."""
-        return block_id in self._free
+        """Whether the block waits to be handed out (free queue or retained)."""
+        return block_id in self._free or block_id in self._retained
+
+    def is_retained(self, block_id: int) -> bool:
+        """Whether the block is unreferenced but held back from eviction (see :meth:`retain_blocks`)."""
+        return block_id in self._retained
 
     def num_cached_blocks(self) -> int:
         """Blocks currently registered in the prefix cache, over all groups (every copy)."""
@@ -148,12 +156,18 @@ class BlockPool:
 
     # -------------------------------------------------------------- allocation
     def get_new_blocks(self, n: int) -> list[int]:
-        """Pop ``n`` blocks from the head of the free queue, evicting their hashes."""
-        if n < 0 or n > len(self._free):
-            raise BlockPoolError(f"cannot take {n} blocks: {len(self._free)} free of {self.num_blocks}")
+        """Pop ``n`` blocks from the head of the free queue (then the oldest retained
+        ones, once it is empty), evicting their hashes."""
+        free = self._free
+        if n < 0 or n > len(free) + len(self._retained):
+            raise BlockPoolError(f"cannot take {n} blocks: {self.num_free_blocks} free of {self.num_blocks}")
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
-        out = self._free.popleft_n(n)
+        num_queued = len(free)
+        if n <= num_queued:
+            out = free.popleft_n(n)
+        else:
+            out = free.popleft_n(num_queued) + self._retained.popleft_n(n - num_queued)
         journal = self._journal
         for b in out:
             if block_hash[b] is not None:
@@ -168,11 +182,12 @@ class BlockPool:
         """Add one reference to each block (a cache hit), pulling free ones out of the queue."""
         ref_cnt = self.ref_cnt
         free = self._free
+        retained = self._retained
         for b in block_ids:
             if b:
                 r = ref_cnt[b]
                 if r == 0:
-                    free.remove(b)
+                    (free if b in free else retained).remove(b)
                 ref_cnt[b] = r + 1
 
     def free_blocks(self, ordered_block_ids: Iterable[int]) -> None:
@@ -210,6 +225,59 @@ class BlockPool:
             self._free.prepend(uncached_per_list[0])
         else:
             self._free.prepend([b for uncached in reversed(uncached_per_list) for b in uncached])
+
+    def retain_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block; cached ones reaching zero are *retained*:
+        evictable only once the free queue is empty, until :meth:`free_in_order` queues
+        them. Uncached ones join the free queue's head as in :meth:`free_blocks`."""
+        ref_cnt = self.ref_cnt
+        block_hash = self.block_hash
+        cached: list[int] = []
+        uncached: list[int] = []
+        for b in block_ids:
+            r = ref_cnt[b] - 1
+            ref_cnt[b] = r
+            if r == 0:
+                (uncached if block_hash[b] is None else cached).append(b)
+        self._retained.append(cached)
+        self._free.prepend(uncached)
+
+    def free_blocks_first(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block; those reaching zero join the free queue's
+        head, cached or not (group-aware retention: blocks unlikely to complete a hit)."""
+        ref_cnt = self.ref_cnt
+        freed: list[int] = []
+        for b in block_ids:
+            r = ref_cnt[b] - 1
+            ref_cnt[b] = r
+            if r == 0:
+                freed.append(b)
+        self._free.prepend(freed)
+
+    def free_in_order(self, entries: Iterable[tuple[int, bool]]) -> None:
+        """Release ``(block_id, was_retained)`` entries in eviction-priority order.
+
+        A held block (``False``) drops one reference, as in :meth:`free_blocks`; a block
+        this caller retained (``True``) moves from the retained blocks to the free
+        queue's tail at its place in the order, unless it was since taken (then it is
+        someone else's and is left alone)."""
+        ref_cnt = self.ref_cnt
+        block_hash = self.block_hash
+        retained = self._retained
+        cached: list[int] = []
+        uncached: list[int] = []
+        for b, was_retained in entries:
+            if was_retained:
+                if b in retained:
+                    retained.remove(b)
+                    cached.append(b)
+                continue
+            r = ref_cnt[b] - 1
+            ref_cnt[b] = r
+            if r == 0:
+                (uncached if block_hash[b] is None else cached).append(b)
+        self._free.append(cached)
+        self._free.prepend(uncached)
 
     def count_newly_freed(self, block_ids: Iterable[int]) -> int:
         """How many of these (distinct) blocks one ``free_blocks`` call would return to the queue."""
@@ -289,8 +357,9 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is referenced."""
-        if len(self._free) != self.num_blocks - 1:
+        if self.num_free_blocks != self.num_blocks - 1:
             return False
+        self._free.append(self._retained.popleft_n(len(self._retained)))
         for m in self.cached:
             m.clear()
         for d in self._copies:

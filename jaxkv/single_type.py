@@ -73,6 +73,10 @@ class SingleTypeManager:
         self.num_cached: dict[str, int] = {}
         # Blocks before this index are null: skipped, or never needed by a hit.
         self.skip_frontier: dict[str, int] = {}
+        # Group-aware retention only: token positions where a later request is likely to
+        # hit (see :meth:`set_anchors`), and the skipped blocks retained for them.
+        self.anchors: dict[str, tuple[int, ...]] = {}
+        self.retained: dict[str, list[tuple[int, int]]] = {}
 
     # ----------------------------------------------------------- hit search
     @classmethod
@@ -119,15 +123,36 @@ class SingleTypeManager:
         return [b for b in reversed(self.req_blocks[request_id][start:stop]) if b]
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Replace out-of-span blocks by the null block and free them (last first)."""
+        """Replace out-of-span blocks by the null block and free them (last first);
+        those a hit at one of the request's anchors needs are retained instead."""
         start, stop = self._skip_range(request_id, num_computed_tokens)
         if stop <= start:
             return
         blocks = self.req_blocks[request_id]
-        freed = [b for b in reversed(blocks[start:stop]) if b]
+        anchors = self.anchors.get(request_id)
+        if anchors:
+            spans = [self.span_blocks(a) for a in anchors]
+            kept = [(i, blocks[i]) for i in range(start, stop) if blocks[i] and any(i in s for s in spans)]
+            self.retained.setdefault(request_id, []).extend(kept)
+            self.pool.retain_blocks([b for _, b in kept])
+            kept_ids = {b for _, b in kept}
+            self.pool.free_blocks_first([b for b in blocks[start:stop] if b and b not in kept_ids])
+        else:
+            self.pool.free_blocks([b for b in reversed(blocks[start:stop]) if b])
         blocks[start:stop] = [NULL_BLOCK] * (stop - start)
         self.skip_frontier[request_id] = stop
-        self.pool.free_blocks(freed)
+
+    def span_blocks(self, num_tokens: int) -> range:
+        """Block indices a hit of ``num_tokens`` tokens needs in this group."""
+        return range(self.num_skipped_tokens(num_tokens) // self.block_size, num_tokens // self.block_size)
+
+    def set_anchors(self, request_id: str, anchors: Sequence[int]) -> None:
+        """Token positions where later requests are likely to hit this request's prefix
+        (its own hit, how far full attention alone matched): the blocks a hit there
+        needs are retained when they fall out of span, not queued for eviction."""
+        kept = tuple(a for a in anchors if a > 0)
+        if kept:
+            self.anchors[request_id] = kept
 
     def next_skip_computed(self, request_id: str) -> int:
         """Fewest computed tokens at which skipping would free another block."""
@@ -190,6 +215,18 @@ class SingleTypeManager:
         self.num_cached.pop(request_id, None)
         start = self.skip_frontier.pop(request_id, 0)
         return self._release_order(blocks, start) if blocks else ()
+
+    def release_by_position(self, request_id: str) -> list[tuple[int, int, bool]]:
+        """Forget the request; return ``(end token, block, retained)`` for every block it
+        held or retained, for the caller to free all groups' blocks position by position."""
+        bs = self.block_size
+        self.anchors.pop(request_id, None)
+        out = [((i + 1) * bs, b, True) for i, b in self.retained.pop(request_id, ())]
+        blocks = self.req_blocks.pop(request_id, ())
+        self.num_cached.pop(request_id, None)
+        first = self.skip_frontier.pop(request_id, 0)
+        out.extend(((i + 1) * bs, blocks[i], False) for i in range(first, len(blocks)) if blocks[i])
+        return out
 
     def _release_order(self, blocks: list[int], start: int) -> Iterable[int]:
         """Held blocks from ``start`` on, last first; past the skip frontier none is null."""

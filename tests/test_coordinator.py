@@ -1,9 +1,9 @@
 """The hybrid cache-hit fixed point across groups of different types and block sizes."""
 
 import pytest
-from conftest import FULL, admit, window
+from conftest import FULL, admit, make_config, window
 
-from jaxkv.coordinator import KVCacheCoordinator
+from jaxkv.coordinator import CoordinatorError, KVCacheCoordinator
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanError
 from jaxkv.specs import MambaSpec
@@ -70,3 +70,8 @@ def test_groups_of_one_type_are_searched_together():
     groups = tuple(KVCacheGroup((f"l{i}",), window(64), 16) for i in range(5)) + (KVCacheGroup(("f",), FULL, 16),)
     coord = KVCacheCoordinator(KVCacheConfig(num_blocks=8, groups=groups))
     assert [t.group_ids for t in coord.types] == [(5,), (0, 1, 2, 3, 4)]
+
+
+def test_an_unknown_retention_rule_is_refused_by_name():
+    with pytest.raises(CoordinatorError, match="'lru'"):
+        KVCacheCoordinator(make_config(8, FULL), retention="lru")

@@ -418,3 +418,36 @@ def test_reuse_listeners_hear_reused_cached_blocks_until_removed(tokens):
     mgr.free("b")
     admit(mgr, Request("c", tokens(200, 40)))
     assert heard == [(2, 0)]
+
+
+def _run_in_chunks(mgr, req: Request, chunk: int = 4) -> int:
+    """Look the request up, then compute it ``chunk`` tokens a step, as chunked prefill does."""
+    hit, n = mgr.get_computed_blocks(req)
+    assert mgr.allocate_slots(req, min(chunk, req.num_tokens - n), n, hit) is not None
+    req.num_computed_tokens = min(n + chunk, req.num_tokens)
+    while req.num_computed_tokens < req.num_tokens:
+        step = min(chunk, req.num_tokens - req.num_computed_tokens)
+        assert mgr.allocate_slots(req, step) is not None
+        req.num_computed_tokens += step
+    return n
+
+
+@pytest.mark.parametrize("retention, later_hit", [("vllm", 0), ("group_aware", 16)])
+def test_group_aware_retention_keeps_the_window_blocks_a_shared_prefix_needs(retention, later_hit):
+    """Two chats share a 16-token system prompt; unrelated traffic then fills the pool.
+    vLLM's rule queued the prompt's window blocks for eviction as soon as they slid out
+    of the window, so they go first and the third chat misses; group-aware retention
+    kept them beside the prompt's full-attention blocks."""
+    system = list(range(100, 116))
+    mgr = make_manager(40, FULL, window(8), block_size=4, retention=retention)
+    first = Request("first", system + list(range(200, 212)))
+    assert _run_in_chunks(mgr, first) == 0
+    mgr.free(first)
+    second = Request("second", system + list(range(300, 312)))
+    assert _run_in_chunks(mgr, second) == 16
+    mgr.free(second)
+    traffic = Request("traffic", list(range(400, 460)))
+    _run_in_chunks(mgr, traffic)
+    mgr.free(traffic)
+    third = Request("third", system + list(range(500, 512)))
+    assert mgr.get_computed_blocks(third)[1] == later_hit

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from jaxkv.coordinator import RETENTION_RULES
 from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request
 from jaxkv.planner import KVCacheConfig, KVCacheGroup
 from jaxkv.specs import ChunkedLocalAttentionSpec, MambaSpec
@@ -32,16 +33,21 @@ def snapshot(mgr: KVCacheManager):
             pool.ref_cnt,
             pool.cached,
             pool.block_hash,
-            [(m.req_blocks, m.num_cached) for m in mgr.coordinator.managers],
+            [(m.req_blocks, m.num_cached, m.anchors, m.retained) for m in mgr.coordinator.managers],
         )
     )
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    @initialize(name=st.sampled_from(sorted(CONFIGS)), num_blocks=st.integers(8, 40))
-    def setup(self, name, num_blocks):
+    @initialize(
+        name=st.sampled_from(sorted(CONFIGS)),
+        num_blocks=st.integers(8, 40),
+        retention=st.sampled_from(RETENTION_RULES),
+    )
+    def setup(self, name, num_blocks, retention):
         groups = tuple(KVCacheGroup((f"l{i}",), s, BS) for i, s in enumerate(CONFIGS[name]))
-        self.mgr = KVCacheManager(KVCacheConfig(num_blocks=num_blocks, groups=groups), max_model_len=64)
+        config = KVCacheConfig(num_blocks=num_blocks, groups=groups)
+        self.mgr = KVCacheManager(config, max_model_len=64, retention=retention)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.next_id = 0
@@ -152,6 +158,14 @@ class ManagerMachine(RuleBasedStateMachine):
         assert pool.num_free_blocks + used == pool.num_blocks - 1
 
     @invariant()
+    def retained_blocks_belong_to_running_requests(self):
+        if not hasattr(self, "mgr"):
+            return
+        recorded = {b for m in self.mgr.coordinator.managers for kept in m.retained.values() for _, b in kept}
+        retained = {b for b in self.mgr.pool.free_block_ids() if self.mgr.pool.is_retained(b)}
+        assert retained <= recorded
+
+    @invariant()
     def cached_blocks_hold_the_tokens_their_hash_names(self):
         if not hasattr(self, "mgr"):
             return
@@ -173,6 +187,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.mgr.free(req)
         assert self.mgr.num_free_blocks == self.mgr.pool.num_blocks - 1
         assert self.mgr.usage == 0.0
+        assert not any(self.mgr.pool.is_retained(b) for b in range(self.mgr.pool.num_blocks))
 
 
 ManagerMachine.TestCase.settings = settings(

@@ -205,3 +205,39 @@ def test_random_operations_keep_every_block_free_xor_referenced(ops):
         assert pool.num_free_blocks + len(set(held)) == 11
         for hh, b in pool.cached[0].items():
             assert pool.block_hash[b] == hh
+
+
+def test_retained_blocks_are_taken_only_once_the_free_queue_is_empty():
+    pool = BlockPool(7)
+    a, b, c, d = pool.get_new_blocks(4)
+    pool.cache_blocks(0, [a, b, c, d], [b"a", b"b", b"c", b"d"], 0, 4)
+    pool.retain_blocks([a, b])
+    pool.free_blocks([c])
+    assert pool.num_free_blocks == 5 and pool.is_retained(a) and pool.is_free(a)
+    assert pool.free_block_ids() == [5, 6, c, a, b]
+    assert pool.get_new_blocks(4) == [5, 6, c, a]
+    assert pool.cached[0] == {b"b": b, b"d": d}
+
+
+def test_free_in_order_queues_retained_and_held_blocks_position_by_position():
+    pool = BlockPool(7)
+    a, b, c, d, e, f = pool.get_new_blocks(6)
+    pool.cache_blocks(0, [a, b, c, d], [b"a", b"b", b"c", b"d"], 0, 4)
+    pool.retain_blocks([a, b])
+    pool.touch([b])  # another request hits b: no longer retained, and no longer ours to queue
+    pool.free_blocks([f])
+    pool.free_in_order([(d, False), (a, True), (c, False), (b, True), (e, False)])
+    assert pool.ref_cnt[b] == 1 and not pool.is_free(b)
+    assert pool.free_block_ids() == [e, f, d, a, c]
+
+
+def test_a_hit_on_a_retained_block_takes_it_back_and_a_reset_requeues_them():
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_blocks(0, [a, b], [b"a", b"b"], 0, 2)
+    pool.retain_blocks([a, b])
+    pool.touch([a])
+    assert not pool.is_free(a) and pool.is_retained(b) and pool.num_free_blocks == 2
+    pool.free_blocks([a])
+    assert pool.reset_prefix_cache()
+    assert not pool.is_retained(b) and pool.num_free_blocks == 3
