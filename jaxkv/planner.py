@@ -151,6 +151,23 @@ class BlockPages:
 
 
 @dataclass(frozen=True)
+class StatePool:
+    """Recurrent states held apart from the attention block pool.
+
+    With a state pool, the recurrent (``MambaSpec``) groups draw their blocks from a
+    pool of ``num_states`` states (state 0 is the null state, never handed out) instead
+    of the shared attention pool, and their block size is the hash block size, so state
+    checkpoints sit at attention-block granularity whatever a state weighs. Without
+    one (vLLM's rule), one attention page holds one state.
+    """
+
+    num_states: int
+
+    def __post_init__(self) -> None:
+        check_int("num_states", self.num_states, minimum=2, error=PlanError)
+
+
+@dataclass(frozen=True)
 class KVCacheConfig:
     """The plan: the shared pool of ``num_blocks`` blocks and the groups drawing on it.
 
@@ -169,6 +186,7 @@ class KVCacheConfig:
     memory_bytes: int | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     head_dim_multiple: int = 1
+    state_pool: StatePool | None = None
 
     def __post_init__(self) -> None:
         _positive_int("num_blocks", self.num_blocks)
@@ -196,6 +214,15 @@ class KVCacheConfig:
             _positive_int("memory_bytes", self.memory_bytes)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("head_dim_multiple", self.head_dim_multiple)
+        if self.state_pool is not None:
+            _check_state_pool(self.groups, self.state_pool)
+
+    @property
+    def state_group_ids(self) -> tuple[int, ...]:
+        """Groups whose blocks come from the state pool (none without one)."""
+        if self.state_pool is None:
+            return ()
+        return tuple(i for i, g in enumerate(self.groups) if isinstance(g.spec, MambaSpec))
 
     @property
     def hash_block_size(self) -> int:
@@ -312,6 +339,22 @@ def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
         data = group.spec.page_size_bytes(group.block_size)
         if data > pages.page_size_bytes:
             raise PlanError(f"group {i} needs {data} B pages but the layout page is {pages.page_size_bytes} B")
+
+
+def _check_state_pool(groups: Sequence[KVCacheGroup], state_pool: object) -> None:
+    """A state pool needs recurrent groups, each at the hash block size."""
+    if not isinstance(state_pool, StatePool):
+        raise PlanError(f"state_pool must be a StatePool or None, got {state_pool!r}")
+    recurrent = [g for g in groups if isinstance(g.spec, MambaSpec)]
+    if not recurrent:
+        raise PlanError("a state_pool needs at least one recurrent (MambaSpec) group")
+    smallest = min(g.block_size for g in groups)
+    for group in recurrent:
+        if group.block_size != smallest:
+            raise PlanError(
+                f"a recurrent group on the state pool must use the hash block size {smallest}, "
+                f"got {group.block_size} for {group.layer_names[0]!r}"
+            )
 
 
 def _headline(config: KVCacheConfig) -> str:

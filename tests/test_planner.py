@@ -19,6 +19,7 @@ from jaxkv.planner import (
     KVCacheConfig,
     KVCacheGroup,
     PlanError,
+    StatePool,
     choose_layers_per_group,
     pad_head_size,
     plan_kv_cache,
@@ -493,3 +494,22 @@ def test_cli_pads_heads_to_tiles_on_request():
     assert "multiple of 128" in tiled.stdout and "multiple of" not in plain.stdout
     bad = run_cli(*args, "--head-dim-multiple", "0")
     assert bad.returncode == 2 and "head_dim_multiple must be a positive int, got 0" in bad.stderr
+
+
+def test_a_state_pool_needs_recurrent_groups_at_the_hash_block_size():
+    full = FullAttentionSpec(num_kv_heads=1, head_size=8, dtype="float32")
+    state = MambaSpec(shapes=((4, 3),), dtypes=("float32",))
+    attention = KVCacheGroup(("a",), full, 16)
+    with pytest.raises(PlanError, match="at least one recurrent"):
+        KVCacheConfig(num_blocks=8, groups=(attention,), state_pool=StatePool(num_states=4))
+    with pytest.raises(PlanError, match="hash block size 16, got 32"):
+        KVCacheConfig(
+            num_blocks=8, groups=(attention, KVCacheGroup(("m",), state, 32)), state_pool=StatePool(num_states=4)
+        )
+    with pytest.raises(PlanError, match="num_states must be an int >= 2, got 1"):
+        StatePool(num_states=1)
+    config = KVCacheConfig(
+        num_blocks=8, groups=(attention, KVCacheGroup(("m",), state, 16)), state_pool=StatePool(num_states=4)
+    )
+    assert config.state_group_ids == (1,)
+    assert KVCacheConfig(num_blocks=8, groups=(attention, KVCacheGroup(("m",), state, 16))).state_group_ids == ()
