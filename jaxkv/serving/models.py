@@ -156,8 +156,17 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
+def _matmul_precision(dtype: str) -> jax.lax.Precision | None:
+    """Full precision for float32 models (GPUs default fp32 matmuls to TF32, which
+    breaks the fp32 promise: identical tokens with and without the cache), the
+    backend's default for narrower dtypes."""
+    return _HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _linear(din: int, dout: int, dtype: str, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    return nnx.Linear(
+        din, dout, use_bias=False, dtype=dtype, param_dtype=dtype, precision=_matmul_precision(dtype), rngs=rngs
+    )
 
 
 def _norm(dim: int, dtype: str, rngs: nnx.Rngs) -> nnx.RMSNorm:
