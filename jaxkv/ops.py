@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
@@ -144,6 +145,26 @@ def _pad_head_dim(name: str, x: jax.Array, head_dim: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])])
 
 
+def _shard_heads_like(q: jax.Array, buffer: jax.Array) -> jax.Array:
+    """``q`` resharded over its head axis as ``buffer``'s KV-head axis is, under explicit mesh axes.
+
+    With explicit axes a replicated q cannot meet a head-sharded cache in one einsum
+    (jax 0.11 refuses it); every device needs the query heads of its own KV heads,
+    which is this split, since query heads are grouped by KV head in order. ``q``
+    itself when the buffer's type names no mesh axis for its head dim (no mesh, or
+    automatic axes, whose shardings are not part of the type).
+    """
+    sharding = jax.typeof(buffer).sharding
+    head_dim_axis = buffer.ndim - 2
+    if not isinstance(sharding, NamedSharding) or len(sharding.spec) <= head_dim_axis:
+        return q
+    head_axis = sharding.spec[head_dim_axis]
+    if head_axis is None:
+        return q
+    spec = PartitionSpec(*([None] * (q.ndim - 2)), head_axis, None)
+    return jax.sharding.reshard(q, NamedSharding(sharding.mesh, spec))
+
+
 def write_kv(
     cache: KVCache,
     layer: str,
@@ -196,7 +217,7 @@ def paged_attention(
     """
     buffer, layer_index = cache.layer_buffer(layer)
     padded = _pad_head_dim("q", q, buffer.shape[-1])
-    args = (padded, buffer, kv_lens, block_tables, cu_q_lens, num_seqs)
+    args = (_shard_heads_like(padded, buffer), buffer, kv_lens, block_tables, cu_q_lens, num_seqs)
     kwargs = {"layer_index": layer_index, "sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
     name = get_implementation(impl)
     if name == "pallas_tpu":
