@@ -7,8 +7,9 @@ Implementations (:data:`IMPLEMENTATIONS`):
   other backends they run in Pallas interpret mode);
 - ``xla_gpu``: :mod:`jaxkv.pallas.xla` for GPUs (default there): paged attention as an
   online-softmax loop over chunks of each sequence's pages, bounded by the batch's real
-  kv lengths; writes, copies, gathers and scatters are single XLA scatters/gathers,
-  which already are the best XLA formulation, so they are the reference ops.
+  kv lengths; writes and block copies as single scatters declared in-bounds with unique
+  indices (padding repeats only the null block's); gathers and scatters of whole blocks
+  are the reference ops.
 - ``auto``: pick by ``jax.default_backend()``.
 
 The choice is read when a function is traced: a jitted step keeps the implementation
@@ -185,9 +186,12 @@ def write_kv(
     if k.shape != v.shape:
         raise KVShapeError(f"k {k.shape} and v {v.shape} must have the same shape")
     k, v = (_pad_head_dim(name, x, buffer.shape[-1]) for name, x in (("k", k), ("v", v)))
-    if get_implementation(impl) == "pallas_tpu":
+    name = get_implementation(impl)
+    if name == "pallas_tpu":
         kernel, interpret = _tpu_kernel("write_kv")
         new = kernel(buffer, k, v, slot_mapping, layer_index=layer_index, interpret=interpret)
+    elif name == "xla_gpu":
+        new = xla.write_kv(buffer, k, v, slot_mapping, layer_index=layer_index)
     else:
         new = reference.write_kv(buffer, k, v, slot_mapping, layer_index=layer_index)
     return cache.with_layer_buffer(layer, new)
@@ -236,9 +240,12 @@ def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, *, impl: str | N
     Contract (the kernels copy concurrently): real ``dst`` ids are distinct and none is
     also the ``src`` of another pair. Ids are trusted, not checked on device.
     """
-    if get_implementation(impl) == "pallas_tpu":
+    name = get_implementation(impl)
+    if name == "pallas_tpu":
         kernel, interpret = _tpu_kernel("copy_blocks")
         return cache.replace(kernel(cache.buffers, src, dst, interpret=interpret))
+    if name == "xla_gpu":
+        return cache.replace(xla.copy_blocks(cache.buffers, src, dst))
     return cache.replace(reference.copy_blocks(cache.buffers, src, dst))
 
 
