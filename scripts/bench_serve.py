@@ -23,6 +23,7 @@ float32 tokens must be identical; in bfloat16 the logits must agree within
 failed check exits with status 1.
 
     python scripts/bench_serve.py --out bench_serve.json
+    python scripts/bench_serve.py --profile_dir /tmp/trace   # the timed batch, for TensorBoard/Perfetto
     python scripts/bench_serve.py --model llama-1b --prompt_len 4096 --max_model_len 4352 \
         --max_num_batched_tokens 4096 --memory 8GiB --out llama_1b.json     # on a GPU
 
@@ -33,6 +34,7 @@ device or too small, prompts that do not fit ``--max_model_len``) prints one lin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -81,6 +83,7 @@ flags.DEFINE_integer("max_num_batched_tokens", 1024, "token budget of one step",
 flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.ops implementation")
 flags.DEFINE_integer("seed", 0, "weights and prompts seed", lower_bound=0)
 flags.DEFINE_string("out", None, "write the results as JSON here")
+flags.DEFINE_string("profile_dir", None, "write a jax.profiler trace of the timed batch phase here")
 flags.register_validator("shared", lambda v: 0 <= v <= 1, message="--shared must be a fraction in [0, 1]")  # NaN too
 flags.register_validator(
     "logit_tolerance", lambda v: 0 < v < float("inf"), message="--logit_tolerance must be a finite number > 0"
@@ -120,7 +123,9 @@ def measure(engines: dict[str, Engine], vocab_size: int) -> dict[str, dict]:
     batches = {}
     for seed in (2, 3):  # 2: warm-up, 3: timed
         batch = prompts(FLAGS.num_requests, seed, vocab_size)
-        batches = {name: run(engine, batch) for name, engine in engines.items()}
+        profiled = FLAGS.profile_dir is not None and seed == 3
+        with jax.profiler.trace(FLAGS.profile_dir) if profiled else contextlib.nullcontext():
+            batches = {name: run(engine, batch) for name, engine in engines.items()}
     return {
         name: {
             "single_ttft_s": statistics.median(r.outputs[0].ttft_s for r in runs[name]),

@@ -82,10 +82,12 @@ def test_bench_serve_reports_ratios_in_one_run(tmp_path):
         "--max_model_len=128",
         "--max_num_batched_tokens=128",
         "--memory=4MiB",
+        f"--profile_dir={tmp_path / 'trace'}",
         f"--out={out}",
     )
     assert result.returncode == 0, result.stderr
     assert "| TTFT, one shared-prefix request (ms) |" in result.stdout
+    assert list((tmp_path / "trace").rglob("*.xplane.pb")), "no profiler trace of the timed batch"
     report = json.loads(out.read_text())
     assert "with vs without prefix caching: PASS: float32 must give identical tokens" in result.stdout
     assert report["token_check"]["passed"] and report["token_check"]["identical_tokens"]
