@@ -5,7 +5,8 @@ Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.metadata`:
 host-to-device transfer, shapes padded to :class:`~jaxkv.metadata.Buckets`) and calls
 one jitted step function ``(weights, cache, metadata) -> (next_token_ids, cache)`` with
 the cache donated, so its buffers are updated in place. Sampling is greedy (argmax) on
-the device; only ``num_seqs`` int32 tokens come back to the host.
+the device; only ``num_seqs`` int32 tokens come back to the host (and their logits, from
+a step compiled apart, when a token check asks for them).
 
 The step is traced once per bucket combination (and :mod:`jaxkv.ops` implementation,
 read at each step); :attr:`ModelRunner.num_compilations` counts the traces, so tests
@@ -63,7 +64,7 @@ def _holds(planned: KVCacheSpec, spec: KVCacheSpec) -> bool:
 
 
 _num_step_traces = 0
-"""Traces of :func:`_step` in this process (one per compiled shape), all runners together."""
+"""Traces of the step functions in this process (one per compiled shape), all runners together."""
 
 
 def _step_with_logits(
