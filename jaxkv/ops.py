@@ -7,8 +7,9 @@ Implementations (:data:`IMPLEMENTATIONS`):
   other backends they run in Pallas interpret mode);
 - ``xla_gpu``: :mod:`jaxkv.pallas.xla` for GPUs (default there): paged attention as an
   online-softmax loop over chunks of each sequence's pages, bounded by the batch's real
-  kv lengths; writes, copies, gathers and scatters are single XLA scatters/gathers,
-  which already are the best XLA formulation, so they are the reference ops.
+  kv lengths; writes and block copies as single scatters declared in-bounds with unique
+  indices (padding repeats only the null block's); gathers and scatters of whole blocks
+  are the reference ops.
 - ``auto``: pick by ``jax.default_backend()``.
 
 The choice is read when a function is traced: a jitted step keeps the implementation
@@ -39,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
@@ -144,6 +146,26 @@ def _pad_head_dim(name: str, x: jax.Array, head_dim: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])])
 
 
+def _shard_heads_like(q: jax.Array, buffer: jax.Array) -> jax.Array:
+    """``q`` resharded over its head axis as ``buffer``'s KV-head axis is, under explicit mesh axes.
+
+    With explicit axes a replicated q cannot meet a head-sharded cache in one einsum
+    (jax 0.11 refuses it); every device needs the query heads of its own KV heads,
+    which is this split, since query heads are grouped by KV head in order. ``q``
+    itself when the buffer's type names no mesh axis for its head dim (no mesh, or
+    automatic axes, whose shardings are not part of the type).
+    """
+    sharding = jax.typeof(buffer).sharding
+    head_dim_axis = buffer.ndim - 2
+    if not isinstance(sharding, NamedSharding) or len(sharding.spec) <= head_dim_axis:
+        return q
+    head_axis = sharding.spec[head_dim_axis]
+    if head_axis is None:
+        return q
+    spec = PartitionSpec(*([None] * (q.ndim - 2)), head_axis, None)
+    return jax.sharding.reshard(q, NamedSharding(sharding.mesh, spec))
+
+
 def write_kv(
     cache: KVCache,
     layer: str,
@@ -164,9 +186,12 @@ def write_kv(
     if k.shape != v.shape:
         raise KVShapeError(f"k {k.shape} and v {v.shape} must have the same shape")
     k, v = (_pad_head_dim(name, x, buffer.shape[-1]) for name, x in (("k", k), ("v", v)))
-    if get_implementation(impl) == "pallas_tpu":
+    name = get_implementation(impl)
+    if name == "pallas_tpu":
         kernel, interpret = _tpu_kernel("write_kv")
         new = kernel(buffer, k, v, slot_mapping, layer_index=layer_index, interpret=interpret)
+    elif name == "xla_gpu":
+        new = xla.write_kv(buffer, k, v, slot_mapping, layer_index=layer_index)
     else:
         new = reference.write_kv(buffer, k, v, slot_mapping, layer_index=layer_index)
     return cache.with_layer_buffer(layer, new)
@@ -196,7 +221,7 @@ def paged_attention(
     """
     buffer, layer_index = cache.layer_buffer(layer)
     padded = _pad_head_dim("q", q, buffer.shape[-1])
-    args = (padded, buffer, kv_lens, block_tables, cu_q_lens, num_seqs)
+    args = (_shard_heads_like(padded, buffer), buffer, kv_lens, block_tables, cu_q_lens, num_seqs)
     kwargs = {"layer_index": layer_index, "sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
     name = get_implementation(impl)
     if name == "pallas_tpu":
@@ -215,9 +240,12 @@ def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, *, impl: str | N
     Contract (the kernels copy concurrently): real ``dst`` ids are distinct and none is
     also the ``src`` of another pair. Ids are trusted, not checked on device.
     """
-    if get_implementation(impl) == "pallas_tpu":
+    name = get_implementation(impl)
+    if name == "pallas_tpu":
         kernel, interpret = _tpu_kernel("copy_blocks")
         return cache.replace(kernel(cache.buffers, src, dst, interpret=interpret))
+    if name == "xla_gpu":
+        return cache.replace(xla.copy_blocks(cache.buffers, src, dst))
     return cache.replace(reference.copy_blocks(cache.buffers, src, dst))
 
 

@@ -527,3 +527,23 @@ def plan_kv_cache(
         max_num_batched_tokens=max_num_batched_tokens,
         head_dim_multiple=head_dim_multiple,
     )
+
+
+def exact_concurrency_bound(layer_specs: Mapping[str, KVCacheSpec], memory_bytes: int, max_model_len: int) -> int:
+    """How many max_model_len requests the exact bytes allow: no pages, blocks or padding.
+
+    floor(memory_bytes / (attention bytes per token x max_model_len + one live state)),
+    where the attention bytes per token sum every non-Mamba layer's ``bytes_per_token``
+    and the live state sums every Mamba layer's ``state_bytes``. It is the yardstick
+    the planner's concurrency is measured against (issue 9's target: >= 98% of it).
+    """
+    if not isinstance(layer_specs, Mapping) or not layer_specs:
+        raise PlanError(f"layer_specs must be a non-empty mapping, got {layer_specs!r}")
+    _positive_int("memory_bytes", memory_bytes)
+    _positive_int("max_model_len", max_model_len)
+    for name, spec in layer_specs.items():
+        if not isinstance(spec, KVCacheSpec):
+            raise PlanError(f"layer {name!r} has no KVCacheSpec: {spec!r}")
+    state = sum(s.state_bytes for s in layer_specs.values() if isinstance(s, MambaSpec))
+    per_token = sum(s.bytes_per_token for s in layer_specs.values() if not isinstance(s, MambaSpec))
+    return memory_bytes // (per_token * max_model_len + state)

@@ -14,9 +14,18 @@ caching and one without (the baseline); every number is reported with its ratio.
 Each phase first runs untimed on a different prefix with the same lengths, so every
 step shape is compiled before timing (the compilations of the timed runs are printed
 and must be 0). On CPU the numbers are ratios of a tiny model's compute, not absolute
-speeds.
+speeds; ``--model llama-1b`` (~1.1e9 bf16 parameters) is sized for a GPU.
+
+Then both engines serve the timed batch once more, untimed, returning logits, and the
+cached run is checked against the uncached one (:mod:`jaxkv.serving.logit_check`):
+float32 tokens must be identical; in bfloat16 the logits must agree within
+``--logit_tolerance`` x max |logit| up to each request's first token divergence. A
+failed check exits with status 1.
 
     python scripts/bench_serve.py --out bench_serve.json
+    python scripts/bench_serve.py --profile_dir /tmp/trace   # the timed batch, for TensorBoard/Perfetto
+    python scripts/bench_serve.py --model llama-1b --prompt_len 4096 --max_model_len 4352 \
+        --max_num_batched_tokens 4096 --memory 8GiB --out llama_1b.json     # on a GPU
 
 Bad input (a flag out of range or unreadable, a ``--memory`` budget larger than the
 device or too small, prompts that do not fit ``--max_model_len``) prints one line
@@ -25,6 +34,7 @@ device or too small, prompts that do not fit ``--max_model_len``) prints one lin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -39,13 +49,21 @@ from jaxkv.metadata import Buckets
 from jaxkv.plan import check_fits_device, exit_error, flags_parser, parse_size
 from jaxkv.planner import LAYOUTS, plan_kv_cache
 from jaxkv.serving.engine import Engine, GenerationResult
-from jaxkv.serving.models import MODEL_CONFIGS, TinyLM, get_model_config
+from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, LogitCheck, compare_outputs
+from jaxkv.serving.models import DTYPES, TinyLM, get_model_config, model_names
 from jaxkv.serving.workloads import shared_prefix_prompts
 from jaxkv.specs import cdiv
 
 PROG = "bench_serve.py"
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "tiny-hybrid", list(MODEL_CONFIGS), "model architecture")
+flags.DEFINE_enum("model", "tiny-hybrid", list(model_names()), "model architecture (llama-1b: for a GPU)")
+flags.DEFINE_enum("dtype", "auto", ["auto", *DTYPES], "weights, activations and KV cache (auto: the model's own)")
+flags.DEFINE_float(
+    "logit_tolerance",
+    DEFAULT_TOLERANCE,
+    "below float32: max |dlogit| <= this x max |logit| up to the first token divergence",
+    lower_bound=0,
+)
 flags.DEFINE_integer("prompt_len", 1024, "tokens per prompt", lower_bound=2)
 flags.DEFINE_float(
     "shared",
@@ -65,7 +83,11 @@ flags.DEFINE_integer("max_num_batched_tokens", 1024, "token budget of one step",
 flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.ops implementation")
 flags.DEFINE_integer("seed", 0, "weights and prompts seed", lower_bound=0)
 flags.DEFINE_string("out", None, "write the results as JSON here")
+flags.DEFINE_string("profile_dir", None, "write a jax.profiler trace of the timed batch phase here")
 flags.register_validator("shared", lambda v: 0 <= v <= 1, message="--shared must be a fraction in [0, 1]")  # NaN too
+flags.register_validator(
+    "logit_tolerance", lambda v: 0 < v < float("inf"), message="--logit_tolerance must be a finite number > 0"
+)
 
 
 def prompts(count: int, seed: int, vocab_size: int) -> list[list[int]]:
@@ -101,7 +123,9 @@ def measure(engines: dict[str, Engine], vocab_size: int) -> dict[str, dict]:
     batches = {}
     for seed in (2, 3):  # 2: warm-up, 3: timed
         batch = prompts(FLAGS.num_requests, seed, vocab_size)
-        batches = {name: run(engine, batch) for name, engine in engines.items()}
+        profiled = FLAGS.profile_dir is not None and seed == 3
+        with jax.profiler.trace(FLAGS.profile_dir) if profiled else contextlib.nullcontext():
+            batches = {name: run(engine, batch) for name, engine in engines.items()}
     return {
         name: {
             "single_ttft_s": statistics.median(r.outputs[0].ttft_s for r in runs[name]),
@@ -115,6 +139,19 @@ def measure(engines: dict[str, Engine], vocab_size: int) -> dict[str, dict]:
         }
         for name in engines
     }
+
+
+def token_check(engines: dict[str, Engine], vocab_size: int, dtype: str) -> LogitCheck:
+    """Both engines serve the timed batch once more (untimed), bringing back logits: the
+    cached run against the uncached one (:mod:`jaxkv.serving.logit_check`)."""
+    batch = prompts(FLAGS.num_requests, 3, vocab_size)
+    runs = {name: engine.generate(batch, FLAGS.max_new_tokens, return_logits=True) for name, engine in engines.items()}
+    return compare_outputs(
+        runs["no prefix caching"].outputs,
+        runs["prefix caching"].outputs,
+        dtype=dtype,
+        tolerance=FLAGS.logit_tolerance,
+    )
 
 
 ROWS = (
@@ -154,7 +191,8 @@ def main(argv: Sequence[str]) -> None:
     try:
         memory = parse_size(FLAGS.memory)
         check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
-        model = TinyLM(get_model_config(FLAGS.model), seed=FLAGS.seed)
+        dtype = None if FLAGS.dtype == "auto" else FLAGS.dtype
+        model = TinyLM(get_model_config(FLAGS.model, dtype=dtype), seed=FLAGS.seed)
         config = plan_kv_cache(
             model.config.layer_specs(),
             memory,
@@ -170,8 +208,8 @@ def main(argv: Sequence[str]) -> None:
     ladder = Buckets.powers_of_two(FLAGS.max_num_batched_tokens, FLAGS.max_num_seqs, max_blocks)
     buckets = Buckets(ladder.tokens, (FLAGS.max_num_seqs,), (max_blocks,))
     print(
-        f"{FLAGS.model}, {FLAGS.layout}, {FLAGS.impl} ops on {jax.default_backend()}: prompts of "
-        f"{FLAGS.prompt_len} tokens, {FLAGS.shared:.0%} shared; {config.num_blocks:,} blocks"
+        f"{FLAGS.model} ({model.config.dtype}), {FLAGS.layout}, {FLAGS.impl} ops on {jax.default_backend()}: "
+        f"prompts of {FLAGS.prompt_len} tokens, {FLAGS.shared:.0%} shared; {config.num_blocks:,} blocks"
     )
     try:
         with ops.set_implementation(FLAGS.impl):
@@ -184,12 +222,12 @@ def main(argv: Sequence[str]) -> None:
                 ),
             }
             results = measure(engines, model.config.vocab_size)
+            check = token_check(engines, model.config.vocab_size, model.config.dtype)
     except JaxkvError as err:
         exit_error(PROG, err)
     text, ratios = table(results)
     print(text)
-    same = results["prefix caching"]["outputs"] == results["no prefix caching"]["outputs"]
-    print(f"identical tokens with and without prefix caching: {'yes' if same else 'NO'}")
+    print(f"with vs without prefix caching: {check.summary()}")
     if FLAGS.out:
         flag_values = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
         report = {
@@ -197,7 +235,7 @@ def main(argv: Sequence[str]) -> None:
             "device": jax.default_backend(),
             "results": results,
             "ratios": ratios,
-            "identical_tokens": same,
+            "token_check": check.to_dict(),
         }
         try:
             with open(FLAGS.out, "w") as f:
@@ -205,8 +243,8 @@ def main(argv: Sequence[str]) -> None:
         except OSError as err:
             exit_error(PROG, err)
         print(f"wrote {FLAGS.out}")
-    if not same:
-        exit_error(PROG, "prefix caching changed the generated tokens", status=1)
+    if not check.passed:
+        exit_error(PROG, f"prefix caching changed the model's output beyond the check: {check.summary()}", status=1)
 
 
 if __name__ == "__main__":

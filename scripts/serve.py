@@ -12,6 +12,9 @@ KV usage, and (by default) checks the tokens against the dense, unpaged forward.
     python scripts/serve.py --memory 1MiB --max_new_tokens 64      # preemptions
     python scripts/serve.py --noprefix_caching --out /tmp/serve.json
     python scripts/serve.py --head_dim_multiple 128                # the TPU cache layout anywhere
+    python scripts/serve.py --verify_uncached                      # cached vs uncached check
+    python scripts/serve.py --model llama-1b --memory 4GiB --max_model_len 4096 \
+        --prefix_len 1024 --verify_uncached                        # ~1.1e9 bf16 parameters: a GPU
 
 Paged attention runs with jaxkv.ops' XLA formulation by default (``--impl xla_gpu``: plain
 XLA, fast on CPU as well); ``--impl reference`` uses the jnp oracle.
@@ -19,7 +22,9 @@ XLA, fast on CPU as well); ``--impl reference`` uses the jnp oracle.
 Bad input prints one line ``serve.py: error: ...`` on stderr and exits with status 2:
 a flag value out of range or unreadable, a ``--memory`` budget larger than the device
 (``memory_stats()["bytes_limit"]``, or physical RAM on CPU) or too small for one
-request. Tokens that differ from the dense reference exit with status 1.
+request. Tokens that differ from the dense reference (checked for float32 models: in
+bfloat16 a near tie may flip a token) or a failed ``--verify_uncached`` check exit with
+status 1.
 """
 
 from __future__ import annotations
@@ -42,17 +47,20 @@ from jaxkv.serving.engine import (
     StepProgress,
     resolve_head_dim_multiple,
 )
+from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs
 from jaxkv.serving.models import (
-    MODEL_CONFIGS,
+    DTYPES,
     TinyLM,
     dense_greedy_generate,
     get_model_config,
+    model_names,
 )
 from jaxkv.serving.workloads import shared_prefix_prompts
 
 PROG = "serve.py"
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "tiny-hybrid", list(MODEL_CONFIGS), "model architecture")
+flags.DEFINE_enum("model", "tiny-hybrid", list(model_names()), "model architecture (llama-1b: for a GPU)")
+flags.DEFINE_enum("dtype", "auto", ["auto", *DTYPES], "weights, activations and KV cache (auto: the model's own)")
 flags.DEFINE_integer("seed", 0, "weights and prompts seed", lower_bound=0)
 flags.DEFINE_integer("num_requests", 16, "requests in the batch", lower_bound=1)
 flags.DEFINE_integer("num_prefixes", 2, "distinct shared prefixes (system prompts)", lower_bound=1)
@@ -74,9 +82,26 @@ flags.DEFINE_integer(
 flags.DEFINE_boolean("prefix_caching", True, "reuse cached prefix blocks (--noprefix_caching: off)")
 flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.ops implementation")
 flags.DEFINE_integer("progress_every", 10, "print a progress line every N steps", lower_bound=1)
-flags.DEFINE_boolean("verify", True, "check the tokens against the dense (unpaged) forward")
+flags.DEFINE_boolean(
+    "verify", True, "check the tokens against the dense (unpaged) forward (float32 models: bf16 ties may flip)"
+)
+flags.DEFINE_boolean(
+    "verify_uncached",
+    False,
+    "serve the batch again without prefix caching (a second KV cache of --memory) and check the two runs "
+    "(jaxkv.serving.logit_check)",
+)
+flags.DEFINE_float(
+    "logit_tolerance",
+    DEFAULT_TOLERANCE,
+    "--verify_uncached below float32: max |dlogit| <= this x max |logit| up to the first token divergence",
+    lower_bound=0,
+)
 flags.DEFINE_string("out", None, "write the result as JSON to this path")
 flags.register_validator("suffix_len", is_int_range, message="--suffix_len must be lo,hi with 1 <= lo <= hi")
+flags.register_validator(
+    "logit_tolerance", lambda v: 0 < v < float("inf"), message="--logit_tolerance must be a finite number > 0"
+)
 
 
 def _suffix_range() -> tuple[int, int]:
@@ -129,7 +154,7 @@ def serve() -> dict:
     _check_prompts_fit()
     memory = parse_size(FLAGS.memory)
     check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
-    model_config = get_model_config(FLAGS.model)
+    model_config = get_model_config(FLAGS.model, dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype)
     config = plan_kv_cache(
         model_config.layer_specs(),
         memory,
@@ -139,7 +164,8 @@ def serve() -> dict:
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         head_dim_multiple=resolve_head_dim_multiple(FLAGS.head_dim_multiple),
     )
-    print(f"{FLAGS.model}, {FLAGS.memory}, {ops.get_implementation()} ops, JAX on {jax.default_backend()}:")
+    backend = jax.default_backend()
+    print(f"{FLAGS.model} ({model_config.dtype}), {FLAGS.memory}, {ops.get_implementation()} ops, JAX on {backend}:")
     print(config.summary())
     model = TinyLM(model_config, seed=FLAGS.seed)
     engine = Engine(model, config, enable_caching=FLAGS.prefix_caching, max_num_seqs=FLAGS.max_num_seqs)
@@ -151,10 +177,12 @@ def serve() -> dict:
         vocab_size=model.config.vocab_size,
         seed=FLAGS.seed,
     )
-    warm = engine.generate([[0] * max(1, min(16, FLAGS.max_model_len - 2))], 2)
+    warm = engine.generate([[0] * max(1, min(16, FLAGS.max_model_len - 2))], 2, return_logits=FLAGS.verify_uncached)
     print(f"warm-up: {warm.num_compilations} step shapes compiled in {warm.wall_s:.2f} s")
     print(f"serving {len(prompts)} requests ({FLAGS.num_prefixes} shared prefixes of {FLAGS.prefix_len} tokens)")
-    result = engine.generate(prompts, FLAGS.max_new_tokens, progress=_print_progress)
+    result = engine.generate(
+        prompts, FLAGS.max_new_tokens, progress=_print_progress, return_logits=FLAGS.verify_uncached
+    )
     for out in result.outputs:
         print(
             f"{out.request_id:>7}  prompt {len(out.prompt_token_ids):4d}  cached {out.num_cached_tokens:4d}  "
@@ -166,7 +194,17 @@ def serve() -> dict:
         "plan": {"num_blocks": config.num_blocks, "block_bytes": config.pages.block_bytes},
         "result": result.to_dict(),
     }
-    if FLAGS.verify:
+    if FLAGS.verify_uncached:
+        uncached = Engine(model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs)
+        baseline = uncached.generate(prompts, FLAGS.max_new_tokens, return_logits=True)
+        check = compare_outputs(
+            baseline.outputs, result.outputs, dtype=model_config.dtype, tolerance=FLAGS.logit_tolerance
+        )
+        print(f"against a run without prefix caching: {check.summary()}")
+        report["uncached_check"] = check.to_dict()
+    if FLAGS.verify and model_config.dtype not in EXACT_DTYPES:
+        print(f"dense check skipped: {model_config.dtype} tokens may flip at near ties; use --verify_uncached")
+    elif FLAGS.verify:
         dense = dense_greedy_generate(model, prompts, FLAGS.max_new_tokens)
         same = dense == [list(o.output_token_ids) for o in result.outputs]
         print(f"tokens identical to the dense (unpaged) forward: {'yes' if same else 'NO'}")
@@ -190,6 +228,8 @@ def main(argv: Sequence[str]) -> None:
         exit_error(PROG, err)
     if report.get("matches_dense") is False:
         exit_error(PROG, "the engine's tokens differ from the dense reference", status=1)
+    if report.get("uncached_check", {}).get("passed") is False:
+        exit_error(PROG, f"prefix caching failed the check: {report['uncached_check']['summary']}", status=1)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def random_cache(rng, layout: str):
     return cache.replace(tuple(jnp.asarray(rng.standard_normal(b.shape), b.dtype) for b in cache.buffers))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU backend's default implementation")
 def test_auto_picks_the_reference_on_cpu():
     assert jax.default_backend() == "cpu"
     assert ops.get_implementation() == "reference"

@@ -21,6 +21,7 @@ from jaxkv.planner import (
     PlanError,
     StatePool,
     choose_layers_per_group,
+    exact_concurrency_bound,
     pad_head_size,
     plan_kv_cache,
 )
@@ -513,3 +514,24 @@ def test_a_state_pool_needs_recurrent_groups_at_the_hash_block_size():
     )
     assert config.state_group_ids == (1,)
     assert KVCacheConfig(num_blocks=8, groups=(attention, KVCacheGroup(("m",), state, 16))).state_group_ids == ()
+
+
+def test_exact_concurrency_bound_of_an_attention_only_model_is_bytes_over_request_bytes():
+    specs = get_preset("llama-3.1-8b")
+    per_token = sum(s.bytes_per_token for s in specs.values())
+    assert exact_concurrency_bound(specs, 16 * GiB, 32768) == 16 * GiB // (per_token * 32768)
+
+
+def test_exact_concurrency_bound_adds_one_live_state_per_request():
+    specs = get_preset("nemotron-h-8b")
+    per_token = sum(s.bytes_per_token for s in specs.values() if not isinstance(s, MambaSpec))
+    state = sum(s.state_bytes for s in specs.values() if isinstance(s, MambaSpec))
+    bound = exact_concurrency_bound(specs, 16 * GiB, 32768)
+    assert bound == 16 * GiB // (per_token * 32768 + state)
+    assert plan_kv_cache(specs, 16 * GiB, max_model_len=32768).max_concurrency <= bound
+
+
+@pytest.mark.parametrize("memory_bytes, max_model_len", [(0, 16), (1024, 0), (1024, True)])
+def test_exact_concurrency_bound_refuses_bad_sizes(memory_bytes, max_model_len):
+    with pytest.raises(PlanError):
+        exact_concurrency_bound(get_preset("llama-3.1-8b"), memory_bytes, max_model_len)

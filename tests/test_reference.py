@@ -57,7 +57,8 @@ def jax_oracle(q, kv, batch, **kw) -> np.ndarray:
     lens = {k: np.asarray(batch[k]) for k in ("kv_lens", "cu_q_lens", "num_seqs")}
 
     def run(q, kv, tables):
-        return ref_ragged_paged_attention(q, kv, lens["kv_lens"], tables, lens["cu_q_lens"], lens["num_seqs"], **kw)
+        with jax.default_matmul_precision("highest"):  # GPUs default fp32 matmuls to TF32
+            return ref_ragged_paged_attention(q, kv, lens["kv_lens"], tables, lens["cu_q_lens"], lens["num_seqs"], **kw)
 
     tables = batch["block_tables"]
     # The oracle unrolls its loop over sequences; compiling it unoptimised halves the time.

@@ -19,6 +19,7 @@ from jaxkv.serving.models import (
     dense_greedy_generate,
     get_model_config,
     layer_groups,
+    model_names,
 )
 from jaxkv.specs import FullAttentionSpec
 
@@ -56,6 +57,7 @@ def test_layer_groups_follow_the_plan():
         ({"windows": (8, 0)}, "windows must be"),
         ({"activation": "relu"}, "unknown activation 'relu'"),
         ({"vocab_size": 0}, "vocab_size must be a positive int, got 0"),
+        ({"dtype": "float64"}, "unknown dtype 'float64'"),
     ],
 )
 def test_bad_configs_name_the_value(change, match):
@@ -64,6 +66,17 @@ def test_bad_configs_name_the_value(change, match):
         ModelConfig(**{**base, **change})
     with pytest.raises(ModelConfigError, match="unknown model 'gpt-5'"):
         get_model_config("gpt-5")
+
+
+def test_llama_1b_is_a_gpu_model_of_1_1e9_bf16_parameters():
+    """Shapes only (jax.eval_shape): the model is never built on a CPU."""
+    config = get_model_config("llama-1b")
+    assert "llama-1b" in model_names() and "llama-1b" not in MODEL_CONFIGS  # CPU runs iterate MODEL_CONFIGS
+    model = nnx.eval_shape(lambda: TinyLM(config, seed=0))
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert {p.dtype for p in params} == {jnp.dtype("bfloat16")}
+    assert sum(p.size for p in params) == 1_104_218_112  # 2 x 65.5M embeddings + 16 x 60.8M layers
+    assert get_model_config("llama-1b", dtype="float32").dtype == "float32"
 
 
 @nnx.jit

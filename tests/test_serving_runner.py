@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -57,6 +58,7 @@ def test_each_bucket_shape_compiles_once_and_runners_share_them(model):
     assert twin.num_compilations == 0
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="asserts the CPU backend's memory_analysis figures")
 @pytest.mark.parametrize("layout, num_buffers", [("per_layer", 4), ("cross_layer", 1)])
 def test_the_cache_is_donated_and_updated_in_place(layout, num_buffers):
     """The step aliases every cache buffer to its output and allocates no cache-sized temp."""

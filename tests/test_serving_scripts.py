@@ -47,6 +47,7 @@ def test_serve_prints_tokens_throughput_hits_and_usage_and_matches_dense(tmp_pat
         "--max_num_batched_tokens=64",
         "--progress_every=2",
         "--head_dim_multiple=128",
+        "--verify_uncached",
         f"--out={out}",
     )
     assert result.returncode == 0, result.stderr
@@ -60,8 +61,10 @@ def test_serve_prints_tokens_throughput_hits_and_usage_and_matches_dense(tmp_pat
         "prefix hit rate",
         "KV usage",
         "tokens identical to the dense (unpaged) forward: yes",
+        "against a run without prefix caching: PASS: float32 must give identical tokens: tokens identical (25)",
     ):
         assert text in result.stdout
+    assert json.loads(out.read_text())["uncached_check"]["passed"]
     report = json.loads(out.read_text())["result"]
     assert len(report["outputs"]) == 5 and all(len(o["output_token_ids"]) == 5 for o in report["outputs"])
     assert report["prefix_hit_rate"] > 0.3 and report["num_compilations"] == 0
@@ -79,12 +82,15 @@ def test_bench_serve_reports_ratios_in_one_run(tmp_path):
         "--max_model_len=128",
         "--max_num_batched_tokens=128",
         "--memory=4MiB",
+        f"--profile_dir={tmp_path / 'trace'}",
         f"--out={out}",
     )
     assert result.returncode == 0, result.stderr
     assert "| TTFT, one shared-prefix request (ms) |" in result.stdout
+    assert list((tmp_path / "trace").rglob("*.xplane.pb")), "no profiler trace of the timed batch"
     report = json.loads(out.read_text())
-    assert report["identical_tokens"]
+    assert "with vs without prefix caching: PASS: float32 must give identical tokens" in result.stdout
+    assert report["token_check"]["passed"] and report["token_check"]["identical_tokens"]
     assert report["results"]["prefix caching"]["batch_prefix_hit_rate"] > 0.5
     assert report["ratios"]["batch_tokens_computed"] > 1.5
     assert all(r["timed_compilations"] == 0 for r in report["results"].values())
@@ -114,6 +120,12 @@ BAD_INPUT = {
         "--prompt_len=1024 + --max_new_tokens=16 exceeds --max_model_len=100",
     ),
     "bench: NaN shared fraction": ("bench_serve.py", ["--shared=nan"], "--shared must be a fraction in [0, 1]"),
+    "bench: zero logit tolerance": (
+        "bench_serve.py",
+        ["--logit_tolerance=0"],
+        "--logit_tolerance must be a finite number > 0",
+    ),
+    "serve: unknown dtype": ("serve.py", ["--dtype=float16"], "flag --dtype=float16: value should be one of"),
 }
 
 

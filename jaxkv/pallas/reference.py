@@ -251,15 +251,22 @@ def check_block_buffers(buffers: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     )
 
 
+def check_copy_blocks_args(buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
+    """The buffers (see :func:`check_block_buffers`) once ``src`` and ``dst`` are equal 1-D
+    shapes; shared by the reference and the XLA copy."""
+    buffers = check_block_buffers(buffers)
+    if src.shape != dst.shape or src.ndim != 1:
+        raise KVShapeError(f"src {src.shape} and dst {dst.shape} must be equal 1-D shapes")
+    return buffers
+
+
 def copy_blocks(buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
     """Copy whole blocks (every layer's page): block ``dst[i]`` := block ``src[i]``.
 
     All sources are read before any write. Pad with ``src = dst = 0`` (null onto
     itself); distinct real ``dst`` ids are the caller's contract.
     """
-    buffers = check_block_buffers(buffers)
-    if src.shape != dst.shape or src.ndim != 1:
-        raise KVShapeError(f"src {src.shape} and dst {dst.shape} must be equal 1-D shapes")
+    buffers = check_copy_blocks_args(buffers, src, dst)
     return tuple(b.at[dst].set(b[src]) for b in buffers)
 
 

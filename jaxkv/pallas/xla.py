@@ -1,15 +1,24 @@
-"""Paged attention in plain XLA, built for GPUs: the ``xla_gpu`` implementation of :mod:`jaxkv.ops`.
+"""The device ops in plain XLA, built for GPUs: the ``xla_gpu`` implementation of :mod:`jaxkv.ops`.
 
-An online softmax over chunks of each sequence's pages, bounded by the batch's real kv
-lengths (the same contract as :func:`jaxkv.pallas.reference.paged_attention`). Writes,
-copies, gathers and scatters need no XLA formulation of their own: they are single
-XLA scatters/gathers already, so ``xla_gpu`` uses the reference ops for them.
+- :func:`paged_attention`: an online softmax over chunks of each sequence's pages,
+  bounded by the batch's real kv lengths (the contract of
+  :func:`jaxkv.pallas.reference.paged_attention`);
+- :func:`write_kv` and :func:`copy_blocks`: the reference's scatters, told what the
+  metadata guarantees (every index in bounds, real indices distinct) so XLA drops the
+  bounds checks and the serialisation a scatter with possibly repeated indices needs
+  (on a GPU: atomics or sorting). Padding repeats only indices into the null block 0,
+  the sink whose content is never read (attention selects by length, never by a
+  page's value), so the order of those racing writes does not matter.
+
+Gathers and scatters of whole blocks (offload staging) stay the reference ops.
 
 Inputs are trusted: block ids and lengths are checked on the host, where
 :func:`jaxkv.metadata.build_step_metadata` builds them, never here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -127,3 +136,41 @@ def paged_attention(
     _, denom, acc = jax.lax.fori_loop(first, last, step, init)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def write_kv(
+    kv_buffer: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    layer_index: int | None = None,
+) -> jax.Array:
+    """:func:`jaxkv.pallas.reference.write_kv` as one scatter of whole token rows ``(2H, D)``.
+
+    The buffer is viewed as rows (a free reshape of either layout); real slots are
+    distinct and padding slots lie in the null block, so the scatter is declared
+    in-bounds with unique indices. Donate ``kv_buffer`` to write in place.
+    """
+    reference.check_write_kv_args(kv_buffer, k, v, slot_mapping, layer_index=layer_index)
+    block_size, num_kv_heads, head_dim = reference.page_dims(kv_buffer)
+    rows = kv_buffer.reshape(-1, 2 * num_kv_heads, head_dim)
+    row = slot_mapping
+    if layer_index is not None:  # (N, L, bs): block b's layer l starts at row (b * L + l) * bs
+        block, offset = slot_mapping // block_size, slot_mapping % block_size
+        row = (block * kv_buffer.shape[1] + layer_index) * block_size + offset
+    new = rows.at[row].set(
+        reference.interleave_kv(k, v, kv_buffer.dtype), mode="promise_in_bounds", unique_indices=True
+    )
+    return new.reshape(kv_buffer.shape)
+
+
+def copy_blocks(buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
+    """:func:`jaxkv.pallas.reference.copy_blocks` as one gather and one scatter of whole
+    blocks per buffer, declared in-bounds with unique indices (real ``dst`` ids are
+    distinct by contract; padding pairs copy the null block onto itself)."""
+    buffers = reference.check_copy_blocks_args(buffers, src, dst)
+    return tuple(
+        b.at[dst].set(b.at[src].get(mode="promise_in_bounds"), mode="promise_in_bounds", unique_indices=True)
+        for b in buffers
+    )

@@ -62,6 +62,9 @@ class RequestOutput:
     num_preemptions: int
     ttft_s: float
     finish_s: float
+    logits: np.ndarray | None = None
+    """``(len(output_token_ids), vocab)`` float32: the logits each output token was
+    sampled from, when ``generate(..., return_logits=True)``; else None."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ class GenerationResult:
             output_tokens_per_s=self.output_tokens_per_s,
             scheduled_tokens_per_s=self.scheduled_tokens_per_s,
             mean_ttft_s=self.mean_ttft_s,
-            outputs=[dataclasses.asdict(o) for o in self.outputs],
+            outputs=[{k: v for k, v in dataclasses.asdict(o).items() if k != "logits"} for o in self.outputs],
         )
         return out
 
@@ -213,6 +216,7 @@ class Engine:
         *,
         cache_salt: str | Sequence[str | None] | None = None,
         progress: Callable[[StepProgress], None] | None = None,
+        return_logits: bool = False,
     ) -> GenerationResult:
         """Greedy continuations of ``prompts`` (``max_new_tokens`` each, or one limit per prompt).
 
@@ -220,7 +224,9 @@ class Engine:
         prompts with different salts never share a cached block (see README on the
         hash algorithm). A request also stops at ``max_model_len`` tokens. Bad input
         raises :class:`EngineError` before anything runs; an exception during the run
-        leaves nothing held and the prefix cache exact.
+        leaves nothing held and the prefix cache exact. ``return_logits`` also brings
+        back the logits of every sampled token (:attr:`RequestOutput.logits`; a step
+        compiled apart, for token checks such as :mod:`jaxkv.serving.logit_check`).
         """
         self._owner.check()
         prompts, limits, salts = self._check(prompts, max_new_tokens, cache_salt)
@@ -238,6 +244,7 @@ class Engine:
         ttft: dict[str, float] = {}
         finish: dict[str, float] = {}
         usages: list[float] = []
+        logits: dict[str, list[np.ndarray]] | None = {s.request_id: [] for s in seqs} if return_logits else None
         start = time.perf_counter()
         try:
             while scheduler.has_unfinished:
@@ -246,7 +253,13 @@ class Engine:
                     usages.append(self.manager.usage)
                     if self.connector is not None:
                         self.connector.before_step()  # reads reused blocks before the step writes them
-                    tokens = self.runner.execute(output.chunks)
+                    if logits is None:
+                        tokens = self.runner.execute(output.chunks)
+                    else:
+                        tokens, rows = self.runner.execute_with_logits(output.chunks)
+                        for chunk, row in zip(output.chunks, rows):
+                            if chunk.samples:
+                                logits[chunk.seq.request_id].append(row)
                     if self.connector is not None:
                         self.connector.after_step(output.chunks)
                 done = scheduler.update(output, tokens.tolist())
@@ -272,7 +285,7 @@ class Engine:
         finally:
             self._release(seqs)
         return GenerationResult(
-            outputs=tuple(self._output(s, ttft, finish) for s in seqs),
+            outputs=tuple(self._output(s, ttft, finish, logits) for s in seqs),
             wall_s=time.perf_counter() - start,
             num_steps=len(usages),
             num_prompt_tokens=sum(s.request.num_prompt_tokens for s in seqs),
@@ -365,7 +378,12 @@ class Engine:
         return list(value)
 
     @staticmethod
-    def _output(seq: SeqState, ttft: dict[str, float], finish: dict[str, float]) -> RequestOutput:
+    def _output(
+        seq: SeqState,
+        ttft: dict[str, float],
+        finish: dict[str, float],
+        logits: dict[str, list[np.ndarray]] | None,
+    ) -> RequestOutput:
         req = seq.request
         return RequestOutput(
             request_id=req.request_id,
@@ -375,4 +393,5 @@ class Engine:
             num_preemptions=seq.num_preemptions,
             ttft_s=ttft[req.request_id],
             finish_s=finish[req.request_id],
+            logits=None if logits is None else np.stack(logits[req.request_id]),
         )

@@ -23,6 +23,7 @@ Layer ``i`` is named ``layers.<i>``, as in :mod:`jaxkv.presets`, so
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from jaxkv.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
+DTYPES = ("float32", "bfloat16")
 
 
 class ModelConfigError(JaxkvError, ValueError):
@@ -82,6 +84,8 @@ class ModelConfig:
             raise ModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not self.windows or any(w is not None and (not isinstance(w, int) or w <= 0) for w in self.windows):
             raise ModelConfigError(f"windows must be a non-empty tuple of ints > 0 or None, got {self.windows!r}")
+        if self.dtype not in DTYPES:
+            raise ModelConfigError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
         if self.activation not in ACTIVATIONS:
             raise ModelConfigError(f"unknown activation {self.activation!r}; valid: {', '.join(ACTIVATIONS)}")
 
@@ -133,12 +137,38 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
 }
 
 
-def get_model_config(name: str) -> ModelConfig:
-    """The config of a named tiny model (see :data:`MODEL_CONFIGS`)."""
+GPU_MODEL_CONFIGS: dict[str, ModelConfig] = {
+    "llama-1b": ModelConfig(
+        vocab_size=32_000,
+        hidden_size=2048,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        mlp_dim=8192,
+        windows=(None,) * 16,
+        rope_theta=500_000.0,
+        dtype="bfloat16",
+    ),
+}
+"""Benchmark models sized for an accelerator (``llama-1b``: ~1.1e9 parameters, Llama-3.2-1B
+shaped), so a step measures compute, not launch overhead. Kept apart from
+:data:`MODEL_CONFIGS` (every model there serves on a CPU in seconds, and CPU runs such
+as the soak iterate over it); :func:`get_model_config` finds both."""
+
+
+def model_names() -> tuple[str, ...]:
+    """Every named model: the tiny ones, then the GPU-sized ones."""
+    return (*MODEL_CONFIGS, *GPU_MODEL_CONFIGS)
+
+
+def get_model_config(name: str, *, dtype: str | None = None) -> ModelConfig:
+    """The config of a named model (see :data:`MODEL_CONFIGS`, :data:`GPU_MODEL_CONFIGS`);
+    ``dtype`` overrides its weights', activations' and cache's dtype."""
     try:
-        return MODEL_CONFIGS[name]
+        config = {**MODEL_CONFIGS, **GPU_MODEL_CONFIGS}[name]
     except (KeyError, TypeError):
-        raise ModelConfigError(f"unknown model {name!r}; valid models: {', '.join(MODEL_CONFIGS)}") from None
+        raise ModelConfigError(f"unknown model {name!r}; valid models: {', '.join(model_names())}") from None
+    return config if dtype is None else dataclasses.replace(config, dtype=dtype)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -156,8 +186,17 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
+def _matmul_precision(dtype: str) -> jax.lax.Precision | None:
+    """Full precision for float32 models (GPUs default fp32 matmuls to TF32, which
+    breaks the fp32 promise: identical tokens with and without the cache), the
+    backend's default for narrower dtypes."""
+    return _HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _linear(din: int, dout: int, dtype: str, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    return nnx.Linear(
+        din, dout, use_bias=False, dtype=dtype, param_dtype=dtype, precision=_matmul_precision(dtype), rngs=rngs
+    )
 
 
 def _norm(dim: int, dtype: str, rngs: nnx.Rngs) -> nnx.RMSNorm:

@@ -5,7 +5,8 @@ Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.metadata`:
 host-to-device transfer, shapes padded to :class:`~jaxkv.metadata.Buckets`) and calls
 one jitted step function ``(weights, cache, metadata) -> (next_token_ids, cache)`` with
 the cache donated, so its buffers are updated in place. Sampling is greedy (argmax) on
-the device; only ``num_seqs`` int32 tokens come back to the host.
+the device; only ``num_seqs`` int32 tokens come back to the host (and their logits, from
+a step compiled apart, when a token check asks for them).
 
 The step is traced once per bucket combination (and :mod:`jaxkv.ops` implementation,
 read at each step); :attr:`ModelRunner.num_compilations` counts the traces, so tests
@@ -14,7 +15,7 @@ can bound them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +64,22 @@ def _holds(planned: KVCacheSpec, spec: KVCacheSpec) -> bool:
 
 
 _num_step_traces = 0
-"""Traces of :func:`_step` in this process (one per compiled shape), all runners together."""
+"""Traces of the step functions in this process (one per compiled shape), all runners together."""
+
+
+def _step_with_logits(
+    graphdef: nnx.GraphDef,
+    groups: tuple[int, ...],
+    impl: str,
+    weights: nnx.State,
+    cache: KVCache,
+    meta: StepMetadata,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One forward step and greedy sampling: ``(next_token_ids (S,), logits (S, vocab), cache)``."""
+    global _num_step_traces
+    _num_step_traces += 1  # runs once per trace, i.e. per compiled shape
+    logits, cache = nnx.merge(graphdef, weights)(cache, meta, groups, impl=impl)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
 
 
 def _step(
@@ -75,15 +91,16 @@ def _step(
     meta: StepMetadata,
 ) -> tuple[jax.Array, KVCache]:
     """One forward step and greedy sampling: ``(next_token_ids (S,), cache)``."""
-    global _num_step_traces
-    _num_step_traces += 1  # runs once per trace, i.e. per compiled shape
-    logits, cache = nnx.merge(graphdef, weights)(cache, meta, groups, impl=impl)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+    tokens, _, cache = _step_with_logits(graphdef, groups, impl, weights, cache, meta)
+    return tokens, cache
 
 
 _jitted_step = jax.jit(_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
 """Shared by all runners: the same architecture, plan, ops implementation and bucket
 shapes compile once per process (all but the weights, cache and metadata are static)."""
+_jitted_step_with_logits = jax.jit(_step_with_logits, static_argnums=(0, 1, 2), donate_argnums=(4,))
+"""The same step also returning the sampled positions' logits (a separate compilation,
+used only when logits are asked for: token checks, not serving)."""
 
 
 class ModelRunner:
@@ -122,13 +139,23 @@ class ModelRunner:
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray:
         """Run one step; the greedy next token after each chunk's last token, ``(len(chunks),)``."""
+        (tokens,) = self._run(_jitted_step, chunks)
+        return tokens
+
+    def execute_with_logits(self, chunks: Sequence[ScheduledChunk]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`execute`, plus the float32 logits each token was sampled from, ``(len(chunks), vocab)``."""
+        tokens, logits = self._run(_jitted_step_with_logits, chunks)
+        return tokens, logits
+
+    def _run(self, step: Callable, chunks: Sequence[ScheduledChunk]) -> list[np.ndarray]:
+        """Call a jitted step on these chunks (the cache donated); its outputs' rows of the chunks."""
         meta = self.metadata(chunks)
         before = _num_step_traces
-        tokens, self.cache = _jitted_step(
+        *outputs, self.cache = step(
             self.graphdef, self.groups, ops.get_implementation(), self.weights, self.cache, meta
         )
         self.num_compilations += _num_step_traces - before
-        return np.asarray(tokens)[: len(chunks)]
+        return [np.asarray(x)[: len(chunks)] for x in outputs]
 
     def cache_is_intact(self) -> bool:
         """False when a step was interrupted after donating the cache (its buffers are gone)."""
