@@ -10,7 +10,9 @@ Prefix hashes are computed once per request at the smallest block size; a group 
 block is ``k`` times larger uses every ``k``-th hash (a chained hash names the whole
 prefix up to its block's end): :meth:`KVCacheCoordinator.typed_hashes`.
 
-The coordinator owns the :class:`~jaxkv.pool.BlockPool`; the façade
+The coordinator owns the :class:`~jaxkv.pool.BlockPool` (and, with the planner's
+``state_pool`` layout, a second one whose blocks are recurrent state slots: block ids
+of the two pools are separate namespaces); the façade
 (:class:`~jaxkv.manager.KVCacheManager`) talks to it only.
 """
 
@@ -25,7 +27,14 @@ from typing import NamedTuple
 from jaxkv.errors import JaxkvError
 from jaxkv.planner import KVCacheConfig
 from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
-from jaxkv.single_type import NEVER, CacheHit, FullAttentionManager, SingleTypeManager, manager_class_for
+from jaxkv.single_type import (
+    NEVER,
+    CacheHit,
+    FullAttentionManager,
+    SingleTypeManager,
+    StatePoolManager,
+    manager_class_for,
+)
 from jaxkv.specs import KVCacheSpec
 
 RETENTION_RULES = ("vllm", "group_aware")
@@ -67,7 +76,9 @@ class AttentionType:
 
 
 class KVCacheCoordinator:
-    """Runs each operation over every group of a config, sharing one block pool it owns."""
+    """Runs each operation over every group of a config, on the block pool(s) it owns:
+    ``pool`` for attention blocks and ``state_pool`` (None without the state-pool
+    layout) for the recurrent groups' state slots."""
 
     def __init__(self, config: KVCacheConfig, *, enable_events: bool = False, retention: str = "vllm") -> None:
         if retention not in RETENTION_RULES:
@@ -75,10 +86,20 @@ class KVCacheCoordinator:
         self.retention = retention
         groups = config.groups
         self.pool = BlockPool(config.num_blocks, len(groups), enable_events=enable_events)
-        pool = self.pool
+        self.state_pool = (
+            None
+            if config.state_pool is None
+            else BlockPool(config.state_pool.num_states, len(groups), enable_events=enable_events)
+        )
+        self.pools = (self.pool,) if self.state_pool is None else (self.pool, self.state_pool)
+        state_groups = set(config.state_group_ids)
         self.managers: list[SingleTypeManager] = [
-            manager_class_for(g.spec)(pool, i, g.block_size, g.spec) for i, g in enumerate(groups)
+            StatePoolManager(self.state_pool, i, g.block_size, g.spec)
+            if i in state_groups
+            else manager_class_for(g.spec)(self.pool, i, g.block_size, g.spec)
+            for i, g in enumerate(groups)
         ]
+        self._state_managers = [m for m in self.managers if isinstance(m, StatePoolManager)]
         # The config guarantees every block size is a multiple of the smallest.
         self.hash_block_size = config.hash_block_size
         self.lcm_block_size = math.lcm(*(g.block_size for g in groups))
@@ -92,7 +113,7 @@ class KVCacheCoordinator:
         # Full attention first: its hits are prefix-closed, so it bounds the rest early.
         types.sort(key=lambda t: t.manager_cls is not FullAttentionManager)
         self.types = types
-        self._maps = [pool.hash_maps(t.group_ids) for t in types]
+        self._maps = [self.managers[t.group_ids[0]].pool.hash_maps(t.group_ids) for t in types]
 
     @property
     def num_groups(self) -> int:
@@ -101,7 +122,13 @@ class KVCacheCoordinator:
     # ------------------------------------------------------------- the pool
     @property
     def num_free_blocks(self) -> int:
+        """Free attention blocks (state slots: :attr:`num_free_states`)."""
         return self.pool.num_free_blocks
+
+    @property
+    def num_free_states(self) -> int | None:
+        """Free state slots of the state pool (None without one)."""
+        return None if self.state_pool is None else self.state_pool.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -109,19 +136,25 @@ class KVCacheCoordinator:
 
     @property
     def num_evictions(self) -> int:
-        """The pool's eviction count: a hit found at count N is intact while it is N."""
-        return self.pool.num_evictions
+        """The pools' eviction count: a hit found at count N is intact while it is N."""
+        return sum(p.num_evictions for p in self.pools)
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.pool.take_events()
+        """Events of the attention pool, then of the state pool (each names its group)."""
+        return [e for p in self.pools for e in p.take_events()]
 
     def evict_blocks(self, block_ids: Sequence[int]) -> int:
+        """Drop the cached hashes of these attention blocks."""
         return self.pool.evict_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forget every pool's cache; refused (False, nothing changed) while any block is in use."""
+        if any(p.num_free_blocks != p.num_blocks - 1 for p in self.pools):
+            return False
+        return all([p.reset_prefix_cache() for p in self.pools])
 
     def add_reuse_listener(self, listener: ReuseListener) -> None:
+        """Listen to attention blocks about to be reused (state checkpoints have no host tier)."""
         self.pool.add_reuse_listener(listener)
 
     def remove_reuse_listener(self, listener: ReuseListener) -> None:
@@ -129,15 +162,17 @@ class KVCacheCoordinator:
 
     @contextlib.contextmanager
     def journal(self) -> Iterator[None]:
-        """Blocks cached inside the scope lose their hashes if it exits by an exception."""
-        pool = self.pool
-        pool.begin_journal()
+        """Blocks cached inside the scope, in every pool, lose their hashes if it exits by an exception."""
+        for p in self.pools:
+            p.begin_journal()
         try:
             yield
         except BaseException:
-            pool.rollback_journal()
+            for p in self.pools:
+                p.rollback_journal()
             raise
-        pool.commit_journal()
+        for p in self.pools:
+            p.commit_journal()
 
     def group_ids_of(self, manager_cls: type[SingleTypeManager]) -> list[int]:
         """Groups whose cache rules are ``manager_cls``'s (or a subclass's)."""
@@ -205,9 +240,9 @@ class KVCacheCoordinator:
         reaches and, from there on, in-range blocks cached under the request's own
         chained hash at their position (so another request's or tenant's hit, an
         uncached or evicted block and a repeated block all fail)."""
-        is_cached = self.pool.is_cached_as
         for t, hashes in self.typed_hashes(block_hashes):
             for g in t.group_ids:
+                is_cached = self.managers[g].pool.is_cached_as
                 blocks = hit_blocks[g]
                 if len(blocks) > len(hashes):
                     return g, blocks[len(hashes)]
@@ -218,26 +253,28 @@ class KVCacheCoordinator:
         return None
 
     # ------------------------------------------------------------ allocation
-    def num_blocks_to_allocate(
+    def can_allocate(
         self,
         request_id: str,
         num_tokens: int,
         hit_blocks: Sequence[Sequence[int]] | None,
         num_computed_tokens: int,
-    ) -> int:
-        """Net free blocks an allocation consumes: new blocks, plus hits on free
-        (evictable) blocks, minus blocks that skipping out-of-span ones returns."""
-        pool = self.pool
-        total = 0
+    ) -> bool:
+        """Whether every pool has the net free blocks the allocation consumes: new
+        blocks, plus hits on free (evictable) blocks, minus blocks that skipping
+        out-of-span ones returns."""
+        needed = {id(p): 0 for p in self.pools}
         for g, m in enumerate(self.managers):
+            pool = m.pool
             if hit_blocks:
                 hits = hit_blocks[g]
-                total += m.num_new_blocks(request_id, num_tokens, len(hits)) + pool.count_evictable(hits)
+                n = m.num_new_blocks(request_id, num_tokens, len(hits)) + pool.count_evictable(hits)
             else:
-                total += m.num_new_blocks(request_id, num_tokens, 0)
+                n = m.num_new_blocks(request_id, num_tokens, 0)
             if m.skips_blocks:
-                total -= pool.count_newly_freed(m.skippable_blocks(request_id, num_computed_tokens))
-        return total
+                n -= pool.count_newly_freed(m.skippable_blocks(request_id, num_computed_tokens))
+            needed[id(pool)] += n
+        return all(needed[id(p)] <= p.num_free_blocks for p in self.pools)
 
     def allocate(
         self,
@@ -252,7 +289,7 @@ class KVCacheCoordinator:
                 m.remove_skipped_blocks(request_id, num_computed_tokens)
         if hit_blocks:
             for m, hits in zip(self.managers, hit_blocks):
-                self.pool.touch(hits)
+                m.pool.touch(hits)
                 m.add_hit_blocks(request_id, hits)
         return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
 
@@ -292,9 +329,15 @@ class KVCacheCoordinator:
                 if m.skips_blocks:
                     m.set_anchors(request_id, anchors)
 
+    def set_checkpoints(self, request_id: str, positions: Sequence[int], num_prompt_tokens: int) -> None:
+        """The request's state checkpoint positions (see
+        :meth:`~jaxkv.single_type.StatePoolManager.set_checkpoints`); a no-op without a state pool."""
+        for m in self._state_managers:
+            m.set_checkpoints(request_id, positions, num_prompt_tokens)
+
     def free(self, request_id: str) -> None:
-        """Release the request's blocks in every group, in one pass over the pool."""
-        managers = self.managers
+        """Release the request's blocks in every group, in one pass over each pool."""
+        managers = [m for m in self.managers if m.pool is self.pool]
         if self.retention == "group_aware":
             entries = [e for m in managers for e in m.release_by_position(request_id)]
             entries.sort(key=lambda e: -e[0])  # last position first; stable: group order within one
@@ -303,6 +346,8 @@ class KVCacheCoordinator:
             self.pool.free_blocks(managers[0].release(request_id))
         else:
             self.pool.free_block_lists([m.release(request_id) for m in managers])
+        if self._state_managers:
+            self.state_pool.free_block_lists([m.release(request_id) for m in self._state_managers])
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Copies of the request's block lists, one per group."""

@@ -236,6 +236,13 @@ class KVCacheManager:
     (:data:`jaxkv.coordinator.RETENTION_RULES`): ``vllm`` makes vLLM v1's decisions;
     ``group_aware`` keeps, under memory pressure, the sliding-window blocks that
     complete hits of a hybrid model.
+
+    With the planner's ``state_pool`` layout, recurrent state is cached at *checkpoint
+    positions* (:meth:`checkpoint_positions`): where the request's prompt ends, where
+    full attention alone matched further than the whole hit (so the next request
+    sharing that prefix finds a state there), every ``checkpoint_interval`` tokens of
+    the prompt if set, and the newest block boundary while it decodes. A scheduler ends
+    prefill chunks there (:meth:`chunk_limit`): a state exists only where a step ends.
     """
 
     def __init__(
@@ -247,6 +254,7 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         enable_events: bool = False,
         retention: str = "vllm",
+        checkpoint_interval: int | None = None,
     ) -> None:
         if not isinstance(config, KVCacheConfig):
             raise KVCacheManagerError(f"config must be a KVCacheConfig, got {config!r:.80}")
@@ -255,8 +263,18 @@ class KVCacheManager:
             raise KVCacheManagerError(
                 f"max_model_len must be a positive int (here or in the config), got {max_model_len!r}"
             )
+        if checkpoint_interval is not None and (
+            not is_int(checkpoint_interval) or checkpoint_interval <= 0 or checkpoint_interval % config.hash_block_size
+        ):
+            raise KVCacheManagerError(
+                f"checkpoint_interval must be a positive multiple of the hash block size "
+                f"{config.hash_block_size}, got {checkpoint_interval!r}"
+            )
         self.config = config
         self.max_model_len = int(max_model_len)
+        self.checkpoint_interval = checkpoint_interval
+        # Block size of the state-pool groups (the hash block size), 0 without a state pool.
+        self._state_block_size = config.hash_block_size if config.state_pool is not None else 0
         self.enable_caching = enable_caching
         self.coordinator = KVCacheCoordinator(config, enable_events=enable_events, retention=retention)
         self.hasher = BlockHasher(self.coordinator.hash_block_size, hash_algo)
@@ -279,6 +297,11 @@ class KVCacheManager:
         return self.coordinator.pool
 
     @property
+    def state_pool(self) -> BlockPool | None:
+        """The coordinator's state-slot pool (None without a state pool), read only."""
+        return self.coordinator.state_pool
+
+    @property
     def num_free_blocks(self) -> int:
         return self.coordinator.num_free_blocks
 
@@ -286,6 +309,11 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of the pool's blocks referenced by requests now."""
         return self.coordinator.usage
+
+    @property
+    def num_free_states(self) -> int | None:
+        """Free state slots of the state pool (None without the state-pool layout)."""
+        return self.coordinator.num_free_states
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -324,6 +352,30 @@ class KVCacheManager:
         """Block indices of ``group`` for tokens ``[start, end)`` that later tokens still
         read once ``end`` tokens are computed (what an offload tier must load)."""
         return self.coordinator.needed_blocks(group, start, end)
+
+    def checkpoint_positions(self, request: Request, num_computed_tokens: int) -> tuple[int, ...]:
+        """Positions past ``num_computed_tokens``, in order, where the request's prefill
+        caches its recurrent state (empty without a state pool or without caching):
+        the last block boundary of the prompt, the boundary where full attention alone
+        matched (when that ran ahead of the hit) and every ``checkpoint_interval``."""
+        bs = self._state_block_size
+        if not bs or not self.enable_caching:
+            return ()
+        prompt_end = request.num_prompt_tokens // bs * bs
+        positions = {prompt_end, request._reach // bs * bs}
+        if self.checkpoint_interval:
+            positions.update(range(self.checkpoint_interval, prompt_end, self.checkpoint_interval))
+        return tuple(sorted(p for p in positions if p > num_computed_tokens))
+
+    def chunk_limit(self, request: Request, start: int, num_new_tokens: int) -> int:
+        """``num_new_tokens`` cut so a chunk starting at ``start`` ends at the request's
+        next checkpoint position, if one falls inside it (a state exists only where a
+        step ends); unchanged without a state pool."""
+        if self._state_block_size and num_new_tokens > 1:
+            positions = self.checkpoint_positions(request, start)
+            if positions and positions[0] < start + num_new_tokens:
+                return positions[0] - start
+        return num_new_tokens
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self._num_requests, self._num_queried, self._num_hits, self._num_resets)
@@ -439,11 +491,14 @@ class KVCacheManager:
         hits = self._check_hit(request, num_new_computed_tokens, new_computed_blocks)
         if num_external_computed_tokens:
             hits = self._external_hits(request, hits, num_external_computed_tokens, total_computed)
-        needed = coord.num_blocks_to_allocate(rid, num_slots, hits, num_computed)
-        if needed > coord.num_free_blocks:
+        if not coord.can_allocate(rid, num_slots, hits, num_computed):
             return None
         if not held:
             coord.set_anchors(rid, (total_computed, request._reach))
+            if self._state_block_size:
+                coord.set_checkpoints(
+                    rid, self.checkpoint_positions(request, total_computed), request.num_prompt_tokens
+                )
         new_blocks = coord.allocate(rid, num_slots, hits, num_computed)
         self._requests[rid] = request
         if self.enable_caching:

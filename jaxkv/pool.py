@@ -127,6 +127,10 @@ class BlockPool:
         """Whether the block is unreferenced but held back from eviction (see :meth:`retain_blocks`)."""
         return block_id in self._retained
 
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the block is registered in the prefix cache now (findable by a hit)."""
+        return self.block_hash[block_id] is not None
+
     def num_cached_blocks(self) -> int:
         """Blocks currently registered in the prefix cache, over all groups (every copy)."""
         return sum(len(m) for m in self.cached) + sum(len(c) for d in self._copies for c in d.values())
@@ -278,6 +282,15 @@ class BlockPool:
                 (uncached if block_hash[b] is None else cached).append(b)
         self._free.append(cached)
         self._free.prepend(uncached)
+
+    def demote(self, block_ids: Iterable[int]) -> None:
+        """Move the unreferenced ones among these blocks to the free queue's head: still
+        cached, but the first to be handed out (a state checkpoint a newer one supersedes)."""
+        free = self._free
+        moved = [b for b in block_ids if b in free]
+        for b in moved:
+            free.remove(b)
+        free.prepend(moved)
 
     def count_newly_freed(self, block_ids: Iterable[int]) -> int:
         """How many of these (distinct) blocks one ``free_blocks`` call would return to the queue."""

@@ -376,6 +376,87 @@ class MambaManager(SingleTypeManager):
         self.num_cached[request_id] = end
 
 
+class StatePoolManager(MambaManager):
+    """Recurrent state drawn from a pool of its own (the planner's ``state_pool`` layout).
+
+    Its block size is the hash block size, so a checkpoint can sit at any attention
+    block boundary. A request holds one running state slot, updated in place: as the
+    request grows the slot moves to the newest block index. The slot becomes a
+    *checkpoint* when the step ending at one of the request's checkpoint positions
+    (see :meth:`set_checkpoints`) or at a block boundary while it decodes writes it;
+    then it is cached under the chained hash of that position and the request takes a
+    fresh slot for its next state (copy-on-write: the checkpoint stays intact). Of a
+    request's decode checkpoints only the newest is kept in queue order; an older one
+    is demoted to be evicted first.
+    """
+
+    def __init__(self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec) -> None:
+        super().__init__(pool, group_id, block_size, spec)
+        self.checkpoints: dict[str, tuple[frozenset[int], int]] = {}
+        # The request's newest decode checkpoint: (block, hash).
+        self.decode_checkpoint: dict[str, tuple[int, bytes]] = {}
+
+    def set_checkpoints(self, request_id: str, positions: Iterable[int], num_prompt_tokens: int) -> None:
+        """Token positions (block multiples) where the request's state is cached, and
+        where its prompt ends (past it, every block boundary it decodes through)."""
+        self.checkpoints[request_id] = (frozenset(positions), num_prompt_tokens)
+
+    def set_anchors(self, request_id: str, anchors: Sequence[int]) -> None:
+        """No retention anchors: this group's prefix hits are its checkpoints."""
+
+    def _is_checkpoint(self, request_id: str, num_tokens: int) -> bool:
+        positions, num_prompt_tokens = self.checkpoints.get(request_id, (frozenset(), NEVER))
+        return num_tokens in positions or num_tokens > num_prompt_tokens
+
+    def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
+        blocks = self.req_blocks.get(request_id)
+        if cdiv(num_tokens, self.block_size) <= len(blocks or ()) + num_hit_blocks:
+            return 0
+        if num_hit_blocks or not blocks:
+            return 1
+        return 1 if self.pool.is_cached(blocks[-1]) else 0
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        """Move the running slot to the newest index, or take a fresh one when it is a checkpoint."""
+        blocks = self.req_blocks.setdefault(request_id, [])
+        n = cdiv(num_tokens, self.block_size) - len(blocks)
+        if n <= 0:
+            return []
+        if blocks and not self.pool.is_cached(blocks[-1]):
+            slot = blocks[-1]
+            blocks[-1] = NULL_BLOCK
+            blocks.extend([NULL_BLOCK] * (n - 1))
+            blocks.append(slot)
+            return []
+        return super().allocate_new_blocks(request_id, num_tokens)
+
+    def cache_blocks(self, request_id, hashes, num_tokens, token_ids, lora_name):
+        """Cache the newest state when it sits on one of the request's checkpoint positions."""
+        end = num_tokens // self.block_size
+        if end <= self.num_cached.get(request_id, 0):
+            return
+        if num_tokens % self.block_size == 0 and self._is_checkpoint(request_id, num_tokens):
+            super().cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
+            if num_tokens > self.checkpoints[request_id][1]:
+                previous = self.decode_checkpoint.get(request_id)
+                if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
+                    self.pool.demote([previous[0]])
+                self.decode_checkpoint[request_id] = (self.req_blocks[request_id][end - 1], hashes[end - 1])
+        self.num_cached[request_id] = end
+
+    def release(self, request_id: str) -> Iterable[int]:
+        self._forget_checkpoints(request_id)
+        return super().release(request_id)
+
+    def release_by_position(self, request_id: str) -> list[tuple[int, int, bool]]:
+        self._forget_checkpoints(request_id)
+        return super().release_by_position(request_id)
+
+    def _forget_checkpoints(self, request_id: str) -> None:
+        self.checkpoints.pop(request_id, None)
+        self.decode_checkpoint.pop(request_id, None)
+
+
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeManager]:
     """The manager that implements a spec's cache rules."""
     if isinstance(spec, SlidingWindowSpec):

@@ -1,23 +1,27 @@
 """KVCacheManager scenarios: prefix hits, eviction order, hybrid groups, bad input."""
 
+import dataclasses
 import threading
 
 import numpy as np
 import pytest
-from conftest import FULL, admit, make_manager, window
+from conftest import FULL, admit, make_config, make_manager, window
 
 from jaxkv.errors import JaxkvError, WrongThreadError
 from jaxkv.manager import (
     DuplicateRequestError,
     InvalidCacheHitError,
     KVCacheBlocks,
+    KVCacheManager,
     KVCacheManagerError,
     MaxModelLenExceededError,
     Request,
     StaleCacheHitError,
     UnknownRequestError,
 )
+from jaxkv.planner import StatePool
 from jaxkv.pool import BlockRemoved, BlockStored
+from jaxkv.specs import MambaSpec
 
 
 def test_shared_prefix_hits_full_blocks_and_frees_in_lru_order(tokens):
@@ -451,3 +455,120 @@ def test_group_aware_retention_keeps_the_window_blocks_a_shared_prefix_needs(ret
     mgr.free(traffic)
     third = Request("third", system + list(range(500, 512)))
     assert mgr.get_computed_blocks(third)[1] == later_hit
+
+
+# ------------------------------------------------------- recurrent state pool
+STATE = MambaSpec(shapes=((2, 2),), dtypes=("float32",))
+
+
+def state_pool_manager(num_blocks: int, num_states: int, **kw) -> KVCacheManager:
+    """Full attention + one recurrent group whose states come from their own pool."""
+    config = dataclasses.replace(make_config(num_blocks, FULL, STATE), state_pool=StatePool(num_states=num_states))
+    return KVCacheManager(config, max_model_len=8192, **kw)
+
+
+def serve_prompt(mgr: KVCacheManager, req: Request) -> int:
+    """Admit and prefill ``req`` in chunks cut at its checkpoints, as the scheduler does;
+    return its prefix hit."""
+    hit, n = mgr.get_computed_blocks(req)
+    num = mgr.chunk_limit(req, n, req.num_tokens - n)
+    assert mgr.allocate_slots(req, num, n, hit) is not None
+    req.num_computed_tokens = n + num
+    while req.num_computed_tokens < req.num_tokens:
+        num = mgr.chunk_limit(req, req.num_computed_tokens, req.num_tokens - req.num_computed_tokens)
+        assert mgr.allocate_slots(req, num) is not None
+        req.num_computed_tokens += num
+    return n
+
+
+def decode(mgr: KVCacheManager, req: Request, num_tokens: int) -> None:
+    for i in range(num_tokens):
+        req.append_output_token_ids(7 + i)
+        assert mgr.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+
+
+def held_states(mgr: KVCacheManager, req: Request) -> list[int]:
+    return [b for b in mgr.get_block_ids(req.request_id)[1] if b]
+
+
+def test_state_pool_checkpoints_the_prompt_end_at_attention_block_granularity(tokens):
+    mgr = state_pool_manager(64, 8)
+    first = Request("first", tokens(0, 100))
+    assert mgr.chunk_limit(first, 0, 100) == 96, "the prefill stops at the prompt's last block boundary"
+    assert serve_prompt(mgr, first) == 0
+    mgr.free(first)
+    assert serve_prompt(mgr, Request("same-96", tokens(0, 96) + tokens(500, 9))) == 96
+    assert serve_prompt(mgr, Request("same-50", tokens(0, 50) + tokens(700, 9))) == 0, "no state at 48 yet"
+
+
+def test_state_pool_checkpoints_where_attention_ran_ahead_of_the_state(tokens):
+    mgr = state_pool_manager(64, 8)
+    serve_prompt(mgr, Request("a", tokens(0, 100)))
+    b = Request("b", tokens(0, 50) + tokens(700, 30))
+    hit, n = mgr.get_computed_blocks(b)
+    assert n == 0 and mgr.checkpoint_positions(b, 0) == (48, 80)
+    assert serve_prompt(mgr, b) == 0
+    assert serve_prompt(mgr, Request("c", tokens(0, 50) + tokens(900, 30))) == 48
+
+
+def test_state_pool_updates_the_running_state_in_place_and_copies_on_write(tokens):
+    mgr = state_pool_manager(64, 8)
+    req = Request("r", tokens(0, 100))
+    serve_prompt(mgr, req)
+    checkpoint_96, running = held_states(mgr, req)
+    assert mgr.state_pool.is_cached(checkpoint_96) and not mgr.state_pool.is_cached(running)
+    decode(mgr, req, 11)  # to 111 tokens: the slot moved along, no new one
+    assert held_states(mgr, req) == [running]
+    decode(mgr, req, 1)  # 112: a block boundary while decoding is a checkpoint
+    assert mgr.state_pool.is_cached(running)
+    decode(mgr, req, 1)  # the next state goes to a fresh slot; the checkpoint stays intact
+    (fresh,) = [b for b in held_states(mgr, req) if b != running]
+    decode(mgr, req, 16)  # 129: a newer decode checkpoint (128) demoted the one at 112: it went first
+    assert held_states(mgr, req) == [fresh, running], "128's checkpoint, then the slot 112's gave back"
+    history = req.all_token_ids
+    assert mgr.get_computed_blocks(Request("to-113", history[:113]))[1] == 96
+    assert mgr.get_computed_blocks(Request("to-129", history[:129]))[1] == 128
+    assert mgr.state_pool.num_free_blocks == 7 - len(held_states(mgr, req))
+    mgr.free(req)
+    assert mgr.state_pool.num_free_blocks == 7
+
+
+def test_state_pool_out_of_states_refuses_and_changes_nothing(tokens):
+    mgr = state_pool_manager(64, 3)
+    serve_prompt(mgr, Request("a", tokens(0, 40)))  # holds its checkpoint at 32 and its running state
+    before = (mgr.state_pool.free_block_ids(), list(mgr.state_pool.ref_cnt), mgr.pool.free_block_ids())
+    late = Request("late", tokens(1000, 40))
+    hit, n = mgr.get_computed_blocks(late)
+    assert mgr.allocate_slots(late, 32, n, hit) is None
+    assert before == (mgr.state_pool.free_block_ids(), list(mgr.state_pool.ref_cnt), mgr.pool.free_block_ids())
+
+
+def test_state_pool_checkpoint_of_a_failed_step_is_never_found(tokens):
+    mgr = state_pool_manager(64, 8)
+    req = Request("r", tokens(0, 40))
+    with pytest.raises(RuntimeError), mgr.step_transaction():
+        serve_prompt(mgr, req)
+        raise RuntimeError("the device step failed")
+    mgr.free(req)
+    assert mgr.get_computed_blocks(Request("again", tokens(0, 40)))[1] == 0
+
+
+def test_state_pool_reset_clears_both_pools_or_neither(tokens):
+    mgr = state_pool_manager(64, 8)
+    req = Request("r", tokens(0, 40))
+    serve_prompt(mgr, req)
+    assert not mgr.reset_prefix_cache()
+    mgr.free(req)
+    assert mgr.state_pool.num_cached_blocks() and mgr.reset_prefix_cache()
+    assert mgr.state_pool.num_cached_blocks() == 0 and mgr.pool.num_cached_blocks() == 0
+
+
+def test_checkpoint_interval_cuts_prefill_chunks(tokens):
+    mgr = state_pool_manager(64, 8, checkpoint_interval=32)
+    req = Request("r", tokens(0, 100))
+    assert mgr.checkpoint_positions(req, 0) == (32, 64, 96)
+    assert mgr.chunk_limit(req, 40, 60) == 24
+    with pytest.raises(KVCacheManagerError, match="checkpoint_interval"):
+        state_pool_manager(64, 8, checkpoint_interval=20)
+    assert make_manager(11, FULL).chunk_limit(req, 0, 100) == 100, "no state pool, no cut"

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxkv.coordinator import RETENTION_RULES
 from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request
-from jaxkv.planner import KVCacheConfig, KVCacheGroup
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePool
 from jaxkv.specs import ChunkedLocalAttentionSpec, MambaSpec
 
 BS = 4
@@ -21,18 +21,15 @@ CONFIGS = {
     "full+2 windows": (FULL, window(6), window(6)),
     "full+chunked": (FULL, ChunkedLocalAttentionSpec(num_kv_heads=1, head_size=1, attention_chunk_size=8)),
     "full+mamba": (FULL, MambaSpec(shapes=((2, 2),), dtypes=("float32",))),
+    "full+mamba state pool": (FULL, MambaSpec(shapes=((2, 2),), dtypes=("float32",))),
 }
 
 
 def snapshot(mgr: KVCacheManager):
-    """Everything an allocation could change."""
-    pool = mgr.pool
+    """Everything an allocation could change, in every pool."""
     return copy.deepcopy(
         (
-            pool.free_block_ids(),
-            pool.ref_cnt,
-            pool.cached,
-            pool.block_hash,
+            [(p.free_block_ids(), p.ref_cnt, p.cached, p.block_hash) for p in mgr.coordinator.pools],
             [(m.req_blocks, m.num_cached, m.anchors, m.retained) for m in mgr.coordinator.managers],
         )
     )
@@ -43,10 +40,12 @@ class ManagerMachine(RuleBasedStateMachine):
         name=st.sampled_from(sorted(CONFIGS)),
         num_blocks=st.integers(8, 40),
         retention=st.sampled_from(RETENTION_RULES),
+        num_states=st.integers(3, 12),
     )
-    def setup(self, name, num_blocks, retention):
+    def setup(self, name, num_blocks, retention, num_states):
         groups = tuple(KVCacheGroup((f"l{i}",), s, BS) for i, s in enumerate(CONFIGS[name]))
-        config = KVCacheConfig(num_blocks=num_blocks, groups=groups)
+        state_pool = StatePool(num_states=num_states) if name.endswith("state pool") else None
+        config = KVCacheConfig(num_blocks=num_blocks, groups=groups, state_pool=state_pool)
         self.mgr = KVCacheManager(config, max_model_len=64, retention=retention)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -83,7 +82,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def _admit(self, req, chunk):
         hit, n = self.mgr.get_computed_blocks(req)
         assert n % BS == 0 and n < req.num_tokens
-        num_new = min(chunk, req.num_tokens - n)
+        num_new = self.mgr.chunk_limit(req, n, min(chunk, req.num_tokens - n))
         if self._try(req, num_new, n, hit) is not None:
             req.num_computed_tokens = n + num_new
             self.waiting.remove(req)
@@ -98,7 +97,9 @@ class ManagerMachine(RuleBasedStateMachine):
             if req.num_tokens + lookahead >= 64:
                 return self.finish(k)
             req.append_output_token_ids(k % 97)
-        num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
+        num_new = self.mgr.chunk_limit(
+            req, req.num_computed_tokens, min(chunk, req.num_tokens - req.num_computed_tokens)
+        )
         if self._try(req, num_new, lookahead=lookahead) is None:
             self.mgr.free(req)
             req.num_computed_tokens = 0
@@ -139,23 +140,25 @@ class ManagerMachine(RuleBasedStateMachine):
     def blocks_are_free_xor_referenced_with_exact_ref_counts(self):
         if not hasattr(self, "mgr"):
             return
-        pool = self.mgr.pool
-        holders = [0] * pool.num_blocks
-        owner_group: dict[int, int] = {}
-        for g, m in enumerate(self.mgr.coordinator.managers):
-            assert set(m.req_blocks) == {r.request_id for r in self.running}
-            for blocks in m.req_blocks.values():
-                real = [b for b in blocks if b]
-                assert len(real) == len(set(real)), "a block appears twice in one request"
-                for b in real:
-                    holders[b] += 1
-                    assert owner_group.setdefault(b, g) == g, "a block is used by two groups"
-        assert pool.ref_cnt[0] == 0 and not pool.is_free(0)
-        for b in range(1, pool.num_blocks):
-            assert pool.ref_cnt[b] == holders[b]
-            assert pool.is_free(b) == (holders[b] == 0)
-        used = sum(1 for b in range(1, pool.num_blocks) if holders[b])
-        assert pool.num_free_blocks + used == pool.num_blocks - 1
+        for pool in self.mgr.coordinator.pools:
+            holders = [0] * pool.num_blocks
+            owner_group: dict[int, int] = {}
+            for g, m in enumerate(self.mgr.coordinator.managers):
+                assert set(m.req_blocks) == {r.request_id for r in self.running}
+                if m.pool is not pool:
+                    continue
+                for blocks in m.req_blocks.values():
+                    real = [b for b in blocks if b]
+                    assert len(real) == len(set(real)), "a block appears twice in one request"
+                    for b in real:
+                        holders[b] += 1
+                        assert owner_group.setdefault(b, g) == g, "a block is used by two groups"
+            assert pool.ref_cnt[0] == 0 and not pool.is_free(0)
+            for b in range(1, pool.num_blocks):
+                assert pool.ref_cnt[b] == holders[b]
+                assert pool.is_free(b) == (holders[b] == 0)
+            used = sum(1 for b in range(1, pool.num_blocks) if holders[b])
+            assert pool.num_free_blocks + used == pool.num_blocks - 1
 
     @invariant()
     def retained_blocks_belong_to_running_requests(self):
@@ -169,12 +172,13 @@ class ManagerMachine(RuleBasedStateMachine):
     def cached_blocks_hold_the_tokens_their_hash_names(self):
         if not hasattr(self, "mgr"):
             return
-        pool = self.mgr.pool
-        for g, m in enumerate(pool.cached):
-            for h, b in m.items():
-                assert pool.block_hash[b] == h and pool.block_group[b] == g
+        for pool in self.mgr.coordinator.pools:
+            for g, m in enumerate(pool.cached):
+                for h, b in m.items():
+                    assert pool.block_hash[b] == h and pool.block_group[b] == g
         for req in self.running:
             for g, blocks in enumerate(self.mgr.get_block_ids(req.request_id)):
+                pool = self.mgr.coordinator.managers[g].pool
                 for i, b in enumerate(blocks):
                     if b and pool.block_hash[b] is not None:
                         assert pool.block_hash[b] == req.block_hashes[i]
@@ -185,7 +189,8 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         for req in self.running:
             self.mgr.free(req)
-        assert self.mgr.num_free_blocks == self.mgr.pool.num_blocks - 1
+        for pool in self.mgr.coordinator.pools:
+            assert pool.num_free_blocks == pool.num_blocks - 1
         assert self.mgr.usage == 0.0
         assert not any(self.mgr.pool.is_retained(b) for b in range(self.mgr.pool.num_blocks))
 

@@ -241,3 +241,13 @@ def test_a_hit_on_a_retained_block_takes_it_back_and_a_reset_requeues_them():
     pool.free_blocks([a])
     assert pool.reset_prefix_cache()
     assert not pool.is_retained(b) and pool.num_free_blocks == 3
+
+
+def test_demoted_free_blocks_go_first_and_stay_cached():
+    pool = BlockPool(6)
+    ids = pool.get_new_blocks(3)
+    pool.cache_blocks(0, ids, [h(1), h(2), h(3)], 0, 3)
+    pool.free_blocks(ids)
+    pool.demote([3, 99 % 6])  # block 3 is free; a held or unknown block is left alone
+    assert pool.free_block_ids()[0] == 3 and pool.is_cached(3)
+    assert pool.get_new_blocks(1) == [3] and not pool.is_cached(3)

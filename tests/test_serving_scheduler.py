@@ -1,9 +1,12 @@
 """Serving scheduler: batch order, chunked prefill, admission, prefix hits, preemption, finishing."""
 
-import pytest
-from conftest import FULL, make_manager, window
+import dataclasses
 
-from jaxkv.manager import Request
+import pytest
+from conftest import FULL, make_config, make_manager, window
+
+from jaxkv.manager import KVCacheManager, Request
+from jaxkv.planner import StatePool
 from jaxkv.serving.scheduler import (
     DuplicateRequestIdError,
     PoolTooSmallError,
@@ -12,6 +15,7 @@ from jaxkv.serving.scheduler import (
     SchedulerError,
     SchedulerOutput,
 )
+from jaxkv.specs import MambaSpec
 
 
 def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
@@ -190,3 +194,15 @@ def test_a_request_id_already_queued_running_or_holding_blocks_is_refused():
     with pytest.raises(DuplicateRequestIdError, match="'b'"):
         Scheduler(mgr).add_request(Request("b", range(5)), 1)  # holds blocks in the manager
     assert mgr.get_block_ids("a") == ([1],)
+
+
+def test_prefill_chunks_end_at_recurrent_state_checkpoints(tokens):
+    config = dataclasses.replace(
+        make_config(64, FULL, MambaSpec(shapes=((2, 2),), dtypes=("float32",))), state_pool=StatePool(num_states=8)
+    )
+    sched = Scheduler(KVCacheManager(config, max_model_len=256), max_num_batched_tokens=512)
+    sched.add_request(Request("a", tokens(0, 100)), 2)
+    assert shape(step(sched)) == [("a", 0, 96)], "cut at the prompt's last block boundary"
+    assert shape(step(sched)) == [("a", 96, 4)]
+    sched.add_request(Request("b", tokens(0, 96) + tokens(900, 20)), 2)
+    assert shape(step(sched)) == [("a", 100, 1), ("b", 96, 16)], "b starts from a's checkpoint"

@@ -4,7 +4,8 @@ vLLM v1's policy, re-stated. Every step has a budget of ``max_num_batched_tokens
 Running requests come first, in admission order: one decode token each, or the next
 chunk of a prefill (chunked prefill). Then waiting requests are admitted first come,
 first served while budget and ``max_num_seqs`` last: a prefix-cache lookup
-(``get_computed_blocks``), then a chunk of what is not cached; admission stops at the
+(``get_computed_blocks``), then a chunk of what is not cached (cut to end at the next
+recurrent-state checkpoint, :meth:`~jaxkv.manager.KVCacheManager.chunk_limit`); admission stops at the
 first request whose blocks do not fit in the free pool. A running request that cannot
 get its blocks preempts the most recently admitted one (preemption by recompute: its
 blocks are freed, its progress reset, and it goes back to the head of the queue), and
@@ -186,6 +187,8 @@ class Scheduler:
             seq = self.running[i]
             req = seq.request
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n > 1:
+                n = self.manager.chunk_limit(req, req.num_computed_tokens, n)
             if not self._allocate_running(seq, n, preempted, alone=i == 0):
                 break
             self._add_chunk(seq, n, decodes, prefills)
@@ -243,9 +246,11 @@ class Scheduler:
                 num_hit = self.admission.allocate_admitted(req, hit, num_hit, budget)
                 if num_hit is None:
                     break
-            elif mgr.allocate_slots(req, min(req.num_tokens - num_hit, budget), num_hit, hit) is None:
-                break
-            n = min(req.num_tokens - num_hit, budget)
+                n = min(req.num_tokens - num_hit, budget)
+            else:
+                n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget))
+                if mgr.allocate_slots(req, n, num_hit, hit) is None:
+                    break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
             if seq.num_cached_tokens is None:
