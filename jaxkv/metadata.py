@@ -6,7 +6,9 @@ From the scheduled sequences (decodes first, then prefills) and the manager's bl
 - ``input_ids``, ``positions`` (T,): the new tokens of all sequences, concatenated;
 - ``kv_lens`` (S,), ``cu_q_lens`` (S+1,), ``num_seqs`` (1,): the ragged batch;
 - ``logits_indices`` (S,): the last new token of each sequence;
-- per KV cache group, a block table (S, W_g) and a slot mapping (T,).
+- per KV cache group, a block table (S, W_g) and a slot mapping (T,); per recurrent
+  (state) group instead, the state row each sequence reads, the row it writes and
+  whether it starts from a zero state (S,) each.
 
 Shapes are padded up to :class:`Buckets` so a step function compiles once per bucket
 combination. Padding is always the null block 0 (never -1): padded table entries are
@@ -143,13 +145,47 @@ class AttentionMetadata:
     slot_mapping: jax.Array  # (T,) int32, block_id * block_size + offset; padding -> 0
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StateMetadata:
+    """Metadata of one recurrent group: where each sequence's state comes from and goes.
+
+    A step reads the state after the sequence's computed tokens from ``read_rows`` and
+    writes the state after its new tokens to ``write_rows`` (the same row when the
+    running state is updated in place). ``fresh`` sequences start from a zero state
+    (nothing computed yet); padded sequences read and write the null row 0.
+    """
+
+    read_rows: jax.Array  # (S,) int32
+    write_rows: jax.Array  # (S,) int32
+    fresh: jax.Array  # (S,) int32, 1 = start from zeros
+
+
+def state_rows(
+    blocks: Sequence[int], num_computed_tokens: int, num_new_tokens: int, block_size: int
+) -> tuple[int, int]:
+    """(read row, write row) of a recurrent group's block list for one step.
+
+    Block ``i`` holds the state after ``(i + 1) * block_size`` tokens once reached and
+    the running state before; the step reads the block of its computed tokens and
+    writes the block of its last new token. A null block where the state was read means
+    the running state moved to the newest block index (updated in place): read there.
+    """
+    write = blocks[cdiv(num_computed_tokens + num_new_tokens, block_size) - 1]
+    if num_computed_tokens == 0:
+        return 0, write
+    read = blocks[cdiv(num_computed_tokens, block_size) - 1]
+    return (read or write), write
+
+
 @dataclass(frozen=True)
 class _Packing:
-    """Static shape of a packed :class:`StepMetadata`: tokens, seqs, table widths."""
+    """Static shape of a packed :class:`StepMetadata`: tokens, seqs, table widths
+    (None for a recurrent group)."""
 
     num_tokens: int
     max_seqs: int
-    widths: tuple[int, ...]
+    widths: tuple[int | None, ...]
 
     @functools.cached_property
     def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -164,7 +200,10 @@ class _Packing:
             ("logits_indices", (s,)),
         ]
         for g, width in enumerate(self.widths):
-            fields += [(f"tables{g}", (s, width)), (f"slots{g}", (t,))]
+            if width is None:
+                fields += [(f"read{g}", (s,)), (f"write{g}", (s,)), (f"fresh{g}", (s,))]
+            else:
+                fields += [(f"tables{g}", (s, width)), (f"slots{g}", (t,))]
         out, start = {}, 0
         for name, shape in fields:
             out[name] = (start, shape)
@@ -219,11 +258,13 @@ class StepMetadata:
         return self._field("logits_indices")
 
     @property
-    def groups(self) -> tuple[AttentionMetadata, ...]:
-        """Per KV cache group: block table and slot mapping."""
+    def groups(self) -> tuple[AttentionMetadata | StateMetadata, ...]:
+        """Per KV cache group: block table and slot mapping, or state rows for a recurrent group."""
         return tuple(
             AttentionMetadata(self._field(f"tables{g}"), self._field(f"slots{g}"))
-            for g in range(len(self.packing.widths))
+            if width is not None
+            else StateMetadata(self._field(f"read{g}"), self._field(f"write{g}"), self._field(f"fresh{g}"))
+            for g, width in enumerate(self.packing.widths)
         )
 
     @property
@@ -272,6 +313,24 @@ def _block_table(
     return table
 
 
+def _state_rows(
+    seqs: Sequence[ScheduledSeq], tables: Sequence[np.ndarray], block_size: int, group: int, max_seqs: int
+) -> np.ndarray:
+    """(3, max_seqs): read rows, write rows and fresh flags of one recurrent group."""
+    out = np.zeros((3, max_seqs), dtype=np.int64)
+    out[2, len(seqs) :] = 1
+    for i, (seq, table) in enumerate(zip(seqs, tables)):
+        read, write = state_rows(table.tolist(), seq.num_computed_tokens, seq.num_new_tokens, block_size)
+        fresh = seq.num_computed_tokens == 0
+        if write == 0 or (read == 0 and not fresh):
+            raise BlockIdError(
+                f"request {seq.request_id!r}, group {group}: the state after {seq.num_computed_tokens} "
+                f"(+{seq.num_new_tokens}) tokens maps to the null row 0"
+            )
+        out[:, i] = read, write, fresh
+    return out
+
+
 def build_step_metadata(
     seqs: Sequence[ScheduledSeq],
     token_ids: Sequence[Sequence[int]],
@@ -280,6 +339,8 @@ def build_step_metadata(
     buckets: Buckets,
     *,
     num_blocks: int | None = None,
+    state_groups: Sequence[int] = (),
+    num_states: int | None = None,
     device: jax.Device | jax.sharding.Sharding | None = None,
 ) -> StepMetadata:
     """Build one step's metadata in numpy and send it to ``device`` in one transfer.
@@ -293,7 +354,10 @@ def build_step_metadata(
     when a dimension exceeds its largest bucket and :class:`BlockIdError` for bad ids
     (negative, ``>= num_blocks``, not ints, too few, or the null block where a new
     token must be written), before anything is sent: the device ops trust what this
-    returns (see the module docstring).
+    returns (see the module docstring). Groups listed in ``state_groups`` are recurrent:
+    they get :class:`StateMetadata` (rows checked against ``num_states``, the state
+    pool's size, or ``num_blocks`` when the states live in the block pool) instead of a
+    block table.
     """
     if not seqs:
         raise MetadataError("no sequences scheduled")
@@ -319,8 +383,20 @@ def build_step_metadata(
     num_tokens = bucket(total, buckets.tokens, "tokens")
     max_seqs = bucket(len(seqs), buckets.seqs, "seqs")
 
-    tables = []
+    state_groups = frozenset(state_groups)
+    if not state_groups <= set(range(num_groups)):
+        raise MetadataError(f"state_groups {sorted(state_groups)} are not all groups of {num_groups}")
+    if num_states is not None:
+        check_int("num_states", num_states, error=MetadataError)
+    tables: list[np.ndarray | None] = []
+    states: dict[int, np.ndarray] = {}
     for g, block_size in enumerate(block_sizes):
+        if g in state_groups:
+            limit = num_states if num_states is not None else num_blocks
+            rows = [_block_table(seq, ids[g], block_size, g, limit) for seq, ids in zip(seqs, block_ids)]
+            states[g] = _state_rows(seqs, rows, block_size, g, max_seqs)
+            tables.append(None)
+            continue
         rows = [_block_table(seq, ids[g], block_size, g, num_blocks) for seq, ids in zip(seqs, block_ids)]
         width = bucket(max(len(r) for r in rows), buckets.blocks, f"blocks of group {g}")
         table = np.zeros((max_seqs, width), dtype=np.int64)
@@ -328,7 +404,7 @@ def build_step_metadata(
             table[i, : len(row)] = row
         tables.append(table)
 
-    packing = _Packing(num_tokens, max_seqs, tuple(t.shape[1] for t in tables))
+    packing = _Packing(num_tokens, max_seqs, tuple(None if t is None else t.shape[1] for t in tables))
     offsets = packing.offsets
     packed = np.zeros(offsets["_end"][0], dtype=np.int64)
 
@@ -346,6 +422,12 @@ def build_step_metadata(
     put("num_seqs", np.array([len(seqs)]))
     put("logits_indices", cu_q_lens[1:] - 1)
     for g, (table, block_size) in enumerate(zip(tables, block_sizes)):
+        if table is None:
+            read, write, fresh = states[g]
+            put(f"read{g}", read)
+            put(f"write{g}", write)
+            put(f"fresh{g}", fresh)
+            continue
         block = table[seq_of_token, positions // block_size]
         null = block == 0
         if null.any():

@@ -19,6 +19,7 @@ from jaxkv.metadata import (
     bucket,
     build_step_metadata,
     decodes_first,
+    state_rows,
 )
 from jaxkv.planner import KVCacheConfig, KVCacheGroup
 from jaxkv.specs import FullAttentionSpec
@@ -292,3 +293,43 @@ def test_metadata_drives_write_and_attention_end_to_end():
     cache, out = run(cache, [ScheduledSeq("p", 6, 1), ScheduledSeq("q", 3, 1)])
     np.testing.assert_allclose(np.asarray(out[0, 0]), dense("p", 7), atol=1e-5)
     np.testing.assert_allclose(np.asarray(out[1, 1]), dense("q", 4), atol=1e-5)
+
+
+# ------------------------------------------------------------- recurrent groups
+def test_state_rows_read_the_computed_state_and_write_the_newest():
+    assert state_rows([0, 0, 5], 40, 1, 16) == (5, 5), "running state updated in place"
+    assert state_rows([0, 0, 0, 5], 48, 1, 16) == (5, 5), "the slot moved to the newest index"
+    assert state_rows([0, 0, 3, 7], 48, 1, 16) == (3, 7), "copy-on-write from a checkpoint"
+    assert state_rows([9], 0, 16, 16) == (0, 9), "nothing computed: nothing read"
+
+
+def test_recurrent_group_gets_state_rows_instead_of_a_table():
+    seqs = [ScheduledSeq("dec", 48, 1), ScheduledSeq("new", 0, 5)]
+    block_ids = [([1, 2, 3, 4], [0, 0, 3, 7]), ([5], [6])]
+    md = build_step_metadata(
+        seqs, [[1], [1, 2, 3, 4, 5]], block_ids, (16, 16), BUCKETS, num_blocks=8, state_groups=(1,), num_states=8
+    )
+    attention, state = md.groups
+    assert np.asarray(attention.block_tables).shape == (2, 4)
+    assert np.asarray(state.read_rows).tolist() == [3, 0]
+    assert np.asarray(state.write_rows).tolist() == [7, 6]
+    assert np.asarray(state.fresh).tolist() == [0, 1]
+
+
+def test_padded_sequences_read_and_write_the_null_row_from_zeros():
+    md = build_step_metadata(
+        [ScheduledSeq("a", 0, 3)], [[1, 2, 3]], [([1], [2])], (16, 16), Buckets((8,), (4,), (2,)), state_groups=(1,)
+    )
+    state = md.groups[1]
+    assert np.asarray(state.write_rows).tolist() == [2, 0, 0, 0]
+    assert np.asarray(state.fresh).tolist() == [1, 1, 1, 1]
+
+
+def test_state_rows_out_of_range_or_null_are_refused():
+    seq = [ScheduledSeq("a", 16, 1)]
+    with pytest.raises(BlockIdError, match="out of range"):
+        build_step_metadata(seq, [[1]], [([1, 2], [0, 9])], (16, 16), BUCKETS, state_groups=(1,), num_states=8)
+    with pytest.raises(BlockIdError, match="null row"):
+        build_step_metadata(seq, [[1]], [([1, 2], [4, 0])], (16, 16), BUCKETS, state_groups=(1,), num_states=8)
+    with pytest.raises(MetadataError, match="state_groups"):
+        build_step_metadata(seq, [[1]], [([1, 2], [4, 5])], (16, 16), BUCKETS, state_groups=(2,))
