@@ -36,6 +36,7 @@ from jaxkv.single_type import (
     manager_class_for,
 )
 from jaxkv.specs import KVCacheSpec
+from jaxkv.state_retention import CheckpointRetention
 
 RETENTION_RULES = ("vllm", "group_aware")
 """How a hybrid model's unreferenced blocks queue for eviction.
@@ -100,6 +101,15 @@ class KVCacheCoordinator:
             for i, g in enumerate(groups)
         ]
         self._state_managers = [m for m in self.managers if isinstance(m, StatePoolManager)]
+        self._retention: CheckpointRetention | None = None
+        if self.state_pool is not None:
+            self._retention = CheckpointRetention(
+                self.pool,
+                self.state_pool,
+                [m.group_id for m in self.managers if m.pool is self.pool and m.block_size == config.hash_block_size],
+                [m.group_id for m in self._state_managers],
+            )
+            self.pool.add_reuse_listener(self._retention.on_evict)
         # The config guarantees every block size is a multiple of the smallest.
         self.hash_block_size = config.hash_block_size
         self.lcm_block_size = math.lcm(*(g.block_size for g in groups))
@@ -301,11 +311,17 @@ class KVCacheCoordinator:
         token_ids: Sequence[int],
         lora_name: str | None,
     ) -> None:
-        """Offer every group's newly full blocks to the prefix cache."""
+        """Offer every group's newly full blocks to the prefix cache (with a state pool,
+        recording the attention chains that its retention follows)."""
         managers = self.managers
+        retention = self._retention
         for t, hashes in self.typed_hashes(block_hashes):
             for g in t.group_ids:
-                managers[g].cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
+                m = managers[g]
+                start = m.num_cached.get(request_id, 0)
+                m.cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
+                if retention is not None:
+                    retention.record(g, m.req_blocks[request_id], hashes, start, m.num_cached.get(request_id, 0))
 
     def thresholds(self, request_id: str) -> tuple[int, int, int]:
         """The request's next event thresholds (after a real allocation): its slot

@@ -131,6 +131,13 @@ class BlockPool:
         """Whether the block is registered in the prefix cache now (findable by a hit)."""
         return self.block_hash[block_id] is not None
 
+    def has_other_copy(self, block_id: int) -> bool:
+        """Whether another block is cached under this cached block's hash (its prefix
+        stays findable when this one goes)."""
+        h = self.block_hash[block_id]
+        g = self.block_group[block_id]
+        return h is not None and (self.cached[g].get(h) != block_id or bool(self._copies[g].get(h)))
+
     def num_cached_blocks(self) -> int:
         """Blocks currently registered in the prefix cache, over all groups (every copy)."""
         return sum(len(m) for m in self.cached) + sum(len(c) for d in self._copies for c in d.values())
