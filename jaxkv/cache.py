@@ -134,9 +134,18 @@ class KVCache:
 
 
 def _device_spec(config: KVCacheConfig) -> KVCacheSpec:
-    """The one attention spec shape every group shares; raise naming the odd one out."""
-    first = config.groups[0]
-    for group in config.groups:
+    """The one attention spec shape every group shares; raise naming the odd one out.
+
+    Groups on a state pool (``config.state_group_ids``) hold no pages here: they are skipped.
+    """
+    groups = config.attention_groups
+    if not groups:
+        raise UnsupportedLayoutError(
+            f"all {len(config.groups)} group(s) are on the state pool "
+            f"(first layer {config.groups[0].layer_names[0]!r}): no attention pages to allocate"
+        )
+    first = groups[0]
+    for group in groups:
         spec = group.spec
         if type(spec) not in SUPPORTED_SPECS:
             raise UnsupportedLayoutError(
@@ -165,10 +174,9 @@ def _layer_indices(config: KVCacheConfig) -> tuple[tuple[str, int], ...]:
     if config.pages is not None:
         rows = config.pages.layers
     else:
-        width = max(len(g.layer_names) for g in config.groups)
-        rows = tuple(
-            tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in config.groups) for i in range(width)
-        )
+        groups = config.attention_groups
+        width = max(len(g.layer_names) for g in groups)
+        rows = tuple(tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in groups) for i in range(width))
     return tuple((name, i) for i, row in enumerate(rows) for name in row if name is not None)
 
 

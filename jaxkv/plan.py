@@ -30,6 +30,7 @@ from jaxkv.errors import JaxkvError
 from jaxkv.ints import is_int
 from jaxkv.planner import (
     LAYOUTS,
+    STATE_LAYOUTS,
     TPU_HEAD_DIM_MULTIPLE,
     IncompatibleSpecsError,
     InsufficientMemoryError,
@@ -192,8 +193,32 @@ def _define_flags() -> flags.FlagValues:
         f"round attention head sizes up to a multiple of this ({TPU_HEAD_DIM_MULTIPLE}: TPU tiles)",
         flag_values=fv,
     )
+    flags.DEFINE_enum(
+        "state_layout",
+        "attention_pages",
+        STATE_LAYOUTS,
+        "where Mamba states live: in attention pages (vLLM's rule) or in a state pool of their own",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "max_num_seqs",
+        None,
+        "state_pool: live states for this many running requests (default: balanced)",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "checkpoint_memory", None, "state_pool: bytes of states kept for prefix-cache checkpoints", flag_values=fv
+    )
     flags.DEFINE_boolean("help", False, "show this help", flag_values=fv)
-    for name in ("max_model_len", "block_size", "max_num_batched_tokens", "head_dim_multiple"):
+    for name in (
+        "max_model_len",
+        "block_size",
+        "max_num_batched_tokens",
+        "head_dim_multiple",
+        "state_layout",
+        "max_num_seqs",
+        "checkpoint_memory",
+    ):
         flags.DEFINE_alias(name.replace("_", "-"), name, flag_values=fv)
     return fv
 
@@ -222,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         specs = get_preset(fv.preset)
         memory = parse_size(fv.memory)
+        checkpoint_bytes = 0 if fv.checkpoint_memory is None else parse_size(fv.checkpoint_memory)
     except (UnknownPresetError, SizeError) as err:
         return _fail(str(err), 2)
     try:
@@ -233,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             layout=fv.layout,
             max_num_batched_tokens=fv.max_num_batched_tokens,
             head_dim_multiple=fv.head_dim_multiple,
+            state_layout=fv.state_layout,
+            max_num_seqs=fv.max_num_seqs,
+            checkpoint_bytes=checkpoint_bytes,
         )
     except (InsufficientMemoryError, IncompatibleSpecsError) as err:
         return _fail(str(err), 1)

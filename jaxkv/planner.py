@@ -19,6 +19,14 @@ specs -> (tile alignment) -> groups -> block size per group -> layout -> num_blo
    state.
 3. **Blocks.** ``num_blocks = memory_bytes // block_bytes``, block 0 (the null block)
    included; the budget must hold one max_model_len request plus the null block.
+
+Steps 2-3 are vLLM's rule (``state_layout="attention_pages"``, the default). With
+``state_layout="state_pool"`` the recurrent layers leave the pages: attention types
+are planned as if they were alone (blocks stay ``block_size`` tokens), each Mamba type
+becomes one group whose blocks are slots of a separate pool of states, and the budget
+is split between the two pools (see :func:`plan_kv_cache`). Prefix caching then works
+at the attention block size instead of the 100s-1000s of tokens a page needs to hold
+a state.
 """
 
 from __future__ import annotations
@@ -42,6 +50,11 @@ LAYOUTS = ("cross_layer", "per_layer")
 """``cross_layer``: block-major, all layers of a block contiguous (one buffer of
 (num_blocks, num_layers_per_block, page)), so a block moves in one copy. ``per_layer``: one
 buffer of (num_blocks, page) per layer index."""
+
+STATE_LAYOUTS = ("attention_pages", "state_pool")
+"""Where recurrent states live. ``attention_pages``: vLLM's rule, one attention page
+holds one state (the attention block size grows until it does). ``state_pool``: a pool
+of state slots apart from the attention pages (:class:`StatePool`)."""
 
 TPU_HEAD_DIM_MULTIPLE = 128
 """``head_dim_multiple`` for TPUs: a vreg is 8 sublanes x 128 lanes and Mosaic kernels
@@ -159,12 +172,41 @@ class StatePool:
     of the shared attention pool, and their block size is the hash block size, so state
     checkpoints sit at attention-block granularity whatever a state weighs. Without
     one (vLLM's rule), one attention page holds one state.
+
+    One slot of ``state_bytes`` holds the states of all layers of one recurrent group,
+    for one request at one token position. ``num_live_states`` slots are sized for the
+    running requests (one per request and recurrent group, updated in place); the other
+    usable slots are budgeted for prefix-cache checkpoints. Hand-built pools may leave
+    ``state_bytes`` and ``num_live_states`` unset (None).
     """
 
     num_states: int
+    state_bytes: int | None = None
+    num_live_states: int | None = None
 
     def __post_init__(self) -> None:
         check_int("num_states", self.num_states, minimum=2, error=PlanError)
+        if self.state_bytes is not None:
+            _positive_int("state_bytes", self.state_bytes)
+        if self.num_live_states is not None:
+            check_int("num_live_states", self.num_live_states, minimum=1, error=PlanError)
+            if self.num_live_states > self.num_states - 1:
+                raise PlanError(
+                    f"num_live_states={self.num_live_states} exceeds the {self.num_states - 1} usable "
+                    f"states of num_states={self.num_states} (state 0 is the null state)"
+                )
+
+    @property
+    def num_checkpoint_states(self) -> int | None:
+        """Usable states beyond the live ones: room for prefix-cache checkpoints."""
+        if self.num_live_states is None:
+            return None
+        return self.num_states - 1 - self.num_live_states
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Bytes of the whole pool, null state included (None without ``state_bytes``)."""
+        return None if self.state_bytes is None else self.num_states * self.state_bytes
 
 
 @dataclass(frozen=True)
@@ -177,6 +219,9 @@ class KVCacheConfig:
     ``head_dim_multiple`` is the tile alignment the group specs were padded to (their
     ``head_size`` is already the padded one). Every group block size is a multiple of
     the smallest (``hash_block_size``): the manager hashes at that granularity.
+    With a ``state_pool``, the recurrent groups (``state_group_ids``) take their blocks
+    from it: ``num_blocks`` and ``pages`` cover the attention groups only (``pages`` is
+    None when there are none).
     """
 
     num_blocks: int
@@ -206,16 +251,16 @@ class KVCacheConfig:
                     f"block sizes must be multiples of the smallest ({smallest}), "
                     f"got {group.block_size} for {group.layer_names[0]!r}"
                 )
+        if self.state_pool is not None:
+            _check_state_pool(self.groups, self.state_pool)
         if self.pages is not None:
-            _check_pages_fit(self.groups, self.pages)
+            _check_pages_fit(self.attention_groups, self.pages)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if self.memory_bytes is not None:
             _positive_int("memory_bytes", self.memory_bytes)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("head_dim_multiple", self.head_dim_multiple)
-        if self.state_pool is not None:
-            _check_state_pool(self.groups, self.state_pool)
 
     @property
     def state_group_ids(self) -> tuple[int, ...]:
@@ -223,6 +268,12 @@ class KVCacheConfig:
         if self.state_pool is None:
             return ()
         return tuple(i for i, g in enumerate(self.groups) if isinstance(g.spec, MambaSpec))
+
+    @property
+    def attention_groups(self) -> tuple[KVCacheGroup, ...]:
+        """Groups whose blocks come from the ``num_blocks`` pool (all groups without a state pool)."""
+        states = set(self.state_group_ids)
+        return tuple(g for i, g in enumerate(self.groups) if i not in states)
 
     @property
     def hash_block_size(self) -> int:
@@ -235,34 +286,63 @@ class KVCacheConfig:
         return self.num_blocks - 1
 
     def blocks_per_request(self, num_tokens: int | None = None) -> tuple[int, ...]:
-        """Blocks one request of ``num_tokens`` (default max_model_len) holds, per group."""
+        """Blocks one request of ``num_tokens`` (default max_model_len) holds, per group.
+
+        A group on the state pool holds one state (its running state, updated in
+        place), drawn from the state pool, not from the ``num_blocks`` pool.
+        """
         num_tokens = self.max_model_len if num_tokens is None else num_tokens
         if num_tokens is None:
             raise PlanError("blocks_per_request needs num_tokens: the config has no max_model_len")
+        states = set(self.state_group_ids)
         return tuple(
-            g.spec.blocks_per_request(num_tokens, g.block_size, self.max_num_batched_tokens) for g in self.groups
+            1 if i in states else g.spec.blocks_per_request(num_tokens, g.block_size, self.max_num_batched_tokens)
+            for i, g in enumerate(self.groups)
         )
+
+    def attention_blocks_per_request(self, num_tokens: int | None = None) -> int:
+        """Blocks of the ``num_blocks`` pool one request of ``num_tokens`` holds, all groups together."""
+        states = set(self.state_group_ids)
+        return sum(b for i, b in enumerate(self.blocks_per_request(num_tokens)) if i not in states)
 
     @property
     def max_concurrency(self) -> int | None:
-        """How many max_model_len requests fit at once (None without max_model_len)."""
+        """How many max_model_len requests fit at once (None without max_model_len).
+
+        With a state pool: the smaller of what the attention blocks allow and what the
+        usable states allow (one per request and recurrent group).
+        """
         if self.max_model_len is None:
             return None
-        return self.num_usable_blocks // sum(self.blocks_per_request())
+        limits = []
+        need = self.attention_blocks_per_request()
+        if need:
+            limits.append(self.num_usable_blocks // need)
+        if self.state_pool is not None:
+            limits.append((self.state_pool.num_states - 1) // len(self.state_group_ids))
+        return min(limits)
 
     @property
     def padding_bytes_per_block(self) -> tuple[int, ...] | None:
         """Bytes of a block that hold no data, per group: empty layer pages, state padding and
-        head padding (tile alignment)."""
-        if self.pages is None:
+        head padding (tile alignment). A state-pool group's block is a state slot: its
+        padding is what the slot holds beyond the group's states (0 if the slot size is unknown)."""
+        if self.pages is None and self.state_pool is None:
             return None
-        page = self.pages.page_size_bytes
-        return tuple(
-            (self.pages.num_layers_per_block - len(g.layer_names)) * page
-            + len(g.layer_names) * (page - g.spec.page_size_bytes(g.block_size))
-            + g.block_size * g.head_padding_bytes_per_token
-            for g in self.groups
-        )
+        states = set(self.state_group_ids)
+        padding = []
+        for i, g in enumerate(self.groups):
+            if i in states:
+                slot = self.state_pool.state_bytes
+                padding.append(0 if slot is None else slot - len(g.layer_names) * g.spec.state_bytes)
+                continue
+            page = self.pages.page_size_bytes
+            padding.append(
+                (self.pages.num_layers_per_block - len(g.layer_names)) * page
+                + len(g.layer_names) * (page - g.spec.page_size_bytes(g.block_size))
+                + g.block_size * g.head_padding_bytes_per_token
+            )
+        return tuple(padding)
 
     def summary(self) -> str:
         """A readable table of the plan."""
@@ -270,12 +350,13 @@ class KVCacheConfig:
         padding = self.padding_bytes_per_block
         per_request = self.blocks_per_request() if self.max_model_len is not None else None
         per_block = f"/{self.pages.num_layers_per_block}" if self.pages is not None else ""
+        states = set(self.state_group_ids)
         for i, g in enumerate(self.groups):
             rows.append(
                 (
                     str(i),
-                    g.spec.label,
-                    f"{len(g.layer_names)}{per_block}",
+                    g.spec.label + (" (state pool)" if i in states else ""),
+                    f"{len(g.layer_names)}{'' if i in states else per_block}",
                     str(g.block_size),
                     f"{g.spec.page_size_bytes(g.block_size):,}",
                     f"{padding[i]:,}" if padding is not None else "-",
@@ -303,7 +384,7 @@ class KVCacheConfig:
                 f"{self.pages.num_layers_per_block} layer page(s) = {block:,} B ({_human(block)})"
             )
             used = f" = {_human(self.num_blocks * block)}"
-            if self.memory_bytes is not None:
+            if self.memory_bytes is not None and self.state_pool is None:
                 used += f" of {_human(self.memory_bytes)}"
         else:
             used = ""
@@ -311,20 +392,47 @@ class KVCacheConfig:
             f"num_blocks {self.num_blocks:,}{used}; block 0 is the null block "
             f"(never handed out): {self.num_usable_blocks:,} usable"
         )
+        if self.state_pool is not None:
+            lines.extend(_state_pool_lines(self))
         if per_request is not None:
-            need = sum(per_request)
+            need = self.attention_blocks_per_request()
             line = f"max_model_len {self.max_model_len:,}: one request needs {need:,} blocks"
             if self.pages is not None:
                 line += f" ({_human(need * self.pages.block_bytes)})"
+            if states:
+                line += f" + {len(states)} live state(s)"
             lines.append(f"{line}; max concurrency {self.max_concurrency:,}")
-            if padding is not None:
-                wasted = sum(n * p for n, p in zip(per_request, padding))
+            if self.pages is not None:
+                wasted = sum(n * p for i, (n, p) in enumerate(zip(per_request, padding)) if i not in states)
                 share = wasted / (need * self.pages.block_bytes)
                 lines.append(
-                    f"padding: {_human(wasted)} of a max_model_len request ({share:.1%}) "
+                    f"padding: {_human(wasted)} of a max_model_len request's blocks ({share:.1%}) "
                     "holds no data (empty layer pages, states padded to the page, heads padded to tiles)"
                 )
         return "\n".join(lines)
+
+
+def _state_pool_lines(config: KVCacheConfig) -> list[str]:
+    """The summary's split of the budget between the attention blocks and the state pool."""
+    pool = config.state_pool
+    if pool.state_bytes is None:
+        return [f"state pool: {pool.num_states:,} states (state 0 is the null state)"]
+    slot = pool.state_bytes
+    lines = [f"state slot {slot:,} B ({_human(slot)}): the states of one recurrent group's layers for one request"]
+    if pool.num_live_states is not None:
+        checkpoints = pool.num_checkpoint_states
+        lines.append(
+            f"state pool: {pool.num_live_states:,} live x {_human(slot)} = {_human(pool.num_live_states * slot)}"
+            f" + {checkpoints:,} checkpoint(s) = {_human(checkpoints * slot)} + the null state"
+            f" = {pool.num_states:,} states = {_human(pool.total_bytes)}"
+        )
+    attention = config.num_blocks * config.pages.block_bytes if config.pages is not None else 0
+    both = _human(attention + pool.total_bytes)
+    total = f"total {_human(attention)} attention + {_human(pool.total_bytes)} states = {both}"
+    if config.memory_bytes is not None:
+        total += f" of {_human(config.memory_bytes)}"
+    lines.append(f"{total}; prefix-cache granularity (hash block size) {config.hash_block_size} tokens")
+    return lines
 
 
 def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
@@ -361,6 +469,8 @@ def _headline(config: KVCacheConfig) -> str:
     head = f"KV cache plan: {len(config.groups)} group(s)"
     if config.pages is not None:
         head += f" x {config.pages.num_layers_per_block} layer page(s), {config.pages.layout} layout"
+    if config.state_pool is not None:
+        head += f", {len(config.state_group_ids)} on a state pool"
     return f"{head}, hash block size {config.hash_block_size} tokens"
 
 
@@ -461,6 +571,9 @@ def plan_kv_cache(
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     num_blocks_override: int | None = None,
     head_dim_multiple: int = 1,
+    state_layout: str = "attention_pages",
+    max_num_seqs: int | None = None,
+    checkpoint_bytes: int = 0,
 ) -> KVCacheConfig:
     """Plan groups, block sizes, layout and num_blocks for a byte budget.
 
@@ -470,6 +583,10 @@ def plan_kv_cache(
     specs are planned unchanged. The group specs carry the padded head size, which
     is what :func:`jaxkv.cache.allocate_kv_cache` allocates and :mod:`jaxkv.ops` pads
     q/k/v up to.
+
+    ``state_layout`` (:data:`STATE_LAYOUTS`) says where Mamba states live; see
+    :func:`_plan_state_pool` for ``"state_pool"`` and its ``max_num_seqs`` and
+    ``checkpoint_bytes``, which the default ``"attention_pages"`` refuses.
 
     Raises :class:`PlanError` for bad arguments, :class:`IncompatibleSpecsError` when
     pages cannot be unified and :class:`InsufficientMemoryError` when the budget (or
@@ -486,23 +603,41 @@ def plan_kv_cache(
     if num_blocks_override is not None:
         _positive_int("num_blocks_override", num_blocks_override)
     _positive_int("head_dim_multiple", head_dim_multiple)
+    if state_layout not in STATE_LAYOUTS:
+        raise PlanError(f"unknown state_layout {state_layout!r}; valid state layouts: {', '.join(STATE_LAYOUTS)}")
+    if max_num_seqs is not None:
+        _positive_int("max_num_seqs", max_num_seqs)
+    check_int("checkpoint_bytes", checkpoint_bytes, minimum=0, error=PlanError)
+    if state_layout == "attention_pages" and (max_num_seqs is not None or checkpoint_bytes):
+        raise PlanError(
+            f"max_num_seqs={max_num_seqs} and checkpoint_bytes={checkpoint_bytes} size a state pool; "
+            "state_layout='attention_pages' has none (use state_layout='state_pool')"
+        )
+    if state_layout == "state_pool" and num_blocks_override is not None:
+        raise PlanError(
+            f"num_blocks_override={num_blocks_override} cannot be combined with state_layout='state_pool', "
+            "which splits memory_bytes between attention blocks and states itself"
+        )
 
     padded = {name: pad_head_size(spec, head_dim_multiple) for name, spec in layer_specs.items()}
     types = _layer_types(padded)
+    if state_layout == "state_pool":
+        return _plan_state_pool(
+            types,
+            layer_specs,
+            padded,
+            memory_bytes,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            layout=layout,
+            max_num_batched_tokens=max_num_batched_tokens,
+            head_dim_multiple=head_dim_multiple,
+            max_num_seqs=max_num_seqs,
+            checkpoint_bytes=checkpoint_bytes,
+        )
     sizes, page = _unify_pages([t.spec for t in types], block_size)
-    per_type = [t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens) for t, size in zip(types, sizes)]
-    per_group = choose_layers_per_group([len(t.layer_names) for t in types], per_type)
-    groups = tuple(
-        KVCacheGroup(names, t.spec, size, _head_padding_bytes_per_token(names, layer_specs, padded))
-        for t, size in zip(types, sizes)
-        for names in (t.layer_names[i : i + per_group] for i in range(0, len(t.layer_names), per_group))
-    )
-    pages = BlockPages(
-        layout=layout,
-        layers=tuple(
-            tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in groups) for i in range(per_group)
-        ),
-        page_size_bytes=page,
+    groups, pages = _group_and_page(
+        types, sizes, page, layer_specs, padded, max_model_len, max_num_batched_tokens, layout
     )
     block_bytes = pages.block_bytes
     num_blocks = memory_bytes // block_bytes if num_blocks_override is None else num_blocks_override
@@ -526,6 +661,121 @@ def plan_kv_cache(
         memory_bytes=memory_bytes,
         max_num_batched_tokens=max_num_batched_tokens,
         head_dim_multiple=head_dim_multiple,
+    )
+
+
+def _group_and_page(
+    types: Sequence[_LayerType],
+    sizes: Sequence[int],
+    page: int,
+    original: Mapping[str, KVCacheSpec],
+    padded: Mapping[str, KVCacheSpec],
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    layout: str,
+) -> tuple[tuple[KVCacheGroup, ...], BlockPages]:
+    """Cut ``types`` (block size ``sizes``) into groups of equal layer count and lay them on pages of ``page`` B."""
+    per_type = [t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens) for t, size in zip(types, sizes)]
+    per_group = choose_layers_per_group([len(t.layer_names) for t in types], per_type)
+    groups = tuple(
+        KVCacheGroup(names, t.spec, size, _head_padding_bytes_per_token(names, original, padded))
+        for t, size in zip(types, sizes)
+        for names in (t.layer_names[i : i + per_group] for i in range(0, len(t.layer_names), per_group))
+    )
+    pages = BlockPages(
+        layout=layout,
+        layers=tuple(
+            tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in groups) for i in range(per_group)
+        ),
+        page_size_bytes=page,
+    )
+    return groups, pages
+
+
+def _plan_state_pool(
+    types: Sequence[_LayerType],
+    original: Mapping[str, KVCacheSpec],
+    padded: Mapping[str, KVCacheSpec],
+    memory_bytes: int,
+    *,
+    max_model_len: int,
+    block_size: int,
+    layout: str,
+    max_num_batched_tokens: int,
+    head_dim_multiple: int,
+    max_num_seqs: int | None,
+    checkpoint_bytes: int,
+) -> KVCacheConfig:
+    """The ``state_layout="state_pool"`` plan: attention pages without the states, states in slots.
+
+    Attention types are planned as if the Mamba layers were absent (their block sizes
+    stay near ``block_size``). Each Mamba type is one group at the hash block size;
+    its blocks are slots of a :class:`StatePool` whose slot holds all the group's
+    layers' states for one request (the largest group sets the slot size).
+
+    Live states are one per running request and recurrent group: ``max_num_seqs``
+    requests' worth when given, else the most requests n for which n live states plus
+    the attention blocks of n max_model_len requests (plus the null block and null
+    state) fit in ``memory_bytes - checkpoint_bytes``, which balances the two pools.
+    ``checkpoint_bytes // slot`` more states hold prefix-cache checkpoints; the
+    attention pool gets every byte left. A model with no attention layers gets no
+    pages and ``num_blocks=1`` (the null block alone).
+    """
+    attention = [t for t in types if not isinstance(t.spec, MambaSpec)]
+    recurrent = [t for t in types if isinstance(t.spec, MambaSpec)]
+    if not recurrent:
+        raise PlanError(
+            "state_layout='state_pool' needs recurrent (MambaSpec) layers, but every layer is attention: "
+            f"{', '.join(sorted({t.spec.label for t in types}))}"
+        )
+    if attention:
+        sizes, page = _unify_pages([t.spec for t in attention], block_size)
+        attention_groups, pages = _group_and_page(
+            attention, sizes, page, original, padded, max_model_len, max_num_batched_tokens, layout
+        )
+        hash_block_size = min(sizes)
+        block_bytes = pages.block_bytes
+        need = sum(
+            g.spec.blocks_per_request(max_model_len, g.block_size, max_num_batched_tokens) for g in attention_groups
+        )
+    else:
+        attention_groups, pages, hash_block_size, block_bytes, need = (), None, block_size, 0, 0
+    state_groups = {t.spec.type_key: KVCacheGroup(t.layer_names, t.spec, hash_block_size) for t in recurrent}
+    groups = tuple(
+        g
+        for t in types
+        for g in (
+            [state_groups[t.spec.type_key]]
+            if isinstance(t.spec, MambaSpec)
+            else [g for g in attention_groups if g.spec.type_key == t.spec.type_key]
+        )
+    )
+    slot = max(len(t.layer_names) * t.spec.state_bytes for t in recurrent)
+    states_per_request = len(recurrent)
+    per_request = need * block_bytes + states_per_request * slot
+    fixed = block_bytes + slot  # the null block and the null state
+    budget = memory_bytes - checkpoint_bytes
+    num_seqs = (budget - fixed) // per_request if max_num_seqs is None else max_num_seqs
+    live = num_seqs * states_per_request
+    num_states = 1 + live + checkpoint_bytes // slot
+    num_blocks = (memory_bytes - num_states * slot) // block_bytes if attention else 1
+    fits = num_states * slot + num_blocks * block_bytes <= memory_bytes
+    if num_seqs < 1 or num_blocks < need + 1 or not fits:
+        raise InsufficientMemoryError(
+            f"memory_bytes={memory_bytes} with checkpoint_bytes={checkpoint_bytes} and "
+            f"max_num_seqs={max_num_seqs} cannot hold {max(num_seqs, 1)} request(s) of "
+            f"max_model_len={max_model_len}: each needs {need} attention blocks of {block_bytes} B and "
+            f"{states_per_request} state slot(s) of {slot} B, plus the null block and null state"
+        )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        groups=groups,
+        pages=pages,
+        max_model_len=max_model_len,
+        memory_bytes=memory_bytes,
+        max_num_batched_tokens=max_num_batched_tokens,
+        head_dim_multiple=head_dim_multiple,
+        state_pool=StatePool(num_states=num_states, state_bytes=slot, num_live_states=live),
     )
 
 

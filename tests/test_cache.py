@@ -22,7 +22,7 @@ from jaxkv.cache import (
 )
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
 from jaxkv.presets import get_preset
-from jaxkv.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MLASpec, SlidingWindowSpec
+from jaxkv.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, MLASpec, SlidingWindowSpec
 
 
 def spec(cls=FullAttentionSpec, **kw):
@@ -122,6 +122,18 @@ def test_mamba_and_mixed_block_sizes_are_unsupported():
     config = KVCacheConfig(num_blocks=4, groups=(KVCacheGroup(("a",), spec(), 8), KVCacheGroup(("b",), spec(), 16)))
     with pytest.raises(UnsupportedLayoutError, match="block_size 16"):
         allocate_kv_cache(config)
+
+
+def test_a_state_pool_plan_allocates_pages_for_its_attention_groups_only():
+    config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 1 << 22, max_model_len=64, state_layout="state_pool")
+    cache = allocate_kv_cache(config)
+    attention = {n for g in config.attention_groups for n in g.layer_names}
+    assert {name for name, _ in cache.layer_indices} == attention and len(attention) == 2
+    assert cache.block_size == 16 and cache.nbytes == config.num_blocks * config.pages.block_bytes
+    state = MambaSpec(shapes=((4, 8),), dtypes=("float32",))
+    states_only = plan_kv_cache({"m0": state, "m1": state}, 1 << 16, max_model_len=64, state_layout="state_pool")
+    with pytest.raises(UnsupportedLayoutError, match="all 1 group\\(s\\) are on the state pool \\(first layer 'm0'\\)"):
+        allocate_kv_cache(states_only)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="asserts the CPU backend's memory_analysis figures")

@@ -148,3 +148,36 @@ def test_cli_plans_a_petabyte_and_runs_as_a_module():
         check=False,
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+# ------------------------------------------------------------ state pool
+NEMOTRON = ["jaxkv.plan", "--preset=nemotron-h-8b", "--memory=16GiB", "--max-model-len=32768"]
+
+
+def test_cli_plans_a_state_pool_and_prints_the_split(capsys):
+    assert main([*NEMOTRON, "--state-layout=state_pool", "--checkpoint-memory=1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "mamba2 (state pool)" in out and "hash block size 16 tokens" in out
+    assert "25 live x 97.41 MiB" in out and "10 checkpoint(s)" in out
+    assert "of 16.00 GiB; prefix-cache granularity (hash block size) 16 tokens" in out
+    assert main([*NEMOTRON, "--state_layout=state_pool", "--max_num_seqs=8"]) == 0
+    assert "8 live x" in capsys.readouterr().out
+    assert main(NEMOTRON) == 0
+    assert "hash block size 1040 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message", "status"),
+    [
+        (["--state_layout=pages"], "flag --state_layout=pages: value should be one of <attention_pages|state_pool>", 2),
+        (["--max_num_seqs=4"], "max_num_seqs=4 and checkpoint_bytes=0 size a state pool", 2),
+        (["--checkpoint_memory=1GiB"], "checkpoint_bytes=1073741824 size a state pool", 2),
+        (["--state_layout=state_pool", "--max_num_seqs=0"], "max_num_seqs must be a positive int, got 0", 2),
+        (["--state_layout=state_pool", "--checkpoint_memory=lots"], "cannot read memory size 'lots'", 2),
+        (["--state_layout=state_pool", "--checkpoint_memory=16GiB"], "checkpoint_bytes=17179869184", 1),
+    ],
+)
+def test_cli_refuses_bad_state_pool_flags_in_one_line(capsys, args, message, status):
+    assert main([*NEMOTRON, *args]) == status
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxkv.plan: error: ") and message in err

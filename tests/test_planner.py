@@ -535,3 +535,187 @@ def test_exact_concurrency_bound_adds_one_live_state_per_request():
 def test_exact_concurrency_bound_refuses_bad_sizes(memory_bytes, max_model_len):
     with pytest.raises(PlanError):
         exact_concurrency_bound(get_preset("llama-3.1-8b"), memory_bytes, max_model_len)
+
+
+# ------------------------------------------------------------ state pool (issue 9)
+
+RECURRENT_HYBRIDS = {"nemotron-h-8b": 1040, "qwen3-next-80b": 1056, "jamba-1.5-mini": 144}
+
+
+def check_state_pool_plan(config: KVCacheConfig, layer_specs, memory_bytes: int) -> None:
+    """Invariants of every state-pool plan: both pools fit the budget, one request fits both."""
+    pool = config.state_pool
+    attention = config.num_blocks * config.pages.block_bytes if config.pages is not None else 0
+    assert attention + pool.num_states * pool.state_bytes <= memory_bytes
+    assert config.num_blocks >= config.attention_blocks_per_request() + 1
+    assert pool.num_live_states >= len(config.state_group_ids)
+    assert config.max_concurrency >= 1
+    # Each Mamba type is one group at the hash block size; pages list attention groups only.
+    recurrent = [config.groups[i] for i in config.state_group_ids]
+    assert {g.spec.type_key for g in recurrent} == {
+        s.type_key for s in layer_specs.values() if isinstance(s, MambaSpec)
+    }
+    assert all(g.block_size == config.hash_block_size for g in recurrent)
+    assert pool.state_bytes == max(len(g.layer_names) * g.spec.state_bytes for g in recurrent)
+    if config.pages is not None:
+        on_pages = {n for row in config.pages.layers for n in row if n is not None}
+        assert on_pages == {n for g in config.attention_groups for n in g.layer_names}
+    names = [n for g in config.groups for n in g.layer_names]
+    assert Counter(names) == Counter(list(layer_specs))
+
+
+@pytest.mark.parametrize("name, vllm_block", RECURRENT_HYBRIDS.items())
+def test_a_state_pool_caches_prefixes_at_16_tokens_where_vllms_rule_needs_a_page_per_state(name, vllm_block):
+    specs = get_preset(name)
+    pooled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool")
+    paged = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
+    assert paged.hash_block_size == vllm_block
+    assert pooled.hash_block_size == 16
+    assert all(g.block_size == 16 for g in pooled.groups)
+    check_state_pool_plan(pooled, specs, 16 * GiB)
+
+
+@pytest.mark.parametrize("name", RECURRENT_HYBRIDS)
+def test_a_state_pool_reaches_98_percent_of_the_exact_concurrency_bound(name):
+    specs = get_preset(name)
+    bound = exact_concurrency_bound(specs, 16 * GiB, 32768)
+    pooled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool")
+    assert bound >= pooled.max_concurrency >= 0.98 * bound
+    assert pooled.max_concurrency >= plan_kv_cache(specs, 16 * GiB, max_model_len=32768).max_concurrency
+
+
+def test_nemotron_h_8b_runs_26_requests_on_a_state_pool_and_22_on_attention_pages():
+    specs = get_preset("nemotron-h-8b")
+    assert exact_concurrency_bound(specs, 16 * GiB, 32768) == 26
+    assert plan_kv_cache(specs, 16 * GiB, max_model_len=32768).max_concurrency == 22
+    pooled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool")
+    assert pooled.max_concurrency == 26
+    assert pooled.state_pool.num_live_states == 26 and pooled.state_pool.num_checkpoint_states == 0
+    # One request: the attention blocks of 32k tokens and one live state, nothing against the pool for Mamba.
+    assert pooled.attention_blocks_per_request() == 2048
+    summary = pooled.summary()
+    assert "26 live" in summary and "0 checkpoint(s)" in summary
+    assert "prefix-cache granularity (hash block size) 16 tokens" in summary and "of 16.00 GiB" in summary
+
+
+def test_checkpoint_memory_buys_checkpoint_states_out_of_the_live_ones():
+    specs = get_preset("nemotron-h-8b")
+    plain = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool")
+    slot = plain.state_pool.state_bytes
+    checkpointed = plan_kv_cache(
+        specs, 16 * GiB, max_model_len=32768, state_layout="state_pool", checkpoint_bytes=2 * GiB
+    )
+    pool = checkpointed.state_pool
+    assert pool.state_bytes == slot
+    assert pool.num_checkpoint_states == 2 * GiB // slot
+    assert pool.num_live_states < plain.state_pool.num_live_states
+    # 2 GiB holds about four requests' attention plus state: that many fewer live states.
+    per_request = 2048 * plain.pages.block_bytes + slot
+    assert plain.state_pool.num_live_states - pool.num_live_states == pytest.approx(2 * GiB / per_request, abs=1)
+    check_state_pool_plan(checkpointed, specs, 16 * GiB)
+
+
+def test_max_num_seqs_fixes_the_live_states_and_attention_takes_the_rest():
+    specs = get_preset("jamba-1.5-mini")
+    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool", max_num_seqs=8)
+    pool = config.state_pool
+    assert pool.num_live_states == 8 and pool.num_states == 9
+    assert config.num_blocks == (16 * GiB - 9 * pool.state_bytes) // config.pages.block_bytes
+    assert config.max_concurrency == 8  # states limit it; attention would hold more
+    check_state_pool_plan(config, specs, 16 * GiB)
+    with pytest.raises(InsufficientMemoryError, match="max_num_seqs=100000"):
+        plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool", max_num_seqs=100_000)
+
+
+def test_a_state_pool_too_small_for_one_request_names_the_budget():
+    specs = get_preset("nemotron-h-8b")
+    with pytest.raises(InsufficientMemoryError, match="memory_bytes=536870912 with checkpoint_bytes=0"):
+        plan_kv_cache(specs, 512 << 20, max_model_len=32768, state_layout="state_pool")
+    with pytest.raises(InsufficientMemoryError, match="checkpoint_bytes=1073741824"):
+        plan_kv_cache(specs, GiB, max_model_len=32768, state_layout="state_pool", checkpoint_bytes=GiB)
+
+
+def test_a_mamba_only_model_on_a_state_pool_has_no_attention_pages():
+    state = MambaSpec(shapes=((4, 8),), dtypes=("float32",))
+    specs = {f"m{i}": state for i in range(3)}
+    config = plan_kv_cache(specs, 10 * 3 * 128, max_model_len=4096, state_layout="state_pool")
+    assert config.pages is None and config.num_blocks == 1 and config.attention_groups == ()
+    assert config.state_pool.state_bytes == 3 * 128 and config.state_pool.num_states == 10
+    assert config.max_concurrency == 9 and config.hash_block_size == 16
+    assert "state slot 384 B" in config.summary()
+
+
+def test_each_mamba_type_is_one_group_and_each_request_holds_one_slot_per_group():
+    mamba = MambaSpec(shapes=((4, 8),), dtypes=("float32",))
+    delta = MambaSpec(shapes=((2, 8),), dtypes=("float32",), mamba_type="gated_delta_net")
+    full = FullAttentionSpec(num_kv_heads=1, head_size=8, dtype="float32")
+    specs = {"m0": mamba, "a0": full, "d0": delta, "m1": mamba, "a1": full, "d1": delta, "d2": delta}
+    config = plan_kv_cache(specs, 1 << 20, max_model_len=256, state_layout="state_pool")
+    assert [g.layer_names for g in config.groups] == [("m0", "m1"), ("a0", "a1"), ("d0", "d1", "d2")]
+    assert config.state_group_ids == (0, 2)
+    assert config.state_pool.state_bytes == max(2 * 128, 3 * 64)
+    assert config.state_pool.num_live_states == 2 * config.max_concurrency
+    assert config.pages.layers == (("a0",), ("a1",))
+    check_state_pool_plan(config, specs, 1 << 20)
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"state_layout": "pages"}, "unknown state_layout 'pages'"),
+        ({"max_num_seqs": 4}, "max_num_seqs=4"),
+        ({"checkpoint_bytes": GiB}, "checkpoint_bytes=1073741824"),
+        ({"state_layout": "state_pool", "max_num_seqs": 0}, "max_num_seqs must be a positive int, got 0"),
+        ({"state_layout": "state_pool", "checkpoint_bytes": -1}, "checkpoint_bytes must be a non-negative int, got -1"),
+        ({"state_layout": "state_pool", "num_blocks_override": 100}, "num_blocks_override=100"),
+    ],
+)
+def test_bad_state_layout_arguments_raise_a_plan_error_naming_the_value(kwargs, named):
+    with pytest.raises(PlanError, match=named):
+        plan_kv_cache(get_preset("jamba-1.5-mini"), 16 * GiB, max_model_len=32768, **kwargs)
+
+
+def test_a_state_pool_without_recurrent_layers_is_refused():
+    with pytest.raises(PlanError, match="needs recurrent .* every layer is attention: full_attention"):
+        plan_kv_cache(get_preset("llama-3.1-8b"), 16 * GiB, max_model_len=32768, state_layout="state_pool")
+
+
+def test_hand_built_state_pools_check_their_live_states():
+    with pytest.raises(PlanError, match="num_live_states=4 exceeds the 3 usable states of num_states=4"):
+        StatePool(num_states=4, state_bytes=64, num_live_states=4)
+    with pytest.raises(PlanError, match="state_bytes must be a positive int, got 0"):
+        StatePool(num_states=4, state_bytes=0)
+    assert StatePool(num_states=4).num_checkpoint_states is None
+    assert StatePool(num_states=4, state_bytes=64, num_live_states=2).num_checkpoint_states == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    specs=models(),
+    memory=st.integers(1, 1 << 26),
+    max_model_len=st.integers(1, 4096),
+    max_num_seqs=st.none() | st.integers(1, 64),
+    checkpoint_bytes=st.integers(0, 1 << 22),
+)
+def test_any_state_pool_plan_fits_its_budget_and_one_request(
+    specs, memory, max_model_len, max_num_seqs, checkpoint_bytes
+):
+    if not any(isinstance(s, MambaSpec) for s in specs.values()):
+        return
+    try:
+        config = plan_kv_cache(
+            specs,
+            memory,
+            max_model_len=max_model_len,
+            state_layout="state_pool",
+            max_num_seqs=max_num_seqs,
+            checkpoint_bytes=checkpoint_bytes,
+        )
+    except IncompatibleSpecsError:
+        return
+    except InsufficientMemoryError as err:
+        assert f"memory_bytes={memory}" in str(err)
+        return
+    check_state_pool_plan(config, specs, memory)
+    if max_num_seqs is None:
+        assert config.state_pool.num_checkpoint_states == checkpoint_bytes // config.state_pool.state_bytes

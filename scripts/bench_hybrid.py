@@ -1,0 +1,211 @@
+"""What jaxkv's hybrid-model options buy over vLLM's rules (issue 9 and group-aware retention).
+
+Sections (``--sections``, comma list, default all), one table each:
+
+* ``granularity``: the prefix-cache granularity (hash block size, tokens) of the
+  recurrent hybrids' plans with ``state_layout="state_pool"`` against vLLM's rule
+  (``attention_pages``: one attention page holds one Mamba state, so blocks grow to
+  hundreds or thousands of tokens). Target: <= 64 tokens.
+* ``concurrency``: how many ``--max_model_len`` requests each plan runs at once
+  (``max_concurrency``; the state pool with no checkpoint memory) against
+  :func:`~jaxkv.planner.exact_concurrency_bound`, and the state pool's split of the
+  budget. Target: the state pool reaches >= 98 % of the bound.
+* ``retention``: prompt hit rate of a Gemma-3-like model (gemma-3-27b: 5 sliding-window
+  groups + 1 full) replaying one multi-turn trace in the simulator under memory
+  pressure, with vLLM's eviction rule and with ``retention="group_aware"``, at each
+  ``--retention_memory`` budget. Target: >= 10 points more with group-aware retention.
+
+    python scripts/bench_hybrid.py --out bench_hybrid.json
+
+``--quick`` shrinks the retention trace (a smoke run of a few seconds; its hit rates
+are not the benchmark's).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from absl import app, flags
+
+from jaxkv.errors import JaxkvError
+from jaxkv.manager import KVCacheManager
+from jaxkv.plan import exit_error, flags_parser, parse_size
+from jaxkv.planner import exact_concurrency_bound, plan_kv_cache
+from jaxkv.presets import get_preset
+from jaxkv.serving.simulator import Simulator, synthetic_trace
+
+PROG = "bench_hybrid.py"
+RECURRENT_PRESETS = ("nemotron-h-8b", "qwen3-next-80b", "jamba-1.5-mini")
+RETENTION_PRESET = "gemma-3-27b"
+RETENTION_RULES = ("vllm", "group_aware")
+GiB = 1 << 30
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("sections", ["granularity", "concurrency", "retention"], "sections to run, in this order")
+flags.DEFINE_string("memory", "16GiB", "KV cache budget of the granularity and concurrency plans")
+flags.DEFINE_integer("max_model_len", 32768, "tokens of the longest request (every section)", lower_bound=1)
+flags.DEFINE_list("retention_memory", ["16GiB", "20GiB"], "retention: KV cache budgets of the Gemma-3 plan")
+flags.DEFINE_integer("conversations", 200, "retention: conversations in the trace", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "retention: trace seed", lower_bound=0)
+flags.DEFINE_boolean("quick", False, "retention: a 20-conversation trace (smoke runs)")
+flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+def granularity() -> list[dict]:
+    """Hash block size of the state-pool plan and of vLLM's rule, per recurrent hybrid."""
+    memory = parse_size(FLAGS.memory)
+    rows = []
+    for name in RECURRENT_PRESETS:
+        specs = get_preset(name)
+        pooled = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len, state_layout="state_pool")
+        paged = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len)
+        rows.append(
+            {
+                "preset": name,
+                "state_pool": pooled.hash_block_size,
+                "attention_pages": paged.hash_block_size,
+                "finer_x": paged.hash_block_size / pooled.hash_block_size,
+            }
+        )
+    return rows
+
+
+def concurrency() -> list[dict]:
+    """max_concurrency of both state layouts against the exact bound, and the state pool's split."""
+    memory = parse_size(FLAGS.memory)
+    rows = []
+    for name in RECURRENT_PRESETS:
+        specs = get_preset(name)
+        pooled = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len, state_layout="state_pool")
+        paged = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len)
+        bound = exact_concurrency_bound(specs, memory, FLAGS.max_model_len)
+        pool = pooled.state_pool
+        rows.append(
+            {
+                "preset": name,
+                "state_pool": pooled.max_concurrency,
+                "attention_pages": paged.max_concurrency,
+                "exact_bound": bound,
+                "state_pool_ratio": pooled.max_concurrency / bound,
+                "attention_pages_ratio": paged.max_concurrency / bound,
+                "attention_gib": pooled.num_blocks * pooled.pages.block_bytes / GiB,
+                "live_states": pool.num_live_states,
+                "checkpoint_states": pool.num_checkpoint_states,
+                "state_gib": pool.total_bytes / GiB,
+            }
+        )
+    return rows
+
+
+def retention() -> list[dict]:
+    """Prompt hit rate of vLLM's eviction rule and group-aware retention on one trace, per budget."""
+    num_conversations = 20 if FLAGS.quick else FLAGS.conversations
+    trace = synthetic_trace(
+        num_conversations=num_conversations,
+        turns_per_conversation=4,
+        num_system_prompts=8,
+        system_prompt_len=2048,
+        arrival_rate=2.0,
+        turn_gap_s=20.0,
+        seed=FLAGS.seed,
+    )
+    specs = get_preset(RETENTION_PRESET)
+    rows = []
+    for text in FLAGS.retention_memory:
+        config = plan_kv_cache(specs, parse_size(text), max_model_len=FLAGS.max_model_len)
+        row: dict = {"memory": text, "num_blocks": config.num_blocks, "requests": len(trace)}
+        for rule in RETENTION_RULES:
+            start = time.perf_counter()
+            sim = Simulator(KVCacheManager(config, retention=rule), max_num_seqs=64, max_num_batched_tokens=4096)
+            result = sim.run(trace)
+            row[f"{rule}_hit_rate"] = result.prompt_hit_rate
+            row[f"{rule}_preemptions"] = result.num_preemptions
+            row[f"{rule}_wall_s"] = time.perf_counter() - start
+        row["gain_points"] = 100 * (row["group_aware_hit_rate"] - row["vllm_hit_rate"])
+        rows.append(row)
+    return rows
+
+
+SECTIONS: dict[str, Callable[[], list[dict]]] = {
+    "granularity": granularity,
+    "concurrency": concurrency,
+    "retention": retention,
+}
+
+COLUMNS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
+    "granularity": (
+        "prefix-cache granularity (hash block size, tokens): state pool vs vLLM's rule (attention_pages)",
+        (
+            ("preset", "preset", "s"),
+            ("state_pool", "state_pool", "d"),
+            ("attention_pages", "attention_pages", "d"),
+            ("finer_x", "finer x", ".1f"),
+        ),
+    ),
+    "concurrency": (
+        "max_model_len requests at once: state pool (no checkpoint memory) vs attention_pages vs the exact bound",
+        (
+            ("preset", "preset", "s"),
+            ("state_pool", "state_pool", "d"),
+            ("attention_pages", "attn_pages", "d"),
+            ("exact_bound", "bound", "d"),
+            ("state_pool_ratio", "pool/bound", ".3f"),
+            ("attention_pages_ratio", "pages/bound", ".3f"),
+            ("attention_gib", "attn GiB", ".2f"),
+            ("live_states", "live", "d"),
+            ("checkpoint_states", "ckpt", "d"),
+            ("state_gib", "state GiB", ".2f"),
+        ),
+    ),
+    "retention": (
+        f"prompt hit rate of {RETENTION_PRESET} under pressure: vLLM's eviction rule vs group-aware retention",
+        (
+            ("memory", "memory", "s"),
+            ("num_blocks", "blocks", ",d"),
+            ("requests", "requests", "d"),
+            ("vllm_hit_rate", "vllm", ".3f"),
+            ("group_aware_hit_rate", "group_aware", ".3f"),
+            ("gain_points", "gain pts", "+.1f"),
+            ("vllm_preemptions", "preempt vllm", "d"),
+            ("group_aware_preemptions", "preempt g-a", "d"),
+        ),
+    ),
+}
+
+
+def print_table(section: str, rows: list[dict]) -> None:
+    """One section's rows as an aligned table under its title."""
+    title, columns = COLUMNS[section]
+    cells = [[header for _, header, _ in columns]]
+    cells += [[format(row[key], fmt) for key, _, fmt in columns] for row in rows]
+    widths = [max(len(line[c]) for line in cells) for c in range(len(columns))]
+    print(f"\n[{section}] {title}")
+    for line in cells:
+        print("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(line, widths))))
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv  # flags_parser refused positional arguments
+    unknown = [s for s in FLAGS.sections if s not in SECTIONS]
+    if unknown or not FLAGS.sections:
+        exit_error(PROG, f"unknown sections {unknown!r}; valid sections: {', '.join(SECTIONS)}")
+    report: dict = {"memory": FLAGS.memory, "max_model_len": FLAGS.max_model_len, "quick": FLAGS.quick}
+    try:
+        for section in FLAGS.sections:
+            start = time.perf_counter()
+            rows = SECTIONS[section]()
+            print_table(section, rows)
+            report[section] = {"rows": rows, "wall_s": time.perf_counter() - start}
+    except JaxkvError as err:
+        exit_error(PROG, err)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nwrote {FLAGS.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=flags_parser(PROG))

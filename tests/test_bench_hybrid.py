@@ -1,0 +1,48 @@
+"""The hybrid benchmark runs every section end to end and its plan targets hold."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "bench_hybrid.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+
+
+def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run("--quick", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    for section in ("[granularity]", "[concurrency]", "[retention]"):
+        assert section in done.stdout
+    report = json.loads(out.read_text())
+    granularity = {r["preset"]: r for r in report["granularity"]["rows"]}
+    assert set(granularity) == {"nemotron-h-8b", "qwen3-next-80b", "jamba-1.5-mini"}
+    assert all(r["state_pool"] <= 64 for r in granularity.values())
+    assert [granularity[p]["attention_pages"] for p in ("nemotron-h-8b", "qwen3-next-80b", "jamba-1.5-mini")] == [
+        1040,
+        1056,
+        144,
+    ]
+    for row in report["concurrency"]["rows"]:
+        assert row["state_pool_ratio"] >= 0.98 and row["state_pool"] >= row["attention_pages"]
+        assert row["attention_gib"] + row["state_gib"] <= 16
+    retention = report["retention"]["rows"]
+    assert [r["memory"] for r in retention] == ["16GiB", "20GiB"]
+    for row in retention:
+        assert 0 <= row["vllm_hit_rate"] <= 1 and 0 <= row["group_aware_hit_rate"] <= 1
+        assert row["gain_points"] == 100 * (row["group_aware_hit_rate"] - row["vllm_hit_rate"])
+
+
+def test_an_unknown_section_is_one_line_and_status_2():
+    done = run("--sections", "granularity,speed")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "unknown sections ['speed']" in done.stderr and "granularity, concurrency, retention" in done.stderr
