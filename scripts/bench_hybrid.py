@@ -10,6 +10,14 @@ Sections (``--sections``, comma list, default all), one table each:
   (``max_concurrency``; the state pool with no checkpoint memory) against
   :func:`~jaxkv.planner.exact_concurrency_bound`, and the state pool's split of the
   budget. Target: the state pool reaches >= 98 % of the bound.
+* ``multiturn``: prompt hit rate of recurrent hybrids replaying a multi-turn chat trace
+  (a 512-token system prompt, 12 turns per conversation) in the simulator under
+  memory pressure: the state pool (checkpoints at prompt ends, where attention ran
+  ahead and at the newest decode boundary), vLLM's rule (``attention_pages``) and the
+  same model's attention layers alone in the same memory. The state pool's split is
+  static, so the section also sweeps the share of the budget given to checkpoints
+  (:data:`CHECKPOINT_SHARES`) and reports ``--checkpoint_share``'s hit rate and the
+  best share's. Targets: the state pool >= 0.9 of attention-only and above vLLM's rule.
 * ``retention``: prompt hit rate of a Gemma-3-like model (gemma-3-27b: 5 sliding-window
   groups + 1 full) replaying one multi-turn trace in the simulator under memory
   pressure, with vLLM's eviction rule and with ``retention="group_aware"``, at each
@@ -36,21 +44,39 @@ from jaxkv.plan import exit_error, flags_parser, parse_size
 from jaxkv.planner import exact_concurrency_bound, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.simulator import Simulator, synthetic_trace
+from jaxkv.specs import MambaSpec
 
 PROG = "bench_hybrid.py"
 RECURRENT_PRESETS = ("nemotron-h-8b", "qwen3-next-80b", "jamba-1.5-mini")
 RETENTION_PRESET = "gemma-3-27b"
 RETENTION_RULES = ("vllm", "group_aware")
+MULTITURN_CASES = (
+    ("tiny-mamba-hybrid", "30MiB", 8192),
+    ("tiny-mamba-hybrid", "60MiB", 8192),
+    ("qwen3-next-80b", "8GiB", 32768),
+    ("qwen3-next-80b", "16GiB", 32768),
+)
+"""(preset, budget, max_model_len) of the multi-turn section: the tiny hybrid, whose
+state weighs ~55 tokens of its attention KV, under strong and mild pressure, and
+Qwen3-Next-80B, whose state weighs ~3,000 tokens of it."""
+MULTITURN_MAX_NUM_SEQS = 32
+CHECKPOINT_SHARES = (0.05, 0.1, 0.2, 0.4, 0.6)
+"""Shares of the budget for state checkpoints the multi-turn section sweeps."""
 GiB = 1 << 30
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("sections", ["granularity", "concurrency", "retention"], "sections to run, in this order")
+flags.DEFINE_list(
+    "sections", ["granularity", "concurrency", "multiturn", "retention"], "sections to run, in this order"
+)
 flags.DEFINE_string("memory", "16GiB", "KV cache budget of the granularity and concurrency plans")
 flags.DEFINE_integer("max_model_len", 32768, "tokens of the longest request (every section)", lower_bound=1)
 flags.DEFINE_list("retention_memory", ["16GiB", "20GiB"], "retention: KV cache budgets of the Gemma-3 plan")
 flags.DEFINE_integer("conversations", 200, "retention: conversations in the trace", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "retention: trace seed", lower_bound=0)
-flags.DEFINE_boolean("quick", False, "retention: a 20-conversation trace (smoke runs)")
+flags.DEFINE_boolean("quick", False, "retention, multiturn: 20- and 12-conversation traces (smoke runs)")
+flags.DEFINE_float(
+    "checkpoint_share", 0.1, "multiturn: share of the budget for state checkpoints", lower_bound=0.0, upper_bound=0.9
+)
 flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -100,6 +126,70 @@ def concurrency() -> list[dict]:
     return rows
 
 
+def _hit_rate(config, trace) -> tuple[float, KVCacheManager]:
+    manager = KVCacheManager(config)
+    sim = Simulator(manager, max_num_seqs=MULTITURN_MAX_NUM_SEQS, max_num_batched_tokens=2048)
+    return sim.run(trace).prompt_hit_rate, manager
+
+
+def multiturn() -> list[dict]:
+    """Prompt hit rate of the state pool, vLLM's rule and attention alone on one chat trace, per case."""
+    trace = synthetic_trace(
+        num_conversations=12 if FLAGS.quick else 60,
+        turns_per_conversation=12,
+        num_system_prompts=4,
+        system_prompt_len=512,
+        user_turn_len=(64, 256),
+        output_len=(32, 192),
+        arrival_rate=0.5,
+        turn_gap_s=30.0,
+        seed=FLAGS.seed,
+    )
+    rows = []
+    for name, text, max_model_len in MULTITURN_CASES:
+        specs = get_preset(name)
+        memory = parse_size(text)
+        attention = {n: s for n, s in specs.items() if not isinstance(s, MambaSpec)}
+        start = time.perf_counter()
+        only, _ = _hit_rate(plan_kv_cache(attention, memory, max_model_len=max_model_len), trace)
+        paged, _ = _hit_rate(plan_kv_cache(specs, memory, max_model_len=max_model_len), trace)
+        pooled = {}
+        for share in sorted({FLAGS.checkpoint_share, *CHECKPOINT_SHARES}):
+            config = plan_kv_cache(
+                specs,
+                memory,
+                max_model_len=max_model_len,
+                state_layout="state_pool",
+                max_num_seqs=MULTITURN_MAX_NUM_SEQS,
+                checkpoint_bytes=int(share * memory),
+            )
+            hit_rate, manager = _hit_rate(config, trace)
+            pooled[share] = (hit_rate, config.state_pool, manager.state_pool.num_cached_blocks())
+        pool, state, cached = pooled[FLAGS.checkpoint_share]
+        best = max(pooled, key=lambda share: pooled[share][0])
+        rows.append(
+            {
+                "preset": name,
+                "memory": text,
+                "requests": len(trace),
+                "attention_only_hit_rate": only,
+                "attention_pages_hit_rate": paged,
+                "state_pool_hit_rate": pool,
+                "pool_over_attention_only": pool / only if only else 0.0,
+                "pool_minus_pages_points": 100 * (pool - paged),
+                "checkpoint_states": state.num_checkpoint_states,
+                "checkpoint_mib": state.num_checkpoint_states * state.state_bytes / (1 << 20),
+                "cached_checkpoints_at_end": cached,
+                "best_share": best,
+                "best_hit_rate": pooled[best][0],
+                "best_over_attention_only": pooled[best][0] / only if only else 0.0,
+                "hit_rate_by_share": {str(share): pooled[share][0] for share in sorted(pooled)},
+                "wall_s": time.perf_counter() - start,
+            }
+        )
+    return rows
+
+
 def retention() -> list[dict]:
     """Prompt hit rate of vLLM's eviction rule and group-aware retention on one trace, per budget."""
     num_conversations = 20 if FLAGS.quick else FLAGS.conversations
@@ -132,6 +222,7 @@ def retention() -> list[dict]:
 SECTIONS: dict[str, Callable[[], list[dict]]] = {
     "granularity": granularity,
     "concurrency": concurrency,
+    "multiturn": multiturn,
     "retention": retention,
 }
 
@@ -158,6 +249,26 @@ COLUMNS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
             ("live_states", "live", "d"),
             ("checkpoint_states", "ckpt", "d"),
             ("state_gib", "state GiB", ".2f"),
+        ),
+    ),
+    "multiturn": (
+        "multi-turn chat (512-token system prompt, 12 turns) prompt hit rate: state pool vs vLLM's rule vs "
+        "attention alone, same memory",
+        (
+            ("preset", "preset", "s"),
+            ("memory", "memory", "s"),
+            ("requests", "requests", "d"),
+            ("attention_only_hit_rate", "attn only", ".3f"),
+            ("attention_pages_hit_rate", "vllm rule", ".3f"),
+            ("state_pool_hit_rate", "state pool", ".3f"),
+            ("pool_over_attention_only", "pool/attn", ".3f"),
+            ("pool_minus_pages_points", "pool-vllm pts", "+.1f"),
+            ("checkpoint_states", "ckpt states", ",d"),
+            ("checkpoint_mib", "ckpt MiB", ",.1f"),
+            ("cached_checkpoints_at_end", "cached at end", ",d"),
+            ("best_share", "best share", ".2f"),
+            ("best_hit_rate", "best pool", ".3f"),
+            ("best_over_attention_only", "best/attn", ".3f"),
         ),
     ),
     "retention": (

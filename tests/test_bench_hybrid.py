@@ -21,7 +21,7 @@ def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
     out = tmp_path / "bench.json"
     done = run("--quick", "--out", str(out))
     assert done.returncode == 0, done.stderr
-    for section in ("[granularity]", "[concurrency]", "[retention]"):
+    for section in ("[granularity]", "[concurrency]", "[multiturn]", "[retention]"):
         assert section in done.stdout
     report = json.loads(out.read_text())
     granularity = {r["preset"]: r for r in report["granularity"]["rows"]}
@@ -35,6 +35,11 @@ def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
     for row in report["concurrency"]["rows"]:
         assert row["state_pool_ratio"] >= 0.98 and row["state_pool"] >= row["attention_pages"]
         assert row["attention_gib"] + row["state_gib"] <= 16
+    multiturn = report["multiturn"]["rows"]
+    assert {r["preset"] for r in multiturn} == {"tiny-mamba-hybrid", "qwen3-next-80b"}
+    for row in multiturn:
+        rates = (row["attention_only_hit_rate"], row["attention_pages_hit_rate"], row["state_pool_hit_rate"])
+        assert all(0 <= r <= 1 for r in rates) and row["best_hit_rate"] >= row["state_pool_hit_rate"]
     retention = report["retention"]["rows"]
     assert [r["memory"] for r in retention] == ["16GiB", "20GiB"]
     for row in retention:
@@ -45,4 +50,6 @@ def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
 def test_an_unknown_section_is_one_line_and_status_2():
     done = run("--sections", "granularity,speed")
     assert done.returncode == 2 and done.stderr.count("\n") == 1
-    assert "unknown sections ['speed']" in done.stderr and "granularity, concurrency, retention" in done.stderr
+    assert (
+        "unknown sections ['speed']" in done.stderr and "granularity, concurrency, multiturn, retention" in done.stderr
+    )
