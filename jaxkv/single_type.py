@@ -412,7 +412,7 @@ class StatePoolManager(MambaManager):
         blocks = self.req_blocks.get(request_id)
         if cdiv(num_tokens, self.block_size) <= len(blocks or ()) + num_hit_blocks:
             return 0
-        if num_hit_blocks or not blocks:
+        if num_hit_blocks or not blocks or not blocks[-1]:
             return 1
         return 1 if self.pool.is_cached(blocks[-1]) else 0
 
@@ -422,7 +422,7 @@ class StatePoolManager(MambaManager):
         n = cdiv(num_tokens, self.block_size) - len(blocks)
         if n <= 0:
             return []
-        if blocks and not self.pool.is_cached(blocks[-1]):
+        if blocks and blocks[-1] and not self.pool.is_cached(blocks[-1]):
             slot = blocks[-1]
             blocks[-1] = NULL_BLOCK
             blocks.extend([NULL_BLOCK] * (n - 1))

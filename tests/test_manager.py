@@ -572,3 +572,12 @@ def test_checkpoint_interval_cuts_prefill_chunks(tokens):
     with pytest.raises(KVCacheManagerError, match="checkpoint_interval"):
         state_pool_manager(64, 8, checkpoint_interval=20)
     assert make_manager(11, FULL).chunk_limit(req, 0, 100) == 100, "no state pool, no cut"
+
+
+def test_state_pool_request_whose_hit_holds_no_state_takes_a_fresh_slot(tokens):
+    mgr = state_pool_manager(64, 8)
+    req = Request("r", tokens(0, 100))
+    # 64 external tokens (an offload tier's): the state group needs only the state at 64,
+    # which the tier loads into the request's running slot.
+    assert mgr.allocate_slots(req, 16, num_external_computed_tokens=64) is not None
+    assert len(held_states(mgr, req)) == 1 and mgr.get_block_ids("r")[1][-1]
