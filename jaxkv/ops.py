@@ -1,4 +1,5 @@
-"""The public device ops on a :class:`~jaxkv.cache.KVCache`, dispatched by backend.
+"""The public device ops on a :class:`~jaxkv.cache.KVCache` (and the recurrent
+:class:`~jaxkv.state_cache.StateCache`), dispatched by backend.
 
 Implementations (:data:`IMPLEMENTATIONS`):
 
@@ -46,6 +47,7 @@ from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
 from jaxkv.pallas import reference, xla
 from jaxkv.pallas.reference import KVShapeError
+from jaxkv.state_cache import StateCache
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "xla_gpu")
 _BACKEND_DEFAULTS = {"tpu": "pallas_tpu", "gpu": "xla_gpu", "cuda": "xla_gpu", "rocm": "xla_gpu"}
@@ -247,6 +249,23 @@ def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, *, impl: str | N
     if name == "xla_gpu":
         return cache.replace(xla.copy_blocks(cache.buffers, src, dst))
     return cache.replace(reference.copy_blocks(cache.buffers, src, dst))
+
+
+def copy_states(cache: StateCache, src: jax.Array, dst: jax.Array, *, impl: str | None = None) -> StateCache:
+    """Copy recurrent state rows ``src[i] -> dst[i]`` in every layer's buffers (a prefix-cache
+    checkpoint into a request's running slot); pad with ``0 -> 0``. The contract of
+    :func:`copy_blocks`; rows are trusted, not checked on device."""
+    name = get_implementation(impl)
+    buffers = cache.flat_buffers
+    if name == "pallas_tpu":
+        kernel, interpret = _tpu_kernel("copy_states")
+        flat = kernel(buffers, src, dst, interpret=interpret)
+    elif name == "xla_gpu":
+        flat = xla.copy_states(buffers, src, dst)
+    else:
+        flat = reference.copy_states(buffers, src, dst)
+    rows = iter(flat)
+    return cache.replace([[next(rows) for _ in layer] for layer in cache.buffers])
 
 
 def gather_blocks(cache: KVCache, ids: jax.Array) -> jax.Array:

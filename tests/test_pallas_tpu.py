@@ -512,6 +512,37 @@ def test_copy_blocks_matches_reference_and_touches_nothing_else(rng, dtype, layo
     assert not mosaic_interpret.races.races_found
 
 
+def test_copy_states_matches_reference_over_buffers_of_any_shape_and_dtype(rng):
+    n = 10
+    buffers = tuple(
+        jnp.asarray(rng.standard_normal((n, *shape)), dtype)
+        for shape, dtype in (((4, 3), jnp.bfloat16), ((2, 8, 8), jnp.float32), ((5,), jnp.float32))
+    )
+    src, dst = random_copy_pairs(rng, n, 3, padding=2)
+    params = pltpu.InterpretParams(detect_races=True)
+    out = kernels.copy_states(buffers, jnp.asarray(src), jnp.asarray(dst), interpret=params)
+    want = ref.copy_states(buffers, jnp.asarray(src), jnp.asarray(dst))
+    msg = f"seed={rng.seed}"
+    for o, w, b in zip(out, want, buffers):
+        assert o.shape == b.shape and o.dtype == b.dtype
+        np.testing.assert_array_equal(bits(o), bits(w), err_msg=msg)
+        np.testing.assert_array_equal(bits(o)[dst], bits(b)[src], err_msg=msg)
+    assert not mosaic_interpret.races.races_found
+
+
+def test_copy_states_rejects_bad_inputs():
+    a, b = jnp.zeros((4, 3)), jnp.zeros((5, 3))
+    ids = jnp.zeros((2,), jnp.int32)
+    for buffers, src, dst in (
+        ((), ids, ids),
+        ((a, b), ids, ids),  # two row counts
+        ((a,), ids, jnp.zeros((3,), jnp.int32)),
+        ((a,), ids.astype(jnp.float32), ids),
+    ):
+        with pytest.raises(KVShapeError):
+            kernels.copy_states(buffers, src, dst, interpret=INTERPRET)
+
+
 def test_write_kv_rejects_bad_inputs():
     buffer = jnp.zeros((4, 4, 4, 8))  # per-layer: 2 KV heads of 8
     k = jnp.zeros((3, 2, 8))

@@ -66,6 +66,18 @@ def test_copy_blocks_matches_the_reference_with_padding_pairs(rng, layout):
         xla.copy_blocks(buffers, src[:2], dst[:3])
 
 
+def test_copy_states_matches_the_reference_with_padding_pairs(rng):
+    buffers = (jnp.asarray(rng.standard_normal((9, 4, 3)), jnp.bfloat16), jnp.asarray(rng.standard_normal((9, 6))))
+    src = jnp.asarray([2, 5, 0, 0], jnp.int32)
+    dst = jnp.asarray([7, 1, 0, 0], jnp.int32)
+    want = ref.copy_states(buffers, src, dst)
+    got = jax.jit(xla.copy_states)(buffers, src, dst)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    with pytest.raises(KVShapeError, match="one row count"):
+        xla.copy_states((buffers[0], buffers[1][:3]), src, dst)
+
+
 def test_ops_dispatch_writes_and_copies_to_xla_in_place(rng, monkeypatch):
     spec = FullAttentionSpec(num_kv_heads=HEADS, head_size=HEAD_DIM, dtype="float32")
     layers = tuple(f"l{i}" for i in range(LAYERS))

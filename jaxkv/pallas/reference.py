@@ -270,6 +270,24 @@ def copy_blocks(buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array) ->
     return tuple(b.at[dst].set(b[src]) for b in buffers)
 
 
+def check_copy_states_args(buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
+    """State buffers (any shapes and dtypes, one leading row count) and equal 1-D
+    ``src``/``dst``; shared by the reference, the XLA copy and the TPU kernel."""
+    buffers = tuple(buffers)
+    if not buffers or any(b.ndim < 1 or b.shape[0] != buffers[0].shape[0] for b in buffers):
+        raise KVShapeError(f"expected state buffers of one row count, got shapes {[b.shape for b in buffers]}")
+    if src.shape != dst.shape or src.ndim != 1:
+        raise KVShapeError(f"src {src.shape} and dst {dst.shape} must be equal 1-D shapes")
+    return buffers
+
+
+def copy_states(buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
+    """Copy state rows in every buffer: row ``dst[i]`` := row ``src[i]`` (all sources read
+    before any write; pad with ``0 -> 0``; real ``dst`` rows distinct by contract)."""
+    buffers = check_copy_states_args(buffers, src, dst)
+    return tuple(b.at[dst].set(b[src]) for b in buffers)
+
+
 def gather_blocks(buffers: Sequence[jax.Array], ids: jax.Array) -> jax.Array:
     """Whole blocks ``(n, num_layers_per_block, block_size, 2*H, D)``, the same in both layouts.
 

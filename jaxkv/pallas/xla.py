@@ -174,3 +174,10 @@ def copy_blocks(buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array) ->
         b.at[dst].set(b.at[src].get(mode="promise_in_bounds"), mode="promise_in_bounds", unique_indices=True)
         for b in buffers
     )
+
+
+def copy_states(buffers: Sequence[jax.Array], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
+    """:func:`jaxkv.pallas.reference.copy_states` as one in-bounds gather and scatter of
+    rows per buffer (padding repeats the null row, so indices are not declared unique)."""
+    buffers = reference.check_copy_states_args(buffers, src, dst)
+    return tuple(b.at[dst].set(b.at[src].get(mode="promise_in_bounds"), mode="promise_in_bounds") for b in buffers)

@@ -1,0 +1,138 @@
+"""Recurrent state on device: a pytree of state rows for the recurrent layers.
+
+Every layer of a recurrent group (``MambaSpec``: Mamba-1/2, Gated DeltaNet...) gets one
+buffer per state tensor, ``(num_rows, *shape)`` in the tensor's dtype. Row ``r`` holds
+the state the host's block ``r`` of that group names:
+
+- with the planner's ``state_pool`` layout, the rows are the state pool's slots
+  (``config.state_pool.num_states``; slot 0 is the null state);
+- with vLLM's rule (``attention_pages``), the rows are the block ids of the attention
+  pool (``config.num_blocks``), kept in buffers of their own rather than inside the
+  attention pages, so the attention buffers stay one (block, 2H, D) shape.
+
+A step reads each sequence's state from one row and writes it to another
+(:class:`jaxkv.metadata.StateMetadata`): padding reads and writes row 0, whose content
+is never used. Reads and writes are pure functions; donate the cache to update it in
+place. Rows are checked on the host (:func:`jaxkv.metadata.build_step_metadata`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxkv.cache import UnknownLayerError
+from jaxkv.errors import JaxkvError
+from jaxkv.planner import KVCacheConfig
+from jaxkv.specs import MambaSpec, canonical_dtype
+
+
+class StateCacheError(JaxkvError, ValueError):
+    """A config without recurrent layers, or states of the wrong shape or dtype."""
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StateCache:
+    """Device state rows of every recurrent layer; ``buffers[i]`` are layer ``layer_names[i]``'s
+    tensors, each ``(num_rows, *shape)``. The buffers are the only pytree children."""
+
+    buffers: tuple[tuple[jax.Array, ...], ...]
+    layer_names: tuple[str, ...] = dataclasses.field(metadata={"static": True})
+
+    def _index(self, layer: str) -> int:
+        try:
+            return self.layer_names.index(layer)
+        except ValueError:
+            raise UnknownLayerError(
+                f"layer {layer!r} has no recurrent state in this cache; layers: {list(self.layer_names)}"
+            ) from None
+
+    def layer_states(self, layer: str) -> tuple[jax.Array, ...]:
+        """The buffers of ``layer``'s state tensors."""
+        return self.buffers[self._index(layer)]
+
+    def with_layer_states(self, layer: str, states: Sequence[jax.Array]) -> StateCache:
+        """This cache with ``layer``'s buffers replaced."""
+        i = self._index(layer)
+        return dataclasses.replace(self, buffers=self.buffers[:i] + (tuple(states),) + self.buffers[i + 1 :])
+
+    def replace(self, buffers: Sequence[Sequence[jax.Array]]) -> StateCache:
+        """The same layers over new buffers."""
+        return dataclasses.replace(self, buffers=tuple(tuple(b) for b in buffers))
+
+    @property
+    def flat_buffers(self) -> tuple[jax.Array, ...]:
+        """Every buffer, layer by layer (what a row copy moves)."""
+        return tuple(b for layer in self.buffers for b in layer)
+
+    @property
+    def num_rows(self) -> int:
+        """State rows, the null row 0 included."""
+        return self.buffers[0][0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.flat_buffers)
+
+
+def num_state_rows(config: KVCacheConfig) -> int:
+    """Rows per state buffer: the state pool's slots, or the attention pool's blocks."""
+    return config.state_pool.num_states if config.state_pool is not None else config.num_blocks
+
+
+def _recurrent_layers(config: KVCacheConfig) -> list[tuple[str, MambaSpec]]:
+    layers = [(name, g.spec) for g in config.groups if isinstance(g.spec, MambaSpec) for name in g.layer_names]
+    if not layers:
+        raise StateCacheError("the KV cache config has no recurrent (MambaSpec) group: there is no state to hold")
+    return layers
+
+
+def _zeros(shapes: tuple[tuple[tuple[int, ...], jnp.dtype], ...]) -> tuple[jax.Array, ...]:
+    return tuple(jnp.zeros(shape, dtype) for shape, dtype in shapes)
+
+
+def allocate_state_cache(config: KVCacheConfig, *, mesh: Mesh | None = None) -> StateCache:
+    """Zero-filled state rows for every recurrent layer of ``config``, created on device.
+
+    With a ``mesh`` the buffers are replicated over it (state is small next to the
+    attention KV; sharding it over heads is not done here).
+    """
+    layers = _recurrent_layers(config)
+    rows = num_state_rows(config)
+    shapes = tuple(
+        ((rows, *shape), jnp.dtype(canonical_dtype(dtype)))
+        for _, spec in layers
+        for shape, dtype in zip(spec.shapes, spec.dtypes)
+    )
+    sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    flat = iter(jax.jit(_zeros, static_argnums=0, out_shardings=sharding)(shapes))
+    buffers = tuple(tuple(next(flat) for _ in spec.shapes) for _, spec in layers)
+    return StateCache(buffers=buffers, layer_names=tuple(name for name, _ in layers))
+
+
+def read_states(cache: StateCache, layer: str, rows: jax.Array) -> tuple[jax.Array, ...]:
+    """``layer``'s state tensors at ``rows (S,)``: one ``(S, *shape)`` array per tensor."""
+    return tuple(b[rows] for b in cache.layer_states(layer))
+
+
+def write_states(cache: StateCache, layer: str, rows: jax.Array, values: Sequence[jax.Array]) -> StateCache:
+    """``cache`` with ``layer``'s rows ``rows (S,)`` set to ``values`` (one ``(S, *shape)``
+    per tensor, in the buffer's dtype). Padding may repeat the null row 0; other rows
+    must be distinct (which of two writes to one row lands is unspecified)."""
+    buffers = cache.layer_states(layer)
+    values = tuple(values)
+    if len(values) != len(buffers):
+        raise StateCacheError(f"layer {layer!r} holds {len(buffers)} state tensors, got {len(values)} values")
+    for b, v in zip(buffers, values):
+        if v.shape != rows.shape + b.shape[1:] or v.dtype != b.dtype:
+            raise StateCacheError(
+                f"layer {layer!r}: values {v.shape} {v.dtype} do not match rows {rows.shape} of a "
+                f"{b.shape[1:]} {b.dtype} state"
+            )
+    return cache.with_layer_states(layer, [b.at[rows].set(v) for b, v in zip(buffers, values)])
