@@ -43,6 +43,7 @@ from jaxkv.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
     canonical_dtype,
 )
@@ -136,12 +137,13 @@ class KVCache:
 def _device_spec(config: KVCacheConfig) -> KVCacheSpec:
     """The one attention spec shape every group shares; raise naming the odd one out.
 
-    Groups on a state pool (``config.state_group_ids``) hold no pages here: they are skipped.
+    Recurrent groups are skipped: their state lives in a :class:`~jaxkv.state_cache.StateCache`
+    (under vLLM's rule their pages still take their place in each block, unused here).
     """
-    groups = config.attention_groups
+    groups = [g for g in config.attention_groups if not isinstance(g.spec, MambaSpec)]
     if not groups:
         raise UnsupportedLayoutError(
-            f"all {len(config.groups)} group(s) are on the state pool "
+            f"all {len(config.groups)} group(s) are recurrent "
             f"(first layer {config.groups[0].layer_names[0]!r}): no attention pages to allocate"
         )
     first = groups[0]

@@ -31,6 +31,7 @@ from jaxkv.single_type import (
     NEVER,
     CacheHit,
     FullAttentionManager,
+    MambaManager,
     SingleTypeManager,
     StatePoolManager,
     manager_class_for,
@@ -214,7 +215,12 @@ class KVCacheCoordinator:
 
     # ------------------------------------------------------------------ hits
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> PrefixHit:
-        """The longest prefix (tokens) every group can serve, and its blocks per group."""
+        """The longest prefix (tokens) every group can serve, and its blocks per group.
+
+        A state checkpoint cached in the step still open (a journaled block) does not
+        count: the step writes it at the end of each recurrent layer, after a request
+        admitted in the same step would read it (attention blocks do count: every layer
+        writes the step's KV before it attends)."""
         lcm = self.lcm_block_size
         length = max_length // lcm * lcm
         typed = list(self.typed_hashes(block_hashes))
@@ -233,6 +239,9 @@ class KVCacheCoordinator:
                 if hit.num_blocks * t.block_size < length:
                     length = hit.num_blocks * t.block_size // lcm * lcm
                     changed = len(typed) > 1
+            if not changed and length and self._unwritten_state(found):
+                length -= lcm
+                changed = True
         # The last pass ran every search at the final length, so each hit is exact.
         blocks: list[list[int]] = [[] for _ in self.managers]
         if length:
@@ -240,6 +249,15 @@ class KVCacheCoordinator:
                 for g, ids in zip(t.group_ids, hit.block_ids):
                     blocks[g] = [0] * hit.first_real + ids
         return PrefixHit(tuple(blocks), length, length if reach is None else reach)
+
+    def _unwritten_state(self, found: Sequence[CacheHit]) -> bool:
+        """Whether a recurrent group's hit ends on a state the open step has yet to write."""
+        return any(
+            ids and self.managers[g].pool.is_journaled(ids[-1])
+            for t, hit in zip(self.types, found)
+            if issubclass(t.manager_cls, MambaManager)
+            for g, ids in zip(t.group_ids, hit.block_ids)
+        )
 
     def invalid_hit_block(
         self, block_hashes: Sequence[bytes], hit_blocks: Sequence[Sequence[int]]

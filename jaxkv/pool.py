@@ -138,6 +138,10 @@ class BlockPool:
         g = self.block_group[block_id]
         return h is not None and (self.cached[g].get(h) != block_id or bool(self._copies[g].get(h)))
 
+    def is_journaled(self, block_id: int) -> bool:
+        """Whether the block was cached inside the open journal (its data is not written yet)."""
+        return self._journal is not None and block_id in self._journal
+
     def num_cached_blocks(self) -> int:
         """Blocks currently registered in the prefix cache, over all groups (every copy)."""
         return sum(len(m) for m in self.cached) + sum(len(c) for d in self._copies for c in d.values())

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxkv.cache import UnknownLayerError
+from jaxkv.cache import KVCache, UnknownLayerError
 from jaxkv.errors import JaxkvError
 from jaxkv.planner import KVCacheConfig
 from jaxkv.specs import MambaSpec, canonical_dtype
@@ -79,6 +79,16 @@ class StateCache:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.flat_buffers)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class HybridCache:
+    """Everything a hybrid model's step reads and writes: the paged attention KV and the
+    recurrent state rows (one pytree, donated into the step as a whole)."""
+
+    kv: KVCache
+    states: StateCache
 
 
 def num_state_rows(config: KVCacheConfig) -> int:

@@ -115,10 +115,14 @@ def test_unsupported_specs_raise_naming_the_spec(odd, match):
     assert "'b'" in str(err.value)
 
 
-def test_mamba_and_mixed_block_sizes_are_unsupported():
+def test_under_vllms_rule_recurrent_pages_keep_their_place_but_hold_no_state():
     config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 1 << 22, max_model_len=64)
-    with pytest.raises(UnsupportedLayoutError, match="MambaSpec"):
-        allocate_kv_cache(config)
+    cache = allocate_kv_cache(config)
+    assert cache.block_size == 32 and cache.nbytes == config.num_blocks * config.pages.block_bytes
+    assert cache.num_kv_heads == 2, "the attention groups' heads: states live in a StateCache"
+
+
+def test_mixed_block_sizes_are_unsupported():
     config = KVCacheConfig(num_blocks=4, groups=(KVCacheGroup(("a",), spec(), 8), KVCacheGroup(("b",), spec(), 16)))
     with pytest.raises(UnsupportedLayoutError, match="block_size 16"):
         allocate_kv_cache(config)
@@ -132,7 +136,7 @@ def test_a_state_pool_plan_allocates_pages_for_its_attention_groups_only():
     assert cache.block_size == 16 and cache.nbytes == config.num_blocks * config.pages.block_bytes
     state = MambaSpec(shapes=((4, 8),), dtypes=("float32",))
     states_only = plan_kv_cache({"m0": state, "m1": state}, 1 << 16, max_model_len=64, state_layout="state_pool")
-    with pytest.raises(UnsupportedLayoutError, match="all 1 group\\(s\\) are on the state pool \\(first layer 'm0'\\)"):
+    with pytest.raises(UnsupportedLayoutError, match="all 1 group\\(s\\) are recurrent \\(first layer 'm0'\\)"):
         allocate_kv_cache(states_only)
 
 

@@ -29,6 +29,8 @@ from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
 from jaxkv.serving.scheduler import Scheduler, SeqState, check_positive_int
 
+DEFAULT_MAX_NUM_SEQS = 8
+
 
 class EngineError(JaxkvError, ValueError):
     """An engine set-up or a generate call the engine cannot serve; nothing was run."""
@@ -153,7 +155,7 @@ class Engine:
         kv_config: KVCacheConfig,
         *,
         enable_caching: bool = True,
-        max_num_seqs: int = 8,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int | None = None,
         buckets: Buckets | None = None,
         hash_algo: str = "sha256",
@@ -189,15 +191,19 @@ class Engine:
         max_num_batched_tokens: int = 256,
         seed: int = 0,
         head_dim_multiple: int | None = None,
+        state_layout: str = "attention_pages",
+        checkpoint_bytes: int = 0,
         **kwargs: object,
     ) -> Engine:
         """A named tiny model with seeded weights and a KV cache planned for ``memory_bytes``.
 
         ``head_dim_multiple`` goes to the planner (None: see
-        :func:`resolve_head_dim_multiple`, 128 on TPU, else 1). Other keyword
-        arguments go to :class:`Engine`.
+        :func:`resolve_head_dim_multiple`, 128 on TPU, else 1), and so do
+        ``state_layout`` and ``checkpoint_bytes`` (recurrent models; the state pool gets
+        one live state per ``max_num_seqs``). Other keyword arguments go to :class:`Engine`.
         """
         model = TinyLM(get_model_config(model_name), seed=seed)
+        pooled = state_layout == "state_pool"
         config = plan_kv_cache(
             model.config.layer_specs(),
             memory_bytes,
@@ -206,6 +212,9 @@ class Engine:
             layout=layout,
             max_num_batched_tokens=max_num_batched_tokens,
             head_dim_multiple=resolve_head_dim_multiple(head_dim_multiple),
+            state_layout=state_layout,
+            max_num_seqs=kwargs.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS) if pooled else None,
+            checkpoint_bytes=checkpoint_bytes,
         )
         return cls(model, config, **kwargs)
 

@@ -1,12 +1,17 @@
 """Tiny Flax NNX decoder models with seeded random weights, paged and dense.
 
-Two architectures, both small enough to serve on a CPU in seconds:
+Three architectures, all small enough to serve on a CPU in seconds:
 
 - ``tiny-llama``: Llama-like: full attention with GQA, RoPE, RMSNorm, SwiGLU MLP;
 - ``tiny-hybrid``: Gemma-3-like: sliding-window : full attention = 5 : 1 (window 32),
   QK-norm, pre- and post-norms, GeGLU MLP, a larger RoPE base for the global layers,
   scaled embeddings, and Gemma-2's attention and final logit soft-caps. Its layer specs
   are exactly the ``tiny-hybrid`` preset.
+- ``tiny-qwen3-next``: Qwen3-Next-like: Gated DeltaNet (linear attention,
+  :mod:`jaxkv.serving.delta_net`) : full attention = 3 : 1, QK-norm. Its recurrent
+  layers keep their state in a :class:`~jaxkv.state_cache.StateCache`; the step reads
+  and writes the rows :class:`~jaxkv.metadata.StateMetadata` names, the cache being a
+  :class:`~jaxkv.state_cache.HybridCache`.
 
 Every model has two forwards over the same weights:
 
@@ -15,7 +20,8 @@ Every model has two forwards over the same weights:
   :func:`jaxkv.ops.write_kv` and attends with :func:`jaxkv.ops.paged_attention` through
   its own KV cache group's block table;
 - :meth:`TinyLM.dense`: plain causal attention over whole sequences (window-masked in
-  window layers), no cache: the correctness oracle of the paged path.
+  window layers) and the delta rule from zero state, no cache: the correctness oracle
+  of the paged path.
 
 Layer ``i`` is named ``layers.<i>``, as in :mod:`jaxkv.presets`, so
 ``plan_kv_cache(config.layer_specs(), ...)`` plans the cache the model reads.
@@ -37,8 +43,10 @@ from jaxkv import ops
 from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
-from jaxkv.metadata import AttentionMetadata, StepMetadata
-from jaxkv.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from jaxkv.metadata import AttentionMetadata, StateMetadata, StepMetadata
+from jaxkv.serving.delta_net import dense_delta_net, ragged_delta_net, seq_of_token
+from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from jaxkv.state_cache import HybridCache, StateCache, read_states, write_states
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
@@ -55,6 +63,9 @@ class ModelConfig:
 
     ``windows[i]`` is layer i's sliding window in tokens (a query at position p sees
     kv positions ``p - window < kv_pos <= p``), or None for full attention.
+    ``recurrent[i]`` (empty: none) makes layer i a Gated DeltaNet of ``delta_heads``
+    heads of ``delta_key_dim`` x ``delta_value_dim`` state and a ``conv_kernel`` causal
+    convolution (its window must be None).
     """
 
     vocab_size: int
@@ -73,9 +84,24 @@ class ModelConfig:
     attn_soft_cap: float | None = None
     final_soft_cap: float | None = None
     dtype: str = "float32"
+    recurrent: tuple[bool, ...] = ()
+    delta_heads: int = 4
+    delta_key_dim: int = 32
+    delta_value_dim: int = 32
+    conv_kernel: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "mlp_dim",
+            "delta_heads",
+            "delta_key_dim",
+            "delta_value_dim",
+        ):
             value = getattr(self, name)
             check_int(name, value, minimum=1, error=ModelConfigError)
         if self.num_heads % self.num_kv_heads:
@@ -88,6 +114,16 @@ class ModelConfig:
             raise ModelConfigError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
         if self.activation not in ACTIVATIONS:
             raise ModelConfigError(f"unknown activation {self.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+        check_int("conv_kernel", self.conv_kernel, minimum=2, error=ModelConfigError)
+        if self.recurrent and (
+            len(self.recurrent) != len(self.windows)
+            or any(r not in (True, False) for r in self.recurrent)
+            or any(r and w is not None for r, w in zip(self.recurrent, self.windows))
+        ):
+            raise ModelConfigError(
+                f"recurrent must be empty or one bool per layer, windows None where True; got "
+                f"recurrent={self.recurrent!r}, windows={self.windows!r}"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -97,12 +133,33 @@ class ModelConfig:
     def layer_names(self) -> tuple[str, ...]:
         return tuple(f"layers.{i}" for i in range(self.num_layers))
 
+    def is_recurrent(self, index: int) -> bool:
+        return bool(self.recurrent) and self.recurrent[index]
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet's convolution: q, k and v of every head."""
+        return self.delta_heads * (2 * self.delta_key_dim + self.delta_value_dim)
+
     def layer_specs(self) -> dict[str, KVCacheSpec]:
-        """The KV cache spec of every layer, in model order (input of ``plan_kv_cache``)."""
+        """The KV cache spec of every layer, in model order (input of ``plan_kv_cache``);
+        a recurrent layer's state is its conv window (model dtype) and its float32 delta-rule state."""
         kw = {"num_kv_heads": self.num_kv_heads, "head_size": self.head_dim, "dtype": self.dtype}
+        state = MambaSpec(
+            shapes=(
+                (self.conv_kernel - 1, self.conv_dim),
+                (self.delta_heads, self.delta_key_dim, self.delta_value_dim),
+            ),
+            dtypes=(self.dtype, "float32"),
+            mamba_type="gated_delta_net",
+        )
         return {
-            name: FullAttentionSpec(**kw) if window is None else SlidingWindowSpec(**kw, sliding_window=window)
-            for name, window in zip(self.layer_names, self.windows)
+            name: state
+            if self.is_recurrent(i)
+            else FullAttentionSpec(**kw)
+            if window is None
+            else SlidingWindowSpec(**kw, sliding_window=window)
+            for i, (name, window) in enumerate(zip(self.layer_names, self.windows))
         }
 
 
@@ -133,6 +190,18 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         scale_embeddings=True,
         attn_soft_cap=50.0,
         final_soft_cap=30.0,
+    ),
+    "tiny-qwen3-next": ModelConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        mlp_dim=256,
+        windows=(None,) * 8,
+        recurrent=(True, True, True, False) * 2,
+        rope_theta=10_000_000.0,
+        qk_norm=True,
     ),
 }
 
@@ -269,6 +338,63 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(*x.shape[:2], -1).astype(x.dtype))
 
 
+class GatedDeltaNet(nnx.Module):
+    """One Gated DeltaNet layer: projections, causal conv + delta rule, gated RMSNorm, output."""
+
+    def __init__(self, config: ModelConfig, index: int, rngs: nnx.Rngs) -> None:
+        c = config
+        self.name = c.layer_names[index]
+        self.num_heads, self.key_dim, self.value_dim = c.delta_heads, c.delta_key_dim, c.delta_value_dim
+        self.qkv_proj = _linear(c.hidden_size, c.conv_dim, c.dtype, rngs)
+        scale = c.conv_kernel**-0.5
+        self.conv_weight = nnx.Param(
+            (jax.random.normal(rngs.params(), (c.conv_kernel, c.conv_dim)) * scale).astype(c.dtype)
+        )
+        self.decay_proj = _linear(c.hidden_size, c.delta_heads, c.dtype, rngs)
+        self.beta_proj = _linear(c.hidden_size, c.delta_heads, c.dtype, rngs)
+        # Per-head decay rates in [1, 16] (as Mamba-2 initialises A) and a time-step bias.
+        self.a_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, c.delta_heads)).astype(jnp.float32))
+        self.dt_bias = nnx.Param(jnp.full((c.delta_heads,), -2.0, jnp.float32))
+        self.gate_proj = _linear(c.hidden_size, c.delta_heads * c.delta_value_dim, c.dtype, rngs)
+        self.out_norm = _norm(c.delta_value_dim, c.dtype, rngs)
+        self.o_proj = _linear(c.delta_heads * c.delta_value_dim, c.hidden_size, c.dtype, rngs)
+
+    def _gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per token and head: the log decay ``g < 0`` and the step ``beta``, float32."""
+        raw = self.decay_proj(x).astype(jnp.float32) + self.dt_bias[...]
+        decay = -jnp.exp(self.a_log[...]) * jax.nn.softplus(raw)
+        return decay, jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
+
+    def _output(self, x: jax.Array, out: jax.Array) -> jax.Array:
+        """Gated RMSNorm of the heads' outputs ``(..., H, dv)``, then the output projection."""
+        gate = self.gate_proj(x).reshape(*x.shape[:-1], self.num_heads, self.value_dim)
+        out = self.out_norm(out.astype(x.dtype)) * jax.nn.silu(gate)
+        return self.o_proj(out.reshape(*x.shape[:-1], -1))
+
+    def paged(
+        self, x: jax.Array, states: StateCache, meta: StepMetadata, group: StateMetadata
+    ) -> tuple[jax.Array, StateCache]:
+        """``x (T, hidden)`` of a ragged batch: each sequence resumes from its state row
+        (zeros when fresh) and its state after the step goes to its write row."""
+        conv, state = read_states(states, self.name, group.read_rows)
+        fresh = group.fresh.astype(bool)
+        conv = jnp.where(fresh[:, None, None], 0, conv)
+        state = jnp.where(fresh[:, None, None, None], 0, state)
+        decay, beta = self._gates(x)
+        owner = seq_of_token(meta.cu_q_lens, meta.num_seqs, x.shape[0])
+        out, conv, state = ragged_delta_net(
+            self.qkv_proj(x), decay, beta, self.conv_weight[...], owner, conv, state, self.num_heads, self.key_dim
+        )
+        states = write_states(states, self.name, group.write_rows, (conv, state))
+        return self._output(x, out), states
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        """``x (B, L, hidden)`` of whole sequences from zero state."""
+        decay, beta = self._gates(x)
+        out = dense_delta_net(self.qkv_proj(x), decay, beta, self.conv_weight[...], self.num_heads, self.key_dim)
+        return self._output(x, out)
+
+
 class MLP(nnx.Module):
     """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU with silu, GeGLU with gelu)."""
 
@@ -284,12 +410,15 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention and MLP blocks with residuals (plus Gemma's post-norms if set)."""
+    """Pre-norm attention (or Gated DeltaNet) and MLP blocks with residuals (plus Gemma's
+    post-norms if set)."""
 
     def __init__(self, config: ModelConfig, index: int, rngs: nnx.Rngs) -> None:
         c = config
         self.attn_norm = _norm(c.hidden_size, c.dtype, rngs)
-        self.attn = Attention(c, index, rngs)
+        recurrent = c.is_recurrent(index)
+        self.attn = None if recurrent else Attention(c, index, rngs)
+        self.delta = GatedDeltaNet(c, index, rngs) if recurrent else None
         self.mlp_norm = _norm(c.hidden_size, c.dtype, rngs)
         self.mlp = MLP(c, rngs)
         self.post_attn_norm = _norm(c.hidden_size, c.dtype, rngs) if c.post_norms else None
@@ -302,12 +431,20 @@ class DecoderLayer(nnx.Module):
         self, x: jax.Array, cache: KVCache, meta: StepMetadata, group: AttentionMetadata, impl: str | None
     ) -> tuple[jax.Array, KVCache]:
         out, cache = self.attn.paged(self.attn_norm(x), cache, meta, group, impl)
-        x = self._residual(x, out, self.post_attn_norm)
-        return self._residual(x, self.mlp(self.mlp_norm(x)), self.post_mlp_norm), cache
+        return self._mlp_block(self._residual(x, out, self.post_attn_norm)), cache
+
+    def recurrent(
+        self, x: jax.Array, states: StateCache, meta: StepMetadata, group: StateMetadata
+    ) -> tuple[jax.Array, StateCache]:
+        out, states = self.delta.paged(self.attn_norm(x), states, meta, group)
+        return self._mlp_block(self._residual(x, out, self.post_attn_norm)), states
+
+    def _mlp_block(self, x: jax.Array) -> jax.Array:
+        return self._residual(x, self.mlp(self.mlp_norm(x)), self.post_mlp_norm)
 
     def dense(self, x: jax.Array) -> jax.Array:
-        x = self._residual(x, self.attn.dense(self.attn_norm(x)), self.post_attn_norm)
-        return self._residual(x, self.mlp(self.mlp_norm(x)), self.post_mlp_norm)
+        mixer = self.attn if self.delta is None else self.delta
+        return self._mlp_block(self._residual(x, mixer.dense(self.attn_norm(x)), self.post_attn_norm))
 
 
 class TinyLM(nnx.Module):
@@ -331,19 +468,29 @@ class TinyLM(nnx.Module):
         return soft_cap(logits, self.config.final_soft_cap)
 
     def __call__(
-        self, cache: KVCache, meta: StepMetadata, layer_groups: Sequence[int], *, impl: str | None = None
-    ) -> tuple[jax.Array, KVCache]:
+        self, cache: KVCache | HybridCache, meta: StepMetadata, layer_groups: Sequence[int], *, impl: str | None = None
+    ) -> tuple[jax.Array, KVCache | HybridCache]:
         """Logits ``(S, vocab)`` at ``meta.logits_indices`` of a ragged batch, and the updated cache.
 
-        ``layer_groups[i]`` is the KV cache group of layer i (which block table it reads);
-        ``impl`` picks the :mod:`jaxkv.ops` implementation (None: the current setting).
+        ``layer_groups[i]`` is the KV cache group of layer i (which block table, or state
+        rows, it reads); ``impl`` picks the :mod:`jaxkv.ops` implementation (None: the
+        current setting). A model with recurrent layers takes a :class:`HybridCache`.
         """
         if len(layer_groups) != self.config.num_layers:
             raise ModelConfigError(f"layer_groups has {len(layer_groups)} entries for {self.config.num_layers} layers")
+        hybrid = isinstance(cache, HybridCache)
+        if hybrid != bool(self.config.recurrent and any(self.config.recurrent)):
+            raise ModelConfigError(
+                f"a model {'with' if not hybrid else 'without'} recurrent layers got a {type(cache).__name__}"
+            )
+        kv, states = (cache.kv, cache.states) if hybrid else (cache, None)
         x = self._embed(meta.input_ids)
         for layer, g in zip(self.layers, layer_groups):
-            x, cache = layer.paged(x, cache, meta, meta.groups[g], impl)
-        return self._logits(x[meta.logits_indices]), cache
+            if layer.delta is None:
+                x, kv = layer.paged(x, kv, meta, meta.groups[g], impl)
+            else:
+                x, states = layer.recurrent(x, states, meta, meta.groups[g])
+        return self._logits(x[meta.logits_indices]), HybridCache(kv, states) if hybrid else kv
 
     def dense(self, tokens: jax.Array) -> jax.Array:
         """Logits ``(B, L, vocab)`` of whole sequences ``tokens (B, L)``, without a cache."""

@@ -1,6 +1,8 @@
 """Run scheduled chunks on the device: step metadata in, greedy next tokens out.
 
-:class:`ModelRunner` owns the model weights and the device :class:`~jaxkv.cache.KVCache`.
+:class:`ModelRunner` owns the model weights and the device :class:`~jaxkv.cache.KVCache`
+(with a :class:`~jaxkv.state_cache.StateCache` beside it, as one
+:class:`~jaxkv.state_cache.HybridCache`, when the model has recurrent layers).
 Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.metadata`: one
 host-to-device transfer, shapes padded to :class:`~jaxkv.metadata.Buckets`) and calls
 one jitted step function ``(weights, cache, metadata) -> (next_token_ids, cache)`` with
@@ -15,6 +17,7 @@ can bound them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -32,7 +35,8 @@ from jaxkv.offload.transfer import Transfer, TransferEngine
 from jaxkv.planner import KVCacheConfig, pad_head_size
 from jaxkv.serving.models import TinyLM, layer_groups
 from jaxkv.serving.scheduler import ScheduledChunk
-from jaxkv.specs import KVCacheSpec
+from jaxkv.specs import KVCacheSpec, MambaSpec
+from jaxkv.state_cache import HybridCache, allocate_state_cache, num_state_rows
 
 
 class RunnerError(JaxkvError, ValueError):
@@ -72,9 +76,9 @@ def _step_with_logits(
     groups: tuple[int, ...],
     impl: str,
     weights: nnx.State,
-    cache: KVCache,
+    cache: KVCache | HybridCache,
     meta: StepMetadata,
-) -> tuple[jax.Array, jax.Array, KVCache]:
+) -> tuple[jax.Array, jax.Array, KVCache | HybridCache]:
     """One forward step and greedy sampling: ``(next_token_ids (S,), logits (S, vocab), cache)``."""
     global _num_step_traces
     _num_step_traces += 1  # runs once per trace, i.e. per compiled shape
@@ -87,9 +91,9 @@ def _step(
     groups: tuple[int, ...],
     impl: str,
     weights: nnx.State,
-    cache: KVCache,
+    cache: KVCache | HybridCache,
     meta: StepMetadata,
-) -> tuple[jax.Array, KVCache]:
+) -> tuple[jax.Array, KVCache | HybridCache]:
     """One forward step and greedy sampling: ``(next_token_ids (S,), cache)``."""
     tokens, _, cache = _step_with_logits(graphdef, groups, impl, weights, cache, meta)
     return tokens, cache
@@ -103,6 +107,15 @@ _jitted_step_with_logits = jax.jit(_step_with_logits, static_argnums=(0, 1, 2), 
 used only when logits are asked for: token checks, not serving)."""
 
 
+def allocate_cache(config: KVCacheConfig) -> KVCache | HybridCache:
+    """The device cache a model planned by ``config`` reads: its KV pages, plus state rows
+    when the plan has recurrent groups."""
+    kv = allocate_kv_cache(config)
+    if any(isinstance(g.spec, MambaSpec) for g in config.groups):
+        return HybridCache(kv, allocate_state_cache(config))
+    return kv
+
+
 class ModelRunner:
     """A model, its paged KV cache (in ``config.pages.layout``), and the one jitted step.
 
@@ -114,7 +127,8 @@ class ModelRunner:
         self.config = config
         self.buckets = buckets
         self.block_sizes = tuple(g.block_size for g in config.groups)
-        self.cache: KVCache = allocate_kv_cache(config)
+        self.state_groups = tuple(i for i, g in enumerate(config.groups) if isinstance(g.spec, MambaSpec))
+        self.cache: KVCache | HybridCache = allocate_cache(config)
         self.groups = layer_groups(model.config, [g.layer_names for g in config.groups])
         specs = model.config.layer_specs()
         for name, g in zip(model.config.layer_names, self.groups):
@@ -135,6 +149,8 @@ class ModelRunner:
             self.block_sizes,
             self.buckets,
             num_blocks=self.config.num_blocks,
+            state_groups=self.state_groups,
+            num_states=num_state_rows(self.config) if self.state_groups else None,
         )
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray:
@@ -159,25 +175,31 @@ class ModelRunner:
 
     def cache_is_intact(self) -> bool:
         """False when a step was interrupted after donating the cache (its buffers are gone)."""
-        return not any(buf.is_deleted() for buf in self.cache.buffers)
+        return not any(buf.is_deleted() for buf in jax.tree.leaves(self.cache))
 
     def reallocate_cache(self) -> None:
         """A fresh, zeroed cache after :meth:`cache_is_intact` turned False; every block's
-        KV is lost, so the caller must also drop the prefix cache."""
-        self.cache = allocate_kv_cache(self.config)
+        KV (and state) is lost, so the caller must also drop the prefix cache."""
+        self.cache = allocate_cache(self.config)
 
     # ------------------------------------------------------------ host tier
+    @property
+    def kv_cache(self) -> KVCache:
+        """The attention KV pages (what the host tier moves)."""
+        return self.cache.kv if isinstance(self.cache, HybridCache) else self.cache
+
     def host_pool(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVPool:
-        """A host pool of whole blocks of this runner's cache, as many as fit in ``host_bytes``."""
-        return HostKVPool.for_cache(self.cache, host_bytes, memory_kind=memory_kind)
+        """A host pool of whole blocks of this runner's KV cache, as many as fit in ``host_bytes``."""
+        return HostKVPool.for_cache(self.kv_cache, host_bytes, memory_kind=memory_kind)
 
     def store_blocks(self, transfers: TransferEngine, block_ids: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
         """Issue a copy of device blocks into host blocks (the cache is only read)."""
-        return transfers.store(self.cache, block_ids, host_blocks)
+        return transfers.store(self.kv_cache, block_ids, host_blocks)
 
     def load_blocks(self, transfers: TransferEngine, block_ids: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
-        """Issue a copy of host blocks into device blocks of the (donated) cache."""
-        self.cache, transfer = transfers.load(self.cache, block_ids, host_blocks)
+        """Issue a copy of host blocks into device blocks of the (donated) KV cache."""
+        kv, transfer = transfers.load(self.kv_cache, block_ids, host_blocks)
+        self.cache = dataclasses.replace(self.cache, kv=kv) if isinstance(self.cache, HybridCache) else kv
         return transfer
 
     def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
