@@ -581,3 +581,11 @@ def test_state_pool_request_whose_hit_holds_no_state_takes_a_fresh_slot(tokens):
     # which the tier loads into the request's running slot.
     assert mgr.allocate_slots(req, 16, num_external_computed_tokens=64) is not None
     assert len(held_states(mgr, req)) == 1 and mgr.get_block_ids("r")[1][-1]
+
+
+def test_a_state_checkpoint_of_the_open_step_is_not_a_hit_until_the_step_ends(tokens):
+    mgr = state_pool_manager(64, 8)
+    with mgr.step_transaction():
+        serve_prompt(mgr, Request("writer", tokens(0, 40)))  # caches its state at 32 in this step
+        assert mgr.get_computed_blocks(Request("same-step", tokens(0, 40)))[1] == 0
+    assert mgr.get_computed_blocks(Request("next-step", tokens(0, 40)))[1] == 32

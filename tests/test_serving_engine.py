@@ -169,3 +169,56 @@ def test_the_step_budget_may_not_exceed_the_plan(models):
     plan = plan_kv_cache(specs, 4 << 20, max_model_len=256, max_num_batched_tokens=64)
     with pytest.raises(EngineError, match="max_num_batched_tokens=128 exceeds the plan's max_num_batched_tokens=64"):
         Engine(models["tiny-llama"], plan, max_num_batched_tokens=128)
+
+
+# ------------------------------------------------------------------ recurrent hybrid
+@pytest.fixture(scope="module")
+def qwen3_next() -> tuple[TinyLM, list[list[int]]]:
+    model = TinyLM(get_model_config("tiny-qwen3-next"), seed=0)
+    return model, dense_greedy_generate(model, workload(), NEW_TOKENS)
+
+
+def recurrent_engine(model: TinyLM, state_layout: str, *, max_num_seqs: int = 4, **kwargs) -> Engine:
+    """A 64-token step budget; the state pool sized for ``max_num_seqs`` live states + 1 MiB of checkpoints."""
+    pooled = state_layout == "state_pool"
+    plan = plan_kv_cache(
+        model.config.layer_specs(),
+        8 << 20,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=64,
+        state_layout=state_layout,
+        max_num_seqs=max_num_seqs if pooled else None,
+        checkpoint_bytes=kwargs.pop("checkpoint_bytes", 1 << 20 if pooled else 0),
+    )
+    return Engine(model, plan, max_num_seqs=4, buckets=ONE_SHAPE, **kwargs)
+
+
+@pytest.mark.parametrize("state_layout", ["state_pool", "attention_pages"])
+def test_a_recurrent_hybrid_gives_the_dense_tokens_with_caching_on_and_off(qwen3_next, state_layout):
+    model, dense = qwen3_next
+    eng = recurrent_engine(model, state_layout)
+    cached = eng.generate(workload(), NEW_TOKENS)
+    again = eng.generate(workload(), NEW_TOKENS)  # now every prompt's checkpoints are cached
+    uncached = recurrent_engine(model, state_layout, enable_caching=False).generate(workload(), NEW_TOKENS)
+    assert tokens(cached) == tokens(again) == tokens(uncached) == dense
+    assert uncached.num_cached_prompt_tokens == 0
+    if state_layout == "state_pool":  # 16-token checkpoints: the duplicate prompt and the reruns hit
+        assert cached.num_cached_prompt_tokens >= 32 and again.prefix_hit_rate > 0.6
+    assert eng.audit().device_blocks_leaked == 0
+
+
+def test_a_recurrent_hybrid_short_of_state_slots_preempts_and_keeps_the_tokens(qwen3_next):
+    model, dense = qwen3_next
+    eng = recurrent_engine(model, "state_pool", max_num_seqs=2, checkpoint_bytes=0)
+    assert eng.manager.state_pool.num_blocks == 3  # two live states for four running requests
+    result = eng.generate(workload(), NEW_TOKENS)
+    assert result.num_preemptions > 0 and tokens(result) == dense
+    assert eng.audit().device_blocks_leaked == 0
+
+
+def test_a_recurrent_hybrid_compiles_once_per_step_shape(qwen3_next):
+    model, _ = qwen3_next
+    eng = recurrent_engine(model, "state_pool")
+    eng.generate(workload()[:2], 2)
+    run = eng.generate(workload()[2:], 30)
+    assert run.num_steps >= 30 and run.num_compilations == 0

@@ -96,6 +96,40 @@ def test_an_exception_inside_a_step_leaves_an_exact_prefix_cache(models, monkeyp
     assert_nothing_leaked(eng)
 
 
+@pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
+def test_an_exception_inside_a_recurrent_step_drops_the_states_it_would_have_written(monkeypatch, error):
+    model = TinyLM(get_model_config("tiny-qwen3-next"), seed=0)
+    config = plan_kv_cache(
+        model.config.layer_specs(),
+        8 << 20,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=64,
+        state_layout="state_pool",
+        max_num_seqs=4,
+        checkpoint_bytes=1 << 20,
+    )
+    eng = Engine(model, config, max_num_seqs=4, buckets=ONE_SHAPE)
+    batch = prompts(5, 90, 70)
+    batch.append(batch[0][:64] + batch[1][:20])
+    dense = dense_greedy_generate(model, batch, NEW_TOKENS)
+    execute = eng.runner.execute
+    calls = iter(range(100))
+
+    def failing_execute(chunks):
+        if next(calls) == 1:  # the second step: checkpoints are allocated and cached, never written
+            raise error("step failed")
+        return execute(chunks)
+
+    monkeypatch.setattr(eng.runner, "execute", failing_execute)
+    with pytest.raises(error):
+        eng.generate(batch, NEW_TOKENS)
+    assert_nothing_leaked(eng)
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    assert served(eng, batch) == dense
+    assert served(eng, batch) == dense  # from the checkpoints the first full run cached
+    assert_nothing_leaked(eng)
+
+
 def test_a_failing_progress_callback_leaves_the_engine_usable_and_exact(models):
     model = models["tiny-llama"]
     eng = engine(model)

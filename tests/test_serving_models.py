@@ -21,7 +21,7 @@ from jaxkv.serving.models import (
     layer_groups,
     model_names,
 )
-from jaxkv.specs import FullAttentionSpec
+from jaxkv.specs import FullAttentionSpec, MambaSpec
 
 
 def test_tiny_hybrid_is_the_preset_and_gemma_like():
@@ -37,6 +37,17 @@ def test_tiny_llama_is_full_attention_with_gqa():
     assert list(specs) == [f"layers.{i}" for i in range(config.num_layers)]
     assert all(type(s) is FullAttentionSpec and s.num_kv_heads == 2 for s in specs.values())
     assert config.num_heads == 2 * config.num_kv_heads
+
+
+def test_tiny_qwen3_next_has_three_delta_nets_to_one_attention_layer():
+    config = get_model_config("tiny-qwen3-next")
+    specs = list(config.layer_specs().values())
+    assert [type(s) for s in specs[:4]] == [MambaSpec] * 3 + [FullAttentionSpec] and specs[4:] == specs[:4]
+    assert specs[0].mamba_type == "gated_delta_net" and specs[0].dtypes == ("float32", "float32")
+    assert specs[0].shapes == ((3, config.conv_dim), (4, 32, 32))
+    pooled = plan_kv_cache(config.layer_specs(), 8 << 20, max_model_len=512, state_layout="state_pool")
+    paged = plan_kv_cache(config.layer_specs(), 8 << 20, max_model_len=512)
+    assert pooled.hash_block_size == 16 and paged.hash_block_size == 32  # vLLM's rule: a page holds a state
 
 
 def test_layer_groups_follow_the_plan():
@@ -58,6 +69,9 @@ def test_layer_groups_follow_the_plan():
         ({"activation": "relu"}, "unknown activation 'relu'"),
         ({"vocab_size": 0}, "vocab_size must be a positive int, got 0"),
         ({"dtype": "float64"}, "unknown dtype 'float64'"),
+        ({"recurrent": (True,)}, "recurrent must be empty or one bool per layer"),
+        ({"recurrent": (True, False, False, False), "windows": (8, None, None, None)}, "windows None where True"),
+        ({"recurrent": (True,) * 4, "conv_kernel": 1}, "conv_kernel must be an int >= 2, got 1"),
     ],
 )
 def test_bad_configs_name_the_value(change, match):

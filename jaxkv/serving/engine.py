@@ -38,7 +38,8 @@ class EngineError(JaxkvError, ValueError):
 
 @dataclass(frozen=True)
 class CacheAudit:
-    """Blocks held by nobody, found between ``generate`` calls (both must be 0)."""
+    """Blocks (device: attention blocks and state slots) held by nobody, found between
+    ``generate`` calls (both must be 0)."""
 
     device_blocks_leaked: int
     host_blocks_leaked: int
@@ -312,9 +313,12 @@ class Engine:
         request is live, every usable device block is free and every host block
         belongs to a stored key)."""
         self._owner.check()
-        usable = self.manager.config.num_blocks - 1
+        leaked = self.manager.config.num_blocks - 1 - self.manager.num_free_blocks
+        states = self.manager.state_pool
+        if states is not None:
+            leaked += states.num_blocks - 1 - states.num_free_blocks
         host = self.connector.num_leaked_host_blocks() if self.connector is not None else 0
-        return CacheAudit(usable - self.manager.num_free_blocks, host)
+        return CacheAudit(leaked, host)
 
     def _release(self, seqs: Sequence[SeqState]) -> None:
         """End a call, normally or not: settle stores, free what its requests still
