@@ -24,7 +24,7 @@ from jaxkv.ints import is_int
 from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request, token_id_list
 from jaxkv.metadata import Buckets
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, plan_kv_cache
-from jaxkv.serving.models import TinyLM, get_model_config
+from jaxkv.serving.models import ModelConfig, TinyLM, get_model_config
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
 from jaxkv.serving.scheduler import Scheduler, SeqState, check_positive_int
@@ -43,6 +43,25 @@ class CacheAudit:
 
     device_blocks_leaked: int
     host_blocks_leaked: int
+
+
+def state_plan(
+    model_config: ModelConfig, state_layout: str, memory_bytes: int, checkpoint_share: float, max_num_seqs: int
+) -> dict[str, object]:
+    """The planner's recurrent-state arguments for a model (keyword arguments of
+    :func:`~jaxkv.planner.plan_kv_cache`). ``state_layout`` "auto" is the state pool
+    for a model with recurrent layers, else vLLM's ``attention_pages``; the state pool
+    gets ``max_num_seqs`` live states and ``checkpoint_share`` of the memory for
+    checkpoints."""
+    if state_layout == "auto":
+        state_layout = "state_pool" if any(model_config.recurrent) else "attention_pages"
+    if state_layout != "state_pool":
+        return {"state_layout": state_layout}
+    return {
+        "state_layout": state_layout,
+        "max_num_seqs": max_num_seqs,
+        "checkpoint_bytes": int(checkpoint_share * memory_bytes),
+    }
 
 
 def resolve_head_dim_multiple(head_dim_multiple: int | None) -> int:
@@ -192,19 +211,19 @@ class Engine:
         max_num_batched_tokens: int = 256,
         seed: int = 0,
         head_dim_multiple: int | None = None,
-        state_layout: str = "attention_pages",
-        checkpoint_bytes: int = 0,
+        state_layout: str = "auto",
+        checkpoint_share: float = 0.1,
         **kwargs: object,
     ) -> Engine:
         """A named tiny model with seeded weights and a KV cache planned for ``memory_bytes``.
 
         ``head_dim_multiple`` goes to the planner (None: see
-        :func:`resolve_head_dim_multiple`, 128 on TPU, else 1), and so do
-        ``state_layout`` and ``checkpoint_bytes`` (recurrent models; the state pool gets
-        one live state per ``max_num_seqs``). Other keyword arguments go to :class:`Engine`.
+        :func:`resolve_head_dim_multiple`, 128 on TPU, else 1); ``state_layout`` and
+        ``checkpoint_share`` plan a recurrent model's state (see :func:`state_plan`).
+        Other keyword arguments go to :class:`Engine`.
         """
         model = TinyLM(get_model_config(model_name), seed=seed)
-        pooled = state_layout == "state_pool"
+        max_num_seqs = kwargs.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         config = plan_kv_cache(
             model.config.layer_specs(),
             memory_bytes,
@@ -213,9 +232,7 @@ class Engine:
             layout=layout,
             max_num_batched_tokens=max_num_batched_tokens,
             head_dim_multiple=resolve_head_dim_multiple(head_dim_multiple),
-            state_layout=state_layout,
-            max_num_seqs=kwargs.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS) if pooled else None,
-            checkpoint_bytes=checkpoint_bytes,
+            **state_plan(model.config, state_layout, memory_bytes, checkpoint_share, max_num_seqs),
         )
         return cls(model, config, **kwargs)
 
