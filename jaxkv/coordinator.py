@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -363,11 +363,11 @@ class KVCacheCoordinator:
                 if m.skips_blocks:
                     m.set_anchors(request_id, anchors)
 
-    def set_checkpoints(self, request_id: str, positions: Sequence[int], num_prompt_tokens: int) -> None:
+    def set_checkpoints(self, request_id: str, shared: Iterable[int], num_prompt_tokens: int) -> None:
         """The request's state checkpoint positions (see
         :meth:`~jaxkv.single_type.StatePoolManager.set_checkpoints`); a no-op without a state pool."""
         for m in self._state_managers:
-            m.set_checkpoints(request_id, positions, num_prompt_tokens)
+            m.set_checkpoints(request_id, shared, num_prompt_tokens)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group, in one pass over each pool."""

@@ -241,7 +241,8 @@ class KVCacheManager:
     positions* (:meth:`checkpoint_positions`): where the request's prompt ends, where
     full attention alone matched further than the whole hit (so the next request
     sharing that prefix finds a state there), every ``checkpoint_interval`` tokens of
-    the prompt if set, and the newest block boundary while it decodes. A scheduler ends
+    the prompt if set, and every block boundary while it decodes, of which only the
+    newest stays in queue order (the prompt's end is superseded too). A scheduler ends
     prefill chunks there (:meth:`chunk_limit`): a state exists only where a step ends.
     """
 
@@ -353,6 +354,16 @@ class KVCacheManager:
         read once ``end`` tokens are computed (what an offload tier must load)."""
         return self.coordinator.needed_blocks(group, start, end)
 
+    def _shared_checkpoints(self, request: Request, num_computed_tokens: int) -> set[int]:
+        """Checkpoint positions other requests are expected to hit: where full attention
+        alone matched (when that ran ahead of the hit) and every ``checkpoint_interval``."""
+        bs = self._state_block_size
+        prompt_end = request.num_prompt_tokens // bs * bs
+        positions = {request._reach // bs * bs}
+        if self.checkpoint_interval:
+            positions.update(range(self.checkpoint_interval, prompt_end, self.checkpoint_interval))
+        return {p for p in positions if num_computed_tokens < p <= prompt_end}
+
     def checkpoint_positions(self, request: Request, num_computed_tokens: int) -> tuple[int, ...]:
         """Positions past ``num_computed_tokens``, in order, where the request's prefill
         caches its recurrent state (empty without a state pool or without caching):
@@ -361,11 +372,11 @@ class KVCacheManager:
         bs = self._state_block_size
         if not bs or not self.enable_caching:
             return ()
+        positions = self._shared_checkpoints(request, num_computed_tokens)
         prompt_end = request.num_prompt_tokens // bs * bs
-        positions = {prompt_end, request._reach // bs * bs}
-        if self.checkpoint_interval:
-            positions.update(range(self.checkpoint_interval, prompt_end, self.checkpoint_interval))
-        return tuple(sorted(p for p in positions if p > num_computed_tokens))
+        if prompt_end > num_computed_tokens:
+            positions.add(prompt_end)
+        return tuple(sorted(positions))
 
     def chunk_limit(self, request: Request, start: int, num_new_tokens: int) -> int:
         """``num_new_tokens`` cut so a chunk starting at ``start`` ends at the request's
@@ -496,9 +507,7 @@ class KVCacheManager:
         if not held:
             coord.set_anchors(rid, (total_computed, request._reach))
             if self._state_block_size:
-                coord.set_checkpoints(
-                    rid, self.checkpoint_positions(request, total_computed), request.num_prompt_tokens
-                )
+                coord.set_checkpoints(rid, self._shared_checkpoints(request, total_computed), request.num_prompt_tokens)
         new_blocks = coord.allocate(rid, num_slots, hits, num_computed)
         self._requests[rid] = request
         if self.enable_caching:

@@ -383,30 +383,38 @@ class StatePoolManager(MambaManager):
     block boundary. A request holds one running state slot, updated in place: as the
     request grows the slot moves to the newest block index. The slot becomes a
     *checkpoint* when the step ending at one of the request's checkpoint positions
-    (see :meth:`set_checkpoints`) or at a block boundary while it decodes writes it;
-    then it is cached under the chained hash of that position and the request takes a
-    fresh slot for its next state (copy-on-write: the checkpoint stays intact). Of a
-    request's decode checkpoints only the newest is kept in queue order; an older one
-    is demoted to be evicted first.
+    (see :meth:`set_checkpoints`) writes it; then it is cached under the chained hash of
+    that position and the request takes a fresh slot for its next state (copy-on-write:
+    the checkpoint stays intact). Shared checkpoints (where other requests are expected
+    to hit) stay in queue order; of the request's own continuation checkpoints (its
+    prompt's end, then each block boundary it decodes through) only the newest does: an
+    older one is superseded (the next turn of a chat resumes from the newest) and is
+    demoted to be evicted first.
     """
 
     def __init__(self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec) -> None:
         super().__init__(pool, group_id, block_size, spec)
         self.checkpoints: dict[str, tuple[frozenset[int], int]] = {}
-        # The request's newest decode checkpoint: (block, hash).
-        self.decode_checkpoint: dict[str, tuple[int, bytes]] = {}
+        # The request's newest continuation checkpoint: (block, hash).
+        self.continuation: dict[str, tuple[int, bytes]] = {}
 
-    def set_checkpoints(self, request_id: str, positions: Iterable[int], num_prompt_tokens: int) -> None:
-        """Token positions (block multiples) where the request's state is cached, and
-        where its prompt ends (past it, every block boundary it decodes through)."""
-        self.checkpoints[request_id] = (frozenset(positions), num_prompt_tokens)
+    def set_checkpoints(self, request_id: str, shared: Iterable[int], num_prompt_tokens: int) -> None:
+        """The request's checkpoint positions (block multiples): ``shared`` ones, and its
+        continuation checkpoints: the prompt's last block boundary and, past the prompt,
+        every block boundary it decodes through."""
+        self.checkpoints[request_id] = (frozenset(shared), num_prompt_tokens)
 
     def set_anchors(self, request_id: str, anchors: Sequence[int]) -> None:
         """No retention anchors: this group's prefix hits are its checkpoints."""
 
-    def _is_checkpoint(self, request_id: str, num_tokens: int) -> bool:
-        positions, num_prompt_tokens = self.checkpoints.get(request_id, (frozenset(), NEVER))
-        return num_tokens in positions or num_tokens > num_prompt_tokens
+    def _checkpoint_kind(self, request_id: str, num_tokens: int) -> str | None:
+        """ "shared", "continuation" or None (no checkpoint) at a block boundary."""
+        shared, num_prompt_tokens = self.checkpoints.get(request_id, (frozenset(), NEVER))
+        if num_tokens in shared:
+            return "shared"
+        if num_tokens > num_prompt_tokens or num_tokens == num_prompt_tokens // self.block_size * self.block_size:
+            return "continuation"
+        return None
 
     def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
         blocks = self.req_blocks.get(request_id)
@@ -431,17 +439,19 @@ class StatePoolManager(MambaManager):
         return super().allocate_new_blocks(request_id, num_tokens)
 
     def cache_blocks(self, request_id, hashes, num_tokens, token_ids, lora_name):
-        """Cache the newest state when it sits on one of the request's checkpoint positions."""
+        """Cache the newest state when it sits on one of the request's checkpoint positions;
+        a new continuation checkpoint demotes the previous one."""
         end = num_tokens // self.block_size
         if end <= self.num_cached.get(request_id, 0):
             return
-        if num_tokens % self.block_size == 0 and self._is_checkpoint(request_id, num_tokens):
+        kind = self._checkpoint_kind(request_id, num_tokens) if num_tokens % self.block_size == 0 else None
+        if kind is not None:
             super().cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
-            if num_tokens > self.checkpoints[request_id][1]:
-                previous = self.decode_checkpoint.get(request_id)
+            if kind == "continuation":
+                previous = self.continuation.get(request_id)
                 if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
                     self.pool.demote([previous[0]])
-                self.decode_checkpoint[request_id] = (self.req_blocks[request_id][end - 1], hashes[end - 1])
+                self.continuation[request_id] = (self.req_blocks[request_id][end - 1], hashes[end - 1])
         self.num_cached[request_id] = end
 
     def release(self, request_id: str) -> Iterable[int]:
@@ -454,7 +464,7 @@ class StatePoolManager(MambaManager):
 
     def _forget_checkpoints(self, request_id: str) -> None:
         self.checkpoints.pop(request_id, None)
-        self.decode_checkpoint.pop(request_id, None)
+        self.continuation.pop(request_id, None)
 
 
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeManager]:

@@ -520,14 +520,15 @@ def test_state_pool_updates_the_running_state_in_place_and_copies_on_write(token
     assert mgr.state_pool.is_cached(checkpoint_96) and not mgr.state_pool.is_cached(running)
     decode(mgr, req, 11)  # to 111 tokens: the slot moved along, no new one
     assert held_states(mgr, req) == [running]
-    decode(mgr, req, 1)  # 112: a block boundary while decoding is a checkpoint
-    assert mgr.state_pool.is_cached(running)
-    decode(mgr, req, 1)  # the next state goes to a fresh slot; the checkpoint stays intact
+    decode(mgr, req, 1)  # 112: a block boundary while decoding is a checkpoint; it supersedes 96's
+    assert mgr.state_pool.is_cached(running) and mgr.state_pool.free_block_ids()[0] == checkpoint_96
+    decode(mgr, req, 1)  # the next state goes to a fresh slot (96's went first); 112's stays intact
     (fresh,) = [b for b in held_states(mgr, req) if b != running]
-    decode(mgr, req, 16)  # 129: a newer decode checkpoint (128) demoted the one at 112: it went first
+    assert fresh == checkpoint_96
+    decode(mgr, req, 16)  # 129: the checkpoint at 128 superseded 112's, whose slot went next
     assert held_states(mgr, req) == [fresh, running], "128's checkpoint, then the slot 112's gave back"
     history = req.all_token_ids
-    assert mgr.get_computed_blocks(Request("to-113", history[:113]))[1] == 96
+    assert mgr.get_computed_blocks(Request("to-113", history[:113]))[1] == 0
     assert mgr.get_computed_blocks(Request("to-129", history[:129]))[1] == 128
     assert mgr.state_pool.num_free_blocks == 7 - len(held_states(mgr, req))
     mgr.free(req)
