@@ -174,6 +174,27 @@ def flags_parser(prog: str, flag_values: flags.FlagValues = flags.FLAGS) -> Call
     return parse
 
 
+def define_state_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """``--state_layout`` and ``--checkpoint_share``, for the scripts that serve models
+    (see :func:`jaxkv.serving.engine.state_plan`)."""
+    flags.DEFINE_enum(
+        "state_layout",
+        "auto",
+        ["auto", *STATE_LAYOUTS],
+        "recurrent state: a pool of its own (state_pool) or one attention page per state (attention_pages, "
+        "vLLM's rule); auto: state_pool for models with recurrent layers",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_float(
+        "checkpoint_share",
+        0.1,
+        "state_pool: share of --memory for state checkpoints",
+        lower_bound=0.0,
+        upper_bound=0.9,
+        flag_values=flag_values,
+    )
+
+
 def _define_flags() -> flags.FlagValues:
     fv = flags.FlagValues()
     flags.DEFINE_string("preset", None, f"model: {', '.join(list_presets())}", flag_values=fv)

@@ -41,7 +41,7 @@ from absl import app, flags
 from jaxkv.errors import JaxkvError
 from jaxkv.manager import KVCacheManager
 from jaxkv.plan import exit_error, flags_parser, parse_size
-from jaxkv.planner import exact_concurrency_bound, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, exact_concurrency_bound, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.simulator import Simulator, synthetic_trace
 from jaxkv.specs import MambaSpec
@@ -80,14 +80,19 @@ flags.DEFINE_float(
 flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
+def _both_layouts(name: str) -> tuple[dict, KVCacheConfig, KVCacheConfig]:
+    """A recurrent preset's specs and its state-pool and vLLM-rule plans at ``--memory``."""
+    specs = get_preset(name)
+    memory = parse_size(FLAGS.memory)
+    pooled = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len, state_layout="state_pool")
+    return specs, pooled, plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len)
+
+
 def granularity() -> list[dict]:
     """Hash block size of the state-pool plan and of vLLM's rule, per recurrent hybrid."""
-    memory = parse_size(FLAGS.memory)
     rows = []
     for name in RECURRENT_PRESETS:
-        specs = get_preset(name)
-        pooled = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len, state_layout="state_pool")
-        paged = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len)
+        _, pooled, paged = _both_layouts(name)
         rows.append(
             {
                 "preset": name,
@@ -101,13 +106,10 @@ def granularity() -> list[dict]:
 
 def concurrency() -> list[dict]:
     """max_concurrency of both state layouts against the exact bound, and the state pool's split."""
-    memory = parse_size(FLAGS.memory)
     rows = []
     for name in RECURRENT_PRESETS:
-        specs = get_preset(name)
-        pooled = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len, state_layout="state_pool")
-        paged = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len)
-        bound = exact_concurrency_bound(specs, memory, FLAGS.max_model_len)
+        specs, pooled, paged = _both_layouts(name)
+        bound = exact_concurrency_bound(specs, parse_size(FLAGS.memory), FLAGS.max_model_len)
         pool = pooled.state_pool
         rows.append(
             {

@@ -39,8 +39,8 @@ from absl import app, flags, logging
 
 from jaxkv import ops
 from jaxkv.errors import JaxkvError
-from jaxkv.plan import check_fits_device, exit_error, flags_parser, is_int_range, parse_size
-from jaxkv.planner import LAYOUTS, STATE_LAYOUTS, plan_kv_cache
+from jaxkv.plan import check_fits_device, define_state_flags, exit_error, flags_parser, is_int_range, parse_size
+from jaxkv.planner import LAYOUTS, plan_kv_cache
 from jaxkv.serving.engine import (
     Engine,
     GenerationResult,
@@ -72,16 +72,7 @@ flags.DEFINE_string("memory", "4MiB", "KV cache budget: 4MiB, 512KiB or bytes")
 flags.DEFINE_integer("max_model_len", 512, "tokens of the longest request", lower_bound=1)
 flags.DEFINE_integer("block_size", 16, "tokens per block", lower_bound=1)
 flags.DEFINE_enum("layout", "cross_layer", LAYOUTS, "KV cache buffer layout")
-flags.DEFINE_enum(
-    "state_layout",
-    "auto",
-    ["auto", *STATE_LAYOUTS],
-    "recurrent state: a pool of its own (state_pool) or one attention page per state (attention_pages, "
-    "vLLM's rule); auto: state_pool for models with recurrent layers",
-)
-flags.DEFINE_float(
-    "checkpoint_share", 0.1, "state_pool: share of --memory for state checkpoints", lower_bound=0.0, upper_bound=0.9
-)
+define_state_flags()
 flags.DEFINE_integer("max_num_seqs", 8, "most requests running at once", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 256, "token budget of one step", lower_bound=1)
 flags.DEFINE_integer(

@@ -74,8 +74,13 @@ class Boom(Exception):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
 @pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
 def test_an_exception_inside_a_step_leaves_an_exact_prefix_cache(models, monkeypatch, name, error):
-    model = models[name]
-    eng = engine(model, host_blocks=64)
+    fail_the_second_step_then_serve_exactly(models[name], engine(models[name], host_blocks=64), monkeypatch, error)
+
+
+def fail_the_second_step_then_serve_exactly(model: TinyLM, eng: Engine, monkeypatch, error: type) -> None:
+    """The second step raises after its blocks (and checkpoints) were allocated and
+    cached, never written: nothing leaks, and the same batch then gets the dense tokens
+    (twice: the second time from what the first full run cached)."""
     batch = prompts(5, 90, 70)
     batch.append(batch[0][:64] + batch[1][:20])
     dense = dense_greedy_generate(model, batch, NEW_TOKENS)
@@ -83,7 +88,7 @@ def test_an_exception_inside_a_step_leaves_an_exact_prefix_cache(models, monkeyp
     calls = iter(range(100))
 
     def failing_execute(chunks):
-        if next(calls) == 1:  # the second step: blocks are allocated and cached, never written
+        if next(calls) == 1:
             raise error("step failed")
         return execute(chunks)
 
@@ -92,6 +97,7 @@ def test_an_exception_inside_a_step_leaves_an_exact_prefix_cache(models, monkeyp
         eng.generate(batch, NEW_TOKENS)
     assert_nothing_leaked(eng)
     monkeypatch.setattr(eng.runner, "execute", execute)
+    assert served(eng, batch) == dense
     assert served(eng, batch) == dense
     assert_nothing_leaked(eng)
 
@@ -108,26 +114,9 @@ def test_an_exception_inside_a_recurrent_step_drops_the_states_it_would_have_wri
         max_num_seqs=4,
         checkpoint_bytes=1 << 20,
     )
-    eng = Engine(model, config, max_num_seqs=4, buckets=ONE_SHAPE)
-    batch = prompts(5, 90, 70)
-    batch.append(batch[0][:64] + batch[1][:20])
-    dense = dense_greedy_generate(model, batch, NEW_TOKENS)
-    execute = eng.runner.execute
-    calls = iter(range(100))
-
-    def failing_execute(chunks):
-        if next(calls) == 1:  # the second step: checkpoints are allocated and cached, never written
-            raise error("step failed")
-        return execute(chunks)
-
-    monkeypatch.setattr(eng.runner, "execute", failing_execute)
-    with pytest.raises(error):
-        eng.generate(batch, NEW_TOKENS)
-    assert_nothing_leaked(eng)
-    monkeypatch.setattr(eng.runner, "execute", execute)
-    assert served(eng, batch) == dense
-    assert served(eng, batch) == dense  # from the checkpoints the first full run cached
-    assert_nothing_leaked(eng)
+    fail_the_second_step_then_serve_exactly(
+        model, Engine(model, config, max_num_seqs=4, buckets=ONE_SHAPE), monkeypatch, error
+    )
 
 
 def test_a_failing_progress_callback_leaves_the_engine_usable_and_exact(models):

@@ -163,24 +163,24 @@ class ModelConfig:
         }
 
 
+_TINY_SIZES = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "mlp_dim": 256,
+}
+"""Sizes every tiny model shares (they differ in layer kinds, norms and caps)."""
+
 MODEL_CONFIGS: dict[str, ModelConfig] = {
     "tiny-llama": ModelConfig(
-        vocab_size=512,
-        hidden_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        mlp_dim=256,
+        **_TINY_SIZES,
         windows=(None,) * 4,
         rope_theta=500_000.0,
     ),
     "tiny-hybrid": ModelConfig(
-        vocab_size=512,
-        hidden_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        mlp_dim=256,
+        **_TINY_SIZES,
         windows=tuple(None if (i + 1) % 6 == 0 else 32 for i in range(6)),
         rope_theta=1_000_000.0,
         local_rope_theta=10_000.0,
@@ -192,12 +192,7 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         final_soft_cap=30.0,
     ),
     "tiny-qwen3-next": ModelConfig(
-        vocab_size=512,
-        hidden_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        mlp_dim=256,
+        **_TINY_SIZES,
         windows=(None,) * 8,
         recurrent=(True, True, True, False) * 2,
         rope_theta=10_000_000.0,
