@@ -321,13 +321,12 @@ def _state_rows(
     out[2, len(seqs) :] = 1
     for i, (seq, table) in enumerate(zip(seqs, tables)):
         read, write = state_rows(table.tolist(), seq.num_computed_tokens, seq.num_new_tokens, block_size)
-        fresh = seq.num_computed_tokens == 0
-        if write == 0 or (read == 0 and not fresh):
+        if write == 0:  # then the read row, which falls back to it, is null too
             raise BlockIdError(
                 f"request {seq.request_id!r}, group {group}: the state after {seq.num_computed_tokens} "
                 f"(+{seq.num_new_tokens}) tokens maps to the null row 0"
             )
-        out[:, i] = read, write, fresh
+        out[:, i] = read, write, seq.num_computed_tokens == 0
     return out
 
 

@@ -408,7 +408,7 @@ class StatePoolManager(MambaManager):
         """No retention anchors: this group's prefix hits are its checkpoints."""
 
     def _checkpoint_kind(self, request_id: str, num_tokens: int) -> str | None:
-        """ "shared", "continuation" or None (no checkpoint) at a block boundary."""
+        """The kind of checkpoint at a block boundary: shared, continuation, or None (none)."""
         shared, num_prompt_tokens = self.checkpoints.get(request_id, (frozenset(), NEVER))
         if num_tokens in shared:
             return "shared"
@@ -447,24 +447,18 @@ class StatePoolManager(MambaManager):
         kind = self._checkpoint_kind(request_id, num_tokens) if num_tokens % self.block_size == 0 else None
         if kind is not None:
             super().cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
-            if kind == "continuation":
+            block = self.req_blocks[request_id][end - 1]
+            if kind == "continuation" and self.pool.is_cached_as(block, self.group_id, hashes[end - 1]):
                 previous = self.continuation.get(request_id)
                 if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
                     self.pool.demote([previous[0]])
-                self.continuation[request_id] = (self.req_blocks[request_id][end - 1], hashes[end - 1])
+                self.continuation[request_id] = (block, hashes[end - 1])
         self.num_cached[request_id] = end
 
     def release(self, request_id: str) -> Iterable[int]:
-        self._forget_checkpoints(request_id)
-        return super().release(request_id)
-
-    def release_by_position(self, request_id: str) -> list[tuple[int, int, bool]]:
-        self._forget_checkpoints(request_id)
-        return super().release_by_position(request_id)
-
-    def _forget_checkpoints(self, request_id: str) -> None:
         self.checkpoints.pop(request_id, None)
         self.continuation.pop(request_id, None)
+        return super().release(request_id)
 
 
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeManager]:

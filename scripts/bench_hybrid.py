@@ -18,6 +18,9 @@ Sections (``--sections``, comma list, default all), one table each:
   static, so the section also sweeps the share of the budget given to checkpoints
   (:data:`CHECKPOINT_SHARES`) and reports ``--checkpoint_share``'s hit rate and the
   best share's. Targets: the state pool >= 0.9 of attention-only and above vLLM's rule.
+* ``ttft``: time to first token of the tiny recurrent hybrid (``tiny-qwen3-next``, state
+  pool) with and without prefix caching on prompts 90 % shared, measured by
+  ``scripts/bench_serve.py`` (run as a subprocess, its JSON read back). Target: >= 5x on CPU.
 * ``retention``: prompt hit rate of a Gemma-3-like model (gemma-3-27b: 5 sliding-window
   groups + 1 full) replaying one multi-turn trace in the simulator under memory
   pressure, with vLLM's eviction rule and with ``retention="group_aware"``, at each
@@ -32,9 +35,12 @@ are not the benchmark's).
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from absl import app, flags
 
@@ -64,9 +70,14 @@ CHECKPOINT_SHARES = (0.05, 0.1, 0.2, 0.4, 0.6)
 """Shares of the budget for state checkpoints the multi-turn section sweeps."""
 GiB = 1 << 30
 
+
+class BenchError(JaxkvError):
+    """A section's measurement could not be taken."""
+
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
-    "sections", ["granularity", "concurrency", "multiturn", "retention"], "sections to run, in this order"
+    "sections", ["granularity", "concurrency", "multiturn", "ttft", "retention"], "sections to run, in this order"
 )
 flags.DEFINE_string("memory", "16GiB", "KV cache budget of the granularity and concurrency plans")
 flags.DEFINE_integer("max_model_len", 32768, "tokens of the longest request (every section)", lower_bound=1)
@@ -192,6 +203,43 @@ def multiturn() -> list[dict]:
     return rows
 
 
+TTFT_MODEL = "tiny-qwen3-next"
+QUICK_SERVE_FLAGS = (
+    "--prompt_len=256",
+    "--num_requests=2",
+    "--repeats=3",
+    "--max_new_tokens=2",
+    "--memory=16MiB",
+    "--max_model_len=512",
+    "--max_num_batched_tokens=256",
+)
+
+
+def ttft() -> list[dict]:
+    """bench_serve.py's TTFT and throughput, caching on vs off, for the tiny recurrent hybrid."""
+    script = Path(__file__).resolve().with_name("bench_serve.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "serve.json"
+        args = [sys.executable, str(script), f"--model={TTFT_MODEL}", f"--out={out}"]
+        done = subprocess.run(args + list(QUICK_SERVE_FLAGS if FLAGS.quick else ()), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BenchError(f"bench_serve.py failed ({done.returncode}): {done.stderr.strip()[-400:]}")
+        report = json.loads(out.read_text())
+    off, on = report["results"]["no prefix caching"], report["results"]["prefix caching"]
+    return [
+        {
+            "model": TTFT_MODEL,
+            "prompt_len": report["flags"]["prompt_len"],
+            "uncached_ttft_ms": 1e3 * off["single_ttft_s"],
+            "cached_ttft_ms": 1e3 * on["single_ttft_s"],
+            "ttft_x": report["ratios"]["single_ttft_s"],
+            "batch_ttft_x": report["ratios"]["batch_mean_ttft_s"],
+            "batch_hit_rate": on["batch_prefix_hit_rate"],
+            "tokens_identical": report["token_check"]["passed"],
+        }
+    ]
+
+
 def retention() -> list[dict]:
     """Prompt hit rate of vLLM's eviction rule and group-aware retention on one trace, per budget."""
     num_conversations = 20 if FLAGS.quick else FLAGS.conversations
@@ -225,6 +273,7 @@ SECTIONS: dict[str, Callable[[], list[dict]]] = {
     "granularity": granularity,
     "concurrency": concurrency,
     "multiturn": multiturn,
+    "ttft": ttft,
     "retention": retention,
 }
 
@@ -271,6 +320,19 @@ COLUMNS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
             ("best_share", "best share", ".2f"),
             ("best_hit_rate", "best pool", ".3f"),
             ("best_over_attention_only", "best/attn", ".3f"),
+        ),
+    ),
+    "ttft": (
+        "time to first token, prefix caching on vs off (bench_serve.py; CPU times of a tiny model: the ratio counts)",
+        (
+            ("model", "model", "s"),
+            ("prompt_len", "prompt", "d"),
+            ("uncached_ttft_ms", "off ms", ",.1f"),
+            ("cached_ttft_ms", "on ms", ",.1f"),
+            ("ttft_x", "TTFT x", ".2f"),
+            ("batch_ttft_x", "batch TTFT x", ".2f"),
+            ("batch_hit_rate", "batch hits", ".3f"),
+            ("tokens_identical", "same tokens", ""),
         ),
     ),
     "retention": (

@@ -13,7 +13,7 @@ SCRIPT = REPO / "scripts" / "bench_hybrid.py"
 def run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120, check=False
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300, check=False
     )
 
 
@@ -21,7 +21,7 @@ def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
     out = tmp_path / "bench.json"
     done = run("--quick", "--out", str(out))
     assert done.returncode == 0, done.stderr
-    for section in ("[granularity]", "[concurrency]", "[multiturn]", "[retention]"):
+    for section in ("[granularity]", "[concurrency]", "[multiturn]", "[ttft]", "[retention]"):
         assert section in done.stdout
     report = json.loads(out.read_text())
     granularity = {r["preset"]: r for r in report["granularity"]["rows"]}
@@ -40,6 +40,9 @@ def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
     for row in multiturn:
         rates = (row["attention_only_hit_rate"], row["attention_pages_hit_rate"], row["state_pool_hit_rate"])
         assert all(0 <= r <= 1 for r in rates) and row["best_hit_rate"] >= row["state_pool_hit_rate"]
+    (ttft,) = report["ttft"]["rows"]
+    assert ttft["model"] == "tiny-qwen3-next" and ttft["tokens_identical"]
+    assert ttft["uncached_ttft_ms"] > 0 and ttft["cached_ttft_ms"] > 0
     retention = report["retention"]["rows"]
     assert [r["memory"] for r in retention] == ["16GiB", "20GiB"]
     for row in retention:
@@ -51,5 +54,6 @@ def test_an_unknown_section_is_one_line_and_status_2():
     done = run("--sections", "granularity,speed")
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert (
-        "unknown sections ['speed']" in done.stderr and "granularity, concurrency, multiturn, retention" in done.stderr
+        "unknown sections ['speed']" in done.stderr
+        and "granularity, concurrency, multiturn, ttft, retention" in done.stderr
     )
