@@ -146,3 +146,41 @@ def write_states(cache: StateCache, layer: str, rows: jax.Array, values: Sequenc
                 f"{b.shape[1:]} {b.dtype} state"
             )
     return cache.with_layer_states(layer, [b.at[rows].set(v) for b, v in zip(buffers, values)])
+
+
+def slot_nbytes(cache: StateCache) -> int:
+    """Bytes of one state row across every layer and tensor (one host-tier slot)."""
+    return sum(b.nbytes // b.shape[0] for b in cache.flat_buffers)
+
+
+def _as_bytes(x: jax.Array) -> jax.Array:
+    """``(n, ...)`` of any dtype -> ``(n, bytes)`` uint8, the same bits."""
+    flat = x.reshape(x.shape[0], -1)
+    if flat.dtype.itemsize > 1:
+        flat = jax.lax.bitcast_convert_type(flat, jnp.uint8)
+    return flat.reshape(x.shape[0], -1)
+
+
+def _from_bytes(data: jax.Array, like: jax.Array) -> jax.Array:
+    """Inverse of :func:`_as_bytes` for rows shaped and typed as ``like``'s."""
+    itemsize = like.dtype.itemsize
+    rows = data.reshape(data.shape[0], -1, itemsize) if itemsize > 1 else data
+    return jax.lax.bitcast_convert_type(rows, like.dtype).reshape((data.shape[0],) + like.shape[1:])
+
+
+def gather_slots(cache: StateCache, ids: jax.Array) -> jax.Array:
+    """State rows ``ids`` of every layer as bytes, ``(n, slot_nbytes)`` uint8: the staging
+    format of the host tier (one row per slot, whatever the tensors' shapes and dtypes)."""
+    return jnp.concatenate([_as_bytes(b[ids]) for b in cache.flat_buffers], axis=1)
+
+
+def scatter_slots(cache: StateCache, ids: jax.Array, data: jax.Array) -> StateCache:
+    """Inverse of :func:`gather_slots`: rows ``ids`` := ``data`` (trusted ids; donate the cache)."""
+    flat = []
+    start = 0
+    for b in cache.flat_buffers:
+        width = b.nbytes // b.shape[0]
+        flat.append(b.at[ids].set(_from_bytes(data[:, start : start + width], b)))
+        start += width
+    rows = iter(flat)
+    return cache.replace([[next(rows) for _ in layer] for layer in cache.buffers])

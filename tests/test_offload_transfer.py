@@ -17,8 +17,9 @@ from jaxkv.offload.transfer import (
     bucket_size,
     copies_per_block,
 )
-from jaxkv.planner import KVCacheConfig, KVCacheGroup
-from jaxkv.specs import FullAttentionSpec
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePool
+from jaxkv.specs import FullAttentionSpec, MambaSpec
+from jaxkv.state_cache import allocate_state_cache, gather_slots, scatter_slots, slot_nbytes, write_states
 
 NUM_BLOCKS = 12
 HOST_BLOCKS = 10
@@ -198,3 +199,34 @@ def test_pool_for_cache_sizes_from_byte_budget():
     cache = random_cache("cross_layer")
     pool = HostKVPool.for_cache(cache, 5 * block_nbytes(cache) + 7, memory_kind="numpy")
     assert pool.num_blocks == 5 and pool.block_bytes == block_nbytes(cache)
+
+
+@pytest.mark.parametrize("memory", MEMORY)
+def test_state_slots_round_trip_through_the_host_as_bytes(memory):
+    """Recurrent state rows of mixed shapes and dtypes go to host and come back bit for bit;
+    a failed load leaves the device row as it was."""
+    state = MambaSpec(shapes=((3, 5), (2, 4, 4)), dtypes=("bfloat16", "float32"), mamba_type="gated_delta_net")
+    groups = (
+        KVCacheGroup(("a",), FullAttentionSpec(num_kv_heads=1, head_size=4), 16),
+        KVCacheGroup(("m0", "m1"), state, 16),
+    )
+    states = allocate_state_cache(KVCacheConfig(num_blocks=4, groups=groups, state_pool=StatePool(num_states=6)))
+    rng = np.random.default_rng(0)
+    for layer in states.layer_names:
+        values = (
+            jnp.asarray(rng.standard_normal((5, 3, 5)), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((5, 2, 4, 4))),
+        )
+        states = write_states(states, layer, jnp.arange(1, 6), values)
+    before = gather_slots(states, jnp.arange(6))
+    pool = HostKVPool.for_cache(states, 3 * slot_nbytes(states), memory_kind=memory)
+    engine = TransferEngine(pool)
+    assert pool.num_blocks == 3 and pool.block_shape == (slot_nbytes(states),)
+    assert engine.wait(engine.store(states, [2, 5], [1, 2])).failed == ()
+    states = scatter_slots(states, jnp.array([2, 5]), jnp.zeros((2, slot_nbytes(states)), jnp.uint8))
+    engine.fail_load = lambda ids, host: ids == 5
+    states, transfer = engine.load(states, [2, 5], [1, 2])
+    assert engine.wait(transfer).failed == (1,)
+    after = np.asarray(gather_slots(states, jnp.arange(6)))
+    np.testing.assert_array_equal(after[2], np.asarray(before)[2])
+    assert not after[5].any(), "the failed row kept what the device held"

@@ -2,7 +2,8 @@
 
 One host block holds one whole cross-layer block ``(num_layers_per_block, block_size,
 2*H, D)``, the staging format of :func:`jaxkv.ops.gather_blocks` in either device
-layout. Host block 0 is a scratch block: padded rows of bucketed transfers read and
+layout; a host pool of recurrent states holds one state slot per host block, as bytes
+(:func:`jaxkv.state_cache.gather_slots`). Host block 0 is a scratch block: padded rows of bucketed transfers read and
 write it, it is never handed out (the allocator is :mod:`jaxkv.offload.host_blocks`).
 The buffer lives in ``pinned_host`` memory when the backend supports the writes and
 reads the transfer engine compiles (probed once per backend), else in a numpy array.
@@ -25,6 +26,7 @@ from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
+from jaxkv.state_cache import StateCache, slot_nbytes
 
 MEMORY_KINDS = ("pinned_host", "numpy")
 
@@ -43,6 +45,13 @@ def blocks_in_budget(byte_budget: int, block_bytes: int) -> int:
 def block_shape(cache: KVCache) -> tuple[int, ...]:
     """Shape of one whole block in the staging format, for either layout."""
     return (cache.num_layers_per_block, cache.block_size, 2 * cache.num_kv_heads, cache.head_dim)
+
+
+def row_format(cache: KVCache | StateCache) -> tuple[tuple[int, ...], jnp.dtype]:
+    """Shape and dtype of one host block of ``cache``: a whole KV block, or a state slot's bytes."""
+    if isinstance(cache, StateCache):
+        return (slot_nbytes(cache),), jnp.dtype(jnp.uint8)
+    return block_shape(cache), cache.dtype
 
 
 def block_nbytes(cache: KVCache) -> int:
@@ -137,11 +146,12 @@ class HostKVPool:
         self.generation = np.zeros(num_blocks + 1, np.int64)
 
     @classmethod
-    def for_cache(cls, cache: KVCache, byte_budget: int, *, memory_kind: str | None = None) -> HostKVPool:
-        """A pool of as many whole blocks of ``cache`` as fit in ``byte_budget`` bytes."""
-        num_blocks = blocks_in_budget(byte_budget, block_nbytes(cache))
-        device = next(iter(cache.buffers[0].devices()))
-        return cls(num_blocks, block_shape(cache), cache.dtype, memory_kind=memory_kind, device=device)
+    def for_cache(cls, cache: KVCache | StateCache, byte_budget: int, *, memory_kind: str | None = None) -> HostKVPool:
+        """A pool of as many whole blocks (or state slots) of ``cache`` as fit in ``byte_budget`` bytes."""
+        shape, dtype = row_format(cache)
+        num_blocks = blocks_in_budget(byte_budget, int(np.prod(shape)) * dtype.itemsize)
+        device = next(iter(jax.tree.leaves(cache)[0].devices()))
+        return cls(num_blocks, shape, dtype, memory_kind=memory_kind, device=device)
 
     @property
     def block_bytes(self) -> int:

@@ -1,10 +1,12 @@
-"""Block transfers between the device KV cache and the host pool.
+"""Block transfers between the device KV cache (or the recurrent state rows) and the host pool.
 
 Store: one jitted gather of the blocks (:func:`jaxkv.ops.gather_blocks`, the cache is
 read, not donated), then an asynchronous device->host copy into the host blocks. Load:
 a host->device copy of the host blocks' rows, then one jitted scatter into the donated
 cache. With the cross-layer layout a block is one contiguous region (one copy); with
-the per-layer layout it is one region per layer buffer.
+the per-layer layout it is one region per layer buffer. A
+:class:`~jaxkv.state_cache.StateCache` moves the same way, one state slot per host
+block (its rows as bytes: :func:`~jaxkv.state_cache.gather_slots`).
 
 Block counts are padded to powers of two with the null block 0 and the scratch host
 host block 0, so a handful of shapes compile once. Every transfer records the generations
@@ -28,8 +30,9 @@ from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import check_int
 from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
-from jaxkv.offload.host_pool import HostKVPool, HostPoolError, block_shape
+from jaxkv.offload.host_pool import HostKVPool, HostPoolError, row_format
 from jaxkv.pool import NULL_BLOCK
+from jaxkv.state_cache import StateCache, gather_slots, scatter_slots
 
 FailureHook = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """``(device_block_ids, host_blocks) -> bool mask`` of the rows to fail (injection)."""
@@ -79,7 +82,7 @@ def _pad(values: np.ndarray, size: int, fill: int) -> np.ndarray:
 
 
 class TransferEngine:
-    """Issues stores and loads between one device cache and one host pool."""
+    """Issues stores and loads between one device cache (KV blocks or state rows) and one host pool."""
 
     def __init__(
         self,
@@ -96,31 +99,34 @@ class TransferEngine:
         self._gather = jax.jit(self._gather_fn)
         self._scatter = jax.jit(self._scatter_fn, donate_argnums=0)
 
-    def _gather_fn(self, cache: KVCache, ids: jax.Array) -> jax.Array:
+    def _gather_fn(self, cache: KVCache | StateCache, ids: jax.Array) -> jax.Array:
         self.num_traces += 1
-        return ops.gather_blocks(cache, ids)
+        return gather_slots(cache, ids) if isinstance(cache, StateCache) else ops.gather_blocks(cache, ids)
 
-    def _scatter_fn(self, cache: KVCache, ids: jax.Array, data: jax.Array) -> KVCache:
+    def _scatter_fn(self, cache: KVCache | StateCache, ids: jax.Array, data: jax.Array) -> KVCache | StateCache:
         self.num_traces += 1
+        if isinstance(cache, StateCache):
+            return scatter_slots(cache, ids, data)
         return ops.scatter_blocks(cache, ids, data)
 
     # -------------------------------------------------------------- checks
     def _check(
-        self, cache: KVCache, block_ids: Sequence[int], host_blocks: Sequence[int]
+        self, cache: KVCache | StateCache, block_ids: Sequence[int], host_blocks: Sequence[int]
     ) -> tuple[np.ndarray, np.ndarray]:
         self._owner.check()
-        if block_shape(cache) != self.pool.block_shape or cache.dtype != self.pool.dtype:
+        shape, dtype = row_format(cache)
+        if shape != self.pool.block_shape or dtype != self.pool.dtype:
             raise TransferError(
-                f"cache blocks {block_shape(cache)} {cache.dtype} do not match the host pool's "
-                f"{self.pool.block_shape} {self.pool.dtype}"
+                f"cache blocks {shape} {dtype} do not match the host pool's {self.pool.block_shape} {self.pool.dtype}"
             )
         ids = np.asarray(block_ids, np.int64).reshape(-1)
         host_blocks = np.asarray(host_blocks, np.int64).reshape(-1)
         if len(ids) != len(host_blocks):
             raise TransferError(f"{len(ids)} block ids but {len(host_blocks)} host blocks")
-        bad = ids[(ids <= NULL_BLOCK) | (ids >= cache.num_blocks)]
+        num_rows = cache.num_rows if isinstance(cache, StateCache) else cache.num_blocks
+        bad = ids[(ids <= NULL_BLOCK) | (ids >= num_rows)]
         if bad.size:
-            raise TransferError(f"device block ids out of range [1, {cache.num_blocks}): {bad.tolist()}")
+            raise TransferError(f"device block ids out of range [1, {num_rows}): {bad.tolist()}")
         try:
             self.pool.check_host_blocks(host_blocks.tolist())
         except HostPoolError as err:
@@ -137,7 +143,7 @@ class TransferEngine:
             return np.zeros(len(ids), bool)
         return np.asarray(hook(ids, host_blocks), bool).reshape(len(ids))
 
-    def warm_up(self, cache: KVCache, max_blocks: int) -> KVCache:
+    def warm_up(self, cache: KVCache | StateCache, max_blocks: int) -> KVCache | StateCache:
         """Compile every bucket up to ``max_blocks`` rows now, not during serving; returns the cache.
 
         Each bucket moves the null block through the scratch host block and back: only
@@ -157,7 +163,7 @@ class TransferEngine:
             size *= 2
 
     # ------------------------------------------------------------ transfers
-    def store(self, cache: KVCache, block_ids: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
+    def store(self, cache: KVCache | StateCache, block_ids: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
         """Copy device blocks ``block_ids[i]`` into host blocks ``host_blocks[i]``.
 
         The cache is only read. Reuse a source device block only once
@@ -178,7 +184,9 @@ class TransferEngine:
                 staged.copy_to_host_async()
         return Transfer("store", targets, generations, injected, staged)
 
-    def load(self, cache: KVCache, block_ids: Sequence[int], host_blocks: Sequence[int]) -> tuple[KVCache, Transfer]:
+    def load(
+        self, cache: KVCache | StateCache, block_ids: Sequence[int], host_blocks: Sequence[int]
+    ) -> tuple[KVCache | StateCache, Transfer]:
         """Copy host blocks ``host_blocks[i]`` into device blocks ``block_ids[i]``.
 
         The cache is donated; use the returned one. Rows that fail (injected) are not
