@@ -154,9 +154,15 @@ class KVCacheCoordinator:
         """Events of the attention pool, then of the state pool (each names its group)."""
         return [e for p in self.pools for e in p.take_events()]
 
-    def evict_blocks(self, block_ids: Sequence[int]) -> int:
-        """Drop the cached hashes of these attention blocks."""
-        return self.pool.evict_blocks(block_ids)
+    def evict_blocks(self, block_ids: Sequence[int], group: int | None = None) -> int:
+        """Drop the cached hashes of these blocks: attention blocks, or ``group``'s (state slots
+        for a state-pool group)."""
+        pool = self.pool if group is None else self.managers[group].pool
+        return pool.evict_blocks(block_ids)
+
+    def is_cached_as(self, group: int, block_id: int, block_hash: bytes) -> bool:
+        """Whether ``group``'s block (or state slot) is cached under ``block_hash``."""
+        return self.managers[group].pool.is_cached_as(block_id, group, block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every pool's cache; refused (False, nothing changed) while any block is in use."""
@@ -165,11 +171,13 @@ class KVCacheCoordinator:
         return all([p.reset_prefix_cache() for p in self.pools])
 
     def add_reuse_listener(self, listener: ReuseListener) -> None:
-        """Listen to attention blocks about to be reused (state checkpoints have no host tier)."""
-        self.pool.add_reuse_listener(listener)
+        """Listen to cached blocks and state checkpoints about to be reused (the group says which)."""
+        for p in self.pools:
+            p.add_reuse_listener(listener)
 
     def remove_reuse_listener(self, listener: ReuseListener) -> None:
-        self.pool.remove_reuse_listener(listener)
+        for p in self.pools:
+            p.remove_reuse_listener(listener)
 
     @contextlib.contextmanager
     def journal(self) -> Iterator[None]:

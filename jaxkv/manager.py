@@ -396,8 +396,9 @@ class KVCacheManager:
         return self.coordinator.take_events()
 
     def add_reuse_listener(self, listener: ReuseListener) -> None:
-        """Call ``listener(block_id, block_hash, group)`` whenever a cached block is
-        about to be handed out again (its KV is still intact then)."""
+        """Call ``listener(block_id, block_hash, group)`` whenever a cached block (or state
+        checkpoint: ``group`` says which) is about to be handed out again (its data is
+        still intact then)."""
         self._owner.check()
         self.coordinator.add_reuse_listener(listener)
 
@@ -532,9 +533,19 @@ class KVCacheManager:
         self.coordinator.free(rid)
 
     def evict_blocks(self, block_ids: Sequence[int]) -> int:
-        """Drop the cached hashes of these blocks; return how many were cached."""
+        """Drop the cached hashes of these (attention pool) blocks; return how many were cached."""
         self._owner.check()
         return self.coordinator.evict_blocks(block_ids)
+
+    def evict_group_blocks(self, group: int, block_ids: Sequence[int]) -> int:
+        """:meth:`evict_blocks` for one group's blocks, wherever they come from (a
+        state-pool group's are state slots)."""
+        self._owner.check()
+        return self.coordinator.evict_blocks(block_ids, group)
+
+    def is_cached_as(self, group: int, block_id: int, block_hash: bytes) -> bool:
+        """Whether ``group``'s block (a state slot for a state-pool group) is cached as ``block_hash``."""
+        return self.coordinator.is_cached_as(group, block_id, block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the whole prefix cache; refused (False) while any block is in use."""

@@ -41,8 +41,9 @@ from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_requests", 1000, "requests in total, split over the configurations", lower_bound=1)
 OFFLOAD_MODELS = [name for name, config in MODEL_CONFIGS.items() if not any(config.recurrent)]
-"""The tiny models the host tier serves (it does not offload recurrent state yet)."""
-flags.DEFINE_list("models", OFFLOAD_MODELS, "models to soak (recurrent ones are refused by the host tier)")
+"""The attention-only tiny models: the soak sizes pools in attention blocks, and a recurrent
+model's host tier needs a state-pool plan (tests/test_serving_offload.py covers it)."""
+flags.DEFINE_list("models", OFFLOAD_MODELS, "models to soak (attention-only: see OFFLOAD_MODELS)")
 flags.DEFINE_list("stores", list(STORE_POLICIES), "store policies to soak")
 flags.DEFINE_list("policies", ["lru", "arc"], "host eviction policies, used by the configurations in turn")
 flags.DEFINE_integer("seed", 0, "workload and failure seed")

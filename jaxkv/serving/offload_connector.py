@@ -30,6 +30,14 @@ eviction gets the higher hit rate (host does not duplicate the device's blocks) 
 moves fewer bytes, hence the default. Sliding-window blocks are stored either way: a
 block leaving the window stays cached in the free queue until it is reused.
 
+Recurrent state (the planner's ``state_layout="state_pool"``) has a tier of its own:
+state checkpoints are keyed like attention blocks (chained hash, group) in a second
+catalog and host pool of state slots, stored as the state pool reuses them (or once
+cached, write-through) and loaded on admission into the request's running slot: a
+host hit needs, at its end, a state checkpoint on host as well as every attention
+block before it. Under vLLM's rule (states in attention pages) recurrent groups are
+refused.
+
 Device order makes the early gather enough: it reads the blocks before any later
 write to the (donated) cache, so a device block can be reused as soon as its store is
 issued; the host copy and the offloading manager's bookkeeping settle later, without
@@ -39,7 +47,7 @@ blocking the loop (:meth:`OffloadConnector.finish_stores`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,6 +55,7 @@ from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.manager import KVCacheBlocks, KVCacheManager, Request
 from jaxkv.offload.catalog import OffloadingManager, OffloadKey, PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
+from jaxkv.offload.host_pool import HostKVPool
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
 from jaxkv.serving.runner import ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
@@ -61,7 +70,11 @@ class ConnectorError(JaxkvError, ValueError):
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """A host tier of ``host_bytes`` with an eviction ``policy``, a ``store`` policy (and failure injection)."""
+    """A host tier of ``host_bytes`` with an eviction ``policy``, a ``store`` policy (and failure injection).
+
+    For a model with recurrent state in a state pool, ``state_host_bytes`` of it hold
+    state checkpoints (None: the device's share of state memory).
+    """
 
     host_bytes: int
     policy: str = "lru"
@@ -69,14 +82,16 @@ class OffloadConfig:
     memory_kind: str | None = None
     fail_store: FailureHook | None = None
     fail_load: FailureHook | None = None
+    state_host_bytes: int | None = None
 
 
 @dataclass
 class ConnectorStats:
-    """Cumulative counters (blocks are (block, group) keys)."""
+    """Cumulative counters (blocks are (block, group) keys; states count state checkpoints among them)."""
 
     num_loaded_tokens: int = 0
     num_loaded_blocks: int = 0
+    num_loaded_states: int = 0
     num_failed_loads: int = 0
     num_stored_blocks: int = 0
     num_failed_stores: int = 0
@@ -84,7 +99,19 @@ class ConnectorStats:
 
 
 @dataclass
+class _Tier:
+    """A catalog, its transfer engine and where its keys sit on host, for one kind of
+    device rows: attention blocks, or recurrent state slots (``states``)."""
+
+    offload: OffloadingManager
+    transfers: TransferEngine
+    states: bool
+    host_blocks: dict[OffloadKey, int] = field(default_factory=dict)
+
+
+@dataclass
 class _PendingStore:
+    tier: _Tier
     keys: tuple[OffloadKey, ...]
     transfer: Transfer
 
@@ -108,14 +135,21 @@ class OffloadConnector:
         offload: OffloadingManager,
         transfers: TransferEngine,
         store: str = "on_eviction",
+        *,
+        states: tuple[OffloadingManager, TransferEngine] | None = None,
     ) -> None:
         if store not in STORE_POLICIES:
             raise ConnectorError(f"unknown store policy {store!r}; valid: {', '.join(STORE_POLICIES)}")
         if not manager.enable_caching:
             raise ConnectorError("the host tier is keyed by block hashes: it needs enable_caching=True")
         recurrent = manager.recurrent_group_ids()
-        if recurrent:
-            raise ConnectorError(f"groups {recurrent} hold recurrent state, which the host tier does not offload")
+        if recurrent and manager.state_pool is None:
+            raise ConnectorError(
+                f"groups {recurrent} hold recurrent state in attention pages (vLLM's rule), which the host "
+                "tier does not offload; plan state_layout='state_pool'"
+            )
+        if recurrent and states is None:
+            raise ConnectorError(f"groups {recurrent} hold recurrent state: the host tier needs a state tier")
         self.manager = manager
         self.runner = runner
         self.offload = offload
@@ -123,7 +157,9 @@ class OffloadConnector:
         self.store_policy = store
         self.stats = ConnectorStats()
         self._owner = OwnerThread("OffloadConnector")
-        self._host_blocks: dict[OffloadKey, int] = {}
+        attention = _Tier(offload, transfers, states=False)
+        self._tiers = [attention] if states is None else [attention, _Tier(*states, states=True)]
+        self._tier_of = [self._tiers[-1] if g in recurrent else attention for g in range(len(manager.block_sizes))]
         self._pending: list[_PendingStore] = []
         self._reused: dict[OffloadKey, int] = {}
         if store == "on_eviction":
@@ -131,11 +167,28 @@ class OffloadConnector:
 
     @classmethod
     def create(cls, manager: KVCacheManager, runner: ModelRunner, config: OffloadConfig) -> OffloadConnector:
-        """A host pool of ``config.host_bytes``, its block backend, catalog and transfer engine."""
-        pool = runner.host_pool(config.host_bytes, memory_kind=config.memory_kind)
+        """A host pool of ``config.host_bytes``, its block backend, catalog and transfer
+        engine (and the same for state slots, out of the same bytes, with a state pool)."""
+        host_bytes, states = config.host_bytes, None
+        if manager.state_pool is not None:
+            state_bytes = config.state_host_bytes
+            if state_bytes is None:
+                device_states = runner.cache.states.nbytes
+                state_bytes = host_bytes * device_states // (device_states + runner.kv_cache.nbytes)
+            pool = runner.state_host_pool(state_bytes, memory_kind=config.memory_kind)
+            states = cls._tier_parts(pool, config)
+            host_bytes -= state_bytes
+        offload, transfers = cls._tier_parts(runner.host_pool(host_bytes, memory_kind=config.memory_kind), config)
+        return cls(manager, runner, offload, transfers, config.store, states=states)
+
+    @staticmethod
+    def _tier_parts(pool: HostKVPool, config: OffloadConfig) -> tuple[OffloadingManager, TransferEngine]:
         offload = PolicyOffloadingManager(HostBlockBackend(pool.num_blocks), config.policy, enable_events=False)
-        transfers = TransferEngine(pool, fail_store=config.fail_store, fail_load=config.fail_load)
-        return cls(manager, runner, offload, transfers, config.store)
+        return offload, TransferEngine(pool, fail_store=config.fail_store, fail_load=config.fail_load)
+
+    def _split(self, keys: Sequence[OffloadKey]) -> list[tuple[_Tier, list[OffloadKey]]]:
+        """``keys`` by tier (each tier's in the given order)."""
+        return [(tier, [k for k in keys if self._tier_of[k[1]] is tier]) for tier in self._tiers]
 
     # ------------------------------------------------------------- lookups
     def _host_hit(self, request: Request, hashes: Sequence[Sequence[bytes]], start: int) -> _HostHit | None:
@@ -149,7 +202,8 @@ class OffloadConnector:
         ready = []  # per group: prefix counts of ready blocks from start's block on
         for g, bs in enumerate(mgr.block_sizes):
             lo, hi = start // bs, max_end // bs
-            flags = [self.offload.lookup([(hashes[g][i], g)]) == 1 for i in range(lo, hi)]
+            offload = self._tier_of[g].offload
+            flags = [offload.lookup([(hashes[g][i], g)]) == 1 for i in range(lo, hi)]
             ready.append((lo, np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])))
 
         def covered(end: int) -> bool:
@@ -170,7 +224,8 @@ class OffloadConnector:
         keys = []
         for g, bs in enumerate(self.manager.block_sizes):
             keys.extend((h, g) for h in hashes[g][: request.num_prompt_tokens // bs])
-        self.offload.touch(keys)
+        for tier, tier_keys in self._split(keys):
+            tier.offload.touch(tier_keys)
 
     # ----------------------------------------------------------- admission
     def allocate_admitted(self, request: Request, hit: KVCacheBlocks, num_hit: int, budget: int) -> int | None:
@@ -185,31 +240,45 @@ class OffloadConnector:
         hashes = mgr.hashes_per_group(request)
         host = self._host_hit(request, hashes, num_hit)
         if host is not None:
-            host_blocks = self.offload.prepare_load(host.keys)  # pinned: nothing below can evict them
+            pinned = []  # pinned: nothing below can evict them
             try:
+                host_blocks = {}
+                for tier, keys in self._split(host.keys):
+                    host_blocks.update(zip(keys, tier.offload.prepare_load(keys)))
+                    pinned.append((tier, keys))
                 num_ext = host.end - host.start
-                n = min(request.num_tokens - host.end, budget)
+                n = mgr.chunk_limit(request, host.end, min(request.num_tokens - host.end, budget))
                 if mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext) is not None:
                     if self._load(request, host, host_blocks):
                         self._touch_prefix(request, hashes)
                         return host.end
                     hit, num_hit = mgr.get_computed_blocks(request)  # the allocation may have evicted the first hit
             finally:
-                self.offload.complete_load(host.keys)
-        if mgr.allocate_slots(request, min(request.num_tokens - num_hit, budget), num_hit, hit) is None:
+                for tier, keys in pinned:
+                    tier.offload.complete_load(keys)
+        n = mgr.chunk_limit(request, num_hit, min(request.num_tokens - num_hit, budget))
+        if mgr.allocate_slots(request, n, num_hit, hit) is None:
             return None
         self._touch_prefix(request, hashes)
         return num_hit
 
-    def _load(self, request: Request, host: _HostHit, host_blocks: Sequence[int]) -> bool:
-        """Load the host hit into the request's fresh blocks; on failure (or any
-        exception) uncache and free everything past the device hit."""
+    def _load(self, request: Request, host: _HostHit, host_blocks: dict[OffloadKey, int]) -> bool:
+        """Load the host hit into the request's fresh blocks (a state checkpoint into its
+        running slot, which its step reads); on failure (or any exception) uncache and
+        free everything past the device hit."""
         try:
             self._store_reused()  # the fresh blocks may be reused ones: read them before the load
             table = self.manager.get_block_ids(request.request_id)
-            ids = [table[g][i] for g in range(len(table)) for i in self.manager.needed_blocks(g, host.start, host.end)]
-            transfer = self.runner.load_blocks(self.transfers, ids, host_blocks)
-            failed = bool(self.transfers.wait(transfer).failed)
+            device = {}
+            for g, blocks in enumerate(table):
+                for i in self.manager.needed_blocks(g, host.start, host.end):
+                    device[host.keys[len(device)]] = blocks[-1] if self._tier_of[g].states else blocks[i]
+            failed = False
+            for tier, keys in self._split(host.keys):
+                if keys:
+                    load = self.runner.load_states if tier.states else self.runner.load_blocks
+                    transfer = load(tier.transfers, [device[k] for k in keys], [host_blocks[k] for k in keys])
+                    failed |= bool(tier.transfers.wait(transfer).failed)
         except BaseException:
             self._drop(request, host.start)
             raise
@@ -219,6 +288,7 @@ class OffloadConnector:
             return False
         self.stats.num_loaded_tokens += host.end - host.start
         self.stats.num_loaded_blocks += len(host.keys)
+        self.stats.num_loaded_states += sum(self._tier_of[g].states for _, g in host.keys)
         return True
 
     def _drop(self, request: Request, start: int) -> None:
@@ -226,7 +296,8 @@ class OffloadConnector:
         KV arrived) and free the request."""
         mgr = self.manager
         table = mgr.get_block_ids(request.request_id)
-        mgr.evict_blocks([b for g, blocks in enumerate(table) for b in blocks[start // mgr.block_sizes[g] :] if b])
+        for g, blocks in enumerate(table):
+            mgr.evict_group_blocks(g, [b for b in blocks[start // mgr.block_sizes[g] :] if b])
         mgr.free(request)
 
     # -------------------------------------------------------------- stores
@@ -247,8 +318,9 @@ class OffloadConnector:
                 hashes = self.manager.hashes_per_group(chunk.seq.request)
                 start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
                 for g, (blocks, bs) in enumerate(zip(chunk.block_ids, self.manager.block_sizes)):
+                    states = self._tier_of[g].states  # a state slot holds a checkpoint only once cached
                     for i in range(start // bs, end // bs):
-                        if blocks[i]:
+                        if blocks[i] and (not states or self.manager.is_cached_as(g, blocks[i], hashes[g][i])):
                             block_of.setdefault((hashes[g][i], g), blocks[i])
             self._store(block_of)
         self.finish_stores(wait=False)
@@ -262,43 +334,49 @@ class OffloadConnector:
         self._store(block_of)
 
     def _store(self, block_of: dict[OffloadKey, int]) -> None:
-        """Issue one store of device blocks ``block_of[key]`` for the keys host lacks."""
-        if not block_of:
-            return
-        plan = self.offload.prepare_store(list(block_of))
+        """Issue one store per tier of device rows ``block_of[key]`` for the keys host lacks."""
+        for tier, keys in self._split(list(block_of)):
+            if keys:
+                self._store_tier(tier, keys, block_of)
+
+    def _store_tier(self, tier: _Tier, keys: list[OffloadKey], block_of: dict[OffloadKey, int]) -> None:
+        plan = tier.offload.prepare_store(keys)
         if plan is None:
-            self.stats.num_skipped_stores += len(block_of)
+            self.stats.num_skipped_stores += len(keys)
             return
         if plan.evicted:
-            self.transfers.release([self._host_blocks.pop(k) for k in plan.evicted])
+            tier.transfers.release([tier.host_blocks.pop(k) for k in plan.evicted])
         if not plan.keys_to_store:
             return
-        self._host_blocks.update(zip(plan.keys_to_store, plan.where))
+        tier.host_blocks.update(zip(plan.keys_to_store, plan.where))
+        store = self.runner.store_states if tier.states else self.runner.store_blocks
         try:
-            transfer = self.runner.store_blocks(self.transfers, [block_of[k] for k in plan.keys_to_store], plan.where)
+            transfer = store(tier.transfers, [block_of[k] for k in plan.keys_to_store], plan.where)
         except BaseException:
-            self._settle(plan.keys_to_store, (), plan.keys_to_store)
+            self._settle(tier, plan.keys_to_store, (), plan.keys_to_store)
             raise
-        self._pending.append(_PendingStore(plan.keys_to_store, transfer))
+        self._pending.append(_PendingStore(tier, plan.keys_to_store, transfer))
 
     def finish_stores(self, wait: bool = True) -> None:
         """Settle issued stores: all of them (``wait``), or those already done."""
         pending = []
         for p in self._pending:
-            if not wait and not self.transfers.is_done(p.transfer):
+            if not wait and not p.tier.transfers.is_done(p.transfer):
                 pending.append(p)
                 continue
-            result = self.transfers.wait(p.transfer)
-            self._settle(p.keys, [p.keys[i] for i in result.ok], [p.keys[i] for i in result.failed])
+            result = p.tier.transfers.wait(p.transfer)
+            self._settle(p.tier, p.keys, [p.keys[i] for i in result.ok], [p.keys[i] for i in result.failed])
         self._pending = pending
 
-    def _settle(self, keys: Sequence[OffloadKey], ok: Sequence[OffloadKey], failed: Sequence[OffloadKey]) -> None:
+    def _settle(
+        self, tier: _Tier, keys: Sequence[OffloadKey], ok: Sequence[OffloadKey], failed: Sequence[OffloadKey]
+    ) -> None:
         """Mark a store's keys ready or drop them (freeing their host blocks)."""
         if ok:
-            self.offload.complete_store(ok, success=True)
+            tier.offload.complete_store(ok, success=True)
         if failed:
-            self.offload.complete_store(failed, success=False)
-            self.transfers.release([self._host_blocks.pop(k) for k in failed])
+            tier.offload.complete_store(failed, success=False)
+            tier.transfers.release([tier.host_blocks.pop(k) for k in failed])
         self.stats.num_stored_blocks += len(ok)
         self.stats.num_failed_stores += len(failed)
 
@@ -307,6 +385,9 @@ class OffloadConnector:
         """Host blocks not accounted for once every store has settled: allocated but
         held by no key, or keys still pinned or storing with nothing in flight."""
         self.finish_stores()
-        states = self.offload.num_keys_by_state()
-        stuck = states.get("pinned", 0) + states.get("storing", 0)
-        return abs(self.offload.num_allocated_places() - len(self._host_blocks)) + stuck
+        leaked = 0
+        for tier in self._tiers:
+            states = tier.offload.num_keys_by_state()
+            stuck = states.get("pinned", 0) + states.get("storing", 0)
+            leaked += abs(tier.offload.num_allocated_places() - len(tier.host_blocks)) + stuck
+        return leaked

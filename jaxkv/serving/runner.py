@@ -202,6 +202,20 @@ class ModelRunner:
         self.cache = dataclasses.replace(self.cache, kv=kv) if isinstance(self.cache, HybridCache) else kv
         return transfer
 
+    def state_host_pool(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVPool:
+        """A host pool of whole state slots of this runner's recurrent state rows."""
+        return HostKVPool.for_cache(self.cache.states, host_bytes, memory_kind=memory_kind)
+
+    def store_states(self, transfers: TransferEngine, rows: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
+        """Issue a copy of state rows into host blocks (the state rows are only read)."""
+        return transfers.store(self.cache.states, rows, host_blocks)
+
+    def load_states(self, transfers: TransferEngine, rows: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
+        """Issue a copy of host blocks into state rows (donated)."""
+        states, transfer = transfers.load(self.cache.states, rows, host_blocks)
+        self.cache = dataclasses.replace(self.cache, states=states)
+        return transfer
+
     def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
         """The step lowered for these chunks' shapes (``.compile().memory_analysis()``)."""
         return _jitted_step.lower(

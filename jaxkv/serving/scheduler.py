@@ -60,7 +60,8 @@ def check_prompt_fits(request_id: str, num_prompt_tokens: int, max_model_len: in
 class AdmissionAllocator(Protocol):
     """Allocates a waiting request after its device prefix hit (e.g. extending it from
     an offload tier): returns its computed tokens, having given it slots for
-    ``min(num_tokens - computed, budget)`` new tokens, or None (nothing changed)."""
+    ``min(num_tokens - computed, budget)`` new tokens cut at its next checkpoint
+    (:meth:`~jaxkv.manager.KVCacheManager.chunk_limit`), or None (nothing changed)."""
 
     def allocate_admitted(self, request: Request, hit: KVCacheBlocks, num_hit: int, budget: int) -> int | None: ...
 
@@ -246,7 +247,7 @@ class Scheduler:
                 num_hit = self.admission.allocate_admitted(req, hit, num_hit, budget)
                 if num_hit is None:
                     break
-                n = min(req.num_tokens - num_hit, budget)
+                n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget))
             else:
                 n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget))
                 if mgr.allocate_slots(req, n, num_hit, hit) is None:
