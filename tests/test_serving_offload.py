@@ -158,30 +158,37 @@ def qwen3_next() -> TinyLM:
     return TinyLM(get_model_config("tiny-qwen3-next"), seed=0)
 
 
-def recurrent_engine(model: TinyLM, store: str = "on_eviction", **offload) -> Engine:
-    """A device pool of 32 attention blocks and 4 state slots (2 live): four ~250-token
-    prompts served one at a time push blocks and checkpoints out to an 8 MiB host tier."""
+def recurrent_engine(model: TinyLM, state_layout: str, store: str = "on_eviction", **offload) -> Engine:
+    """A device pool that four ~250-token prompts served one at a time overflow, so blocks
+    and checkpoints go out to an 8 MiB host tier: 32 attention blocks and 4 state slots
+    (2 live) with a state pool, 1.5 MiB of 32-token pages holding states under vLLM's rule."""
+    pooled = state_layout == "state_pool"
     plan = plan_kv_cache(
         model.config.layer_specs(),
         3 << 19,
         max_model_len=320,
         max_num_batched_tokens=64,
-        state_layout="state_pool",
-        max_num_seqs=2,
-        checkpoint_bytes=128 << 10,
+        state_layout=state_layout,
+        max_num_seqs=2 if pooled else None,
+        checkpoint_bytes=128 << 10 if pooled else 0,
     )
     tier = OffloadConfig(8 << 20, store=store, **offload)
     return Engine(model, plan, max_num_seqs=2, buckets=Buckets((64,), (2,), (20,)), offload=tier)
 
 
+@pytest.mark.parametrize("state_layout", ["state_pool", "attention_pages"])
 @pytest.mark.parametrize("store", STORE_POLICIES)
 @pytest.mark.parametrize("fail_rate", [0.0, 0.5])
-def test_recurrent_checkpoints_go_to_host_and_come_back_with_the_cold_tokens(qwen3_next, store, fail_rate):
+def test_recurrent_checkpoints_go_to_host_and_come_back_with_the_cold_tokens(
+    qwen3_next, state_layout, store, fail_rate
+):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, n).tolist() for n in (290, 250, 220, 270)]
     cold = dense_greedy_generate(qwen3_next, prompts, NEW_TOKENS)
     failures = np.random.default_rng(1)
-    eng = recurrent_engine(qwen3_next, store, fail_load=lambda ids, host: failures.random(len(ids)) < fail_rate)
+    eng = recurrent_engine(
+        qwen3_next, state_layout, store, fail_load=lambda ids, host: failures.random(len(ids)) < fail_rate
+    )
     for _ in range(2):
         for prompt, expected in zip(prompts, cold):
             assert [list(o.output_token_ids) for o in eng.generate([prompt], NEW_TOKENS).outputs] == [expected]
@@ -189,9 +196,3 @@ def test_recurrent_checkpoints_go_to_host_and_come_back_with_the_cold_tokens(qwe
     stats = eng.connector.stats
     assert stats.num_stored_blocks > 0
     assert stats.num_loaded_states > 0 if fail_rate == 0 else stats.num_failed_loads > 0
-
-
-def test_recurrent_state_in_attention_pages_is_refused_by_the_host_tier(qwen3_next):
-    plan = plan_kv_cache(qwen3_next.config.layer_specs(), 8 << 20, max_model_len=256, max_num_batched_tokens=64)
-    with pytest.raises(ConnectorError, match="state_layout='state_pool'"):
-        Engine(qwen3_next, plan, offload=OffloadConfig(1 << 20))

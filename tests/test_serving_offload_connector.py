@@ -6,7 +6,8 @@ from conftest import FULL, make_manager, window
 from jaxkv.manager import KVCacheManagerError, Request
 from jaxkv.offload.catalog import PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
-from jaxkv.serving.offload_connector import OffloadConnector
+from jaxkv.serving.offload_connector import ConnectorError, OffloadConnector
+from jaxkv.specs import MambaSpec
 
 
 def test_external_tokens_get_fresh_blocks_except_out_of_window_nulls(tokens):
@@ -124,3 +125,20 @@ def test_an_admission_served_from_the_device_refreshes_the_prefix_on_host(tokens
     assert connector.allocate_admitted(req, hit, n, budget=64) == 48
     plan = offload.prepare_store([(b"new" * 11, 0), (b"new2" * 8, 0)])
     assert set(plan.evicted) == set(cold_keys)
+
+
+def test_a_recurrent_model_needs_a_state_tier_and_its_hit_needs_a_checkpoint_on_host():
+    state = MambaSpec(shapes=((2, 2),), dtypes=("float32",))
+    mgr = make_manager(30, FULL, state)
+    offload = PolicyOffloadingManager(HostBlockBackend(64))
+    with pytest.raises(ConnectorError, match=r"groups \[1\] hold recurrent state: the host tier needs a state tier"):
+        OffloadConnector(mgr, runner=None, offload=offload, transfers=None)
+    req = Request("r", list(range(100)))
+    mgr.hash_request(req)
+    states = PolicyOffloadingManager(HostBlockBackend(8))
+    connector = OffloadConnector(mgr, runner=None, offload=offload, transfers=None, states=(states, None))
+    for catalog, keys in ((offload, [(h, 0) for h in req.block_hashes[:6]]), (states, [(req.block_hashes[3], 1)])):
+        catalog.prepare_store(keys)
+        catalog.complete_store(keys)
+    hit = connector._host_hit(req, mgr.hashes_per_group(req), 0)
+    assert (hit.start, hit.end) == (0, 64), "attention reaches 96, the only checkpoint on host sits at 64"

@@ -30,13 +30,12 @@ eviction gets the higher hit rate (host does not duplicate the device's blocks) 
 moves fewer bytes, hence the default. Sliding-window blocks are stored either way: a
 block leaving the window stays cached in the free queue until it is reused.
 
-Recurrent state (the planner's ``state_layout="state_pool"``) has a tier of its own:
-state checkpoints are keyed like attention blocks (chained hash, group) in a second
-catalog and host pool of state slots, stored as the state pool reuses them (or once
-cached, write-through) and loaded on admission into the request's running slot: a
-host hit needs, at its end, a state checkpoint on host as well as every attention
-block before it. Under vLLM's rule (states in attention pages) recurrent groups are
-refused.
+Recurrent state has a tier of its own: state checkpoints are keyed like attention
+blocks (chained hash, group) in a second catalog and host pool of state rows, stored
+as their blocks are reused (or once cached, write-through) and loaded on admission
+into the request's running slot: a host hit needs, at its end, a state checkpoint on
+host as well as every attention block before it. Both state layouts: the rows are
+state-pool slots, or (vLLM's rule) the recurrent group's block ids.
 
 Device order makes the early gather enough: it reads the blocks before any later
 write to the (donated) cache, so a device block can be reused as soon as its store is
@@ -143,11 +142,6 @@ class OffloadConnector:
         if not manager.enable_caching:
             raise ConnectorError("the host tier is keyed by block hashes: it needs enable_caching=True")
         recurrent = manager.recurrent_group_ids()
-        if recurrent and manager.state_pool is None:
-            raise ConnectorError(
-                f"groups {recurrent} hold recurrent state in attention pages (vLLM's rule), which the host "
-                "tier does not offload; plan state_layout='state_pool'"
-            )
         if recurrent and states is None:
             raise ConnectorError(f"groups {recurrent} hold recurrent state: the host tier needs a state tier")
         self.manager = manager
@@ -168,9 +162,9 @@ class OffloadConnector:
     @classmethod
     def create(cls, manager: KVCacheManager, runner: ModelRunner, config: OffloadConfig) -> OffloadConnector:
         """A host pool of ``config.host_bytes``, its block backend, catalog and transfer
-        engine (and the same for state slots, out of the same bytes, with a state pool)."""
+        engine (and the same for state rows, out of the same bytes, for a recurrent model)."""
         host_bytes, states = config.host_bytes, None
-        if manager.state_pool is not None:
+        if manager.recurrent_group_ids():
             state_bytes = config.state_host_bytes
             if state_bytes is None:
                 device_states = runner.cache.states.nbytes
