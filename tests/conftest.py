@@ -1,7 +1,11 @@
-"""Shared builders for hand-made KV cache configs."""
+"""Shared builders for hand-made KV cache configs, and the seeded random generator."""
+
+import os
+import secrets
 
 import numpy as np
 import pytest
+from paged_batches import SeededRng
 
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, KVCacheGroup
@@ -65,3 +69,9 @@ def ragged_metadata(
         cu[i + 1] = cu[i] + q_len
     cu[len(seqs) + 1 :] = cu[len(seqs)]
     return dict(kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu, num_seqs=np.array([len(seqs)], np.int32))
+
+
+@pytest.fixture
+def rng() -> SeededRng:
+    """Fresh random inputs for every case (JAXKV_TEST_SEED replays one)."""
+    return SeededRng(int(os.environ.get("JAXKV_TEST_SEED", secrets.randbits(32))))

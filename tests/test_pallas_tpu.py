@@ -1,18 +1,14 @@
 """Mosaic TPU kernels (jaxkv.pallas.tpu) in the TPU interpreter vs the jnp reference.
 
 Every case draws fresh random inputs (the seed is in each failure message; set
-JAXKV_TEST_SEED to replay one). Cache bytes the kernels must not read (past kv_len, out
-of the window, other layers' pages, unused and null blocks) are NaN, and the interpreter
-fills its scratch memory with NaN, so a stray read shows up as NaN in the output. The
-reference runs on the same cache with those NaNs replaced by finite noise.
+JAXKV_TEST_SEED to replay one). Bytes the kernels must not read are NaN
+(:mod:`paged_batches`), and the interpreter fills its scratch memory with NaN, so a
+stray read shows up as NaN in the output.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import secrets
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +17,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+from paged_batches import Batch, SeededRng, bits, compare_attention, make_batch, random_seqs
 
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import tpu as kernels
@@ -28,15 +25,6 @@ from jaxkv.pallas.reference import KVShapeError
 from jaxkv.pallas.tpu.write_kv import _full_block_runs
 
 INTERPRET = pltpu.InterpretParams()
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-
-
-class SeededRng(np.random.Generator):
-    """A generator that remembers its seed, for failure messages."""
-
-    def __init__(self, seed: int):
-        super().__init__(np.random.PCG64(seed))
-        self.seed = seed
 
 
 @pytest.fixture(autouse=True)
@@ -45,131 +33,13 @@ def fresh_interpreter():
     pltpu.reset_tpu_interpret_mode_state()
 
 
-@pytest.fixture
-def rng() -> SeededRng:
-    """Fresh random inputs for every case (JAXKV_TEST_SEED replays one)."""
-    return SeededRng(int(os.environ.get("JAXKV_TEST_SEED", secrets.randbits(32))))
-
-
-def bits(x: jax.Array) -> np.ndarray:
-    """The raw bits of an array, so NaNs compare equal to themselves bit for bit."""
-    x = np.asarray(x)
-    return x.view({4: np.uint32, 2: np.uint16}[x.dtype.itemsize])
-
-
 # ---------------------------------------------------------------------------------------
 # paged attention
 
 
-@dataclass
-class Batch:
-    """A ragged batch: kernel inputs (poisoned cache) and the reference's clean cache."""
-
-    q: jax.Array
-    kv_poisoned: jax.Array
-    kv_clean: jax.Array
-    kv_lens: jax.Array
-    tables: jax.Array
-    cu_q_lens: jax.Array
-    num_seqs: jax.Array
-
-    def args(self, kv: jax.Array) -> tuple[jax.Array, ...]:
-        return (self.q, kv, self.kv_lens, self.tables, self.cu_q_lens, self.num_seqs)
-
-
-def make_batch(
-    rng: SeededRng,
-    seqs: list[tuple[int, int]],
-    *,
-    max_seqs: int,
-    block_size: int,
-    num_kv_heads: int,
-    num_queries_per_kv: int,
-    head_dim: int,
-    dtype,
-    window: int | None = None,
-    num_layers_per_block: int | None = None,
-    layer_index: int | None = None,
-    extra_tokens: int = 3,
-    width_slack: int = 1,
-) -> Batch:
-    """``seqs``: (q_len, kv_len) per real sequence, decodes first. Blocks are random and
-    distinct; pages wholly outside every query's window are freed to the null block."""
-    bs, h = block_size, num_kv_heads
-    num_pages = [-(-kv // bs) for _, kv in seqs]
-    width = max(num_pages + [1]) + width_slack
-    num_blocks = 1 + sum(num_pages) + 2
-    page_shape = (bs, 2 * h, head_dim)
-    full_shape = (num_blocks,) + ((num_layers_per_block,) if layer_index is not None else ()) + page_shape
-    kv = np.full(full_shape, np.nan, np.float32)
-    layer = kv if layer_index is None else kv[:, layer_index]
-    tables = np.zeros((max_seqs, width), np.int32)
-    blocks = iter(rng.permutation(np.arange(1, num_blocks)))
-    for i, (q_len, kv_len) in enumerate(seqs):
-        first_visible = max(kv_len - q_len - (window or kv_len) + 1, 0)
-        for p in range(num_pages[i]):
-            if window is not None and (p + 1) * bs <= first_visible:
-                continue  # out of every query's window: freed, reads as the null block
-            b = next(blocks)
-            tables[i, p] = b
-            n = min(bs, kv_len - p * bs)
-            layer[b, :n] = rng.standard_normal((n,) + page_shape[1:])
-    clean = np.where(np.isnan(kv), rng.standard_normal(kv.shape), kv)
-    q_lens = [q for q, _ in seqs]
-    num_tokens = sum(q_lens) + extra_tokens
-    cu = np.full(max_seqs + 1, sum(q_lens), np.int32)
-    cu[: len(seqs) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
-    kv_lens = np.zeros(max_seqs, np.int32)
-    kv_lens[: len(seqs)] = [kv for _, kv in seqs]
-    return Batch(
-        q=jnp.asarray(rng.standard_normal((num_tokens, h * num_queries_per_kv, head_dim)), dtype),
-        kv_poisoned=jnp.asarray(kv, dtype),
-        kv_clean=jnp.asarray(clean, dtype),
-        kv_lens=jnp.asarray(kv_lens),
-        tables=jnp.asarray(tables),
-        cu_q_lens=jnp.asarray(cu),
-        num_seqs=jnp.asarray([len(seqs)], jnp.int32),
-    )
-
-
-def random_seqs(rng: SeededRng, num_decodes: int, num_prefills: int, max_len: int) -> list[tuple[int, int]]:
-    """Decodes (q_len 1) then prefill chunks (q_len >= 1, some with a computed prefix)."""
-    seqs = [(1, int(rng.integers(1, max_len + 1))) for _ in range(num_decodes)]
-    for _ in range(num_prefills):
-        q_len = int(rng.integers(1, max_len // 2 + 1))
-        seqs.append((q_len, q_len + int(rng.integers(0, max_len // 2 + 1))))
-    return seqs
-
-
-def check_attention(
-    rng: SeededRng,
-    batch: Batch,
-    *,
-    layer_index: int | None = None,
-    sm_scale: float = 0.35,
-    window: int | None = None,
-    soft_cap: float | None = None,
-    interpret: pltpu.InterpretParams = INTERPRET,
-    **tuning,
-) -> np.ndarray:
-    """Run kernel (poisoned cache) and reference (clean cache); compare all rows."""
-    kw = {
-        "layer_index": layer_index,
-        "sm_scale": sm_scale,
-        "sliding_window": window,
-        "soft_cap": soft_cap,
-    }
-    out = kernels.paged_attention(*batch.args(batch.kv_poisoned), interpret=interpret, **kw, **tuning)
-    want = ref.paged_attention(*batch.args(batch.kv_clean), **kw)
-    out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
-    msg = f"seed={rng.seed}"
-    assert out.shape == want.shape, msg
-    assert np.isfinite(out).all(), f"NaN/inf in the kernel output ({msg})"
-    tol = TOL[batch.q.dtype.type]
-    np.testing.assert_allclose(out, want, atol=tol, rtol=tol, equal_nan=False, err_msg=msg)
-    padding = slice(int(batch.cu_q_lens[int(batch.num_seqs[0])]), None)
-    assert not out[padding].any(), f"padding rows must be zero ({msg})"
-    return out
+def check_attention(rng: SeededRng, batch: Batch, *, interpret: pltpu.InterpretParams = INTERPRET, **kw) -> np.ndarray:
+    """The TPU kernel in the interpreter against the reference (see :func:`compare_attention`)."""
+    return compare_attention(functools.partial(kernels.paged_attention, interpret=interpret), rng, batch, **kw)
 
 
 ATTENTION_CASES = {

@@ -1,0 +1,123 @@
+"""The Mosaic GPU paged-attention kernel (jaxkv.pallas.gpu) against the jnp reference.
+
+On CPU the kernel runs in the Mosaic GPU interpreter (its two wgmma products as
+``dot_general``, see the kernel's docstring) and is lowered for CUDA, which runs Mosaic
+GPU's layout checks on the wgmma path; on a GPU it is compiled and run. Bytes the
+kernel must not read are NaN (:mod:`paged_batches`), and the interpreter fills shared
+memory with NaN, so a stray read shows up in the output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from paged_batches import compare_attention, make_batch, random_seqs
+
+from jaxkv.pallas import gpu as kernels
+from jaxkv.pallas.reference import KVShapeError
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+
+CASES = {
+    # name: (dtype, H, G, D, bs, decodes, prefills, max_len, window, soft_cap, layer_index, tuning)
+    "bf16-gqa4-per-layer": (jnp.bfloat16, 2, 4, 128, 16, 3, 2, 150, None, None, None, {}),
+    "bf16-gqa8-cross-layer-window-cap-splits": (
+        jnp.bfloat16,
+        1,
+        8,
+        64,
+        32,
+        2,
+        2,
+        200,
+        40,
+        5.0,
+        1,
+        {"num_kv_splits": 3},
+    ),
+    "fp16-mha-big-pages-window": (jnp.float16, 1, 1, 64, 128, 2, 1, 300, 70, None, None, {"num_slots": 2}),
+    "bf16-gqa2-chunk128": (jnp.bfloat16, 1, 2, 64, 16, 1, 2, 260, None, None, None, {"kv_tokens_per_chunk": 128}),
+}
+
+
+def batch_for(rng, dtype, h, g, d, bs, decodes, prefills, max_len, window, layer_index):
+    return make_batch(
+        rng,
+        random_seqs(rng, decodes, prefills, max_len),
+        max_seqs=decodes + prefills + 1,
+        block_size=bs,
+        num_kv_heads=h,
+        num_queries_per_kv=g,
+        head_dim=d,
+        dtype=dtype,
+        window=window,
+        num_layers_per_block=None if layer_index is None else 2,
+        layer_index=layer_index,
+    )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_the_reference(rng, case):
+    dtype, h, g, d, bs, decodes, prefills, max_len, window, cap, layer, tuning = CASES[case]
+    batch = batch_for(rng, dtype, h, g, d, bs, decodes, prefills, max_len, window, layer)
+    kernel = functools.partial(kernels.paged_attention, interpret=INTERPRET)
+    compare_attention(kernel, rng, batch, layer_index=layer, sm_scale=d**-0.5, window=window, soft_cap=cap, **tuning)
+
+
+def test_kv_splits_do_not_change_the_result(rng):
+    """One long decode split over 1 and 4 CTAs, and a prefill chunk: the merge is exact."""
+    batch = make_batch(
+        rng,
+        [(1, 500), (30, 90)],
+        max_seqs=2,
+        block_size=16,
+        num_kv_heads=1,
+        num_queries_per_kv=4,
+        head_dim=64,
+        dtype=jnp.bfloat16,
+    )
+    outs = [
+        compare_attention(
+            functools.partial(kernels.paged_attention, interpret=INTERPRET, num_kv_splits=n),
+            rng,
+            batch,
+            sm_scale=0.125,
+        )
+        for n in (1, 4)
+    ]
+    assert abs(outs[0] - outs[1]).max() <= 1e-2
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernel is compiled and run by the tests above")
+@pytest.mark.parametrize("layer_index, window, soft_cap", [(None, None, None), (1, 48, 30.0)])
+def test_kernel_lowers_for_cuda(rng, layer_index, window, soft_cap):
+    """Lowering runs Mosaic GPU's own checks of the wgmma path (register layouts, TMA,
+    shared-memory transforms) that the interpreter skips."""
+    batch = batch_for(rng, jnp.bfloat16, 8, 4, 128, 16, 16, 2, 2048, window, layer_index)
+
+    def attention(*args):
+        return kernels.paged_attention(
+            *args, layer_index=layer_index, sm_scale=0.088, sliding_window=window, soft_cap=soft_cap
+        )
+
+    lowered = jax.jit(attention).trace(*batch.args(batch.kv_poisoned)).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize(
+    "dtype, g, d, bs, match",
+    [
+        (jnp.float32, 4, 128, 16, "bf16 or fp16"),
+        (jnp.bfloat16, 3, 128, 16, "must divide 64"),
+        (jnp.bfloat16, 4, 96, 16, "multiple of 64"),
+        (jnp.bfloat16, 4, 128, 48, "one must divide the other"),
+    ],
+)
+def test_shapes_the_tiles_do_not_fit_are_refused_by_name(rng, dtype, g, d, bs, match):
+    batch = batch_for(rng, dtype, 1, g, d, bs, 1, 0, 20, None, None)
+    with pytest.raises(KVShapeError, match=match):
+        kernels.paged_attention(*batch.args(batch.kv_clean), sm_scale=0.1, interpret=True)
