@@ -6,7 +6,11 @@ Implementations (:data:`IMPLEMENTATIONS`):
 - ``reference``: :mod:`jaxkv.pallas.reference`, plain jnp (CPU default, the oracle);
 - ``pallas_tpu``: the Mosaic TPU kernels of :mod:`jaxkv.pallas.tpu` (TPU default; on
   other backends they run in Pallas interpret mode);
-- ``xla_gpu``: :mod:`jaxkv.pallas.xla` for GPUs (default there): paged attention as an
+- ``pallas_gpu``: the Mosaic GPU paged-attention kernel of :mod:`jaxkv.pallas.gpu` for
+  Hopper (wgmma, TMA), with ``xla_gpu``'s writes and copies; on other backends it runs
+  in the Mosaic GPU interpreter. ``auto`` picks it on a Hopper GPU for the shapes its
+  tiles fit (:func:`jaxkv.pallas.gpu.check_supported`), ``xla_gpu`` otherwise;
+- ``xla_gpu``: :mod:`jaxkv.pallas.xla` for GPUs (other GPUs' default): paged attention as an
   online-softmax loop over chunks of each sequence's pages, bounded by the batch's real
   kv lengths; writes and block copies as single scatters declared in-bounds with unique
   indices (padding repeats only the null block's); gathers and scatters of whole blocks
@@ -34,6 +38,7 @@ the caller's (1/sqrt(d)). With d == D nothing extra is traced.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 from types import ModuleType, TracebackType
@@ -49,9 +54,11 @@ from jaxkv.pallas import reference, xla
 from jaxkv.pallas.reference import KVShapeError
 from jaxkv.state_cache import StateCache
 
-IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "xla_gpu")
+IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "xla_gpu")
 _BACKEND_DEFAULTS = {"tpu": "pallas_tpu", "gpu": "xla_gpu", "cuda": "xla_gpu", "rocm": "xla_gpu"}
 _TPU_KERNELS = "jaxkv.pallas.tpu"
+_GPU_KERNELS = "jaxkv.pallas.gpu"
+_HOPPER = "9"
 
 
 class UnknownImplementationError(JaxkvError, ValueError):
@@ -107,23 +114,39 @@ def set_implementation(name: str, *, interpret: Any = None) -> _Restore:
 
 
 def get_implementation(impl: str | None = None) -> str:
-    """The concrete implementation an op would use now (``impl`` overrides the setting)."""
+    """The concrete implementation an op would use now (``impl`` overrides the setting).
+
+    ``auto`` on a Hopper GPU is ``pallas_gpu``; its paged attention falls back to
+    ``xla_gpu`` for shapes the kernel's tiles do not fit (see :func:`paged_attention`).
+    """
     name = _check_name(_current[0] if impl is None else impl)
     if name == "auto":
+        if _is_hopper(jax.devices()[0]):
+            return "pallas_gpu"
         return _BACKEND_DEFAULTS.get(jax.default_backend(), "reference")
     return name
 
 
-def _tpu_kernel(name: str) -> tuple[Any, Any]:
-    """The Pallas TPU kernel ``name`` and the ``interpret`` value to call it with."""
+def _is_hopper(device: jax.Device) -> bool:
+    """Whether ``device`` is an sm_90 GPU (the wgmma / TMA generation the GPU kernel targets)."""
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith(_HOPPER + ".")
+
+
+def _kernel(implementation: str, path: str, name: str) -> Any:
+    """``path.name``, imported on first use (its Pallas backend may be missing)."""
     try:
-        module: ModuleType = importlib.import_module(_TPU_KERNELS)
-        kernel = getattr(module, name)
+        module: ModuleType = importlib.import_module(path)
+        return getattr(module, name)
     except (ImportError, AttributeError) as err:
         raise KernelUnavailableError(
-            f"implementation 'pallas_tpu' needs {_TPU_KERNELS}.{name}, which cannot be "
+            f"implementation {implementation!r} needs {path}.{name}, which cannot be "
             f"loaded ({err}); use set_implementation('reference') or impl='reference'"
         ) from err
+
+
+def _tpu_kernel(name: str) -> tuple[Any, Any]:
+    """The Pallas TPU kernel ``name`` and the ``interpret`` value to call it with."""
+    kernel = _kernel("pallas_tpu", _TPU_KERNELS, name)
     interpret = _current[1]
     if interpret is None:
         if jax.default_backend() == "tpu":
@@ -132,6 +155,22 @@ def _tpu_kernel(name: str) -> tuple[Any, Any]:
 
         interpret = pltpu.InterpretParams()
     return kernel, interpret
+
+
+def _gpu_attention(q: jax.Array, buffer: jax.Array, requested: str) -> Any:
+    """The Mosaic GPU kernel with its ``interpret`` bound, or None to use ``xla_gpu``
+    (``auto`` on shapes the kernel's tiles do not fit; an explicit ``pallas_gpu``
+    raises :class:`KVShapeError` naming the shape instead)."""
+    try:
+        _kernel("pallas_gpu", _GPU_KERNELS, "check_supported")(q, buffer)
+    except KVShapeError:
+        if requested == "auto":
+            return None
+        raise
+    interpret = _current[1]
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return functools.partial(_kernel("pallas_gpu", _GPU_KERNELS, "paged_attention"), interpret=interpret)
 
 
 def _pad_head_dim(name: str, x: jax.Array, head_dim: int) -> jax.Array:
@@ -192,7 +231,7 @@ def write_kv(
     if name == "pallas_tpu":
         kernel, interpret = _tpu_kernel("write_kv")
         new = kernel(buffer, k, v, slot_mapping, layer_index=layer_index, interpret=interpret)
-    elif name == "xla_gpu":
+    elif name in ("pallas_gpu", "xla_gpu"):
         new = xla.write_kv(buffer, k, v, slot_mapping, layer_index=layer_index)
     else:
         new = reference.write_kv(buffer, k, v, slot_mapping, layer_index=layer_index)
@@ -226,10 +265,13 @@ def paged_attention(
     args = (_shard_heads_like(padded, buffer), buffer, kv_lens, block_tables, cu_q_lens, num_seqs)
     kwargs = {"layer_index": layer_index, "sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
     name = get_implementation(impl)
+    gpu_kernel = _gpu_attention(padded, buffer, _current[0] if impl is None else impl) if name == "pallas_gpu" else None
     if name == "pallas_tpu":
         kernel, interpret = _tpu_kernel("paged_attention")
         out = kernel(*args, **kwargs, interpret=interpret)
-    elif name == "xla_gpu":
+    elif gpu_kernel is not None:
+        out = gpu_kernel(*args, **kwargs)
+    elif name in ("pallas_gpu", "xla_gpu"):
         out = xla.paged_attention(*args, **kwargs)
     else:
         out = reference.paged_attention(*args, **kwargs)
@@ -246,7 +288,7 @@ def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, *, impl: str | N
     if name == "pallas_tpu":
         kernel, interpret = _tpu_kernel("copy_blocks")
         return cache.replace(kernel(cache.buffers, src, dst, interpret=interpret))
-    if name == "xla_gpu":
+    if name in ("pallas_gpu", "xla_gpu"):
         return cache.replace(xla.copy_blocks(cache.buffers, src, dst))
     return cache.replace(reference.copy_blocks(cache.buffers, src, dst))
 
@@ -260,7 +302,7 @@ def copy_states(cache: StateCache, src: jax.Array, dst: jax.Array, *, impl: str 
     if name == "pallas_tpu":
         kernel, interpret = _tpu_kernel("copy_states")
         flat = kernel(buffers, src, dst, interpret=interpret)
-    elif name == "xla_gpu":
+    elif name in ("pallas_gpu", "xla_gpu"):
         flat = xla.copy_states(buffers, src, dst)
     else:
         flat = reference.copy_states(buffers, src, dst)

@@ -322,6 +322,56 @@ def test_pallas_tpu_kernels_through_ops_in_interpret_mode(rng):
     np.testing.assert_allclose(tpu_attn, ref_attn, atol=1e-5, rtol=1e-5)
 
 
+def bf16_cache(rng, head_size: int = 64) -> KVCache:
+    spec = FullAttentionSpec(num_kv_heads=1, head_size=head_size, dtype="bfloat16")
+    cache = allocate_kv_cache(
+        KVCacheConfig(num_blocks=8, groups=(KVCacheGroup(("a", "b"), spec, 16),)), layout="cross_layer"
+    )
+    return cache.replace((jnp.asarray(rng.standard_normal(cache.buffers[0].shape), jnp.bfloat16),))
+
+
+GPU_META = (
+    jnp.array([[2, 3], [4, 0], [0, 0]], jnp.int32),  # block tables
+    jnp.array([27, 3, 0], jnp.int32),  # kv lens
+    jnp.array([0, 1, 4, 4], jnp.int32),  # cu_q_lens
+    jnp.array([2], jnp.int32),  # num_seqs
+)
+
+
+def test_pallas_gpu_through_ops_matches_the_reference(rng):
+    """The Mosaic GPU kernel (interpreted off GPU) for attention, XLA's writes and copies."""
+    cache = bf16_cache(rng)
+    k = jnp.asarray(rng.standard_normal((4, 1, 64)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((8, 4, 64)), jnp.bfloat16)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(impl, cache, k, q):
+        out = ops.write_kv(cache, "b", k, -k, jnp.array([33, 34, 35, 0], jnp.int32), impl=impl)
+        out = ops.copy_blocks(out, jnp.array([2, 0], jnp.int32), jnp.array([5, 0], jnp.int32), impl=impl)
+        return out.buffers[0], ops.paged_attention(q, out, "b", *GPU_META, sm_scale=0.125, sliding_window=20, impl=impl)
+
+    (ref_cache, ref_attn), (gpu_cache, gpu_attn) = (
+        tuple(np.asarray(x, np.float32) for x in step(impl, cache, k, q)) for impl in ("reference", "pallas_gpu")
+    )
+    np.testing.assert_array_equal(gpu_cache[1:], ref_cache[1:])
+    np.testing.assert_allclose(gpu_attn, ref_attn, atol=1e-2, rtol=1e-2)
+
+
+def test_auto_on_hopper_picks_the_gpu_kernel_and_falls_back_to_xla_where_its_tiles_do_not_fit(monkeypatch, rng):
+    monkeypatch.setattr(ops, "_is_hopper", lambda device: True)
+    assert ops.get_implementation() == "pallas_gpu"
+    cache = random_cache(rng, "per_layer")  # float32, head dim 8: not the kernel's
+    meta = ragged_metadata(rng, [(1, 7), (3, 9)], block_size=BLOCK, num_blocks=24, width=5, max_seqs=3)
+    meta = {name: jnp.asarray(x) for name, x in meta.items()}
+    q = jnp.asarray(rng.standard_normal((4, 4, HEAD_DIM)), jnp.float32)
+    auto = ops.paged_attention(q, cache, "l1", **meta, sm_scale=0.3)
+    np.testing.assert_array_equal(
+        np.asarray(auto), np.asarray(ops.paged_attention(q, cache, "l1", **meta, sm_scale=0.3, impl="xla_gpu"))
+    )
+    with pytest.raises(KVShapeError, match="bf16 or fp16"):
+        ops.paged_attention(q, cache, "l1", **meta, sm_scale=0.3, impl="pallas_gpu")
+
+
 # ---------------------------------------------------------------- tile alignment
 
 LOGICAL_HEAD = 64
