@@ -1,6 +1,7 @@
 """The kernel benchmark (scripts/bench_kernels.py) and its peers (scripts/kernel_peers.py):
 each peer's layout conversion against jaxkv's reference, and a quick run end to end."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -21,24 +22,23 @@ F32_TOL = 1e-4
 BF16_TOL = 2e-2
 
 
-@pytest.fixture(scope="module")
-def peers():
+def script_module(name: str):
+    """Import ``scripts/<name>.py`` (scripts import their siblings by bare name)."""
     sys.path.insert(0, str(SCRIPTS))
     try:
-        import kernel_peers
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(SCRIPTS))
-    return kernel_peers
+
+
+@pytest.fixture(scope="module")
+def peers():
+    return script_module("kernel_peers")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bench_kernels
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return bench_kernels
+    return script_module("bench_kernels")
 
 
 def make_batch(peers, seqs, *, layers=None, window=None, soft_cap=None, dtype=jnp.float32, block_size=16, d=32):
