@@ -1,31 +1,44 @@
-"""Benchmark jaxkv's kernels and GPU path against the jnp reference and JAX's bundled kernel.
+"""Benchmark jaxkv's device ops per implementation, beside peer kernels on the same inputs.
 
 Per case (decode / windowed decode / prefill / mixed paged attention, write_kv,
-copy_blocks) up to four columns, timed in the same run (best of --repeats, after a
-warm-up call that compiles):
+copy_blocks) one column per jaxkv implementation (``jaxkv.ops.IMPLEMENTATIONS`` but
+``auto``, called through ``jaxkv.ops`` with ``impl=``: a new implementation gets a
+column without editing this script) and, for paged attention, one per peer
+(``scripts/kernel_peers.py``), timed in the same run (best of --repeats, after a warm-up
+call that compiles):
 
-  kernel      jaxkv.pallas.tpu; on CPU it runs in the TPU *interpreter*, so the time
-              only shows that it runs (interpretation overhead, not performance);
-  reference   jaxkv.pallas.reference (plain jnp, XLA on whatever backend this is);
-  jax_rpa     jax.experimental.pallas.ops.tpu.ragged_paged_attention (TPU only);
-  xla_gpu     jaxkv.pallas.xla, the GPU default (plain XLA, runs anywhere): paged
-              attention; write_kv and copy_blocks as scatters declared in bounds with
-              unique indices (the reference's scatters without those promises).
+  reference            jaxkv.pallas.reference (plain jnp, XLA on whatever backend this is);
+  pallas_tpu           the Mosaic TPU kernels; on CPU they run in the TPU *interpreter*, so
+                       the time only shows that they run; n/a on GPU;
+  xla_gpu              jaxkv.pallas.xla, the GPU default (plain XLA, runs anywhere);
+  pallas_<backend>     any other Pallas implementation: compiled on its backend,
+                       interpreted on CPU, n/a elsewhere (or where its kernels cannot
+                       load: KernelUnavailableError);
+  jax_rpa              peer: JAX's TPU ragged paged attention (TPU only);
+  jax_paged_attention  peer: JAX's bundled GPU paged attention (Pallas-Triton; GPU only,
+                       decodes only);
+  cudnn_paged_attention peer: cuDNN's paged attention via the private jax._src.cudnn
+                       (GPU only, decodes only, no soft cap);
+  dense_bound          peer: dense attention over a contiguous copy of each sequence's
+                       visible K/V (no page table): the bound a paged kernel can approach
+                       (cuDNN on GPU where it takes the case, else XLA; every backend).
 
-On a GPU or TPU, each compiled column also reports achieved bandwidth as a fraction of
-the device-to-device copy bandwidth measured in the same run (a jitted ``x + 1`` over
---copy_mib MiB: read + write). Bytes per case are the minimum the op must move: the
-pages its queries can see (whole pages) plus q and the output for attention; the new
-tokens read and written for write_kv; each block read and written for copy_blocks.
-Every attention row also gives the largest max |error| of the other columns against
-the reference.
+Peers get their own K/V layout, converted once outside the timed call. Every attention
+column reports its max |error| against the reference (NaN if its output is not finite),
+and every jaxkv column its speed-up over the reference and each peer (peer time /
+jaxkv time, > 1: jaxkv is faster). On a GPU or TPU each compiled column also reports
+achieved bandwidth as a fraction of a device-to-device copy of the same bytes measured
+in the same run (a jitted ``x + 1``: read + write). Bytes per case are the minimum the op
+must move: the pages its queries can see (whole pages) plus q and the output for
+attention; the new tokens read and written for write_kv; each block read and written
+for copy_blocks.
 
   PYTHONPATH=. python scripts/bench_kernels.py --out /tmp/bench_kernels.json
+  PYTHONPATH=. python scripts/bench_kernels.py --quick   # small shapes, one repeat
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import platform
 import sys
@@ -36,13 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+from kernel_peers import PEERS, NotApplicable, PagedBatch
 from timing import best_seconds
 
-from jaxkv.pallas import reference as ref
-from jaxkv.pallas import tpu as kernels
-from jaxkv.pallas import xla as xla_ops
+from jaxkv import ops
+from jaxkv.cache import KVCache
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write results as JSON to this path.")
@@ -57,22 +68,44 @@ flags.DEFINE_integer("repeats", 3, "Timed repeats per column (best is reported);
 flags.DEFINE_integer("copy_mib", 1024, "Size of the device-to-device copy that measures peak bandwidth.")
 flags.DEFINE_float("reference_gib", 16.0, "Skip the reference where its token-major gather would exceed this.")
 flags.DEFINE_integer("seed", 0, "Seed of the random inputs.")
+flags.DEFINE_bool("quick", False, "Smoke run: two small attention cases and one repeat, on any backend.")
 
-COLUMNS = ("kernel", "reference", "jax_rpa", "xla_gpu")
-KERNEL_NA = "n/a: Mosaic TPU kernel (on GPU see the xla_gpu column)"
-Interpret = pltpu.InterpretParams | bool | None  # None: the kernel cannot run here
+LAYER = "attn"  # the one layer of the benchmark's caches
+PEER_NAMES = tuple(p.name for p in PEERS)
+Impl = Callable[[], jax.Array] | None  # None: the column does not run this case here
+
+
+def jaxkv_columns(backend: str) -> dict[str, str]:
+    """Each jaxkv implementation but ``auto``, with how it runs here: "compiled",
+    "interpreted" (a Pallas implementation for another backend, on CPU) or "n/a: why"."""
+    modes = {}
+    for name in ops.IMPLEMENTATIONS:
+        if name == "auto":
+            continue
+        kind, _, target = name.partition("_")
+        if kind != "pallas" or target == backend:
+            modes[name] = "compiled"
+        elif backend == "cpu":
+            modes[name] = "interpreted"
+        else:
+            modes[name] = f"n/a: Pallas kernels for {target}"
+    return modes
 
 
 @dataclass
 class Case:
-    """One benchmark row: callables per column (None: does not run here) and bytes moved."""
+    """One benchmark row: callables per column (None: does not run here) and bytes moved.
+
+    ``rows`` maps a peer's output to the reference's rows (jaxkv columns need none).
+    """
 
     op: str
     name: str
     shape: str
     bytes_moved: int
-    impls: dict[str, Callable[[], jax.Array] | None]
+    impls: dict[str, Impl]
     notes: dict[str, str] = field(default_factory=dict)
+    rows: dict[str, Callable[[jax.Array], jax.Array]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,8 +163,10 @@ PRESETS: dict[str, dict] = {
             Attn("decode", ((1, 4096),) * 32, 16, 8, 4, 128),
             Attn("decode-long", ((1, 32768),) * 8, 16, 8, 4, 128),
             Attn("decode+window", ((1, 8192),) * 32, 16, 8, 4, 128, window=1024, soft_cap=50.0),
+            Attn("decode+window-nocap", ((1, 8192),) * 32, 16, 8, 4, 128, window=1024),
             Attn("decode-xlayer", ((1, 4096),) * 32, 16, 8, 4, 128, num_layers_per_block=6),
             Attn("prefill", ((256, 1024),) * 2, 16, 8, 4, 128),
+            Attn("prefill-512", ((512, 1536),) * 2, 16, 8, 4, 128),  # 512 new tokens after 1024 cached
             Attn("mixed", ((1, 2048),) * 24 + ((256, 1024),), 16, 8, 4, 128),
         ],
         "write_kv": {
@@ -152,103 +187,125 @@ PRESETS: dict[str, dict] = {
         },
     },
 }
+PRESETS["quick"] = {  # smoke run: windowed cross-layer decodes and a mixed prefill+decode batch
+    **PRESETS["cpu"],
+    "attention": [w for w in PRESETS["cpu"]["attention"] if w.name in ("decode+window", "mixed")],
+}
 
 
-def attention_case(
-    w: Attn,
-    dtype: jnp.dtype,
-    rng: np.random.Generator,
-    interpret: Interpret,
-    on_tpu: bool,
-    ref_budget: float,
-) -> Case:
+def one_layer_cache(buffer: jax.Array, layer_index: int | None, num_kv_heads: int) -> KVCache:
+    """A cache over ``buffer`` whose only layer is :data:`LAYER` (at ``layer_index`` if cross-layer)."""
+    return KVCache(
+        buffers=(buffer,),
+        layout="per_layer" if layer_index is None else "cross_layer",
+        layer_indices=((LAYER, layer_index or 0),),
+        block_size=buffer.shape[-3],
+        num_kv_heads=num_kv_heads,
+        head_dim=buffer.shape[-1],
+    )
+
+
+def unavailable(notes: dict[str, str], impls: dict[str, Impl], modes: dict[str, str]) -> list[str]:
+    """Record the jaxkv columns that do not run here; return those that do."""
+    runnable = []
+    for name, mode in modes.items():
+        if mode.startswith("n/a"):
+            impls[name], notes[name] = None, mode
+        else:
+            runnable.append(name)
+    return runnable
+
+
+def attention_batch(w: Attn, dtype: jnp.dtype, rng: np.random.Generator) -> PagedBatch:
     """Random cache, distinct random pages per sequence, decodes first."""
     bs, h, d = w.block_size, w.num_kv_heads, w.head_dim
     pages = [-(-kv // bs) for _, kv in w.seqs]
-    width = max(pages)
     num_blocks = 1 + sum(pages)
     layer_shape = (num_blocks,) + ((w.num_layers_per_block,) if w.num_layers_per_block else ()) + (bs, 2 * h, d)
-    kv = jnp.asarray(rng.standard_normal(layer_shape, np.float32), dtype)
-    tables = np.zeros((len(w.seqs), width), np.int32)
+    tables = np.zeros((len(w.seqs), max(pages)), np.int32)
     ids = iter(rng.permutation(np.arange(1, num_blocks)).astype(np.int32))
     for i, n in enumerate(pages):
         tables[i, :n] = [next(ids) for _ in range(n)]
-    q_lens = [q for q, _ in w.seqs]
-    num_tokens = sum(q_lens)
-    q = jnp.asarray(rng.standard_normal((num_tokens, h * w.num_queries_per_kv, d), np.float32), dtype)
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    meta = (
-        jnp.asarray([kv for _, kv in w.seqs], jnp.int32),
-        jnp.asarray(tables),
-        cu,
-        jnp.asarray([len(w.seqs)], jnp.int32),
+    q_lens = tuple(q for q, _ in w.seqs)
+    return PagedBatch(
+        q=jnp.asarray(rng.standard_normal((sum(q_lens), h * w.num_queries_per_kv, d), np.float32), dtype),
+        kv=jnp.asarray(rng.standard_normal(layer_shape, np.float32), dtype),
+        q_lens=q_lens,
+        kv_lens=tuple(kv for _, kv in w.seqs),
+        block_tables=tables,
+        layer_index=1 if w.num_layers_per_block else None,
+        sm_scale=d**-0.5,
+        sliding_window=w.window,
+        soft_cap=w.soft_cap,
     )
-    layer_index = 1 if w.num_layers_per_block else None
-    kw = {"sm_scale": d**-0.5, "sliding_window": w.window, "soft_cap": w.soft_cap}
-    args = (q, kv) + meta
 
-    page_bytes = bs * 2 * h * d * jnp.dtype(dtype).itemsize
-    needed = 0
-    for q_len, kv_len in w.seqs:
-        lo = max(kv_len - q_len - (w.window or kv_len) + 1, 0) // bs
-        needed += -(-kv_len // bs) - lo
-    bytes_moved = needed * page_bytes + 2 * q.size * q.dtype.itemsize
 
-    impls: dict[str, Callable[[], jax.Array] | None] = {}
+def attention_case(
+    w: Attn, dtype: jnp.dtype, rng: np.random.Generator, modes: dict[str, str], backend: str, ref_budget: float
+) -> Case:
+    """jaxkv's implementations through ``jaxkv.ops`` and every peer, on one random batch."""
+    batch = attention_batch(w, dtype, rng)
+    q, bs, h, d = batch.q, w.block_size, w.num_kv_heads, w.head_dim
+    width = batch.block_tables.shape[1]
+    needed = sum(-(-kv // bs) - start // bs for kv, start in zip(batch.kv_lens, batch.visible_start()))
+    bytes_moved = needed * bs * 2 * h * d * jnp.dtype(dtype).itemsize + 2 * q.size * q.dtype.itemsize
+
+    impls: dict[str, Impl] = {}
     notes: dict[str, str] = {}
-    if interpret is None:
-        impls["kernel"], notes["kernel"] = None, KERNEL_NA
-    else:
-        kernel = jax.jit(functools.partial(kernels.paged_attention, layer_index=layer_index, interpret=interpret, **kw))
-        impls["kernel"] = lambda: kernel(*args)
-    gather_bytes = (
-        num_tokens * width * bs * (2 * h * d * (jnp.dtype(dtype).itemsize + 4) + h * w.num_queries_per_kv * 12)
-    )
-    if gather_bytes <= ref_budget:
-        reference = jax.jit(functools.partial(ref.paged_attention, layer_index=layer_index, **kw))
-        impls["reference"] = lambda: reference(*args)
-    else:
-        impls["reference"] = None
-        notes["reference"] = "skipped: token-major gather too large"
-    if on_tpu and layer_index is None:
-        rpa = jax.jit(functools.partial(ragged_paged_attention, **kw))
-        impls["jax_rpa"] = lambda: rpa(*args)
-    else:
-        impls["jax_rpa"] = None
-        notes["jax_rpa"] = "n/a: TPU only" if not on_tpu else "n/a: per-layer layout only"
-    xla = jax.jit(functools.partial(xla_ops.paged_attention, layer_index=layer_index, **kw))
-    impls["xla_gpu"] = lambda: xla(*args)
-    ctx = sorted({kv for _, kv in w.seqs})
+    cache = one_layer_cache(batch.kv, batch.layer_index, h)
+    kv_lens, tables, cu, num_seqs = batch.metadata()
+    kw = {"sm_scale": batch.sm_scale, "sliding_window": w.window, "soft_cap": w.soft_cap}
+    gather_bytes = q.shape[0] * width * bs * (2 * h * d * (jnp.dtype(dtype).itemsize + 4) + q.shape[1] * 12)
+    for name in unavailable(notes, impls, modes):
+        if name == "reference" and gather_bytes > ref_budget:
+            impls[name], notes[name] = None, "skipped: token-major gather too large"
+            continue
+        fn = jax.jit(
+            lambda q, cache, name=name: ops.paged_attention(
+                q, cache, LAYER, tables, kv_lens, cu, num_seqs, impl=name, **kw
+            )
+        )
+        impls[name] = lambda fn=fn: fn(q, cache)
+
+    rows = {}
+    for peer in PEERS:
+        impls[peer.name] = None
+        if peer.backends is not None and backend not in peer.backends:
+            notes[peer.name] = f"n/a ({'/'.join(sorted(peer.backends)).upper()} only)"
+            continue
+        try:
+            run = peer.prepare(batch)
+        except NotApplicable as why:
+            notes[peer.name] = f"n/a: {why}"
+            continue
+        impls[peer.name], rows[peer.name], notes[peer.name] = run.call, run.rows, run.note
+
+    ctx = sorted(set(batch.kv_lens))
     shape = (
-        f"{len(w.seqs)} seqs, {num_tokens} tok, ctx {ctx[0]}..{ctx[-1]}, bs {bs}, "
+        f"{batch.num_seqs} seqs, {q.shape[0]} tok, ctx {ctx[0]}..{ctx[-1]}, bs {bs}, "
         f"H {h}x{w.num_queries_per_kv}, D {d}"
         + (f", W {w.window}" if w.window else "")
-        + (", cross-layer" if layer_index is not None else "")
+        + (f", cap {w.soft_cap:g}" if w.soft_cap else "")
+        + (", cross-layer" if batch.layer_index is not None else "")
     )
-    return Case("paged_attention", w.name, shape, bytes_moved, impls, notes)
+    return Case("paged_attention", w.name, shape, bytes_moved, impls, notes, rows)
 
 
 def donating(fn: Callable, state: list) -> Callable[[], jax.Array]:
-    """Call ``fn`` on the current buffer(s), donated, and keep the result for the next call."""
+    """Call ``fn`` on the current cache, donated, and keep the result for the next call."""
 
     def step() -> jax.Array:
         state[0] = fn(state[0])
-        return state[0]
+        return state[0].buffers
 
     return step
 
 
 def write_case(
-    name: str,
-    num_tokens: int,
-    p: dict,
-    dtype: jnp.dtype,
-    rng: np.random.Generator,
-    interpret: Interpret,
+    name: str, num_tokens: int, p: dict, dtype: jnp.dtype, rng: np.random.Generator, modes: dict[str, str]
 ) -> Case:
     """Decode: one token per random block; prefill: whole consecutive blocks."""
     bs, h, d, n = p["block_size"], p["num_kv_heads"], p["head_dim"], p["num_blocks"]
-    shape = (n, bs, 2 * h, d)
     if name == "decode":
         blocks = rng.choice(np.arange(1, n), num_tokens, replace=False)
         slots = blocks * bs + rng.integers(0, bs, num_tokens)
@@ -257,19 +314,17 @@ def write_case(
         slots = start * bs + np.arange(num_tokens)
     slots = jnp.asarray(slots, jnp.int32)
     k, v = (jnp.asarray(rng.standard_normal((num_tokens, h, d), np.float32), dtype) for _ in range(2))
-    impls: dict[str, Callable[[], jax.Array] | None] = {"kernel": None, "jax_rpa": None}
-    notes = {"kernel": KERNEL_NA, "jax_rpa": "n/a"}
-    fns = {"reference": ref.write_kv, "xla_gpu": xla_ops.write_kv}
-    if interpret is not None:
-        fns["kernel"] = functools.partial(kernels.write_kv, interpret=interpret)
-    for col, fn in fns.items():
-        jitted = jax.jit(lambda buf, fn=fn: fn(buf, k, v, slots), donate_argnums=0)
-        impls[col] = donating(jitted, [jnp.asarray(rng.standard_normal(shape, np.float32), dtype)])
+    impls: dict[str, Impl] = {}
+    notes: dict[str, str] = {}
+    for impl in unavailable(notes, impls, modes):
+        jitted = jax.jit(lambda c, impl=impl: ops.write_kv(c, LAYER, k, v, slots, impl=impl), donate_argnums=0)
+        buffer = jnp.asarray(rng.standard_normal((n, bs, 2 * h, d), np.float32), dtype)
+        impls[impl] = donating(jitted, [one_layer_cache(buffer, None, h)])
     bytes_moved = 2 * 2 * k.size * k.dtype.itemsize
     return Case("write_kv", name, f"{num_tokens} tok, bs {bs}, H {h}, D {d}", bytes_moved, impls, notes)
 
 
-def copy_case(p: dict, dtype: jnp.dtype, rng: np.random.Generator, interpret: Interpret) -> Case:
+def copy_case(p: dict, dtype: jnp.dtype, rng: np.random.Generator, modes: dict[str, str]) -> Case:
     """Copy-on-write of ``pairs`` whole cross-layer blocks into fresh blocks."""
     n, s, bs, h, d, pairs = (
         p["num_blocks"],
@@ -281,23 +336,20 @@ def copy_case(p: dict, dtype: jnp.dtype, rng: np.random.Generator, interpret: In
     )
     ids = rng.permutation(np.arange(1, n))[: 2 * pairs].astype(np.int32)
     src, dst = jnp.asarray(ids[:pairs]), jnp.asarray(ids[pairs:])
-    shape = (n, s, bs, 2 * h, d)
-    impls: dict[str, Callable[[], jax.Array] | None] = {"kernel": None, "jax_rpa": None}
-    notes = {"kernel": KERNEL_NA, "jax_rpa": "n/a"}
-    fns = {"reference": ref.copy_blocks, "xla_gpu": xla_ops.copy_blocks}
-    if interpret is not None:
-        fns["kernel"] = functools.partial(kernels.copy_blocks, interpret=interpret)
-    for col, fn in fns.items():
-        jitted = jax.jit(lambda bufs, fn=fn: fn(bufs, src, dst), donate_argnums=0)
-        impls[col] = donating(jitted, [(jnp.asarray(rng.standard_normal(shape, np.float32), dtype),)])
+    impls: dict[str, Impl] = {}
+    notes: dict[str, str] = {}
+    for impl in unavailable(notes, impls, modes):
+        jitted = jax.jit(lambda c, impl=impl: ops.copy_blocks(c, src, dst, impl=impl), donate_argnums=0)
+        buffer = jnp.asarray(rng.standard_normal((n, s, bs, 2 * h, d), np.float32), dtype)
+        impls[impl] = donating(jitted, [one_layer_cache(buffer, 0, h)])
     block_bytes = s * bs * 2 * h * d * jnp.dtype(dtype).itemsize
     shape_text = f"{pairs} blocks of {block_bytes // 1024} KiB, {s} layers each"
     return Case("copy_blocks", "cow", shape_text, 2 * pairs * block_bytes, impls, notes)
 
 
-def copy_bandwidth(mib: int) -> float:
-    """Device-to-device bytes/s of an elementwise copy (read + write) of ``mib`` MiB."""
-    x = jnp.zeros((mib * 2**20 // 4,), jnp.float32)
+def copy_bandwidth(nbytes: int) -> float:
+    """Device-to-device bytes/s of an elementwise copy (read + write) of ``nbytes`` bytes."""
+    x = jnp.zeros((max(nbytes // 4, 1),), jnp.float32)
     f = jax.jit(lambda x: x + 1)
     return 2 * x.nbytes / best_seconds(lambda: f(x), 5)
 
@@ -308,50 +360,72 @@ def max_error(a: jax.Array, b: jax.Array) -> float:
     return float(np.max(np.abs(a - b))) if np.isfinite(a).all() else float("nan")
 
 
-def run(preset: str, dtype_name: str, repeats: int, copy_mib: int, reference_gib: float, seed: int) -> dict:
+def time_column(case: Case, col: str, repeats: int) -> tuple[float | None, jax.Array | None]:
+    """Best seconds and one output of ``col``, or Nones with the reason in ``case.notes``.
+
+    A jaxkv column whose kernels cannot load is n/a; a peer that fails on this machine
+    (a private or deprecated API, any error) is reported as failed, not fatal.
+    """
+    fn = case.impls[col]
+    try:
+        return best_seconds(fn, repeats), fn()
+    except ops.KernelUnavailableError as err:
+        case.notes[col] = f"n/a: {err}"
+    except Exception as err:  # noqa: BLE001 - only peers get here; their failure is a result
+        if col not in PEER_NAMES:
+            raise
+        case.notes[col] = f"failed: {type(err).__name__}: {str(err)[:200]}"
+    return None, None
+
+
+def measure(case: Case, columns: list[str], interpreted: set[str], repeats: int, on_cpu: bool) -> dict:
+    """One JSON row: time, bandwidth fraction and error per column, speed-ups of jaxkv's."""
+    row = {"op": case.op, "case": case.name, "shape": case.shape, "bytes": int(case.bytes_moved), "notes": case.notes}
+    copy = None if on_cpu else copy_bandwidth(case.bytes_moved)
+    row["copy_gb_s"] = None if copy is None else copy / 1e9
+    outputs = {}
+    for col in columns:
+        seconds, out = (None, None)
+        if case.impls.get(col) is not None:
+            seconds, out = time_column(case, col, min(repeats, 2) if col in interpreted else repeats)
+        row[f"{col}_s"] = seconds
+        measured = seconds is not None and copy is not None and col not in interpreted
+        row[f"{col}_hbm_fraction"] = case.bytes_moved / seconds / copy if measured else None
+        if out is not None:
+            outputs[col] = case.rows[col](out) if col in case.rows else out
+    if case.op == "paged_attention" and "reference" in outputs:
+        for col, out in outputs.items():
+            if col != "reference":
+                row[f"{col}_max_abs_err"] = max_error(out, outputs["reference"])
+    baselines = ["reference", *PEER_NAMES]
+    row["speedups"] = {
+        f"{col}_vs_{base}": row[f"{base}_s"] / row[f"{col}_s"]
+        for col in columns
+        if col not in baselines and col not in interpreted and row[f"{col}_s"]
+        for base in baselines
+        if row.get(f"{base}_s")
+    }
+    return row
+
+
+def run(
+    preset: str, dtype_name: str, repeats: int, copy_mib: int, reference_gib: float, seed: int, quick: bool = False
+) -> dict:
     backend = jax.default_backend()
-    on_cpu, on_tpu = backend == "cpu", backend == "tpu"
+    on_cpu = backend == "cpu"
+    if quick:
+        preset, repeats = "quick", 1
     preset = preset if preset != "auto" else ("cpu" if on_cpu else "accelerator")
     dtype = jnp.dtype(dtype_name if dtype_name != "auto" else ("float32" if on_cpu else "bfloat16"))
-    interpret: Interpret = False if on_tpu else (pltpu.InterpretParams() if on_cpu else None)
+    modes = jaxkv_columns(backend)
     rng = np.random.default_rng(seed)
     p = PRESETS[preset]
-    cases = [attention_case(w, dtype, rng, interpret, on_tpu, reference_gib * 2**30) for w in p["attention"]]
-    cases += [
-        write_case(name, p["write_kv"][name], p["write_kv"], dtype, rng, interpret) for name in ("decode", "prefill")
-    ]
-    cases.append(copy_case(p["copy_blocks"], dtype, rng, interpret))
-    peak = None if on_cpu else copy_bandwidth(copy_mib)
-    interpreted = {"kernel"} if not on_tpu else set()
-
-    rows = []
-    for case in cases:
-        row = {
-            "op": case.op,
-            "case": case.name,
-            "shape": case.shape,
-            "bytes": case.bytes_moved,
-            "notes": case.notes,
-        }
-        outputs = {}
-        for col in COLUMNS:
-            fn = case.impls.get(col)
-            if fn is None:
-                row[f"{col}_s"] = None
-                continue
-            interp = col in interpreted
-            row[f"{col}_s"] = best_seconds(fn, min(repeats, 2) if interp else repeats)
-            outputs[col] = fn()
-            measured = peak is not None and not interp
-            fraction = case.bytes_moved / row[f"{col}_s"] / peak if measured else None
-            row[f"{col}_hbm_fraction"] = fraction
-        if "reference" in outputs and case.op == "paged_attention":
-            for col in ("kernel", "xla_gpu"):
-                if col in outputs:
-                    row[f"{col}_max_abs_err"] = max_error(outputs[col], outputs["reference"])
-        if row.get("kernel_s") and row.get("reference_s"):
-            row["kernel_speedup_vs_reference"] = row["reference_s"] / row["kernel_s"]
-        rows.append(row)
+    cases = [attention_case(w, dtype, rng, modes, backend, reference_gib * 2**30) for w in p["attention"]]
+    cases += [write_case(name, p["write_kv"][name], p["write_kv"], dtype, rng, modes) for name in ("decode", "prefill")]
+    cases.append(copy_case(p["copy_blocks"], dtype, rng, modes))
+    peak = None if on_cpu else copy_bandwidth(copy_mib * 2**20)
+    columns = [*modes, *PEER_NAMES]
+    interpreted = {name for name, mode in modes.items() if mode == "interpreted"}
     return {
         "config": {
             "preset": preset,
@@ -363,58 +437,72 @@ def run(preset: str, dtype_name: str, repeats: int, copy_mib: int, reference_gib
         "machine": {
             "backend": backend,
             "device": jax.devices()[0].device_kind,
-            "kernel_mode": {False: "compiled (Mosaic)", None: "n/a (TPU-only kernel)"}.get(
-                interpret, "TPU interpreter (not a performance number)"
-            ),
             "copy_bandwidth_gb_s": None if peak is None else peak / 1e9,
             "jax": jax.__version__,
             "python": sys.version.split()[0],
             "platform": platform.platform(),
         },
-        "results": rows,
+        "columns": {"jaxkv": modes, "peers": list(PEER_NAMES)},
+        "results": [measure(case, columns, interpreted, repeats, on_cpu) for case in cases],
     }
 
 
 def format_table(results: dict) -> str:
-    """The results as a fixed-width table (ms; HBM fraction in brackets where measured)."""
+    """Three fixed-width tables: times (ms; copy-bandwidth fraction in brackets where
+    measured), max |error| against the reference, and jaxkv's speed-ups."""
     m = results["machine"]
+    columns = [*results["columns"]["jaxkv"], *results["columns"]["peers"]]
+    interpreted = [name for name, mode in results["columns"]["jaxkv"].items() if mode == "interpreted"]
+    width = max(len(c) for c in columns) + 1
     lines = [
-        f"device: {m['device']} ({m['backend']}); kernel column: {m['kernel_mode']}",
+        f"device: {m['device']} ({m['backend']}), jax {m['jax']}",
         "copy bandwidth: " + (f"{m['copy_bandwidth_gb_s']:.0f} GB/s" if m["copy_bandwidth_gb_s"] else "n/a on CPU"),
-        (
-            f"{'op':<16} {'case':<14} "
-            + " ".join(f"{col + ' ms':>16}" for col in COLUMNS)
-            + f" {'ref/kern':>9} {'max|err|':>9}  shape"
-        ),
     ]
 
     def cell(r: dict, col: str) -> str:
-        s = r[f"{col}_s"]
+        s = r.get(f"{col}_s")
         if s is None:
-            return "n/a" if "n/a" in r["notes"].get(col, "n/a") else "skipped"
+            note = r["notes"].get(col, "n/a")
+            return "failed" if note.startswith("failed") else "skipped" if note.startswith("skipped") else "n/a"
         frac = r.get(f"{col}_hbm_fraction")
         return f"{s * 1e3:.3f}" + (f" [{frac:.0%}]" if frac is not None else "")
 
-    for r in results["results"]:
-        ratio = r.get("kernel_speedup_vs_reference")
-        errs = [r[k] for k in r if k.endswith("_max_abs_err")]
-        err = float("nan") if np.isnan(errs).any() else max(errs, default=None)
+    def error(r: dict, col: str) -> str:
+        err = r.get(f"{col}_max_abs_err")
+        return "-" if err is None else f"{err:.1e}"
+
+    head = f"{'op':<16} {'case':<20} "
+    rows = results["results"]
+    lines.append("\ntime, ms [fraction of copy bandwidth]")
+    lines.append(head + " ".join(f"{c:>{width}}" for c in columns) + "  shape")
+    for r in rows:
         lines.append(
-            f"{r['op']:<16} {r['case']:<14} "
-            + " ".join(f"{cell(r, col):>16}" for col in COLUMNS)
-            + f" {(f'{ratio:.3f}' if ratio else '-'):>9} "
-            f"{(f'{err:.1e}' if err is not None else '-'):>9}  {r['shape']}"
+            f"{r['op']:<16} {r['case']:<20} " + " ".join(f"{cell(r, c):>{width}}" for c in columns) + f"  {r['shape']}"
         )
-    if m["backend"] == "cpu":
-        lines.append(
-            "kernel = the Mosaic TPU kernel in the TPU interpreter: its time and ref/kern only show that it runs."
-        )
+    lines.append("\nmax |error| vs reference")
+    attention_columns = [c for c in columns if c != "reference"]
+    lines.append(head + " ".join(f"{c:>{width}}" for c in attention_columns))
+    for r in rows:
+        if r["op"] == "paged_attention":
+            lines.append(
+                f"{r['op']:<16} {r['case']:<20} " + " ".join(f"{error(r, c):>{width}}" for c in attention_columns)
+            )
+    lines.append("\nspeed-up of jaxkv (baseline time / jaxkv time)")
+    for r in rows:
+        pairs = ", ".join(f"{k.replace('_vs_', ' vs ')} {v:.2f}x" for k, v in r["speedups"].items())
+        lines.append(f"{r['op']:<16} {r['case']:<20} {pairs or '-'}")
+    notes = sorted({f"{c}: {note}" for r in rows for c, note in r["notes"].items()})
+    lines.append("\nnotes:\n  " + "\n  ".join(notes) if notes else "")
+    if interpreted:
+        lines.append(f"{', '.join(interpreted)}: interpreted here, its time only shows that it runs (no speed-ups).")
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> None:
     del argv
-    results = run(FLAGS.preset, FLAGS.dtype, FLAGS.repeats, FLAGS.copy_mib, FLAGS.reference_gib, FLAGS.seed)
+    results = run(
+        FLAGS.preset, FLAGS.dtype, FLAGS.repeats, FLAGS.copy_mib, FLAGS.reference_gib, FLAGS.seed, FLAGS.quick
+    )
     print(format_table(results))
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
