@@ -54,6 +54,7 @@ from timing import best_seconds
 
 from jaxkv import ops
 from jaxkv.cache import KVCache
+from jaxkv.pallas.reference import KVShapeError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write results as JSON to this path.")
@@ -363,13 +364,14 @@ def max_error(a: jax.Array, b: jax.Array) -> float:
 def time_column(case: Case, col: str, repeats: int) -> tuple[float | None, jax.Array | None]:
     """Best seconds and one output of ``col``, or Nones with the reason in ``case.notes``.
 
-    A jaxkv column whose kernels cannot load is n/a; a peer that fails on this machine
-    (a private or deprecated API, any error) is reported as failed, not fatal.
+    A jaxkv column whose kernels cannot load, or whose tiles do not fit the shapes, is
+    n/a; a peer that fails on this machine (a private or deprecated API, any error) is
+    reported as failed, not fatal.
     """
     fn = case.impls[col]
     try:
         return best_seconds(fn, repeats), fn()
-    except ops.KernelUnavailableError as err:
+    except (ops.KernelUnavailableError, KVShapeError) as err:  # kernels missing, or tiles that do not fit
         case.notes[col] = f"n/a: {err}"
     except Exception as err:  # noqa: BLE001 - only peers get here; their failure is a result
         if col not in PEER_NAMES:
