@@ -2,7 +2,7 @@
 written for vLLM follows a jaxkv server unchanged.
 
 The wire format (facts from vLLM's ``vllm/distributed/kv_events.py`` and
-``vllm/v1/core/kv_cache_utils.py``):
+``vllm/v1/core/kv_cache_utils.py``, checked against the vLLM 0.33.0 release):
 
 - Transport: ZeroMQ. A PUB socket sends one three-frame message per batch: the topic
   (UTF-8, empty by default), the batch's sequence number as 8 bytes big-endian (0, 1,
@@ -16,20 +16,27 @@ The wire format (facts from vLLM's ``vllm/distributed/kv_events.py`` and
   ``BlockStored``: ``block_hashes``, ``parent_block_hash``, ``token_ids``,
   ``block_size``, ``lora_id``, ``medium``, ``lora_name``, then the defaulted
   ``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``,
-  ``kv_cache_spec_sliding_window``. ``BlockRemoved``: ``block_hashes``, ``medium``,
-  then the defaulted ``group_idx``. ``AllBlocksCleared``: no field. (vLLM releases
-  from before ``extra_keys`` and ``group_idx`` encoded the events as arrays too.)
+  ``kv_cache_spec_sliding_window``, ``locality``, ``ownership``, ``session_id``,
+  ``lookahead_token_ids`` (the last four new in 0.33; jaxkv leaves them at None, but
+  declares them: msgspec writes a 16-bit map header for a struct of 16 fields, so the
+  bytes match vLLM's). ``BlockRemoved``: ``block_hashes``, ``medium``, then the
+  defaulted ``group_idx``, ``locality``, ``ownership`` (one event per removed hash).
+  ``AllBlocksCleared``: no field, on a prefix-cache reset. (Releases from before
+  ``extra_keys`` and ``group_idx`` encoded the events as arrays too.)
 - Block hashes: vLLM hashes blocks to bytes and publishes by default the low 64 bits
   as an unsigned int (the bytes read big-endian, masked to 64 bits); with
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` the bytes themselves. A stored run's
   parent is the hash of the block before its first, None at the start of a request.
 - Medium: ``"GPU"`` for the device cache. Host (CPU offloading) blocks are published
   as ``"CPU"``, without parent or token ids.
-- Replay: an optional ROUTER socket. A client (DEALER or REQ) sends the first
-  sequence number it wants as 8 bytes big-endian; the server answers with one message
-  ``[sequence number, payload]`` per batch it still buffers from there on, then the
-  end marker ``[-1 as 8 signed big-endian bytes, empty payload]``. The buffer holds the
-  last ``buffer_steps`` batches (10,000 by default); older ones are simply not sent.
+- Replay: an optional ROUTER socket. A client (REQ, or DEALER sending an empty
+  delimiter frame first) sends the first sequence number it wants as 8 bytes
+  big-endian; the server answers with one message ``[topic, sequence number,
+  payload]`` per batch it still buffers from there on (the live frames; releases
+  before 0.33 left the topic out), then the end marker ``[b"", -1 as 8 signed
+  big-endian bytes, b""]``. Requests of another shape are ignored. The buffer holds
+  the last ``buffer_steps`` batches (10,000 by default); older ones are not sent, and
+  nothing says so: a client sees the first sequence number it gets back.
 
 jaxkv publishes the device pools' events (attention blocks and state checkpoints,
 each with its ``group_idx``) as medium ``"GPU"`` whatever the accelerator, and the
@@ -89,12 +96,18 @@ class WireBlockStored(WireEvent, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class WireBlockRemoved(WireEvent, tag="BlockRemoved"):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class WireAllBlocksCleared(WireEvent, tag="AllBlocksCleared"):
@@ -277,24 +290,17 @@ class KVEventPublisher:
 
     def _answer(self, frames: list[bytes]) -> None:
         """Stream the buffered batches from the requested sequence number, then the end
-        marker, with the envelope the request came with (a REQ or DEALER client's empty
-        delimiter frame, or none)."""
-        if len(frames) == 3 and frames[1] == b"":
-            client, envelope, start = frames[0], (b"",), frames[2]
-        elif len(frames) == 2:
-            client, envelope, start = frames[0], (), frames[1]
-        else:
-            client, envelope, start = b"", (), b""
-        if len(start) != 8:
+        marker; a request of another shape is counted and ignored."""
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             self.num_bad_replay_requests += 1
             return
-        first = int.from_bytes(start, "big")
+        client, first = frames[0], int.from_bytes(frames[2], "big")
         with self._lock:
             oldest = self._buffer[0][0] if self._buffer else first
             batches = list(itertools.islice(self._buffer, max(0, first - oldest), None))
         for seq, payload in batches:
-            self._replay.send_multipart((client, *envelope, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, *envelope, END_SEQ, b""))
+            self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     # --------------------------------------------------------------- close
     def close(self, linger_s: float = 1.0) -> None:

@@ -262,7 +262,9 @@ class KVEventSubscriber:
                     f"replica {self.replica!r}: no replay answer from {self.replay_endpoint} "
                     f"within {self.replay_timeout_s} s"
                 )
-            _delimiter, seq_bytes, payload = self._replay.recv_multipart()
+            *_, seq_bytes, payload = (
+                self._replay.recv_multipart()
+            )  # with the topic frame first or (before vLLM 0.33) without
             if seq_bytes == END_SEQ:
                 break
             seq = int.from_bytes(seq_bytes, "big")
