@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from jaxkv.errors import JaxkvError
 from jaxkv.planner import KVCacheConfig
-from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
+from jaxkv.pool import NULL_BLOCK, AllBlocksCleared, BlockPool, KVCacheEvent, ReuseListener
 from jaxkv.single_type import (
     NEVER,
     CacheHit,
@@ -75,6 +75,18 @@ class AttentionType:
     block_size: int
     group_ids: tuple[int, ...]
     hash_stride: int
+
+
+def _split_at_resets(events: list[KVCacheEvent]) -> list[list[KVCacheEvent]]:
+    """One pool's events cut at its :class:`AllBlocksCleared` markers (dropped): the runs
+    before, between and after its resets."""
+    runs: list[list[KVCacheEvent]] = [[]]
+    for e in events:
+        if isinstance(e, AllBlocksCleared):
+            runs.append([])
+        else:
+            runs[-1].append(e)
+    return runs
 
 
 class KVCacheCoordinator:
@@ -151,8 +163,16 @@ class KVCacheCoordinator:
         return sum(p.num_evictions for p in self.pools)
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Events of the attention pool, then of the state pool (each names its group)."""
-        return [e for p in self.pools for e in p.take_events()]
+        """Events of every pool (each names its group), in order around resets: a reset
+        clears all pools at once, so each pool's events before it come first, then one
+        :class:`AllBlocksCleared`, then what each pool did after it."""
+        runs = [_split_at_resets(p.take_events()) for p in self.pools]
+        events: list[KVCacheEvent] = []
+        for i, parts in enumerate(zip(*runs)):
+            if i:
+                events.append(AllBlocksCleared())
+            events.extend(e for part in parts for e in part)
+        return events
 
     def evict_blocks(self, block_ids: Sequence[int], group: int | None = None) -> int:
         """Drop the cached hashes of these blocks: attention blocks, or ``group``'s (state slots

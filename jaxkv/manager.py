@@ -277,6 +277,7 @@ class KVCacheManager:
         # Block size of the state-pool groups (the hash block size), 0 without a state pool.
         self._state_block_size = config.hash_block_size if config.state_pool is not None else 0
         self.enable_caching = enable_caching
+        self.enable_events = enable_events
         self.coordinator = KVCacheCoordinator(config, enable_events=enable_events, retention=retention)
         self.hasher = BlockHasher(self.coordinator.hash_block_size, hash_algo)
         # Returned for a miss or an allocation needing no new block: immutable, so shared.

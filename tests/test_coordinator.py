@@ -5,7 +5,9 @@ from conftest import FULL, admit, make_config, window
 
 from jaxkv.coordinator import CoordinatorError, KVCacheCoordinator
 from jaxkv.manager import KVCacheManager, Request
-from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanError
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanError, plan_kv_cache
+from jaxkv.pool import AllBlocksCleared, BlockStored
+from jaxkv.presets import get_preset
 from jaxkv.specs import MambaSpec
 
 MAMBA = MambaSpec(shapes=((8, 3), (8, 16)), dtypes=("float32", "float32"))
@@ -75,3 +77,20 @@ def test_groups_of_one_type_are_searched_together():
 def test_an_unknown_retention_rule_is_refused_by_name():
     with pytest.raises(CoordinatorError, match="'lru'"):
         KVCacheCoordinator(make_config(8, FULL), retention="lru")
+
+
+def test_a_reset_is_one_all_blocks_cleared_between_every_pools_events(tokens):
+    config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 1 << 22, max_model_len=64, state_layout="state_pool")
+    mgr = KVCacheManager(config, enable_events=True)
+    admit(mgr, Request("a", tokens(0, 48)))
+    mgr.free("a")
+    assert mgr.reset_prefix_cache()
+    admit(mgr, Request("b", tokens(100, 48)))
+    events = mgr.take_events()
+    cut = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
+    assert len(cut) == 1, "the reset cleared both pools at once"
+    before, after = events[: cut[0]], events[cut[0] + 1 :]
+    state_group = config.state_group_ids[0]
+    for side in (before, after):
+        assert {e.group for e in side} == {0, 1} and all(isinstance(e, BlockStored) for e in side)
+        assert any(e.group == state_group for e in side), "the state pool's checkpoints on both sides"

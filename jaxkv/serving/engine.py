@@ -15,6 +15,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -28,6 +29,9 @@ from jaxkv.serving.models import ModelConfig, TinyLM, get_model_config
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
 from jaxkv.serving.scheduler import Scheduler, SeqState, check_positive_int
+
+if TYPE_CHECKING:
+    from jaxkv.serving.kv_events import KVEventPublisher
 
 DEFAULT_MAX_NUM_SEQS = 8
 
@@ -160,7 +164,9 @@ class Engine:
     may not exceed it: the plan sized sliding-window spans for that chunk size.
     ``offload`` adds a host-memory tier (:mod:`jaxkv.serving.offload_connector`): blocks are
     stored to host when the device reuses them (or once filled, per its ``store``
-    policy) and loaded back on admission.
+    policy) and loaded back on admission. ``kv_events`` publishes the cache events of
+    every step (device and host blocks stored and removed) for a KV-aware router
+    (:mod:`jaxkv.serving.kv_events`).
 
     Single-owner, like the manager: only the creating thread may call it. Each step
     runs in :meth:`~jaxkv.manager.KVCacheManager.step_transaction`, so an exception
@@ -180,6 +186,7 @@ class Engine:
         buckets: Buckets | None = None,
         hash_algo: str = "sha256",
         offload: OffloadConfig | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         budget = kv_config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
         check_positive_int("max_num_seqs", max_num_seqs)
@@ -190,7 +197,10 @@ class Engine:
                 f"max_num_batched_tokens={kv_config.max_num_batched_tokens}"
             )
         self.model = model
-        self.manager = KVCacheManager(kv_config, enable_caching=enable_caching, hash_algo=hash_algo)
+        self.manager = KVCacheManager(
+            kv_config, enable_caching=enable_caching, hash_algo=hash_algo, enable_events=kv_events is not None
+        )
+        self.kv_events = kv_events
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = budget
         buckets = buckets if buckets is not None else default_buckets(kv_config, max_num_seqs, budget)
@@ -289,6 +299,7 @@ class Engine:
                                 logits[chunk.seq.request_id].append(row)
                     if self.connector is not None:
                         self.connector.after_step(output.chunks)
+                self._publish_events()
                 done = scheduler.update(output, tokens.tolist())
                 now = time.perf_counter() - start
                 for chunk in output.chunks:
@@ -311,6 +322,7 @@ class Engine:
                     )
         finally:
             self._release(seqs)
+        self._publish_events()  # the host stores settled by _release
         return GenerationResult(
             outputs=tuple(self._output(s, ttft, finish, logits) for s in seqs),
             wall_s=time.perf_counter() - start,
@@ -336,6 +348,12 @@ class Engine:
             leaked += states.num_blocks - 1 - states.num_free_blocks
         host = self.connector.num_leaked_host_blocks() if self.connector is not None else 0
         return CacheAudit(leaked, host)
+
+    def _publish_events(self) -> None:
+        """Publish the cache events since the last call (with ``kv_events``); a failed
+        call's events go out with the next step."""
+        if self.kv_events is not None:
+            self.kv_events.publish_step(self.manager, self.connector)
 
     def _release(self, seqs: Sequence[SeqState]) -> None:
         """End a call, normally or not: settle stores, free what its requests still

@@ -52,7 +52,7 @@ import numpy as np
 
 from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.manager import KVCacheBlocks, KVCacheManager, Request
-from jaxkv.offload.catalog import OffloadingManager, OffloadKey, PolicyOffloadingManager
+from jaxkv.offload.catalog import OffloadEvent, OffloadingManager, OffloadKey, PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.host_pool import HostKVPool
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
@@ -162,7 +162,8 @@ class OffloadConnector:
     @classmethod
     def create(cls, manager: KVCacheManager, runner: ModelRunner, config: OffloadConfig) -> OffloadConnector:
         """A host pool of ``config.host_bytes``, its block backend, catalog and transfer
-        engine (and the same for state rows, out of the same bytes, for a recurrent model)."""
+        engine (and the same for state rows, out of the same bytes, for a recurrent model);
+        the catalogs record events (:meth:`take_events`) when the manager does."""
         host_bytes, states = config.host_bytes, None
         if manager.recurrent_group_ids():
             state_bytes = config.state_host_bytes
@@ -170,14 +171,17 @@ class OffloadConnector:
                 device_states = runner.cache.states.nbytes
                 state_bytes = host_bytes * device_states // (device_states + runner.kv_cache.nbytes)
             pool = runner.state_host_pool(state_bytes, memory_kind=config.memory_kind)
-            states = cls._tier_parts(pool, config)
+            states = cls._tier_parts(pool, config, manager.enable_events)
             host_bytes -= state_bytes
-        offload, transfers = cls._tier_parts(runner.host_pool(host_bytes, memory_kind=config.memory_kind), config)
+        host_pool = runner.host_pool(host_bytes, memory_kind=config.memory_kind)
+        offload, transfers = cls._tier_parts(host_pool, config, manager.enable_events)
         return cls(manager, runner, offload, transfers, config.store, states=states)
 
     @staticmethod
-    def _tier_parts(pool: HostKVPool, config: OffloadConfig) -> tuple[OffloadingManager, TransferEngine]:
-        offload = PolicyOffloadingManager(HostBlockBackend(pool.num_blocks), config.policy, enable_events=False)
+    def _tier_parts(
+        pool: HostKVPool, config: OffloadConfig, enable_events: bool
+    ) -> tuple[OffloadingManager, TransferEngine]:
+        offload = PolicyOffloadingManager(HostBlockBackend(pool.num_blocks), config.policy, enable_events=enable_events)
         return offload, TransferEngine(pool, fail_store=config.fail_store, fail_load=config.fail_load)
 
     def _split(self, keys: Sequence[OffloadKey]) -> list[tuple[_Tier, list[OffloadKey]]]:
@@ -373,6 +377,11 @@ class OffloadConnector:
             tier.transfers.release([tier.host_blocks.pop(k) for k in failed])
         self.stats.num_stored_blocks += len(ok)
         self.stats.num_failed_stores += len(failed)
+
+    def take_events(self) -> list[OffloadEvent]:
+        """Host-tier events (keys stored, keys removed) of every catalog since the last call."""
+        self._owner.check()
+        return [e for tier in self._tiers for e in tier.offload.take_events()]
 
     # ---------------------------------------------------------------- audit
     def num_leaked_host_blocks(self) -> int:

@@ -1,0 +1,326 @@
+"""KV cache events on the wire, as vLLM servers publish them, so that a KV-aware router
+written for vLLM follows a jaxkv server unchanged.
+
+The wire format (facts from vLLM's ``vllm/distributed/kv_events.py`` and
+``vllm/v1/core/kv_cache_utils.py``, checked against the vLLM 0.33.0 release):
+
+- Transport: ZeroMQ. A PUB socket sends one three-frame message per batch: the topic
+  (UTF-8, empty by default), the batch's sequence number as 8 bytes big-endian (0, 1,
+  2, ... counted per publisher) and the msgpack payload. A batch holds the events of
+  one scheduler step; steps without events publish nothing.
+- Payload: a msgspec struct ``EventBatch`` encoded as an array (``array_like``):
+  ``[ts, events, data_parallel_rank]``, ``ts`` a float in seconds since the epoch, the
+  rank set by the publisher (0 without data parallelism).
+- Events: msgspec structs tagged by class name (``tag=True``: the key ``"type"``),
+  encoded as maps, fields still at their default left out (``omit_defaults``).
+  ``BlockStored``: ``block_hashes``, ``parent_block_hash``, ``token_ids``,
+  ``block_size``, ``lora_id``, ``medium``, ``lora_name``, then the defaulted
+  ``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``,
+  ``kv_cache_spec_sliding_window``, ``locality``, ``ownership``, ``session_id``,
+  ``lookahead_token_ids`` (the last four new in 0.33; jaxkv leaves them at None, but
+  declares them: msgspec writes a 16-bit map header for a struct of 16 fields, so the
+  bytes match vLLM's). ``BlockRemoved``: ``block_hashes``, ``medium``, then the
+  defaulted ``group_idx``, ``locality``, ``ownership`` (one event per removed hash).
+  ``AllBlocksCleared``: no field, on a prefix-cache reset. (Releases from before
+  ``extra_keys`` and ``group_idx`` encoded the events as arrays too.)
+- Block hashes: vLLM hashes blocks to bytes and publishes by default the low 64 bits
+  as an unsigned int (the bytes read big-endian, masked to 64 bits); with
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` the bytes themselves. A stored run's
+  parent is the hash of the block before its first, None at the start of a request.
+- Medium: ``"GPU"`` for the device cache. Host (CPU offloading) blocks are published
+  as ``"CPU"``, without parent or token ids.
+- Replay: an optional ROUTER socket. A client (REQ, or DEALER sending an empty
+  delimiter frame first) sends the first sequence number it wants as 8 bytes
+  big-endian; the server answers with one message ``[topic, sequence number,
+  payload]`` per batch it still buffers from there on (the live frames; releases
+  before 0.33 left the topic out), then the end marker ``[b"", -1 as 8 signed
+  big-endian bytes, b""]``. Requests of another shape are ignored. The buffer holds
+  the last ``buffer_steps`` batches (10,000 by default); older ones are not sent, and
+  nothing says so: a client sees the first sequence number it gets back.
+
+jaxkv publishes the device pools' events (attention blocks and state checkpoints,
+each with its ``group_idx``) as medium ``"GPU"`` whatever the accelerator, and the
+host tier's as ``"CPU"``. ZeroMQ (pyzmq) and msgspec are the optional extra
+``jaxkv[events]``: only this module and :mod:`jaxkv.serving.prefix_index` import them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from jaxkv.errors import JaxkvError
+from jaxkv.offload.catalog import KeysRemoved, KeysStored, OffloadEvent
+from jaxkv.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+if TYPE_CHECKING:
+    from jaxkv.manager import KVCacheManager
+    from jaxkv.serving.offload_connector import OffloadConnector
+
+MEDIUM_DEVICE = "GPU"
+"""vLLM's word for the device cache (any accelerator)."""
+MEDIUM_HOST = "CPU"
+"""vLLM's word for the host-memory tier."""
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The sequence-number frame closing a replay answer."""
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_MASK_64 = (1 << 64) - 1
+
+ExternalBlockHash = int | bytes
+
+
+class KVEventsError(JaxkvError, ValueError):
+    """A publisher or subscriber was given settings it cannot use; nothing was opened."""
+
+
+class WireEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """A KV cache event as vLLM encodes it (a map tagged with ``"type"``)."""
+
+
+class WireBlockStored(WireEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class WireBlockRemoved(WireEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class WireAllBlocksCleared(WireEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class WireEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One published batch: the events of one engine step."""
+
+    ts: float
+    events: list[WireBlockStored | WireBlockRemoved | WireAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def external_hash(block_hash: bytes, *, as_int: bool = True) -> ExternalBlockHash:
+    """The hash a router sees: the low 64 bits of ``block_hash`` as an unsigned int
+    (vLLM's default), or the bytes themselves."""
+    return int.from_bytes(block_hash, "big") & _MASK_64 if as_int else bytes(block_hash)
+
+
+def wire_events(
+    device: Iterable[KVCacheEvent],
+    host: Iterable[OffloadEvent] = (),
+    block_sizes: Sequence[int] = (),
+    *,
+    int_hashes: bool = True,
+) -> list[WireEvent]:
+    """The wire form of one step's events: the device pools' (medium ``"GPU"``), then the
+    host tier's (``"CPU"``, one event per run of keys of one group; ``block_sizes`` gives
+    each group's block size)."""
+
+    def ext(h: bytes) -> ExternalBlockHash:
+        return external_hash(h, as_int=int_hashes)
+
+    out: list[WireEvent] = []
+    for e in device:
+        if isinstance(e, BlockStored):
+            out.append(
+                WireBlockStored(
+                    block_hashes=[ext(h) for h in e.block_hashes],
+                    parent_block_hash=None if e.parent_block_hash is None else ext(e.parent_block_hash),
+                    token_ids=list(e.token_ids),
+                    block_size=e.block_size,
+                    lora_id=None,
+                    medium=MEDIUM_DEVICE,
+                    lora_name=e.lora_name,
+                    group_idx=e.group,
+                )
+            )
+        elif isinstance(e, BlockRemoved):
+            out.append(WireBlockRemoved([ext(h) for h in e.block_hashes], MEDIUM_DEVICE, group_idx=e.group))
+        elif isinstance(e, AllBlocksCleared):
+            out.append(WireAllBlocksCleared())
+    for e in host:
+        for group, keys in itertools.groupby(e.keys, key=lambda k: k[1]):
+            hashes = [ext(h) for h, _ in keys]
+            if isinstance(e, KeysStored):
+                out.append(
+                    WireBlockStored(hashes, None, [], block_sizes[group], None, MEDIUM_HOST, None, group_idx=group)
+                )
+            elif isinstance(e, KeysRemoved):
+                out.append(WireBlockRemoved(hashes, MEDIUM_HOST, group_idx=group))
+    return out
+
+
+def check_endpoint(name: str, endpoint: object) -> str:
+    """``endpoint`` if it is a ZeroMQ address this module may use, else :class:`KVEventsError`."""
+    if not isinstance(endpoint, str) or not endpoint.startswith(ENDPOINT_SCHEMES):
+        raise KVEventsError(f"{name} must be a str starting with one of {ENDPOINT_SCHEMES}, got {endpoint!r}")
+    return endpoint
+
+
+class KVEventPublisher:
+    """Publishes batches of KV events over ZeroMQ as a vLLM server does, with replay.
+
+    Binds ``endpoint`` (PUB) and, if given, ``replay_endpoint`` (ROUTER), e.g.
+    ``tcp://127.0.0.1:5557``; a ``*`` port takes a free one (read the bound address back
+    from :attr:`endpoint` / :attr:`replay_endpoint`). :meth:`publish` runs on the
+    caller's thread (one thread only, like the engine); a background thread answers
+    replay requests from the last ``buffer_steps`` batches. ``int_block_hashes=False``
+    publishes block hashes as bytes. Close it (or use it as a context manager).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        data_parallel_rank: int = 0,
+        int_block_hashes: bool = True,
+        hwm: int = 100_000,
+    ) -> None:
+        check_endpoint("endpoint", endpoint)
+        if replay_endpoint is not None:
+            check_endpoint("replay_endpoint", replay_endpoint)
+        if not isinstance(topic, str):
+            raise KVEventsError(f"topic must be a str, got {topic!r}")
+        for name, value, low in (("buffer_steps", buffer_steps, 1), ("data_parallel_rank", data_parallel_rank, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise KVEventsError(f"{name} must be an int >= {low}, got {value!r}")
+        self.topic = topic
+        self.data_parallel_rank = data_parallel_rank
+        self.int_block_hashes = int_block_hashes
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay = self._ctx.socket(zmq.ROUTER) if replay_endpoint is not None else None
+        try:
+            self._pub.set_hwm(hwm)
+            self._pub.bind(endpoint)
+            if self._replay is not None:
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError as err:
+            self._close_sockets()
+            raise KVEventsError(f"cannot bind {endpoint!r} / {replay_endpoint!r}: {err}") from None
+        self._topic = topic.encode()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._lock = threading.Lock()  # the buffer, shared with the replay thread
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._next_seq = 0
+        self.num_bad_replay_requests = 0
+        self._stop = threading.Event()
+        self._thread = None
+        if self._replay is not None:
+            self._thread = threading.Thread(target=self._serve_replays, name="kv-events-replay", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------- queries
+    @property
+    def endpoint(self) -> str:
+        """The bound PUB address (a ``*`` port resolved)."""
+        return self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The bound ROUTER address, None without replay."""
+        return None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @property
+    def num_published(self) -> int:
+        """Batches published so far (the next batch's sequence number)."""
+        return self._next_seq
+
+    @property
+    def closed(self) -> bool:
+        return self._pub.closed
+
+    # ---------------------------------------------------------- publishing
+    def publish(self, events: Sequence[WireEvent]) -> int:
+        """Publish ``events`` as one batch; its sequence number."""
+        if self.closed:
+            raise KVEventsError("the publisher is closed")
+        batch = WireEventBatch(ts=time.time(), events=list(events), data_parallel_rank=self.data_parallel_rank)
+        payload = self._encoder.encode(batch)
+        seq = self._next_seq
+        with self._lock:
+            self._buffer.append((seq, payload))  # before the send: a replay never lacks what went out live
+        self._next_seq += 1
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        return seq
+
+    def publish_step(self, manager: KVCacheManager, connector: OffloadConnector | None = None) -> int | None:
+        """Publish what the manager's pools (and the connector's host tier) did since the
+        last call as one batch; its sequence number, or None when nothing happened.
+
+        The manager must record events (``enable_events=True``); so must the host
+        catalogs (an :class:`~jaxkv.serving.offload_connector.OffloadConnector` made by
+        ``create`` for such a manager does).
+        """
+        host = connector.take_events() if connector is not None else ()
+        events = wire_events(manager.take_events(), host, manager.block_sizes, int_hashes=self.int_block_hashes)
+        return self.publish(events) if events else None
+
+    # -------------------------------------------------------------- replay
+    def _serve_replays(self) -> None:
+        while not self._stop.is_set():
+            if self._replay.poll(50):
+                self._answer(self._replay.recv_multipart())
+
+    def _answer(self, frames: list[bytes]) -> None:
+        """Stream the buffered batches from the requested sequence number, then the end
+        marker; a request of another shape is counted and ignored."""
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            self.num_bad_replay_requests += 1
+            return
+        client, first = frames[0], int.from_bytes(frames[2], "big")
+        with self._lock:
+            oldest = self._buffer[0][0] if self._buffer else first
+            batches = list(itertools.islice(self._buffer, max(0, first - oldest), None))
+        for seq, payload in batches:
+            self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    # --------------------------------------------------------------- close
+    def close(self, linger_s: float = 1.0) -> None:
+        """Stop answering replays and close the sockets; batches already sent get up to
+        ``linger_s`` seconds to leave."""
+        if self.closed:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._close_sockets(linger_s)
+
+    def _close_sockets(self, linger_s: float = 0.0) -> None:
+        self._pub.close(linger=int(linger_s * 1000))
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

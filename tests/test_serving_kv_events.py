@@ -1,0 +1,251 @@
+"""KV events on the wire: what a jaxkv Engine publishes decodes with a decoder written
+against vLLM's schema, frames and replay answer as vLLM's publisher does."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
+
+from vllm_event_schema import BlockStored, KVEventBatch  # noqa: E402
+
+from jaxkv import pool  # noqa: E402
+from jaxkv.manager import Request  # noqa: E402
+from jaxkv.metadata import Buckets  # noqa: E402
+from jaxkv.offload.catalog import KeysRemoved, KeysStored  # noqa: E402
+from jaxkv.serving.engine import Engine  # noqa: E402
+from jaxkv.serving.kv_events import (  # noqa: E402
+    KVEventPublisher,
+    KVEventsError,
+    WireAllBlocksCleared,
+    WireBlockRemoved,
+    WireBlockStored,
+    external_hash,
+    wire_events,
+)
+from jaxkv.serving.offload_connector import OffloadConfig  # noqa: E402
+
+LOOPBACK = "tcp://127.0.0.1:*"
+WAIT_MS = 10_000
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+VLLM_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+# --- helpers -----------------------------------------------------------------------
+def engine(publisher: KVEventPublisher) -> Engine:
+    """tiny-llama on 31 usable blocks (evictions happen) with a 16-block host tier written through."""
+    return Engine.build(
+        "tiny-llama",
+        memory_bytes=2 << 20,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        buckets=Buckets((64,), (4,), (16,)),
+        offload=OffloadConfig(1 << 20, store="write_through"),
+        kv_events=publisher,
+    )
+
+
+def prompt_rounds(seed: int = 0) -> list[list[list[int]]]:
+    """Three rounds of four prompts: a shared 40-token prefix, then unrelated ones twice."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 512, 40).tolist()
+    first = [shared + rng.integers(0, 512, n).tolist() for n in (10, 30, 50, 70)]
+    return [first, *([rng.integers(0, 512, 60).tolist() for _ in range(4)] for _ in range(2))]
+
+
+def replay(endpoint: str, start: int, topic: bytes = b"") -> list[tuple[bytes, bytes]]:
+    """vLLM's replay protocol from a plain DEALER: every (seq, payload) answered, end marker included."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        frames = []
+        while True:
+            assert sock.poll(WAIT_MS), "no replay answer"
+            delimiter, frame_topic, seq, payload = sock.recv_multipart()
+            assert delimiter == b"" and frame_topic == (b"" if seq == END else topic)
+            frames.append((seq, payload))
+            if seq == END:
+                return frames
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def stored(group: int, hashes: tuple[bytes, ...], parent: bytes | None = None) -> pool.BlockStored:
+    return pool.BlockStored(group, hashes, parent, 16, tuple(range(16 * len(hashes))), None)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+# --- an engine run, read live and through replay --------------------------------------
+@pytest.fixture(scope="module")
+def engine_run():
+    """Two generate calls published with a raw SUB listening; the published batches
+    (through replay), the live frames, and the engine's first-round prompt hashes."""
+    ctx = zmq.Context()
+    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, topic="kv") as pub:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(pub.endpoint)
+        eng = engine(pub)
+        rounds = prompt_rounds()
+        for prompts in rounds[:2]:
+            eng.generate(prompts, 8)
+        live = []
+        while sub.poll(1000 if not live else 0):
+            live.append(sub.recv_multipart())
+        replayed = replay(pub.replay_endpoint, 0, b"kv")
+        req = Request("probe", rounds[0][0])
+        first_hashes = eng.manager.hashes_per_group(req)[0]
+        num_published = pub.num_published
+    sub.close(linger=0)
+    ctx.term()
+    return {"live": live, "replayed": replayed, "first_hashes": first_hashes, "num_published": num_published}
+
+
+def test_every_batch_is_replayed_in_order_then_the_end_marker(engine_run):
+    replayed = engine_run["replayed"]
+    assert replayed[-1] == (END, b"")
+    seqs = [int.from_bytes(seq, "big") for seq, _ in replayed[:-1]]
+    assert seqs == list(range(engine_run["num_published"])) and seqs
+
+
+def test_live_frames_are_topic_sequence_payload_and_match_the_replay(engine_run):
+    by_seq = {int.from_bytes(seq, "big"): payload for seq, payload in engine_run["replayed"][:-1]}
+    assert engine_run["live"], "the subscriber heard nothing live"
+    for frames in engine_run["live"]:
+        topic, seq, payload = frames
+        assert topic == b"kv" and len(seq) == 8
+        assert by_seq[int.from_bytes(seq, "big")] == payload
+
+
+def test_the_batches_decode_with_vllms_schema(engine_run):
+    payloads = [payload for _, payload in engine_run["replayed"][:-1]]
+    batches = [VLLM_DECODER.decode(payload) for payload in payloads]
+    assert [msgspec.msgpack.encode(b) for b in batches] == payloads, "vLLM's structs write the same bytes"
+    assert all(b.data_parallel_rank == 0 and isinstance(b.ts, float) for b in batches)
+    events = [e for b in batches for e in b.events]
+    kinds = {(type(e).__name__, getattr(e, "medium", None)) for e in events}
+    assert kinds == {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "CPU")}
+    device_stored = set()
+    for e in events:
+        assert e.group_idx == 0
+        assert all(isinstance(x, int) and 0 <= x < 1 << 64 for x in e.block_hashes)
+        if isinstance(e, BlockStored) and e.medium == "GPU":
+            assert len(e.token_ids) == e.block_size * len(e.block_hashes) and e.block_size == 16
+            assert e.parent_block_hash is None or e.parent_block_hash in device_stored
+            device_stored.update(e.block_hashes)
+        elif isinstance(e, BlockStored):
+            assert e.token_ids == [] and e.parent_block_hash is None and e.block_size == 16
+
+
+def test_published_hashes_are_the_low_64_bits_of_jaxkvs(engine_run):
+    first = VLLM_DECODER.decode(engine_run["replayed"][0][1]).events[0]
+    expected = [int.from_bytes(x[-8:], "big") for x in engine_run["first_hashes"]]
+    assert first.parent_block_hash is None
+    assert first.block_hashes[:2] == expected[:2]
+
+
+# --- the replay socket ---------------------------------------------------------------
+def test_a_replay_answers_from_the_requested_batch_with_what_is_still_buffered():
+    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=3) as pub:
+        for i in range(5):
+            pub.publish(wire_events([stored(0, (h(i),))]))
+        seqs = lambda frames: [int.from_bytes(s, "big") for s, _ in frames[:-1]]  # noqa: E731
+        assert seqs(replay(pub.replay_endpoint, 1)) == [2, 3, 4], "1 is no longer buffered"
+        assert seqs(replay(pub.replay_endpoint, 3)) == [3, 4]
+        assert replay(pub.replay_endpoint, 9) == [(END, b"")]
+
+
+def test_malformed_replay_requests_are_counted_and_ignored():
+    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub:
+        pub.publish([])
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(pub.replay_endpoint)
+        sock.send_multipart([b"", b"7 bytes"])
+        sock.send_multipart([(0).to_bytes(8, "big")])  # no delimiter frame
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        answers = []
+        while sock.poll(WAIT_MS):
+            answers.append(sock.recv_multipart()[2])
+            if answers[-1] == END:
+                break
+        sock.close(linger=0)
+        ctx.term()
+        assert answers == [(0).to_bytes(8, "big"), END], "only the well-formed request is answered"
+        assert pub.num_bad_replay_requests == 2
+
+
+# --- the conversion ------------------------------------------------------------------
+def test_device_events_keep_their_group_hashes_chain_and_tokens():
+    events = wire_events([stored(1, (h(1), h(2)), parent=h(0)), pool.BlockRemoved(1, (h(2),)), pool.AllBlocksCleared()])
+    put, removed, cleared = events
+    assert put == WireBlockStored([1, 2], 0, list(range(32)), 16, None, "GPU", None, group_idx=1), (
+        "hashes are the low 64 bits, the parent too"
+    )
+    assert removed == WireBlockRemoved([2], "GPU", group_idx=1)
+    assert cleared == WireAllBlocksCleared()
+
+
+def test_host_events_become_cpu_events_one_per_group_run():
+    host = [KeysStored(((h(1), 0), (h(2), 0), (h(3), 1))), KeysRemoved(((h(1), 0),))]
+    events = wire_events([], host, block_sizes=(16, 32))
+    assert events == [
+        WireBlockStored([1, 2], None, [], 16, None, "CPU", None, group_idx=0),
+        WireBlockStored([3], None, [], 32, None, "CPU", None, group_idx=1),
+        WireBlockRemoved([1], "CPU", group_idx=0),
+    ]
+
+
+def test_hashes_may_be_published_as_bytes():
+    (put,) = wire_events([stored(0, (h(7),))], int_hashes=False)
+    assert put.block_hashes == [h(7)]
+
+
+def test_external_hash_is_the_digest_read_big_endian_masked_to_64_bits():
+    digest = bytes(range(32))
+    assert external_hash(digest) == int.from_bytes(digest[-8:], "big")
+    assert external_hash(digest, as_int=False) == digest
+
+
+# --- settings ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"endpoint": "http://127.0.0.1:5557"}, "endpoint"),
+        ({"replay_endpoint": "127.0.0.1:5558"}, "replay_endpoint"),
+        ({"buffer_steps": 0}, "buffer_steps"),
+        ({"data_parallel_rank": -1}, "data_parallel_rank"),
+        ({"topic": b"kv"}, "topic"),
+    ],
+)
+def test_bad_publisher_settings_are_refused_by_name(kwargs, word):
+    with pytest.raises(KVEventsError, match=word):
+        KVEventPublisher(**{"endpoint": LOOPBACK, **kwargs})
+
+
+def test_a_closed_publisher_refuses_to_publish():
+    pub = KVEventPublisher(LOOPBACK)
+    pub.close()
+    with pytest.raises(KVEventsError, match="closed"):
+        pub.publish([])
+
+
+def test_jaxkv_imports_without_the_events_extra():
+    code = (
+        "import sys, jaxkv, jaxkv.manager, jaxkv.serving.engine\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('zmq', 'msgspec')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
