@@ -178,7 +178,9 @@ def qwen3_next() -> tuple[TinyLM, list[list[int]]]:
     return model, dense_greedy_generate(model, workload(), NEW_TOKENS)
 
 
-def recurrent_engine(model: TinyLM, state_layout: str, *, max_num_seqs: int = 4, **kwargs) -> Engine:
+def recurrent_engine(
+    model: TinyLM, state_layout: str, *, max_num_seqs: int = 4, layout: str = "cross_layer", **kwargs
+) -> Engine:
     """A 64-token step budget; the state pool sized for ``max_num_seqs`` live states + 1 MiB of checkpoints."""
     pooled = state_layout == "state_pool"
     plan = plan_kv_cache(
@@ -186,6 +188,7 @@ def recurrent_engine(model: TinyLM, state_layout: str, *, max_num_seqs: int = 4,
         8 << 20,
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=64,
+        layout=layout,
         state_layout=state_layout,
         max_num_seqs=max_num_seqs if pooled else None,
         checkpoint_bytes=kwargs.pop("checkpoint_bytes", 1 << 20 if pooled else 0),
@@ -193,13 +196,16 @@ def recurrent_engine(model: TinyLM, state_layout: str, *, max_num_seqs: int = 4,
     return Engine(model, plan, max_num_seqs=4, buckets=ONE_SHAPE, **kwargs)
 
 
+@pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
 @pytest.mark.parametrize("state_layout", ["state_pool", "attention_pages"])
-def test_a_recurrent_hybrid_gives_the_dense_tokens_with_caching_on_and_off(qwen3_next, state_layout):
+def test_a_recurrent_hybrid_gives_the_dense_tokens_with_caching_on_and_off(qwen3_next, state_layout, layout):
     model, dense = qwen3_next
-    eng = recurrent_engine(model, state_layout)
+    eng = recurrent_engine(model, state_layout, layout=layout)
     cached = eng.generate(workload(), NEW_TOKENS)
     again = eng.generate(workload(), NEW_TOKENS)  # now every prompt's checkpoints are cached
-    uncached = recurrent_engine(model, state_layout, enable_caching=False).generate(workload(), NEW_TOKENS)
+    uncached = recurrent_engine(model, state_layout, layout=layout, enable_caching=False).generate(
+        workload(), NEW_TOKENS
+    )
     assert tokens(cached) == tokens(again) == tokens(uncached) == dense
     assert uncached.num_cached_prompt_tokens == 0
     if state_layout == "state_pool":  # 16-token checkpoints: the duplicate prompt and the reruns hit

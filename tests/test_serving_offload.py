@@ -158,7 +158,9 @@ def qwen3_next() -> TinyLM:
     return TinyLM(get_model_config("tiny-qwen3-next"), seed=0)
 
 
-def recurrent_engine(model: TinyLM, state_layout: str, store: str = "on_eviction", **offload) -> Engine:
+def recurrent_engine(
+    model: TinyLM, state_layout: str, store: str = "on_eviction", layout: str = "cross_layer", **offload
+) -> Engine:
     """A device pool that four ~250-token prompts served one at a time overflow, so blocks
     and checkpoints go out to an 8 MiB host tier: 32 attention blocks and 4 state slots
     (2 live) with a state pool, 1.5 MiB of 32-token pages holding states under vLLM's rule."""
@@ -171,23 +173,31 @@ def recurrent_engine(model: TinyLM, state_layout: str, store: str = "on_eviction
         state_layout=state_layout,
         max_num_seqs=2 if pooled else None,
         checkpoint_bytes=128 << 10 if pooled else 0,
+        layout=layout,
     )
     tier = OffloadConfig(8 << 20, store=store, **offload)
     return Engine(model, plan, max_num_seqs=2, buckets=Buckets((64,), (2,), (20,)), offload=tier)
 
 
-@pytest.mark.parametrize("state_layout", ["state_pool", "attention_pages"])
-@pytest.mark.parametrize("store", STORE_POLICIES)
-@pytest.mark.parametrize("fail_rate", [0.0, 0.5])
+@pytest.mark.parametrize(
+    "state_layout, store, fail_rate, layout",
+    [
+        (state_layout, store, fail_rate, "cross_layer")
+        for state_layout in ("state_pool", "attention_pages")
+        for store in STORE_POLICIES
+        for fail_rate in (0.0, 0.5)
+    ]
+    + [("state_pool", "on_eviction", 0.5, "per_layer"), ("attention_pages", STORE_POLICIES[0], 0.0, "per_layer")],
+)
 def test_recurrent_checkpoints_go_to_host_and_come_back_with_the_cold_tokens(
-    qwen3_next, state_layout, store, fail_rate
+    qwen3_next, state_layout, store, fail_rate, layout
 ):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, n).tolist() for n in (290, 250, 220, 270)]
     cold = dense_greedy_generate(qwen3_next, prompts, NEW_TOKENS)
     failures = np.random.default_rng(1)
     eng = recurrent_engine(
-        qwen3_next, state_layout, store, fail_load=lambda ids, host: failures.random(len(ids)) < fail_rate
+        qwen3_next, state_layout, store, layout, fail_load=lambda ids, host: failures.random(len(ids)) < fail_rate
     )
     for _ in range(2):
         for prompt, expected in zip(prompts, cold):
