@@ -56,13 +56,13 @@ def test_rows_are_copies_so_a_later_store_still_writes(dtype, memory_kind):
     pool = HostKVPool(3, (2, 4), dtype, memory_kind=memory_kind)
     ones = jnp.ones((1, 2, 4), dtype)
     if memory_kind == "pinned_host":
-        pool.write(jnp.array([1], jnp.int32), ones)
+        pool.write(np.array([1]), ones)
     else:
         pool.commit(np.array([1]), np.asarray(ones))
     first = pool.rows([1, 2])
     first[0] = 7  # a copy: the pool is unchanged
     if memory_kind == "pinned_host":
-        pool.write(jnp.array([2], jnp.int32), ones * 2)
+        pool.write(np.array([2]), ones * 2)
     else:
         pool.commit(np.array([2]), np.asarray(ones * 2))
     again = pool.rows([1, 2])

@@ -101,6 +101,17 @@ def _read_rows(buf: jax.Array, host_blocks: jax.Array) -> jax.Array:
     return jnp.concatenate(rows)
 
 
+ROWS_PER_CALL = 64
+"""Most rows one jitted pinned_host write or read moves: each row is an op of its own
+(unrolled, so compile time grows with the row count); larger transfers take several
+calls, which dispatch asynchronously one after the other."""
+
+
+def _row_parts(num_rows: int) -> list[slice]:
+    """Consecutive slices of at most :data:`ROWS_PER_CALL` rows covering ``num_rows``."""
+    return [slice(start, min(start + ROWS_PER_CALL, num_rows)) for start in range(0, num_rows, ROWS_PER_CALL)]
+
+
 @functools.cache
 def pinned_ops(device: jax.Device) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
     """Jitted ``write(buf, host_blocks, rows) -> buf`` (donating ``buf``) and
@@ -206,10 +217,14 @@ class HostKVPool:
         return self.generation[np.asarray(host_blocks, np.int64)] == generations
 
     # ------------------------------------------------------------------ data
-    def write(self, host_blocks: jax.Array, data: jax.Array) -> None:
-        """pinned_host: scatter device rows into the buffer now (async D2H copy)."""
+    def write(self, host_blocks: np.ndarray, rows: jax.Array) -> None:
+        """pinned_host: write device rows into their host blocks now (async DMAs), at most
+        :data:`ROWS_PER_CALL` rows per jitted call."""
         write, _ = pinned_ops(self.device)
-        self.buffer = write(self.buffer, host_blocks, data)
+        host_blocks = np.asarray(host_blocks, np.int32)
+        for part in _row_parts(len(host_blocks)):
+            part_rows = rows if part.stop - part.start == len(host_blocks) else rows[part]
+            self.buffer = write(self.buffer, jnp.asarray(host_blocks[part]), part_rows)
 
     def commit(self, host_blocks: np.ndarray, rows: np.ndarray) -> None:
         """numpy: copy rows that already reached the host into their host blocks."""
@@ -217,10 +232,12 @@ class HostKVPool:
 
     def read(self, host_blocks: np.ndarray) -> jax.Array:
         """Rows of the host blocks as a device array (the host->device copy of a load)."""
-        if self.memory_kind == "pinned_host":
-            _, read = pinned_ops(self.device)
-            return read(self.buffer, jnp.asarray(host_blocks, jnp.int32))
-        return jax.device_put(self.buffer[host_blocks], _device_sharding(self.device))
+        host_blocks = np.asarray(host_blocks, np.int32)
+        if self.memory_kind == "numpy":
+            return jax.device_put(self.buffer[host_blocks], _device_sharding(self.device))
+        _, read = pinned_ops(self.device)
+        parts = [read(self.buffer, jnp.asarray(host_blocks[part])) for part in _row_parts(len(host_blocks))]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
     def rows(self, host_blocks: Sequence[int]) -> np.ndarray:
         """A host copy of the host blocks' data (tests and debugging).
