@@ -225,11 +225,9 @@ class TransferEngine:
     def is_done(self, transfer: Transfer) -> bool:
         """Whether the transfer's data arrived (for a store: left its source, so a stored
         device block may be reused)."""
-        if transfer.staged is None and (transfer.result is not None or not len(transfer)):
-            return True
-        if transfer.staged is None:
-            return self.pool.buffer.is_ready()
-        return transfer.staged.is_ready()
+        if transfer.staged is not None:
+            return transfer.staged.is_ready()
+        return transfer.result is not None or not len(transfer) or self.pool.buffer.is_ready()
 
     def poll(self, transfer: Transfer) -> TransferResult | None:
         """Which rows succeeded, without blocking: a load's from its issue on, a store's
