@@ -1,13 +1,15 @@
 """Host offload tier: transfer throughput by layout, and prefix hit rate by policy.
 
-(a) Transfers: a batch of block stores (gather + device->host) and loads (host->device
-    + scatter into the donated cache) through the transfer engine, cross-layer vs
-    per-layer layout, same data, same run; and the baseline the cross-layer layout must
-    beat: the per-layer cache moved one layer buffer at a time (a gather and a host copy
-    per layer, the way each layer's pages travel when layers are separate arrays).
-    Copies per block, bytes/s, and the cross-layer ratios. On a GPU/TPU the
-    host<->device bandwidth of one large copy is measured too and each rate is reported
-    as a fraction of it; on CPU that column is left empty (unmeasured).
+(a) Transfers: a batch of 64 block stores (device gather + one DMA per block into the
+    pinned_host pool) and loads (one DMA per block out of it + scatter into the donated
+    cache) through the transfer engine, for cross-layer blocks of 16 KiB, 128 KiB and
+    2 MiB (fp32, 16 layers), cross-layer vs per-layer layout, same data, same run; and
+    the per-layer cache moved one layer buffer at a time (a gather and a host write per
+    layer, the way each layer's pages travel when layers are separate arrays). Every
+    rate is also a fraction of the baseline measured in the same run: one
+    ``jax.device_put`` of a contiguous array of the same bytes to pinned_host (store)
+    and back (load). On CPU host and device are the same DRAM: only the ratios and the
+    structure mean anything there.
 (b) Policy: block-level multi-turn trace (a request's blocks are its chained hashes)
     whose working set exceeds the device cache. Prefix hit rate (leading blocks found,
     over all requested blocks) for device-only (LRU), device + host tier with LRU and
@@ -26,6 +28,7 @@
     memcpy: only the ratios of one run mean anything.
 
     python scripts/bench_offload.py --out bench_offload.json
+    python scripts/bench_offload.py --sections=transfers   # (a) only
 """
 
 from __future__ import annotations
@@ -44,12 +47,8 @@ from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
 from jaxkv.metadata import Buckets
 from jaxkv.offload.catalog import PolicyOffloadingManager
-from jaxkv.offload.host_pool import (
-    HostBlockBackend,
-    HostKVPool,
-    block_nbytes,
-    block_shape,
-)
+from jaxkv.offload.host_blocks import HostBlockBackend
+from jaxkv.offload.host_pool import HostKVPool, block_nbytes, block_shape
 from jaxkv.offload.transfer import TransferEngine, copies_per_block
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
 from jaxkv.serving.engine import Engine
@@ -59,8 +58,9 @@ from jaxkv.specs import FullAttentionSpec
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_layers", 16, "layers (layer slots) per block")
-flags.DEFINE_list("num_kv_heads", ["1", "8"], "KV heads, one transfer table row set each (page size)")
-flags.DEFINE_integer("head_dim", 64, "head size")
+flags.DEFINE_list(
+    "block_bytes", ["16384", "131072", "2097152"], "(a) bytes of one cross-layer block (fp32), one row set each"
+)
 flags.DEFINE_integer("block_size", 16, "tokens per block")
 flags.DEFINE_integer("batch_blocks", 64, "blocks per store / load batch")
 flags.DEFINE_integer("repeats", 5, "timed repeats; the fastest is reported")
@@ -80,12 +80,28 @@ flags.DEFINE_integer("serve_user_len", 48, "(c) tokens of each user message")
 flags.DEFINE_integer("serve_new_tokens", 8, "(c) tokens generated per turn")
 flags.DEFINE_integer("serve_device_blocks", 64, "(c) device cache blocks")
 flags.DEFINE_integer("serve_host_blocks", 512, "(c) host tier blocks")
+flags.DEFINE_list(
+    "sections", ["transfers", "policies", "serving"], "which of (a) transfers, (b) policies, (c) serving to run"
+)
 flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
 # ------------------------------------------------------------------ (a) transfers
-def make_cache(layout: str, heads: int) -> KVCache:
-    spec = FullAttentionSpec(num_kv_heads=heads, head_size=FLAGS.head_dim, dtype="float32")
+def block_geometry(block_bytes: int) -> tuple[int, int]:
+    """(KV heads, head size) giving fp32 blocks of ``block_bytes`` over the flagged layers
+    and block size: head size 64 with more heads for large blocks, fewer lanes for small."""
+    per_head = FLAGS.num_layers * FLAGS.block_size * 2 * 4  # bytes per KV head per unit of head size
+    heads, head_dim = (
+        (block_bytes // (per_head * 64), 64) if block_bytes >= per_head * 64 else (1, block_bytes // per_head)
+    )
+    if heads * head_dim * per_head != block_bytes:
+        raise ValueError(f"block_bytes {block_bytes} is not {per_head} * heads * head size")
+    return heads, head_dim
+
+
+def make_cache(layout: str, block_bytes: int) -> KVCache:
+    heads, head_dim = block_geometry(block_bytes)
+    spec = FullAttentionSpec(num_kv_heads=heads, head_size=head_dim, dtype="float32")
     layers = tuple(f"layer{i}" for i in range(FLAGS.num_layers))
     group = KVCacheGroup(layer_names=layers, spec=spec, block_size=FLAGS.block_size)
     num_blocks = 2 * FLAGS.batch_blocks + 1
@@ -94,57 +110,62 @@ def make_cache(layout: str, heads: int) -> KVCache:
     return ops.scatter_blocks(cache, jnp.arange(num_blocks), data)
 
 
-def host_device_bandwidth(nbytes: int) -> float | None:
-    """Bytes/s of one large device->host + host->device round trip; None on CPU."""
+def bulk_copy(nbytes: int) -> dict:
+    """The baseline: one ``jax.device_put`` of a contiguous array of ``nbytes`` to
+    pinned_host (store direction) and one back to the device (load direction)."""
     device = jax.devices()[0]
-    if device.platform == "cpu":
-        return None
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     dev = jax.sharding.SingleDeviceSharding(device)
     x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), dev)
-    seconds = best_seconds(lambda: jax.device_put(jax.device_put(x, host), dev).block_until_ready(), FLAGS.repeats)
-    return 2 * nbytes / seconds
+    on_host = jax.device_put(x, host)
+    t_store = best_seconds(lambda: jax.device_put(x, host), FLAGS.repeats)
+    t_load = best_seconds(lambda: jax.device_put(on_host, dev), FLAGS.repeats)
+    return {"store_bytes_per_s": nbytes / t_store, "load_bytes_per_s": nbytes / t_load}
 
 
-def time_layout(layout: str, heads: int) -> dict:
-    """Best store and load rates of one batch of blocks for one device layout."""
+def transfer_row(way: str, cache: KVCache, copies: int, memory_kind: str, t_store: float, t_load: float) -> dict:
+    nbytes = FLAGS.batch_blocks * block_nbytes(cache)
+    return {
+        "block_bytes": block_nbytes(cache),
+        "way": way,
+        "page_bytes": block_nbytes(cache) // cache.num_layers_per_block,
+        "memory_kind": memory_kind,
+        "copies_per_block": copies,
+        "store_bytes_per_s": nbytes / t_store,
+        "load_bytes_per_s": nbytes / t_load,
+    }
+
+
+def time_layout(layout: str, block_bytes: int) -> dict:
+    """Best store and load times of one batch of blocks through the transfer engine."""
     n = FLAGS.batch_blocks
     src, dst, slots = list(range(1, n + 1)), list(range(n + 1, 2 * n + 1)), list(range(1, n + 1))
-    cache = make_cache(layout, heads)
+    cache = make_cache(layout, block_bytes)
     pool = HostKVPool(n, block_shape(cache), cache.dtype)
     engine = TransferEngine(pool)
-    nbytes = n * block_nbytes(cache)
 
     def store() -> None:
         engine.wait(engine.store(cache, src, slots))
 
     def load() -> None:
         nonlocal cache
-        cache, transfer = engine.load(cache, dst, slots)
-        engine.wait(transfer)
+        cache, _ = engine.load(cache, dst, slots)
         jax.block_until_ready(cache.buffers)
 
     t_store, t_load = best_seconds(store, FLAGS.repeats), best_seconds(load, FLAGS.repeats)
-    return {
-        "layout": layout,
-        "page_bytes": block_nbytes(cache) // cache.num_layers_per_block,
-        "memory_kind": pool.memory_kind,
-        "copies_per_block": copies_per_block(cache),
-        "block_bytes": block_nbytes(cache),
-        "store_bytes_per_s": nbytes / t_store,
-        "load_bytes_per_s": nbytes / t_load,
-    }
+    return transfer_row(layout, cache, copies_per_block(cache), pool.memory_kind, t_store, t_load)
 
 
-def time_layer_by_layer(heads: int) -> dict:
-    """The baseline: a per-layer cache stored and loaded one layer buffer at a time.
+def time_layer_by_layer(block_bytes: int) -> dict:
+    """A per-layer cache stored and loaded one layer buffer at a time (the way each
+    layer's pages travel when layers are separate arrays and are not staged together).
 
     One host pool per layer (the same pool code), one gather + host write per layer to
     store, one host read + scatter per layer to load.
     """
     n = FLAGS.batch_blocks
     src, dst, slots = jnp.arange(1, n + 1), jnp.arange(n + 1, 2 * n + 1), np.arange(1, n + 1)
-    cache = make_cache("per_layer", heads)
+    cache = make_cache("per_layer", block_bytes)
     pools = [HostKVPool(n, b.shape[1:], b.dtype) for b in cache.buffers]
     gather = jax.jit(lambda buffer, ids: buffer[ids])
     scatter = jax.jit(lambda buffer, ids, rows: buffer.at[ids].set(rows), donate_argnums=0)
@@ -153,7 +174,7 @@ def time_layer_by_layer(heads: int) -> dict:
     def store() -> None:
         for pool, buffer in zip(pools, buffers):
             if pool.memory_kind == "pinned_host":
-                pool.write(jnp.asarray(slots), gather(buffer, src))
+                pool.write(slots, gather(buffer, src))
             else:
                 pool.commit(slots, np.asarray(gather(buffer, src)))
         jax.block_until_ready([pool.buffer for pool in pools])
@@ -163,38 +184,40 @@ def time_layer_by_layer(heads: int) -> dict:
         buffers = [scatter(b, dst, pool.read(slots)) for b, pool in zip(buffers, pools)]
         jax.block_until_ready(buffers)
 
-    nbytes = n * block_nbytes(cache)
     t_store, t_load = best_seconds(store, FLAGS.repeats), best_seconds(load, FLAGS.repeats)
-    return {
-        "layout": "per_layer, layer by layer",
-        "page_bytes": block_nbytes(cache) // cache.num_layers_per_block,
-        "memory_kind": pools[0].memory_kind,
-        "copies_per_block": cache.num_layers_per_block,
-        "block_bytes": block_nbytes(cache),
-        "store_bytes_per_s": nbytes / t_store,
-        "load_bytes_per_s": nbytes / t_load,
-    }
+    return transfer_row(
+        "per_layer, layer by layer", cache, cache.num_layers_per_block, pools[0].memory_kind, t_store, t_load
+    )
 
 
 def bench_transfers() -> tuple[list[dict], list[dict]]:
-    """Transfer rows per page size, and the cross-layer ratios of each size."""
+    """Transfer rows per block size, each rate also as a fraction of the bulk copy of the
+    same bytes (measured in the same run), and the cross-layer ratios of each size."""
     rows, ratios = [], []
-    for heads in map(int, FLAGS.num_kv_heads):
-        cross, per_layer, by_layer = (
-            time_layout("cross_layer", heads),
-            time_layout("per_layer", heads),
-            time_layer_by_layer(heads),
+    for block_bytes in map(int, FLAGS.block_bytes):
+        bulk = bulk_copy(FLAGS.batch_blocks * block_bytes)
+        ways = [time_layout("cross_layer", block_bytes), time_layout("per_layer", block_bytes)]
+        ways.append(time_layer_by_layer(block_bytes))
+        rows.append(
+            {
+                "block_bytes": block_bytes,
+                "way": "bulk copy (baseline)",
+                **bulk,
+                "store_of_bulk": 1.0,
+                "load_of_bulk": 1.0,
+            }
         )
-        rows += [cross, per_layer, by_layer]
-        ratio = {"page_bytes": cross["page_bytes"]}
+        for row in ways:
+            for kind in ("store", "load"):
+                row[f"{kind}_of_bulk"] = row[f"{kind}_bytes_per_s"] / bulk[f"{kind}_bytes_per_s"]
+        rows += ways
+        cross, per_layer, by_layer = ways
+        ratio = {"block_bytes": block_bytes}
         for kind in ("store", "load"):
-            for base, row in (("per_layer", per_layer), ("layer_by_layer", by_layer)):
-                ratio[f"{kind}_vs_{base}"] = cross[f"{kind}_bytes_per_s"] / row[f"{kind}_bytes_per_s"]
+            ratio[f"cross_{kind}_of_bulk"] = cross[f"{kind}_of_bulk"]
+            ratio[f"layer_by_layer_{kind}_of_cross"] = by_layer[f"{kind}_bytes_per_s"] / cross[f"{kind}_bytes_per_s"]
+            ratio[f"per_layer_{kind}_of_cross"] = per_layer[f"{kind}_bytes_per_s"] / cross[f"{kind}_bytes_per_s"]
         ratios.append(ratio)
-    peak = host_device_bandwidth(FLAGS.batch_blocks * rows[-1]["block_bytes"])
-    for row in rows:
-        row["store_frac_of_bw"] = None if peak is None else row["store_bytes_per_s"] / peak
-        row["load_frac_of_bw"] = None if peak is None else row["load_bytes_per_s"] / peak
     return rows, ratios
 
 
@@ -419,39 +442,42 @@ def fmt(value: object) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    cols = list(rows[0])
+    cols = list(dict.fromkeys(col for row in rows for col in row))
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
-    lines += [" | ".join(fmt(row[c]) for c in cols) for row in rows]
+    lines += [" | ".join(fmt(row.get(c)) for c in cols) for row in rows]
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> None:
     del argv
-    transfers, ratios = bench_transfers()
-    device = jax.devices()[0]
-    print(
-        f"(a) transfers of {FLAGS.batch_blocks} blocks of {FLAGS.num_layers} layers "
-        f"on {device.platform} ({device.device_kind})"
-    )
-    print(table(transfers))
-    print("\ncross-layer throughput over the per-layer layout (transfer engine) and over layer by layer")
-    print(table(ratios))
-    policies = bench_policies()
-    print(f"\n(b) prefix hit rate: device {FLAGS.device_blocks} blocks")
-    print(table(policies))
-    serving = bench_serving()
-    print(
-        f"\n(c) serving {FLAGS.serve_model}: {FLAGS.serve_conversations} conversations x {FLAGS.serve_turns} turns, "
-        f"device {FLAGS.serve_device_blocks} blocks, host {FLAGS.serve_host_blocks} blocks"
-    )
-    print(table(serving))
+    results = {}
+    if "transfers" in FLAGS.sections:
+        transfers, ratios = bench_transfers()
+        device = jax.devices()[0]
+        print(
+            f"(a) transfers of {FLAGS.batch_blocks} blocks of {FLAGS.num_layers} layers "
+            f"on {device.platform} ({device.device_kind}); *_of_bulk: over one device_put of the same bytes"
+        )
+        print(table(transfers))
+        print("\ncross-layer over the bulk copy, and the per-layer ways over cross-layer")
+        print(table(ratios))
+        results.update(transfers=transfers, cross_layer_ratios=ratios)
+    if "policies" in FLAGS.sections:
+        policies = bench_policies()
+        print(f"\n(b) prefix hit rate: device {FLAGS.device_blocks} blocks")
+        print(table(policies))
+        results["policies"] = policies
+    if "serving" in FLAGS.sections:
+        serving = bench_serving()
+        print(
+            f"\n(c) serving {FLAGS.serve_model}: {FLAGS.serve_conversations} conversations x {FLAGS.serve_turns} "
+            f"turns, device {FLAGS.serve_device_blocks} blocks, host {FLAGS.serve_host_blocks} blocks"
+        )
+        print(table(serving))
+        results["serving"] = serving
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
-            json.dump(
-                {"transfers": transfers, "cross_layer_ratios": ratios, "policies": policies, "serving": serving},
-                f,
-                indent=2,
-            )
+            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from jaxkv import ops
 from jaxkv.cache import allocate_kv_cache
 from jaxkv.errors import WrongThreadError
-from jaxkv.offload.host_pool import HostKVPool, block_nbytes, block_shape
+from jaxkv.offload.host_pool import ROWS_PER_CALL, HostKVPool, block_nbytes, block_shape
 from jaxkv.offload.transfer import (
     TransferEngine,
     TransferError,
@@ -27,16 +27,16 @@ LAYOUTS = ("cross_layer", "per_layer")
 MEMORY = ("pinned_host", "numpy")
 
 
-def random_cache(layout: str, seed: int = 0):
+def random_cache(layout: str, seed: int = 0, num_blocks: int = NUM_BLOCKS):
     spec = FullAttentionSpec(num_kv_heads=1, head_size=4, dtype="float32")
     group = KVCacheGroup(layer_names=("l0", "l1", "l2"), spec=spec, block_size=2)
-    cache = allocate_kv_cache(KVCacheConfig(num_blocks=NUM_BLOCKS, groups=(group,)), layout=layout)
-    data = jax.random.normal(jax.random.key(seed), (NUM_BLOCKS,) + block_shape(cache), jnp.float32)
-    return ops.scatter_blocks(cache, jnp.arange(NUM_BLOCKS), data)
+    cache = allocate_kv_cache(KVCacheConfig(num_blocks=num_blocks, groups=(group,)), layout=layout)
+    data = jax.random.normal(jax.random.key(seed), (num_blocks,) + block_shape(cache), jnp.float32)
+    return ops.scatter_blocks(cache, jnp.arange(num_blocks), data)
 
 
 def blocks(cache) -> np.ndarray:
-    return np.asarray(ops.gather_blocks(cache, jnp.arange(NUM_BLOCKS)))
+    return np.asarray(ops.gather_blocks(cache, jnp.arange(cache.num_blocks)))
 
 
 _ENGINES: dict = {}
@@ -157,6 +157,41 @@ def test_injected_load_failure_leaves_device_blocks_untouched(memory):
     after = blocks(cache)
     np.testing.assert_array_equal(after[8], before[8])  # the caller recomputes block 8
     np.testing.assert_array_equal(after[7], engine.pool.rows([5])[0])
+
+
+@pytest.mark.parametrize("memory", MEMORY)
+def test_a_load_is_settled_when_issued_and_reads_what_host_held_then(memory):
+    """The connector dispatches the step without waiting for a load: its result must be
+    known at issue, and a host block rewritten right after the load must not change what
+    the load brings (the read is ordered before the later write)."""
+    engine = engine_for("cross_layer", memory)
+    cache = random_cache("cross_layer", seed=5)
+    source = blocks(cache)
+    engine.wait(engine.store(cache, [1, 2], [5, 6]))
+    engine.fail_load = lambda ids, host: host == 6
+    cache, load = engine.load(cache, [3, 4], [5, 6])
+    assert engine.poll(load) == type(engine.poll(load))(ok=(0,), failed=(1,))
+    engine.release([5])
+    engine.wait(engine.store(cache, [9], [5]))  # host block 5 now holds another block
+    after = blocks(cache)
+    np.testing.assert_array_equal(after[3], source[1])
+    np.testing.assert_array_equal(after[4], source[4])  # the failed row left block 4 as it was
+    assert engine.wait(load) == engine.poll(load)
+
+
+@pytest.mark.parametrize("memory", MEMORY)
+def test_transfers_larger_than_one_call_round_trip(memory):
+    """More rows than one jitted pinned_host write/read moves: several calls, same bytes."""
+    n = ROWS_PER_CALL + 9  # bucket 2 * ROWS_PER_CALL
+    cache = random_cache("cross_layer", seed=6, num_blocks=2 * n + 1)
+    before = blocks(cache)
+    engine = TransferEngine(HostKVPool(n, block_shape(cache), cache.dtype, memory_kind=memory))
+    src, dst, host = list(range(1, n + 1)), list(range(n + 1, 2 * n + 1)), list(range(n, 0, -1))
+    assert engine.wait(engine.store(cache, src, host)).failed == ()
+    np.testing.assert_array_equal(engine.pool.rows(host), before[src])
+    cache, load = engine.load(cache, dst, host)
+    assert engine.poll(load).failed == ()
+    np.testing.assert_array_equal(blocks(cache)[dst], before[src])
 
 
 def test_bad_requests_raise_and_issue_nothing():

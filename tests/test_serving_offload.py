@@ -9,6 +9,7 @@ import pytest
 
 from jaxkv.manager import Request
 from jaxkv.metadata import Buckets
+from jaxkv.offload.transfer import TransferEngine
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.models import TinyLM, dense_greedy_generate, get_model_config
@@ -97,6 +98,22 @@ def test_failed_loads_recompute(model, prompt, cold, layout):
     assert first == second == cold
     assert cached == 0 and eng.connector.stats.num_failed_loads == 1
     assert eng.connector.stats.num_loaded_tokens == 0
+
+
+@pytest.mark.parametrize("fail_load", [None, lambda ids, slots: np.arange(len(ids)) % 2 == 1])
+def test_the_step_after_a_host_load_is_dispatched_without_waiting_for_it(model, prompt, cold, monkeypatch, fail_load):
+    """No load is waited for: admission reads each load's outcome at issue (failures
+    included), and the step reads the loaded blocks in device order."""
+    waited = []
+    wait = TransferEngine.wait
+    monkeypatch.setattr(TransferEngine, "wait", lambda self, t: waited.append(t.kind) or wait(self, t))
+    eng = engine(model, "cross_layer", fail_load=fail_load)
+    first, second, cached = rerun(eng, prompt)
+    stats = eng.connector.stats
+    assert first == second == cold
+    assert (cached, stats.num_failed_loads) == ((0, 1) if fail_load else (96, 0))
+    assert "store" in waited and "load" not in waited
+    assert eng.audit() == type(eng.audit())(0, 0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -7,6 +7,9 @@ layout; a host pool of recurrent states holds one state slot per host block, as 
 write it, it is never handed out (the allocator is :mod:`jaxkv.offload.host_blocks`).
 The buffer lives in ``pinned_host`` memory when the backend supports the writes and
 reads the transfer engine compiles (probed once per backend), else in a numpy array.
+Rows move in and out of the ``pinned_host`` buffer by DMA only: one dynamic-update-slice
+(store) or dynamic-slice (load) per row, never a gather or scatter over host memory
+(:func:`pinned_ops`).
 
 Each host block has a generation counter, bumped by every store issued into it and by
 :meth:`HostKVPool.release`; a transfer records the generations it was issued with, so
@@ -21,6 +24,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
@@ -67,27 +71,59 @@ def _device_sharding(device: jax.Device) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(device)
 
 
-def _to_host(x: jax.Array) -> jax.Array:
-    return jax.device_put(x, jax.memory.Space.Host)
+def _host_row_starts(buf: jax.Array, host_block: jax.Array) -> tuple[jax.Array | int, ...]:
+    return (host_block,) + (0,) * (buf.ndim - 1)
+
+
+def _write_rows(buf: jax.Array, host_blocks: jax.Array, rows: jax.Array) -> jax.Array:
+    """``buf[host_blocks[i]] = rows[i]``, one dynamic-update-slice per row of a device row moved to host.
+
+    XLA's host offloader turns a dynamic-update-slice of a host buffer whose update is
+    moved to host into a device->host DMA into that row; nothing is computed in host
+    memory. Rows are written in order (padding rows all land in the scratch host block).
+    """
+    for i in range(rows.shape[0]):
+        row = jax.device_put(rows[i : i + 1].astype(buf.dtype), jax.memory.Space.Host)
+        buf = lax.dynamic_update_slice(buf, row, _host_row_starts(buf, host_blocks[i]))
+    return buf
+
+
+def _read_rows(buf: jax.Array, host_blocks: jax.Array) -> jax.Array:
+    """``buf[host_blocks]`` on the device: one dynamic-slice per row, each moved to the device
+    (a host->device DMA), joined on the device."""
+    row_shape = (1,) + buf.shape[1:]
+    rows = [
+        jax.device_put(
+            lax.dynamic_slice(buf, _host_row_starts(buf, host_blocks[i]), row_shape), jax.memory.Space.Device
+        )
+        for i in range(host_blocks.shape[0])
+    ]
+    return jnp.concatenate(rows)
+
+
+ROWS_PER_CALL = 64
+"""Most rows one jitted pinned_host write or read moves: each row is an op of its own
+(unrolled, so compile time grows with the row count); larger transfers take several
+calls, which dispatch asynchronously one after the other."""
+
+
+def _row_parts(num_rows: int) -> list[slice]:
+    """Consecutive slices of at most :data:`ROWS_PER_CALL` rows covering ``num_rows``."""
+    return [slice(start, min(start + ROWS_PER_CALL, num_rows)) for start in range(0, num_rows, ROWS_PER_CALL)]
 
 
 @functools.cache
-def _pinned_ops(device: jax.Device) -> tuple:
-    """Jitted (write, read) of rows of a pinned_host buffer, indexed on the host side.
+def pinned_ops(device: jax.Device) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
+    """Jitted ``write(buf, host_blocks, rows) -> buf`` (donating ``buf``) and
+    ``read(buf, host_blocks) -> rows`` of whole rows of a pinned_host buffer.
 
-    jax 0.10 types memory spaces: the host block indices (and written rows) move to host
-    memory inside the jit, the indexing runs there, and read rows move to the device.
+    Only dynamic-(update-)slices of the host buffer and moves between memories: a
+    gather or scatter over a pinned_host buffer is computed on the host CPU (XLA warns
+    "converting into host compute"), a DMA per row is not. The row count is static (the
+    transfer engine buckets it); the host block indices stay on the device.
     """
-    host, dev = _host_sharding(device), _device_sharding(device)
-    write = jax.jit(
-        lambda buf, host_blocks, data: buf.at[_to_host(host_blocks)].set(_to_host(data.astype(buf.dtype))),
-        donate_argnums=0,
-        out_shardings=host,
-    )
-    read = jax.jit(
-        lambda buf, host_blocks: jax.device_put(buf[_to_host(host_blocks)], jax.memory.Space.Device),
-        out_shardings=dev,
-    )
+    write = jax.jit(_write_rows, donate_argnums=0, out_shardings=_host_sharding(device))
+    read = jax.jit(_read_rows, out_shardings=_device_sharding(device))
     return write, read
 
 
@@ -95,14 +131,15 @@ def _pinned_ops(device: jax.Device) -> tuple:
 def pinned_host_supported(device: jax.Device | None = None) -> bool:
     """Whether ``device`` has pinned_host memory that the pool's write/read compile for.
 
-    Round-trips a tiny buffer through the exact jitted ops the pool uses. CPU jax 0.10
-    has pinned_host (and computes on it); a backend without it gets the numpy buffer.
+    Round-trips a tiny buffer through the exact jitted ops the pool uses
+    (:func:`pinned_ops`): a row written, read back beside an untouched row. A backend
+    without pinned_host memory (or whose compiler refuses the ops) gets the numpy buffer.
     """
     device = device or jax.devices()[0]
     try:
         if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
             return False
-        write, read = _pinned_ops(device)
+        write, read = pinned_ops(device)
         buf = jax.device_put(np.zeros((3, 2), np.float32), _host_sharding(device))
         data = jax.device_put(np.ones((1, 2), np.float32), _device_sharding(device))
         buf = write(buf, jnp.array([2], jnp.int32), data)
@@ -180,10 +217,14 @@ class HostKVPool:
         return self.generation[np.asarray(host_blocks, np.int64)] == generations
 
     # ------------------------------------------------------------------ data
-    def write(self, host_blocks: jax.Array, data: jax.Array) -> None:
-        """pinned_host: scatter device rows into the buffer now (async D2H copy)."""
-        write, _ = _pinned_ops(self.device)
-        self.buffer = write(self.buffer, host_blocks, data)
+    def write(self, host_blocks: np.ndarray, rows: jax.Array) -> None:
+        """pinned_host: write device rows into their host blocks now (async DMAs), at most
+        :data:`ROWS_PER_CALL` rows per jitted call."""
+        write, _ = pinned_ops(self.device)
+        host_blocks = np.asarray(host_blocks, np.int32)
+        for part in _row_parts(len(host_blocks)):
+            part_rows = rows if part.stop - part.start == len(host_blocks) else rows[part]
+            self.buffer = write(self.buffer, jnp.asarray(host_blocks[part]), part_rows)
 
     def commit(self, host_blocks: np.ndarray, rows: np.ndarray) -> None:
         """numpy: copy rows that already reached the host into their host blocks."""
@@ -191,10 +232,12 @@ class HostKVPool:
 
     def read(self, host_blocks: np.ndarray) -> jax.Array:
         """Rows of the host blocks as a device array (the host->device copy of a load)."""
-        if self.memory_kind == "pinned_host":
-            _, read = _pinned_ops(self.device)
-            return read(self.buffer, jnp.asarray(host_blocks, jnp.int32))
-        return jax.device_put(self.buffer[host_blocks], _device_sharding(self.device))
+        host_blocks = np.asarray(host_blocks, np.int32)
+        if self.memory_kind == "numpy":
+            return jax.device_put(self.buffer[host_blocks], _device_sharding(self.device))
+        _, read = pinned_ops(self.device)
+        parts = [read(self.buffer, jnp.asarray(host_blocks[part])) for part in _row_parts(len(host_blocks))]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
     def rows(self, host_blocks: Sequence[int]) -> np.ndarray:
         """A host copy of the host blocks' data (tests and debugging).

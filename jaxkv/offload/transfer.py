@@ -1,9 +1,10 @@
 """Block transfers between the device KV cache (or the recurrent state rows) and the host pool.
 
 Store: one jitted gather of the blocks (:func:`jaxkv.ops.gather_blocks`, the cache is
-read, not donated), then an asynchronous device->host copy into the host blocks. Load:
-a host->device copy of the host blocks' rows, then one jitted scatter into the donated
-cache. With the cross-layer layout a block is one contiguous region (one copy); with
+read, not donated) into one contiguous staging array, then asynchronous device->host
+DMAs of its rows into the host blocks (:meth:`~jaxkv.offload.host_pool.HostKVPool.write`).
+Load: host->device DMAs of the host blocks' rows, then one jitted scatter into the
+donated cache. With the cross-layer layout a block is one contiguous region (one copy); with
 the per-layer layout it is one region per layer buffer. A
 :class:`~jaxkv.state_cache.StateCache` moves the same way, one state slot per host
 block (its rows as bytes: :func:`~jaxkv.state_cache.gather_slots`).
@@ -14,6 +15,13 @@ of its host blocks: one that completes after its host block was released or rewr
 reported failed (and, on the numpy path, never lands). Injected failures are reported
 the same way: a failed store leaves its host blocks unwritten, a failed load leaves its
 device blocks untouched, and the caller recomputes them.
+
+A load's outcome is known when it is issued (:meth:`TransferEngine.poll`), so nobody has
+to wait for its data: the rows it reads are fixed at issue (the pinned_host read is
+ordered before every later write of the buffer; the numpy rows are copied at once), and
+its only failures are the injected ones, decided before anything is issued. The step
+that reads the loaded blocks takes the cache the load's scatter returns, so the device
+runs it after the scatter.
 """
 
 from __future__ import annotations
@@ -54,11 +62,13 @@ def copies_per_block(cache: KVCache) -> int:
 
 @dataclass
 class Transfer:
-    """One in-flight store or load; rows are in the caller's order."""
+    """One in-flight store or load; rows are in the caller's order. A load's ``result``
+    is set when it is issued; a store's once it is settled."""
 
     kind: str
     host_blocks: np.ndarray
-    generations: np.ndarray
+    generations: np.ndarray | None
+    """A store's generations of its host blocks at issue (a load needs none)."""
     injected: np.ndarray
     staged: jax.Array | None
     result: TransferResult | None = None
@@ -155,7 +165,7 @@ class TransferEngine:
             ids = jnp.zeros(size, jnp.int32)
             staged = self._gather(cache, ids)
             if self.pool.memory_kind == "pinned_host":
-                self.pool.write(ids, staged)
+                self.pool.write(np.zeros(size, np.int32), staged)
             staged = self.pool.read(np.zeros(size, np.int32))
             cache = self._scatter(cache, ids, staged)
             if size >= max_blocks:
@@ -178,7 +188,7 @@ class TransferEngine:
         if len(ids):
             staged = self._gather(cache, jnp.asarray(_pad(ids, size, NULL_BLOCK)))
             if self.pool.memory_kind == "pinned_host":
-                self.pool.write(jnp.asarray(_pad(targets, size, SCRATCH_HOST_BLOCK)), staged)
+                self.pool.write(_pad(targets, size, SCRATCH_HOST_BLOCK), staged)
                 staged = None
             else:
                 staged.copy_to_host_async()
@@ -191,18 +201,21 @@ class TransferEngine:
 
         The cache is donated; use the returned one. Rows that fail (injected) are not
         written: their device blocks keep what they held, and the caller recomputes.
+        The result is known at once (:meth:`poll`): a caller need not wait for the data
+        before dispatching the step that reads it.
         """
         ids, host_blocks = self._check(cache, block_ids, host_blocks)
         injected = self._injected(self.fail_load, ids, host_blocks)
         ids = np.where(injected, NULL_BLOCK, ids)
         host_blocks = np.where(injected, SCRATCH_HOST_BLOCK, host_blocks)
-        generations = self.pool.generation[host_blocks].copy()
         staged = None
         if len(ids):
             size = bucket_size(len(ids))
             staged = self.pool.read(_pad(host_blocks, size, SCRATCH_HOST_BLOCK))
             cache = self._scatter(cache, jnp.asarray(_pad(ids, size, NULL_BLOCK)), staged)
-        return cache, Transfer("load", host_blocks, generations, injected, staged)
+        transfer = Transfer("load", host_blocks, None, injected, staged)
+        transfer.result = _result(~injected)
+        return cache, transfer
 
     def release(self, host_blocks: Sequence[int]) -> None:
         """The caller freed these host blocks: a transfer still in flight into them is stale."""
@@ -210,28 +223,37 @@ class TransferEngine:
         self.pool.release(host_blocks)
 
     def is_done(self, transfer: Transfer) -> bool:
-        """Whether the transfer's data left its source (a stored device block may be reused)."""
-        if transfer.result is not None or not len(transfer):
-            return True
-        if transfer.staged is None:
-            return self.pool.buffer.is_ready()
-        return transfer.staged.is_ready()
+        """Whether the transfer's data arrived (for a store: left its source, so a stored
+        device block may be reused)."""
+        if transfer.staged is not None:
+            return transfer.staged.is_ready()
+        return transfer.result is not None or not len(transfer) or self.pool.buffer.is_ready()
+
+    def poll(self, transfer: Transfer) -> TransferResult | None:
+        """Which rows succeeded, without blocking: a load's from its issue on, a store's
+        once it is done; None while a store is in flight."""
+        if transfer.result is None and self.is_done(transfer):
+            return self.wait(transfer)
+        return transfer.result
 
     def wait(self, transfer: Transfer) -> TransferResult:
-        """Block until the transfer completed; which rows succeeded (idempotent)."""
-        if transfer.result is not None:
-            return transfer.result
-        ok = ~transfer.injected
-        if len(transfer):
-            if transfer.staged is None:
-                jax.block_until_ready(self.pool.buffer)
-            else:
-                transfer.staged.block_until_ready()
-            ok &= self.pool.current(transfer.host_blocks, transfer.generations)
-            if transfer.kind == "store" and transfer.staged is not None:
-                rows = np.asarray(transfer.staged)[: len(transfer)]
-                self.pool.commit(transfer.host_blocks[ok], rows[ok])
-        rows = np.arange(len(transfer))
-        transfer.result = TransferResult(tuple(rows[ok].tolist()), tuple(rows[~ok].tolist()))
+        """Block until the transfer's data arrived; which rows succeeded (idempotent)."""
+        if transfer.staged is not None:
+            transfer.staged.block_until_ready()
+        elif transfer.result is None and len(transfer):
+            jax.block_until_ready(self.pool.buffer)
+        if transfer.result is None:
+            ok = ~transfer.injected
+            if len(transfer):
+                ok &= self.pool.current(transfer.host_blocks, transfer.generations)
+                if transfer.staged is not None:  # a numpy store: its rows land now
+                    rows = np.asarray(transfer.staged)[: len(transfer)]
+                    self.pool.commit(transfer.host_blocks[ok], rows[ok])
+            transfer.result = _result(ok)
         transfer.staged = None
         return transfer.result
+
+
+def _result(ok: np.ndarray) -> TransferResult:
+    rows = np.arange(len(ok))
+    return TransferResult(tuple(rows[ok].tolist()), tuple(rows[~ok].tolist()))

@@ -7,11 +7,15 @@ blocks still in its window at the end of the host hit (the others stay null, see
 ``KVCacheManager.allocate_slots(num_external_computed_tokens=...)``). The host keys are
 pinned before anything else happens, so neither the allocation nor the stores it
 triggers can evict them; the needed blocks get fresh device blocks and are loaded
-host->device at once. The load is waited for during admission, so a failed load falls
-back before the step is built: the request's blocks past the device hit are dropped
-from the prefix cache and freed, the prefix is looked up again (the allocation may
-have evicted blocks of the first device hit) and the rest is recomputed, never read
-as garbage KV. Any exception during admission leaves nothing held. Every admission
+host->device at once. The load is not waited for: its outcome is known when it is
+issued (:meth:`~jaxkv.offload.transfer.TransferEngine.poll`; its only failures are
+injected ones, decided before it is issued, and the rows it reads are fixed at issue),
+and the step that reads the loaded blocks takes the cache the load's scatter returned,
+so the device runs it after the load while the host goes on scheduling. A failed load
+falls back before the step is built: the request's blocks past the device hit are
+dropped from the prefix cache and freed, the prefix is looked up again (the allocation
+may have evicted blocks of the first device hit) and the rest is recomputed, never
+read as garbage KV. Any exception during admission leaves nothing held. Every admission
 refreshes the host recency of the request's prefix, as vLLM does on each lookup, so a
 prefix served from the device does not age out of the host tier.
 
@@ -276,7 +280,7 @@ class OffloadConnector:
                 if keys:
                     load = self.runner.load_states if tier.states else self.runner.load_blocks
                     transfer = load(tier.transfers, [device[k] for k in keys], [host_blocks[k] for k in keys])
-                    failed |= bool(tier.transfers.wait(transfer).failed)
+                    failed |= bool(tier.transfers.poll(transfer).failed)  # known at issue
         except BaseException:
             self._drop(request, host.start)
             raise
@@ -359,10 +363,10 @@ class OffloadConnector:
         """Settle issued stores: all of them (``wait``), or those already done."""
         pending = []
         for p in self._pending:
-            if not wait and not p.tier.transfers.is_done(p.transfer):
+            result = p.tier.transfers.wait(p.transfer) if wait else p.tier.transfers.poll(p.transfer)
+            if result is None:
                 pending.append(p)
                 continue
-            result = p.tier.transfers.wait(p.transfer)
             self._settle(p.tier, p.keys, [p.keys[i] for i in result.ok], [p.keys[i] for i in result.failed])
         self._pending = pending
 
