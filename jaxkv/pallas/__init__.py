@@ -1,3 +1,3 @@
 """Implementations of the device ops: ``reference`` (plain jnp, the oracle), ``xla``
-(paged attention in plain XLA, the GPU default) and ``tpu`` (Pallas Mosaic TPU kernels,
-imported lazily by :mod:`jaxkv.ops`)."""
+(plain XLA for GPUs), ``tpu`` (Pallas Mosaic TPU kernels) and ``gpu`` (the Pallas Mosaic
+GPU attention for Hopper); the Pallas ones are imported lazily by :mod:`jaxkv.ops`."""
