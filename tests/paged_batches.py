@@ -143,3 +143,36 @@ def compare_attention(
     padding = slice(int(batch.cu_q_lens[int(batch.num_seqs[0])]), None)
     assert not out[padding].any(), f"padding rows must be zero ({msg})"
     return out
+
+
+def random_batch(
+    rng: SeededRng,
+    dtype,
+    num_kv_heads: int,
+    num_queries_per_kv: int,
+    head_dim: int,
+    block_size: int,
+    num_decodes: int,
+    num_prefills: int,
+    max_len: int,
+    *,
+    window: int | None = None,
+    layer_index: int | None = None,
+    num_layers_per_block: int = 3,
+) -> Batch:
+    """A batch of one case row: random decodes and prefill chunks, one padded sequence,
+    in a cross-layer cache of ``num_layers_per_block`` layers when ``layer_index`` is set."""
+    seqs = random_seqs(rng, num_decodes, num_prefills, max_len)
+    return make_batch(
+        rng,
+        seqs,
+        max_seqs=len(seqs) + 1,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        num_queries_per_kv=num_queries_per_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        window=window,
+        num_layers_per_block=None if layer_index is None else num_layers_per_block,
+        layer_index=layer_index,
+    )

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from paged_batches import compare_attention, make_batch, random_seqs
+from paged_batches import compare_attention, make_batch, random_batch
 
 from jaxkv.pallas import gpu as kernels
 from jaxkv.pallas.reference import KVShapeError
@@ -44,26 +44,12 @@ CASES = {
 }
 
 
-def batch_for(rng, dtype, h, g, d, bs, decodes, prefills, max_len, window, layer_index):
-    return make_batch(
-        rng,
-        random_seqs(rng, decodes, prefills, max_len),
-        max_seqs=decodes + prefills + 1,
-        block_size=bs,
-        num_kv_heads=h,
-        num_queries_per_kv=g,
-        head_dim=d,
-        dtype=dtype,
-        window=window,
-        num_layers_per_block=None if layer_index is None else 2,
-        layer_index=layer_index,
-    )
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_the_reference(rng, case):
     dtype, h, g, d, bs, decodes, prefills, max_len, window, cap, layer, tuning = CASES[case]
-    batch = batch_for(rng, dtype, h, g, d, bs, decodes, prefills, max_len, window, layer)
+    batch = random_batch(
+        rng, dtype, h, g, d, bs, decodes, prefills, max_len, window=window, layer_index=layer, num_layers_per_block=2
+    )
     kernel = functools.partial(kernels.paged_attention, interpret=INTERPRET)
     compare_attention(kernel, rng, batch, layer_index=layer, sm_scale=d**-0.5, window=window, soft_cap=cap, **tuning)
 
@@ -97,7 +83,7 @@ def test_kv_splits_do_not_change_the_result(rng):
 def test_kernel_lowers_for_cuda(rng, layer_index, window, soft_cap):
     """Lowering runs Mosaic GPU's own checks of the wgmma path (register layouts, TMA,
     shared-memory transforms) that the interpreter skips."""
-    batch = batch_for(rng, jnp.bfloat16, 8, 4, 128, 16, 16, 2, 2048, window, layer_index)
+    batch = random_batch(rng, jnp.bfloat16, 8, 4, 128, 16, 16, 2, 2048, window=window, layer_index=layer_index)
 
     def attention(*args):
         return kernels.paged_attention(
@@ -118,6 +104,6 @@ def test_kernel_lowers_for_cuda(rng, layer_index, window, soft_cap):
     ],
 )
 def test_shapes_the_tiles_do_not_fit_are_refused_by_name(rng, dtype, g, d, bs, match):
-    batch = batch_for(rng, dtype, 1, g, d, bs, 1, 0, 20, None, None)
+    batch = random_batch(rng, dtype, 1, g, d, bs, 1, 0, 20)
     with pytest.raises(KVShapeError, match=match):
         kernels.paged_attention(*batch.args(batch.kv_clean), sm_scale=0.1, interpret=True)

@@ -17,7 +17,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
-from paged_batches import Batch, SeededRng, bits, compare_attention, make_batch, random_seqs
+from paged_batches import Batch, SeededRng, bits, compare_attention, make_batch, random_batch, random_seqs
 
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import tpu as kernels
@@ -123,20 +123,7 @@ ATTENTION_CASES = {
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 def test_paged_attention_matches_reference(rng, case):
     dtype, h, g, d, bs, decodes, prefills, max_len, window, cap, layer, tuning = ATTENTION_CASES[case]
-    seqs = random_seqs(rng, decodes, prefills, max_len)
-    batch = make_batch(
-        rng,
-        seqs,
-        max_seqs=len(seqs) + 1,
-        block_size=bs,
-        num_kv_heads=h,
-        num_queries_per_kv=g,
-        head_dim=d,
-        dtype=dtype,
-        window=window,
-        num_layers_per_block=None if layer is None else 3,
-        layer_index=layer,
-    )
+    batch = random_batch(rng, dtype, h, g, d, bs, decodes, prefills, max_len, window=window, layer_index=layer)
     check_attention(rng, batch, layer_index=layer, window=window, soft_cap=cap, **tuning)
 
 
