@@ -198,9 +198,7 @@ def serve() -> dict:
     )
     print(config.summary())
     model = TinyLM(model_config, seed=FLAGS.seed)
-    engine = Engine(
-        model, config, enable_caching=FLAGS.prefix_caching, max_num_seqs=FLAGS.max_num_seqs, mesh=mesh
-    )
+    engine = Engine(model, config, enable_caching=FLAGS.prefix_caching, max_num_seqs=FLAGS.max_num_seqs, mesh=mesh)
     prompts = shared_prefix_prompts(
         num_requests=FLAGS.num_requests,
         num_prefixes=FLAGS.num_prefixes,

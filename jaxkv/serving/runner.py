@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -141,7 +142,9 @@ def _flat(shardings: object) -> StepShardings:
     return tuple(leaves), treedef
 
 
-def allocate_cache(config: KVCacheConfig, mesh: Mesh | None = None, model_axis: str = MODEL_AXIS) -> KVCache | HybridCache:
+def allocate_cache(
+    config: KVCacheConfig, mesh: Mesh | None = None, model_axis: str = MODEL_AXIS
+) -> KVCache | HybridCache:
     """The device cache a model planned by ``config`` reads: its KV pages (KV heads split
     over ``model_axis`` of ``mesh``), plus state rows (replicated) when the plan has
     recurrent groups."""
@@ -197,6 +200,8 @@ class ModelRunner:
         self._step = jitted_step(_step, plain)
         self._step_with_logits = jitted_step(_step_with_logits, with_logits)
         self.num_compilations = 0
+        self.device_wait_s = 0.0
+        """Seconds the host spent waiting for steps' outputs (the rest of a step is host work)."""
 
     def metadata(self, chunks: Sequence[ScheduledChunk]) -> StepMetadata:
         """The device metadata of one step's chunks (decodes first, as the scheduler orders them)."""
@@ -231,6 +236,9 @@ class ModelRunner:
             self.graphdef, self.groups, ops.get_implementation(), self.weights, self.cache, meta
         )
         self.num_compilations += _num_step_traces - before
+        start = time.perf_counter()
+        jax.block_until_ready(outputs)
+        self.device_wait_s += time.perf_counter() - start
         return [np.asarray(x)[: len(chunks)] for x in outputs]
 
     def cache_is_intact(self) -> bool:
