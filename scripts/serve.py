@@ -13,11 +13,17 @@ KV usage, and (by default) checks the tokens against the dense, unpaged forward.
     python scripts/serve.py --noprefix_caching --out /tmp/serve.json
     python scripts/serve.py --head_dim_multiple 128                # the TPU cache layout anywhere
     python scripts/serve.py --verify_uncached                      # cached vs uncached check
+    python scripts/serve.py --model tiny-hybrid-kv8 --num_devices 4  # tensor parallel over 4 devices
     python scripts/serve.py --model llama-1b --memory 4GiB --max_model_len 4096 \
         --prefix_len 1024 --verify_uncached                        # ~1.1e9 bf16 parameters: a GPU
 
 Paged attention runs with jaxkv.ops' XLA formulation by default (``--impl xla_gpu``: plain
 XLA, fast on CPU as well); ``--impl reference`` uses the jnp oracle.
+
+``--num_devices N`` runs the model tensor-parallel on a mesh of N devices (KV heads and
+weights split, :mod:`jaxkv.serving.mesh`); on CPU the script asks XLA for N host devices
+before JAX starts (unless ``XLA_FLAGS`` already sets a count). The model's KV heads must
+split evenly (the ``-kv8`` tiny models have 8).
 
 Bad input prints one line ``serve.py: error: ...`` on stderr and exits with status 2:
 a flag value out of range or unreadable, a ``--memory`` budget larger than the device
@@ -34,29 +40,41 @@ import sys
 import time
 from collections.abc import Sequence
 
-import jax
-from absl import app, flags, logging
+from jaxkv.plan import request_cpu_devices
 
-from jaxkv import ops
-from jaxkv.errors import JaxkvError
-from jaxkv.plan import check_fits_device, define_state_flags, exit_error, flags_parser, is_int_range, parse_size
-from jaxkv.planner import LAYOUTS, plan_kv_cache
-from jaxkv.serving.engine import (
+request_cpu_devices(sys.argv)  # before JAX starts: its CPU backend's device count
+
+import jax  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+
+from jaxkv import ops  # noqa: E402
+from jaxkv.errors import JaxkvError  # noqa: E402
+from jaxkv.plan import (  # noqa: E402
+    check_fits_device,
+    define_state_flags,
+    exit_error,
+    flags_parser,
+    is_int_range,
+    parse_size,
+)
+from jaxkv.planner import LAYOUTS, plan_kv_cache  # noqa: E402
+from jaxkv.serving.engine import (  # noqa: E402
     Engine,
     GenerationResult,
     StepProgress,
     resolve_head_dim_multiple,
     state_plan,
 )
-from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs
-from jaxkv.serving.models import (
+from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs  # noqa: E402
+from jaxkv.serving.mesh import model_mesh  # noqa: E402
+from jaxkv.serving.models import (  # noqa: E402
     DTYPES,
     TinyLM,
     dense_greedy_generate,
     get_model_config,
     model_names,
 )
-from jaxkv.serving.workloads import shared_prefix_prompts
+from jaxkv.serving.workloads import shared_prefix_prompts  # noqa: E402
 
 PROG = "serve.py"
 FLAGS = flags.FLAGS
@@ -80,6 +98,9 @@ flags.DEFINE_integer(
     None,
     "pad the cache's head_dim to a multiple of this (default: 128 on TPU, else 1)",
     lower_bound=1,
+)
+flags.DEFINE_integer(
+    "num_devices", 1, "tensor-parallel devices: the model and its KV heads split over a mesh of N", lower_bound=1
 )
 flags.DEFINE_boolean("prefix_caching", True, "reuse cached prefix blocks (--noprefix_caching: off)")
 flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.ops implementation")
@@ -157,6 +178,7 @@ def serve() -> dict:
     memory = parse_size(FLAGS.memory)
     check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
     model_config = get_model_config(FLAGS.model, dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype)
+    mesh = model_mesh(FLAGS.num_devices) if FLAGS.num_devices > 1 else None
     config = plan_kv_cache(
         model_config.layer_specs(),
         memory,
@@ -165,13 +187,18 @@ def serve() -> dict:
         layout=FLAGS.layout,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         head_dim_multiple=resolve_head_dim_multiple(FLAGS.head_dim_multiple),
+        tensor_parallel=FLAGS.num_devices,
         **state_plan(model_config, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs),
     )
     backend = jax.default_backend()
-    print(f"{FLAGS.model} ({model_config.dtype}), {FLAGS.memory}, {ops.get_implementation()} ops, JAX on {backend}:")
+    devices = f" x {FLAGS.num_devices} devices" if mesh is not None else ""
+    print(
+        f"{FLAGS.model} ({model_config.dtype}), {FLAGS.memory}, {ops.get_implementation()} ops, "
+        f"JAX on {backend}{devices}:"
+    )
     print(config.summary())
     model = TinyLM(model_config, seed=FLAGS.seed)
-    engine = Engine(model, config, enable_caching=FLAGS.prefix_caching, max_num_seqs=FLAGS.max_num_seqs)
+    engine = Engine(model, config, enable_caching=FLAGS.prefix_caching, max_num_seqs=FLAGS.max_num_seqs, mesh=mesh)
     prompts = shared_prefix_prompts(
         num_requests=FLAGS.num_requests,
         num_prefixes=FLAGS.num_prefixes,
@@ -198,7 +225,7 @@ def serve() -> dict:
         "result": result.to_dict(),
     }
     if FLAGS.verify_uncached:
-        uncached = Engine(model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs)
+        uncached = Engine(model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs, mesh=mesh)
         baseline = uncached.generate(prompts, FLAGS.max_new_tokens, return_logits=True)
         check = compare_outputs(
             baseline.outputs, result.outputs, dtype=model_config.dtype, tolerance=FLAGS.logit_tolerance
