@@ -26,6 +26,7 @@ HOST_MODULES = [
     "jaxkv.offload.policies",
     "jaxkv.serving",
     "jaxkv.serving.scheduler",
+    "jaxkv.serving.lockstep",
     "jaxkv.serving.simulator",
 ]
 

@@ -28,7 +28,7 @@ from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, plan_kv_cache
 from jaxkv.serving.models import ModelConfig, TinyLM, get_model_config
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
-from jaxkv.serving.scheduler import Scheduler, SeqState, check_positive_int
+from jaxkv.serving.scheduler import Scheduler, SchedulerOutput, SeqState, check_positive_int
 
 if TYPE_CHECKING:
     from jaxkv.serving.kv_events import KVEventPublisher
@@ -166,7 +166,12 @@ class Engine:
     stored to host when the device reuses them (or once filled, per its ``store``
     policy) and loaded back on admission. ``kv_events`` publishes the cache events of
     every step (device and host blocks stored and removed) for a KV-aware router
-    (:mod:`jaxkv.serving.kv_events`).
+    (:mod:`jaxkv.serving.kv_events`). ``step_check`` is called with each step's
+    :class:`~jaxkv.serving.scheduler.SchedulerOutput` right after scheduling, before
+    any device work, and with ``None`` when a ``generate`` call has no step left; an
+    exception from it aborts the call like any other. Multi-process engines pass a
+    :class:`~jaxkv.serving.lockstep.LockstepCheck` there, so that every process is
+    shown to decide the same before a step runs.
 
     Single-owner, like the manager: only the creating thread may call it. Each step
     runs in :meth:`~jaxkv.manager.KVCacheManager.step_transaction`, so an exception
@@ -187,6 +192,7 @@ class Engine:
         hash_algo: str = "sha256",
         offload: OffloadConfig | None = None,
         kv_events: KVEventPublisher | None = None,
+        step_check: Callable[[SchedulerOutput | None], None] | None = None,
     ) -> None:
         budget = kv_config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
         check_positive_int("max_num_seqs", max_num_seqs)
@@ -201,6 +207,7 @@ class Engine:
             kv_config, enable_caching=enable_caching, hash_algo=hash_algo, enable_events=kv_events is not None
         )
         self.kv_events = kv_events
+        self.step_check = step_check
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = budget
         buckets = buckets if buckets is not None else default_buckets(kv_config, max_num_seqs, budget)
@@ -287,6 +294,8 @@ class Engine:
             while scheduler.has_unfinished:
                 with self.manager.step_transaction():
                     output = scheduler.schedule()
+                    if self.step_check is not None:
+                        self.step_check(output)
                     usages.append(self.manager.usage)
                     if self.connector is not None:
                         self.connector.before_step()  # reads reused blocks before the step writes them
@@ -320,6 +329,8 @@ class Engine:
                             usages[-1],
                         )
                     )
+            if self.step_check is not None:
+                self.step_check(None)
         finally:
             self._release(seqs)
         self._publish_events()  # the host stores settled by _release
