@@ -15,6 +15,14 @@ KV usage, and (by default) checks the tokens against the dense, unpaged forward.
     python scripts/serve.py --verify_uncached                      # cached vs uncached check
     python scripts/serve.py --model llama-1b --memory 4GiB --max_model_len 4096 \
         --prefix_len 1024 --verify_uncached                        # ~1.1e9 bf16 parameters: a GPU
+    python scripts/serve.py --num_processes 2 --cpu_devices_per_process 4   # one cluster, 2 processes
+
+``--num_processes N`` (N > 1) starts N copies of this script as one ``jax.distributed``
+cluster on this machine (:mod:`jaxkv.serving.launcher`): process 0 prints here, ``--out``
+is written by process 0, every process runs the same scheduler and KV cache manager,
+and a lockstep check (:mod:`jaxkv.serving.lockstep`) compares their decisions before
+every step; a process that fails (a lockstep mismatch included) stops them all with
+its exit status.
 
 Paged attention runs with jaxkv.ops' XLA formulation by default (``--impl xla_gpu``: plain
 XLA, fast on CPU as well); ``--impl reference`` uses the jnp oracle.
@@ -41,6 +49,7 @@ from jaxkv import ops
 from jaxkv.errors import JaxkvError
 from jaxkv.plan import check_fits_device, define_state_flags, exit_error, flags_parser, is_int_range, parse_size
 from jaxkv.planner import LAYOUTS, plan_kv_cache
+from jaxkv.serving import multihost
 from jaxkv.serving.engine import (
     Engine,
     GenerationResult,
@@ -48,6 +57,8 @@ from jaxkv.serving.engine import (
     resolve_head_dim_multiple,
     state_plan,
 )
+from jaxkv.serving.launcher import ProcessRole, launch
+from jaxkv.serving.lockstep import LockstepCheck
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs
 from jaxkv.serving.models import (
     DTYPES,
@@ -100,6 +111,16 @@ flags.DEFINE_float(
     lower_bound=0,
 )
 flags.DEFINE_string("out", None, "write the result as JSON to this path")
+flags.DEFINE_integer(
+    "num_processes", 1, "processes of one jax.distributed cluster on this machine (> 1: started here)", lower_bound=1
+)
+flags.DEFINE_integer(
+    "cpu_devices_per_process",
+    None,
+    "with --num_processes > 1: CPU devices each process makes of the host (XLA's "
+    "--xla_force_host_platform_device_count); unset: XLA_FLAGS as they are",
+    lower_bound=1,
+)
 flags.register_validator("suffix_len", is_int_range, message="--suffix_len must be lo,hi with 1 <= lo <= hi")
 flags.register_validator(
     "logit_tolerance", lambda v: 0 < v < float("inf"), message="--logit_tolerance must be a finite number > 0"
@@ -150,6 +171,11 @@ def _check_prompts_fit() -> None:
         )
 
 
+def _step_check(name: str) -> LockstepCheck | None:
+    """The lockstep check of an engine in a cluster of processes; None in a lone process."""
+    return multihost.lockstep_check(name) if jax.process_count() > 1 else None
+
+
 def serve() -> dict:
     """Plan, build, generate, print; return the JSON report."""
     start = time.perf_counter()
@@ -171,7 +197,13 @@ def serve() -> dict:
     print(f"{FLAGS.model} ({model_config.dtype}), {FLAGS.memory}, {ops.get_implementation()} ops, JAX on {backend}:")
     print(config.summary())
     model = TinyLM(model_config, seed=FLAGS.seed)
-    engine = Engine(model, config, enable_caching=FLAGS.prefix_caching, max_num_seqs=FLAGS.max_num_seqs)
+    engine = Engine(
+        model,
+        config,
+        enable_caching=FLAGS.prefix_caching,
+        max_num_seqs=FLAGS.max_num_seqs,
+        step_check=_step_check("serve"),
+    )
     prompts = shared_prefix_prompts(
         num_requests=FLAGS.num_requests,
         num_prefixes=FLAGS.num_prefixes,
@@ -198,7 +230,9 @@ def serve() -> dict:
         "result": result.to_dict(),
     }
     if FLAGS.verify_uncached:
-        uncached = Engine(model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs)
+        uncached = Engine(
+            model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs, step_check=_step_check("uncached")
+        )
         baseline = uncached.generate(prompts, FLAGS.max_new_tokens, return_logits=True)
         check = compare_outputs(
             baseline.outputs, result.outputs, dtype=model_config.dtype, tolerance=FLAGS.logit_tolerance
@@ -219,10 +253,19 @@ def serve() -> dict:
 def main(argv: Sequence[str]) -> None:
     del argv  # flags_parser refused positional arguments
     logging.set_verbosity(logging.WARNING)  # JAX's backend probing is INFO noise here
+    role = ProcessRole.from_env()
+    if role is None and FLAGS.num_processes > 1:
+        try:
+            command = [sys.executable, *sys.argv]
+            sys.exit(launch(command, FLAGS.num_processes, cpu_devices_per_process=FLAGS.cpu_devices_per_process))
+        except KeyboardInterrupt:
+            exit_error(PROG, "interrupted; every process stopped", status=130)
+    if role is not None:
+        multihost.join(role)
     try:
         with ops.set_implementation(FLAGS.impl):
             report = serve()
-        if FLAGS.out:
+        if FLAGS.out and jax.process_index() == 0:
             with open(FLAGS.out, "w") as f:
                 json.dump(report, f, indent=2)
             print(f"wrote {FLAGS.out}")

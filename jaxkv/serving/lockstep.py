@@ -49,11 +49,14 @@ class LockstepSetupError(LockstepError, ValueError):
 class LockstepMismatchError(LockstepError):
     """At ``step``, processes ``differing`` decided differently from process 0."""
 
-    def __init__(self, name: str, step: int, summaries: Sequence[str], differing: Sequence[int]) -> None:
+    def __init__(
+        self, name: str, step: int, digests: Sequence[str], summaries: Sequence[str], differing: Sequence[int]
+    ) -> None:
         self.step = step
+        self.digests = tuple(digests)
         self.summaries = tuple(summaries)
         self.differing = tuple(differing)
-        decided = "; ".join(f"process {p}: {s}" for p, s in enumerate(summaries))
+        decided = "; ".join(f"process {p}: {s} [{d[:8]}]" for p, (d, s) in enumerate(zip(digests, summaries)))
         super().__init__(
             f"lockstep {name!r} step {step}: processes {list(differing)} decided differently from process 0 ({decided})"
         )
@@ -157,7 +160,7 @@ class LockstepCheck:
         digests, summaries = zip(*(v.split(" ", 1) for v in values))
         differing = [p for p, d in enumerate(digests) if d != digests[0]]
         if differing:
-            raise LockstepMismatchError(self.name, step, summaries, differing)
+            raise LockstepMismatchError(self.name, step, digests, summaries, differing)
 
     def _read(self, step: int, process: int, deadline: float) -> str | None:
         """A peer's value for ``step``, or None when it is not there by ``deadline``."""
