@@ -230,6 +230,12 @@ def _define_flags() -> flags.FlagValues:
     flags.DEFINE_string(
         "checkpoint_memory", None, "state_pool: bytes of states kept for prefix-cache checkpoints", flag_values=fv
     )
+    flags.DEFINE_integer(
+        "tensor_parallel",
+        1,
+        "devices the KV heads are split over (a mesh's model axis); the summary prints the bytes per device",
+        flag_values=fv,
+    )
     flags.DEFINE_boolean("help", False, "show this help", flag_values=fv)
     for name in (
         "max_model_len",
@@ -239,6 +245,7 @@ def _define_flags() -> flags.FlagValues:
         "state_layout",
         "max_num_seqs",
         "checkpoint_memory",
+        "tensor_parallel",
     ):
         flags.DEFINE_alias(name.replace("_", "-"), name, flag_values=fv)
     return fv
@@ -283,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             state_layout=fv.state_layout,
             max_num_seqs=fv.max_num_seqs,
             checkpoint_bytes=checkpoint_bytes,
+            tensor_parallel=fv.tensor_parallel,
         )
     except (InsufficientMemoryError, IncompatibleSpecsError) as err:
         return _fail(str(err), 1)
