@@ -3,8 +3,9 @@
     python tests/multihost_worker.py --out_dir DIR [--num_processes 2] [--diverge]
 
 With ``--num_processes`` > 1 it starts that many copies of itself as one cluster of
-4-CPU-device processes (:func:`jaxkv.serving.launcher.launch`). Each process warms up
-an engine (every step shape), serves a batch under the lockstep check and records its
+4-CPU-device processes (:func:`jaxkv.serving.launcher.launch`), and the engine runs
+tensor-parallel over all their devices (one global mesh); alone, on one device. Each
+process warms up an engine (every step shape), serves a batch under the lockstep check and records its
 tokens and the XLA compilations of that call; ``--diverge`` then serves a second batch
 in which process 1 alone has one more prompt token (a different scheduling input), and
 records the lockstep error raised. Each process writes ``DIR/process-<id>.json``.
@@ -22,6 +23,7 @@ import jax
 from jaxkv.serving import multihost
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.launcher import ProcessRole, launch
+from jaxkv.serving.mesh import model_mesh
 from jaxkv.serving.lockstep import LockstepError
 from jaxkv.serving.workloads import shared_prefix_prompts
 
@@ -40,11 +42,12 @@ def serve(args: argparse.Namespace) -> dict:
     """Warm up, serve a batch, and (``--diverge``) a batch process 1 sees differently."""
     multi = jax.process_count() > 1
     engine = Engine.build(
-        "tiny-llama",
+        "tiny-llama-kv8",
         memory_bytes=2 << 20,
         max_model_len=128,
         max_num_batched_tokens=64,
         max_num_seqs=4,
+        mesh=model_mesh(jax.device_count()) if multi else None,
         step_check=multihost.lockstep_check(timeout_s=LOCKSTEP_TIMEOUT_S) if multi else None,
     )
     engine.generate([[0] * 16], 2)  # compiles the prefill and the decode shapes
