@@ -15,11 +15,13 @@ KV usage, and (by default) checks the tokens against the dense, unpaged forward.
     python scripts/serve.py --verify_uncached                      # cached vs uncached check
     python scripts/serve.py --model llama-1b --memory 4GiB --max_model_len 4096 \
         --prefix_len 1024 --verify_uncached                        # ~1.1e9 bf16 parameters: a GPU
-    python scripts/serve.py --num_processes 2 --cpu_devices_per_process 4   # one cluster, 2 processes
+    python scripts/serve.py --model tiny-llama-kv8 --num_processes 2 --cpu_devices_per_process 4
 
 ``--num_processes N`` (N > 1) starts N copies of this script as one ``jax.distributed``
-cluster on this machine (:mod:`jaxkv.serving.launcher`): process 0 prints here, ``--out``
-is written by process 0, every process runs the same scheduler and KV cache manager,
+cluster on this machine (:mod:`jaxkv.serving.launcher`), and the model runs tensor-parallel
+over all their devices (one global mesh; the model's KV heads must split evenly, e.g.
+``--model tiny-llama-kv8`` on 8 devices): process 0 prints here, ``--out`` is written
+by process 0, every process runs the same scheduler and KV cache manager,
 and a lockstep check (:mod:`jaxkv.serving.lockstep`) compares their decisions before
 every step; a process that fails (a lockstep mismatch included) stops them all with
 its exit status.
@@ -60,6 +62,7 @@ from jaxkv.serving.engine import (
 from jaxkv.serving.launcher import ProcessRole, launch
 from jaxkv.serving.lockstep import LockstepCheck
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs
+from jaxkv.serving.mesh import model_mesh
 from jaxkv.serving.models import (
     DTYPES,
     TinyLM,
@@ -171,6 +174,22 @@ def _check_prompts_fit() -> None:
         )
 
 
+def _check_heads_split() -> None:
+    """Refuse a cluster whose devices cannot each hold whole KV heads of the model (known
+    before launching when the device count is: ``--cpu_devices_per_process``)."""
+    if FLAGS.cpu_devices_per_process is None:
+        return
+    devices = FLAGS.num_processes * FLAGS.cpu_devices_per_process
+    heads = get_model_config(FLAGS.model).num_kv_heads
+    if heads % devices:
+        exit_error(
+            PROG,
+            f"--model={FLAGS.model} has {heads} KV heads, not a multiple of the {devices} devices of "
+            f"--num_processes={FLAGS.num_processes} x --cpu_devices_per_process={FLAGS.cpu_devices_per_process} "
+            "(try --model=tiny-llama-kv8)",
+        )
+
+
 def _step_check(name: str) -> LockstepCheck | None:
     """The lockstep check of an engine in a cluster of processes; None in a lone process."""
     return multihost.lockstep_check(name) if jax.process_count() > 1 else None
@@ -183,6 +202,7 @@ def serve() -> dict:
     memory = parse_size(FLAGS.memory)
     check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
     model_config = get_model_config(FLAGS.model, dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype)
+    mesh = model_mesh(jax.device_count()) if jax.process_count() > 1 else None
     config = plan_kv_cache(
         model_config.layer_specs(),
         memory,
@@ -191,6 +211,7 @@ def serve() -> dict:
         layout=FLAGS.layout,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         head_dim_multiple=resolve_head_dim_multiple(FLAGS.head_dim_multiple),
+        tensor_parallel=1 if mesh is None else mesh.size,
         **state_plan(model_config, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs),
     )
     backend = jax.default_backend()
@@ -202,6 +223,7 @@ def serve() -> dict:
         config,
         enable_caching=FLAGS.prefix_caching,
         max_num_seqs=FLAGS.max_num_seqs,
+        mesh=mesh,
         step_check=_step_check("serve"),
     )
     prompts = shared_prefix_prompts(
@@ -231,7 +253,12 @@ def serve() -> dict:
     }
     if FLAGS.verify_uncached:
         uncached = Engine(
-            model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs, step_check=_step_check("uncached")
+            model,
+            config,
+            enable_caching=False,
+            max_num_seqs=FLAGS.max_num_seqs,
+            mesh=mesh,
+            step_check=_step_check("uncached"),
         )
         baseline = uncached.generate(prompts, FLAGS.max_new_tokens, return_logits=True)
         check = compare_outputs(
@@ -255,6 +282,7 @@ def main(argv: Sequence[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # JAX's backend probing is INFO noise here
     role = ProcessRole.from_env()
     if role is None and FLAGS.num_processes > 1:
+        _check_heads_split()
         try:
             command = [sys.executable, *sys.argv]
             sys.exit(launch(command, FLAGS.num_processes, cpu_devices_per_process=FLAGS.cpu_devices_per_process))

@@ -23,8 +23,8 @@ import jax
 from jaxkv.serving import multihost
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.launcher import ProcessRole, launch
-from jaxkv.serving.mesh import model_mesh
 from jaxkv.serving.lockstep import LockstepError
+from jaxkv.serving.mesh import model_mesh
 from jaxkv.serving.workloads import shared_prefix_prompts
 
 CPU_DEVICES_PER_PROCESS = 4

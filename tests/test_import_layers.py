@@ -27,6 +27,7 @@ HOST_MODULES = [
     "jaxkv.serving",
     "jaxkv.serving.scheduler",
     "jaxkv.serving.lockstep",
+    "jaxkv.serving.launcher",
     "jaxkv.serving.simulator",
 ]
 

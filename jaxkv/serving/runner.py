@@ -141,7 +141,9 @@ def _flat(shardings: object) -> StepShardings:
     return tuple(leaves), treedef
 
 
-def allocate_cache(config: KVCacheConfig, mesh: Mesh | None = None, model_axis: str = MODEL_AXIS) -> KVCache | HybridCache:
+def allocate_cache(
+    config: KVCacheConfig, mesh: Mesh | None = None, model_axis: str = MODEL_AXIS
+) -> KVCache | HybridCache:
     """The device cache a model planned by ``config`` reads: its KV pages (KV heads split
     over ``model_axis`` of ``mesh``), plus state rows (replicated) when the plan has
     recurrent groups."""
