@@ -5,8 +5,10 @@
 With ``--num_processes`` > 1 it starts that many copies of itself as one cluster of
 4-CPU-device processes (:func:`jaxkv.serving.launcher.launch`), and the engine runs
 tensor-parallel over all their devices (one global mesh); alone, on one device. Each
-process warms up an engine (every step shape), serves a batch under the lockstep check and records its
-tokens and the XLA compilations of that call; ``--diverge`` then serves a second batch
+process warms up an engine with a host tier (every step shape), serves three batches
+under the lockstep check (the third repeats the first, whose blocks the second pushed
+out to host memory) and records their tokens, the host tier's stored and loaded blocks
+and the XLA compilations of these calls; ``--diverge`` then serves a second batch
 in which process 1 alone has one more prompt token (a different scheduling input), and
 records the lockstep error raised. Each process writes ``DIR/process-<id>.json``.
 """
@@ -25,6 +27,7 @@ from jaxkv.serving.engine import Engine
 from jaxkv.serving.launcher import ProcessRole, launch
 from jaxkv.serving.lockstep import LockstepError
 from jaxkv.serving.mesh import model_mesh
+from jaxkv.serving.offload_connector import OffloadConfig
 from jaxkv.serving.workloads import shared_prefix_prompts
 
 CPU_DEVICES_PER_PROCESS = 4
@@ -43,7 +46,8 @@ def serve(args: argparse.Namespace) -> dict:
     multi = jax.process_count() > 1
     engine = Engine.build(
         "tiny-llama-kv8",
-        memory_bytes=2 << 20,
+        memory_bytes=1 << 20,
+        offload=OffloadConfig(host_bytes=2 << 20),
         max_model_len=128,
         max_num_batched_tokens=64,
         max_num_seqs=4,
@@ -51,14 +55,18 @@ def serve(args: argparse.Namespace) -> dict:
         step_check=multihost.lockstep_check(timeout_s=LOCKSTEP_TIMEOUT_S) if multi else None,
     )
     engine.generate([[0] * 16], 2)  # compiles the prefill and the decode shapes
+    transfers, blocks = engine.connector.transfers, engine.manager.config.num_blocks
+    engine.runner.cache = transfers.warm_up(engine.runner.cache, blocks)  # as scripts/bench_offload.py
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiles.append(event) if event == COMPILE_EVENT else None
     )
-    result = engine.generate(prompts(seed=0), 6)
+    results = [engine.generate(prompts(seed), 6) for seed in (0, 2, 0)]  # the last reloads from host
     record = {
-        "tokens": [list(o.output_token_ids) for o in result.outputs],
+        "tokens": [[list(o.output_token_ids) for o in result.outputs] for result in results],
         "compilations": len(compiles),
+        "loaded_blocks": engine.connector.stats.num_loaded_blocks,
+        "stored_blocks": engine.connector.stats.num_stored_blocks,
         "device_count": jax.device_count(),
     }
     if args.diverge:

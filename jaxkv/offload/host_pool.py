@@ -262,6 +262,7 @@ class HostKVPool:
     def block_until_ready(self) -> None:
         """Wait for every write issued into the pinned_host buffers."""
         jax.block_until_ready(self.buffers)
+
     @property
     def block_bytes(self) -> int:
         return int(np.prod(self.block_shape)) * self.dtype.itemsize
