@@ -30,7 +30,7 @@ from jaxkv.serving.mesh import mesh_axis_size
 from jaxkv.serving.models import MODEL_AXIS, ModelConfig, TinyLM, get_model_config
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
-from jaxkv.serving.scheduler import Scheduler, SeqState, check_positive_int
+from jaxkv.serving.scheduler import Scheduler, SchedulerOutput, SeqState, check_positive_int
 
 if TYPE_CHECKING:
     from jaxkv.serving.kv_events import KVEventPublisher
@@ -171,7 +171,12 @@ class Engine:
     (:mod:`jaxkv.serving.kv_events`). ``mesh`` runs the model tensor-parallel over its
     ``model_axis`` (:class:`~jaxkv.serving.runner.ModelRunner`): the same tokens as on
     one device, the host-side scheduling unchanged; the host tier keeps each device's
-    shard of a block.
+    shard of a block. ``step_check`` is called with each step's
+    :class:`~jaxkv.serving.scheduler.SchedulerOutput` right after scheduling, before
+    any device work, and with ``None`` when a ``generate`` call has no step left; an
+    exception from it aborts the call like any other. Multi-process engines pass a
+    :class:`~jaxkv.serving.lockstep.LockstepCheck` there, so that every process is
+    shown to decide the same before a step runs.
 
     Single-owner, like the manager: only the creating thread may call it. Each step
     runs in :meth:`~jaxkv.manager.KVCacheManager.step_transaction`, so an exception
@@ -194,6 +199,7 @@ class Engine:
         kv_events: KVEventPublisher | None = None,
         mesh: Mesh | None = None,
         model_axis: str = MODEL_AXIS,
+        step_check: Callable[[SchedulerOutput | None], None] | None = None,
     ) -> None:
         budget = kv_config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
         check_positive_int("max_num_seqs", max_num_seqs)
@@ -208,6 +214,7 @@ class Engine:
             kv_config, enable_caching=enable_caching, hash_algo=hash_algo, enable_events=kv_events is not None
         )
         self.kv_events = kv_events
+        self.step_check = step_check
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = budget
         buckets = buckets if buckets is not None else default_buckets(kv_config, max_num_seqs, budget)
@@ -299,6 +306,8 @@ class Engine:
             while scheduler.has_unfinished:
                 with self.manager.step_transaction():
                     output = scheduler.schedule()
+                    if self.step_check is not None:
+                        self.step_check(output)
                     usages.append(self.manager.usage)
                     if self.connector is not None:
                         self.connector.before_step()  # reads reused blocks before the step writes them
@@ -332,6 +341,8 @@ class Engine:
                             usages[-1],
                         )
                     )
+            if self.step_check is not None:
+                self.step_check(None)
         finally:
             self._release(seqs)
         self._publish_events()  # the host stores settled by _release

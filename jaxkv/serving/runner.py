@@ -229,7 +229,10 @@ class ModelRunner:
         return tokens, logits
 
     def _run(self, step: Callable, chunks: Sequence[ScheduledChunk]) -> list[np.ndarray]:
-        """Call a jitted step on these chunks (the cache donated); its outputs' rows of the chunks."""
+        """Call a jitted step on these chunks (the cache donated); its outputs' rows of the chunks.
+
+        Outputs are replicated: each is read from this process's first copy, which is
+        all a process holds of an array whose devices span processes."""
         meta = self.metadata(chunks)
         before = _num_step_traces
         *outputs, self.cache = step(
@@ -239,7 +242,7 @@ class ModelRunner:
         start = time.perf_counter()
         jax.block_until_ready(outputs)
         self.device_wait_s += time.perf_counter() - start
-        return [np.asarray(x)[: len(chunks)] for x in outputs]
+        return [np.asarray(x.addressable_data(0))[: len(chunks)] for x in outputs]
 
     def cache_is_intact(self) -> bool:
         """False when a step was interrupted after donating the cache (its buffers are gone)."""
