@@ -68,6 +68,12 @@ USAGE_STATUS = 2
 CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
+def with_cpu_device_count(xla_flags: str, count: int) -> str:
+    """``xla_flags`` asking XLA for ``count`` host-platform devices (an earlier count replaced)."""
+    kept = re.sub(rf"{CPU_DEVICE_COUNT_FLAG}=\S*", "", xla_flags).split()
+    return " ".join([*kept, f"{CPU_DEVICE_COUNT_FLAG}={count}"])
+
+
 def request_cpu_devices(argv: Sequence[str], flag: str = "num_devices") -> None:
     """Give JAX's CPU backend as many devices as ``--<flag>=N`` (or ``--<flag> N``) in
     ``argv`` asks for, through ``XLA_FLAGS``; call it before JAX is imported (XLA reads
@@ -82,7 +88,7 @@ def request_cpu_devices(argv: Sequence[str], flag: str = "num_devices") -> None:
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if value is None or not value.isdigit() or int(value) < 1 or CPU_DEVICE_COUNT_FLAG in xla_flags:
         return
-    os.environ["XLA_FLAGS"] = f"{xla_flags} {CPU_DEVICE_COUNT_FLAG}={int(value)}".strip()
+    os.environ["XLA_FLAGS"] = with_cpu_device_count(xla_flags, int(value))
 
 
 class SizeError(JaxkvError, ValueError):

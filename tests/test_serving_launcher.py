@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from jaxkv.serving.launcher import LaunchError, ProcessRole, launch, with_cpu_device_count
+from jaxkv.serving.launcher import LaunchError, ProcessRole, launch
 
 
 def python(code: str) -> list[str]:
@@ -60,12 +60,6 @@ def test_roles_come_only_from_a_launch_and_malformed_ones_are_refused():
         ProcessRole.from_env({**role.env(), "JAXKV_PROCESS_ID": "2"})
     with pytest.raises(LaunchError, match="malformed"):
         ProcessRole.from_env({"JAXKV_PROCESS_ID": "0"})
-
-
-def test_the_device_count_replaces_an_earlier_one_and_keeps_other_flags():
-    assert with_cpu_device_count("--a=1 --xla_force_host_platform_device_count=2 --b", 8) == (
-        "--a=1 --b --xla_force_host_platform_device_count=8"
-    )
 
 
 @pytest.mark.parametrize(

@@ -19,13 +19,20 @@ from pathlib import Path
 
 import pytest
 
+from jaxkv.plan import with_cpu_device_count
+
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
 
 
 def start(*args: str) -> subprocess.Popen:
-    """A Python subprocess of this repository, in a session of its own (killed whole on timeout)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    """A Python subprocess of this repository, in a session of its own (killed whole on timeout),
+    with one CPU device unless it asks for more (not the 8 of this suite's conftest)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "XLA_FLAGS": with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), 1),
+    }
     return subprocess.Popen(
         [sys.executable, *args],
         cwd=REPO,

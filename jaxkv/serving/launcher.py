@@ -16,7 +16,6 @@ Host only (no JAX): the copies join the cluster themselves
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -27,11 +26,11 @@ from dataclasses import dataclass
 
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
+from jaxkv.plan import with_cpu_device_count
 
 ENV_COORDINATOR = "JAXKV_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXKV_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXKV_PROCESS_ID"
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 STOP_GRACE_S = 5.0
 """How long a stopped process gets to exit after SIGTERM before SIGKILL."""
 LOG_TAIL_CHARS = 4000
@@ -75,12 +74,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def with_cpu_device_count(xla_flags: str, count: int) -> str:
-    """``xla_flags`` asking XLA for ``count`` host-platform devices (an earlier count replaced)."""
-    kept = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S*", "", xla_flags).split()
-    return " ".join([*kept, f"{_DEVICE_COUNT_FLAG}={count}"])
 
 
 def launch(command: Sequence[str], num_processes: int, *, cpu_devices_per_process: int | None = None) -> int:
