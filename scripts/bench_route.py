@@ -6,8 +6,8 @@ CPU, ``--memory`` of KV cache each, small enough that the cache is under pressur
 serve the trace through a :class:`~jaxkv.serving.router.Router` with each policy in
 turn (round-robin, least-loaded, prefix-aware), every replica's prefix cache reset
 before each run. The baseline is one cache with the replicas' total memory: one more
-replica process with ``num_replicas x --memory`` (and ``num_replicas x
---max_num_seqs``), serving the whole trace alone.
+replica process, one engine with ``num_replicas x --memory`` and one replica's batch
+limits, serving the whole trace alone.
 
 The trace (:func:`jaxkv.serving.workloads.conversations`): ``--num_conversations``
 chats, each with one of ``--num_tenants`` system prompts and ``--turns`` user
@@ -20,9 +20,11 @@ every run serves the same prompts whatever the routing.
 Reported per run: prefix-cache hit rate (cached prompt tokens / prompt tokens, as the
 replicas count them), mean and P90 TTFT (from the router's submit to the first
 token), and the ratios prefix-aware / one big cache and prefix-aware / round-robin.
-Every replica process is single-threaded (``XLA_FLAGS``), so ``num_replicas``
-processes share the machine's cores; on CPU the TTFTs are a tiny model's compute
-and queueing on this machine, to be read as ratios.
+Every replica process is single-threaded (``XLA_FLAGS``). On CPU the TTFTs are a tiny
+model's compute and queueing on this machine, to be read as ratios; the routing
+policies run the same processes on the same cores, but ``num_replicas`` replicas share
+the machine's cores where replicas on separate devices would not, so the big cache's
+TTFT (one process, serving alone) is not a like-for-like compute comparison.
 
 ``--kill_replica`` then runs the trace once more with prefix-aware routing, kills one
 replica (SIGKILL) when half the requests are answered, and reports whether every
@@ -68,17 +70,17 @@ PROG = "bench_route.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_replicas", 4, "replica processes", lower_bound=2)
 flags.DEFINE_enum("model", "tiny-llama", ["tiny-llama", "tiny-hybrid"], "model of every replica")
-flags.DEFINE_string("memory", "12MiB", "KV cache of one replica")
-flags.DEFINE_integer("max_model_len", 1024, "tokens of the longest request", lower_bound=16)
+flags.DEFINE_string("memory", "8MiB", "KV cache of one replica")
+flags.DEFINE_integer("max_model_len", 384, "tokens of the longest request", lower_bound=16)
 flags.DEFINE_integer("max_num_seqs", 4, "most requests running at once on one replica", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 128, "token budget of one step", lower_bound=1)
-flags.DEFINE_integer("num_tenants", 12, "system prompts", lower_bound=1)
-flags.DEFINE_integer("system_len", 384, "tokens of a system prompt", lower_bound=1)
-flags.DEFINE_integer("num_conversations", 40, "chats in the trace", lower_bound=1)
+flags.DEFINE_integer("num_tenants", 16, "system prompts", lower_bound=1)
+flags.DEFINE_integer("system_len", 256, "tokens of a system prompt", lower_bound=1)
+flags.DEFINE_integer("num_conversations", 32, "chats in the trace", lower_bound=1)
 flags.DEFINE_integer("turns", 3, "user messages per chat", lower_bound=1)
-flags.DEFINE_integer("message_len", 48, "tokens of the longest user message (the shortest: half)", lower_bound=2)
-flags.DEFINE_integer("max_new_tokens", 16, "tokens generated per turn", lower_bound=1)
-flags.DEFINE_integer("concurrency", 12, "users chatting at once", lower_bound=1)
+flags.DEFINE_integer("message_len", 32, "tokens of the longest user message (the shortest: half)", lower_bound=2)
+flags.DEFINE_integer("max_new_tokens", 8, "tokens generated per turn", lower_bound=1)
+flags.DEFINE_integer("concurrency", 8, "users chatting at once", lower_bound=1)
 flags.DEFINE_float("ramp_s", 0.2, "seconds between the first turns of the first users", lower_bound=0)
 flags.DEFINE_float("load_penalty", 64.0, "prefix-aware routing: tokens of cached prefix one request in flight is worth")
 flags.DEFINE_float("heartbeat_interval", 1.0, "seconds between a replica's heartbeats", lower_bound=0.05)
@@ -325,7 +327,7 @@ def main(argv: Sequence[str]) -> None:
         specs[BIG] = ReplicaSpec(
             BIG,
             ReplicaAddress.ipc(tmp, "big"),
-            engine_args(n * memory, n * FLAGS.max_num_seqs),
+            engine_args(n * memory, FLAGS.max_num_seqs),
             FLAGS.heartbeat_interval,
         )
         start = time.monotonic()

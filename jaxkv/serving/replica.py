@@ -10,9 +10,9 @@ A replica binds four sockets, named by a :class:`ReplicaAddress`:
   Requests are added to the engine as they arrive and join the running batch at the
   next step (continuous batching: :meth:`Engine.add_request` / :meth:`Engine.step`).
 - ``heartbeats`` (PUB): a :class:`Heartbeat` with the replica's load (running +
-  waiting requests) every ``heartbeat_interval_s``, sent by the serving loop between
-  steps, so a silent replica is one whose loop stopped, not just one whose process
-  lives.
+  waiting requests, as of the last step) every ``heartbeat_interval_s``, from a thread
+  of its own: a long step (a big prefill on a busy host) is not read as death, while a
+  replica that is killed or closed falls silent.
 - ``events`` (PUB) and ``replay`` (ROUTER): the engine's KV events in vLLM's format
   (:class:`~jaxkv.serving.kv_events.KVEventPublisher`).
 
@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,47 +97,54 @@ class Replica:
     """Serves requests from ``address.requests`` on ``engine`` until ``should_stop()``.
 
     The engine must publish to ``address.events`` (its ``kv_events``); the replica
-    owns the request and heartbeat sockets. Single-threaded: the engine's owner.
+    owns the request socket and a heartbeat thread. The serving loop runs on the
+    engine's owner thread.
     """
 
     def __init__(self, name: str, engine: Engine, address: ReplicaAddress, *, heartbeat_interval_s: float) -> None:
         self.name = name
         self.engine = engine
-        self.heartbeat_interval_s = heartbeat_interval_s
         self._ctx = zmq.Context()
         self._requests = self._ctx.socket(zmq.ROUTER)
-        self._heartbeats = self._ctx.socket(zmq.PUB)
         self._requests.bind(address.requests)
-        self._heartbeats.bind(address.heartbeats)
         self._decoder = msgspec.msgpack.Decoder(ToReplica)
         self._encoder = msgspec.msgpack.Encoder()
         self._clients: dict[str, bytes] = {}  # request id -> the client identity to answer
-        self._beats = 0
-        self._next_beat = 0.0
+        self._load = 0  # running + waiting, written by the serving loop, read by the heartbeat thread
+        self._closed = threading.Event()
+        heartbeats = self._ctx.socket(zmq.PUB)
+        heartbeats.bind(address.heartbeats)
+        self._heartbeat = threading.Thread(
+            target=self._beat, args=(heartbeats, heartbeat_interval_s), name=f"{name}-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
 
     def serve(self, should_stop: Callable[[], bool]) -> None:
-        """The serving loop: heartbeat when due, take what arrived (waiting for it only
-        when idle), run one engine step."""
+        """The serving loop: take what arrived (waiting up to 50 ms when idle), run one
+        engine step."""
         while not should_stop():
-            now = time.monotonic()
-            if now >= self._next_beat:
-                self._beat(now)
-            idle_ms = int(1000 * max(0.0, self._next_beat - now)) if not self.engine.has_unfinished else 0
-            if self._requests.poll(min(idle_ms, 100)):
+            if self._requests.poll(0 if self.engine.has_unfinished else 50):
                 self._receive()
             if self.engine.has_unfinished:
                 self._step()
+            self._load = self.engine.num_running + self.engine.num_waiting
 
     def close(self) -> None:
+        """Stop heartbeating and close the sockets (answers already sent get 1 s to leave)."""
+        self._closed.set()
+        self._heartbeat.join()
         self._requests.close(linger=1000)
-        self._heartbeats.close(linger=0)
         self._ctx.term()
 
-    def _beat(self, now: float) -> None:
-        load = self.engine.num_running + self.engine.num_waiting
-        self._heartbeats.send(self._encoder.encode(Heartbeat(self.name, self._beats, load)))
-        self._beats += 1
-        self._next_beat = now + self.heartbeat_interval_s
+    def _beat(self, socket: zmq.Socket, interval_s: float) -> None:
+        encoder = msgspec.msgpack.Encoder()  # the loop's encoder is not for this thread
+        try:
+            for seq in itertools.count():
+                socket.send(encoder.encode(Heartbeat(self.name, seq, self._load)))
+                if self._closed.wait(interval_s):
+                    return
+        finally:
+            socket.close(linger=0)
 
     def _receive(self) -> None:
         while self._requests.poll(0):

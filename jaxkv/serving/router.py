@@ -23,7 +23,8 @@ The load is the router's own count of requests in flight on the replica (sent, n
 yet answered): exact and current when this router is the replica's only client, where
 a heartbeat's load (kept in :meth:`Router.reported_load`) is up to one interval old.
 
-Liveness: each replica heartbeats every ``heartbeat_interval_s``. A replica not heard
+Liveness: each replica heartbeats every ``heartbeat_interval_s`` (from a thread of its
+own, so a long step does not silence it). A replica not heard
 from for ``2 * heartbeat_interval_s`` missed a heartbeat and is dropped at the next
 :meth:`Router.poll`, within one interval of the missed one: the router stops sending
 to it, its prefixes leave the index, and its requests in flight are sent again to the
@@ -43,6 +44,7 @@ import zmq
 
 from jaxkv.errors import JaxkvError
 from jaxkv.hashing import BlockHasher, ExtraKeys
+from jaxkv.ints import is_int
 from jaxkv.serving.kv_events import ExternalBlockHash, external_hash
 from jaxkv.serving.prefix_index import EventGapError, KVEventSubscriber, PrefixIndex
 from jaxkv.serving.replica_protocol import (
@@ -255,6 +257,8 @@ class Router:
         rid = f"route-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(rid, str) or rid in self._in_flight:
             raise RouterError(f"request_id must be a str not already in flight, got {rid!r}")
+        if not is_int(max_new_tokens) or max_new_tokens <= 0:
+            raise RouterError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         hashes = self._hashes(prompt, cache_salt)
         request = GenerateRequest(rid, [int(t) for t in prompt], int(max_new_tokens), cache_salt)
         pending = _InFlight(request, hashes, time.monotonic())
