@@ -44,7 +44,6 @@ status 2.
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import subprocess
 import sys
@@ -58,7 +57,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from jaxkv.errors import JaxkvError
-from jaxkv.plan import exit_error, flags_parser, parse_size
+from jaxkv.plan import exit_error, flags_parser, parse_size, write_json
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.models import get_model_config
 from jaxkv.serving.replica import ReplicaSpec, running_replicas
@@ -70,17 +69,17 @@ PROG = "bench_route.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_replicas", 4, "replica processes", lower_bound=2)
 flags.DEFINE_enum("model", "tiny-llama", ["tiny-llama", "tiny-hybrid"], "model of every replica")
-flags.DEFINE_string("memory", "8MiB", "KV cache of one replica")
+flags.DEFINE_string("memory", "5MiB", "KV cache of one replica")
 flags.DEFINE_integer("max_model_len", 384, "tokens of the longest request", lower_bound=16)
 flags.DEFINE_integer("max_num_seqs", 4, "most requests running at once on one replica", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 128, "token budget of one step", lower_bound=1)
 flags.DEFINE_integer("num_tenants", 16, "system prompts", lower_bound=1)
-flags.DEFINE_integer("system_len", 256, "tokens of a system prompt", lower_bound=1)
+flags.DEFINE_integer("system_len", 128, "tokens of a system prompt", lower_bound=1)
 flags.DEFINE_integer("num_conversations", 32, "chats in the trace", lower_bound=1)
-flags.DEFINE_integer("turns", 3, "user messages per chat", lower_bound=1)
-flags.DEFINE_integer("message_len", 32, "tokens of the longest user message (the shortest: half)", lower_bound=2)
-flags.DEFINE_integer("max_new_tokens", 8, "tokens generated per turn", lower_bound=1)
-flags.DEFINE_integer("concurrency", 8, "users chatting at once", lower_bound=1)
+flags.DEFINE_integer("turns", 4, "user messages per chat", lower_bound=1)
+flags.DEFINE_integer("message_len", 48, "tokens of the longest user message (the shortest: half)", lower_bound=2)
+flags.DEFINE_integer("max_new_tokens", 16, "tokens generated per turn", lower_bound=1)
+flags.DEFINE_integer("concurrency", 10, "users chatting at once", lower_bound=1)
 flags.DEFINE_float("ramp_s", 0.2, "seconds between the first turns of the first users", lower_bound=0)
 flags.DEFINE_float("load_penalty", 64.0, "prefix-aware routing: tokens of cached prefix one request in flight is worth")
 flags.DEFINE_float("heartbeat_interval", 1.0, "seconds between a replica's heartbeats", lower_bound=0.05)
@@ -350,12 +349,7 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.out:
         flag_values = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
         report = {"flags": flag_values, "device": "cpu", "results": results, "ratios": ratios, "kill_replica": kill}
-        try:
-            with open(FLAGS.out, "w") as f:
-                json.dump(report, f, indent=2)
-        except OSError as err:
-            exit_error(PROG, err)
-        print(f"wrote {FLAGS.out}")
+        write_json(PROG, FLAGS.out, report)
     if any(r["errors"] for r in results.values()) or (kill is not None and not kill["all_completed"]):
         exit_error(PROG, "some requests failed or were lost", status=1)
 

@@ -27,6 +27,7 @@ HOST_MODULES = [
     "jaxkv.serving",
     "jaxkv.serving.scheduler",
     "jaxkv.serving.simulator",
+    "jaxkv.serving.router",  # a router process need not carry JAX
 ]
 
 

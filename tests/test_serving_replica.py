@@ -2,16 +2,16 @@
 gives, takes requests while others run, refuses bad ones without stopping, and
 publishes the KV events and heartbeats a router follows."""
 
-import threading
-
 import msgspec
 import pytest
 
 zmq = pytest.importorskip("zmq")
 
+from thread_replicas import ENGINE, ThreadReplica  # noqa: E402
+
 from jaxkv.serving.engine import Engine  # noqa: E402
 from jaxkv.serving.kv_events import KVEventsError  # noqa: E402
-from jaxkv.serving.replica import ReplicaError, ReplicaSpec, serve_replica  # noqa: E402
+from jaxkv.serving.replica import ReplicaError, ReplicaSpec  # noqa: E402
 from jaxkv.serving.replica_protocol import (  # noqa: E402
     FromReplica,
     GenerateFailure,
@@ -22,25 +22,13 @@ from jaxkv.serving.replica_protocol import (  # noqa: E402
 )
 from jaxkv.serving.router import Router  # noqa: E402
 
-ENGINE = {
-    "model_name": "tiny-llama",
-    "memory_bytes": 2 << 20,
-    "max_model_len": 256,
-    "max_num_batched_tokens": 64,
-    "max_num_seqs": 4,
-}
-
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
     """One replica serving in a thread of this process."""
-    spec = ReplicaSpec("r0", ReplicaAddress.ipc(tmp_path_factory.mktemp("replica"), "r0"), ENGINE, 0.2)
-    stop = threading.Event()
-    thread = threading.Thread(target=serve_replica, args=(spec, stop.is_set), daemon=True)
-    thread.start()
-    yield spec
-    stop.set()
-    thread.join()
+    replica = ThreadReplica(tmp_path_factory.mktemp("replica"), "r0", 0.2)
+    yield replica.spec
+    replica.kill()
 
 
 def prompts():

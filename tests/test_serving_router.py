@@ -2,28 +2,17 @@
 the replicas' engines hash them, and a replica that dies mid-trace (its requests
 retried on another, its prefixes gone from the index, nothing sent to it again)."""
 
-import subprocess
-import sys
-import threading
-
 import pytest
 
 pytest.importorskip("msgspec")
 pytest.importorskip("zmq")
 
+from thread_replicas import ThreadReplica  # noqa: E402
+
 from jaxkv.hashing import BlockHasher, ExtraKeys  # noqa: E402
 from jaxkv.serving.kv_events import WireBlockStored, external_hash  # noqa: E402
-from jaxkv.serving.replica import ReplicaSpec, serve_replica  # noqa: E402
 from jaxkv.serving.replica_protocol import ReplicaAddress  # noqa: E402
 from jaxkv.serving.router import NoLiveReplicaError, Router, RouterError, pick_replica  # noqa: E402
-
-ENGINE = {
-    "model_name": "tiny-llama",
-    "memory_bytes": 2 << 20,
-    "max_model_len": 256,
-    "max_num_batched_tokens": 64,
-    "max_num_seqs": 4,
-}
 
 
 # --- policies ------------------------------------------------------------------------
@@ -91,37 +80,13 @@ def test_bad_router_settings_are_refused(tmp_path, kwargs, match):
         Router(addresses(tmp_path, "a"), **kwargs)
 
 
-def test_the_router_imports_no_jax():
-    code = (
-        "import sys, jaxkv.serving.router\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
-
-
 # --- a replica dies mid-trace ---------------------------------------------------------
-class ThreadReplica:
-    """A replica serving in a thread of this process; :meth:`kill` stops its loop, so
-    it goes silent with its requests unanswered, as a killed process does."""
-
-    def __init__(self, tmp_path, name, heartbeat_interval_s):
-        self.spec = ReplicaSpec(name, ReplicaAddress.ipc(tmp_path, name), ENGINE, heartbeat_interval_s)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=serve_replica, args=(self.spec, self._stop.is_set), daemon=True)
-        self._thread.start()
-
-    def kill(self):
-        self._stop.set()
-        self._thread.join()
-
-
 def test_a_dead_replicas_requests_are_retried_elsewhere_and_its_prefixes_leave_the_index(tmp_path):
     interval = 0.5
     replicas = [ThreadReplica(tmp_path, name, interval) for name in ("a", "b")]
     prompts = [[t % 512 for t in range(i, i + 80)] for i in range(6)]
     try:
-        with Router({r.spec.name: r.spec.address for r in replicas}, policy="round_robin") as router:
+        with Router({r.name: r.address for r in replicas}, policy="round_robin") as router:
             router.wait_ready(120)
             first = [router.submit(p, 2) for p in prompts[:2]]
             done = []
