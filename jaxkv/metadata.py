@@ -356,7 +356,8 @@ def build_step_metadata(
     returns (see the module docstring). Groups listed in ``state_groups`` are recurrent:
     they get :class:`StateMetadata` (rows checked against ``num_states``, the state
     pool's size, or ``num_blocks`` when the states live in the block pool) instead of a
-    block table.
+    block table. ``device`` may be a sharding (replicated over a mesh, for a tensor-parallel
+    step), also one spanning processes: every process then passes the same steps.
     """
     if not seqs:
         raise MetadataError("no sequences scheduled")
@@ -440,4 +441,8 @@ def build_step_metadata(
     info = np.iinfo(np.int32)
     if packed.size and (packed.max() > info.max or packed.min() < info.min):
         raise MetadataError(f"values [{packed.min()}, {packed.max()}] do not fit int32")
-    return StepMetadata(jax.device_put(packed.astype(np.int32), device), packing)
+    packed = packed.astype(np.int32)
+    if isinstance(device, jax.sharding.Sharding) and not device.is_fully_addressable:
+        # devices of other processes: each process fills its own from its (identical) copy
+        return StepMetadata(jax.make_array_from_callback(packed.shape, device, lambda i: packed[i]), packing)
+    return StepMetadata(jax.device_put(packed, device), packing)

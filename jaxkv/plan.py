@@ -10,6 +10,7 @@ cannot be made (budget too small for one request, pages that cannot be unified) 
 with 1.
 
 The module also holds what the scripts share: :func:`parse_size`, :func:`is_int_range`,
+:func:`request_cpu_devices` (a CPU device count set before JAX starts),
 :func:`device_memory_bytes` / :func:`check_fits_device` (refuse a KV budget larger than
 the device) and :func:`flags_parser` / :func:`exit_error` (absl flag errors and refused
 input as one line on stderr, exit status 2).
@@ -63,6 +64,32 @@ _SIZE = re.compile(r"\s*([0-9]{1,24}(?:\.[0-9]{0,24})?|\.[0-9]{1,24})\s*([a-zA-Z
 PROG = "jaxkv.plan"
 USAGE_STATUS = 2
 """Exit status of a command refused for bad input (flags, sizes, trace files)."""
+
+
+CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_cpu_device_count(xla_flags: str, count: int) -> str:
+    """``xla_flags`` asking XLA for ``count`` host-platform devices (an earlier count replaced)."""
+    kept = re.sub(rf"{CPU_DEVICE_COUNT_FLAG}=\S*", "", xla_flags).split()
+    return " ".join([*kept, f"{CPU_DEVICE_COUNT_FLAG}={count}"])
+
+
+def request_cpu_devices(argv: Sequence[str], flag: str = "num_devices") -> None:
+    """Give JAX's CPU backend as many devices as ``--<flag>=N`` (or ``--<flag> N``) in
+    ``argv`` asks for, through ``XLA_FLAGS``; call it before JAX is imported (XLA reads
+    the flag once, when its CPU backend starts). A device count already in ``XLA_FLAGS``
+    wins; a value that is not a positive int is left for the flag parser to refuse."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{flag}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{flag}" and i + 1 < len(argv):
+            value = argv[i + 1]
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if value is None or not value.isdigit() or int(value) < 1 or CPU_DEVICE_COUNT_FLAG in xla_flags:
+        return
+    os.environ["XLA_FLAGS"] = with_cpu_device_count(xla_flags, int(value))
 
 
 class SizeError(JaxkvError, ValueError):
@@ -242,6 +269,12 @@ def _define_flags() -> flags.FlagValues:
     flags.DEFINE_string(
         "checkpoint_memory", None, "state_pool: bytes of states kept for prefix-cache checkpoints", flag_values=fv
     )
+    flags.DEFINE_integer(
+        "tensor_parallel",
+        1,
+        "devices the KV heads are split over (a mesh's model axis); the summary prints the bytes per device",
+        flag_values=fv,
+    )
     flags.DEFINE_boolean("help", False, "show this help", flag_values=fv)
     for name in (
         "max_model_len",
@@ -251,6 +284,7 @@ def _define_flags() -> flags.FlagValues:
         "state_layout",
         "max_num_seqs",
         "checkpoint_memory",
+        "tensor_parallel",
     ):
         flags.DEFINE_alias(name.replace("_", "-"), name, flag_values=fv)
     return fv
@@ -295,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             state_layout=fv.state_layout,
             max_num_seqs=fv.max_num_seqs,
             checkpoint_bytes=checkpoint_bytes,
+            tensor_parallel=fv.tensor_parallel,
         )
     except (InsufficientMemoryError, IncompatibleSpecsError) as err:
         return _fail(str(err), 1)

@@ -76,6 +76,10 @@ class InsufficientMemoryError(PlanError):
     """The budget cannot hold one request of ``max_model_len`` tokens."""
 
 
+class TensorParallelError(PlanError):
+    """A plan whose KV cache cannot be split over ``tensor_parallel`` devices by KV heads."""
+
+
 def _positive_int(name: str, value: object) -> int:
     return check_int(name, value, minimum=1, error=PlanError)
 
@@ -232,6 +236,10 @@ class KVCacheConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     head_dim_multiple: int = 1
     state_pool: StatePool | None = None
+    tensor_parallel: int = 1
+    """Devices the KV heads are split over (a mesh's model axis): each device holds
+    ``num_kv_heads / tensor_parallel`` heads of every attention block, and a whole copy
+    of the state pool (recurrent states are replicated)."""
 
     def __post_init__(self) -> None:
         _positive_int("num_blocks", self.num_blocks)
@@ -261,6 +269,22 @@ class KVCacheConfig:
             _positive_int("memory_bytes", self.memory_bytes)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("head_dim_multiple", self.head_dim_multiple)
+        _positive_int("tensor_parallel", self.tensor_parallel)
+        if self.tensor_parallel > 1:
+            _check_tensor_parallel(self.attention_groups, self.tensor_parallel)
+
+    @property
+    def device_bytes(self) -> int | None:
+        """Bytes one tensor-parallel device holds: its share of the attention blocks (1 /
+        ``tensor_parallel`` of their KV heads) and the whole state pool (None when the
+        plan has no page layout)."""
+        if self.pages is None and self.state_pool is None:
+            return None
+        states = 0 if self.state_pool is None else self.state_pool.total_bytes
+        if states is None:
+            return None
+        attention = self.num_blocks * self.pages.block_bytes // self.tensor_parallel if self.pages is not None else 0
+        return attention + states
 
     @property
     def state_group_ids(self) -> tuple[int, ...]:
@@ -394,6 +418,8 @@ class KVCacheConfig:
         )
         if self.state_pool is not None:
             lines.extend(_state_pool_lines(self))
+        if self.tensor_parallel > 1:
+            lines.append(_device_line(self))
         if per_request is not None:
             need = self.attention_blocks_per_request()
             line = f"max_model_len {self.max_model_len:,}: one request needs {need:,} blocks"
@@ -435,6 +461,19 @@ def _state_pool_lines(config: KVCacheConfig) -> list[str]:
     return lines
 
 
+def _device_line(config: KVCacheConfig) -> str:
+    """The summary's memory per tensor-parallel device."""
+    tp = config.tensor_parallel
+    heads = config.attention_groups[0].spec.num_kv_heads
+    line = f"per device (tensor_parallel={tp}, {heads // tp} of {heads} KV heads each):"
+    if config.pages is not None:
+        block = config.pages.block_bytes // tp
+        line += f" block {block:,} B, attention {_human(config.num_blocks * block)}"
+    if config.state_pool is not None and config.state_pool.total_bytes is not None:
+        line += f" + states {_human(config.state_pool.total_bytes)} (replicated)"
+    return f"{line} = {_human(config.device_bytes)}"
+
+
 def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
     """Column i of the layers must list group i's layers, and every page must fit."""
     if len(pages.layers[0]) != len(groups):
@@ -447,6 +486,23 @@ def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
         data = group.spec.page_size_bytes(group.block_size)
         if data > pages.page_size_bytes:
             raise PlanError(f"group {i} needs {data} B pages but the layout page is {pages.page_size_bytes} B")
+
+
+def _check_tensor_parallel(groups: Sequence[KVCacheGroup], tensor_parallel: int) -> None:
+    """Every group on the attention pages must split into whole KV heads per device."""
+    for group in groups:
+        heads = getattr(group.spec, "num_kv_heads", None)
+        if not isinstance(group.spec, PADDED_HEAD_SPECS):
+            raise TensorParallelError(
+                f"group of {group.layer_names[0]!r} has spec {group.spec!r}, whose pages cannot be split by "
+                f"KV heads over tensor_parallel={tensor_parallel} devices (recurrent states: use "
+                "state_layout='state_pool', whose states are replicated)"
+            )
+        if heads % tensor_parallel:
+            raise TensorParallelError(
+                f"num_kv_heads={heads} of group {group.layer_names[0]!r} is not a multiple of "
+                f"tensor_parallel={tensor_parallel}; every device must hold whole KV heads"
+            )
 
 
 def _check_state_pool(groups: Sequence[KVCacheGroup], state_pool: object) -> None:
@@ -574,6 +630,7 @@ def plan_kv_cache(
     state_layout: str = "attention_pages",
     max_num_seqs: int | None = None,
     checkpoint_bytes: int = 0,
+    tensor_parallel: int = 1,
 ) -> KVCacheConfig:
     """Plan groups, block sizes, layout and num_blocks for a byte budget.
 
@@ -588,9 +645,17 @@ def plan_kv_cache(
     :func:`_plan_state_pool` for ``"state_pool"`` and its ``max_num_seqs`` and
     ``checkpoint_bytes``, which the default ``"attention_pages"`` refuses.
 
+    ``tensor_parallel`` splits every attention block's KV heads over that many devices
+    (a mesh's model axis; :attr:`KVCacheConfig.device_bytes`). ``memory_bytes`` stays the
+    budget of the whole cache, all devices together: the plan (``num_blocks``) is the same
+    for any ``tensor_parallel``, and each device holds 1 / ``tensor_parallel`` of the
+    attention bytes plus a replicated copy of the state pool.
+
     Raises :class:`PlanError` for bad arguments, :class:`IncompatibleSpecsError` when
-    pages cannot be unified and :class:`InsufficientMemoryError` when the budget (or
-    ``num_blocks_override``) cannot hold one request of ``max_model_len`` tokens.
+    pages cannot be unified, :class:`InsufficientMemoryError` when the budget (or
+    ``num_blocks_override``) cannot hold one request of ``max_model_len`` tokens, and
+    :class:`TensorParallelError` when a group's KV heads do not split into whole heads
+    per device.
     """
     if not isinstance(layer_specs, Mapping) or not layer_specs:
         raise PlanError(f"layer_specs must be a non-empty mapping, got {layer_specs!r}")
@@ -619,10 +684,11 @@ def plan_kv_cache(
             "which splits memory_bytes between attention blocks and states itself"
         )
 
+    _positive_int("tensor_parallel", tensor_parallel)
     padded = {name: pad_head_size(spec, head_dim_multiple) for name, spec in layer_specs.items()}
     types = _layer_types(padded)
     if state_layout == "state_pool":
-        return _plan_state_pool(
+        config = _plan_state_pool(
             types,
             layer_specs,
             padded,
@@ -635,6 +701,7 @@ def plan_kv_cache(
             max_num_seqs=max_num_seqs,
             checkpoint_bytes=checkpoint_bytes,
         )
+        return dataclasses.replace(config, tensor_parallel=tensor_parallel)
     sizes, page = _unify_pages([t.spec for t in types], block_size)
     groups, pages = _group_and_page(
         types, sizes, page, layer_specs, padded, max_model_len, max_num_batched_tokens, layout
@@ -661,6 +728,7 @@ def plan_kv_cache(
         memory_bytes=memory_bytes,
         max_num_batched_tokens=max_num_batched_tokens,
         head_dim_multiple=head_dim_multiple,
+        tensor_parallel=tensor_parallel,
     )
 
 

@@ -177,7 +177,8 @@ def time_layer_by_layer(block_bytes: int) -> dict:
                 pool.write(slots, gather(buffer, src))
             else:
                 pool.commit(slots, np.asarray(gather(buffer, src)))
-        jax.block_until_ready([pool.buffer for pool in pools])
+        for pool in pools:
+            pool.block_until_ready()
 
     def load() -> None:
         nonlocal buffers

@@ -15,6 +15,22 @@ KV usage, and (by default) checks the tokens against the dense, unpaged forward.
     python scripts/serve.py --verify_uncached                      # cached vs uncached check
     python scripts/serve.py --model llama-1b --memory 4GiB --max_model_len 4096 \
         --prefix_len 1024 --verify_uncached                        # ~1.1e9 bf16 parameters: a GPU
+    python scripts/serve.py --model tiny-hybrid-kv8 --num_devices 4  # tensor parallel over 4 devices
+    python scripts/serve.py --model tiny-llama-kv8 --num_processes 2 --num_devices 4
+
+``--num_devices N`` runs the model tensor-parallel on a mesh of N devices (KV heads and
+weights split, :mod:`jaxkv.serving.mesh`); on CPU the script asks XLA for N host devices
+before JAX starts (unless ``XLA_FLAGS`` already sets a count). The model's KV heads must
+split evenly over the mesh (the ``-kv8`` tiny models have 8).
+
+``--num_processes N`` (N > 1) starts N copies of this script as one ``jax.distributed``
+cluster on this machine (:mod:`jaxkv.serving.launcher`), each with ``--num_devices``
+devices, and the model runs tensor-parallel over all of them (one global mesh): process 0
+prints here, ``--out`` is written by process 0, every process runs the same scheduler and
+KV cache manager,
+and a lockstep check (:mod:`jaxkv.serving.lockstep`) compares their decisions before
+every step; a process that fails (a lockstep mismatch included) stops them all with
+its exit status.
 
 Paged attention runs with jaxkv.ops' XLA formulation by default (``--impl xla_gpu``: plain
 XLA, fast on CPU as well); ``--impl reference`` uses the jnp oracle.
@@ -34,29 +50,44 @@ import sys
 import time
 from collections.abc import Sequence
 
-import jax
-from absl import app, flags, logging
+from jaxkv.plan import request_cpu_devices
 
-from jaxkv import ops
-from jaxkv.errors import JaxkvError
-from jaxkv.plan import check_fits_device, define_state_flags, exit_error, flags_parser, is_int_range, parse_size
-from jaxkv.planner import LAYOUTS, plan_kv_cache
-from jaxkv.serving.engine import (
+request_cpu_devices(sys.argv)  # before JAX starts: its CPU backend's device count
+
+import jax  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+
+from jaxkv import ops  # noqa: E402
+from jaxkv.errors import JaxkvError  # noqa: E402
+from jaxkv.plan import (  # noqa: E402
+    check_fits_device,
+    define_state_flags,
+    exit_error,
+    flags_parser,
+    is_int_range,
+    parse_size,
+)
+from jaxkv.planner import LAYOUTS, plan_kv_cache  # noqa: E402
+from jaxkv.serving import multihost  # noqa: E402
+from jaxkv.serving.engine import (  # noqa: E402
     Engine,
     GenerationResult,
     StepProgress,
     resolve_head_dim_multiple,
     state_plan,
 )
-from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs
-from jaxkv.serving.models import (
+from jaxkv.serving.launcher import ProcessRole, launch  # noqa: E402
+from jaxkv.serving.lockstep import LockstepCheck  # noqa: E402
+from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs  # noqa: E402
+from jaxkv.serving.mesh import model_mesh  # noqa: E402
+from jaxkv.serving.models import (  # noqa: E402
     DTYPES,
     TinyLM,
     dense_greedy_generate,
     get_model_config,
     model_names,
 )
-from jaxkv.serving.workloads import shared_prefix_prompts
+from jaxkv.serving.workloads import shared_prefix_prompts  # noqa: E402
 
 PROG = "serve.py"
 FLAGS = flags.FLAGS
@@ -100,6 +131,16 @@ flags.DEFINE_float(
     lower_bound=0,
 )
 flags.DEFINE_string("out", None, "write the result as JSON to this path")
+flags.DEFINE_integer(
+    "num_processes", 1, "processes of one jax.distributed cluster on this machine (> 1: started here)", lower_bound=1
+)
+flags.DEFINE_integer(
+    "num_devices",
+    1,
+    "tensor-parallel devices per process: the model and its KV heads split over a mesh of "
+    "--num_processes x N (on CPU, XLA makes N host devices unless XLA_FLAGS sets a count)",
+    lower_bound=1,
+)
 flags.register_validator("suffix_len", is_int_range, message="--suffix_len must be lo,hi with 1 <= lo <= hi")
 flags.register_validator(
     "logit_tolerance", lambda v: 0 < v < float("inf"), message="--logit_tolerance must be a finite number > 0"
@@ -150,6 +191,25 @@ def _check_prompts_fit() -> None:
         )
 
 
+def _check_heads_split() -> None:
+    """Refuse a cluster whose devices cannot each hold whole KV heads of the model, before
+    launching it."""
+    devices = FLAGS.num_processes * FLAGS.num_devices
+    heads = get_model_config(FLAGS.model).num_kv_heads
+    if heads % devices:
+        exit_error(
+            PROG,
+            f"--model={FLAGS.model} has {heads} KV heads, not a multiple of the {devices} devices of "
+            f"--num_processes={FLAGS.num_processes} x --num_devices={FLAGS.num_devices} "
+            "(try --model=tiny-llama-kv8)",
+        )
+
+
+def _step_check(name: str) -> LockstepCheck | None:
+    """The lockstep check of an engine in a cluster of processes; None in a lone process."""
+    return multihost.lockstep_check(name) if jax.process_count() > 1 else None
+
+
 def serve() -> dict:
     """Plan, build, generate, print; return the JSON report."""
     start = time.perf_counter()
@@ -157,6 +217,8 @@ def serve() -> dict:
     memory = parse_size(FLAGS.memory)
     check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
     model_config = get_model_config(FLAGS.model, dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype)
+    num_devices = FLAGS.num_devices * jax.process_count()
+    mesh = model_mesh(num_devices) if num_devices > 1 else None
     config = plan_kv_cache(
         model_config.layer_specs(),
         memory,
@@ -165,13 +227,25 @@ def serve() -> dict:
         layout=FLAGS.layout,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         head_dim_multiple=resolve_head_dim_multiple(FLAGS.head_dim_multiple),
+        tensor_parallel=num_devices,
         **state_plan(model_config, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs),
     )
     backend = jax.default_backend()
-    print(f"{FLAGS.model} ({model_config.dtype}), {FLAGS.memory}, {ops.get_implementation()} ops, JAX on {backend}:")
+    devices = f" x {num_devices} devices" if mesh is not None else ""
+    print(
+        f"{FLAGS.model} ({model_config.dtype}), {FLAGS.memory}, {ops.get_implementation()} ops, "
+        f"JAX on {backend}{devices}:"
+    )
     print(config.summary())
     model = TinyLM(model_config, seed=FLAGS.seed)
-    engine = Engine(model, config, enable_caching=FLAGS.prefix_caching, max_num_seqs=FLAGS.max_num_seqs)
+    engine = Engine(
+        model,
+        config,
+        enable_caching=FLAGS.prefix_caching,
+        max_num_seqs=FLAGS.max_num_seqs,
+        mesh=mesh,
+        step_check=_step_check("serve"),
+    )
     prompts = shared_prefix_prompts(
         num_requests=FLAGS.num_requests,
         num_prefixes=FLAGS.num_prefixes,
@@ -198,7 +272,14 @@ def serve() -> dict:
         "result": result.to_dict(),
     }
     if FLAGS.verify_uncached:
-        uncached = Engine(model, config, enable_caching=False, max_num_seqs=FLAGS.max_num_seqs)
+        uncached = Engine(
+            model,
+            config,
+            enable_caching=False,
+            max_num_seqs=FLAGS.max_num_seqs,
+            mesh=mesh,
+            step_check=_step_check("uncached"),
+        )
         baseline = uncached.generate(prompts, FLAGS.max_new_tokens, return_logits=True)
         check = compare_outputs(
             baseline.outputs, result.outputs, dtype=model_config.dtype, tolerance=FLAGS.logit_tolerance
@@ -219,10 +300,20 @@ def serve() -> dict:
 def main(argv: Sequence[str]) -> None:
     del argv  # flags_parser refused positional arguments
     logging.set_verbosity(logging.WARNING)  # JAX's backend probing is INFO noise here
+    role = ProcessRole.from_env()
+    if role is None and FLAGS.num_processes > 1:
+        _check_heads_split()
+        try:
+            command = [sys.executable, *sys.argv]
+            sys.exit(launch(command, FLAGS.num_processes, cpu_devices_per_process=FLAGS.num_devices))
+        except KeyboardInterrupt:
+            exit_error(PROG, "interrupted; every process stopped", status=130)
+    if role is not None:
+        multihost.join(role)
     try:
         with ops.set_implementation(FLAGS.impl):
             report = serve()
-        if FLAGS.out:
+        if FLAGS.out and jax.process_index() == 0:
             with open(FLAGS.out, "w") as f:
                 json.dump(report, f, indent=2)
             print(f"wrote {FLAGS.out}")

@@ -1,15 +1,25 @@
-"""Shared builders for hand-made KV cache configs, and the seeded random generator."""
+"""Shared builders for hand-made KV cache configs, and the seeded random generator.
+
+The CPU backend gets 8 devices (tensor-parallel tests build meshes of 1, 2, 4 and 8 of
+them); the flag must be set before jax is first imported, hence here, first. Everything
+else keeps running on ``jax.devices()[0]``, the default device.
+"""
 
 import os
-import secrets
 
-import numpy as np
-import pytest
-from paged_batches import SeededRng
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+).strip()
 
-from jaxkv.manager import KVCacheManager, Request
-from jaxkv.planner import KVCacheConfig, KVCacheGroup
-from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
+import secrets  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from paged_batches import SeededRng  # noqa: E402
+
+from jaxkv.manager import KVCacheManager, Request  # noqa: E402
+from jaxkv.planner import KVCacheConfig, KVCacheGroup  # noqa: E402
+from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
 FULL = FullAttentionSpec(num_kv_heads=1, head_size=1)
 

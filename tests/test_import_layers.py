@@ -26,6 +26,8 @@ HOST_MODULES = [
     "jaxkv.offload.policies",
     "jaxkv.serving",
     "jaxkv.serving.scheduler",
+    "jaxkv.serving.lockstep",
+    "jaxkv.serving.launcher",
     "jaxkv.serving.simulator",
     "jaxkv.serving.router",  # a router process need not carry JAX
 ]

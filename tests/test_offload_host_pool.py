@@ -29,7 +29,7 @@ def test_cpu_jax_has_pinned_host():
     assert pinned_host_supported(jax.devices("cpu")[0])
     pool = HostKVPool(2, (1, 2), np.float32)
     assert pool.memory_kind == "pinned_host"
-    assert pool.buffer.sharding.memory_kind == "pinned_host"
+    assert pool.buffers[0].sharding.memory_kind == "pinned_host"
 
 
 def test_unknown_memory_kind_raises():
@@ -132,7 +132,7 @@ def old_gather_scatter_ops(device):
 
 def pinned_args(rows: int):
     pool = HostKVPool(9, (2, 3, 4), jnp.bfloat16, memory_kind="pinned_host")
-    return pool.buffer, jnp.arange(1, rows + 1, dtype=jnp.int32), jnp.ones((rows, 2, 3, 4), jnp.bfloat16)
+    return pool.buffers[0], jnp.arange(1, rows + 1, dtype=jnp.int32), jnp.ones((rows, 2, 3, 4), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("rows", [1, 4])

@@ -19,6 +19,8 @@ from jaxkv.plan import (
     is_int_range,
     main,
     parse_size,
+    request_cpu_devices,
+    with_cpu_device_count,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,3 +183,20 @@ def test_cli_refuses_bad_state_pool_flags_in_one_line(capsys, args, message, sta
     assert main([*NEMOTRON, *args]) == status
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("jaxkv.plan: error: ") and message in err
+
+
+def test_the_device_count_replaces_an_earlier_one_and_keeps_other_flags():
+    assert with_cpu_device_count("--a=1 --xla_force_host_platform_device_count=2 --b", 8) == (
+        "--a=1 --b --xla_force_host_platform_device_count=8"
+    )
+
+
+def test_num_devices_in_argv_sets_the_cpu_device_count_unless_one_is_set(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--a=1")
+    request_cpu_devices(["serve.py", "--num_devices", "4"])
+    assert os.environ["XLA_FLAGS"] == "--a=1 --xla_force_host_platform_device_count=4"
+    request_cpu_devices(["serve.py", "--num_devices=2"])  # a count already set wins
+    assert os.environ["XLA_FLAGS"].endswith("count=4")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    request_cpu_devices(["serve.py", "--num_devices=x"])  # left for the flag parser to refuse
+    assert os.environ["XLA_FLAGS"] == ""

@@ -143,6 +143,30 @@ def test_results_report_progress_timing_and_usage(models):
     assert report["prefix_hit_rate"] == result.prefix_hit_rate
 
 
+def test_step_check_sees_every_step_before_it_runs_then_the_end(models):
+    seen = []
+    eng = engine(models["tiny-llama"], step_check=seen.append)
+    result = eng.generate(workload()[:3], 3)
+    assert len(seen) == result.num_steps + 1 and seen[-1] is None
+    assert sum(out.num_tokens for out in seen[:-1]) == result.num_scheduled_tokens
+
+
+def test_a_refusing_step_check_aborts_the_call_before_the_device_and_leaks_nothing(models):
+    class Refused(Exception):
+        pass
+
+    def refuse_second_step(output):
+        if output is not None and output.chunks[0].num_computed_tokens:
+            raise Refused
+
+    eng = engine(models["tiny-llama"], step_check=refuse_second_step)
+    ran = []
+    with pytest.raises(Refused):
+        eng.generate(workload()[:2], 3, progress=ran.append)
+    assert len(ran) == 1
+    assert eng.audit().device_blocks_leaked == 0
+
+
 @pytest.mark.parametrize(
     "prompts, max_new, match",
     [

@@ -11,6 +11,16 @@ Rows move in and out of the ``pinned_host`` buffer by DMA only: one dynamic-upda
 (store) or dynamic-slice (load) per row, never a gather or scatter over host memory
 (:func:`pinned_ops`).
 
+On a mesh (a tensor-parallel cache, its KV heads split over devices) the pool keeps one
+host buffer per distinct shard of a block (:func:`row_sharding`): a store copies each
+device's shard of the staged rows into its own buffer, a load reads each buffer back to
+the devices holding that shard and assembles the global rows from them. Nothing is
+gathered to one device, and a process only holds the shards of its own devices (so a
+mesh spanning processes works the same). A replicated cache (recurrent states) has one
+distinct shard: one host copy, loaded to every device. One ``pinned_host`` buffer sharded
+like the rows would need no assembly, but its row writes read back wrong on the CPU
+backend of jax 0.10.2, so each shard gets a single-device buffer.
+
 Each host block has a generation counter, bumped by every store issued into it and by
 :meth:`HostKVPool.release`; a transfer records the generations it was issued with, so
 one that completes after its host block was reused is recognised as stale.
@@ -25,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
@@ -61,6 +72,21 @@ def row_format(cache: KVCache | StateCache) -> tuple[tuple[int, ...], jnp.dtype]
 def block_nbytes(cache: KVCache) -> int:
     """Bytes of one whole block (all its layers)."""
     return int(np.prod(block_shape(cache))) * cache.dtype.itemsize
+
+
+def row_sharding(cache: KVCache | StateCache) -> Sharding:
+    """How staged rows of ``cache`` ``(n, *row shape)`` are split: a KV block's head axis as
+    the cache's is, state slots replicated over the cache's mesh; a cache on one device
+    stages on that device."""
+    buffer = jax.tree.leaves(cache)[0]
+    sharding = buffer.sharding
+    if not isinstance(sharding, NamedSharding):
+        return SingleDeviceSharding(next(iter(buffer.devices())))
+    if isinstance(cache, StateCache):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    spec = tuple(sharding.spec) + (None,) * (buffer.ndim - len(sharding.spec))
+    ndim = 1 + len(block_shape(cache))
+    return NamedSharding(sharding.mesh, PartitionSpec(*([None] * (ndim - 2)), spec[-2], None))
 
 
 def _host_sharding(device: jax.Device) -> jax.sharding.Sharding:
@@ -149,8 +175,34 @@ def pinned_host_supported(device: jax.Device | None = None) -> bool:
         return False
 
 
+class _Shard:
+    """One distinct shard of a block: where in the block it lies, the devices holding it
+    (the first one owns the host buffer), and the buffer."""
+
+    def __init__(self, index: tuple[slice, ...], devices: list[jax.Device], buffer: jax.Array | np.ndarray) -> None:
+        self.index = index
+        self.devices = devices
+        self.buffer = buffer
+
+    def host_rows(self, rows: jax.Array | np.ndarray) -> np.ndarray:
+        """This shard of ``rows``, on the host (a device array's shard was copied there first)."""
+        if isinstance(rows, np.ndarray):
+            return rows[self.index]
+        return np.asarray(_shard_on(rows, self.devices[0]))
+
+    def to_devices(self, rows: jax.Array) -> list[jax.Array]:
+        """``rows`` of this shard (on its first device) copied to every device holding it."""
+        return [rows] + [jax.device_put(rows, d) for d in self.devices[1:]]
+
+
+def _shard_on(rows: jax.Array, device: jax.Device) -> jax.Array:
+    return next(s.data for s in rows.addressable_shards if s.device == device)
+
+
 class HostKVPool:
-    """Host buffer of ``num_blocks`` host blocks (+ the scratch host block 0) and their generations."""
+    """Host buffers of ``num_blocks`` host blocks (+ the scratch host block 0), one per
+    distinct shard of ``sharding`` (the staged rows', see :func:`row_sharding`; default:
+    all on ``device``), and the host blocks' generations."""
 
     def __init__(
         self,
@@ -160,9 +212,11 @@ class HostKVPool:
         *,
         memory_kind: str | None = None,
         device: jax.Device | None = None,
+        sharding: Sharding | None = None,
     ) -> None:
         check_int("num_blocks", num_blocks, minimum=1, error=HostPoolError)
-        self.device = device or jax.devices()[0]
+        self.sharding = sharding or SingleDeviceSharding(device or jax.devices()[0])
+        self.device = min(self.sharding.addressable_devices, key=lambda d: d.id)
         if memory_kind is None:
             memory_kind = "pinned_host" if pinned_host_supported(self.device) else "numpy"
         if memory_kind not in MEMORY_KINDS:
@@ -174,21 +228,40 @@ class HostKVPool:
         self.block_shape = tuple(shape)
         self.dtype = jnp.dtype(dtype)
         full = (num_blocks + 1,) + self.block_shape
-        if memory_kind == "pinned_host":
-            self.buffer: jax.Array | np.ndarray = jax.device_put(
-                np.zeros(full, self.dtype), _host_sharding(self.device)
-            )
-        else:
-            self.buffer = np.zeros(full, self.dtype)
+        shards: dict[tuple, list[jax.Device]] = {}
+        indices = self.sharding.addressable_devices_indices_map(full)
+        for device in sorted(indices, key=lambda d: d.id):
+            index = indices[device]
+            shards.setdefault(tuple((i.start, i.stop) for i in index), []).append(device)
+        shard_shape = self.sharding.shard_shape(full)
+        self._shards = []
+        for key, devices in shards.items():
+            index = (slice(None),) + tuple(slice(start, stop) for start, stop in key[1:])
+            zeros = np.zeros(shard_shape, self.dtype)
+            buffer = jax.device_put(zeros, _host_sharding(devices[0])) if memory_kind == "pinned_host" else zeros
+            self._shards.append(_Shard(index, devices, buffer))
         self.generation = np.zeros(num_blocks + 1, np.int64)
 
     @classmethod
     def for_cache(cls, cache: KVCache | StateCache, byte_budget: int, *, memory_kind: str | None = None) -> HostKVPool:
-        """A pool of as many whole blocks (or state slots) of ``cache`` as fit in ``byte_budget`` bytes."""
+        """A pool of as many whole blocks (or state slots) of ``cache`` as fit in ``byte_budget``
+        bytes (counting whole blocks: a process holding some of the shards uses less)."""
         shape, dtype = row_format(cache)
         num_blocks = blocks_in_budget(byte_budget, int(np.prod(shape)) * dtype.itemsize)
-        device = next(iter(jax.tree.leaves(cache)[0].devices()))
-        return cls(num_blocks, shape, dtype, memory_kind=memory_kind, device=device)
+        return cls(num_blocks, shape, dtype, memory_kind=memory_kind, sharding=row_sharding(cache))
+
+    @property
+    def buffers(self) -> tuple[jax.Array | np.ndarray, ...]:
+        """The host buffers, one per distinct shard of a block ``(num_blocks + 1, *shard)``."""
+        return tuple(shard.buffer for shard in self._shards)
+
+    def is_ready(self) -> bool:
+        """Whether every write issued into the pinned_host buffers has landed."""
+        return all(buffer.is_ready() for buffer in self.buffers)
+
+    def block_until_ready(self) -> None:
+        """Wait for every write issued into the pinned_host buffers."""
+        jax.block_until_ready(self.buffers)
 
     @property
     def block_bytes(self) -> int:
@@ -218,26 +291,40 @@ class HostKVPool:
 
     # ------------------------------------------------------------------ data
     def write(self, host_blocks: np.ndarray, rows: jax.Array) -> None:
-        """pinned_host: write device rows into their host blocks now (async DMAs), at most
-        :data:`ROWS_PER_CALL` rows per jitted call."""
-        write, _ = pinned_ops(self.device)
+        """pinned_host: write device rows (sharded as the pool) into their host blocks now
+        (async DMAs, each device's shard into its buffer), at most :data:`ROWS_PER_CALL`
+        rows per jitted call."""
         host_blocks = np.asarray(host_blocks, np.int32)
-        for part in _row_parts(len(host_blocks)):
-            part_rows = rows if part.stop - part.start == len(host_blocks) else rows[part]
-            self.buffer = write(self.buffer, jnp.asarray(host_blocks[part]), part_rows)
+        for shard in self._shards:
+            write, _ = pinned_ops(shard.devices[0])
+            data = _shard_on(rows, shard.devices[0])
+            for part in _row_parts(len(host_blocks)):
+                part_rows = data if part.stop - part.start == len(host_blocks) else data[part]
+                shard.buffer = write(shard.buffer, jnp.asarray(host_blocks[part]), part_rows)
 
-    def commit(self, host_blocks: np.ndarray, rows: np.ndarray) -> None:
-        """numpy: copy rows that already reached the host into their host blocks."""
-        self.buffer[host_blocks] = rows
+    def commit(self, host_blocks: np.ndarray, rows: jax.Array | np.ndarray, take: np.ndarray | None = None) -> None:
+        """numpy: copy rows that already reached the host (``rows[take]``, default all) into
+        their host blocks, each shard into its buffer. ``rows``: numpy, or device rows whose
+        shards were copied to the host (``copy_to_host_async``)."""
+        for shard in self._shards:
+            data = shard.host_rows(rows)
+            shard.buffer[host_blocks] = data if take is None else data[take]
 
     def read(self, host_blocks: np.ndarray) -> jax.Array:
-        """Rows of the host blocks as a device array (the host->device copy of a load)."""
+        """Rows of the host blocks as a device array sharded as the pool (the host->device
+        copy of a load: each shard read to the devices that hold it)."""
         host_blocks = np.asarray(host_blocks, np.int32)
-        if self.memory_kind == "numpy":
-            return jax.device_put(self.buffer[host_blocks], _device_sharding(self.device))
-        _, read = pinned_ops(self.device)
-        parts = [read(self.buffer, jnp.asarray(host_blocks[part])) for part in _row_parts(len(host_blocks))]
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        arrays = []
+        for shard in self._shards:
+            if self.memory_kind == "numpy":
+                rows = jax.device_put(shard.buffer[host_blocks], shard.devices[0])
+            else:
+                _, read = pinned_ops(shard.devices[0])
+                parts = [read(shard.buffer, jnp.asarray(host_blocks[part])) for part in _row_parts(len(host_blocks))]
+                rows = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+            arrays.extend(shard.to_devices(rows))
+        shape = (len(host_blocks),) + self.block_shape
+        return jax.make_array_from_single_device_arrays(shape, self.sharding, arrays)
 
     def rows(self, host_blocks: Sequence[int]) -> np.ndarray:
         """A host copy of the host blocks' data (tests and debugging).
@@ -246,7 +333,4 @@ class HostKVPool:
         ``pinned_host`` buffer would be a zero-copy view that keeps an external
         reference to it, and the next store (which donates the buffer) would fail on
         a GPU ("Donation requested for buffer with external reference")."""
-        index = np.asarray(host_blocks, np.int64)
-        if self.memory_kind == "pinned_host":
-            return np.array(self.read(index), copy=True)
-        return self.buffer[index].copy()
+        return np.array(self.read(np.asarray(host_blocks, np.int64)), copy=True)

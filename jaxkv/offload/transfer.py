@@ -106,8 +106,8 @@ class TransferEngine:
         self.fail_load = fail_load
         self.num_traces = 0
         self._owner = OwnerThread("TransferEngine")
-        self._gather = jax.jit(self._gather_fn)
-        self._scatter = jax.jit(self._scatter_fn, donate_argnums=0)
+        self._gather = jax.jit(self._gather_fn, out_shardings=pool.sharding)
+        self._scatters: dict[object, jax.stages.Wrapped] = {}
 
     def _gather_fn(self, cache: KVCache | StateCache, ids: jax.Array) -> jax.Array:
         self.num_traces += 1
@@ -118,6 +118,16 @@ class TransferEngine:
         if isinstance(cache, StateCache):
             return scatter_slots(cache, ids, data)
         return ops.scatter_blocks(cache, ids, data)
+
+    def _scatter(self, cache: KVCache | StateCache, ids: jax.Array, data: jax.Array) -> KVCache | StateCache:
+        """The jitted scatter, its output sharded as ``cache`` is (a tensor-parallel step
+        takes the cache with exactly the shardings it was compiled for)."""
+        shardings = jax.tree.map(lambda buffer: buffer.sharding, cache)
+        leaves, treedef = jax.tree.flatten(shardings)
+        key = (tuple(leaves), treedef)
+        if key not in self._scatters:
+            self._scatters[key] = jax.jit(self._scatter_fn, donate_argnums=0, out_shardings=shardings)
+        return self._scatters[key](cache, ids, data)
 
     # -------------------------------------------------------------- checks
     def _check(
@@ -227,7 +237,7 @@ class TransferEngine:
         device block may be reused)."""
         if transfer.staged is not None:
             return transfer.staged.is_ready()
-        return transfer.result is not None or not len(transfer) or self.pool.buffer.is_ready()
+        return transfer.result is not None or not len(transfer) or self.pool.is_ready()
 
     def poll(self, transfer: Transfer) -> TransferResult | None:
         """Which rows succeeded, without blocking: a load's from its issue on, a store's
@@ -241,14 +251,13 @@ class TransferEngine:
         if transfer.staged is not None:
             transfer.staged.block_until_ready()
         elif transfer.result is None and len(transfer):
-            jax.block_until_ready(self.pool.buffer)
+            self.pool.block_until_ready()
         if transfer.result is None:
             ok = ~transfer.injected
             if len(transfer):
                 ok &= self.pool.current(transfer.host_blocks, transfer.generations)
                 if transfer.staged is not None:  # a numpy store: its rows land now
-                    rows = np.asarray(transfer.staged)[: len(transfer)]
-                    self.pool.commit(transfer.host_blocks[ok], rows[ok])
+                    self.pool.commit(transfer.host_blocks[ok], transfer.staged, np.flatnonzero(ok))
             transfer.result = _result(ok)
         transfer.staged = None
         return transfer.result

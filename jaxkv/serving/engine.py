@@ -21,16 +21,18 @@ from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import is_int
 from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request, token_id_list
 from jaxkv.metadata import Buckets
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, plan_kv_cache
-from jaxkv.serving.models import ModelConfig, TinyLM, get_model_config
+from jaxkv.serving.mesh import mesh_axis_size
+from jaxkv.serving.models import MODEL_AXIS, ModelConfig, TinyLM, get_model_config
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
-from jaxkv.serving.scheduler import Scheduler, SeqState, check_positive_int
+from jaxkv.serving.scheduler import Scheduler, SchedulerOutput, SeqState, check_positive_int
 
 if TYPE_CHECKING:
     from jaxkv.serving.kv_events import KVEventPublisher
@@ -189,7 +191,15 @@ class Engine:
     stored to host when the device reuses them (or once filled, per its ``store``
     policy) and loaded back on admission. ``kv_events`` publishes the cache events of
     every step (device and host blocks stored and removed) for a KV-aware router
-    (:mod:`jaxkv.serving.kv_events`).
+    (:mod:`jaxkv.serving.kv_events`). ``mesh`` runs the model tensor-parallel over its
+    ``model_axis`` (:class:`~jaxkv.serving.runner.ModelRunner`): the same tokens as on
+    one device, the host-side scheduling unchanged; the host tier keeps each device's
+    shard of a block. ``step_check`` is called with each step's
+    :class:`~jaxkv.serving.scheduler.SchedulerOutput` right after scheduling, before
+    any device work, and with ``None`` when a ``generate`` call has no step left; an
+    exception from it aborts the call like any other. Multi-process engines pass a
+    :class:`~jaxkv.serving.lockstep.LockstepCheck` there, so that every process is
+    shown to decide the same before a step runs.
 
     Single-owner, like the manager: only the creating thread may call it. Each step
     runs in :meth:`~jaxkv.manager.KVCacheManager.step_transaction`, so an exception
@@ -210,6 +220,9 @@ class Engine:
         hash_algo: str = "sha256",
         offload: OffloadConfig | None = None,
         kv_events: KVEventPublisher | None = None,
+        mesh: Mesh | None = None,
+        model_axis: str = MODEL_AXIS,
+        step_check: Callable[[SchedulerOutput | None], None] | None = None,
     ) -> None:
         budget = kv_config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
         check_positive_int("max_num_seqs", max_num_seqs)
@@ -224,10 +237,11 @@ class Engine:
             kv_config, enable_caching=enable_caching, hash_algo=hash_algo, enable_events=kv_events is not None
         )
         self.kv_events = kv_events
+        self.step_check = step_check
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = budget
         buckets = buckets if buckets is not None else default_buckets(kv_config, max_num_seqs, budget)
-        self.runner = ModelRunner(model, kv_config, buckets)
+        self.runner = ModelRunner(model, kv_config, buckets, mesh=mesh, model_axis=model_axis)
         self.connector = OffloadConnector.create(self.manager, self.runner, offload) if offload else None
         self._ids = itertools.count()
         self._owner = OwnerThread("Engine")
@@ -255,10 +269,14 @@ class Engine:
         ``head_dim_multiple`` goes to the planner (None: see
         :func:`resolve_head_dim_multiple`, 128 on TPU, else 1); ``state_layout`` and
         ``checkpoint_share`` plan a recurrent model's state (see :func:`state_plan`).
-        Other keyword arguments go to :class:`Engine`.
+        With a ``mesh`` the plan is split over its model axis (``tensor_parallel``; the
+        same ``num_blocks``, ``memory_bytes`` being the whole cache's). Other keyword
+        arguments go to :class:`Engine`.
         """
         model = TinyLM(get_model_config(model_name), seed=seed)
         max_num_seqs = kwargs.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+        mesh = kwargs.get("mesh")
+        tensor_parallel = 1 if mesh is None else mesh_axis_size(mesh, kwargs.get("model_axis", MODEL_AXIS))
         config = plan_kv_cache(
             model.config.layer_specs(),
             memory_bytes,
@@ -267,6 +285,7 @@ class Engine:
             layout=layout,
             max_num_batched_tokens=max_num_batched_tokens,
             head_dim_multiple=resolve_head_dim_multiple(head_dim_multiple),
+            tensor_parallel=tensor_parallel,
             **state_plan(model.config, state_layout, memory_bytes, checkpoint_share, max_num_seqs),
         )
         return cls(model, config, **kwargs)
@@ -319,6 +338,8 @@ class Engine:
                             steps[-1].usage,
                         )
                     )
+            if self.step_check is not None:
+                self.step_check(None)
         except BaseException:
             self._abort()
             raise
@@ -380,6 +401,8 @@ class Engine:
         try:
             with self.manager.step_transaction():
                 output = self._scheduler.schedule()
+                if self.step_check is not None:
+                    self.step_check(output)
                 usage = self.manager.usage
                 if self.connector is not None:
                     self.connector.before_step()  # reads reused blocks before the step writes them

@@ -23,6 +23,14 @@ Every model has two forwards over the same weights:
   window layers) and the delta rule from zero state, no cache: the correctness oracle
   of the paged path.
 
+Tensor parallelism (Megatron-style): the weights carry Flax NNX sharding annotations
+over the mesh axis :data:`MODEL_AXIS`: the attention q/k/v and MLP gate/up projections
+are column-parallel (split by output features, so each device computes whole heads of
+its own KV heads), the attention and MLP output projections row-parallel (split by
+input features; XLA sums the partial products). Embeddings, norms, the LM head and the
+Gated DeltaNet layers are replicated. The annotations are metadata only (no mesh is
+needed to build a model); :mod:`jaxkv.serving.mesh` places the weights.
+
 Layer ``i`` is named ``layers.<i>``, as in :mod:`jaxkv.presets`, so
 ``plan_kv_cache(config.layer_specs(), ...)`` plans the cache the model reads.
 """
@@ -49,6 +57,12 @@ from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindow
 from jaxkv.state_cache import HybridCache, StateCache, read_states, write_states
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+MODEL_AXIS = "model"
+"""The mesh axis name in the weights' sharding annotations (a runner maps it to its mesh's axis)."""
+COLUMN_PARALLEL = (None, MODEL_AXIS)
+"""A ``(in, out)`` kernel split by output features."""
+ROW_PARALLEL = (MODEL_AXIS, None)
+"""A ``(in, out)`` kernel split by input features."""
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
 DTYPES = ("float32", "bfloat16")
 
@@ -201,6 +215,14 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
 }
 
 
+MESH_MODEL_CONFIGS: dict[str, ModelConfig] = {
+    f"{name}-kv8": dataclasses.replace(MODEL_CONFIGS[name], num_heads=8, num_kv_heads=8, head_dim=16)
+    for name in MODEL_CONFIGS
+}
+"""The tiny models with 8 KV heads of 16 (the same hidden size), so their KV cache splits
+over up to 8 devices (:mod:`jaxkv.serving.mesh`); the tiny models' 2 KV heads split over
+at most 2."""
+
 GPU_MODEL_CONFIGS: dict[str, ModelConfig] = {
     "llama-1b": ModelConfig(
         vocab_size=32_000,
@@ -217,19 +239,19 @@ GPU_MODEL_CONFIGS: dict[str, ModelConfig] = {
 """Benchmark models sized for an accelerator (``llama-1b``: ~1.1e9 parameters, Llama-3.2-1B
 shaped), so a step measures compute, not launch overhead. Kept apart from
 :data:`MODEL_CONFIGS` (every model there serves on a CPU in seconds, and CPU runs such
-as the soak iterate over it); :func:`get_model_config` finds both."""
+as the soak iterate over it); :func:`get_model_config` finds all three dicts."""
 
 
 def model_names() -> tuple[str, ...]:
-    """Every named model: the tiny ones, then the GPU-sized ones."""
-    return (*MODEL_CONFIGS, *GPU_MODEL_CONFIGS)
+    """Every named model: the tiny ones, their 8-KV-head variants, then the GPU-sized ones."""
+    return (*MODEL_CONFIGS, *MESH_MODEL_CONFIGS, *GPU_MODEL_CONFIGS)
 
 
 def get_model_config(name: str, *, dtype: str | None = None) -> ModelConfig:
-    """The config of a named model (see :data:`MODEL_CONFIGS`, :data:`GPU_MODEL_CONFIGS`);
-    ``dtype`` overrides its weights', activations' and cache's dtype."""
+    """The config of a named model (see :data:`MODEL_CONFIGS`, :data:`MESH_MODEL_CONFIGS`,
+    :data:`GPU_MODEL_CONFIGS`); ``dtype`` overrides its weights', activations' and cache's dtype."""
     try:
-        config = {**MODEL_CONFIGS, **GPU_MODEL_CONFIGS}[name]
+        config = {**MODEL_CONFIGS, **MESH_MODEL_CONFIGS, **GPU_MODEL_CONFIGS}[name]
     except (KeyError, TypeError):
         raise ModelConfigError(f"unknown model {name!r}; valid models: {', '.join(model_names())}") from None
     return config if dtype is None else dataclasses.replace(config, dtype=dtype)
@@ -257,9 +279,23 @@ def _matmul_precision(dtype: str) -> jax.lax.Precision | None:
     return _HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _linear(din: int, dout: int, dtype: str, rngs: nnx.Rngs) -> nnx.Linear:
+def _linear(
+    din: int, dout: int, dtype: str, rngs: nnx.Rngs, sharding: tuple[str | None, ...] | None = None
+) -> nnx.Linear:
+    """A bias-free projection; ``sharding`` (:data:`COLUMN_PARALLEL`, :data:`ROW_PARALLEL`)
+    annotates its kernel, unplaced (no mesh needed here), or None: replicated."""
+    init = nnx.initializers.lecun_normal()
+    if sharding is not None:
+        init = nnx.with_partitioning(init, sharding, eager_sharding=False)
     return nnx.Linear(
-        din, dout, use_bias=False, dtype=dtype, param_dtype=dtype, precision=_matmul_precision(dtype), rngs=rngs
+        din,
+        dout,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=dtype,
+        precision=_matmul_precision(dtype),
+        kernel_init=init,
+        rngs=rngs,
     )
 
 
@@ -278,10 +314,10 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.logit_cap = c.attn_soft_cap
         self.sm_scale = 1.0 / math.sqrt(c.head_dim)
-        self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.dtype, rngs)
-        self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.dtype, rngs)
-        self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.dtype, rngs)
-        self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, c.dtype, rngs)
+        self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.dtype, rngs, COLUMN_PARALLEL)
+        self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.dtype, rngs, COLUMN_PARALLEL)
+        self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.dtype, rngs, COLUMN_PARALLEL)
+        self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, c.dtype, rngs, ROW_PARALLEL)
         self.q_norm = _norm(c.head_dim, c.dtype, rngs) if c.qk_norm else None
         self.k_norm = _norm(c.head_dim, c.dtype, rngs) if c.qk_norm else None
 
@@ -396,9 +432,9 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         c = config
         self.act = c.activation
-        self.gate = _linear(c.hidden_size, c.mlp_dim, c.dtype, rngs)
-        self.up = _linear(c.hidden_size, c.mlp_dim, c.dtype, rngs)
-        self.down = _linear(c.mlp_dim, c.hidden_size, c.dtype, rngs)
+        self.gate = _linear(c.hidden_size, c.mlp_dim, c.dtype, rngs, COLUMN_PARALLEL)
+        self.up = _linear(c.hidden_size, c.mlp_dim, c.dtype, rngs, COLUMN_PARALLEL)
+        self.down = _linear(c.mlp_dim, c.hidden_size, c.dtype, rngs, ROW_PARALLEL)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(ACTIVATIONS[self.act](self.gate(x)) * self.up(x))

@@ -13,17 +13,26 @@ a step compiled apart, when a token check asks for them).
 The step is traced once per bucket combination (and :mod:`jaxkv.ops` implementation,
 read at each step); :attr:`ModelRunner.num_compilations` counts the traces, so tests
 can bound them.
+
+Tensor parallel: given a ``mesh``, the runner splits the model over its model axis
+(:mod:`jaxkv.serving.mesh`): KV heads of the cache and the annotated weights sharded,
+recurrent state, metadata and sampled tokens replicated. The step is then jitted with
+these shardings as its explicit ``in_shardings`` / ``out_shardings`` (the same sharding
+objects every step, so nothing recompiles); without a mesh it runs on the default device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
@@ -33,7 +42,8 @@ from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metad
 from jaxkv.offload.host_pool import HostKVPool
 from jaxkv.offload.transfer import Transfer, TransferEngine
 from jaxkv.planner import KVCacheConfig, pad_head_size
-from jaxkv.serving.models import TinyLM, layer_groups
+from jaxkv.serving.mesh import auto_axes, place, replicated, weight_shardings
+from jaxkv.serving.models import MODEL_AXIS, TinyLM, layer_groups
 from jaxkv.serving.scheduler import ScheduledChunk
 from jaxkv.specs import KVCacheSpec, MambaSpec
 from jaxkv.state_cache import HybridCache, allocate_state_cache, num_state_rows
@@ -99,36 +109,77 @@ def _step(
     return tokens, cache
 
 
-_jitted_step = jax.jit(_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
-"""Shared by all runners: the same architecture, plan, ops implementation and bucket
-shapes compile once per process (all but the weights, cache and metadata are static)."""
-_jitted_step_with_logits = jax.jit(_step_with_logits, static_argnums=(0, 1, 2), donate_argnums=(4,))
-"""The same step also returning the sampled positions' logits (a separate compilation,
-used only when logits are asked for: token checks, not serving)."""
+StepShardings = tuple[tuple[jax.sharding.Sharding, ...], object] | None
+"""The flattened ``(in_shardings, out_shardings)`` of a step, ``(leaves, treedef)``
+(hashable, a cache key), or None: no mesh, the default device."""
 
 
-def allocate_cache(config: KVCacheConfig) -> KVCache | HybridCache:
-    """The device cache a model planned by ``config`` reads: its KV pages, plus state rows
-    when the plan has recurrent groups."""
-    kv = allocate_kv_cache(config)
+@functools.cache
+def jitted_step(fn: Callable, shardings: StepShardings) -> jax.stages.Wrapped:
+    """``fn`` (:func:`_step` or :func:`_step_with_logits`) jitted with the cache donated.
+
+    Shared by all runners: the same architecture, plan, ops implementation, bucket
+    shapes and shardings compile once per process (all but the weights, cache and
+    metadata are static). The step with logits is a separate compilation, used only
+    when logits are asked for (token checks, not serving).
+    """
+    if shardings is None:
+        return jax.jit(fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
+    leaves, treedef = shardings
+    in_shardings, out_shardings = jax.tree.unflatten(treedef, leaves)
+    return jax.jit(
+        fn,
+        static_argnums=(0, 1, 2),
+        donate_argnums=(4,),
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+    )
+
+
+def _flat(shardings: object) -> StepShardings:
+    """``(in_shardings, out_shardings)`` as a hashable ``(leaves, treedef)``."""
+    leaves, treedef = jax.tree.flatten(shardings)
+    return tuple(leaves), treedef
+
+
+def allocate_cache(
+    config: KVCacheConfig, mesh: Mesh | None = None, model_axis: str = MODEL_AXIS
+) -> KVCache | HybridCache:
+    """The device cache a model planned by ``config`` reads: its KV pages (KV heads split
+    over ``model_axis`` of ``mesh``), plus state rows (replicated) when the plan has
+    recurrent groups."""
+    kv = allocate_kv_cache(config, mesh=mesh, kv_axis=model_axis)
     if any(isinstance(g.spec, MambaSpec) for g in config.groups):
-        return HybridCache(kv, allocate_state_cache(config))
+        return HybridCache(kv, allocate_state_cache(config, mesh=mesh))
     return kv
 
 
 class ModelRunner:
     """A model, its paged KV cache (in ``config.pages.layout``), and the one jitted step.
 
-    ``num_compilations`` counts the step shapes this runner had to compile (shapes
-    another runner of the same architecture compiled before are reused).
+    ``mesh`` splits the model over its ``model_axis`` (tensor parallel; see the module
+    docstring); the model's ``num_kv_heads`` must be a multiple of the axis size
+    (:class:`~jaxkv.cache.KVCacheShardingError` otherwise). ``num_compilations`` counts
+    the step shapes this runner had to compile (shapes another runner of the same
+    architecture and shardings compiled before are reused).
     """
 
-    def __init__(self, model: TinyLM, config: KVCacheConfig, buckets: Buckets) -> None:
+    def __init__(
+        self,
+        model: TinyLM,
+        config: KVCacheConfig,
+        buckets: Buckets,
+        *,
+        mesh: Mesh | None = None,
+        model_axis: str = MODEL_AXIS,
+    ) -> None:
         self.config = config
         self.buckets = buckets
+        self.mesh = None if mesh is None else auto_axes(mesh, model_axis)
+        self.model_axis = model_axis
         self.block_sizes = tuple(g.block_size for g in config.groups)
         self.state_groups = tuple(i for i, g in enumerate(config.groups) if isinstance(g.spec, MambaSpec))
-        self.cache: KVCache | HybridCache = allocate_cache(config)
+        self.cache: KVCache | HybridCache = allocate_cache(config, self.mesh, model_axis)
         self.groups = layer_groups(model.config, [g.layer_names for g in config.groups])
         specs = model.config.layer_specs()
         for name, g in zip(model.config.layer_names, self.groups):
@@ -137,7 +188,20 @@ class ModelRunner:
                     f"layer {name!r} needs {specs[name]!r}, but its group is planned for {config.groups[g].spec!r}"
                 )
         self.graphdef, self.weights = nnx.split(model)
+        self._meta_sharding = None if self.mesh is None else replicated(self.mesh)
+        plain = with_logits = None
+        if self.mesh is not None:
+            weights = weight_shardings(self.weights, self.mesh, model_axis)
+            self.weights = place(self.weights, weights)
+            cache = jax.tree.map(lambda buf: buf.sharding, self.cache)
+            ins, rep = (weights, cache, self._meta_sharding), self._meta_sharding
+            plain = _flat((ins, (rep, cache)))
+            with_logits = _flat((ins, (rep, rep, cache)))
+        self._step = jitted_step(_step, plain)
+        self._step_with_logits = jitted_step(_step_with_logits, with_logits)
         self.num_compilations = 0
+        self.device_wait_s = 0.0
+        """Seconds the host spent waiting for steps' outputs (the rest of a step is host work)."""
 
     def metadata(self, chunks: Sequence[ScheduledChunk]) -> StepMetadata:
         """The device metadata of one step's chunks (decodes first, as the scheduler orders them)."""
@@ -151,27 +215,34 @@ class ModelRunner:
             num_blocks=self.config.num_blocks,
             state_groups=self.state_groups,
             num_states=num_state_rows(self.config) if self.state_groups else None,
+            device=self._meta_sharding,
         )
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray:
         """Run one step; the greedy next token after each chunk's last token, ``(len(chunks),)``."""
-        (tokens,) = self._run(_jitted_step, chunks)
+        (tokens,) = self._run(self._step, chunks)
         return tokens
 
     def execute_with_logits(self, chunks: Sequence[ScheduledChunk]) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`execute`, plus the float32 logits each token was sampled from, ``(len(chunks), vocab)``."""
-        tokens, logits = self._run(_jitted_step_with_logits, chunks)
+        tokens, logits = self._run(self._step_with_logits, chunks)
         return tokens, logits
 
     def _run(self, step: Callable, chunks: Sequence[ScheduledChunk]) -> list[np.ndarray]:
-        """Call a jitted step on these chunks (the cache donated); its outputs' rows of the chunks."""
+        """Call a jitted step on these chunks (the cache donated); its outputs' rows of the chunks.
+
+        Outputs are replicated: each is read from this process's first copy, which is
+        all a process holds of an array whose devices span processes."""
         meta = self.metadata(chunks)
         before = _num_step_traces
         *outputs, self.cache = step(
             self.graphdef, self.groups, ops.get_implementation(), self.weights, self.cache, meta
         )
         self.num_compilations += _num_step_traces - before
-        return [np.asarray(x)[: len(chunks)] for x in outputs]
+        start = time.perf_counter()
+        jax.block_until_ready(outputs)
+        self.device_wait_s += time.perf_counter() - start
+        return [np.asarray(x.addressable_data(0))[: len(chunks)] for x in outputs]
 
     def cache_is_intact(self) -> bool:
         """False when a step was interrupted after donating the cache (its buffers are gone)."""
@@ -180,7 +251,7 @@ class ModelRunner:
     def reallocate_cache(self) -> None:
         """A fresh, zeroed cache after :meth:`cache_is_intact` turned False; every block's
         KV (and state) is lost, so the caller must also drop the prefix cache."""
-        self.cache = allocate_cache(self.config)
+        self.cache = allocate_cache(self.config, self.mesh, self.model_axis)
 
     # ------------------------------------------------------------ host tier
     @property
@@ -218,6 +289,6 @@ class ModelRunner:
 
     def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
         """The step lowered for these chunks' shapes (``.compile().memory_analysis()``)."""
-        return _jitted_step.lower(
+        return self._step.lower(
             self.graphdef, self.groups, ops.get_implementation(), self.weights, self.cache, self.metadata(chunks)
         )
