@@ -24,8 +24,8 @@ yet answered): exact and current when this router is the replica's only client, 
 a heartbeat's load (kept in :meth:`Router.reported_load`) is up to one interval old.
 
 Liveness: each replica heartbeats every ``heartbeat_interval_s`` (from a thread of its
-own, so a long step does not silence it). A replica not heard
-from for ``2 * heartbeat_interval_s`` missed a heartbeat and is dropped at the next
+own, so a long step does not silence it). A replica not heard from for
+``2 * heartbeat_interval_s`` missed a heartbeat and is dropped at the next
 :meth:`Router.poll`, within one interval of the missed one: the router stops sending
 to it, its prefixes leave the index, and its requests in flight are sent again to the
 live replicas (a late answer from it is ignored), so no request is lost while a
