@@ -18,6 +18,7 @@ input as one line on stderr, exit status 2).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -181,6 +182,17 @@ def exit_error(prog: str, message: object, status: int = USAGE_STATUS) -> NoRetu
     """:func:`print_error`, then exit with ``status``."""
     print_error(prog, message)
     sys.exit(status)
+
+
+def write_json(prog: str, path: str, report: object) -> None:
+    """Write ``report`` as indented JSON to ``path`` and say so; :func:`exit_error` if
+    the file cannot be written."""
+    try:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+    except OSError as err:
+        exit_error(prog, err)
+    print(f"wrote {path}")
 
 
 def flags_parser(prog: str, flag_values: flags.FlagValues = flags.FLAGS) -> Callable[[list[str]], list[str]]:

@@ -35,7 +35,6 @@ device or too small, prompts that do not fit ``--max_model_len``) prints one lin
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import sys
 from collections.abc import Sequence
@@ -46,7 +45,7 @@ from absl import app, flags, logging
 from jaxkv import ops
 from jaxkv.errors import JaxkvError
 from jaxkv.metadata import Buckets
-from jaxkv.plan import check_fits_device, define_state_flags, exit_error, flags_parser, parse_size
+from jaxkv.plan import check_fits_device, define_state_flags, exit_error, flags_parser, parse_size, write_json
 from jaxkv.planner import LAYOUTS, plan_kv_cache
 from jaxkv.serving.engine import Engine, GenerationResult, state_plan
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, LogitCheck, compare_outputs
@@ -239,12 +238,7 @@ def main(argv: Sequence[str]) -> None:
             "ratios": ratios,
             "token_check": check.to_dict(),
         }
-        try:
-            with open(FLAGS.out, "w") as f:
-                json.dump(report, f, indent=2)
-        except OSError as err:
-            exit_error(PROG, err)
-        print(f"wrote {FLAGS.out}")
+        write_json(PROG, FLAGS.out, report)
     if not check.passed:
         exit_error(PROG, f"prefix caching changed the model's output beyond the check: {check.summary()}", status=1)
 

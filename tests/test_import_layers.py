@@ -29,6 +29,7 @@ HOST_MODULES = [
     "jaxkv.serving.lockstep",
     "jaxkv.serving.launcher",
     "jaxkv.serving.simulator",
+    "jaxkv.serving.router",  # a router process need not carry JAX
 ]
 
 

@@ -252,3 +252,31 @@ def test_a_recurrent_hybrid_compiles_once_per_step_shape(qwen3_next):
     eng.generate(workload()[:2], 2)
     run = eng.generate(workload()[2:], 30)
     assert run.num_steps >= 30 and run.num_compilations == 0
+
+
+def test_a_request_added_between_steps_joins_the_running_batch(models, dense_tokens):
+    model = models["tiny-llama"]
+    eng = engine(model)
+    first, *rest = workload()
+    eng.add_request(first, NEW_TOKENS, request_id="first")
+    eng.step()
+    eng.step()
+    assert eng.num_running == 1
+    late = eng.add_request(rest[0], NEW_TOKENS)
+    eng.step()
+    assert eng.num_running == 2 and eng.num_waiting == 0  # admitted beside "first", which still runs
+    outputs = {}
+    while eng.has_unfinished:
+        outputs.update((o.request_id, list(o.output_token_ids)) for o in eng.step().finished)
+    assert outputs == {"first": dense_tokens["tiny-llama"][0], late: dense_tokens["tiny-llama"][1]}
+    assert eng.audit().device_blocks_leaked == 0
+
+
+def test_generate_refuses_to_run_beside_added_requests(models):
+    eng = engine(models["tiny-llama"])
+    eng.add_request(workload()[0], 2, request_id="a")
+    with pytest.raises(EngineError, match="1 added requests are unfinished"):
+        eng.generate(workload()[:1], 2)
+    with pytest.raises(EngineError, match="request_id must be a str not already unfinished, got 'a'"):
+        eng.add_request(workload()[1], 2, request_id="a")
+    assert eng.num_waiting == 1 and eng.reset_prefix_cache() is False

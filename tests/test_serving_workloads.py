@@ -3,7 +3,7 @@
 import pytest
 
 from jaxkv.errors import JaxkvError
-from jaxkv.serving.workloads import WorkloadError, shared_prefix_prompts
+from jaxkv.serving.workloads import WorkloadError, conversations, shared_prefix_prompts
 
 
 def test_prompts_share_their_prefix_round_robin_and_have_unique_tails():
@@ -36,3 +36,27 @@ def test_bad_knobs_are_named(change, match):
     with pytest.raises(WorkloadError, match=match) as err:
         shared_prefix_prompts(**{**knobs, **change})
     assert isinstance(err.value, JaxkvError) and isinstance(err.value, ValueError)
+
+
+def test_a_chat_trace_has_tenants_system_prompts_and_follow_ups_that_extend_the_last_turn():
+    chats = conversations(
+        num_conversations=20, num_tenants=8, system_len=12, num_turns=3, message_len=(2, 4), vocab_size=50, seed=3
+    )
+    assert len(chats) == 20 and all(c.num_turns == 3 for c in chats)
+    by_tenant = {}
+    for c in chats:
+        by_tenant.setdefault(c.tenant, set()).add(c.system_prompt)
+    assert all(len(prompts) == 1 for prompts in by_tenant.values()) and len(by_tenant) > 1
+    assert len({c.system_prompt for c in chats}) == len(by_tenant)
+    chat = chats[0]
+    first = chat.prompt(0)
+    assert first[:12] == list(chat.system_prompt) and 14 <= len(first) <= 16
+    follow_up = chat.prompt(1, first, [7, 8])
+    assert follow_up == first + [7, 8] + list(chat.user_messages[1])
+
+
+def test_bad_chat_trace_knobs_are_refused():
+    with pytest.raises(WorkloadError, match=r"message_len must be a range \(lo, hi\) .*got \(3, 2\)"):
+        conversations(num_conversations=1, num_tenants=1, system_len=1, num_turns=1, message_len=(3, 2), vocab_size=5)
+    with pytest.raises(WorkloadError, match="num_turns must be a.* int.*, got 0"):
+        conversations(num_conversations=1, num_tenants=1, system_len=1, num_turns=0, message_len=(1, 2), vocab_size=5)

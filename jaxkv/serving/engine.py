@@ -1,11 +1,13 @@
 """Greedy generation with continuous batching: scheduler, KV cache manager and runner.
 
-:class:`Engine` owns a :class:`~jaxkv.manager.KVCacheManager` and a
-:class:`~jaxkv.serving.runner.ModelRunner` (weights and the device cache); both outlive
-a :meth:`Engine.generate` call, so a later call hits the prefix cache of an earlier one.
-Each call queues its prompts on a fresh :class:`~jaxkv.serving.scheduler.Scheduler`
-and steps until every request is done, timing each request's first token (TTFT, from
-the start of the call) and the KV pool usage of every step.
+:class:`Engine` owns a :class:`~jaxkv.manager.KVCacheManager`, a
+:class:`~jaxkv.serving.runner.ModelRunner` (weights and the device cache) and one
+:class:`~jaxkv.serving.scheduler.Scheduler`; all outlive a request, so a later request
+hits the prefix cache of an earlier one. A server drives it step by step
+(:meth:`Engine.add_request` whenever a request arrives, :meth:`Engine.step` while any
+is unfinished: a request added between steps joins the running batch);
+:meth:`Engine.generate` is that loop over one batch of prompts, timing each request's
+first token (TTFT, from its arrival) and the KV pool usage of every step.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ def resolve_head_dim_multiple(head_dim_multiple: int | None) -> int:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One request's result. Times are seconds from the start of its ``generate`` call."""
+    """One request's result. Times are seconds from its arrival (:meth:`Engine.add_request`;
+    ``generate`` adds its prompts at the start of the call)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -107,6 +110,26 @@ class StepProgress:
     num_finished: int
     num_requests: int
     usage: float
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """What one :meth:`Engine.step` did: the requests it finished, the tokens it
+    computed and the KV pool usage once it was scheduled."""
+
+    finished: tuple[RequestOutput, ...]
+    num_tokens: int
+    usage: float
+
+
+@dataclass(eq=False)
+class _LiveRequest:
+    """A request between :meth:`Engine.add_request` and its output."""
+
+    seq: SeqState
+    arrival: float
+    first_token: float | None = None
+    logits: list[np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -181,8 +204,8 @@ class Engine:
     Single-owner, like the manager: only the creating thread may call it. Each step
     runs in :meth:`~jaxkv.manager.KVCacheManager.step_transaction`, so an exception
     anywhere in a step (an interrupt, a failed compile, a failing callback) drops
-    the hashes of the blocks that step would have written, frees every request of
-    the call, and leaves the engine usable with an exact prefix cache.
+    the hashes of the blocks that step would have written, frees every unfinished
+    request, and leaves the engine usable with an exact prefix cache.
     """
 
     def __init__(
@@ -222,6 +245,8 @@ class Engine:
         self.connector = OffloadConnector.create(self.manager, self.runner, offload) if offload else None
         self._ids = itertools.count()
         self._owner = OwnerThread("Engine")
+        self._scheduler = self._new_scheduler()
+        self._live: dict[str, _LiveRequest] = {}
 
     @classmethod
     def build(
@@ -279,86 +304,162 @@ class Engine:
         ``cache_salt`` (one for all prompts, or one per prompt) separates tenants:
         prompts with different salts never share a cached block (see README on the
         hash algorithm). A request also stops at ``max_model_len`` tokens. Bad input
-        raises :class:`EngineError` before anything runs; an exception during the run
-        leaves nothing held and the prefix cache exact. ``return_logits`` also brings
-        back the logits of every sampled token (:attr:`RequestOutput.logits`; a step
-        compiled apart, for token checks such as :mod:`jaxkv.serving.logit_check`).
+        raises :class:`EngineError` before anything runs, and so does a call while
+        requests added with :meth:`add_request` are unfinished; an exception during
+        the run leaves nothing held and the prefix cache exact. ``return_logits`` also
+        brings back the logits of every sampled token (:attr:`RequestOutput.logits`; a
+        step compiled apart, for token checks such as :mod:`jaxkv.serving.logit_check`).
         """
         self._owner.check()
         prompts, limits, salts = self._check(prompts, max_new_tokens, cache_salt)
-        scheduler = Scheduler(
+        if self._live:
+            raise EngineError(f"generate needs an idle engine; {len(self._live)} added requests are unfinished")
+        compilations = self.runner.num_compilations
+        start = time.perf_counter()
+        ids = [
+            self._add(prompt, limit, salt, None, return_logits) for prompt, limit, salt in zip(prompts, limits, salts)
+        ]
+        outputs: dict[str, RequestOutput] = {}
+        steps: list[EngineStep] = []
+        try:
+            while self._live:
+                steps.append(self.step())
+                outputs.update((o.request_id, o) for o in steps[-1].finished)
+                if progress is not None:
+                    progress(
+                        StepProgress(
+                            len(steps),
+                            time.perf_counter() - start,
+                            steps[-1].num_tokens,
+                            self.num_waiting,
+                            self.num_running,
+                            len(outputs),
+                            len(ids),
+                            steps[-1].usage,
+                        )
+                    )
+            if self.step_check is not None:
+                self.step_check(None)
+        except BaseException:
+            self._abort()
+            raise
+        results = [outputs[i] for i in ids]
+        usages = [s.usage for s in steps]
+        return GenerationResult(
+            outputs=tuple(results),
+            wall_s=time.perf_counter() - start,
+            num_steps=len(steps),
+            num_prompt_tokens=sum(len(o.prompt_token_ids) for o in results),
+            num_cached_prompt_tokens=sum(o.num_cached_tokens for o in results),
+            num_generated_tokens=sum(len(o.output_token_ids) for o in results),
+            num_scheduled_tokens=sum(s.num_tokens for s in steps),
+            num_preemptions=sum(o.num_preemptions for o in results),
+            peak_usage=max(usages, default=0.0),
+            mean_usage=float(np.mean(usages)) if usages else 0.0,
+            num_compilations=self.runner.num_compilations - compilations,
+        )
+
+    # ------------------------------------------------------- step by step
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        return_logits: bool = False,
+    ) -> str:
+        """Queue one request (checked as ``generate`` checks a prompt); its id, given or
+        made. It is admitted at a later :meth:`step`, beside the requests running then."""
+        self._owner.check()
+        [ids], [limit], [salt] = self._check([prompt], max_new_tokens, cache_salt)
+        if request_id is not None and (not isinstance(request_id, str) or request_id in self._live):
+            raise EngineError(f"request_id must be a str not already unfinished, got {request_id!r}")
+        return self._add(ids, limit, salt, request_id, return_logits)
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished."""
+        return len(self._scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (new or preempted) and not admitted."""
+        return len(self._scheduler.waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> EngineStep:
+        """Run one scheduler step over the unfinished requests (nothing when there are
+        none). An exception in it drops every unfinished request (freed, the prefix
+        cache exact: see the class docstring) and propagates."""
+        self._owner.check()
+        if not self._live:
+            return EngineStep((), 0, self.manager.usage)
+        try:
+            with self.manager.step_transaction():
+                output = self._scheduler.schedule()
+                if self.step_check is not None:
+                    self.step_check(output)
+                usage = self.manager.usage
+                if self.connector is not None:
+                    self.connector.before_step()  # reads reused blocks before the step writes them
+                live = [self._live[c.seq.request_id] for c in output.chunks]
+                if all(r.logits is None for r in live):
+                    tokens = self.runner.execute(output.chunks)
+                else:
+                    tokens, rows = self.runner.execute_with_logits(output.chunks)
+                    for chunk, row, request in zip(output.chunks, rows, live):
+                        if chunk.samples and request.logits is not None:
+                            request.logits.append(row)
+                if self.connector is not None:
+                    self.connector.after_step(output.chunks)
+            self._publish_events()
+            done = self._scheduler.update(output, tokens.tolist())
+        except BaseException:
+            self._abort()
+            raise
+        now = time.perf_counter()
+        for chunk, request in zip(output.chunks, live):
+            if chunk.samples and request.first_token is None:
+                request.first_token = now
+        finished = tuple(self._output(self._live.pop(seq.request_id), now) for seq in done)
+        if not self._live:
+            self._release(())
+            self._publish_events()  # the host stores settled by _release
+        return EngineStep(finished, output.num_tokens, usage)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the device prefix cache (published as ``AllBlocksCleared``); refused
+        (False) while requests are unfinished."""
+        self._owner.check()
+        ok = not self._live and self.manager.reset_prefix_cache()
+        self._publish_events()
+        return ok
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(
             self.manager,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             admission=self.connector,
         )
-        seqs = [
-            scheduler.add_request(Request(f"req-{next(self._ids)}", prompt, cache_salt=salt), limit)
-            for prompt, limit, salt in zip(prompts, limits, salts)
-        ]
-        compilations = self.runner.num_compilations
-        ttft: dict[str, float] = {}
-        finish: dict[str, float] = {}
-        usages: list[float] = []
-        logits: dict[str, list[np.ndarray]] | None = {s.request_id: [] for s in seqs} if return_logits else None
-        start = time.perf_counter()
+
+    def _add(self, prompt: list[int], limit: int, salt: str | None, request_id: str | None, return_logits: bool) -> str:
+        rid = f"req-{next(self._ids)}" if request_id is None else request_id
+        seq = self._scheduler.add_request(Request(rid, prompt, cache_salt=salt), limit)
+        self._live[rid] = _LiveRequest(seq, time.perf_counter(), logits=[] if return_logits else None)
+        return rid
+
+    def _abort(self) -> None:
+        """Drop every unfinished request (freeing what it holds) and start a fresh scheduler."""
         try:
-            while scheduler.has_unfinished:
-                with self.manager.step_transaction():
-                    output = scheduler.schedule()
-                    if self.step_check is not None:
-                        self.step_check(output)
-                    usages.append(self.manager.usage)
-                    if self.connector is not None:
-                        self.connector.before_step()  # reads reused blocks before the step writes them
-                    if logits is None:
-                        tokens = self.runner.execute(output.chunks)
-                    else:
-                        tokens, rows = self.runner.execute_with_logits(output.chunks)
-                        for chunk, row in zip(output.chunks, rows):
-                            if chunk.samples:
-                                logits[chunk.seq.request_id].append(row)
-                    if self.connector is not None:
-                        self.connector.after_step(output.chunks)
-                self._publish_events()
-                done = scheduler.update(output, tokens.tolist())
-                now = time.perf_counter() - start
-                for chunk in output.chunks:
-                    if chunk.samples:
-                        ttft.setdefault(chunk.seq.request_id, now)
-                for seq in done:
-                    finish[seq.request_id] = now
-                if progress is not None:
-                    progress(
-                        StepProgress(
-                            len(usages),
-                            now,
-                            output.num_tokens,
-                            len(scheduler.waiting),
-                            len(scheduler.running),
-                            len(finish),
-                            len(seqs),
-                            usages[-1],
-                        )
-                    )
-            if self.step_check is not None:
-                self.step_check(None)
+            self._release([r.seq for r in self._live.values()])
         finally:
-            self._release(seqs)
-        self._publish_events()  # the host stores settled by _release
-        return GenerationResult(
-            outputs=tuple(self._output(s, ttft, finish, logits) for s in seqs),
-            wall_s=time.perf_counter() - start,
-            num_steps=len(usages),
-            num_prompt_tokens=sum(s.request.num_prompt_tokens for s in seqs),
-            num_cached_prompt_tokens=sum(s.num_cached_tokens for s in seqs),
-            num_generated_tokens=sum(s.num_output_tokens for s in seqs),
-            num_scheduled_tokens=scheduler.num_scheduled_tokens,
-            num_preemptions=scheduler.num_preemptions,
-            peak_usage=max(usages, default=0.0),
-            mean_usage=float(np.mean(usages)) if usages else 0.0,
-            num_compilations=self.runner.num_compilations - compilations,
-        )
+            self._live.clear()
+            self._scheduler = self._new_scheduler()
 
     def audit(self) -> CacheAudit:
         """Count blocks held by nobody; call it between ``generate`` calls (when no
@@ -379,8 +480,8 @@ class Engine:
             self.kv_events.publish_step(self.manager, self.connector)
 
     def _release(self, seqs: Sequence[SeqState]) -> None:
-        """End a call, normally or not: settle stores, free what its requests still
-        hold, and replace the cache if an interrupted step consumed it."""
+        """Settle stores, free what ``seqs`` still hold (requests dropped by an
+        exception), and replace the cache if an interrupted step consumed it."""
         try:
             if self.connector is not None:
                 self.connector.finish_stores()
@@ -449,12 +550,8 @@ class Engine:
         return list(value)
 
     @staticmethod
-    def _output(
-        seq: SeqState,
-        ttft: dict[str, float],
-        finish: dict[str, float],
-        logits: dict[str, list[np.ndarray]] | None,
-    ) -> RequestOutput:
+    def _output(request: _LiveRequest, now: float) -> RequestOutput:
+        seq = request.seq
         req = seq.request
         return RequestOutput(
             request_id=req.request_id,
@@ -462,7 +559,7 @@ class Engine:
             output_token_ids=tuple(req.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
-            ttft_s=ttft[req.request_id],
-            finish_s=finish[req.request_id],
-            logits=None if logits is None else np.stack(logits[req.request_id]),
+            ttft_s=request.first_token - request.arrival,
+            finish_s=now - request.arrival,
+            logits=None if request.logits is None else np.stack(request.logits),
         )

@@ -1,0 +1,236 @@
+"""A data-parallel replica: one :class:`~jaxkv.serving.engine.Engine` behind a ZeroMQ
+request endpoint, publishing its KV events and heartbeats for a router
+(:mod:`jaxkv.serving.router`).
+
+A replica binds four sockets, named by a :class:`ReplicaAddress`:
+
+- ``requests`` (ROUTER): a client (a DEALER) sends :class:`GenerateRequest` or
+  :class:`ResetPrefixCache` messages; the replica answers each with a
+  :class:`GenerateResult`, a :class:`GenerateFailure` or a :class:`CacheReset`.
+  Requests are added to the engine as they arrive and join the running batch at the
+  next step (continuous batching: :meth:`Engine.add_request` / :meth:`Engine.step`).
+- ``heartbeats`` (PUB): a :class:`Heartbeat` with the replica's load (running +
+  waiting requests, as of the last step) every ``heartbeat_interval_s``, from a thread
+  of its own: a long step (a big prefill on a busy host) is not read as death, while a
+  replica that is killed or closed falls silent.
+- ``events`` (PUB) and ``replay`` (ROUTER): the engine's KV events in vLLM's format
+  (:class:`~jaxkv.serving.kv_events.KVEventPublisher`).
+
+The addresses and messages are :mod:`jaxkv.serving.replica_protocol`.
+:func:`running_replicas` runs :func:`serve_replica` in child processes
+(``python -m jaxkv.serving.replica SPEC_JSON``); a child compiles every step shape
+before its first heartbeat, and exits when its parent dies, so no replica outlives
+the program that started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from jaxkv.errors import JaxkvError
+from jaxkv.serving.engine import Engine, RequestOutput
+from jaxkv.serving.kv_events import KVEventPublisher
+from jaxkv.serving.replica_protocol import (
+    CacheReset,
+    FromReplica,
+    GenerateFailure,
+    GenerateResult,
+    Heartbeat,
+    ReplicaAddress,
+    ResetPrefixCache,
+    ToReplica,
+)
+
+
+class ReplicaError(JaxkvError, ValueError):
+    """A replica was given settings it cannot use; nothing was started."""
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What a replica process serves: its name and address, the keyword arguments of
+    :meth:`Engine.build` (JSON values) and its heartbeat interval."""
+
+    name: str
+    address: ReplicaAddress
+    engine: Mapping[str, object]
+    heartbeat_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ReplicaError(f"name must be a non-empty str, got {self.name!r}")
+        interval = self.heartbeat_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < float("inf"):
+            raise ReplicaError(f"heartbeat_interval_s must be a positive number, got {interval!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ReplicaSpec:
+        data = json.loads(text)
+        return cls(data["name"], ReplicaAddress(**data["address"]), data["engine"], data["heartbeat_interval_s"])
+
+
+def warm_up(engine: Engine) -> None:
+    """Compile every step shape of ``engine``'s default buckets (a prefill of the whole
+    step budget and a decode), then forget what that cached."""
+    length = min(engine.max_num_batched_tokens + 1, engine.manager.max_model_len - 2)
+    engine.generate([[t % engine.model.config.vocab_size for t in range(length)]], 2)
+    engine.reset_prefix_cache()
+
+
+class Replica:
+    """Serves requests from ``address.requests`` on ``engine`` until ``should_stop()``.
+
+    The engine must publish to ``address.events`` (its ``kv_events``); the replica
+    owns the request socket and a heartbeat thread. The serving loop runs on the
+    engine's owner thread.
+    """
+
+    def __init__(self, name: str, engine: Engine, address: ReplicaAddress, *, heartbeat_interval_s: float) -> None:
+        self.name = name
+        self.engine = engine
+        self._ctx = zmq.Context()
+        self._requests = self._ctx.socket(zmq.ROUTER)
+        self._requests.bind(address.requests)
+        self._decoder = msgspec.msgpack.Decoder(ToReplica)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._clients: dict[str, bytes] = {}  # request id -> the client identity to answer
+        self._load = 0  # running + waiting, written by the serving loop, read by the heartbeat thread
+        self._closed = threading.Event()
+        heartbeats = self._ctx.socket(zmq.PUB)
+        heartbeats.bind(address.heartbeats)
+        self._heartbeat = threading.Thread(
+            target=self._beat, args=(heartbeats, heartbeat_interval_s), name=f"{name}-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    def serve(self, should_stop: Callable[[], bool]) -> None:
+        """The serving loop: take what arrived (waiting up to 50 ms when idle), run one
+        engine step."""
+        while not should_stop():
+            if self._requests.poll(0 if self.engine.has_unfinished else 50):
+                self._receive()
+            if self.engine.has_unfinished:
+                self._step()
+            self._load = self.engine.num_running + self.engine.num_waiting
+
+    def close(self) -> None:
+        """Stop heartbeating and close the sockets (answers already sent get 1 s to leave)."""
+        self._closed.set()
+        self._heartbeat.join()
+        self._requests.close(linger=1000)
+        self._ctx.term()
+
+    def _beat(self, socket: zmq.Socket, interval_s: float) -> None:
+        encoder = msgspec.msgpack.Encoder()  # the loop's encoder is not for this thread
+        try:
+            for seq in itertools.count():
+                socket.send(encoder.encode(Heartbeat(self.name, seq, self._load)))
+                if self._closed.wait(interval_s):
+                    return
+        finally:
+            socket.close(linger=0)
+
+    def _receive(self) -> None:
+        while self._requests.poll(0):
+            client, payload = self._requests.recv_multipart()
+            try:
+                message = self._decoder.decode(payload)
+            except msgspec.DecodeError as err:
+                self._send(client, GenerateFailure("", self.name, f"undecodable request: {err}"))
+                continue
+            if isinstance(message, ResetPrefixCache):
+                self._send(client, CacheReset(message.request_id, self.name, self.engine.reset_prefix_cache()))
+                continue
+            if message.request_id in self._clients:
+                self._send(client, GenerateFailure(message.request_id, self.name, "request id already in flight"))
+                continue
+            try:
+                self.engine.add_request(
+                    message.prompt_token_ids,
+                    message.max_new_tokens,
+                    cache_salt=message.cache_salt,
+                    request_id=message.request_id,
+                )
+            except JaxkvError as err:
+                self._send(client, GenerateFailure(message.request_id, self.name, str(err)))
+                continue
+            self._clients[message.request_id] = client
+
+    def _step(self) -> None:
+        try:
+            step = self.engine.step()
+        except JaxkvError as err:  # the engine dropped every unfinished request
+            for rid, client in self._clients.items():
+                self._send(client, GenerateFailure(rid, self.name, f"step failed: {err}"))
+            self._clients.clear()
+            return
+        for out in step.finished:
+            self._send(self._clients.pop(out.request_id), self._result(out))
+
+    def _result(self, out: RequestOutput) -> GenerateResult:
+        return GenerateResult(out.request_id, self.name, list(out.output_token_ids), out.ttft_s, out.num_cached_tokens)
+
+    def _send(self, client: bytes, message: FromReplica) -> None:
+        self._requests.send_multipart((client, self._encoder.encode(message)))
+
+
+def serve_replica(spec: ReplicaSpec, should_stop: Callable[[], bool]) -> None:
+    """Build the spec's engine with a KV event publisher, compile it, and serve."""
+    with KVEventPublisher(spec.address.events, replay_endpoint=spec.address.replay) as events:
+        engine = Engine.build(**spec.engine, kv_events=events)
+        warm_up(engine)
+        replica = Replica(spec.name, engine, spec.address, heartbeat_interval_s=spec.heartbeat_interval_s)
+        try:
+            replica.serve(should_stop)
+        finally:
+            replica.close()
+
+
+@contextlib.contextmanager
+def running_replicas(
+    specs: Iterable[ReplicaSpec], *, env: Mapping[str, str] | None = None
+) -> Iterator[dict[str, subprocess.Popen]]:
+    """Start each spec in a child process (``env``: extra environment variables, e.g.
+    ``XLA_FLAGS``); yields name -> process and kills every one that still runs on
+    exit, whatever the exit. A child also exits by itself when this process dies."""
+    package_root = str(Path(__file__).resolve().parents[2])  # this jaxkv, whatever the child's cwd
+    path = os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))
+    child_env = {**os.environ, **(env or {}), "PYTHONPATH": path}
+    processes: dict[str, subprocess.Popen] = {}
+    try:
+        for spec in specs:
+            cmd = [sys.executable, "-m", "jaxkv.serving.replica", spec.to_json()]
+            processes[spec.name] = subprocess.Popen(cmd, env=child_env)
+        yield processes
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+        for process in processes.values():
+            process.wait()
+
+
+def _main(argv: list[str]) -> None:
+    spec = ReplicaSpec.from_json(argv[1])
+    parent = os.getppid()
+    serve_replica(spec, should_stop=lambda: os.getppid() != parent)
+
+
+if __name__ == "__main__":
+    _main(sys.argv)

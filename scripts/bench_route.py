@@ -1,0 +1,358 @@
+"""Prefix-aware routing over data-parallel replicas vs round-robin, least-loaded and one
+big cache, on one multi-tenant multi-turn chat trace.
+
+``--num_replicas`` replica processes (:mod:`jaxkv.serving.replica`: a tiny model on
+CPU, ``--memory`` of KV cache each, small enough that the cache is under pressure)
+serve the trace through a :class:`~jaxkv.serving.router.Router` with each policy in
+turn (round-robin, least-loaded, prefix-aware), every replica's prefix cache reset
+before each run. The baseline is one cache with the replicas' total memory: one more
+replica process, one engine with ``num_replicas x --memory`` and one replica's batch
+limits, serving the whole trace alone.
+
+The trace (:func:`jaxkv.serving.workloads.conversations`): ``--num_conversations``
+chats, each with one of ``--num_tenants`` system prompts and ``--turns`` user
+messages; a follow-up's prompt is the previous turn's prompt + output + a new message.
+``--concurrency`` users chat at once (closed loop: a user sends its next turn when the
+previous one is answered, and starts a new chat when one ends), starting
+``--ramp_s`` apart. Outputs are greedy and the weights identical on every replica, so
+every run serves the same prompts whatever the routing.
+
+Reported per run: prefix-cache hit rate (cached prompt tokens / prompt tokens, as the
+replicas count them), mean and P90 TTFT (from the router's submit to the first
+token), and the ratios prefix-aware / one big cache and prefix-aware / round-robin.
+Every replica process is single-threaded (``XLA_FLAGS``). On CPU the TTFTs are a tiny
+model's compute and queueing on this machine, to be read as ratios; the routing
+policies run the same processes on the same cores, but ``num_replicas`` replicas share
+the machine's cores where replicas on separate devices would not, so the big cache's
+TTFT (one process, serving alone) is not a like-for-like compute comparison.
+
+``--kill_replica`` then runs the trace once more with prefix-aware routing, kills one
+replica (SIGKILL) when half the requests are answered, and reports whether every
+request completed, how many were retried, how long after the kill the router dropped
+the replica (it drops one that misses a heartbeat, within one
+``--heartbeat_interval``), and that the dropped replica's prefixes left the index and
+it got nothing after the drop.
+
+    python scripts/bench_route.py --out bench_route.json
+    python scripts/bench_route.py --quick          # a short run, for tests
+
+Every replica process is killed on any exit (and exits by itself if this script
+dies). Bad input prints one line ``bench_route.py: error: ...`` and exits with
+status 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from absl import app, flags, logging
+
+from jaxkv.errors import JaxkvError
+from jaxkv.plan import exit_error, flags_parser, parse_size, write_json
+from jaxkv.planner import plan_kv_cache
+from jaxkv.serving.models import get_model_config
+from jaxkv.serving.replica import ReplicaSpec, running_replicas
+from jaxkv.serving.replica_protocol import ReplicaAddress
+from jaxkv.serving.router import POLICIES, RoutedOutput, Router
+from jaxkv.serving.workloads import Conversation, conversations
+
+PROG = "bench_route.py"
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("num_replicas", 4, "replica processes", lower_bound=2)
+flags.DEFINE_enum("model", "tiny-llama", ["tiny-llama", "tiny-hybrid"], "model of every replica")
+flags.DEFINE_string("memory", "5MiB", "KV cache of one replica")
+flags.DEFINE_integer("max_model_len", 384, "tokens of the longest request", lower_bound=16)
+flags.DEFINE_integer("max_num_seqs", 4, "most requests running at once on one replica", lower_bound=1)
+flags.DEFINE_integer("max_num_batched_tokens", 128, "token budget of one step", lower_bound=1)
+flags.DEFINE_integer("num_tenants", 16, "system prompts", lower_bound=1)
+flags.DEFINE_integer("system_len", 128, "tokens of a system prompt", lower_bound=1)
+flags.DEFINE_integer("num_conversations", 32, "chats in the trace", lower_bound=1)
+flags.DEFINE_integer("turns", 4, "user messages per chat", lower_bound=1)
+flags.DEFINE_integer("message_len", 48, "tokens of the longest user message (the shortest: half)", lower_bound=2)
+flags.DEFINE_integer("max_new_tokens", 16, "tokens generated per turn", lower_bound=1)
+flags.DEFINE_integer("concurrency", 10, "users chatting at once", lower_bound=1)
+flags.DEFINE_float("ramp_s", 0.2, "seconds between the first turns of the first users", lower_bound=0)
+flags.DEFINE_float("load_penalty", 64.0, "prefix-aware routing: tokens of cached prefix one request in flight is worth")
+flags.DEFINE_float("heartbeat_interval", 1.0, "seconds between a replica's heartbeats", lower_bound=0.05)
+flags.DEFINE_bool("kill_replica", True, "also kill one replica mid-trace and check that every request completes")
+flags.DEFINE_bool("quick", False, "a short run (2 replicas, a small trace), for tests")
+flags.DEFINE_integer("seed", 0, "weights and trace seed", lower_bound=0)
+flags.DEFINE_float("startup_timeout", 300.0, "seconds to wait for the replicas to compile and heartbeat")
+flags.DEFINE_string("out", None, "write the results as JSON here")
+flags.register_validator(
+    "load_penalty", lambda v: 0 <= v < float("inf"), message="--load_penalty must be a finite number >= 0"
+)
+flags.register_validator(
+    "startup_timeout", lambda v: 0 < v < float("inf"), message="--startup_timeout must be a finite number > 0"
+)
+
+QUICK = {
+    "num_replicas": 2,
+    "num_tenants": 8,
+    "system_len": 64,
+    "num_conversations": 8,
+    "turns": 2,
+    "message_len": 16,
+    "max_new_tokens": 4,
+    "concurrency": 4,
+    "max_model_len": 256,
+    "memory": "2MiB",
+    "ramp_s": 0.05,
+    "heartbeat_interval": 0.5,
+}
+ONE_THREAD = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+BIG = "one big cache"
+
+
+@dataclass(frozen=True)
+class TraceRun:
+    """The answers of one run of the trace, in completion order."""
+
+    outputs: tuple[RoutedOutput, ...]
+    wall_s: float
+
+    def summary(self) -> dict[str, float]:
+        ttfts = [o.ttft_s for o in self.outputs]
+        prompt = sum(len(o.prompt_token_ids) for o in self.outputs)
+        return {
+            "requests": len(self.outputs),
+            "hit_rate": sum(o.num_cached_tokens for o in self.outputs) / prompt,
+            "mean_ttft_s": float(np.mean(ttfts)),
+            "p90_ttft_s": float(np.percentile(ttfts, 90)),
+            "wall_s": self.wall_s,
+            "errors": sum(o.error is not None for o in self.outputs),
+            "retried": sum(o.attempts > 1 for o in self.outputs),
+        }
+
+
+class Kill:
+    """Kills replica ``name`` once ``after`` requests are answered; records when, and
+    how many requests the router had sent it when it dropped it."""
+
+    def __init__(self, router: Router, name: str, process: subprocess.Popen, after: int) -> None:
+        self.router, self.name, self.process, self.after = router, name, process, after
+        self.at: float | None = None
+        self.sent_at_drop: int | None = None
+
+    def watch(self, num_answered: int) -> None:
+        if self.at is None and num_answered >= self.after:
+            self.process.kill()
+            self.at = time.monotonic()
+        if self.sent_at_drop is None and self.name in self.router.dropped_replicas:
+            self.sent_at_drop = self.router.num_sent(self.name)
+
+
+def run_trace(router: Router, trace: Sequence[Conversation], kill: Kill | None = None) -> TraceRun:
+    """Serve ``trace`` with ``--concurrency`` closed-loop users (see the module docstring)."""
+    queue = deque(trace)
+    chats: dict[str, tuple[Conversation, int, list[int]]] = {}  # request id -> (chat, turn, prompt)
+    outputs: list[RoutedOutput] = []
+
+    def send(chat: Conversation, turn: int, prompt: list[int]) -> None:
+        chats[router.submit(prompt, FLAGS.max_new_tokens)] = (chat, turn, prompt)
+
+    start = time.monotonic()
+    starts = [start + i * FLAGS.ramp_s for i in range(min(FLAGS.concurrency, len(queue)))]
+    while chats or starts:
+        while starts and time.monotonic() >= starts[0]:
+            starts.pop(0)
+            chat = queue.popleft()
+            send(chat, 0, chat.prompt(0))
+        for out in router.poll(0.01):
+            chat, turn, prompt = chats.pop(out.request_id)
+            outputs.append(out)
+            if turn + 1 < chat.num_turns and out.error is None:
+                send(chat, turn + 1, chat.prompt(turn + 1, prompt, out.output_token_ids))
+            elif queue:
+                chat = queue.popleft()
+                send(chat, 0, chat.prompt(0))
+        if kill is not None:
+            kill.watch(len(outputs))
+    return TraceRun(tuple(outputs), time.monotonic() - start)
+
+
+def engine_args(memory: int, max_num_seqs: int) -> dict[str, object]:
+    return {
+        "model_name": FLAGS.model,
+        "memory_bytes": memory,
+        "max_model_len": FLAGS.max_model_len,
+        "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
+        "max_num_seqs": max_num_seqs,
+        "seed": FLAGS.seed,
+    }
+
+
+@contextlib.contextmanager
+def router_over(names: Sequence[str], specs: dict[str, ReplicaSpec], policy: str, block_size: int) -> Iterator[Router]:
+    with Router(
+        {name: specs[name].address for name in names},
+        policy=policy,
+        block_size=block_size,
+        load_penalty=FLAGS.load_penalty,
+        heartbeat_interval_s=FLAGS.heartbeat_interval,
+    ) as router:
+        router.wait_ready(FLAGS.startup_timeout)
+        router.reset_prefix_caches()
+        yield router
+
+
+def wait_started(specs: dict[str, ReplicaSpec], processes: dict[str, subprocess.Popen], block_size: int) -> None:
+    """Wait until every replica heartbeats; exit if one of them died on the way."""
+    with Router({name: s.address for name, s in specs.items()}, block_size=block_size) as router:
+        deadline = time.monotonic() + FLAGS.startup_timeout
+        while True:
+            dead = [name for name, p in processes.items() if p.poll() is not None]
+            if dead:
+                exit_error(PROG, f"replica processes {dead} exited while starting", status=1)
+            try:
+                router.wait_ready(1.0)
+                return
+            except JaxkvError:
+                if time.monotonic() > deadline:
+                    raise
+
+
+def kill_section(
+    specs: dict[str, ReplicaSpec],
+    processes: dict[str, subprocess.Popen],
+    names: Sequence[str],
+    trace: Sequence[Conversation],
+    block_size: int,
+) -> dict[str, object]:
+    """Prefix-aware routing with one replica killed mid-trace."""
+    expected = sum(c.num_turns for c in trace)
+    victim = names[1]
+    with router_over(names, specs, "prefix", block_size) as router:
+        kill = Kill(router, victim, processes[victim], after=expected // 2)
+        run = run_trace(router, trace, kill)
+        dropped_at = router.dropped_replicas.get(victim)
+        held = sum(victim in {r for r, _ in where} for where in router.index.snapshot().values())
+        sent_after_drop = None if kill.sent_at_drop is None else router.num_sent(victim) - kill.sent_at_drop
+    return {
+        "killed": victim,
+        "requests": expected,
+        "completed": sum(o.error is None for o in run.outputs),
+        "retried": sum(o.attempts > 1 for o in run.outputs),
+        "drop_after_kill_s": None if dropped_at is None or kill.at is None else dropped_at - kill.at,
+        "heartbeat_interval_s": FLAGS.heartbeat_interval,
+        "victim_hashes_in_index": held,
+        "sent_to_victim_after_drop": sent_after_drop,
+        "all_completed": len(run.outputs) == expected and all(o.error is None for o in run.outputs),
+    }
+
+
+def table(results: dict[str, dict]) -> tuple[str, dict[str, float]]:
+    lines = ["| routing | hit rate | mean TTFT (ms) | P90 TTFT (ms) | wall (s) |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['hit_rate']:.1%} | {r['mean_ttft_s'] * 1e3:,.0f} | {r['p90_ttft_s'] * 1e3:,.0f} "
+            f"| {r['wall_s']:.1f} |"
+        )
+    prefix, rr, big = results["prefix"], results["round_robin"], results[BIG]
+    ratios = {
+        "hit_rate_prefix_vs_big_cache": prefix["hit_rate"] / big["hit_rate"] if big["hit_rate"] else float("inf"),
+        "hit_rate_prefix_vs_round_robin": prefix["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf"),
+        "mean_ttft_prefix_vs_big_cache": prefix["mean_ttft_s"] / big["mean_ttft_s"],
+        "mean_ttft_prefix_vs_round_robin": prefix["mean_ttft_s"] / rr["mean_ttft_s"],
+        "mean_ttft_prefix_vs_least_loaded": prefix["mean_ttft_s"] / results["least_loaded"]["mean_ttft_s"],
+    }
+    lines.append("")
+    lines.extend(f"{k}: {v:.2f}" for k, v in ratios.items())
+    return "\n".join(lines), ratios
+
+
+def check_flags() -> tuple[int, int]:
+    """The per-replica memory in bytes and the plan's hash block size; exit 2 on bad input."""
+    longest = FLAGS.system_len + FLAGS.turns * (FLAGS.message_len + FLAGS.max_new_tokens)
+    if longest > FLAGS.max_model_len:
+        exit_error(
+            PROG,
+            f"a chat reaches {longest} tokens (--system_len + --turns x (--message_len + --max_new_tokens)); "
+            f"--max_model_len={FLAGS.max_model_len} is too short",
+        )
+    try:
+        memory = parse_size(FLAGS.memory)
+        config = plan_kv_cache(
+            get_model_config(FLAGS.model).layer_specs(),
+            memory,
+            max_model_len=FLAGS.max_model_len,
+            max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        )
+    except JaxkvError as err:
+        exit_error(PROG, err)
+    return memory, config.hash_block_size
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    if FLAGS.quick:
+        for name, value in QUICK.items():
+            if not FLAGS[name].present:
+                FLAGS[name].value = value
+    memory, block_size = check_flags()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the replicas are killed
+    trace = conversations(
+        num_conversations=FLAGS.num_conversations,
+        num_tenants=FLAGS.num_tenants,
+        system_len=FLAGS.system_len,
+        num_turns=FLAGS.turns,
+        message_len=(max(1, FLAGS.message_len // 2), FLAGS.message_len),
+        vocab_size=get_model_config(FLAGS.model).vocab_size,
+        seed=FLAGS.seed,
+    )
+    n = FLAGS.num_replicas
+    print(
+        f"{n} replicas of {FLAGS.model} with {FLAGS.memory} of KV cache each; {len(trace)} chats of "
+        f"{FLAGS.turns} turns over {FLAGS.num_tenants} system prompts, {FLAGS.concurrency} users at once"
+    )
+    with tempfile.TemporaryDirectory(prefix="bench_route-") as tmp:
+        names = [f"replica-{i}" for i in range(n)]
+        specs = {
+            name: ReplicaSpec(
+                name, ReplicaAddress.ipc(tmp, name), engine_args(memory, FLAGS.max_num_seqs), FLAGS.heartbeat_interval
+            )
+            for name in names
+        }
+        specs[BIG] = ReplicaSpec(
+            BIG,
+            ReplicaAddress.ipc(tmp, "big"),
+            engine_args(n * memory, FLAGS.max_num_seqs),
+            FLAGS.heartbeat_interval,
+        )
+        start = time.monotonic()
+        with running_replicas(specs.values(), env=ONE_THREAD) as processes:
+            wait_started(specs, processes, block_size)
+            print(f"replicas compiled and serving after {time.monotonic() - start:.1f} s")
+            results = {}
+            for policy in POLICIES:
+                with router_over(names, specs, policy, block_size) as router:
+                    results[policy] = run_trace(router, trace).summary()
+                print(f"{policy}: {results[policy]}")
+            with router_over([BIG], specs, "round_robin", block_size) as router:
+                results[BIG] = run_trace(router, trace).summary()
+            print(f"{BIG}: {results[BIG]}")
+            kill = kill_section(specs, processes, names, trace, block_size) if FLAGS.kill_replica else None
+    text, ratios = table(results)
+    print(text)
+    if kill is not None:
+        print(f"replica killed mid-trace: {kill}")
+    if FLAGS.out:
+        flag_values = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
+        report = {"flags": flag_values, "device": "cpu", "results": results, "ratios": ratios, "kill_replica": kill}
+        write_json(PROG, FLAGS.out, report)
+    if any(r["errors"] for r in results.values()) or (kill is not None and not kill["all_completed"]):
+        exit_error(PROG, "some requests failed or were lost", status=1)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=flags_parser(PROG))
