@@ -147,11 +147,15 @@ def allocate_cache(
 ) -> KVCache | HybridCache:
     """The device cache a model planned by ``config`` reads: its KV pages (KV heads split
     over ``model_axis`` of ``mesh``), plus state rows (replicated) when the plan has
-    recurrent groups."""
-    kv = allocate_kv_cache(config, mesh=mesh, kv_axis=model_axis)
+    recurrent groups.
+
+    Without a mesh the cache is committed to the default device, as the host tier's
+    loads leave it (their staged blocks are placed on it): the step and the transfers
+    then see one placement and compile once, not again after the first load."""
+    cache = allocate_kv_cache(config, mesh=mesh, kv_axis=model_axis)
     if any(isinstance(g.spec, MambaSpec) for g in config.groups):
-        return HybridCache(kv, allocate_state_cache(config, mesh=mesh))
-    return kv
+        cache = HybridCache(cache, allocate_state_cache(config, mesh=mesh))
+    return cache if mesh is not None else jax.device_put(cache, jax.devices()[0], donate=True)
 
 
 class ModelRunner:
