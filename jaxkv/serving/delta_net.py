@@ -24,6 +24,9 @@ Two forms of the same recurrence:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -175,16 +178,18 @@ def ragged_delta_net(
     # starts[s]: the first token of sequence s; starts[S]: the first padding token.
     starts = jnp.searchsorted(seq_of_token, jnp.arange(num_seqs + 1, dtype=seq_of_token.dtype), side="left")
     q_lens = jnp.diff(starts)
-    conv, conv_state = _ragged_conv(mixed, conv_weight, seq_of_token, starts, conv_state)
-    q, k, v = _split_heads(conv, num_heads, key_dim)
-    decay, beta = decay.astype(jnp.float32), beta.astype(jnp.float32)
-    inputs = (q, k, v, decay, beta)
+    conv, conv_state = _ragged_conv(mixed, conv_weight, starts, conv_state)
+    # q, k, v are split off per chunk (and per decode) rather than for all tokens here:
+    # XLA's CPU fusion ran ~15x slower normalising q and k of all T tokens at once.
+    inputs = (conv, decay.astype(jnp.float32), beta.astype(jnp.float32))
+    heads = functools.partial(_split_heads, num_heads=num_heads, key_dim=key_dim)
 
     single = q_lens == 1
     first = jnp.minimum(starts[:-1], num_tokens - 1)
-    stepped, single_out = jax.vmap(delta_rule_step)(recurrent_state, *(x[first] for x in inputs))
+    conv1, decay1, beta1 = (x[first] for x in inputs)
+    stepped, single_out = jax.vmap(delta_rule_step)(recurrent_state, *heads(conv1), decay1, beta1)
     state = jnp.where(single[:, None, None, None], stepped, recurrent_state.astype(jnp.float32))
-    state, out = _chunk_loop(inputs, state, starts, jnp.where(q_lens > 1, q_lens, 0), chunk_size)
+    state, out = _chunk_loop(inputs, heads, state, starts, jnp.where(q_lens > 1, q_lens, 0), chunk_size)
 
     owner = jnp.minimum(seq_of_token, num_seqs - 1)
     real = seq_of_token < num_seqs
@@ -194,40 +199,51 @@ def ragged_delta_net(
 
 
 def _ragged_conv(
-    mixed: jax.Array, conv_weight: jax.Array, seq_of_token: jax.Array, starts: jax.Array, conv_state: jax.Array
+    mixed: jax.Array, conv_weight: jax.Array, starts: jax.Array, conv_state: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """The causal convolution of the packed tokens and each sequence's conv state after them.
 
-    A token's ``K - 1`` previous inputs come from its own sequence's earlier tokens, or,
-    before its first, from the sequence's conv state (a zero row for padding tokens).
+    A token's input ``back`` tokens before it is the packed input ``back`` places
+    earlier, except within a sequence's first ``K - 1`` tokens, where it comes from
+    the sequence's conv state: those few (at most ``S (K - 1)``) are scattered over the
+    shifted inputs, so no gather runs over all tokens. Padding tokens convolve whatever
+    precedes them; their outputs are never used.
     """
     kernel = conv_weight.shape[0]
     num_seqs, num_tokens = conv_state.shape[0], mixed.shape[0]
     inputs = mixed.astype(conv_state.dtype)
-    rows = jnp.concatenate([conv_state, jnp.zeros_like(conv_state[:1])])
-    tokens = jnp.arange(num_tokens)
-    position = tokens - starts[seq_of_token]  # within the token's own sequence
+    q_lens = jnp.diff(starts)
+    lead = jnp.arange(kernel - 1)  # a sequence's first tokens, the ones reaching into its state
+    target = jnp.where(lead < q_lens[:, None], starts[:-1, None] + lead, num_tokens)  # (S, K-1); T: none
 
     def tap(back: int) -> jax.Array:
         """Each token's input ``back`` tokens before it."""
         if back == 0:
             return inputs
-        j = position - back
-        held = rows[seq_of_token, jnp.clip(kernel - 1 + j, 0, kernel - 2)]
-        return jnp.where((j >= 0)[:, None], inputs[jnp.maximum(tokens - back, 0)], held)
+        shifted = jnp.pad(inputs, ((back, 0), (0, 0)))[:num_tokens]
+        held = conv_state[:, jnp.clip(kernel - 1 + lead - back, 0, kernel - 2)]  # (S, K-1, C)
+        reach = jnp.where(lead < back, target, num_tokens)  # only tokens back past their first
+        return shifted.at[reach.reshape(-1)].set(held.reshape(-1, inputs.shape[-1]), mode="drop")
 
     conv = _conv_silu([tap(kernel - 1 - i) for i in range(kernel)], conv_weight, mixed.dtype)
     # New state row r of sequence s: its input at q_len - (K-1) + r, from the old state when < 0.
-    j = jnp.diff(starts)[:, None] - (kernel - 1) + jnp.arange(kernel - 1)
+    j = q_lens[:, None] - (kernel - 1) + lead
     taken = inputs[jnp.clip(starts[:-1, None] + j, 0, num_tokens - 1)]
     held = conv_state[jnp.arange(num_seqs)[:, None], jnp.clip(kernel - 1 + j, 0, kernel - 2)]
     return conv, jnp.where((j >= 0)[..., None], taken, held)
 
 
 def _chunk_loop(
-    inputs: tuple[jax.Array, ...], state: jax.Array, starts: jax.Array, lens: jax.Array, chunk_size: int
+    inputs: tuple[jax.Array, jax.Array, jax.Array],
+    heads: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
+    state: jax.Array,
+    starts: jax.Array,
+    lens: jax.Array,
+    chunk_size: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """Run :func:`delta_rule_chunk` over the slots of the sequences with ``lens > 0``.
+    """Run :func:`delta_rule_chunk` over the slots of the sequences with ``lens > 0``;
+    ``inputs``: the conv outputs, decays and betas of the packed tokens, ``heads``
+    splits conv outputs into q, k, v.
 
     Slot ``j`` is up to ``chunk_size`` tokens of one sequence (never two); slots run in
     token order, each resuming its sequence's state row. The loop runs only the slots
@@ -239,7 +255,7 @@ def _chunk_loop(
     padded = [jnp.pad(x, [(0, chunk_size)] + [(0, 0)] * (x.ndim - 1)) for x in inputs]
     slots = -(-lens // chunk_size)
     slot_end = jnp.cumsum(slots)
-    out = jnp.zeros((num_tokens + chunk_size, *inputs[2].shape[1:]), jnp.float32)
+    out = jnp.zeros((num_tokens + chunk_size, *state.shape[1:2], state.shape[-1]), jnp.float32)
     valid_rank = jnp.arange(chunk_size)
 
     def body(carry):
@@ -247,10 +263,10 @@ def _chunk_loop(
         seq = jnp.searchsorted(slot_end, j, side="right")
         start = starts[seq] + (j - slot_end[seq] + slots[seq]) * chunk_size
         valid = valid_rank < starts[seq] + lens[seq] - start
-        q, k, v, decay, beta = (jax.lax.dynamic_slice_in_dim(x, start, chunk_size) for x in padded)
+        window = (jax.lax.dynamic_slice_in_dim(x, start, chunk_size) for x in padded)
         # Tokens past the slot's end (the next sequence's, padding) are zeroed: no effect.
-        q, k, v, decay, beta = (jnp.where(valid.reshape(-1, *[1] * (x.ndim - 1)), x, 0) for x in (q, k, v, decay, beta))
-        new, chunk_out = delta_rule_chunk(state[seq], q, k, v, decay, beta)
+        conv, decay, beta = (jnp.where(valid[:, None], x, 0) for x in window)
+        new, chunk_out = delta_rule_chunk(state[seq], *heads(conv), decay, beta)
         held = jax.lax.dynamic_slice_in_dim(out, start, chunk_size)
         out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(valid[:, None, None], chunk_out, held), start, 0)
         return j + 1, state.at[seq].set(new), out
