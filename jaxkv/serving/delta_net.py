@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,41 +108,87 @@ class DeltaNetError(JaxkvError, ValueError):
     """A Gated DeltaNet call got a bad static argument (the message names it)."""
 
 
+class _Chunks(NamedTuple):
+    """The state-independent part of the chunked delta rule, per grid chunk ``(N, ...)``.
+
+    Packed tokens are cut into ``N`` grid chunks of ``C``; a *piece* is the tokens of
+    one sequence inside one chunk. With ``G`` the cumulative log decay and ``u`` the
+    tokens' steps, within a piece starting from state ``S0``:
+    ``S_t = e^{G_t - G_0} S0 + sum_{i<=t} e^{G_t-G_i} k_i u_i^T`` and
+    ``u = U - W S0``, where ``(I + A) [W | U] = beta [e^{G - G_0} k | v]`` and
+    ``A[t, i] = beta_t e^{G_t-G_i} (k_t.k_i)`` for earlier ``i`` of the same piece
+    (``G_0``: the cumulative decay just before the piece). Pieces never mix: every
+    pair of rows from different sequences is masked out before the solve.
+    """
+
+    q: jax.Array  # (N, C, H, dk), scaled
+    k: jax.Array  # (N, C, H, dk)
+    w: jax.Array  # (N, H, C, dk)
+    u: jax.Array  # (N, H, C, dv)
+    scores: jax.Array  # (N, H, C, C): e^{G_t-G_i} (q_t.k_i), same piece, i <= t
+    from_start: jax.Array  # (N, C, H): e^{G_t - G_0}
+    to_end: jax.Array  # (N, C, H): e^{G_last - G_t}
+    whole: jax.Array  # (N, C, H): e^{G_last - G_0} of the row's piece
+
+
+def _prepare_chunks(q, k, v, decay, beta, piece_of_row) -> _Chunks:
+    """:class:`_Chunks` of ``q``/``k (N, C, H, dk)``, ``v (N, C, H, dv)``, ``decay``/``beta
+    (N, C, H)`` and ``piece_of_row (N, C)`` (equal ids: the same piece; ids rising along rows)."""
+    size = decay.shape[1]
+    cum = jnp.cumsum(decay, axis=1)
+    rows = jnp.arange(size)
+    same = piece_of_row[:, :, None] == piece_of_row[:, None, :]
+    # A piece's first and last rows (pieces are contiguous runs of equal ids).
+    first = jnp.argmax(same, axis=2)
+    last = size - 1 - jnp.argmax(same[:, :, ::-1], axis=2)
+    before = jnp.where((first > 0)[..., None], jnp.take_along_axis(cum, jnp.maximum(first - 1, 0)[..., None], 1), 0.0)
+    at_last = jnp.take_along_axis(cum, last[..., None], 1)
+    lower = (same & (rows[:, None] >= rows[None, :]))[:, None]  # (N, 1, C, C)
+    cum_h = jnp.swapaxes(cum, 1, 2)  # (N, H, C)
+    # e^{G_t - G_i} for i <= t of one piece, else 0 (masked before exp: no inf * 0).
+    gaps = jnp.exp(jnp.where(lower, cum_h[..., :, None] - cum_h[..., None, :], -jnp.inf))
+    keys = jnp.einsum("nthd,nihd->nhti", k, k, precision=_HIGHEST)
+    beta_h = jnp.swapaxes(beta, 1, 2)[..., None]
+    mixing = jnp.where(lower & (rows[:, None] > rows[None, :]), beta_h * gaps * keys, 0.0)
+    from_start = jnp.exp(cum - before)
+    rhs = jnp.concatenate([(from_start * beta)[..., None] * k, beta[..., None] * v], axis=-1)
+    solved = jax.lax.linalg.triangular_solve(
+        mixing, jnp.swapaxes(rhs, 1, 2), left_side=True, lower=True, unit_diagonal=True
+    )
+    w, u = jnp.split(solved, [k.shape[-1]], axis=-1)
+    scores = jnp.where(lower, gaps * jnp.einsum("nthd,nihd->nhti", q, k, precision=_HIGHEST), 0.0)
+    return _Chunks(q, k, w, u, scores, from_start, jnp.exp(at_last - cum), jnp.exp(at_last - before))
+
+
+def _run_piece(chunks: _Chunks, index: jax.Array, row: jax.Array, rows: jax.Array, state: jax.Array):
+    """Piece on ``rows`` (mask, first row ``row``) of chunk ``index`` from ``state (H, dk, dv)``:
+    the state after it and the chunk's outputs ``(C, H, dv)`` (valid on ``rows``)."""
+    c = jax.tree.map(lambda x: x[index], chunks)
+    steps = c.u - jnp.einsum("htk,hkv->htv", c.w, state, precision=_HIGHEST)
+    steps = jnp.where(rows[:, None], steps, 0.0)
+    out = c.from_start.T[..., None] * jnp.einsum("thk,hkv->htv", c.q, state, precision=_HIGHEST)
+    out = out + jnp.einsum("hti,hiv->htv", c.scores, steps, precision=_HIGHEST)
+    state = c.whole[row][:, None, None] * state
+    state = state + jnp.einsum("thk,th,htv->hkv", c.k, c.to_end, steps, precision=_HIGHEST)
+    return state, jnp.swapaxes(out, 0, 1)
+
+
 def delta_rule_chunk(
     state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, decay: jax.Array, beta: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """``C`` tokens of one sequence at once: what ``C`` :func:`delta_rule_step` calls give.
 
     ``state (H, dk, dv)``, ``q``/``k (C, H, dk)``, ``v (C, H, dv)``, ``decay``/``beta
-    (C, H)``; returns the state after the last token and the outputs ``(C, H, dv)``.
-    A token with ``decay = beta = 0`` changes nothing (how a short chunk is padded).
-
-    With ``G`` the cumulative log decay, unrolling the recurrence gives
-    ``S_t = e^{G_t} S_0 + sum_{i<=t} e^{G_t-G_i} k_i u_i^T``, where the steps ``u``
-    solve the unit lower-triangular system
-    ``u_t + beta_t sum_{i<t} e^{G_t-G_i} (k_t.k_i) u_i = beta_t (v_t - e^{G_t} S_0^T k_t)``:
-    matrix products and one triangular solve instead of ``C`` dependent steps. Only
-    ``e^{G_t-G_i}`` for ``i <= t`` (at most 1) is ever formed, so no decay overflows.
+    (C, H)``; returns the state after the last token and the outputs ``(C, H, dv)``:
+    matrix products and one triangular solve instead of ``C`` dependent steps (the
+    derivation: :class:`_Chunks`). Only ``e^{G_t-G_i}`` for ``i <= t`` (at most 1) is
+    ever formed, so no decay overflows.
     """
     size = decay.shape[0]
-    state = state.astype(jnp.float32)
-    cum = jnp.cumsum(decay.astype(jnp.float32), axis=0).T  # (H, C)
-    beta = beta.astype(jnp.float32).T
-    causal = jnp.tril(jnp.ones((size, size), bool))
-    # e^{G_t - G_i} for i <= t, 0 above the diagonal (masked before exp: no inf * 0).
-    gaps = jnp.exp(jnp.where(causal, cum[:, :, None] - cum[:, None, :], -jnp.inf))
-    keys = jnp.einsum("thd,ihd->hti", k, k, precision=_HIGHEST)
-    mixing = jnp.where(causal & ~jnp.eye(size, dtype=bool), beta[:, :, None] * gaps * keys, 0.0)
-    stored = jnp.exp(cum)[:, :, None] * jnp.einsum("thk,hkv->htv", k, state, precision=_HIGHEST)
-    rhs = beta[:, :, None] * (jnp.swapaxes(v, 0, 1) - stored)
-    steps = jax.lax.linalg.triangular_solve(mixing, rhs, left_side=True, lower=True, unit_diagonal=True)
-    scores = gaps * jnp.einsum("thd,ihd->hti", q, k, precision=_HIGHEST)
-    out = jnp.exp(cum)[:, :, None] * jnp.einsum("thk,hkv->htv", q, state, precision=_HIGHEST)
-    out = out + jnp.einsum("hti,hiv->htv", scores, steps, precision=_HIGHEST)
-    tail = jnp.exp(cum[:, -1:] - cum)  # e^{G_last - G_i}
-    state = jnp.exp(cum[:, -1])[:, None, None] * state
-    state = state + jnp.einsum("ihk,hi,hiv->hkv", k, tail, steps, precision=_HIGHEST)
-    return state, jnp.swapaxes(out, 0, 1)
+    chunks = _prepare_chunks(
+        *(x[None].astype(jnp.float32) for x in (q, k, v, decay, beta)), jnp.zeros((1, size), jnp.int32)
+    )
+    return _run_piece(chunks, 0, 0, jnp.ones(size, bool), state.astype(jnp.float32))
 
 
 def ragged_delta_net(
@@ -179,8 +226,9 @@ def ragged_delta_net(
     starts = jnp.searchsorted(seq_of_token, jnp.arange(num_seqs + 1, dtype=seq_of_token.dtype), side="left")
     q_lens = jnp.diff(starts)
     conv, conv_state = _ragged_conv(mixed, conv_weight, starts, conv_state)
-    # q, k, v are split off per chunk (and per decode) rather than for all tokens here:
-    # XLA's CPU fusion ran ~15x slower normalising q and k of all T tokens at once.
+    real = seq_of_token < num_seqs
+    # Padding rows are zeroed so that whatever they hold (even NaN) meets no real row.
+    conv, decay, beta = (jnp.where(real[:, None], x, 0) for x in (conv, decay, beta))
     inputs = (conv, decay.astype(jnp.float32), beta.astype(jnp.float32))
     heads = functools.partial(_split_heads, num_heads=num_heads, key_dim=key_dim)
 
@@ -189,10 +237,9 @@ def ragged_delta_net(
     conv1, decay1, beta1 = (x[first] for x in inputs)
     stepped, single_out = jax.vmap(delta_rule_step)(recurrent_state, *heads(conv1), decay1, beta1)
     state = jnp.where(single[:, None, None, None], stepped, recurrent_state.astype(jnp.float32))
-    state, out = _chunk_loop(inputs, heads, state, starts, jnp.where(q_lens > 1, q_lens, 0), chunk_size)
+    state, out = _chunked(*inputs, seq_of_token, starts, jnp.where(q_lens > 1, q_lens, 0), state, heads, chunk_size)
 
     owner = jnp.minimum(seq_of_token, num_seqs - 1)
-    real = seq_of_token < num_seqs
     out = jnp.where((real & single[owner])[:, None, None], single_out[owner], out)
     out = jnp.where(real[:, None, None], out, 0.0)
     return out, conv_state, state.astype(recurrent_state.dtype)
@@ -233,46 +280,51 @@ def _ragged_conv(
     return conv, jnp.where((j >= 0)[..., None], taken, held)
 
 
-def _chunk_loop(
-    inputs: tuple[jax.Array, jax.Array, jax.Array],
-    heads: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
-    state: jax.Array,
+def _chunked(
+    conv: jax.Array,
+    decay: jax.Array,
+    beta: jax.Array,
+    seq_of_token: jax.Array,
     starts: jax.Array,
     lens: jax.Array,
+    state: jax.Array,
+    heads: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
     chunk_size: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """Run :func:`delta_rule_chunk` over the slots of the sequences with ``lens > 0``;
-    ``inputs``: the conv outputs, decays and betas of the packed tokens, ``heads``
-    splits conv outputs into q, k, v.
+    """The delta rule over the sequences with ``lens > 0``, a grid chunk at a time.
 
-    Slot ``j`` is up to ``chunk_size`` tokens of one sequence (never two); slots run in
-    token order, each resuming its sequence's state row. The loop runs only the slots
-    in use, so a step of decodes alone runs none. Returns the states and the outputs
-    ``(T, H, dv)`` of the slots' tokens (others zero).
+    Everything that does not depend on a state (q/k/v, the masked decays, the
+    triangular solves) is computed for all grid chunks at once; then a loop runs the
+    pieces in use in token order (``sum`` over those sequences of the grid chunks each
+    touches, at most ``T / C + S``), each resuming its sequence's state row. Returns
+    the states and the outputs ``(T, H, dv)`` of those sequences' tokens (others zero).
     """
-    num_tokens = inputs[0].shape[0]
-    # Pad by one chunk so a slot's window never runs off the end (dynamic_slice would clamp it).
-    padded = [jnp.pad(x, [(0, chunk_size)] + [(0, 0)] * (x.ndim - 1)) for x in inputs]
-    slots = -(-lens // chunk_size)
-    slot_end = jnp.cumsum(slots)
-    out = jnp.zeros((num_tokens + chunk_size, *state.shape[1:2], state.shape[-1]), jnp.float32)
-    valid_rank = jnp.arange(chunk_size)
+    num_tokens, num_seqs = conv.shape[0], state.shape[0]
+    grid = -(-num_tokens // chunk_size)
+    pad = grid * chunk_size - num_tokens
+    conv, decay, beta = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (conv, decay, beta))
+    owner = jnp.pad(seq_of_token, (0, pad), constant_values=num_seqs).reshape(grid, chunk_size)
+    q, k, v = heads(conv.reshape(grid, chunk_size, -1))
+    chunks = _prepare_chunks(
+        q, k, v, decay.reshape(grid, chunk_size, -1), beta.reshape(grid, chunk_size, -1), owner
+    )
+    first_chunk = starts[:-1] // chunk_size
+    counts = jnp.where(lens > 0, (starts[:-1] + lens - 1) // chunk_size - first_chunk + 1, 0)
+    piece_end = jnp.cumsum(counts)
+    out = jnp.zeros((grid, chunk_size, *v.shape[2:]), jnp.float32)
 
     def body(carry):
         j, state, out = carry
-        seq = jnp.searchsorted(slot_end, j, side="right")
-        start = starts[seq] + (j - slot_end[seq] + slots[seq]) * chunk_size
-        valid = valid_rank < starts[seq] + lens[seq] - start
-        window = (jax.lax.dynamic_slice_in_dim(x, start, chunk_size) for x in padded)
-        # Tokens past the slot's end (the next sequence's, padding) are zeroed: no effect.
-        conv, decay, beta = (jnp.where(valid[:, None], x, 0) for x in window)
-        new, chunk_out = delta_rule_chunk(state[seq], *heads(conv), decay, beta)
-        held = jax.lax.dynamic_slice_in_dim(out, start, chunk_size)
-        out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(valid[:, None, None], chunk_out, held), start, 0)
+        seq = jnp.searchsorted(piece_end, j, side="right")
+        index = first_chunk[seq] + j - piece_end[seq] + counts[seq]
+        row = jnp.maximum(starts[seq] - index * chunk_size, 0)
+        rows = owner[index] == seq
+        new, piece_out = _run_piece(chunks, index, row, rows, state[seq])
+        out = out.at[index].set(jnp.where(rows[:, None, None], piece_out, out[index]))
         return j + 1, state.at[seq].set(new), out
 
-    _, state, out = jax.lax.while_loop(lambda c: c[0] < slot_end[-1], body, (jnp.int32(0), state, out))
-    return state, out[:num_tokens]
+    _, state, out = jax.lax.while_loop(lambda c: c[0] < piece_end[-1], body, (jnp.int32(0), state, out))
+    return state, out.reshape(grid * chunk_size, *out.shape[2:])[:num_tokens]
 
 
 def seq_of_token(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int) -> jax.Array:
