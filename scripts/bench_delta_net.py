@@ -7,8 +7,8 @@ that compiles) (float32, HIGHEST-precision matmuls in both):
   per_token   the baseline: ``dense_delta_net``, the per-token ``lax.scan`` oracle over
               the same sequences from zero state (T / B dependent steps, the B
               sequences side by side; the serving step's old form scanned all T);
-  chunked     ``ragged_delta_net`` at --chunk_size: slots of up to that many tokens of
-              one sequence, ``sum ceil(q_len / chunk)`` dependent steps.
+  chunked     ``ragged_delta_net`` at --chunk_size: the state-free work in parallel,
+              then one dependent step per (grid chunk, sequence) piece.
 
 The table gives each column's sequential step count, its time, the speed-up (per_token
 time / chunked time, > 1: chunked is faster) and the max |difference| of the outputs.
@@ -57,6 +57,12 @@ def inputs(tokens: int, seqs: int) -> dict:
     }
 
 
+def pieces(tokens: int, seqs: int, chunk: int) -> int:
+    """Grid chunks touched by each of ``seqs`` equal sequences packed in ``tokens``."""
+    length = tokens // seqs
+    return sum((start + length - 1) // chunk - start // chunk + 1 for start in range(0, tokens, length))
+
+
 def case(tokens: int, seqs: int) -> dict:
     """Time both columns on one case; outputs compared token for token."""
     x = inputs(tokens, seqs)
@@ -84,7 +90,7 @@ def case(tokens: int, seqs: int) -> dict:
         "tokens": tokens,
         "seqs": seqs,
         "per_token_steps": tokens // seqs,
-        "chunked_steps": seqs * -(-(tokens // seqs) // FLAGS.chunk_size),
+        "chunked_steps": pieces(tokens, seqs, FLAGS.chunk_size),
         "per_token_s": base,
         "chunked_s": fast,
         "speedup": base / fast,

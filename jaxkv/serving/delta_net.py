@@ -17,9 +17,11 @@ Two forms of the same recurrence:
 - :func:`ragged_delta_net`: a serving step's packed tokens of several sequences
   (decodes first, then prefill chunks), each resuming from its own conv and recurrent
   state and returning the states after its last token; padding tokens change nothing.
-  No loop over tokens: the convolution gathers, decodes take one vectorised step, and
-  longer runs go a chunk of up to 64 tokens per loop step (:func:`delta_rule_chunk`,
-  the WY form of the recurrence), so a 32k-token prompt is 512 steps, not 32k.
+  No loop over tokens: the convolution is shifted inputs, decodes take one vectorised
+  step, and longer runs take the chunked (WY) form of the recurrence
+  (:func:`delta_rule_chunk` for one chunk): all state-free work in parallel over
+  64-token chunks, then one loop step per chunk of a sequence, so a 32k-token prompt
+  is 512 dependent steps, not 32k.
 """
 
 from __future__ import annotations
@@ -117,8 +119,10 @@ class _Chunks(NamedTuple):
     ``S_t = e^{G_t - G_0} S0 + sum_{i<=t} e^{G_t-G_i} k_i u_i^T`` and
     ``u = U - W S0``, where ``(I + A) [W | U] = beta [e^{G - G_0} k | v]`` and
     ``A[t, i] = beta_t e^{G_t-G_i} (k_t.k_i)`` for earlier ``i`` of the same piece
-    (``G_0``: the cumulative decay just before the piece). Pieces never mix: every
-    pair of rows from different sequences is masked out before the solve.
+    (``G_0``: the cumulative decay just before the piece). This unrolls
+    :func:`delta_rule_step`, whose step reads the decayed state:
+    ``u_t = beta_t (v_t - (alpha_t S_{t-1})^T k_t)``. Pieces never mix: every pair of
+    rows from different sequences is masked out before the solve.
     """
 
     q: jax.Array  # (N, C, H, dk), scaled
@@ -131,9 +135,11 @@ class _Chunks(NamedTuple):
     whole: jax.Array  # (N, C, H): e^{G_last - G_0} of the row's piece
 
 
-def _prepare_chunks(q, k, v, decay, beta, piece_of_row) -> _Chunks:
+def _prepare_chunks(
+    q: jax.Array, k: jax.Array, v: jax.Array, decay: jax.Array, beta: jax.Array, piece_of_row: jax.Array
+) -> _Chunks:
     """:class:`_Chunks` of ``q``/``k (N, C, H, dk)``, ``v (N, C, H, dv)``, ``decay``/``beta
-    (N, C, H)`` and ``piece_of_row (N, C)`` (equal ids: the same piece; ids rising along rows)."""
+    (N, C, H)`` and ``piece_of_row (N, C)`` (a piece: a run of rows with equal ids)."""
     size = decay.shape[1]
     cum = jnp.cumsum(decay, axis=1)
     rows = jnp.arange(size)
@@ -160,7 +166,9 @@ def _prepare_chunks(q, k, v, decay, beta, piece_of_row) -> _Chunks:
     return _Chunks(q, k, w, u, scores, from_start, jnp.exp(at_last - cum), jnp.exp(at_last - before))
 
 
-def _run_piece(chunks: _Chunks, index: jax.Array, row: jax.Array, rows: jax.Array, state: jax.Array):
+def _run_piece(
+    chunks: _Chunks, index: jax.Array, row: jax.Array, rows: jax.Array, state: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Piece on ``rows`` (mask, first row ``row``) of chunk ``index`` from ``state (H, dk, dv)``:
     the state after it and the chunk's outputs ``(C, H, dv)`` (valid on ``rows``)."""
     c = jax.tree.map(lambda x: x[index], chunks)
@@ -212,10 +220,11 @@ def ragged_delta_net(
     ``recurrent_state (S, H, dk, dv)`` each sequence's states before the step (zeros for
     a fresh one). Returns the outputs (zero for padding) and both states after the step.
 
-    No loop runs over tokens: the convolution gathers each token's inputs at once; the
-    one-token sequences (decodes) take one :func:`delta_rule_step` together; the longer
-    ones go in slots of up to ``chunk_size`` tokens of one sequence, a loop over the
-    slots in use (``sum ceil(q_len / chunk_size)``) running :func:`delta_rule_chunk`.
+    No loop runs over tokens: the convolution takes each token's inputs at once; the
+    one-token sequences (decodes) take one :func:`delta_rule_step` together, so a step
+    of decodes alone runs no loop; the longer ones are cut on a grid of ``chunk_size``
+    tokens and a loop runs one step per (grid chunk, sequence) piece in use, at most
+    ``T / chunk_size + S`` (see :func:`_chunked`).
     """
     if chunk_size < 1:
         raise DeltaNetError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -305,9 +314,7 @@ def _chunked(
     conv, decay, beta = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (conv, decay, beta))
     owner = jnp.pad(seq_of_token, (0, pad), constant_values=num_seqs).reshape(grid, chunk_size)
     q, k, v = heads(conv.reshape(grid, chunk_size, -1))
-    chunks = _prepare_chunks(
-        q, k, v, decay.reshape(grid, chunk_size, -1), beta.reshape(grid, chunk_size, -1), owner
-    )
+    chunks = _prepare_chunks(q, k, v, decay.reshape(grid, chunk_size, -1), beta.reshape(grid, chunk_size, -1), owner)
     first_chunk = starts[:-1] // chunk_size
     counts = jnp.where(lens > 0, (starts[:-1] + lens - 1) // chunk_size - first_chunk + 1, 0)
     piece_end = jnp.cumsum(counts)
