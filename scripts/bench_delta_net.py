@@ -1,17 +1,17 @@
-"""Benchmark one Gated DeltaNet layer's serving step: the chunked form against a per-token scan.
+"""Benchmark one Gated DeltaNet layer's serving step in its two forms, on this backend.
 
 Per case (packed prefill tokens T split evenly over B sequences, padded to --max_seqs
-state rows) two columns timed in the same run (best of --repeats, after a warm-up call
-that compiles) (float32, HIGHEST-precision matmuls in both):
+state rows) two columns of ``ragged_delta_net`` timed in the same run (best of
+--repeats, after a warm-up call that compiles) (float32, HIGHEST-precision matmuls in
+both):
 
-  per_token   the baseline: ``dense_delta_net``, the per-token ``lax.scan`` oracle over
-              the same sequences from zero state (T / B dependent steps, the B
-              sequences side by side; the serving step's old form scanned all T);
-  chunked     ``ragged_delta_net`` at --chunk_size: the state-free work in parallel,
-              then one dependent step per (grid chunk, sequence) piece.
+  scan        the baseline: ``form="scan"``, one dependent step per packed token (T);
+  chunked     ``form="chunked"`` at --chunk_size: the state-free work in parallel, then
+              one dependent step per (grid chunk, sequence) piece.
 
-The table gives each column's sequential step count, its time, the speed-up (per_token
-time / chunked time, > 1: chunked is faster) and the max |difference| of the outputs.
+The table gives each column's sequential step count, its time, the speed-up (scan time
+/ chunked time, > 1: chunked is faster) and the max |difference| of the outputs. The
+form a backend runs by default (``delta_net.default_form``) should be the faster here.
 Head sizes default to the tiny-qwen3-next model's.
 
   PYTHONPATH=. python scripts/bench_delta_net.py --out /tmp/bench_delta_net.json
@@ -30,7 +30,7 @@ import numpy as np
 from absl import app, flags
 from timing import best_seconds
 
-from jaxkv.serving.delta_net import dense_delta_net, ragged_delta_net, seq_of_token
+from jaxkv.serving.delta_net import default_form, ragged_delta_net, seq_of_token
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tokens", ["1024", "8192"], "packed prefill tokens per step")
@@ -67,10 +67,8 @@ def case(tokens: int, seqs: int) -> dict:
     """Time both columns on one case; outputs compared token for token."""
     x = inputs(tokens, seqs)
     heads, key_dim = FLAGS.heads, FLAGS.key_dim
-    per_token = jax.jit(functools.partial(dense_delta_net, num_heads=heads, key_dim=key_dim))
-    chunked = jax.jit(
-        functools.partial(ragged_delta_net, num_heads=heads, key_dim=key_dim, chunk_size=FLAGS.chunk_size)
-    )
+    step = functools.partial(ragged_delta_net, num_heads=heads, key_dim=key_dim, chunk_size=FLAGS.chunk_size)
+    scan, chunked = (jax.jit(functools.partial(step, form=form)) for form in ("scan", "chunked"))
     rows = FLAGS.max_seqs
     cu = jnp.minimum(jnp.arange(rows + 1) * (tokens // seqs), tokens).astype(jnp.int32)
     owner = seq_of_token(cu, jnp.array([seqs]), tokens)
@@ -78,20 +76,20 @@ def case(tokens: int, seqs: int) -> dict:
     state = jnp.zeros((rows, heads, key_dim, FLAGS.value_dim))
     flat = {k: x[k].reshape(tokens, -1) for k in ("mixed", "decay", "beta")}
 
-    def run_per_token():
-        return per_token(x["mixed"], x["decay"], x["beta"], x["weight"])
+    def run_scan():
+        return scan(flat["mixed"], flat["decay"], flat["beta"], x["weight"], owner, conv, state)[0]
 
     def run_chunked():
         return chunked(flat["mixed"], flat["decay"], flat["beta"], x["weight"], owner, conv, state)[0]
 
-    error = float(jnp.max(jnp.abs(run_chunked() - run_per_token().reshape(tokens, heads, -1))))
-    base, fast = best_seconds(run_per_token, FLAGS.repeats), best_seconds(run_chunked, FLAGS.repeats)
+    error = float(jnp.max(jnp.abs(run_chunked() - run_scan())))
+    base, fast = best_seconds(run_scan, FLAGS.repeats), best_seconds(run_chunked, FLAGS.repeats)
     return {
         "tokens": tokens,
         "seqs": seqs,
-        "per_token_steps": tokens // seqs,
+        "scan_steps": tokens,
         "chunked_steps": pieces(tokens, seqs, FLAGS.chunk_size),
-        "per_token_s": base,
+        "scan_s": base,
         "chunked_s": fast,
         "speedup": base / fast,
         "max_abs_diff": error,
@@ -103,18 +101,24 @@ def main(argv: list[str]) -> None:
     rows = [case(int(t), int(s)) for t in FLAGS.tokens for s in FLAGS.seqs]
     print(
         f"Gated DeltaNet step on {jax.default_backend()}: {FLAGS.heads} heads, dk={FLAGS.key_dim}, "
-        f"dv={FLAGS.value_dim}, chunk {FLAGS.chunk_size}, {FLAGS.max_seqs} state rows"
+        f"dv={FLAGS.value_dim}, chunk {FLAGS.chunk_size}, {FLAGS.max_seqs} state rows; "
+        f"default form here: {default_form()}"
     )
-    print("| T | seqs | per-token steps | chunked steps | per-token (ms) | chunked (ms) | speed-up | max abs diff |")
+    print("| T | seqs | scan steps | chunked steps | scan (ms) | chunked (ms) | speed-up | max abs diff |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['tokens']:,} | {r['seqs']} | {r['per_token_steps']:,} | {r['chunked_steps']:,} | "
-            f"{r['per_token_s'] * 1e3:,.1f} | {r['chunked_s'] * 1e3:,.1f} | {r['speedup']:.2f}x | "
+            f"| {r['tokens']:,} | {r['seqs']} | {r['scan_steps']:,} | {r['chunked_steps']:,} | "
+            f"{r['scan_s'] * 1e3:,.1f} | {r['chunked_s'] * 1e3:,.1f} | {r['speedup']:.2f}x | "
             f"{r['max_abs_diff']:.1e} |"
         )
     if FLAGS.out:
-        meta = {"backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version()}
+        meta = {
+            "backend": jax.default_backend(),
+            "default_form": default_form(),
+            "jax": jax.__version__,
+            "python": platform.python_version(),
+        }
         flags_used = {name: FLAGS[name].value for name in ("chunk_size", "heads", "key_dim", "value_dim", "max_seqs")}
         with open(FLAGS.out, "w") as f:
             json.dump({"meta": meta, "flags": flags_used, "cases": rows}, f, indent=2)

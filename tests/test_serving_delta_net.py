@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from jaxkv.errors import JaxkvError
 from jaxkv.serving.delta_net import (
     DeltaNetError,
+    default_form,
     delta_rule_chunk,
     delta_rule_step,
     dense_delta_net_states,
@@ -50,10 +51,14 @@ def test_seq_of_token_marks_padding_with_one_past_the_last_sequence():
     assert owner.tolist() == [0, 1, 1, 1, 4, 4]
 
 
+FORMS = [("scan", 64), ("chunked", 1), ("chunked", 3), ("chunked", 64)]
+"""Each form of the serving step, the chunked one at several chunk sizes."""
+
+
 @functools.cache
-def ragged_step(chunk_size: int):
-    """``ragged_delta_net`` jitted for this file's head sizes and one chunk size."""
-    return jax.jit(functools.partial(ragged_delta_net, num_heads=HEADS, key_dim=KEY, chunk_size=chunk_size))
+def ragged_step(form: str, chunk_size: int):
+    """``ragged_delta_net`` jitted for this file's head sizes, one form and chunk size."""
+    return jax.jit(functools.partial(ragged_delta_net, num_heads=HEADS, key_dim=KEY, chunk_size=chunk_size, form=form))
 
 
 def per_token(state: jax.Array, q, k, v, decay, beta) -> tuple[jax.Array, jax.Array]:
@@ -89,9 +94,10 @@ def test_tokens_with_no_decay_and_no_step_leave_a_chunks_state_alone():
     assert bool(jnp.all(jnp.isfinite(out)))
 
 
-def serve(seqs, steps, weight, chunk_size, *, rows=None, bucket=None, filler=9.0, idle=None):
+def serve(seqs, steps, weight, form, *, rows=None, bucket=None, filler=9.0, idle=None):
     """Serve ``seqs`` over ``steps`` (step i: ``steps[i][s]`` new tokens of sequence s,
-    packed in row order, then padding tokens of ``filler`` up to ``bucket`` tokens).
+    packed in row order, then padding tokens of ``filler`` up to ``bucket`` tokens), in
+    ``form``, a ``(form, chunk_size)`` pair.
 
     Returns each sequence's outputs, the padding outputs and the conv and recurrent
     state rows after the last step; rows past the sequences start at ``idle``.
@@ -110,7 +116,7 @@ def serve(seqs, steps, weight, chunk_size, *, rows=None, bucket=None, filler=9.0
         beta = jnp.concatenate([p[2] for p in parts] + [jnp.full((pad, HEADS), filler)])
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(step)]), jnp.int32)
         owner = seq_of_token(jnp.pad(cu, (0, rows - len(seqs)), mode="edge"), jnp.array([len(seqs)]), mixed.shape[0])
-        out, conv, state = ragged_step(chunk_size)(mixed, decay, beta, weight, owner, conv, state)
+        out, conv, state = ragged_step(*form)(mixed, decay, beta, weight, owner, conv, state)
         for i, n in enumerate(step):
             outs[i].append(out[int(cu[i]) : int(cu[i]) + n])
         pad_outs.append(out[int(cu[-1]) :])
@@ -129,21 +135,22 @@ def assert_matches_dense(seqs, outs, conv, state, weight, rtol=1e-4):
         np.testing.assert_allclose(state[i], want_state[0], rtol=rtol, atol=2e-5, err_msg=f"seq {i} state")
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, 64])
-def test_chunks_at_any_boundary_resume_exactly_where_the_dense_pass_is(weight, chunk_size):
+@pytest.mark.parametrize("form", FORMS)
+def test_chunks_at_any_boundary_resume_exactly_where_the_dense_pass_is(weight, form):
     rng = np.random.default_rng(3)
     seqs = [sequence(rng, n) for n in (23, 9)]
     # Three steps: a decode shape, odd splits (several chunks, mid-chunk starts), padding.
-    outs, _, conv, state = serve(seqs, [(1, 1), (13, 7), (9, 1)], weight, chunk_size, bucket=24)
+    outs, _, conv, state = serve(seqs, [(1, 1), (13, 7), (9, 1)], weight, form, bucket=24)
     assert_matches_dense(seqs, outs, conv, state, weight)
 
 
-def test_padding_tokens_change_nothing_even_when_not_finite(weight):
+@pytest.mark.parametrize("form", [("scan", 64), ("chunked", 3)])
+def test_padding_tokens_change_nothing_even_when_not_finite(weight, form):
     rng = np.random.default_rng(5)
     seqs = [sequence(rng, n) for n in (1, 11, 5)]
     steps = [(1, 6, 1), (0, 5, 4)]  # a decode, a prefill over two 3-token chunks, a one-token prefill
-    clean, _, conv, state = serve(seqs, steps, weight, 3)
-    dirty, pad_out, dirty_conv, dirty_state = serve(seqs, steps, weight, 3, bucket=16, filler=jnp.nan)
+    clean, _, conv, state = serve(seqs, steps, weight, form)
+    dirty, pad_out, dirty_conv, dirty_state = serve(seqs, steps, weight, form, bucket=16, filler=jnp.nan)
     for a, b in zip(clean, dirty):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(dirty_conv, conv, rtol=1e-6)
@@ -151,21 +158,28 @@ def test_padding_tokens_change_nothing_even_when_not_finite(weight):
     assert not np.any(pad_out)
 
 
-def test_a_chunk_size_below_one_is_refused(weight):
+@pytest.mark.parametrize(
+    "bad, needle", [({"chunk_size": 0}, "chunk_size must be >= 1, got 0"), ({"form": "wy"}, "got 'wy'")]
+)
+def test_a_chunk_size_below_one_or_an_unknown_form_is_refused(weight, bad, needle):
     rng = np.random.default_rng(0)
     mixed, decay, beta = sequence(rng, 3)
-    with pytest.raises(DeltaNetError, match="chunk_size must be >= 1, got 0") as refused:
+    with pytest.raises(DeltaNetError, match=needle) as refused:
         ragged_delta_net(
             mixed, decay, beta, weight, jnp.zeros(3, jnp.int32), jnp.zeros((1, KERNEL - 1, CHANNELS)),
-            jnp.zeros((1, HEADS, KEY, VALUE)), HEADS, KEY, chunk_size=0,
+            jnp.zeros((1, HEADS, KEY, VALUE)), HEADS, KEY, **bad,
         )  # fmt: skip
     assert isinstance(refused.value, JaxkvError) and isinstance(refused.value, ValueError)
+
+
+def test_the_cpu_runs_the_scan_and_an_accelerator_the_chunked_form():
+    assert default_form() == ("scan" if jax.default_backend() == "cpu" else "chunked")
 
 
 @st.composite
 def ragged_runs(draw):
     """1-3 sequences of 1-20 tokens, each cut into up to 3 steps (0-token pieces allowed),
-    and a chunk size."""
+    and a form."""
     lengths = draw(st.lists(st.integers(1, 20), min_size=1, max_size=3))
     cuts = [sorted(draw(st.lists(st.integers(0, n), min_size=2, max_size=2))) for n in lengths]
     steps = [
@@ -173,20 +187,20 @@ def ragged_runs(draw):
         tuple(c[1] - c[0] for c in cuts),
         tuple(n - c[1] for n, c in zip(lengths, cuts)),
     ]
-    return lengths, steps, draw(st.sampled_from([1, 3, 8]))
+    return lengths, steps, draw(st.sampled_from([("scan", 64), ("chunked", 1), ("chunked", 3), ("chunked", 8)]))
 
 
 @settings(max_examples=12, deadline=None)
 @given(ragged_runs(), st.integers(0, 2**16))
 def test_random_ragged_splits_give_the_dense_outputs_and_states(weight, run, seed):
-    lengths, steps, chunk_size = run
+    lengths, steps, form = run
     rng = np.random.default_rng(seed)
     seqs = [sequence(rng, n) for n in lengths]
     idle = (
         jnp.asarray(rng.standard_normal((KERNEL - 1, CHANNELS))),
         jnp.asarray(rng.standard_normal((HEADS, KEY, VALUE))),
     )
-    outs, pad_out, conv, state = serve(seqs, steps, weight, chunk_size, rows=4, bucket=64, filler=jnp.nan, idle=idle)
+    outs, pad_out, conv, state = serve(seqs, steps, weight, form, rows=4, bucket=64, filler=jnp.nan, idle=idle)
     assert_matches_dense(seqs, outs, conv, state, weight)
     np.testing.assert_array_equal(conv[len(seqs) :], jnp.broadcast_to(idle[0], conv[len(seqs) :].shape))
     np.testing.assert_array_equal(state[len(seqs) :], jnp.broadcast_to(idle[1], state[len(seqs) :].shape))

@@ -17,11 +17,17 @@ Two forms of the same recurrence:
 - :func:`ragged_delta_net`: a serving step's packed tokens of several sequences
   (decodes first, then prefill chunks), each resuming from its own conv and recurrent
   state and returning the states after its last token; padding tokens change nothing.
-  No loop over tokens: the convolution is shifted inputs, decodes take one vectorised
-  step, and longer runs take the chunked (WY) form of the recurrence
-  (:func:`delta_rule_chunk` for one chunk): all state-free work in parallel over
-  64-token chunks, then one loop step per chunk of a sequence, so a 32k-token prompt
-  is 512 dependent steps, not 32k.
+  The convolution is shifted inputs, all tokens at once; the delta rule takes one of
+  two forms (:data:`FORMS`):
+
+  - ``"chunked"`` (the default on GPU and TPU): decodes take one vectorised step, and
+    longer runs the chunked (WY) form of the recurrence (:func:`delta_rule_chunk` for
+    one chunk): all state-free work in parallel over 64-token chunks, then one loop
+    step per chunk of a sequence, so a 32k-token prompt is 512 dependent steps, not 32k;
+  - ``"scan"`` (the default on CPU): one scan step per packed token. A CPU gains
+    nothing from the chunked form's parallel work, which is ~2.5x the arithmetic at
+    64-token chunks (``scripts/bench_delta_net.py`` on the 2-core CPU: the chunked form
+    at 0.74-0.98x of the scan), and its batched triangular solves go through LAPACK.
 """
 
 from __future__ import annotations
@@ -104,6 +110,15 @@ def dense_delta_net_states(
 
     state, out = jax.vmap(one_sequence)(q, k, v, decay, beta)
     return out, padded[:, length:], state
+
+
+FORMS = ("scan", "chunked")
+"""The forms of :func:`ragged_delta_net`'s delta rule (same results to float rounding)."""
+
+
+def default_form() -> str:
+    """``"scan"`` on CPU, ``"chunked"`` on an accelerator (see the module docstring)."""
+    return "scan" if jax.default_backend() == "cpu" else "chunked"
 
 
 class DeltaNetError(JaxkvError, ValueError):
@@ -211,6 +226,7 @@ def ragged_delta_net(
     key_dim: int,
     *,
     chunk_size: int = 64,
+    form: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One serving step: outputs ``(T, H, dv)`` and the sequences' states after it.
 
@@ -220,12 +236,16 @@ def ragged_delta_net(
     ``recurrent_state (S, H, dk, dv)`` each sequence's states before the step (zeros for
     a fresh one). Returns the outputs (zero for padding) and both states after the step.
 
-    No loop runs over tokens: the convolution takes each token's inputs at once; the
-    one-token sequences (decodes) take one :func:`delta_rule_step` together, so a step
-    of decodes alone runs no loop; the longer ones are cut on a grid of ``chunk_size``
-    tokens and a loop runs one step per (grid chunk, sequence) piece in use, at most
-    ``T / chunk_size + S`` (see :func:`_chunked`).
+    The convolution takes each token's inputs at once. ``form`` (None:
+    :func:`default_form`) picks the delta rule's: ``"scan"``, one scan step per token;
+    ``"chunked"``, where the one-token sequences (decodes) take one
+    :func:`delta_rule_step` together, so a step of decodes alone runs no loop, and the
+    longer ones are cut on a grid of ``chunk_size`` tokens and a loop runs one step per
+    (grid chunk, sequence) piece in use, at most ``T / chunk_size + S`` (see :func:`_chunked`).
     """
+    form = default_form() if form is None else form
+    if form not in FORMS:
+        raise DeltaNetError(f"form must be one of {FORMS}, got {form!r}")
     if chunk_size < 1:
         raise DeltaNetError(f"chunk_size must be >= 1, got {chunk_size}")
     num_seqs, num_tokens = conv_state.shape[0], mixed.shape[0]
@@ -240,6 +260,10 @@ def ragged_delta_net(
     conv, decay, beta = (jnp.where(real[:, None], x, 0) for x in (conv, decay, beta))
     inputs = (conv, decay.astype(jnp.float32), beta.astype(jnp.float32))
     heads = functools.partial(_split_heads, num_heads=num_heads, key_dim=key_dim)
+    if form == "scan":
+        state, out = _scanned(*inputs, seq_of_token, recurrent_state.astype(jnp.float32), heads)
+        out = jnp.where(real[:, None, None], out, 0.0)
+        return out, conv_state, state.astype(recurrent_state.dtype)
 
     single = q_lens == 1
     first = jnp.minimum(starts[:-1], num_tokens - 1)
@@ -287,6 +311,28 @@ def _ragged_conv(
     taken = inputs[jnp.clip(starts[:-1, None] + j, 0, num_tokens - 1)]
     held = conv_state[jnp.arange(num_seqs)[:, None], jnp.clip(kernel - 1 + j, 0, kernel - 2)]
     return conv, jnp.where((j >= 0)[..., None], taken, held)
+
+
+def _scanned(
+    conv: jax.Array,
+    decay: jax.Array,
+    beta: jax.Array,
+    seq_of_token: jax.Array,
+    state: jax.Array,
+    heads: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
+) -> tuple[jax.Array, jax.Array]:
+    """The delta rule a token at a time: one scan step per packed token updates its
+    sequence's state row (padding: a scratch row past the last). Returns the states and
+    the outputs ``(T, H, dv)``."""
+    rows = jnp.concatenate([state, jnp.zeros_like(state[:1])])
+
+    def step(rows: jax.Array, token: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        *qkv_gates, seq = token
+        new, out = delta_rule_step(rows[seq], *qkv_gates)
+        return rows.at[seq].set(new), out
+
+    rows, out = jax.lax.scan(step, rows, (*heads(conv), decay, beta, seq_of_token))
+    return rows[:-1], out
 
 
 def _chunked(
