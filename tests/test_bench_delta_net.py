@@ -1,22 +1,15 @@
 """The Gated DeltaNet benchmark times both serving forms on the same tokens, and they agree."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from script_runs import run_script
 
 
 def test_a_small_run_times_both_forms_and_they_agree(tmp_path):
     out = tmp_path / "delta.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_delta_net.py"), "--tokens=64", "--seqs=1,2", "--repeats=1",
-         "--chunk_size=16", f"--out={out}"],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
-    )  # fmt: skip
+    done = run_script(
+        "bench_delta_net.py", "--tokens=64", "--seqs=1,2", "--repeats=1", "--chunk_size=16", f"--out={out}"
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert report["meta"]["default_form"] in ("scan", "chunked")

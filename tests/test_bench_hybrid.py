@@ -1,25 +1,13 @@
 """The hybrid benchmark runs every section end to end and its plan targets hold."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "bench_hybrid.py"
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300, check=False
-    )
+from script_runs import run_script
 
 
 def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
     out = tmp_path / "bench.json"
-    done = run("--quick", "--out", str(out))
+    done = run_script("bench_hybrid.py", "--quick", "--out", str(out))
     assert done.returncode == 0, done.stderr
     for section in ("[granularity]", "[concurrency]", "[multiturn]", "[ttft]", "[retention]"):
         assert section in done.stdout
@@ -51,7 +39,7 @@ def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
 
 
 def test_an_unknown_section_is_one_line_and_status_2():
-    done = run("--sections", "granularity,speed")
+    done = run_script("bench_hybrid.py", "--sections", "granularity,speed")
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert (
         "unknown sections ['speed']" in done.stderr

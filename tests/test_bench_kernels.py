@@ -3,20 +3,17 @@ each peer's layout conversion against jaxkv's reference, and a quick run end to 
 
 import importlib
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from script_runs import REPO, run_script
 
 from jaxkv import ops
 from jaxkv.pallas import reference
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 F32_TOL = 1e-4
 BF16_TOL = 2e-2
@@ -198,15 +195,7 @@ def test_a_column_whose_kernels_cannot_load_is_na_and_a_failing_peer_is_reported
 
 def test_a_quick_run_reports_every_column_with_small_errors(tmp_path):
     out = tmp_path / "bench.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_kernels.py"), "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
+    done = run_script("bench_kernels.py", "--quick", "--out", str(out))
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     jaxkv_columns = set(report["columns"]["jaxkv"])

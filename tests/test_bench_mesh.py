@@ -2,25 +2,15 @@
 tokens and nothing compiled while timed, and splits jaxkv's host time from JAX's dispatch."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "bench_mesh.py"
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300, check=False
-    )
+from script_runs import run_script
 
 
 def test_a_short_run_on_one_and_two_devices_reports_both_host_times(tmp_path):
     out = tmp_path / "mesh.json"
-    done = run("--devices=1,2", "--num_requests=2", "--max_new_tokens=2", "--repeats=1", f"--out={out}")
+    done = run_script(
+        "bench_mesh.py", "--devices=1,2", "--num_requests=2", "--max_new_tokens=2", "--repeats=1", f"--out={out}"
+    )
     assert done.returncode == 0, done.stderr
     assert "tokens identical on every mesh: yes" in done.stdout
     results = json.loads(out.read_text())["results"]
@@ -32,6 +22,6 @@ def test_a_short_run_on_one_and_two_devices_reports_both_host_times(tmp_path):
 
 
 def test_devices_that_are_not_positive_ints_exit_2_with_one_line():
-    done = run("--devices=1,x")
+    done = run_script("bench_mesh.py", "--devices=1,x")
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "--devices" in done.stderr

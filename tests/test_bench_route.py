@@ -2,30 +2,18 @@
 mid-trace, none left behind), and bad input refused in one line with status 2."""
 
 import json
-import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
+from script_runs import run_script
 
 pytest.importorskip("msgspec")
 pytest.importorskip("zmq")
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_route.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
+    return run_script("bench_route.py", *args)
 
 
 def replica_processes() -> list[str]:

@@ -15,13 +15,12 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from script_runs import REPO, repo_env
 
 from jaxkv.plan import with_cpu_device_count
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
 
 
@@ -29,8 +28,7 @@ def start(*args: str) -> subprocess.Popen:
     """A Python subprocess of this repository, in a session of its own (killed whole on timeout),
     with one CPU device unless it asks for more (not the 8 of this suite's conftest)."""
     env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        **repo_env(),
         "XLA_FLAGS": with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), 1),
     }
     return subprocess.Popen(

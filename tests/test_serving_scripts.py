@@ -10,25 +10,10 @@ takes about 40 s on 2 CPU cores (the two end-to-end runs, ~10 s and ~15 s, most 
 import json
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / name), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
+from script_runs import run_script
 
 
 def test_serve_prints_tokens_throughput_hits_and_usage_and_matches_dense(tmp_path):

@@ -1,13 +1,12 @@
 """Trace simulator: synthetic traces, JSON traces, the scheduler's replay and the CLI."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import FULL, make_manager
+from script_runs import run_script
 
 from jaxkv.errors import JaxkvError
 from jaxkv.manager import KVCacheManager
@@ -29,7 +28,6 @@ from jaxkv.serving.simulator import (
     synthetic_trace,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 BLOCK_BYTES = 16 * 1024  # tiny-hybrid: one slot of 16 tokens x 2 heads x 64 x K/V x float32
 
 TRACE_KNOBS = {
@@ -311,16 +309,8 @@ def test_a_trace_asking_for_10_to_the_11_output_tokens_loads_and_replays(tmp_pat
 
 
 # --------------------------------------------------------------------- CLI
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "simulate.py"), *args],
-        capture_output=True,
-        check=False,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+def simulate(*args: str) -> subprocess.CompletedProcess:
+    return run_script("simulate.py", *args, timeout=120)
 
 
 CLI_FLAGS = (
@@ -338,7 +328,7 @@ CLI_FLAGS = (
 
 def test_script_runs_end_to_end_and_replays_its_saved_trace(tmp_path):
     out, trace = tmp_path / "result.json", tmp_path / "trace.json"
-    first = run_script(*CLI_FLAGS, f"--out={out}", f"--save_trace={trace}")
+    first = simulate(*CLI_FLAGS, f"--out={out}", f"--save_trace={trace}")
     assert first.returncode == 0, first.stderr
     for text in ("KV cache plan", "step      50", "prefix hit rate", "host us/step", "wall time"):
         assert text in first.stdout
@@ -348,7 +338,7 @@ def test_script_runs_end_to_end_and_replays_its_saved_trace(tmp_path):
     assert report["flags"]["preset"] == "tiny-hybrid"
 
     out2 = tmp_path / "again.json"
-    second = run_script(*CLI_FLAGS, f"--trace={trace}", "--no_prefix_caching", f"--out={out2}")
+    second = simulate(*CLI_FLAGS, f"--trace={trace}", "--no_prefix_caching", f"--out={out2}")
     assert second.returncode == 0, second.stderr
     again = json.loads(out2.read_text())["result"]
     assert again["prompt_hit_rate"] == 0
@@ -358,7 +348,7 @@ def test_script_runs_end_to_end_and_replays_its_saved_trace(tmp_path):
 def test_script_reports_bad_input_in_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1]")
-    result = run_script(*CLI_FLAGS, f"--trace={bad}")
+    result = simulate(*CLI_FLAGS, f"--trace={bad}")
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         (
@@ -414,7 +404,7 @@ BAD_CLI = {
 @pytest.mark.parametrize("case", list(BAD_CLI))
 def test_script_refuses_bad_input_in_one_line_with_status_2(tmp_path, case):
     flags, more, expected = BAD_CLI[case]
-    result = run_script(*CLI_FLAGS, *flags, *(more(tmp_path) if more else []))
+    result = simulate(*CLI_FLAGS, *flags, *(more(tmp_path) if more else []))
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
     assert "Traceback" not in result.stderr
     lines = result.stderr.splitlines()
@@ -425,7 +415,7 @@ def test_script_refuses_bad_input_in_one_line_with_status_2(tmp_path, case):
 def test_script_caps_a_trace_request_at_max_model_len(tmp_path):
     trace = _trace_file(tmp_path, "t.json", json.dumps([{**GOOD, "max_output_tokens": 10**11}]).encode())
     out = tmp_path / "out.json"
-    result = run_script(*CLI_FLAGS, f"--trace={trace}", f"--out={out}")
+    result = simulate(*CLI_FLAGS, f"--trace={trace}", f"--out={out}")
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())["result"]
     assert report["num_capped"] == 1 and report["num_generated_tokens"] == 510

@@ -3,12 +3,8 @@ small device pool and host tier, random store and load failures; no leaks, and e
 request's tokens equal those of an engine without offload."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from script_runs import run_script
 
 REDUCED = (
     "--num_requests=40",
@@ -30,15 +26,7 @@ REDUCED = (
 
 def test_reduced_soak_leaks_nothing_and_keeps_the_tokens(tmp_path):
     out = tmp_path / "soak.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "soak.py"), *REDUCED, f"--out={out}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
+    result = run_script("soak.py", *REDUCED, f"--out={out}")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     for text in (
         "requests",
