@@ -115,25 +115,27 @@ StepShardings = tuple[tuple[jax.sharding.Sharding, ...], object] | None
 
 
 @functools.cache
-def jitted_step(fn: Callable, shardings: StepShardings) -> jax.stages.Wrapped:
-    """``fn`` (:func:`_step` or :func:`_step_with_logits`) jitted with the cache donated.
+def jitted_step(
+    fn: Callable, graphdef: nnx.GraphDef, groups: tuple[int, ...], impl: str, shardings: StepShardings
+) -> jax.stages.Wrapped:
+    """``fn`` (:func:`_step` or :func:`_step_with_logits`) with its static arguments
+    bound, jitted with the cache donated: ``(weights, cache, meta) -> outputs``.
 
     Shared by all runners: the same architecture, plan, ops implementation, bucket
-    shapes and shardings compile once per process (all but the weights, cache and
-    metadata are static). The step with logits is a separate compilation, used only
-    when logits are asked for (token checks, not serving).
+    shapes and shardings compile once per process. The static arguments are bound here
+    rather than passed at each call, where JAX would hash the model's graph definition
+    every step (~1 ms on the tiny models). The step with logits is a separate
+    compilation, used only when logits are asked for (token checks, not serving).
     """
+
+    def step(weights: nnx.State, cache: KVCache | HybridCache, meta: StepMetadata) -> tuple:
+        return fn(graphdef, groups, impl, weights, cache, meta)
+
     if shardings is None:
-        return jax.jit(fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
+        return jax.jit(step, donate_argnums=(1,))
     leaves, treedef = shardings
     in_shardings, out_shardings = jax.tree.unflatten(treedef, leaves)
-    return jax.jit(
-        fn,
-        static_argnums=(0, 1, 2),
-        donate_argnums=(4,),
-        in_shardings=in_shardings,
-        out_shardings=out_shardings,
-    )
+    return jax.jit(step, donate_argnums=(1,), in_shardings=in_shardings, out_shardings=out_shardings)
 
 
 def _flat(shardings: object) -> StepShardings:
@@ -201,8 +203,8 @@ class ModelRunner:
             ins, rep = (weights, cache, self._meta_sharding), self._meta_sharding
             plain = _flat((ins, (rep, cache)))
             with_logits = _flat((ins, (rep, rep, cache)))
-        self._step = jitted_step(_step, plain)
-        self._step_with_logits = jitted_step(_step_with_logits, with_logits)
+        self._shardings = {_step: plain, _step_with_logits: with_logits}
+        self._steps: dict[tuple[Callable, str], jax.stages.Wrapped] = {}
         self.num_compilations = 0
         self.dispatch_s = 0.0
         """Seconds spent in JAX's call of the jitted step (argument checks, dispatch to every
@@ -227,25 +229,33 @@ class ModelRunner:
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray:
         """Run one step; the greedy next token after each chunk's last token, ``(len(chunks),)``."""
-        (tokens,) = self._run(self._step, chunks)
+        (tokens,) = self._run(_step, chunks)
         return tokens
 
     def execute_with_logits(self, chunks: Sequence[ScheduledChunk]) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`execute`, plus the float32 logits each token was sampled from, ``(len(chunks), vocab)``."""
-        tokens, logits = self._run(self._step_with_logits, chunks)
+        tokens, logits = self._run(_step_with_logits, chunks)
         return tokens, logits
 
-    def _run(self, step: Callable, chunks: Sequence[ScheduledChunk]) -> list[np.ndarray]:
-        """Call a jitted step on these chunks (the cache donated); its outputs' rows of the chunks.
+    def _jitted(self, fn: Callable) -> jax.stages.Wrapped:
+        """``fn`` jitted for this runner's model and the current :mod:`jaxkv.ops`
+        implementation (looked up by the implementation's name, read at each step)."""
+        impl = ops.get_implementation()
+        key = (fn, impl)
+        if key not in self._steps:
+            self._steps[key] = jitted_step(fn, self.graphdef, self.groups, impl, self._shardings[fn])
+        return self._steps[key]
+
+    def _run(self, fn: Callable, chunks: Sequence[ScheduledChunk]) -> list[np.ndarray]:
+        """Call the jitted ``fn`` on these chunks (the cache donated); its outputs' rows of the chunks.
 
         Outputs are replicated: each is read from this process's first copy, which is
         all a process holds of an array whose devices span processes."""
         meta = self.metadata(chunks)
+        step = self._jitted(fn)
         before = _num_step_traces
         start = time.perf_counter()
-        *outputs, self.cache = step(
-            self.graphdef, self.groups, ops.get_implementation(), self.weights, self.cache, meta
-        )
+        *outputs, self.cache = step(self.weights, self.cache, meta)
         dispatched = time.perf_counter()
         self.dispatch_s += dispatched - start
         self.num_compilations += _num_step_traces - before
@@ -298,6 +308,4 @@ class ModelRunner:
 
     def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
         """The step lowered for these chunks' shapes (``.compile().memory_analysis()``)."""
-        return self._step.lower(
-            self.graphdef, self.groups, ops.get_implementation(), self.weights, self.cache, self.metadata(chunks)
-        )
+        return self._jitted(_step).lower(self.weights, self.cache, self.metadata(chunks))
