@@ -441,8 +441,15 @@ def build_step_metadata(
     info = np.iinfo(np.int32)
     if packed.size and (packed.max() > info.max or packed.min() < info.min):
         raise MetadataError(f"values [{packed.min()}, {packed.max()}] do not fit int32")
-    packed = packed.astype(np.int32)
+    return StepMetadata(place_values(packed.astype(np.int32), device), packing)
+
+
+def place_values(values: np.ndarray | jax.Array, device: jax.Device | jax.sharding.Sharding | None = None) -> jax.Array:
+    """``values`` on ``device`` (a device or a sharding; None: the default device). A
+    sharding whose devices span processes is filled by each process from its own copy of
+    the values (every process holding the same), never by sending the whole array to one
+    device."""
     if isinstance(device, jax.sharding.Sharding) and not device.is_fully_addressable:
-        # devices of other processes: each process fills its own from its (identical) copy
-        return StepMetadata(jax.make_array_from_callback(packed.shape, device, lambda i: packed[i]), packing)
-    return StepMetadata(jax.device_put(packed, device), packing)
+        host = np.asarray(values)
+        return jax.make_array_from_callback(host.shape, device, lambda index: host[index])
+    return jax.device_put(values, device)

@@ -31,6 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
+from jaxkv.metadata import place_values
 from jaxkv.serving.models import MODEL_AXIS
 
 
@@ -86,12 +87,6 @@ def weight_shardings(weights: nnx.State, mesh: Mesh, model_axis: str) -> nnx.Sta
 
 def place(tree: object, shardings: object) -> object:
     """``tree``'s arrays with ``shardings`` (a matching pytree). Across processes, each
-    process fills its own devices' shards from its copy of the values."""
-
-    def put(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-        if sharding.is_fully_addressable:
-            return jax.device_put(x, sharding)
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    return jax.tree.map(put, tree, shardings)
+    process fills its own devices' shards from its copy of the values
+    (:func:`jaxkv.metadata.place_values`)."""
+    return jax.tree.map(place_values, tree, shardings)
