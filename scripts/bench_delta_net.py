@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from timing import best_seconds
 
-from jaxkv.serving.delta_net import default_form, ragged_delta_net, seq_of_token
+from jaxkv.benchmarks.timing import best_seconds
+from jaxkv.models.delta_net import default_form, ragged_delta_net, seq_of_token
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tokens", ["1024", "8192"], "packed prefill tokens per step")

@@ -44,9 +44,9 @@ from pathlib import Path
 
 from absl import app, flags
 
+from jaxkv.cli import exit_error, flags_parser, parse_size
 from jaxkv.errors import JaxkvError
 from jaxkv.manager import KVCacheManager
-from jaxkv.plan import exit_error, flags_parser, parse_size
 from jaxkv.planner import KVCacheConfig, exact_concurrency_bound, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.simulator import Simulator, synthetic_trace

@@ -4,7 +4,7 @@ Per case (decode / windowed decode / prefill / mixed paged attention, write_kv,
 copy_blocks) one column per jaxkv implementation (``jaxkv.ops.IMPLEMENTATIONS`` but
 ``auto``, called through ``jaxkv.ops`` with ``impl=``: a new implementation gets a
 column without editing this script) and, for paged attention, one per peer
-(``scripts/kernel_peers.py``), timed in the same run (best of --repeats, after a warm-up
+(``jaxkv/benchmarks/kernel_peers.py``), timed in the same run (best of --repeats, after a warm-up
 call that compiles):
 
   reference            jaxkv.pallas.reference (plain jnp, XLA on whatever backend this is);
@@ -49,10 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from kernel_peers import PEERS, NotApplicable, PagedBatch
-from timing import best_seconds
 
 from jaxkv import ops
+from jaxkv.benchmarks.kernel_peers import PEERS, NotApplicable, PagedBatch
+from jaxkv.benchmarks.timing import best_seconds
 from jaxkv.cache import KVCache
 from jaxkv.pallas.reference import KVShapeError
 

@@ -41,18 +41,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from timing import best_seconds
 
 from jaxkv import ops
+from jaxkv.benchmarks.timing import best_seconds
 from jaxkv.cache import KVCache, allocate_kv_cache
 from jaxkv.metadata import Buckets
+from jaxkv.models.tiny import MODEL_CONFIGS, TinyLM, get_model_config
 from jaxkv.offload.catalog import PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.host_pool import HostKVPool, block_nbytes, block_shape
 from jaxkv.offload.transfer import TransferEngine, copies_per_block
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
 from jaxkv.serving.engine import Engine
-from jaxkv.serving.models import MODEL_CONFIGS, TinyLM, get_model_config
 from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 from jaxkv.specs import FullAttentionSpec
 

@@ -1,9 +1,9 @@
 """Prefix-aware routing over data-parallel replicas vs round-robin, least-loaded and one
 big cache, on one multi-tenant multi-turn chat trace.
 
-``--num_replicas`` replica processes (:mod:`jaxkv.serving.replica`: a tiny model on
+``--num_replicas`` replica processes (:mod:`jaxkv.fleet.replica`: a tiny model on
 CPU, ``--memory`` of KV cache each, small enough that the cache is under pressure)
-serve the trace through a :class:`~jaxkv.serving.router.Router` with each policy in
+serve the trace through a :class:`~jaxkv.fleet.router.Router` with each policy in
 turn (round-robin, least-loaded, prefix-aware), every replica's prefix cache reset
 before each run. The baseline is one cache with the replicas' total memory: one more
 replica process, one engine with ``num_replicas x --memory`` and one replica's batch
@@ -56,13 +56,13 @@ from dataclasses import dataclass
 import numpy as np
 from absl import app, flags, logging
 
+from jaxkv.cli import exit_error, flags_parser, parse_size, write_json
 from jaxkv.errors import JaxkvError
-from jaxkv.plan import exit_error, flags_parser, parse_size, write_json
+from jaxkv.fleet.protocol import ReplicaAddress
+from jaxkv.fleet.replica import ReplicaSpec, running_replicas
+from jaxkv.fleet.router import POLICIES, RoutedOutput, Router
+from jaxkv.models.tiny import get_model_config
 from jaxkv.planner import plan_kv_cache
-from jaxkv.serving.models import get_model_config
-from jaxkv.serving.replica import ReplicaSpec, running_replicas
-from jaxkv.serving.replica_protocol import ReplicaAddress
-from jaxkv.serving.router import POLICIES, RoutedOutput, Router
 from jaxkv.serving.workloads import Conversation, conversations
 
 PROG = "bench_route.py"

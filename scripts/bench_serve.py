@@ -43,13 +43,13 @@ import jax
 from absl import app, flags, logging
 
 from jaxkv import ops
+from jaxkv.cli import check_fits_device, define_state_flags, exit_error, flags_parser, parse_size, write_json
 from jaxkv.errors import JaxkvError
 from jaxkv.metadata import Buckets
-from jaxkv.plan import check_fits_device, define_state_flags, exit_error, flags_parser, parse_size, write_json
+from jaxkv.models.tiny import DTYPES, TinyLM, get_model_config, model_names
 from jaxkv.planner import LAYOUTS, plan_kv_cache
 from jaxkv.serving.engine import Engine, GenerationResult, state_plan
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, LogitCheck, compare_outputs
-from jaxkv.serving.models import DTYPES, TinyLM, get_model_config, model_names
 from jaxkv.serving.workloads import shared_prefix_prompts
 from jaxkv.specs import cdiv
 

@@ -19,16 +19,16 @@ KV usage, and (by default) checks the tokens against the dense, unpaged forward.
     python scripts/serve.py --model tiny-llama-kv8 --num_processes 2 --num_devices 4
 
 ``--num_devices N`` runs the model tensor-parallel on a mesh of N devices (KV heads and
-weights split, :mod:`jaxkv.serving.mesh`); on CPU the script asks XLA for N host devices
+weights split, :mod:`jaxkv.mesh`); on CPU the script asks XLA for N host devices
 before JAX starts (unless ``XLA_FLAGS`` already sets a count). The model's KV heads must
 split evenly over the mesh (the ``-kv8`` tiny models have 8).
 
 ``--num_processes N`` (N > 1) starts N copies of this script as one ``jax.distributed``
-cluster on this machine (:mod:`jaxkv.serving.launcher`), each with ``--num_devices``
+cluster on this machine (:mod:`jaxkv.cluster.launcher`), each with ``--num_devices``
 devices, and the model runs tensor-parallel over all of them (one global mesh): process 0
 prints here, ``--out`` is written by process 0, every process runs the same scheduler and
 KV cache manager,
-and a lockstep check (:mod:`jaxkv.serving.lockstep`) compares their decisions before
+and a lockstep check (:mod:`jaxkv.cluster.lockstep`) compares their decisions before
 every step; a process that fails (a lockstep mismatch included) stops them all with
 its exit status.
 
@@ -50,7 +50,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from jaxkv.plan import request_cpu_devices
+from jaxkv.cli import request_cpu_devices
 
 request_cpu_devices(sys.argv)  # before JAX starts: its CPU backend's device count
 
@@ -58,8 +58,7 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from jaxkv import ops  # noqa: E402
-from jaxkv.errors import JaxkvError  # noqa: E402
-from jaxkv.plan import (  # noqa: E402
+from jaxkv.cli import (  # noqa: E402
     check_fits_device,
     define_state_flags,
     exit_error,
@@ -67,8 +66,19 @@ from jaxkv.plan import (  # noqa: E402
     is_int_range,
     parse_size,
 )
+from jaxkv.cluster import distributed  # noqa: E402
+from jaxkv.cluster.launcher import ProcessRole, launch  # noqa: E402
+from jaxkv.cluster.lockstep import LockstepCheck  # noqa: E402
+from jaxkv.errors import JaxkvError  # noqa: E402
+from jaxkv.mesh import model_mesh  # noqa: E402
+from jaxkv.models.tiny import (  # noqa: E402
+    DTYPES,
+    TinyLM,
+    dense_greedy_generate,
+    get_model_config,
+    model_names,
+)
 from jaxkv.planner import LAYOUTS, plan_kv_cache  # noqa: E402
-from jaxkv.serving import multihost  # noqa: E402
 from jaxkv.serving.engine import (  # noqa: E402
     Engine,
     GenerationResult,
@@ -76,17 +86,7 @@ from jaxkv.serving.engine import (  # noqa: E402
     resolve_head_dim_multiple,
     state_plan,
 )
-from jaxkv.serving.launcher import ProcessRole, launch  # noqa: E402
-from jaxkv.serving.lockstep import LockstepCheck  # noqa: E402
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs  # noqa: E402
-from jaxkv.serving.mesh import model_mesh  # noqa: E402
-from jaxkv.serving.models import (  # noqa: E402
-    DTYPES,
-    TinyLM,
-    dense_greedy_generate,
-    get_model_config,
-    model_names,
-)
 from jaxkv.serving.workloads import shared_prefix_prompts  # noqa: E402
 
 PROG = "serve.py"
@@ -207,7 +207,7 @@ def _check_heads_split() -> None:
 
 def _step_check(name: str) -> LockstepCheck | None:
     """The lockstep check of an engine in a cluster of processes; None in a lone process."""
-    return multihost.lockstep_check(name) if jax.process_count() > 1 else None
+    return distributed.lockstep_check(name) if jax.process_count() > 1 else None
 
 
 def serve() -> dict:
@@ -309,7 +309,7 @@ def main(argv: Sequence[str]) -> None:
         except KeyboardInterrupt:
             exit_error(PROG, "interrupted; every process stopped", status=130)
     if role is not None:
-        multihost.join(role)
+        distributed.join(role)
     try:
         with ops.set_implementation(FLAGS.impl):
             report = serve()

@@ -32,10 +32,10 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
+from jaxkv.cli import exit_error, flags_parser, is_int_range, parse_size
 from jaxkv.errors import JaxkvError
 from jaxkv.hashing import HASH_ALGORITHMS
 from jaxkv.manager import KVCacheManager
-from jaxkv.plan import exit_error, flags_parser, is_int_range, parse_size
 from jaxkv.planner import KVCacheConfig, plan_kv_cache
 from jaxkv.presets import get_preset, list_presets
 from jaxkv.serving.simulator import (

@@ -33,9 +33,9 @@ import numpy as np
 from absl import app, flags, logging
 
 from jaxkv import ops
+from jaxkv.models.tiny import MODEL_CONFIGS, get_model_config
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.engine import Engine, GenerationResult
-from jaxkv.serving.models import MODEL_CONFIGS, get_model_config
 from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 
 FLAGS = flags.FLAGS

@@ -1,4 +1,4 @@
-"""The kernel benchmark (scripts/bench_kernels.py) and its peers (scripts/kernel_peers.py):
+"""The kernel benchmark (scripts/bench_kernels.py) and its peers (jaxkv/benchmarks/kernel_peers.py):
 each peer's layout conversion against jaxkv's reference, and a quick run end to end."""
 
 import importlib
@@ -20,7 +20,7 @@ BF16_TOL = 2e-2
 
 
 def script_module(name: str):
-    """Import ``scripts/<name>.py`` (scripts import their siblings by bare name)."""
+    """Import ``scripts/<name>.py`` as a module."""
     sys.path.insert(0, str(SCRIPTS))
     try:
         return importlib.import_module(name)
@@ -30,7 +30,7 @@ def script_module(name: str):
 
 @pytest.fixture(scope="module")
 def peers():
-    return script_module("kernel_peers")
+    return importlib.import_module("jaxkv.benchmarks.kernel_peers")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def replica_processes() -> list[str]:
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines() if "jaxkv.serving.replica" in line and "bench_route-" in line]
+    return [line for line in out.splitlines() if "jaxkv.fleet.replica" in line and "bench_route-" in line]
 
 
 def test_a_quick_run_reports_every_policy_and_survives_a_killed_replica(tmp_path):

@@ -1,4 +1,5 @@
-"""Imports run one way: the host core imports no JAX, and nothing below serving imports it."""
+"""Imports run one way (DESIGN.md): host core -> device side -> offload -> models -> serving
+-> cluster, fleet; ``cli`` beside the host core. The host core imports no JAX."""
 
 import ast
 import pathlib
@@ -9,27 +10,49 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxkv"
 
+HOST_CORE = [
+    "errors",
+    "ints",
+    "specs",
+    "presets",
+    "planner",
+    "hashing",
+    "free_queue",
+    "pool",
+    "single_type",
+    "coordinator",
+    "manager",
+    "state_retention",
+    "cli",
+    "plan",
+]
+DEVICE_SIDE = ["cache", "state_cache", "metadata", "ops", "mesh", "pallas"]
+
+# The layer of each top-level name under jaxkv; a module may import its own layer and below.
+LAYERS = {
+    **dict.fromkeys(HOST_CORE, 0),
+    **dict.fromkeys(DEVICE_SIDE, 1),
+    "offload": 2,
+    "models": 3,
+    "serving": 4,
+    "cluster": 5,
+    "fleet": 5,
+    "benchmarks": 6,
+}
+
 HOST_MODULES = [
-    "jaxkv.errors",
-    "jaxkv.ints",
-    "jaxkv.specs",
-    "jaxkv.presets",
-    "jaxkv.planner",
-    "jaxkv.hashing",
-    "jaxkv.free_queue",
-    "jaxkv.pool",
-    "jaxkv.single_type",
-    "jaxkv.coordinator",
-    "jaxkv.manager",
+    *(f"jaxkv.{name}" for name in HOST_CORE),
     "jaxkv.offload",
     "jaxkv.offload.catalog",
     "jaxkv.offload.policies",
     "jaxkv.serving",
     "jaxkv.serving.scheduler",
-    "jaxkv.serving.lockstep",
-    "jaxkv.serving.launcher",
     "jaxkv.serving.simulator",
-    "jaxkv.serving.router",  # a router process need not carry JAX
+    "jaxkv.cluster",
+    "jaxkv.cluster.lockstep",
+    "jaxkv.cluster.launcher",
+    "jaxkv.fleet",
+    "jaxkv.fleet.router",  # a router process need not carry JAX
 ]
 
 
@@ -47,20 +70,36 @@ def imported_jaxkv_modules(path: pathlib.Path) -> set[str]:
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxkv"):
-            names.add(node.module)
+            names.update([node.module] if node.module != "jaxkv" else (f"jaxkv.{a.name}" for a in node.names))
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names if a.name.startswith("jaxkv"))
     return names
 
 
-@pytest.mark.parametrize("below", ["offload", "pallas"])
-def test_nothing_below_serving_imports_serving(below):
-    for path in (PACKAGE / below).rglob("*.py"):
-        assert not {m for m in imported_jaxkv_modules(path) if m.startswith("jaxkv.serving")}, path
+def top_level(path_or_module: str) -> str:
+    return path_or_module.split(".")[1]
 
 
-def test_the_host_core_imports_neither_serving_nor_offload():
-    core = ["specs", "presets", "planner", "hashing", "free_queue", "pool", "single_type", "coordinator", "manager"]
-    for name in core:
-        bad = {m for m in imported_jaxkv_modules(PACKAGE / f"{name}.py") if m.split(".")[1] in ("serving", "offload")}
-        assert not bad, (name, bad)
+def every_module():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        yield path, parts[0]
+
+
+def test_every_module_has_a_layer():
+    assert {name for _, name in every_module()} <= set(LAYERS)
+
+
+@pytest.mark.parametrize("path,name", list(every_module()), ids=lambda v: str(v).split("jaxkv/")[-1])
+def test_imports_run_one_way(path, name):
+    above = {m for m in imported_jaxkv_modules(path) if m != "jaxkv" and LAYERS[top_level(m)] > LAYERS[name]}
+    assert not above, f"{path} imports from a layer above it: {sorted(above)}"
+
+
+def test_cluster_and_fleet_do_not_import_each_other():
+    for path, name in every_module():
+        other = {"cluster": "fleet", "fleet": "cluster"}.get(name)
+        if other:
+            assert not {m for m in imported_jaxkv_modules(path) if top_level(m) == other}, path

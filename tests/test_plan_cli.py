@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from absl import flags
 
-from jaxkv.errors import JaxkvError
-from jaxkv.plan import (
+from jaxkv.cli import (
     DeviceMemoryError,
     SizeError,
     check_fits_device,
@@ -17,11 +16,12 @@ from jaxkv.plan import (
     exit_error,
     flags_parser,
     is_int_range,
-    main,
     parse_size,
     request_cpu_devices,
     with_cpu_device_count,
 )
+from jaxkv.errors import JaxkvError
+from jaxkv.plan import main
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = ["jaxkv.plan", "--preset=tiny-hybrid", "--memory=4MiB", "--max_model_len=512"]

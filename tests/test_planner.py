@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv.plan import SizeError, parse_size
+from jaxkv.cli import SizeError, parse_size
 from jaxkv.planner import (
     TPU_HEAD_DIM_MULTIPLE,
     BlockPages,

@@ -5,9 +5,9 @@ import pytest
 
 from jaxkv import ops
 from jaxkv.metadata import Buckets
+from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, plan_kv_cache
 from jaxkv.serving.engine import Engine, EngineError, GenerationResult, resolve_head_dim_multiple
-from jaxkv.serving.models import TinyLM, dense_greedy_generate, get_model_config
 
 MAX_MODEL_LEN = 256
 NEW_TOKENS = 10

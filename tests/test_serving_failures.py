@@ -10,9 +10,9 @@ import pytest
 
 from jaxkv.errors import WrongThreadError
 from jaxkv.metadata import Buckets
+from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
 from jaxkv.planner import KVCacheConfig, plan_kv_cache
 from jaxkv.serving.engine import Engine, EngineError
-from jaxkv.serving.models import TinyLM, dense_greedy_generate, get_model_config
 from jaxkv.serving.offload_connector import OffloadConfig
 
 NEW_TOKENS = 4

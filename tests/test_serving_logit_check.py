@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from jaxkv.metadata import Buckets
+from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.engine import Engine, RequestOutput
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, LogitCheckError, compare_outputs
-from jaxkv.serving.models import TinyLM, get_model_config
 
 VOCAB = 6
 

@@ -12,12 +12,12 @@ import pytest
 from jax.sharding import Mesh
 
 from jaxkv.cache import KVCacheShardingError
+from jaxkv.mesh import MeshError, model_mesh
 from jaxkv.metadata import Buckets
+from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.offload.transfer import TransferEngine
 from jaxkv.planner import TensorParallelError, plan_kv_cache
 from jaxkv.serving.engine import Engine
-from jaxkv.serving.mesh import MeshError, model_mesh
-from jaxkv.serving.models import TinyLM, get_model_config
 from jaxkv.serving.offload_connector import OffloadConfig
 
 DEVICE_COUNTS = (1, 2, 4, 8)

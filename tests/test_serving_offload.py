@@ -9,10 +9,10 @@ import pytest
 
 from jaxkv.manager import Request
 from jaxkv.metadata import Buckets
+from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
 from jaxkv.offload.transfer import TransferEngine
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.engine import Engine
-from jaxkv.serving.models import TinyLM, dense_greedy_generate, get_model_config
 from jaxkv.serving.offload_connector import STORE_POLICIES, ConnectorError, OffloadConfig
 from jaxkv.specs import FullAttentionSpec
 

@@ -8,8 +8,8 @@ import pytest
 
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.metadata import Buckets
+from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.planner import plan_kv_cache
-from jaxkv.serving.models import TinyLM, get_model_config
 from jaxkv.serving.runner import ModelRunner, RunnerError, default_buckets
 from jaxkv.serving.scheduler import Scheduler
 

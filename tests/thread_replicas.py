@@ -3,8 +3,8 @@ router sees only their sockets, so one that stops is one that died."""
 
 import threading
 
-from jaxkv.serving.replica import ReplicaSpec, serve_replica
-from jaxkv.serving.replica_protocol import ReplicaAddress
+from jaxkv.fleet.protocol import ReplicaAddress
+from jaxkv.fleet.replica import ReplicaSpec, serve_replica
 
 ENGINE = {
     "model_name": "tiny-llama",

@@ -1,11 +1,14 @@
-"""A small reference serving loop over jaxkv: continuous batching on a real model.
+"""One engine process: continuous batching over jaxkv's cache.
 
 - :mod:`jaxkv.serving.scheduler`: which requests run this step (host only, no JAX);
-- :mod:`jaxkv.serving.models`: tiny Flax NNX models, paged and dense forwards;
 - :mod:`jaxkv.serving.runner`: step metadata and the one jitted step function;
+- :mod:`jaxkv.serving.offload_connector`: the host tier's loads and stores for the scheduler;
 - :mod:`jaxkv.serving.engine`: ``Engine.generate`` driving all of them;
-- :mod:`jaxkv.serving.workloads`: shared-prefix prompt batches for demos and benchmarks.
+- :mod:`jaxkv.serving.kv_events`: what the engine caches, published for routers;
+- :mod:`jaxkv.serving.logit_check`: served tokens compared with a dense forward;
+- :mod:`jaxkv.serving.simulator`, :mod:`jaxkv.serving.workloads`: trace replay through
+  the scheduler (host only) and prompt batches for demos and benchmarks.
 
 Import the submodules directly; this package imports nothing, so the host-only
-scheduler (used by :mod:`jaxkv.serving.simulator`) does not pull in JAX or Flax.
+scheduler does not pull in JAX or Flax.
 """

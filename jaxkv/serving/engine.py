@@ -26,10 +26,10 @@ from jax.sharding import Mesh
 from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import is_int
 from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request, token_id_list
+from jaxkv.mesh import MODEL_AXIS, mesh_axis_size
 from jaxkv.metadata import Buckets
+from jaxkv.models.tiny import ModelConfig, TinyLM, get_model_config
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, plan_kv_cache
-from jaxkv.serving.mesh import mesh_axis_size
-from jaxkv.serving.models import MODEL_AXIS, ModelConfig, TinyLM, get_model_config
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
 from jaxkv.serving.scheduler import Scheduler, SchedulerOutput, SeqState, check_positive_int
@@ -198,7 +198,7 @@ class Engine:
     :class:`~jaxkv.serving.scheduler.SchedulerOutput` right after scheduling, before
     any device work, and with ``None`` when a ``generate`` call has no step left; an
     exception from it aborts the call like any other. Multi-process engines pass a
-    :class:`~jaxkv.serving.lockstep.LockstepCheck` there, so that every process is
+    :class:`~jaxkv.cluster.lockstep.LockstepCheck` there, so that every process is
     shown to decide the same before a step runs.
 
     Single-owner, like the manager: only the creating thread may call it. Each step

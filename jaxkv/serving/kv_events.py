@@ -41,9 +41,9 @@ The wire format (facts from vLLM's ``vllm/distributed/kv_events.py`` and
 jaxkv publishes the device pools' events (attention blocks and state checkpoints,
 each with its ``group_idx``) as medium ``"GPU"`` whatever the accelerator, and the
 host tier's as ``"CPU"``. ZeroMQ (pyzmq) and msgspec are the optional extra
-``jaxkv[events]``: only this module, :mod:`jaxkv.serving.prefix_index` and the
-routing modules (:mod:`jaxkv.serving.replica_protocol`, :mod:`jaxkv.serving.replica`,
-:mod:`jaxkv.serving.router`) import them.
+``jaxkv[events]``: only this module, :mod:`jaxkv.fleet.prefix_index` and the
+routing modules (:mod:`jaxkv.fleet.protocol`, :mod:`jaxkv.fleet.replica`,
+:mod:`jaxkv.fleet.router`) import them.
 """
 
 from __future__ import annotations

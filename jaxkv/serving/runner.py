@@ -15,7 +15,7 @@ read at each step); :attr:`ModelRunner.num_compilations` counts the traces, so t
 can bound them.
 
 Tensor parallel: given a ``mesh``, the runner splits the model over its model axis
-(:mod:`jaxkv.serving.mesh`): KV heads of the cache and the annotated weights sharded,
+(:mod:`jaxkv.mesh`): KV heads of the cache and the annotated weights sharded,
 recurrent state, metadata and sampled tokens replicated. The step is then jitted with
 these shardings as its explicit ``in_shardings`` / ``out_shardings`` (the same sharding
 objects every step, so nothing recompiles); without a mesh it runs on the default device.
@@ -38,12 +38,12 @@ from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv
+from jaxkv.mesh import MODEL_AXIS, auto_axes, place, replicated, weight_shardings
 from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
+from jaxkv.models.tiny import TinyLM, layer_groups
 from jaxkv.offload.host_pool import HostKVPool
 from jaxkv.offload.transfer import Transfer, TransferEngine
 from jaxkv.planner import KVCacheConfig, pad_head_size
-from jaxkv.serving.mesh import auto_axes, place, replicated, weight_shardings
-from jaxkv.serving.models import MODEL_AXIS, TinyLM, layer_groups
 from jaxkv.serving.scheduler import ScheduledChunk
 from jaxkv.specs import KVCacheSpec, MambaSpec
 from jaxkv.state_cache import HybridCache, allocate_state_cache, num_state_rows
@@ -197,7 +197,7 @@ class ModelRunner:
         self._meta_sharding = None if self.mesh is None else replicated(self.mesh)
         plain = with_logits = None
         if self.mesh is not None:
-            weights = weight_shardings(self.weights, self.mesh, model_axis)
+            weights = weight_shardings(nnx.get_partition_spec(self.weights), self.mesh, model_axis)
             self.weights = place(self.weights, weights)
             cache = jax.tree.map(lambda buf: buf.sharding, self.cache)
             ins, rep = (weights, cache, self._meta_sharding), self._meta_sharding

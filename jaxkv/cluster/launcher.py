@@ -10,7 +10,7 @@ one is stopped: a multi-process step waits for all its processes, so the survivo
 would otherwise hang.
 
 Host only (no JAX): the copies join the cluster themselves
-(:func:`jaxkv.serving.multihost.join`).
+(:func:`jaxkv.cluster.distributed.join`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from jaxkv.cli import with_cpu_device_count
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
-from jaxkv.plan import with_cpu_device_count
 
 ENV_COORDINATOR = "JAXKV_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXKV_NUM_PROCESSES"

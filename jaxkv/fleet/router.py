@@ -1,9 +1,9 @@
-"""Routing requests over data-parallel replicas (:mod:`jaxkv.serving.replica`) on the
+"""Routing requests over data-parallel replicas (:mod:`jaxkv.fleet.replica`) on the
 KV events they publish.
 
 The :class:`Router` follows every replica's KV events into one
-:class:`~jaxkv.serving.prefix_index.PrefixIndex` (a
-:class:`~jaxkv.serving.prefix_index.KVEventSubscriber` per replica) and hashes each
+:class:`~jaxkv.fleet.prefix_index.PrefixIndex` (a
+:class:`~jaxkv.fleet.prefix_index.KVEventSubscriber` per replica) and hashes each
 prompt as the replicas' engines do (:class:`~jaxkv.hashing.BlockHasher` at the plan's
 hash block size, the cache salt in the first block, each hash's low 64 bits as
 published), so it knows how many leading tokens of the prompt each replica caches, on
@@ -43,11 +43,8 @@ import msgspec
 import zmq
 
 from jaxkv.errors import JaxkvError
-from jaxkv.hashing import BlockHasher, ExtraKeys
-from jaxkv.ints import is_int
-from jaxkv.serving.kv_events import ExternalBlockHash, external_hash
-from jaxkv.serving.prefix_index import EventGapError, KVEventSubscriber, PrefixIndex
-from jaxkv.serving.replica_protocol import (
+from jaxkv.fleet.prefix_index import EventGapError, KVEventSubscriber, PrefixIndex
+from jaxkv.fleet.protocol import (
     CacheReset,
     FromReplica,
     GenerateFailure,
@@ -56,6 +53,9 @@ from jaxkv.serving.replica_protocol import (
     ReplicaAddress,
     ResetPrefixCache,
 )
+from jaxkv.hashing import BlockHasher, ExtraKeys
+from jaxkv.ints import is_int
+from jaxkv.serving.kv_events import ExternalBlockHash, external_hash
 
 POLICIES = ("round_robin", "least_loaded", "prefix")
 

@@ -9,10 +9,7 @@ zmq = pytest.importorskip("zmq")
 
 from thread_replicas import ENGINE, ThreadReplica  # noqa: E402
 
-from jaxkv.serving.engine import Engine  # noqa: E402
-from jaxkv.serving.kv_events import KVEventsError  # noqa: E402
-from jaxkv.serving.replica import ReplicaError, ReplicaSpec  # noqa: E402
-from jaxkv.serving.replica_protocol import (  # noqa: E402
+from jaxkv.fleet.protocol import (  # noqa: E402
     FromReplica,
     GenerateFailure,
     GenerateRequest,
@@ -20,7 +17,10 @@ from jaxkv.serving.replica_protocol import (  # noqa: E402
     Heartbeat,
     ReplicaAddress,
 )
-from jaxkv.serving.router import Router  # noqa: E402
+from jaxkv.fleet.replica import ReplicaError, ReplicaSpec  # noqa: E402
+from jaxkv.fleet.router import Router  # noqa: E402
+from jaxkv.serving.engine import Engine  # noqa: E402
+from jaxkv.serving.kv_events import KVEventsError  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from jaxkv.serving.launcher import LaunchError, ProcessRole, launch
+from jaxkv.cluster.launcher import LaunchError, ProcessRole, launch
 
 
 def python(code: str) -> list[str]:
@@ -17,7 +17,7 @@ def python(code: str) -> list[str]:
 def test_every_process_gets_its_role_and_device_count(tmp_path):
     code = f"""
         import json, os
-        from jaxkv.serving.launcher import ProcessRole
+        from jaxkv.cluster.launcher import ProcessRole
         role = ProcessRole.from_env()
         path = {str(tmp_path)!r} + f"/{{role.process_id}}.json"
         json.dump([role.coordinator_address, role.num_processes, os.environ["XLA_FLAGS"]], open(path, "w"))

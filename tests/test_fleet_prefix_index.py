@@ -10,6 +10,12 @@ zmq = pytest.importorskip("zmq")
 
 from vllm_event_schema import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
+from jaxkv.fleet.prefix_index import (  # noqa: E402
+    EventGapError,
+    KVEventSubscriber,
+    PrefixIndex,
+    ReplayTimeoutError,
+)
 from jaxkv.metadata import Buckets  # noqa: E402
 from jaxkv.serving.engine import Engine, StepProgress  # noqa: E402
 from jaxkv.serving.kv_events import (  # noqa: E402
@@ -22,12 +28,6 @@ from jaxkv.serving.kv_events import (  # noqa: E402
     external_hash,
 )
 from jaxkv.serving.offload_connector import OffloadConfig  # noqa: E402
-from jaxkv.serving.prefix_index import (  # noqa: E402
-    EventGapError,
-    KVEventSubscriber,
-    PrefixIndex,
-    ReplayTimeoutError,
-)
 
 LOOPBACK = "tcp://127.0.0.1:*"
 MAX_TRIES = 50

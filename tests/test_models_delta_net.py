@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv.errors import JaxkvError
-from jaxkv.serving.delta_net import (
+from jaxkv.models.delta_net import (
     DeltaNetError,
     default_form,
     delta_rule_chunk,

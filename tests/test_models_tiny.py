@@ -9,9 +9,7 @@ from flax import nnx
 from jaxkv.cache import allocate_kv_cache
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.metadata import Buckets, ScheduledSeq, build_step_metadata
-from jaxkv.planner import plan_kv_cache
-from jaxkv.presets import get_preset
-from jaxkv.serving.models import (
+from jaxkv.models.tiny import (
     MODEL_CONFIGS,
     ModelConfig,
     ModelConfigError,
@@ -21,6 +19,8 @@ from jaxkv.serving.models import (
     layer_groups,
     model_names,
 )
+from jaxkv.planner import plan_kv_cache
+from jaxkv.presets import get_preset
 from jaxkv.specs import FullAttentionSpec, MambaSpec
 
 

@@ -1,6 +1,6 @@
 """A data-parallel replica: one :class:`~jaxkv.serving.engine.Engine` behind a ZeroMQ
 request endpoint, publishing its KV events and heartbeats for a router
-(:mod:`jaxkv.serving.router`).
+(:mod:`jaxkv.fleet.router`).
 
 A replica binds four sockets, named by a :class:`ReplicaAddress`:
 
@@ -16,9 +16,9 @@ A replica binds four sockets, named by a :class:`ReplicaAddress`:
 - ``events`` (PUB) and ``replay`` (ROUTER): the engine's KV events in vLLM's format
   (:class:`~jaxkv.serving.kv_events.KVEventPublisher`).
 
-The addresses and messages are :mod:`jaxkv.serving.replica_protocol`.
+The addresses and messages are :mod:`jaxkv.fleet.protocol`.
 :func:`running_replicas` runs :func:`serve_replica` in child processes
-(``python -m jaxkv.serving.replica SPEC_JSON``); a child compiles every step shape
+(``python -m jaxkv.fleet.replica SPEC_JSON``); a child compiles every step shape
 before its first heartbeat, and exits when its parent dies, so no replica outlives
 the program that started it.
 """
@@ -41,9 +41,7 @@ import msgspec
 import zmq
 
 from jaxkv.errors import JaxkvError
-from jaxkv.serving.engine import Engine, RequestOutput
-from jaxkv.serving.kv_events import KVEventPublisher
-from jaxkv.serving.replica_protocol import (
+from jaxkv.fleet.protocol import (
     CacheReset,
     FromReplica,
     GenerateFailure,
@@ -53,6 +51,8 @@ from jaxkv.serving.replica_protocol import (
     ResetPrefixCache,
     ToReplica,
 )
+from jaxkv.serving.engine import Engine, RequestOutput
+from jaxkv.serving.kv_events import KVEventPublisher
 
 
 class ReplicaError(JaxkvError, ValueError):
@@ -215,7 +215,7 @@ def running_replicas(
     processes: dict[str, subprocess.Popen] = {}
     try:
         for spec in specs:
-            cmd = [sys.executable, "-m", "jaxkv.serving.replica", spec.to_json()]
+            cmd = [sys.executable, "-m", "jaxkv.fleet.replica", spec.to_json()]
             processes[spec.name] = subprocess.Popen(cmd, env=child_env)
         yield processes
     finally:

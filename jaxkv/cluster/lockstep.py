@@ -10,7 +10,7 @@ counts and token ids, block tables, prefix hits, preemptions) and :class:`Lockst
 compares the digests of all processes before the step touches the device.
 
 The digests travel through a key-value store with a blocking, time-limited read (the
-coordinator's store of ``jax.distributed``; :mod:`jaxkv.serving.multihost` adapts it):
+coordinator's store of ``jax.distributed``; :mod:`jaxkv.cluster.distributed` adapts it):
 each process writes its digest under the step's key and reads the others'. A mismatch
 raises :class:`LockstepMismatchError` in every process at the same step, since all see
 all digests; a peer that never writes (it crashed, or raised before the check) raises

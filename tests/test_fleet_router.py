@@ -9,10 +9,10 @@ pytest.importorskip("zmq")
 
 from thread_replicas import ThreadReplica  # noqa: E402
 
+from jaxkv.fleet.protocol import ReplicaAddress  # noqa: E402
+from jaxkv.fleet.router import NoLiveReplicaError, Router, RouterError, pick_replica  # noqa: E402
 from jaxkv.hashing import BlockHasher, ExtraKeys  # noqa: E402
 from jaxkv.serving.kv_events import WireBlockStored, external_hash  # noqa: E402
-from jaxkv.serving.replica_protocol import ReplicaAddress  # noqa: E402
-from jaxkv.serving.router import NoLiveReplicaError, Router, RouterError, pick_replica  # noqa: E402
 
 
 # --- policies ------------------------------------------------------------------------

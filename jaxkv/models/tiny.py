@@ -8,7 +8,7 @@ Three architectures, all small enough to serve on a CPU in seconds:
   scaled embeddings, and Gemma-2's attention and final logit soft-caps. Its layer specs
   are exactly the ``tiny-hybrid`` preset.
 - ``tiny-qwen3-next``: Qwen3-Next-like: Gated DeltaNet (linear attention,
-  :mod:`jaxkv.serving.delta_net`) : full attention = 3 : 1, QK-norm. Its recurrent
+  :mod:`jaxkv.models.delta_net`) : full attention = 3 : 1, QK-norm. Its recurrent
   layers keep their state in a :class:`~jaxkv.state_cache.StateCache`; the step reads
   and writes the rows :class:`~jaxkv.metadata.StateMetadata` names, the cache being a
   :class:`~jaxkv.state_cache.HybridCache`.
@@ -29,7 +29,7 @@ are column-parallel (split by output features, so each device computes whole hea
 its own KV heads), the attention and MLP output projections row-parallel (split by
 input features; XLA sums the partial products). Embeddings, norms, the LM head and the
 Gated DeltaNet layers are replicated. The annotations are metadata only (no mesh is
-needed to build a model); :mod:`jaxkv.serving.mesh` places the weights.
+needed to build a model); :mod:`jaxkv.mesh` places the weights.
 
 Layer ``i`` is named ``layers.<i>``, as in :mod:`jaxkv.presets`, so
 ``plan_kv_cache(config.layer_specs(), ...)`` plans the cache the model reads.
@@ -51,13 +51,13 @@ from jaxkv import ops
 from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
+from jaxkv.mesh import MODEL_AXIS
 from jaxkv.metadata import AttentionMetadata, StateMetadata, StepMetadata
-from jaxkv.serving.delta_net import dense_delta_net, ragged_delta_net, seq_of_token
+from jaxkv.models.delta_net import dense_delta_net, ragged_delta_net, seq_of_token
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from jaxkv.state_cache import HybridCache, StateCache, read_states, write_states
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-MODEL_AXIS = "model"
 """The mesh axis name in the weights' sharding annotations (a runner maps it to its mesh's axis)."""
 COLUMN_PARALLEL = (None, MODEL_AXIS)
 """A ``(in, out)`` kernel split by output features."""
@@ -220,7 +220,7 @@ MESH_MODEL_CONFIGS: dict[str, ModelConfig] = {
     for name in MODEL_CONFIGS
 }
 """The tiny models with 8 KV heads of 16 (the same hidden size), so their KV cache splits
-over up to 8 devices (:mod:`jaxkv.serving.mesh`); the tiny models' 2 KV heads split over
+over up to 8 devices (:mod:`jaxkv.mesh`); the tiny models' 2 KV heads split over
 at most 2."""
 
 GPU_MODEL_CONFIGS: dict[str, ModelConfig] = {

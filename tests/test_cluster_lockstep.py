@@ -6,14 +6,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from jaxkv.manager import Request
-from jaxkv.serving.lockstep import (
+from jaxkv.cluster.lockstep import (
     LockstepCheck,
     LockstepMismatchError,
     LockstepSetupError,
     LockstepTimeoutError,
     step_digest,
 )
+from jaxkv.manager import Request
 from jaxkv.serving.scheduler import ScheduledChunk, SchedulerOutput, SeqState
 
 

@@ -1,5 +1,5 @@
-"""The wire between a router and its replicas (:mod:`jaxkv.serving.replica`,
-:mod:`jaxkv.serving.router`): their addresses and messages, msgpack-encoded msgspec
+"""The wire between a router and its replicas (:mod:`jaxkv.fleet.replica`,
+:mod:`jaxkv.fleet.router`): their addresses and messages, msgpack-encoded msgspec
 structs tagged by class name, one per ZeroMQ frame. Imports no JAX, so a router
 process need not carry it.
 

@@ -1,10 +1,10 @@
-"""Join a ``jax.distributed`` cluster started by :mod:`jaxkv.serving.launcher`, and check
+"""Join a ``jax.distributed`` cluster started by :mod:`jaxkv.cluster.launcher`, and check
 its processes in lockstep.
 
 :func:`join` initializes ``jax.distributed`` from a process's
-:class:`~jaxkv.serving.launcher.ProcessRole` (CPU processes talk through gloo
+:class:`~jaxkv.cluster.launcher.ProcessRole` (CPU processes talk through gloo
 collectives, jax's default for CPU clusters). :func:`lockstep_check` builds the
-:class:`~jaxkv.serving.lockstep.LockstepCheck` an :class:`~jaxkv.serving.engine.Engine`
+:class:`~jaxkv.cluster.lockstep.LockstepCheck` an :class:`~jaxkv.serving.engine.Engine`
 takes as ``step_check``, over the coordinator's key-value store
 (:class:`CoordinatorStore`): a round trip to the coordinator per peer and step, with
 a time limit, rather than a device collective, which would hang when a peer never
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import jax
 
+from jaxkv.cluster.launcher import ProcessRole
+from jaxkv.cluster.lockstep import LockstepCheck
 from jaxkv.errors import JaxkvError
-from jaxkv.serving.launcher import ProcessRole
-from jaxkv.serving.lockstep import LockstepCheck
 
 
 class NotJoinedError(JaxkvError, RuntimeError):
@@ -35,7 +35,7 @@ def join(role: ProcessRole) -> None:
 
 class CoordinatorStore:
     """The key-value store of the ``jax.distributed`` coordinator, with a timed-out read
-    raised as ``TimeoutError`` (:class:`~jaxkv.serving.lockstep.KeyValueStore`).
+    raised as ``TimeoutError`` (:class:`~jaxkv.cluster.lockstep.KeyValueStore`).
 
     jax keeps its client private (``jax._src.distributed.global_state.client``, in jax
     0.10 and 0.11); this class is the one place that reaches it.

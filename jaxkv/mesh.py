@@ -1,12 +1,12 @@
 """Tensor parallelism on a device mesh: where the runner puts weights, cache and metadata.
 
 A runner given a :class:`jax.sharding.Mesh` splits the model over one of its axes (the
-model axis, :data:`~jaxkv.serving.models.MODEL_AXIS` by default):
+model axis, MODEL_AXIS by default):
 
 - the KV cache's heads (:func:`jaxkv.cache.allocate_kv_cache` with ``kv_axis``), each
   device holding whole KV heads; recurrent state rows are replicated
   (:func:`jaxkv.state_cache.allocate_state_cache`);
-- the weights, by their NNX sharding annotations (:mod:`jaxkv.serving.models`: column-
+- the weights, by their NNX sharding annotations (:mod:`jaxkv.models.tiny`: column-
   then row-parallel attention and MLP, the rest replicated);
 - step metadata and sampled tokens replicated.
 
@@ -26,13 +26,15 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 from jaxkv.metadata import place_values
-from jaxkv.serving.models import MODEL_AXIS
+
+MODEL_AXIS = "model"
+"""The axis name models annotate their split weights with; the runner renames it to the
+mesh's own model axis."""
 
 
 class MeshError(JaxkvError, ValueError):
@@ -79,10 +81,14 @@ def _on_axis(spec: PartitionSpec, model_axis: str) -> PartitionSpec:
     return PartitionSpec(*(model_axis if name == MODEL_AXIS else name for name in spec))
 
 
-def weight_shardings(weights: nnx.State, mesh: Mesh, model_axis: str) -> nnx.State:
-    """The sharding of every weight from its NNX annotation (none: replicated)."""
-    specs = nnx.get_partition_spec(weights)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, _on_axis(spec, model_axis)), specs)
+def weight_shardings(specs: object, mesh: Mesh, model_axis: str) -> object:
+    """The sharding of every weight from its annotated partition spec (a pytree of
+    :class:`PartitionSpec`, :data:`MODEL_AXIS` where a weight is split; empty: replicated)."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, _on_axis(spec, model_axis)),
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
 
 
 def place(tree: object, shardings: object) -> object:

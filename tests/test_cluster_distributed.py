@@ -6,7 +6,7 @@ loads only its own devices' shards of a block.
 
 Every cluster runs as subprocesses in a session of their own, killed whole after a
 timeout, so a hang fails the test instead of blocking the suite. The worker
-(tests/multihost_worker.py) runs once for the first three tests, beside a one-process
+(tests/cluster_worker.py) runs once for the first three tests, beside a one-process
 run; the file takes about 70 s on 2 CPU cores.
 """
 
@@ -19,7 +19,7 @@ import sys
 import pytest
 from script_runs import REPO, repo_env
 
-from jaxkv.plan import with_cpu_device_count
+from jaxkv.cli import with_cpu_device_count
 
 TIMEOUT_S = 240
 
@@ -58,8 +58,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     """Records of the 2-process worker (its second batch diverging on process 1) and of one process."""
     two, one = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("one")
     procs = [
-        start("tests/multihost_worker.py", f"--out_dir={two}", "--num_processes=2", "--diverge"),
-        start("tests/multihost_worker.py", f"--out_dir={one}"),
+        start("tests/cluster_worker.py", f"--out_dir={two}", "--num_processes=2", "--diverge"),
+        start("tests/cluster_worker.py", f"--out_dir={one}"),
     ]
     for proc in procs:
         status, _, err = finish(proc)

@@ -1,9 +1,9 @@
-"""One process of the multi-process serving tests (tests/test_serving_multihost.py).
+"""One process of the multi-process serving tests (tests/test_cluster_distributed.py).
 
-    python tests/multihost_worker.py --out_dir DIR [--num_processes 2] [--diverge]
+    python tests/cluster_worker.py --out_dir DIR [--num_processes 2] [--diverge]
 
 With ``--num_processes`` > 1 it starts that many copies of itself as one cluster of
-4-CPU-device processes (:func:`jaxkv.serving.launcher.launch`), and the engine runs
+4-CPU-device processes (:func:`jaxkv.cluster.launcher.launch`), and the engine runs
 tensor-parallel over all their devices (one global mesh); alone, on one device. Each
 process warms up an engine with a host tier (every step shape), serves three batches
 under the lockstep check (the third repeats the first, whose blocks the second pushed
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import jax
 
-from jaxkv.serving import multihost
+from jaxkv.cluster import distributed
+from jaxkv.cluster.launcher import ProcessRole, launch
+from jaxkv.cluster.lockstep import LockstepError
+from jaxkv.mesh import model_mesh
 from jaxkv.serving.engine import Engine
-from jaxkv.serving.launcher import ProcessRole, launch
-from jaxkv.serving.lockstep import LockstepError
-from jaxkv.serving.mesh import model_mesh
 from jaxkv.serving.offload_connector import OffloadConfig
 from jaxkv.serving.workloads import shared_prefix_prompts
 
@@ -52,7 +52,7 @@ def serve(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=64,
         max_num_seqs=4,
         mesh=model_mesh(jax.device_count()) if multi else None,
-        step_check=multihost.lockstep_check(timeout_s=LOCKSTEP_TIMEOUT_S) if multi else None,
+        step_check=distributed.lockstep_check(timeout_s=LOCKSTEP_TIMEOUT_S) if multi else None,
     )
     engine.generate([[0] * 16], 2)  # compiles the prefill and the decode shapes
     transfers, blocks = engine.connector.transfers, engine.manager.config.num_blocks
@@ -91,7 +91,7 @@ def main() -> int:
         command = [sys.executable, *sys.argv]
         return launch(command, args.num_processes, cpu_devices_per_process=CPU_DEVICES_PER_PROCESS)
     if role is not None:
-        multihost.join(role)
+        distributed.join(role)
     record = serve(args)
     (args.out_dir / f"process-{jax.process_index()}.json").write_text(json.dumps(record))
     return 0

@@ -1,0 +1,209 @@
+"""What the command-line tools share: memory sizes, a CPU device count set before JAX
+starts, a budget checked against the device, and refusals as one line on stderr with
+exit status 2 (absl flag errors included)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import NoReturn
+
+from absl import flags
+
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import is_int
+from jaxkv.planner import STATE_LAYOUTS
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "pib": 1 << 50,
+}
+# ASCII digits only, at most 24 before and after the point: no 5000-digit literal
+# reaches int() (Python refuses those with a raw ValueError).
+_SIZE = re.compile(r"\s*([0-9]{1,24}(?:\.[0-9]{0,24})?|\.[0-9]{1,24})\s*([a-zA-Z]*)\s*")
+
+
+USAGE_STATUS = 2
+"""Exit status of a command refused for bad input (flags, sizes, trace files)."""
+
+
+CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_cpu_device_count(xla_flags: str, count: int) -> str:
+    """``xla_flags`` asking XLA for ``count`` host-platform devices (an earlier count replaced)."""
+    kept = re.sub(rf"{CPU_DEVICE_COUNT_FLAG}=\S*", "", xla_flags).split()
+    return " ".join([*kept, f"{CPU_DEVICE_COUNT_FLAG}={count}"])
+
+
+def request_cpu_devices(argv: Sequence[str], flag: str = "num_devices") -> None:
+    """Give JAX's CPU backend as many devices as ``--<flag>=N`` (or ``--<flag> N``) in
+    ``argv`` asks for, through ``XLA_FLAGS``; call it before JAX is imported (XLA reads
+    the flag once, when its CPU backend starts). A device count already in ``XLA_FLAGS``
+    wins; a value that is not a positive int is left for the flag parser to refuse."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{flag}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{flag}" and i + 1 < len(argv):
+            value = argv[i + 1]
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if value is None or not value.isdigit() or int(value) < 1 or CPU_DEVICE_COUNT_FLAG in xla_flags:
+        return
+    os.environ["XLA_FLAGS"] = with_cpu_device_count(xla_flags, int(value))
+
+
+class SizeError(JaxkvError, ValueError):
+    """A memory size that cannot be read."""
+
+
+class DeviceMemoryError(SizeError):
+    """A KV cache budget larger than the memory of the device that would hold it."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: "16GiB", "512MiB", "1.5GB", "17179869184" (fractions floor).
+
+    Raises :class:`SizeError` naming ``text`` unless it is a positive size of at most
+    24 digits before and after the decimal point.
+    """
+    if not isinstance(text, str):
+        raise SizeError(f"memory size must be a str such as '16GiB', got {text!r}")
+    match = _SIZE.fullmatch(text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS:
+        units = ", ".join(u for u in _UNITS if u)
+        raise SizeError(f"cannot read memory size {text!r:.60}; use bytes or one of {units}")
+    size = int(Fraction(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise SizeError(f"memory size must be positive, got {text!r}")
+    return size
+
+
+_INT = re.compile(r"\s*[0-9]{1,18}\s*")
+
+
+def is_int_range(value: Sequence[str]) -> bool:
+    """Whether a list flag's value is ``lo,hi``: two ASCII ints with ``1 <= lo <= hi < 10**18``."""
+    if len(value) != 2 or not all(_INT.fullmatch(v) for v in value):
+        return False
+    return 1 <= int(value[0]) <= int(value[1])
+
+
+def _format_bytes(n: int) -> str:
+    for unit, scale in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n:,} bytes ({n / scale:,.1f} {unit})"
+    return f"{n:,} bytes"
+
+
+def device_memory_bytes(device: object) -> tuple[int, str] | None:
+    """(bytes, what they are) of memory on a JAX ``device``, or None if unknown.
+
+    ``device.memory_stats()["bytes_limit"]`` where the backend reports it (GPU, TPU);
+    else, on CPU (whose memory_stats is None), the host's physical RAM.
+    """
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without stats raise various errors
+        stats = None
+    limit = stats.get("bytes_limit") if isinstance(stats, dict) else None
+    if is_int(limit) and limit > 0:
+        return int(limit), f"{device} bytes_limit"
+    if getattr(device, "platform", None) == "cpu":
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+        if ram > 0:
+            return ram, f"{device} physical RAM"
+    return None
+
+
+def check_fits_device(memory_bytes: int, device: object, *, name: str = "memory") -> None:
+    """Raise :class:`DeviceMemoryError` if a ``memory_bytes`` budget exceeds ``device``'s memory.
+
+    Unknown device memory passes (nothing to compare with).
+    """
+    known = device_memory_bytes(device)
+    if known is not None and memory_bytes > known[0]:
+        raise DeviceMemoryError(
+            f"{name} budget of {_format_bytes(memory_bytes)} exceeds the device memory: "
+            f"{_format_bytes(known[0])} ({known[1]})"
+        )
+
+
+def print_error(prog: str, message: object) -> None:
+    """Print ``{prog}: error: {message}`` on stderr, as one line (the message's first)."""
+    lines = str(message).strip().splitlines() or [""]
+    print(f"{prog}: error: {lines[0]}", file=sys.stderr)
+
+
+def exit_error(prog: str, message: object, status: int = USAGE_STATUS) -> NoReturn:
+    """:func:`print_error`, then exit with ``status``."""
+    print_error(prog, message)
+    sys.exit(status)
+
+
+def write_json(prog: str, path: str, report: object) -> None:
+    """Write ``report`` as indented JSON to ``path`` and say so; :func:`exit_error` if
+    the file cannot be written."""
+    try:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+    except OSError as err:
+        exit_error(prog, err)
+    print(f"wrote {path}")
+
+
+def flags_parser(prog: str, flag_values: flags.FlagValues = flags.FLAGS) -> Callable[[list[str]], list[str]]:
+    """A ``flags_parser`` for ``absl.app.run``: a bad flag is one line on stderr, exit status 2.
+
+    (absl's own parser prints two lines and exits with 1.) Positional arguments are refused.
+    """
+
+    def parse(argv: list[str]) -> list[str]:
+        try:
+            rest = flag_values(argv)
+        except flags.Error as err:
+            exit_error(prog, err)
+        if len(rest) > 1:
+            exit_error(prog, f"unexpected arguments: {' '.join(rest[1:])}")
+        return rest
+
+    return parse
+
+
+def define_state_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """``--state_layout`` and ``--checkpoint_share``, for the scripts that serve models
+    (see :func:`jaxkv.serving.engine.state_plan`)."""
+    flags.DEFINE_enum(
+        "state_layout",
+        "auto",
+        ["auto", *STATE_LAYOUTS],
+        "recurrent state: a pool of its own (state_pool) or one attention page per state (attention_pages, "
+        "vLLM's rule); auto: state_pool for models with recurrent layers",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_float(
+        "checkpoint_share",
+        0.1,
+        "state_pool: share of --memory for state checkpoints",
+        lower_bound=0.0,
+        upper_bound=0.9,
+        flag_values=flag_values,
+    )
