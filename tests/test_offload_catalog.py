@@ -242,6 +242,27 @@ def test_touching_keys_still_being_stored_does_not_promote_them_in_arc():
     assert set(mgr.prepare_store(keys(4, 5)).evicted) == set(keys(2, 3))
 
 
+def test_touching_a_key_still_being_stored_makes_it_recent_in_lru():
+    """vLLM's LRU moves any key it holds to the recent end, ready or not: after the
+    touch, the older ready key is the one a later store evicts."""
+    mgr = stored("lru", 2)
+    mgr.prepare_store(keys(0))  # still being stored
+    mgr.prepare_store(keys(1))
+    mgr.complete_store(keys(1))
+    mgr.touch(keys(0))
+    mgr.complete_store(keys(0))
+    assert mgr.prepare_store(keys(2)).evicted == (key(1),)
+
+
+def test_touching_a_key_still_being_stored_moves_it_to_the_recent_end_of_arc_t1():
+    mgr = stored("arc", 3, 0)
+    mgr.prepare_store(keys(1))  # still being stored
+    mgr.prepare_store(keys(2))
+    mgr.complete_store(keys(2))
+    mgr.touch(keys(1))
+    assert list(mgr.policy.t1) == keys(0, 2, 1) and not mgr.policy.t2
+
+
 def test_audit_counts_keys_by_state_and_allocated_places(name):
     mgr = stored(name, 4, 0, 1)
     mgr.prepare_store(keys(2))

@@ -16,7 +16,7 @@ def run_cache(policy, trace) -> int:
     for key in trace:
         if key in resident:
             hits += 1
-            policy.touch([key])
+            policy.touch([key], always)
             continue
         need = len(resident) + 1 - policy.capacity
         victims = policy.choose_victims(max(need, 0), always, [key])
@@ -56,14 +56,14 @@ def test_choose_victims_is_pure_and_skips_unevictable(name):
 def test_lru_evicts_least_recent():
     policy = make_policy("lru", 3)
     policy.admit(["a", "b", "c"], [])
-    policy.touch(["a"])
+    policy.touch(["a"], always)
     assert policy.choose_victims(2, always, ["d", "e"]) == ["b", "c"]
 
 
 def test_arc_hit_promotes_to_t2_and_t1_is_evicted_first():
     policy = ARCPolicy(3)
     policy.admit(["a", "b", "c"], [])
-    policy.touch(["a"])
+    policy.touch(["a"], always)
     assert list(policy.t2) == ["a"] and list(policy.t1) == ["b", "c"]
     assert policy.choose_victims(2, always, ["d", "e"]) == ["b", "c"]
 
@@ -71,7 +71,7 @@ def test_arc_hit_promotes_to_t2_and_t1_is_evicted_first():
 def test_arc_ghost_hit_in_b1_grows_p_and_reenters_in_t2():
     policy = ARCPolicy(2)
     policy.admit(["a", "b"], [])
-    policy.touch(["b"])
+    policy.touch(["b"], always)
     policy.admit(["c"], policy.choose_victims(1, always, ["c"]))  # a -> B1
     assert list(policy.b1) == ["a"] and policy.p == 0
     policy.admit(["a"], policy.choose_victims(1, always, ["a"]))
@@ -82,7 +82,7 @@ def test_arc_ghost_hit_in_b2_shrinks_p():
     policy = ARCPolicy(2)
     policy.p = 2.0
     policy.admit(["a", "b"], [])
-    policy.touch(["a", "b"])  # both in T2
+    policy.touch(["a", "b"], always)  # both in T2
     policy.admit(["c"], policy.choose_victims(1, always, ["c"]))  # T1 empty: a -> B2
     assert list(policy.b2) == ["a"]
     policy.admit(["a"], policy.choose_victims(1, always, ["a"]))

@@ -147,11 +147,11 @@ class PolicyOffloadingManager(OffloadingManager):
         return [self._entries[key].place for key in keys]
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        """Only ready keys count as used: a key still being stored has not been read, so
-        touching it must not promote it (ARC would move a one-shot scan into its
-        frequent list and evict the hot set, which vLLM's ARC does not)."""
+        """Every held key becomes recent, ready or still being stored (as vLLM's LRU and
+        ARC managers do); only a ready key counts as a second use for ARC, so a one-shot
+        scan touched while storing does not evict the hot set."""
         entries = self._entries
-        self.policy.touch(key for key in reversed(keys) if (e := entries.get(key)) is not None and e.ready)
+        self.policy.touch((key for key in reversed(keys) if key in entries), lambda key: entries[key].ready)
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         for key, count in Counter(keys).items():

@@ -18,6 +18,8 @@ from jaxkv.ints import check_int
 
 Key = Hashable
 Evictable = Callable[[Key], bool]
+Ready = Callable[[Key], bool]
+"""Whether a resident key's data is in the tier (its store completed)."""
 
 
 class PolicyError(JaxkvError, ValueError):
@@ -35,8 +37,11 @@ class EvictionPolicy(ABC):
         self.capacity = check_int("capacity", capacity, error=PolicyError)
 
     @abstractmethod
-    def touch(self, keys: Iterable[Key]) -> None:
-        """Record an access of each resident key, in order (the last ends most recent)."""
+    def touch(self, keys: Iterable[Key], ready: Ready) -> None:
+        """Record an access of each resident key, in order (the last ends most recent).
+
+        A key whose store is still in flight (not ``ready``) becomes recent too, but a
+        policy with a frequency list must not count it as a second use."""
 
     @abstractmethod
     def choose_victims(self, n: int, evictable: Evictable, incoming: Sequence[Key]) -> list[Key] | None:
@@ -69,7 +74,7 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(capacity)
         self._order: OrderedDict[Key, None] = OrderedDict()
 
-    def touch(self, keys: Iterable[Key]) -> None:
+    def touch(self, keys: Iterable[Key], ready: Ready) -> None:
         for key in keys:
             if key in self._order:
                 self._order.move_to_end(key)
@@ -116,11 +121,16 @@ class ARCPolicy(EvictionPolicy):
         self.b1: OrderedDict[Key, None] = OrderedDict()
         self.b2: OrderedDict[Key, None] = OrderedDict()
 
-    def touch(self, keys: Iterable[Key]) -> None:
+    def touch(self, keys: Iterable[Key], ready: Ready) -> None:
+        """A ready key in T1 moves to T2 (its second use); one still being stored stays in
+        T1, at its recent end: a scan looked up while storing is not frequent."""
         for key in keys:
             if key in self.t1:
-                del self.t1[key]
-                self.t2[key] = None
+                if ready(key):
+                    del self.t1[key]
+                    self.t2[key] = None
+                else:
+                    self.t1.move_to_end(key)
             elif key in self.t2:
                 self.t2.move_to_end(key)
 
