@@ -10,10 +10,13 @@ device step needs. The vocabulary follows vLLM's scheduler side on purpose.
 from __future__ import annotations
 
 import contextlib
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from threading import get_ident as _get_ident
 from typing import NamedTuple
+
+import numpy as np
 
 from jaxkv.coordinator import KVCacheCoordinator
 from jaxkv.errors import JaxkvError, OwnerThread
@@ -88,6 +91,23 @@ class ReadOnlyTokenIds(Sequence):
         return repr(self._ids)
 
 
+def _plain_token_ids(values: Sequence[int]) -> list[int] | None:
+    """``values`` as a list when every one is a plain int in ``[2, MAX_TOKEN_ID]``, checked
+    in bulk (~4x faster than per item for a long prompt); None: take the checking path.
+
+    Packing as uint32 refuses non-ints, negatives and ids >= 2**32; read back as int32,
+    ids >= 2**31 turn negative; an int sum means no numpy ints (they would make it a
+    numpy scalar); 0 and 1 go the long way, since they may be bools.
+    """
+    try:
+        packed = array("I", values)
+    except (TypeError, OverflowError, ValueError):
+        return None
+    if not packed or type(sum(values)) is not int or np.frombuffer(packed, np.int32).min() <= 1:
+        return None
+    return list(values)
+
+
 def token_id_list(values: object, what: str) -> list[int]:
     """``values`` as a list of token ids; :class:`KVCacheManagerError` naming the first bad one.
 
@@ -96,14 +116,18 @@ def token_id_list(values: object, what: str) -> list[int]:
     """
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise KVCacheManagerError(f"{what} must be a sequence of token ids, got {values!r:.80}")
+    if isinstance(values, (list, tuple)):
+        plain = _plain_token_ids(values)
+        if plain is not None:
+            return plain
     ndim = getattr(values, "ndim", 1)
     if ndim != 1:
         raise KVCacheManagerError(f"{what} must be 1-D, got an array of shape {getattr(values, 'shape', None)}")
     ids = list(values)  # type: ignore[call-overload]
     if set(map(type, ids)) - {int}:
-        bad = next((t for t in ids if not is_int(t)), None)  # is_int refuses bools
-        if bad is not None:
-            raise KVCacheManagerError(f"{what}: {bad!r} is not a token id (an int)")
+        bad = [t for t in ids if not is_int(t)][:1]  # is_int refuses bools
+        if bad:
+            raise KVCacheManagerError(f"{what}: {bad[0]!r} is not a token id (an int)")
         ids = [int(t) for t in ids]
     if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
         bad = next(t for t in ids if not 0 <= t <= MAX_TOKEN_ID)
@@ -176,6 +200,13 @@ class Request:
         """Record generated tokens (one id or several); a bad id changes nothing."""
         if type(token_ids) is int and 0 <= token_ids <= MAX_TOKEN_ID:
             self._token_ids.append(token_ids)
+        elif (
+            type(token_ids) is list
+            and len(token_ids) == 1
+            and type(t := token_ids[0]) is int
+            and 0 <= t <= MAX_TOKEN_ID
+        ):
+            self._token_ids.append(t)
         elif is_int(token_ids):
             self._token_ids.extend(token_id_list([token_ids], f"request {self.request_id!r}: output token"))
         else:

@@ -387,6 +387,32 @@ def test_numpy_prompts_become_plain_ints():
     assert req.all_token_ids == [0, 1, 2, 3, 4] and all(type(t) is int for t in req.all_token_ids)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [2**31, 2**32, -1, True, False, 7.0, "7", None, [7]],
+    ids=["2**31", "2**32", "-1", "True", "False", "7.0", "'7'", "None", "[7]"],
+)
+def test_long_prompts_take_the_bulk_check_and_still_refuse_every_bad_id(bad):
+    prompt = list(range(100, 2700))
+    assert Request("ok", prompt).all_token_ids == prompt
+    prompt[1234] = bad
+    with pytest.raises(KVCacheManagerError, match="token id"):
+        Request("x", prompt)
+
+
+def test_numpy_ints_inside_a_list_become_plain_ints():
+    req = Request("x", [np.int64(5), 6, np.int32(7)])
+    assert req.all_token_ids == [5, 6, 7] and all(type(t) is int for t in req.all_token_ids)
+
+
+def test_a_one_token_list_is_appended_like_an_int():
+    req = Request("x", [5, 6])
+    req.append_output_token_ids([7])
+    with pytest.raises(KVCacheManagerError):
+        req.append_output_token_ids([2**31])
+    assert req.all_token_ids == [5, 6, 7]
+
+
 def test_the_window_search_finds_the_rightmost_full_window_after_the_newest_blocks_go(tokens):
     mgr = make_manager(64, FULL, window(64))
     admit(mgr, Request("a", tokens(0, 320)))  # 20 blocks per group
