@@ -1,0 +1,50 @@
+"""Gemma-3 text against transformers on a tiny random checkpoint (5 local : 1 global, window 8)."""
+
+from __future__ import annotations
+
+import pytest
+from hf_checkpoints import DENSE_ATOL, WINDOW, dense_difference
+
+from jaxkv.models.gemma3 import Gemma3
+from jaxkv.models.layers import UnsupportedConfigError
+from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
+
+
+def test_dense_logits_match_transformers_past_the_window(tmp_path):
+    assert dense_difference("gemma3", tmp_path, length=5 * WINDOW) < DENSE_ATOL
+
+
+def _config(**overrides):
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+        **overrides,
+    }
+
+
+def test_layer_types_give_five_windowed_layers_to_one_full():
+    specs = list(Gemma3(_config(), "bfloat16").layer_specs().values())
+    assert specs[:5] == [SlidingWindowSpec(num_kv_heads=1, head_size=8, dtype="bfloat16", sliding_window=4)] * 5
+    assert specs[5] == FullAttentionSpec(num_kv_heads=1, head_size=8, dtype="bfloat16")
+
+
+def test_tied_embeddings_mean_no_lm_head_tensor():
+    assert "lm_head.weight" not in Gemma3(_config(), "float32").tensor_shapes()
+
+
+def test_a_layer_type_without_rope_parameters_is_refused():
+    model = Gemma3(_config(rope_parameters={"full_attention": {"rope_theta": 1e6}}), "float32")
+    with pytest.raises(UnsupportedConfigError, match="sliding_attention"):
+        model.rope(0)
