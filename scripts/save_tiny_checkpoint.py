@@ -1,4 +1,5 @@
-"""Save a tiny random-weight Hugging Face checkpoint of one family (Llama, Qwen3, Gemma-3 text).
+"""Save a tiny random-weight Hugging Face checkpoint of one family (Llama, Qwen3, Gemma-3 text,
+Qwen3-Next, Nemotron-H).
 
 The checkpoints jaxkv's tests compare with transformers, and a directory to try
 ``scripts/serve.py --checkpoint DIR`` and ``scripts/bench_serve.py --checkpoint DIR`` on:
@@ -9,7 +10,7 @@ The checkpoints jaxkv's tests compare with transformers, and a directory to try
 Needs transformers and torch (the ``oracle`` extra); without them it refuses in one
 line. Every tensor is redrawn after construction, norms included, because
 transformers' default init leaves norms constant (a norm read with the wrong offset
-would go unseen). A byte-level ``tokenizer.json`` (256 tokens, the ``tokenizers``
+would go unseen), Nemotron-H's routing biases included. A byte-level ``tokenizer.json`` (256 tokens, the ``tokenizers``
 library) is saved beside the weights, so prompts may be text.
 """
 
@@ -38,7 +39,7 @@ WINDOW = 8
 
 
 def tiny_config(family: str) -> Any:
-    """A tiny transformers config of ``family`` (``llama``, ``qwen3``, ``gemma3``), float32."""
+    """A tiny transformers config of ``family`` (one of :data:`FAMILIES`), float32."""
     import transformers
 
     if family == "llama":
@@ -76,10 +77,56 @@ def tiny_config(family: str) -> Any:
             final_logit_softcapping=30.0,
             attn_logit_softcapping=50.0,
         )
+    if family == "qwen3_next":
+        # Gated DeltaNet : full attention = 3 : 1, value heads grouped 2 per key head, a
+        # dense MLP on layer 1 and a sparse MoE (8 experts, top 2, a shared expert) elsewhere.
+        return transformers.Qwen3NextConfig(
+            **TINY_SIZES,
+            num_hidden_layers=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        )
+    if family == "nemotron_h":
+        # Mamba-2, MLP, attention, Mamba-2, MoE (8 experts in 2 groups, top 2, a latent projection).
+        return transformers.NemotronHConfig(
+            **TINY_SIZES,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "moe"],
+            mamba_num_heads=8,
+            mamba_head_dim=8,
+            n_groups=2,
+            ssm_state_size=8,
+            conv_kernel=4,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            moe_latent_size=32,
+        )
     raise ValueError(f"unknown family {family!r}")
 
 
-FAMILIES = ("llama", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen3", "gemma3", "qwen3_next", "nemotron_h")
+
+
+def _unit_centred(family: str, name: str) -> bool:
+    """Whether a norm weight scales by itself (drawn around 1) rather than by ``1 + weight``
+    (Gemma-3's and Qwen3-Next's zero-centred norms, drawn around 0; Qwen3-Next's gated
+    DeltaNet norm is a plain one)."""
+    if family == "gemma3":
+        return False
+    return family != "qwen3_next" or "linear_attn.norm" in name
 
 
 def tiny_model(family: str, *, seed: int = 0) -> Any:
@@ -93,9 +140,12 @@ def tiny_model(family: str, *, seed: int = 0) -> Any:
     cls = transformers.Gemma3ForCausalLM if family == "gemma3" else transformers.AutoModelForCausalLM
     model = cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
     with torch.no_grad():
-        for name, tensor in model.named_parameters():
+        routing_biases = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+        for name, tensor in [*model.named_parameters(), *routing_biases]:
             scale = 0.3 if "norm" in name else 0.1
-            tensor.copy_(torch.randn_like(tensor) * scale + (1.0 if "norm" in name and family != "gemma3" else 0.0))
+            tensor.copy_(
+                torch.randn_like(tensor) * scale + (1.0 if "norm" in name and _unit_centred(family, name) else 0.0)
+            )
     return model.float().eval()
 
 

@@ -15,6 +15,8 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "jaxkv.models.llama:Llama",
     "Qwen3ForCausalLM": "jaxkv.models.llama:Qwen3",
     "Gemma3ForCausalLM": "jaxkv.models.gemma3:Gemma3",
+    "Qwen3NextForCausalLM": "jaxkv.models.qwen3_next:Qwen3Next",
+    "NemotronHForCausalLM": "jaxkv.models.nemotron_h:NemotronH",
 }
 """Architecture name to ``module:Class`` of its builder."""
 
