@@ -4,8 +4,10 @@ on a tiny random checkpoint."""
 from __future__ import annotations
 
 import pytest
-from hf_checkpoints import dense_difference
+from hf_checkpoints import ENGINE_ATOL, dense_difference, serve_against_transformers
+from hf_host_tier import serve_through_host
 
+from jaxkv.mesh import model_mesh
 from jaxkv.models.layers import UnsupportedConfigError
 from jaxkv.models.nemotron_h import NemotronH
 from jaxkv.presets import NEMOTRON_H_8B_PATTERN, get_preset
@@ -35,6 +37,23 @@ file's pattern string, not transformers' saved ``layers_block_type``)."""
 
 def test_dense_logits_match_transformers(tmp_path):
     assert dense_difference("nemotron_h", tmp_path) < DENSE_ATOL
+
+
+def test_served_logits_match_transformers_and_a_second_pass_hits_on_a_2_device_mesh(tmp_path):
+    run = serve_against_transformers("nemotron_h", tmp_path, memory_bytes=8 << 20, mesh=model_mesh(2))
+    assert run["max_abs_diff"] < ENGINE_ATOL
+    assert run["cached"][0] < run["cached"][1]  # the second pass resumes from 16-token state checkpoints
+
+
+def test_served_logits_match_transformers_under_preemption(tmp_path):
+    run = serve_against_transformers("nemotron_h", tmp_path, memory_bytes=1 << 17)
+    assert run["preemptions"] > 0 and run["max_abs_diff"] < ENGINE_ATOL
+
+
+def test_served_logits_match_transformers_through_the_host_tier(tmp_path):
+    run = serve_through_host("nemotron_h", tmp_path, memory_bytes=100 << 10, checkpoint_share=0.4)
+    assert run["max_abs_diff"] < ENGINE_ATOL
+    assert run["stats"].num_loaded_states > 0 and sum(run["cached"][4:]) > 0
 
 
 def test_the_8b_config_declares_the_cache_of_the_preset_and_mlp_blocks_hold_none():

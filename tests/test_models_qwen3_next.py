@@ -4,8 +4,10 @@ expert) against transformers on a tiny random checkpoint."""
 from __future__ import annotations
 
 import pytest
-from hf_checkpoints import dense_difference
+from hf_checkpoints import ENGINE_ATOL, dense_difference, serve_against_transformers
+from hf_host_tier import serve_through_host
 
+from jaxkv.mesh import model_mesh
 from jaxkv.models.layers import UnsupportedConfigError
 from jaxkv.models.qwen3_next import Qwen3Next
 from jaxkv.presets import get_preset
@@ -36,6 +38,23 @@ QWEN3_NEXT_80B = {
 
 def test_dense_logits_match_transformers(tmp_path):
     assert dense_difference("qwen3_next", tmp_path) < DENSE_ATOL
+
+
+def test_served_logits_match_transformers_and_a_second_pass_hits_on_a_2_device_mesh(tmp_path):
+    run = serve_against_transformers("qwen3_next", tmp_path, memory_bytes=8 << 20, mesh=model_mesh(2))
+    assert run["max_abs_diff"] < ENGINE_ATOL
+    assert run["cached"][0] < run["cached"][1]  # the second pass resumes from 16-token state checkpoints
+
+
+def test_served_logits_match_transformers_under_preemption(tmp_path):
+    run = serve_against_transformers("qwen3_next", tmp_path, memory_bytes=1 << 18)
+    assert run["preemptions"] > 0 and run["max_abs_diff"] < ENGINE_ATOL
+
+
+def test_served_logits_match_transformers_through_the_host_tier(tmp_path):
+    run = serve_through_host("qwen3_next", tmp_path, memory_bytes=168 << 10, checkpoint_share=0.4)
+    assert run["max_abs_diff"] < ENGINE_ATOL
+    assert run["stats"].num_loaded_states > 0 and sum(run["cached"][4:]) > 0
 
 
 def test_the_80b_config_declares_the_cache_of_the_preset():
