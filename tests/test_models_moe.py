@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.models.moe import routed_experts, sigmoid_group_top_k, softmax_top_k
+from jaxkv.models.moe import routed_experts, sigmoid_group_top_k, softmax_top_k, stack_experts
 
 TOKENS, HIDDEN, WIDTH, EXPERTS, K = 11, 6, 5, 4, 2
 
@@ -53,3 +53,14 @@ def test_sigmoid_router_picks_within_the_best_group_and_weighs_by_unbiased_score
     experts, weights = sigmoid_group_top_k(logits, 1, bias=bias, num_groups=2, top_groups=1, normalize=False, scale=2.0)
     assert experts.tolist() == [[3]]  # the bias picks 3 over 2
     np.testing.assert_allclose(weights, [[2.0 * float(jax.nn.sigmoid(1.0))]], rtol=1e-6)  # unbiased score, scaled
+
+
+def test_experts_stored_one_by_one_are_stacked_once_in_the_grouped_layout():
+    rng = np.random.default_rng(1)
+    stored = {f"mlp.experts.{e}.up_proj.weight": jnp.asarray(rng.standard_normal((WIDTH, HIDDEN))) for e in range(3)}
+    stored["mlp.gate.weight"] = jnp.zeros((3, HIDDEN))
+    stacked = stack_experts(stored, "mlp.experts", 3, ["up_proj"])
+    assert sorted(stacked) == ["mlp.experts.up_proj", "mlp.gate.weight"]
+    assert stacked["mlp.experts.up_proj"].shape == (3, HIDDEN, WIDTH)  # (E, in, out)
+    np.testing.assert_array_equal(stacked["mlp.experts.up_proj"][2], stored["mlp.experts.2.up_proj.weight"].T)
+    assert stack_experts(stacked, "mlp.experts", 3, ["up_proj"]) == stacked  # already stacked: unchanged

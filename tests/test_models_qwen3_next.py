@@ -8,6 +8,7 @@ from hf_checkpoints import ENGINE_ATOL, dense_difference, serve_against_transfor
 from hf_host_tier import serve_through_host
 
 from jaxkv.mesh import model_mesh
+from jaxkv.models.checkpoint import load_pretrained
 from jaxkv.models.layers import UnsupportedConfigError
 from jaxkv.models.qwen3_next import Qwen3Next
 from jaxkv.presets import get_preset
@@ -36,8 +37,11 @@ QWEN3_NEXT_80B = {
 """The parts of Qwen/Qwen3-Next-80B-A3B-Instruct's config.json that shape its cache."""
 
 
-def test_dense_logits_match_transformers(tmp_path):
+def test_dense_logits_match_transformers_with_the_experts_stacked_on_load(tmp_path):
     assert dense_difference("qwen3_next", tmp_path) < DENSE_ATOL
+    model = load_pretrained(tmp_path)
+    assert not [name for name in model.params if ".experts.0." in name]
+    assert model.partition_specs().keys() == model.params.keys()
 
 
 def test_served_logits_match_transformers_and_a_second_pass_hits_on_a_2_device_mesh(tmp_path):

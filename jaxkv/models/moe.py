@@ -6,17 +6,37 @@ Qwen3-Next routes; :func:`sigmoid_group_top_k`, as Nemotron-H and DeepSeek-V3 ro
 pairs are sorted by expert and each expert's contiguous run goes through its own
 weights in one :func:`jax.lax.ragged_dot` (group sizes = tokens per expert), so the
 work is ``T k`` rows whatever ``E`` is, never a dense pass of every token through every
-expert. Expert weights are stacked ``(E, in, out)``.
+expert. Expert weights are stacked ``(E, in, out)``; :func:`stack_experts` stacks
+checkpoints that store experts one by one, once, when the weights are loaded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+EXPERT_SPLIT = {"gate_proj": 2, "up_proj": 2, "down_proj": 1}
+"""The dimension of a stacked ``(E, in, out)`` expert weight that tensor parallelism
+splits: the hidden units (``out`` of gate/up, ``in`` of down), as a dense MLP's."""
+
+
+def stack_experts(
+    params: Mapping[str, jax.Array], prefix: str, count: int, parts: Sequence[str]
+) -> dict[str, jax.Array]:
+    """``params`` with the ``count`` experts under ``prefix`` stored one by one
+    (``{prefix}.{e}.{part}.weight``, each ``(out, in)`` as Hugging Face stores them)
+    replaced by one stack ``{prefix}.{part}`` of ``(E, in, out)`` per part: the layout
+    :func:`routed_experts` reads, so a step never restacks them. Parts already stacked
+    are left as they are."""
+    stacked = dict(params)
+    for part in parts:
+        names = [f"{prefix}.{e}.{part}.weight" for e in range(count)]
+        if names[0] in stacked:
+            stacked[f"{prefix}.{part}"] = jnp.stack([stacked.pop(name).T for name in names])
+    return stacked
 
 
 def softmax_top_k(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax.Array]:

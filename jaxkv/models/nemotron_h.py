@@ -10,7 +10,8 @@ as its ``layers_block_type`` lists them (older configs: ``hybrid_override_patter
 - MLP: ``down(relu(up(x))^2)``.
 - MoE (:mod:`jaxkv.models.moe`): sigmoid router with a score-correction bias and
   group-limited top-k, squared-ReLU experts (optionally through a latent projection),
-  plus a shared expert.
+  plus a shared expert; setting :attr:`NemotronH.params` stacks the experts, stored one
+  by one, once.
 
 Weights are the checkpoint's own tensors by name (``backbone.`` prefix). Block ``i``
 holds cache under ``backbone.layers.<i>`` when it is a Mamba-2 block (a
@@ -104,7 +105,20 @@ class NemotronH:
             norm_eps=self.eps,
             dt_min=float(c.get("time_step_min", 0.0)),
         )
-        self.params: Params = {}
+        self._params: Params = {}
+
+    @property
+    def params(self) -> Params:
+        """The weights by checkpoint name, each MoE block's experts stacked (see :mod:`jaxkv.models.moe`)."""
+        return self._params
+
+    @params.setter
+    def params(self, loaded: Params) -> None:
+        for i, kind in enumerate(self.block_types):
+            if kind == MOE:
+                prefix = f"{self.layer_name(i)}.mixer.experts"
+                loaded = moe.stack_experts(loaded, prefix, self.config["n_routed_experts"], ("up_proj", "down_proj"))
+        self._params = loaded
 
     def layer_name(self, index: int) -> str:
         return f"backbone.layers.{index}"
@@ -154,12 +168,19 @@ class NemotronH:
 
     def partition_specs(self) -> dict[str, PartitionSpec]:
         """Attention q/k/v and MLP/expert ``up`` split by output features, ``o`` and
-        ``down`` by input features; Mamba-2 mixers, routers, norms, embeddings and the LM head replicated."""
+        ``down`` by input features, stacked experts by their hidden units; Mamba-2 mixers,
+        routers, norms, embeddings and the LM head replicated. Keyed as :attr:`params`
+        (the checkpoint's names before loading)."""
+        shapes = {n: w.shape for n, w in self.params.items()} if self.params else self.tensor_shapes()
         specs = {}
-        for name, shape in self.tensor_shapes().items():
+        for name, shape in shapes.items():
             part = name.rsplit(".", 2)[-2]
             attention = ".mixer.q_proj" in name or ".mixer.k_proj" in name or ".mixer.v_proj" in name
-            if len(shape) == 2 and (attention or part == "up_proj"):
+            if ".experts." in name and len(shape) == 3:
+                specs[name] = PartitionSpec(
+                    *(MODEL_AXIS if d == moe.EXPERT_SPLIT[name.rsplit(".", 1)[-1]] else None for d in range(3))
+                )
+            elif len(shape) == 2 and (attention or part == "up_proj"):
                 specs[name] = COLUMN
             elif len(shape) == 2 and part in ("o_proj", "down_proj"):
                 specs[name] = ROW
@@ -211,9 +232,7 @@ class NemotronH:
             normalize=bool(c.get("norm_topk_prob", True)),
             scale=float(c.get("routed_scaling_factor", 1.0)),
         )
-        count = c["n_routed_experts"]
-        up = jnp.stack([params[f"{p}.experts.{e}.up_proj.weight"] for e in range(count)]).swapaxes(1, 2)
-        down = jnp.stack([params[f"{p}.experts.{e}.down_proj.weight"] for e in range(count)]).swapaxes(1, 2)
+        up, down = params[f"{p}.experts.up_proj"], params[f"{p}.experts.down_proj"]
         latent = c.get("moe_latent_size")
         routed_in = layers.linear(flat, params[f"{p}.fc1_latent_proj.weight"]) if latent else flat
         routed = moe.routed_experts(routed_in, experts, weights, up, down, relu2)

@@ -12,7 +12,8 @@ MLP on ``mlp_only_layers``).
   Its output passes a gated RMSNorm (``norm(o) * silu(z)``, a plain-weighted norm).
 - Every other RMSNorm is zero-centred: scaled by ``1 + weight``.
 - The MoE (:mod:`jaxkv.models.moe`): softmax top-k router, SwiGLU experts as grouped
-  matmuls; the checkpoint stores experts one by one and the forward stacks them.
+  matmuls; the checkpoint stores experts one by one, and setting :attr:`Qwen3Next.params`
+  stacks them once (``...mlp.experts.gate_proj (E, D, F)``...).
 
 Weights are the checkpoint's own tensors by name (see :mod:`jaxkv.models.checkpoint`).
 Layer ``i`` holds cache under ``model.layers.<i>``: a full-attention layer a
@@ -49,6 +50,8 @@ Mixer = Callable[[int, jax.Array], jax.Array]
 COLUMN = PartitionSpec(MODEL_AXIS, None)
 ROW = PartitionSpec(None, MODEL_AXIS)
 REPLICATED = PartitionSpec()
+
+_EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -105,7 +108,19 @@ class Qwen3Next:
         self.sparse = [
             i not in dense_only and self.num_experts > 0 and (i + 1) % sparse_step == 0 for i in range(self.num_layers)
         ]
-        self.params: Params = {}
+        self._params: Params = {}
+
+    @property
+    def params(self) -> Params:
+        """The weights by checkpoint name, each MoE layer's experts stacked (see :mod:`jaxkv.models.moe`)."""
+        return self._params
+
+    @params.setter
+    def params(self, loaded: Params) -> None:
+        for i in range(self.num_layers):
+            if self.sparse[i]:
+                loaded = moe.stack_experts(loaded, f"{self.layer_name(i)}.mlp.experts", self.num_experts, _EXPERT_PARTS)
+        self._params = loaded
 
     def layer_name(self, index: int) -> str:
         return f"model.layers.{index}"
@@ -161,12 +176,18 @@ class Qwen3Next:
 
     def partition_specs(self) -> dict[str, PartitionSpec]:
         """Attention q/k/v and every MLP's gate/up split by output features (whole heads,
-        whole hidden units per device), o and down by input features; the Gated DeltaNet
-        layers, routers, norms, embeddings and LM head replicated."""
+        whole hidden units per device), o and down by input features, stacked experts by
+        their hidden units; the Gated DeltaNet layers, routers, norms, embeddings and LM
+        head replicated. Keyed as :attr:`params` (the checkpoint's names before loading)."""
+        shapes = {n: w.shape for n, w in self.params.items()} if self.params else self.tensor_shapes()
         specs = {}
-        for name, shape in self.tensor_shapes().items():
+        for name, shape in shapes.items():
             part = name.rsplit(".", 2)[-2]
-            if len(shape) == 2 and part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            if ".experts." in name and len(shape) == 3:
+                specs[name] = PartitionSpec(
+                    *(MODEL_AXIS if d == moe.EXPERT_SPLIT[name.rsplit(".", 1)[-1]] else None for d in range(3))
+                )
+            elif len(shape) == 2 and part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
                 specs[name] = COLUMN
             elif len(shape) == 2 and part in ("o_proj", "down_proj"):
                 specs[name] = ROW
@@ -248,12 +269,15 @@ class Qwen3Next:
             self.config["num_experts_per_tok"],
             normalize=bool(self.config.get("norm_topk_prob", True)),
         )
-        stacked = {
-            part: jnp.stack([params[f"{m}.experts.{e}.{part}.weight"] for e in range(self.num_experts)]).swapaxes(1, 2)
-            for part in ("gate_proj", "up_proj", "down_proj")
-        }
+        e = f"{m}.experts"
         routed = moe.routed_experts(
-            flat, experts, weights, stacked["up_proj"], stacked["down_proj"], jax.nn.silu, gate=stacked["gate_proj"]
+            flat,
+            experts,
+            weights,
+            params[f"{e}.up_proj"],
+            params[f"{e}.down_proj"],
+            jax.nn.silu,
+            gate=params[f"{e}.gate_proj"],
         )
         shared = layers.gated_mlp(flat, params, f"{m}.shared_expert", "silu")
         shared = shared * jax.nn.sigmoid(layers.linear(flat, params[f"{m}.shared_expert_gate.weight"]))
