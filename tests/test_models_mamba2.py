@@ -56,9 +56,10 @@ def ragged_step():
     return jax.jit(functools.partial(ragged_mixer, dims=DIMS))
 
 
-def run_in_chunks(params: dict, xs: list[np.ndarray], cuts: list[list[int]], pad: int) -> list[np.ndarray]:
+def run_in_chunks(params: dict, xs: list[np.ndarray], cuts: list[list[int]], bucket: int) -> list[np.ndarray]:
     """Feed each sequence's tokens through consecutive ragged steps (one chunk of every
-    sequence per step, ``pad`` padding tokens at the end); the outputs per sequence."""
+    sequence per step, NaN padding tokens up to ``bucket``: one compiled shape); the
+    outputs per sequence."""
     num_seqs = len(xs)
     conv = jnp.zeros((num_seqs, DIMS.conv_kernel - 1, DIMS.conv_dim), jnp.float32)
     ssm = jnp.zeros((num_seqs, DIMS.num_heads, DIMS.head_dim, DIMS.state_size), jnp.float32)
@@ -66,7 +67,7 @@ def run_in_chunks(params: dict, xs: list[np.ndarray], cuts: list[list[int]], pad
     for step in range(len(cuts[0]) - 1):
         pieces = [x[c[step] : c[step + 1]] for x, c in zip(xs, cuts)]
         lens = [len(p) for p in pieces]
-        packed = np.concatenate([*pieces, np.full((pad, HIDDEN), np.nan, np.float32)])
+        packed = np.concatenate([*pieces, np.full((bucket - sum(lens), HIDDEN), np.nan, np.float32)])
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
         owner = seq_of_token(cu, jnp.array([num_seqs]), packed.shape[0])
         out, conv, ssm = ragged_step()(params, jnp.asarray(packed), owner, conv, ssm)
@@ -81,7 +82,7 @@ def test_ragged_steps_in_any_chunks_give_the_dense_outputs(params):
     rng = np.random.default_rng(1)
     xs = [rng.standard_normal((length, HIDDEN)).astype(np.float32) for length in (9, 1, 6)]
     cuts = [[0, 4, 5, 9], [0, 1, 1, 1], [0, 0, 2, 6]]  # prefill chunks, decodes, a late start
-    got = run_in_chunks(params, xs, cuts, pad=3)
+    got = run_in_chunks(params, xs, cuts, bucket=12)
     for x, out in zip(xs, got):
         want = dense_mixer(params, jnp.asarray(x[None]), DIMS)[0][0]
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
