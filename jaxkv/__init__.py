@@ -45,7 +45,35 @@ _HOME = {
 _MODULES = ("ops",)
 """Submodules exported by name (``jaxkv.ops.paged_attention``)."""
 
-__all__ = sorted([*_HOME, *_MODULES])
+__all__ = [
+    "AttentionSpec",
+    "Buckets",
+    "ChunkedLocalAttentionSpec",
+    "Engine",
+    "FullAttentionSpec",
+    "HybridCache",
+    "JaxkvError",
+    "KVCache",
+    "KVCacheConfig",
+    "KVCacheGroup",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "MLASpec",
+    "MambaSpec",
+    "OffloadConfig",
+    "Request",
+    "ScheduledSeq",
+    "ServedModel",
+    "SlidingWindowSpec",
+    "StepMetadata",
+    "UnknownLayerError",
+    "allocate_kv_cache",
+    "build_step_metadata",
+    "get_preset",
+    "list_presets",
+    "ops",
+    "plan_kv_cache",
+]
 
 if TYPE_CHECKING:
     from jaxkv import ops
