@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -349,6 +350,31 @@ class Engine:
             tensor_parallel=1 if mesh is None else mesh_axis_size(mesh, kwargs.get("model_axis", MODEL_AXIS)),
         )
         return cls(served, config, **kwargs)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        memory_bytes: int,
+        max_model_len: int,
+        dtype: str | None = None,
+        **engine_kwargs: Any,
+    ) -> Engine:
+        """An engine of the Hugging Face-format checkpoint in the local directory ``path``
+        (:func:`jaxkv.models.checkpoint.load_pretrained`: weights cast to ``dtype``, None:
+        the checkpoint's, and placed straight onto ``mesh``'s shardings when
+        ``engine_kwargs`` has one). The rest is :meth:`build`'s: planner options and
+        :class:`Engine` keyword arguments."""
+        from jaxkv.models.checkpoint import load_pretrained  # the loaders import safetensors
+
+        model = load_pretrained(
+            path,
+            dtype=dtype,
+            mesh=engine_kwargs.get("mesh"),
+            model_axis=engine_kwargs.get("model_axis", MODEL_AXIS),
+        )
+        return cls.build(model, memory_bytes=memory_bytes, max_model_len=max_model_len, **engine_kwargs)
 
     def generate(
         self,
