@@ -103,13 +103,11 @@ def serve_against_transformers(family: str, directory: Path, *, memory_bytes: in
     (:func:`check_against_transformers`) and return what happened: the largest logit
     difference, cached tokens of each pass, preemptions and host-tier loads."""
     from jaxkv.metadata import Buckets
-    from jaxkv.models.checkpoint import load_pretrained
     from jaxkv.serving.engine import Engine
 
     hf = save_tiny_checkpoint(family, directory)
-    model = load_pretrained(directory, mesh=engine_kwargs.get("mesh"))
-    engine = Engine(
-        model,
+    engine = Engine.from_pretrained(
+        directory,
         memory_bytes=memory_bytes,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=4,
@@ -117,7 +115,7 @@ def serve_against_transformers(family: str, directory: Path, *, memory_bytes: in
         buckets=Buckets((64,), (4,), (MAX_MODEL_LEN // 16,)),
         **engine_kwargs,
     )
-    prompts = shared_prefix_prompts(model.vocab_size)
+    prompts = shared_prefix_prompts(engine.model.vocab_size)
     passes = [engine.generate(prompts, NEW_TOKENS, return_logits=True) for _ in range(2)]
     audit = engine.audit()
     assert audit.device_blocks_leaked == audit.host_blocks_leaked == 0
