@@ -129,3 +129,12 @@ def test_serve_script_refuses_a_missing_checkpoint_in_one_line(tmp_path):
     assert served.stderr.strip().splitlines() == [
         f"serve.py: error: checkpoint directory '{tmp_path / 'absent'}' does not exist (a local path only)"
     ]
+
+
+def test_a_config_without_a_needed_field_is_named(llama_dir, tmp_path):
+    _copy(llama_dir, tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del config["intermediate_size"]
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="intermediate_size"):
+        load_pretrained(tmp_path / "ckpt")
