@@ -56,3 +56,22 @@ def test_engine_on_a_two_device_mesh_matches_transformers(family, tmp_path):
     seen = serve_against_transformers(family, tmp_path, memory_bytes=1 << 20, mesh=model_mesh(2))
     assert seen["max_abs_diff"] < ENGINE_ATOL
     assert seen["cached"][1] > seen["cached"][0] > 0
+
+
+def test_a_hub_config_with_rope_scaling_gets_the_same_rope_as_rope_parameters():
+    scaling = {
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    sizes = {
+        "vocab_size": 32,
+        "hidden_size": 128,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    hub = Llama({**sizes, "rope_theta": 500_000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}, "float32")
+    saved = Llama({**sizes, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500_000.0, **scaling}}, "float32")
+    assert hub.rope(0) == saved.rope(0) != Llama({**sizes, "rope_theta": 500_000.0}, "float32").rope(0)
