@@ -138,3 +138,14 @@ def test_a_config_without_a_needed_field_is_named(llama_dir, tmp_path):
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="intermediate_size"):
         load_pretrained(tmp_path / "ckpt")
+
+
+def test_a_bfloat16_checkpoint_loads_as_bfloat16_and_runs(tmp_path):
+    import torch
+    from hf_checkpoints import tiny
+
+    tiny.tiny_model("gemma3").to(torch.bfloat16).save_pretrained(str(tmp_path))
+    model = load_pretrained(tmp_path)
+    assert {v.dtype.name for v in model.params.values()} == {"bfloat16"}
+    logits = model.dense(model.params, np.arange(12)[None])
+    assert logits.dtype == np.float32 and np.isfinite(np.asarray(logits)).all()
