@@ -86,7 +86,7 @@ class Llama:
         self.intermediate_size: int = c["intermediate_size"]
         self.eps: float = c.get("rms_norm_eps", 1e-6)
         self.act: str = c.get("hidden_act") or c.get("hidden_activation") or "silu"
-        layers.activation(self.act)
+        layers.activation(self.act)  # an unknown activation is refused when the model is built
         self.tied: bool = bool(c.get("tie_word_embeddings", False))
         self.layer_types: list[str] = list(c.get("layer_types") or [FULL] * self.num_layers)
         unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
