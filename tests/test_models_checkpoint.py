@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hf_checkpoints import save_tiny_checkpoint
 from jax.sharding import PartitionSpec
+from script_runs import run_script
 
 from jaxkv.mesh import MODEL_AXIS, model_mesh
 from jaxkv.models.checkpoint import (
@@ -97,3 +98,54 @@ def test_an_unknown_architecture_is_named(llama_dir, tmp_path):
 def test_a_missing_directory_is_refused_without_downloading(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_pretrained(tmp_path / "meta-llama/Llama-3.2-1B")
+
+
+def test_serve_script_serves_a_saved_checkpoint_from_text_prompts(tmp_path):
+    saved = run_script("save_tiny_checkpoint.py", "--family", "qwen3", "--out", str(tmp_path))
+    assert saved.returncode == 0, saved.stderr
+    served = run_script(
+        "serve.py",
+        "--checkpoint",
+        str(tmp_path),
+        "--prompt",
+        "Hello there",
+        "--prompt",
+        "Hello again",
+        "--max_new_tokens",
+        "4",
+        "--max_model_len",
+        "64",
+        "--memory",
+        "1MiB",
+    )
+    assert served.returncode == 0, served.stderr
+    assert "Qwen3ForCausalLM" in served.stdout and served.stdout.count("decoded: ") == 2
+    assert "tokens identical to the dense (unpaged) forward: yes" in served.stdout
+
+
+def test_serve_script_refuses_a_missing_checkpoint_in_one_line(tmp_path):
+    served = run_script("serve.py", "--checkpoint", str(tmp_path / "absent"))
+    assert served.returncode == 2
+    assert served.stderr.strip().splitlines() == [
+        f"serve.py: error: checkpoint directory '{tmp_path / 'absent'}' does not exist (a local path only)"
+    ]
+
+
+def test_a_config_without_a_needed_field_is_named(llama_dir, tmp_path):
+    _copy(llama_dir, tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del config["intermediate_size"]
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="intermediate_size"):
+        load_pretrained(tmp_path / "ckpt")
+
+
+def test_a_bfloat16_checkpoint_loads_as_bfloat16_and_runs(tmp_path):
+    import torch
+    from hf_checkpoints import tiny
+
+    tiny.tiny_model("gemma3").to(torch.bfloat16).save_pretrained(str(tmp_path))
+    model = load_pretrained(tmp_path)
+    assert {v.dtype.name for v in model.params.values()} == {"bfloat16"}
+    logits = model.dense(model.params, np.arange(12)[None])
+    assert logits.dtype == np.float32 and np.isfinite(np.asarray(logits)).all()

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from hf_checkpoints import DENSE_ATOL, WINDOW, dense_difference
+from hf_checkpoints import DENSE_ATOL, ENGINE_ATOL, WINDOW, dense_difference, host_tier, serve_against_transformers
 
+from jaxkv.mesh import model_mesh
 from jaxkv.models.gemma3 import Gemma3
 from jaxkv.models.layers import UnsupportedConfigError
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
@@ -48,3 +49,26 @@ def test_a_layer_type_without_rope_parameters_is_refused():
     model = Gemma3(_config(rope_parameters={"full_attention": {"rope_theta": 1e6}}), "float32")
     with pytest.raises(UnsupportedConfigError, match="sliding_attention"):
         model.rope(0)
+
+
+def test_engine_matches_transformers_through_prefix_hits_preemption_and_the_host_tier(tmp_path):
+    seen = serve_against_transformers("gemma3", tmp_path, memory_bytes=205_000, offload=host_tier())
+    assert seen["max_abs_diff"] < ENGINE_ATOL
+    assert seen["cached"][1] > seen["cached"][0] > 0
+    assert seen["preemptions"] > 0 and seen["host_loaded_tokens"] > 0
+
+
+def test_engine_on_a_two_device_mesh_matches_transformers(tmp_path):
+    seen = serve_against_transformers("gemma3", tmp_path, memory_bytes=1 << 20, mesh=model_mesh(2))
+    assert seen["max_abs_diff"] < ENGINE_ATOL
+    assert seen["cached"][1] > seen["cached"][0] > 0
+
+
+def test_a_hub_config_without_layer_types_or_rope_parameters_reads_the_older_fields():
+    hub = _config(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    del hub["layer_types"], hub["rope_parameters"]
+    saved = _config()
+    saved["rope_parameters"]["full_attention"] = {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    hub_model, saved_model = Gemma3(hub, "float32"), Gemma3(saved, "float32")
+    assert hub_model.layer_specs() == saved_model.layer_specs()
+    assert [hub_model.rope(i) for i in range(6)] == [saved_model.rope(i) for i in range(6)]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from hf_checkpoints import DENSE_ATOL, dense_difference
+from hf_checkpoints import DENSE_ATOL, ENGINE_ATOL, dense_difference, host_tier, serve_against_transformers
 
+from jaxkv.mesh import model_mesh
 from jaxkv.models.layers import Rope, UnsupportedConfigError
 from jaxkv.models.llama import Llama
 
@@ -40,3 +41,37 @@ def test_layer_types_mark_sliding_layers_in_the_cache_specs():
     }
     specs = Llama(config, "float32").layer_specs()
     assert [getattr(s, "sliding_window", None) for s in specs.values()] == [None, 4]
+
+
+@pytest.mark.parametrize(("family", "memory_bytes"), [("llama", 112_000), ("qwen3", 75_000)])
+def test_engine_matches_transformers_through_prefix_hits_preemption_and_the_host_tier(family, memory_bytes, tmp_path):
+    seen = serve_against_transformers(family, tmp_path, memory_bytes=memory_bytes, offload=host_tier())
+    assert seen["max_abs_diff"] < ENGINE_ATOL
+    assert seen["cached"][1] > seen["cached"][0] > 0
+    assert seen["preemptions"] > 0 and seen["host_loaded_tokens"] > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_engine_on_a_two_device_mesh_matches_transformers(family, tmp_path):
+    seen = serve_against_transformers(family, tmp_path, memory_bytes=1 << 20, mesh=model_mesh(2))
+    assert seen["max_abs_diff"] < ENGINE_ATOL
+    assert seen["cached"][1] > seen["cached"][0] > 0
+
+
+def test_a_hub_config_with_rope_scaling_gets_the_same_rope_as_rope_parameters():
+    scaling = {
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    sizes = {
+        "vocab_size": 32,
+        "hidden_size": 128,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    hub = Llama({**sizes, "rope_theta": 500_000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}, "float32")
+    saved = Llama({**sizes, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500_000.0, **scaling}}, "float32")
+    assert hub.rope(0) == saved.rope(0) != Llama({**sizes, "rope_theta": 500_000.0}, "float32").rope(0)

@@ -91,16 +91,25 @@ def tensor_files(directory: Path) -> dict[str, Path]:
     return where
 
 
-def build_model(config: Mapping[str, Any], dtype: Any) -> Any:
-    """An unloaded model of ``config``'s architecture; :class:`UnknownArchitectureError` if none builds it."""
+def builder_of(config: Mapping[str, Any]) -> Any:
+    """The class that builds ``config``'s ``architectures[0]``; :class:`UnknownArchitectureError` if none does."""
     architecture = (config.get("architectures") or [None])[0]
     try:
-        cls = registry.builder(architecture)
+        return registry.builder(architecture)
     except (KeyError, TypeError):
         raise UnknownArchitectureError(
             f"unknown architecture {architecture!r}; known: {', '.join(registry.ARCHITECTURES)}"
         ) from None
-    return cls(config, dtype)
+
+
+def build_model(config: Mapping[str, Any], dtype: Any) -> Any:
+    """An unloaded model of ``config`` (no weights yet); a config without a field its builder
+    needs is a :class:`CheckpointError` naming the field."""
+    cls = builder_of(config)
+    try:
+        return cls(config, dtype)
+    except KeyError as err:
+        raise CheckpointError(f"config.json of {cls.__name__} lacks the field {err.args[0]!r}") from None
 
 
 def _check_split(name: str, shape: tuple[int, ...], spec: PartitionSpec, devices: int) -> None:
@@ -122,7 +131,7 @@ def load_pretrained(
 
     directory = Path(path)
     config = read_config(directory)
-    build_model(config, jnp.float32)  # an unknown architecture is refused before any file is opened
+    builder_of(config)  # an unknown architecture is refused before any file is opened
     where = tensor_files(directory)
     with contextlib.ExitStack() as stack:
         handles = {

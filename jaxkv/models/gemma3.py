@@ -2,8 +2,9 @@
 with Gemma's differences.
 
 - sliding-window and full attention layers as the config's ``layer_types`` says (5 : 1
-  in the released models), each kind with its own ``rope_parameters`` (local and global
-  RoPE bases; the global one may be ``linear``-scaled);
+  in the released models; configs without it: every ``sliding_window_pattern``-th layer
+  full), each kind with its own ``rope_parameters`` (local and global RoPE bases; the
+  global one may be ``linear``-scaled);
 - RMSNorms scaled by ``1 + weight`` (float32), on q and k per head as well, and
   post-norms after attention and after the MLP besides the pre-norms;
 - embeddings multiplied by ``sqrt(hidden_size)`` (rounded to the weights' dtype);
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxkv.models import layers
 from jaxkv.models.layers import AttentionShape, UnsupportedConfigError
-from jaxkv.models.llama import FULL, SLIDING, Llama, Params
+from jaxkv.models.llama import FULL, SLIDING, Llama, Params, legacy_rope_parameters
 
 
 class Gemma3(Llama):
@@ -37,13 +38,22 @@ class Gemma3(Llama):
 
     def __init__(self, config: Mapping[str, Any], dtype: Any) -> None:
         config = {"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh", **config}
+        if not config.get("layer_types") and "num_hidden_layers" in config:
+            pattern = config.get("sliding_window_pattern", 6)
+            config["layer_types"] = [SLIDING if (i + 1) % pattern else FULL for i in range(config["num_hidden_layers"])]
         if config.get("use_bidirectional_attention"):
             raise UnsupportedConfigError("Gemma-3 with use_bidirectional_attention=true (an encoder) is not built")
         super().__init__(config, dtype)
 
     def rope_parameters(self, layer_type: str) -> Mapping[str, Any]:
-        """Each layer kind's own ``rope_parameters`` (local and global bases)."""
-        parameters = self.config.get("rope_parameters") or {}
+        """Each layer kind's own ``rope_parameters`` (local and global bases); from a config
+        saved before transformers 5 (the Hub's), ``rope_theta`` with ``rope_scaling`` for the
+        global layers and ``rope_local_base_freq`` for the local ones."""
+        c = self.config
+        parameters = c.get("rope_parameters") or {
+            FULL: legacy_rope_parameters(c, 1_000_000.0),
+            SLIDING: {"rope_type": "default", "rope_theta": c.get("rope_local_base_freq", 10_000.0)},
+        }
         if layer_type not in parameters:
             raise UnsupportedConfigError(
                 f"rope_parameters has no entry for {layer_type!r} (it needs {SLIDING!r} and {FULL!r})"

@@ -49,6 +49,16 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 
 
+def legacy_rope_parameters(config: Mapping[str, Any], default_theta: float) -> dict[str, Any]:
+    """``rope_parameters`` of a config in the older form: ``rope_theta``, ``rope_scaling``
+    (its ``rope_type`` and factors; Llama-3.x ships ``llama3`` here) and a top-level
+    ``partial_rotary_factor``."""
+    parameters = {"rope_type": "default", "rope_theta": config.get("rope_theta", default_theta)}
+    if "partial_rotary_factor" in config:
+        parameters["partial_rotary_factor"] = config["partial_rotary_factor"]
+    return parameters | (config.get("rope_scaling") or {})
+
+
 class Llama:
     """A Llama-family decoder (``LlamaForCausalLM``) built from a Hugging Face ``config.json`` dict.
 
@@ -76,7 +86,7 @@ class Llama:
         self.intermediate_size: int = c["intermediate_size"]
         self.eps: float = c.get("rms_norm_eps", 1e-6)
         self.act: str = c.get("hidden_act") or c.get("hidden_activation") or "silu"
-        layers.activation(self.act)
+        layers.activation(self.act)  # an unknown activation is refused when the model is built
         self.tied: bool = bool(c.get("tie_word_embeddings", False))
         self.layer_types: list[str] = list(c.get("layer_types") or [FULL] * self.num_layers)
         unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
@@ -89,9 +99,9 @@ class Llama:
     # Per-architecture hooks -------------------------------------------------------
 
     def rope_parameters(self, layer_type: str) -> Mapping[str, Any]:
-        """The ``rope_parameters`` of a layer type (one dict for all layers here)."""
-        c = self.config
-        return c.get("rope_parameters") or {"rope_type": "default", "rope_theta": c.get("rope_theta", 10_000.0)}
+        """The ``rope_parameters`` of a layer type (one dict for all layers here); from a
+        config saved before transformers 5 (the Hub's), ``rope_theta`` with ``rope_scaling``."""
+        return self.config.get("rope_parameters") or legacy_rope_parameters(self.config, 10_000.0)
 
     def attention_shape(self, index: int) -> AttentionShape:
         """Heads, scale, window and soft cap of layer ``index``."""
