@@ -56,7 +56,7 @@ from jaxkv.planner import LAYOUTS, plan_kv_cache
 from jaxkv.serving.engine import Engine, GenerationResult, state_plan
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, LogitCheck, compare_outputs
 from jaxkv.serving.workloads import shared_prefix_prompts
-from jaxkv.specs import cdiv
+from jaxkv.specs import AttentionSpec, cdiv
 
 PROG = "bench_serve.py"
 FLAGS = flags.FLAGS
@@ -205,7 +205,7 @@ def main(argv: Sequence[str]) -> None:
             model = TinyLM(get_model_config(FLAGS.model, dtype=dtype), seed=FLAGS.seed)
             name = FLAGS.model
         specs = model.layer_specs()
-        model_dtype = next(iter(specs.values())).dtype
+        model_dtype = next(s.dtype for s in specs.values() if isinstance(s, AttentionSpec))  # states may be float32
         config = plan_kv_cache(
             specs,
             memory,

@@ -100,6 +100,7 @@ from jaxkv.serving.engine import (  # noqa: E402
 )
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs  # noqa: E402
 from jaxkv.serving.workloads import shared_prefix_prompts  # noqa: E402
+from jaxkv.specs import AttentionSpec  # noqa: E402
 
 PROG = "serve.py"
 FLAGS = flags.FLAGS
@@ -276,7 +277,7 @@ def serve() -> dict:
         model = TinyLM(get_model_config(FLAGS.model, dtype=dtype), seed=FLAGS.seed)
         model_name = FLAGS.model
     specs = model.layer_specs()
-    model_dtype = next(iter(specs.values())).dtype
+    model_dtype = next(s.dtype for s in specs.values() if isinstance(s, AttentionSpec))  # states may be float32
     config = plan_kv_cache(
         specs,
         memory,
