@@ -16,11 +16,19 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxkv.mesh import MODEL_AXIS
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-EXPERT_SPLIT = {"gate_proj": 2, "up_proj": 2, "down_proj": 1}
-"""The dimension of a stacked ``(E, in, out)`` expert weight that tensor parallelism
-splits: the hidden units (``out`` of gate/up, ``in`` of down), as a dense MLP's."""
+_EXPERT_SPLIT = {"gate_proj": 2, "up_proj": 2, "down_proj": 1}
+
+
+def stacked_partition(part: str) -> PartitionSpec:
+    """Where tensor parallelism splits a stacked ``(E, in, out)`` expert weight of ``part``
+    (``gate_proj``, ``up_proj``, ``down_proj``): by its hidden units (``out`` of gate/up,
+    ``in`` of down), as a dense MLP's."""
+    return PartitionSpec(*(MODEL_AXIS if d == _EXPERT_SPLIT[part] else None for d in range(3)))
 
 
 def stack_experts(

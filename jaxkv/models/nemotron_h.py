@@ -33,21 +33,16 @@ from jax.sharding import PartitionSpec
 
 from jaxkv import ops
 from jaxkv.cache import KVCache
-from jaxkv.mesh import MODEL_AXIS
 from jaxkv.metadata import StepMetadata
 from jaxkv.models import layers, mamba2, moe
 from jaxkv.models.delta_net import seq_of_token
 from jaxkv.models.layers import AttentionShape, UnsupportedConfigError
+from jaxkv.models.llama import COLUMN, REPLICATED, ROW, Params
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
 from jaxkv.state_cache import HybridCache, read_states, write_states
 
-Params = dict[str, jax.Array]
 Mixer = Callable[[int, jax.Array], jax.Array]
 """``mix(block_index, normed_x) -> out``: a block's Mamba-2 or attention mixer, dense or against the cache."""
-
-COLUMN = PartitionSpec(MODEL_AXIS, None)
-ROW = PartitionSpec(None, MODEL_AXIS)
-REPLICATED = PartitionSpec()
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
@@ -177,9 +172,7 @@ class NemotronH:
             part = name.rsplit(".", 2)[-2]
             attention = ".mixer.q_proj" in name or ".mixer.k_proj" in name or ".mixer.v_proj" in name
             if ".experts." in name and len(shape) == 3:
-                specs[name] = PartitionSpec(
-                    *(MODEL_AXIS if d == moe.EXPERT_SPLIT[name.rsplit(".", 1)[-1]] else None for d in range(3))
-                )
+                specs[name] = moe.stacked_partition(name.rsplit(".", 1)[-1])
             elif len(shape) == 2 and (attention or part == "up_proj"):
                 specs[name] = COLUMN
             elif len(shape) == 2 and part in ("o_proj", "down_proj"):

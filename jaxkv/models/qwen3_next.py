@@ -35,21 +35,16 @@ from jax.sharding import PartitionSpec
 
 from jaxkv import ops
 from jaxkv.cache import KVCache
-from jaxkv.mesh import MODEL_AXIS
 from jaxkv.metadata import StepMetadata
 from jaxkv.models import layers, moe
 from jaxkv.models.delta_net import dense_delta_net, ragged_delta_net, seq_of_token
 from jaxkv.models.layers import AttentionShape, Rope, UnsupportedConfigError
+from jaxkv.models.llama import COLUMN, REPLICATED, ROW, Params
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
 from jaxkv.state_cache import HybridCache, read_states, write_states
 
-Params = dict[str, jax.Array]
 Mixer = Callable[[int, jax.Array], jax.Array]
 """``mix(layer_index, normed_x) -> out``: a layer's token mixer, dense or against the cache."""
-
-COLUMN = PartitionSpec(MODEL_AXIS, None)
-ROW = PartitionSpec(None, MODEL_AXIS)
-REPLICATED = PartitionSpec()
 
 _EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -184,9 +179,7 @@ class Qwen3Next:
         for name, shape in shapes.items():
             part = name.rsplit(".", 2)[-2]
             if ".experts." in name and len(shape) == 3:
-                specs[name] = PartitionSpec(
-                    *(MODEL_AXIS if d == moe.EXPERT_SPLIT[name.rsplit(".", 1)[-1]] else None for d in range(3))
-                )
+                specs[name] = moe.stacked_partition(name.rsplit(".", 1)[-1])
             elif len(shape) == 2 and part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
                 specs[name] = COLUMN
             elif len(shape) == 2 and part in ("o_proj", "down_proj"):
