@@ -80,6 +80,10 @@ class NemotronH:
             raise UnsupportedConfigError("Nemotron-H is built with mlp_hidden_act='relu2' and mamba_hidden_act='silu'")
         if c.get("use_bias") or c.get("mlp_bias") or c.get("attention_bias") or not c.get("use_conv_bias", True):
             raise UnsupportedConfigError("Nemotron-H is built with projection biases off and the conv bias on")
+        if c.get("sliding_window"):
+            raise UnsupportedConfigError(
+                f"Nemotron-H is built with full attention; got sliding_window={c['sliding_window']!r}"
+            )
         self.block_types: list[str] = list(types)
         self.num_layers = len(types)
         self.name = f"NemotronHForCausalLM ({self.num_layers} blocks, hidden {c['hidden_size']})"
