@@ -273,20 +273,24 @@ class Engine:
         step_check: Callable[[SchedulerOutput | None], None] | None = None,
     ) -> None:
         check_positive_int("max_num_seqs", max_num_seqs)
-        if (kv_config is None) == (memory_bytes is None or max_model_len is None):
-            raise EngineError(
-                "give the engine a kv_config or memory_bytes and max_model_len, not both, not neither "
-                f"(kv_config={'given' if kv_config is not None else None}, memory_bytes={memory_bytes!r}, "
-                f"max_model_len={max_model_len!r})"
-            )
         if kv_config is None:
+            if memory_bytes is None or max_model_len is None:
+                raise EngineError(
+                    f"an engine needs a kv_config, or memory_bytes and max_model_len to plan one; got "
+                    f"memory_bytes={memory_bytes!r}, max_model_len={max_model_len!r}"
+                )
             kv_config = plan_for_model(
                 model,
-                memory_bytes,  # type: ignore[arg-type]
-                max_model_len=max_model_len,  # type: ignore[arg-type]
+                memory_bytes,
+                max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
                 max_num_seqs=max_num_seqs,
                 tensor_parallel=1 if mesh is None else mesh_axis_size(mesh, model_axis),
+            )
+        elif memory_bytes is not None or max_model_len is not None:
+            raise EngineError(
+                f"memory_bytes={memory_bytes!r} and max_model_len={max_model_len!r} plan a cache; "
+                "a kv_config is one already: give one or the other"
             )
         budget = kv_config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
         check_positive_int("max_num_batched_tokens", budget)
