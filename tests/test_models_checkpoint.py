@@ -123,6 +123,18 @@ def test_serve_script_serves_a_saved_checkpoint_from_text_prompts(tmp_path):
     assert "tokens identical to the dense (unpaged) forward: yes" in served.stdout
 
 
+def test_bench_serve_script_benchmarks_a_saved_checkpoint_with_caching_on_and_off(llama_dir, tmp_path):
+    bench = run_script(
+        "bench_serve.py",
+        *("--checkpoint", str(llama_dir), "--prompt_len", "64", "--max_model_len", "128", "--memory", "4MiB"),
+        *("--num_requests", "2", "--repeats", "1", "--max_new_tokens", "4", "--max_num_batched_tokens", "128"),
+        *("--out", str(tmp_path / "bench.json")),
+    )
+    assert bench.returncode == 0, bench.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert set(report["results"]) == {"no prefix caching", "prefix caching"} and report["token_check"]["passed"]
+
+
 def test_serve_script_refuses_a_missing_checkpoint_in_one_line(tmp_path):
     served = run_script("serve.py", "--checkpoint", str(tmp_path / "absent"))
     assert served.returncode == 2
