@@ -26,6 +26,10 @@ failed check exits with status 1.
     python scripts/bench_serve.py --profile_dir /tmp/trace   # the timed batch, for TensorBoard/Perfetto
     python scripts/bench_serve.py --model llama-1b --prompt_len 4096 --max_model_len 4352 \
         --max_num_batched_tokens 4096 --memory 8GiB --out llama_1b.json     # on a GPU
+    python scripts/bench_serve.py --checkpoint /tmp/tiny-llama --prompt_len 256 --max_model_len 512
+
+``--checkpoint DIR`` benchmarks the Hugging Face-format checkpoint saved in DIR
+(:func:`jaxkv.models.checkpoint.load_pretrained`) instead of ``--model``.
 
 Bad input (a flag out of range or unreadable, a ``--memory`` budget larger than the
 device or too small, prompts that do not fit ``--max_model_len``) prints one line
@@ -46,16 +50,18 @@ from jaxkv import ops
 from jaxkv.cli import check_fits_device, define_state_flags, exit_error, flags_parser, parse_size, write_json
 from jaxkv.errors import JaxkvError
 from jaxkv.metadata import Buckets
+from jaxkv.models.checkpoint import load_pretrained
 from jaxkv.models.tiny import DTYPES, TinyLM, get_model_config, model_names
 from jaxkv.planner import LAYOUTS, plan_kv_cache
 from jaxkv.serving.engine import Engine, GenerationResult, state_plan
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, LogitCheck, compare_outputs
 from jaxkv.serving.workloads import shared_prefix_prompts
-from jaxkv.specs import cdiv
+from jaxkv.specs import AttentionSpec, cdiv
 
 PROG = "bench_serve.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "tiny-hybrid", list(model_names()), "model architecture (llama-1b: for a GPU)")
+flags.DEFINE_string("checkpoint", None, "benchmark this Hugging Face-format checkpoint directory instead of --model")
 flags.DEFINE_enum("dtype", "auto", ["auto", *DTYPES], "weights, activations and KV cache (auto: the model's own)")
 flags.DEFINE_float(
     "logit_tolerance",
@@ -192,14 +198,21 @@ def main(argv: Sequence[str]) -> None:
         memory = parse_size(FLAGS.memory)
         check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
         dtype = None if FLAGS.dtype == "auto" else FLAGS.dtype
-        model = TinyLM(get_model_config(FLAGS.model, dtype=dtype), seed=FLAGS.seed)
+        if FLAGS.checkpoint:
+            model = load_pretrained(FLAGS.checkpoint, dtype=dtype)
+            name = f"{FLAGS.checkpoint}: {model.name}"
+        else:
+            model = TinyLM(get_model_config(FLAGS.model, dtype=dtype), seed=FLAGS.seed)
+            name = FLAGS.model
+        specs = model.layer_specs()
+        model_dtype = next(s.dtype for s in specs.values() if isinstance(s, AttentionSpec))  # states may be float32
         config = plan_kv_cache(
-            model.config.layer_specs(),
+            specs,
             memory,
             max_model_len=FLAGS.max_model_len,
             layout=FLAGS.layout,
             max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-            **state_plan(model.config, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs),
+            **state_plan(specs, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs),
         )
     # PlanError, EngineError, ModelConfigError: listed until they subclass JaxkvError too.
     except JaxkvError as err:
@@ -209,7 +222,7 @@ def main(argv: Sequence[str]) -> None:
     ladder = Buckets.powers_of_two(FLAGS.max_num_batched_tokens, FLAGS.max_num_seqs, max_blocks)
     buckets = Buckets(ladder.tokens, (FLAGS.max_num_seqs,), (max_blocks,))
     print(
-        f"{FLAGS.model} ({model.config.dtype}), {FLAGS.layout}, {FLAGS.impl} ops on {jax.default_backend()}: "
+        f"{name} ({model_dtype}), {FLAGS.layout}, {FLAGS.impl} ops on {jax.default_backend()}: "
         f"prompts of {FLAGS.prompt_len} tokens, {FLAGS.shared:.0%} shared; {config.num_blocks:,} blocks"
     )
     try:
@@ -222,8 +235,8 @@ def main(argv: Sequence[str]) -> None:
                     model, config, enable_caching=True, max_num_seqs=FLAGS.max_num_seqs, buckets=buckets
                 ),
             }
-            results = measure(engines, model.config.vocab_size)
-            check = token_check(engines, model.config.vocab_size, model.config.dtype)
+            results = measure(engines, model.vocab_size)
+            check = token_check(engines, model.vocab_size, model_dtype)
     except JaxkvError as err:
         exit_error(PROG, err)
     text, ratios = table(results)

@@ -17,6 +17,15 @@ KV usage, and (by default) checks the tokens against the dense, unpaged forward.
         --prefix_len 1024 --verify_uncached                        # ~1.1e9 bf16 parameters: a GPU
     python scripts/serve.py --model tiny-hybrid-kv8 --num_devices 4  # tensor parallel over 4 devices
     python scripts/serve.py --model tiny-llama-kv8 --num_processes 2 --num_devices 4
+    python scripts/serve.py --checkpoint /tmp/tiny-llama           # a Hugging Face-format checkpoint
+    python scripts/serve.py --checkpoint /tmp/tiny-llama --prompt "Hello there" --prompt "Hello again"
+
+``--checkpoint DIR`` serves the checkpoint saved in DIR (``config.json`` and
+``*.safetensors``, :func:`jaxkv.models.checkpoint.load_pretrained`; Llama, Qwen3,
+Gemma-3 text...) instead of ``--model``, split over the mesh with ``--num_devices``.
+Where DIR has a ``tokenizer.json`` (and the ``tokenizers`` extra is installed), the
+outputs are printed decoded too and ``--prompt`` gives text prompts (repeat the flag);
+without ``--prompt`` the prompts are token ids with shared prefixes, as for a tiny model.
 
 ``--num_devices N`` runs the model tensor-parallel on a mesh of N devices (KV heads and
 weights split, :mod:`jaxkv.mesh`); on CPU the script asks XLA for N host devices
@@ -49,6 +58,8 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from jaxkv.cli import request_cpu_devices
 
@@ -71,6 +82,7 @@ from jaxkv.cluster.launcher import ProcessRole, launch  # noqa: E402
 from jaxkv.cluster.lockstep import LockstepCheck  # noqa: E402
 from jaxkv.errors import JaxkvError  # noqa: E402
 from jaxkv.mesh import model_mesh  # noqa: E402
+from jaxkv.models.checkpoint import load_pretrained, read_config  # noqa: E402
 from jaxkv.models.tiny import (  # noqa: E402
     DTYPES,
     TinyLM,
@@ -88,10 +100,13 @@ from jaxkv.serving.engine import (  # noqa: E402
 )
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs  # noqa: E402
 from jaxkv.serving.workloads import shared_prefix_prompts  # noqa: E402
+from jaxkv.specs import AttentionSpec  # noqa: E402
 
 PROG = "serve.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "tiny-hybrid", list(model_names()), "model architecture (llama-1b: for a GPU)")
+flags.DEFINE_string("checkpoint", None, "serve this Hugging Face-format checkpoint directory instead of --model")
+flags.DEFINE_multi_string("prompt", None, "a text prompt (repeatable; needs tokenizer.json in --checkpoint)")
 flags.DEFINE_enum("dtype", "auto", ["auto", *DTYPES], "weights, activations and KV cache (auto: the model's own)")
 flags.DEFINE_integer("seed", 0, "weights and prompts seed", lower_bound=0)
 flags.DEFINE_integer("num_requests", 16, "requests in the batch", lower_bound=1)
@@ -180,9 +195,41 @@ def _report(result: GenerationResult, engine: Engine) -> str:
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
+def _load_tokenizer(directory: str) -> Any:
+    """The checkpoint's ``tokenizer.json`` as a ``tokenizers.Tokenizer``; None when there is
+    none (or the ``tokenizers`` extra is missing), unless ``--prompt`` needs it: then a refusal."""
+    path = Path(directory) / "tokenizer.json"
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        if FLAGS.prompt:
+            exit_error(PROG, "--prompt needs the tokenizers library (pip install jaxkv[tokenizers])")
+        return None
+    if not path.exists():
+        if FLAGS.prompt:
+            exit_error(PROG, f"--prompt needs {path}, which does not exist")
+        return None
+    return Tokenizer.from_file(str(path))
+
+
+def _text_prompts(tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """``--prompt`` texts as token ids; a refusal for an empty one or ids past the model's vocabulary."""
+    prompts = [tokenizer.encode(text).ids for text in FLAGS.prompt]
+    for text, ids in zip(FLAGS.prompt, prompts):
+        if not ids or max(ids) >= vocab_size or len(ids) >= FLAGS.max_model_len:
+            exit_error(
+                PROG,
+                f"--prompt={text!r} encodes to {len(ids)} tokens (ids up to {max(ids, default=None)}): it must be "
+                f"non-empty, shorter than --max_model_len={FLAGS.max_model_len}, ids < vocab_size={vocab_size}",
+            )
+    return prompts
+
+
 def _check_prompts_fit() -> None:
     """Refuse a batch whose longest prompt leaves no room for an output token."""
     longest = FLAGS.prefix_len + _suffix_range()[1]
+    if FLAGS.prompt:
+        return
     if longest >= FLAGS.max_model_len:
         exit_error(
             PROG,
@@ -195,7 +242,11 @@ def _check_heads_split() -> None:
     """Refuse a cluster whose devices cannot each hold whole KV heads of the model, before
     launching it."""
     devices = FLAGS.num_processes * FLAGS.num_devices
-    heads = get_model_config(FLAGS.model).num_kv_heads
+    if FLAGS.checkpoint:
+        config = read_config(Path(FLAGS.checkpoint))
+        heads = config.get("num_key_value_heads") or config.get("num_attention_heads", 1)
+    else:
+        heads = get_model_config(FLAGS.model).num_kv_heads
     if heads % devices:
         exit_error(
             PROG,
@@ -216,11 +267,19 @@ def serve() -> dict:
     _check_prompts_fit()
     memory = parse_size(FLAGS.memory)
     check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
-    model_config = get_model_config(FLAGS.model, dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype)
+    dtype = None if FLAGS.dtype == "auto" else FLAGS.dtype
     num_devices = FLAGS.num_devices * jax.process_count()
     mesh = model_mesh(num_devices) if num_devices > 1 else None
+    if FLAGS.checkpoint:
+        model = load_pretrained(FLAGS.checkpoint, dtype=dtype, mesh=mesh)
+        model_name = f"{FLAGS.checkpoint}: {model.name}"
+    else:
+        model = TinyLM(get_model_config(FLAGS.model, dtype=dtype), seed=FLAGS.seed)
+        model_name = FLAGS.model
+    specs = model.layer_specs()
+    model_dtype = next(s.dtype for s in specs.values() if isinstance(s, AttentionSpec))  # states may be float32
     config = plan_kv_cache(
-        model_config.layer_specs(),
+        specs,
         memory,
         max_model_len=FLAGS.max_model_len,
         block_size=FLAGS.block_size,
@@ -228,16 +287,12 @@ def serve() -> dict:
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         head_dim_multiple=resolve_head_dim_multiple(FLAGS.head_dim_multiple),
         tensor_parallel=num_devices,
-        **state_plan(model_config, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs),
+        **state_plan(specs, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs),
     )
     backend = jax.default_backend()
     devices = f" x {num_devices} devices" if mesh is not None else ""
-    print(
-        f"{FLAGS.model} ({model_config.dtype}), {FLAGS.memory}, {ops.get_implementation()} ops, "
-        f"JAX on {backend}{devices}:"
-    )
+    print(f"{model_name} ({model_dtype}), {FLAGS.memory}, {ops.get_implementation()} ops, JAX on {backend}{devices}:")
     print(config.summary())
-    model = TinyLM(model_config, seed=FLAGS.seed)
     engine = Engine(
         model,
         config,
@@ -246,17 +301,22 @@ def serve() -> dict:
         mesh=mesh,
         step_check=_step_check("serve"),
     )
-    prompts = shared_prefix_prompts(
-        num_requests=FLAGS.num_requests,
-        num_prefixes=FLAGS.num_prefixes,
-        prefix_len=FLAGS.prefix_len,
-        suffix_len=_suffix_range(),
-        vocab_size=model.config.vocab_size,
-        seed=FLAGS.seed,
-    )
+    tokenizer = _load_tokenizer(FLAGS.checkpoint) if FLAGS.checkpoint else None
+    if FLAGS.prompt:
+        prompts = _text_prompts(tokenizer, model.vocab_size)
+    else:
+        prompts = shared_prefix_prompts(
+            num_requests=FLAGS.num_requests,
+            num_prefixes=FLAGS.num_prefixes,
+            prefix_len=FLAGS.prefix_len,
+            suffix_len=_suffix_range(),
+            vocab_size=model.vocab_size,
+            seed=FLAGS.seed,
+        )
     warm = engine.generate([[0] * max(1, min(16, FLAGS.max_model_len - 2))], 2, return_logits=FLAGS.verify_uncached)
     print(f"warm-up: {warm.num_compilations} step shapes compiled in {warm.wall_s:.2f} s")
-    print(f"serving {len(prompts)} requests ({FLAGS.num_prefixes} shared prefixes of {FLAGS.prefix_len} tokens)")
+    shape = "text prompts" if FLAGS.prompt else f"{FLAGS.num_prefixes} shared prefixes of {FLAGS.prefix_len} tokens"
+    print(f"serving {len(prompts)} requests ({shape})")
     result = engine.generate(
         prompts, FLAGS.max_new_tokens, progress=_print_progress, return_logits=FLAGS.verify_uncached
     )
@@ -265,6 +325,8 @@ def serve() -> dict:
             f"{out.request_id:>7}  prompt {len(out.prompt_token_ids):4d}  cached {out.num_cached_tokens:4d}  "
             f"ttft {out.ttft_s * 1e3:7.1f} ms  -> {list(out.output_token_ids)}"
         )
+        if tokenizer is not None:
+            print(f"{'':>7}  decoded: {tokenizer.decode(list(out.output_token_ids))!r}")
     print(_report(result, engine))
     report = {
         "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])},
@@ -281,13 +343,11 @@ def serve() -> dict:
             step_check=_step_check("uncached"),
         )
         baseline = uncached.generate(prompts, FLAGS.max_new_tokens, return_logits=True)
-        check = compare_outputs(
-            baseline.outputs, result.outputs, dtype=model_config.dtype, tolerance=FLAGS.logit_tolerance
-        )
+        check = compare_outputs(baseline.outputs, result.outputs, dtype=model_dtype, tolerance=FLAGS.logit_tolerance)
         print(f"against a run without prefix caching: {check.summary()}")
         report["uncached_check"] = check.to_dict()
-    if FLAGS.verify and model_config.dtype not in EXACT_DTYPES:
-        print(f"dense check skipped: {model_config.dtype} tokens may flip at near ties; use --verify_uncached")
+    if FLAGS.verify and model_dtype not in EXACT_DTYPES:
+        print(f"dense check skipped: {model_dtype} tokens may flip at near ties; use --verify_uncached")
     elif FLAGS.verify:
         dense = dense_greedy_generate(model, prompts, FLAGS.max_new_tokens)
         same = dense == [list(o.output_token_ids) for o in result.outputs]

@@ -103,3 +103,22 @@ def test_cluster_and_fleet_do_not_import_each_other():
         other = {"cluster": "fleet", "fleet": "cluster"}.get(name)
         if other:
             assert not {m for m in imported_jaxkv_modules(path) if top_level(m) == other}, path
+
+
+def test_the_public_names_come_from_jaxkv_and_only_the_device_ones_load_jax():
+    code = (
+        "import sys, jaxkv\n"
+        "jax = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
+        "host = [jaxkv.KVCacheManager, jaxkv.Request, jaxkv.plan_kv_cache, jaxkv.get_preset, jaxkv.JaxkvError]\n"
+        "print(jax() == [])\n"
+        "print(all(getattr(jaxkv, name) is not None for name in jaxkv.__all__), 'jax' in jax())\n"
+        "print(jaxkv.ops.paged_attention.__module__, jaxkv.Engine.__module__)\n"
+        "try:\n    jaxkv.Engin\nexcept AttributeError as err:\n    print(err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [
+        "True",
+        "True True",
+        "jaxkv.ops jaxkv.serving.engine",
+        "module 'jaxkv' has no attribute 'Engin'",
+    ]

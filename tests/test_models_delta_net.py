@@ -205,3 +205,33 @@ def test_random_ragged_splits_give_the_dense_outputs_and_states(weight, run, see
     np.testing.assert_array_equal(conv[len(seqs) :], jnp.broadcast_to(idle[0], conv[len(seqs) :].shape))
     np.testing.assert_array_equal(state[len(seqs) :], jnp.broadcast_to(idle[1], state[len(seqs) :].shape))
     assert not np.any(pad_out)
+
+
+@pytest.mark.parametrize("form", [("scan", 64), ("chunked", 4)])
+def test_grouped_value_heads_read_their_key_heads_q_and_k(weight, form):
+    """Qwen3-Next's layout: each of the ``HEADS`` q/k heads serves two consecutive value
+    heads, which is the ungrouped layer with every q/k head repeated."""
+    rng = np.random.default_rng(7)
+    value_heads, length = 2 * HEADS, 11
+    qk = rng.standard_normal((length, 2, HEADS, KEY)).astype(np.float32)
+    v = rng.standard_normal((length, value_heads * VALUE)).astype(np.float32)
+    decay = -jnp.asarray(rng.uniform(0.01, 1.0, (length, value_heads)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (length, value_heads)), jnp.float32)
+    grouped = jnp.asarray(np.concatenate([qk.reshape(length, -1), v], axis=-1))
+    repeated = jnp.asarray(np.concatenate([np.repeat(qk, 2, axis=2).reshape(length, -1), v], axis=-1))
+    channels = (grouped.shape[-1], repeated.shape[-1])
+    conv_weight = jnp.asarray(rng.standard_normal((KERNEL, channels[1])) * 0.5, jnp.float32)
+    # The same taps for a channel whichever layout: q/k channels of a repeated head share their weight.
+    qk_taps = conv_weight[:, : 2 * value_heads * KEY].reshape(KERNEL, 2, HEADS, 2, KEY)[:, :, :, 0]
+    grouped_weight = jnp.concatenate([qk_taps.reshape(KERNEL, -1), conv_weight[:, 2 * value_heads * KEY :]], axis=1)
+    conv_weight = jnp.concatenate(
+        [jnp.repeat(qk_taps, 2, axis=2).reshape(KERNEL, -1), conv_weight[:, 2 * value_heads * KEY :]], axis=1
+    )
+    want = dense_delta_net_states(repeated[None], decay[None], beta[None], conv_weight, value_heads, KEY)[0][0]
+    out, _, state = ragged_delta_net(
+        grouped, decay, beta, grouped_weight, jnp.zeros(length, jnp.int32), jnp.zeros((1, KERNEL - 1, channels[0])),
+        jnp.zeros((1, value_heads, KEY, VALUE)), HEADS, KEY, num_value_heads=value_heads, form=form[0],
+        chunk_size=form[1],
+    )  # fmt: skip
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5)
+    assert state.shape == (1, value_heads, KEY, VALUE)

@@ -62,54 +62,87 @@ def delta_rule_step(
     return state, jnp.einsum("hk,hkv->hv", q, state, precision=_HIGHEST)
 
 
-def _split_heads(mixed: jax.Array, num_heads: int, key_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Conv outputs ``(..., H*(2dk+dv))`` -> normalised, scaled q, normalised k, v per head."""
+def _split_heads(
+    mixed: jax.Array, num_heads: int, key_dim: int, num_value_heads: int | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Conv outputs ``(..., H*2dk + Hv*dv)`` -> normalised, scaled q, normalised k, v per
+    value head: with ``Hv`` (None: ``H``) a multiple of ``H``, each q/k head serves
+    ``Hv / H`` consecutive value heads (Qwen3-Next's grouped value heads)."""
+    value_heads = num_heads if num_value_heads is None else num_value_heads
     q, k, v = jnp.split(mixed, [num_heads * key_dim, 2 * num_heads * key_dim], axis=-1)
     lead = mixed.shape[:-1]
     q = l2_normalize(q.reshape(*lead, num_heads, key_dim)) * key_dim**-0.5
     k = l2_normalize(k.reshape(*lead, num_heads, key_dim))
-    return q, k, v.reshape(*lead, num_heads, -1).astype(jnp.float32)
+    if value_heads != num_heads:
+        q, k = (jnp.repeat(x, value_heads // num_heads, axis=-2) for x in (q, k))
+    return q, k, v.reshape(*lead, value_heads, -1).astype(jnp.float32)
 
 
-def _conv_silu(taps: list[jax.Array], conv_weight: jax.Array, dtype: jnp.dtype) -> jax.Array:
+def conv_silu(
+    taps: list[jax.Array], conv_weight: jax.Array, dtype: jnp.dtype, bias: jax.Array | None = None
+) -> jax.Array:
     """SiLU of the depthwise convolution: ``taps[i]`` (oldest first) weighted by
-    ``conv_weight[i]``, summed in float32, returned in ``dtype``."""
+    ``conv_weight[i]``, plus ``bias`` if any, summed in float32, returned in ``dtype``."""
     weight = conv_weight.astype(jnp.float32)
-    return jax.nn.silu(sum(tap.astype(jnp.float32) * weight[i] for i, tap in enumerate(taps))).astype(dtype)
+    total = sum(tap.astype(jnp.float32) * weight[i] for i, tap in enumerate(taps))
+    if bias is not None:
+        total = total + bias.astype(jnp.float32)
+    return jax.nn.silu(total).astype(dtype)
+
+
+def dense_causal_conv(
+    mixed: jax.Array, conv_weight: jax.Array, bias: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`conv_silu` over whole sequences ``mixed (B, L, C)`` from zero inputs, and
+    the conv state after them ``(B, K-1, C)`` (their last inputs)."""
+    kernel, length = conv_weight.shape[0], mixed.shape[1]
+    padded = jnp.pad(mixed, ((0, 0), (kernel - 1, 0), (0, 0)))
+    conv = conv_silu([padded[:, i : i + length] for i in range(kernel)], conv_weight, mixed.dtype, bias)
+    return conv, padded[:, length:]
 
 
 def dense_delta_net(
-    mixed: jax.Array, decay: jax.Array, beta: jax.Array, conv_weight: jax.Array, num_heads: int, key_dim: int
+    mixed: jax.Array,
+    decay: jax.Array,
+    beta: jax.Array,
+    conv_weight: jax.Array,
+    num_heads: int,
+    key_dim: int,
+    num_value_heads: int | None = None,
 ) -> jax.Array:
-    """Outputs ``(B, L, H, dv)`` of whole sequences from zero state.
+    """Outputs ``(B, L, Hv, dv)`` of whole sequences from zero state.
 
     ``mixed (B, L, C)``: the q/k/v projections before the convolution; ``decay``,
-    ``beta (B, L, H)``; ``conv_weight (K, C)``.
+    ``beta (B, L, Hv)``; ``conv_weight (K, C)``; ``num_value_heads`` (None: ``num_heads``)
+    as in :func:`_split_heads`.
     """
-    return dense_delta_net_states(mixed, decay, beta, conv_weight, num_heads, key_dim)[0]
+    return dense_delta_net_states(mixed, decay, beta, conv_weight, num_heads, key_dim, num_value_heads)[0]
 
 
 def dense_delta_net_states(
-    mixed: jax.Array, decay: jax.Array, beta: jax.Array, conv_weight: jax.Array, num_heads: int, key_dim: int
+    mixed: jax.Array,
+    decay: jax.Array,
+    beta: jax.Array,
+    conv_weight: jax.Array,
+    num_heads: int,
+    key_dim: int,
+    num_value_heads: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`dense_delta_net`'s outputs and the states after each whole sequence: the
-    conv state ``(B, K-1, C)`` (its last inputs) and the recurrent state ``(B, H, dk, dv)``."""
-    kernel = conv_weight.shape[0]
-    padded = jnp.pad(mixed, ((0, 0), (kernel - 1, 0), (0, 0)))
-    length = mixed.shape[1]
-    conv = _conv_silu([padded[:, i : i + length] for i in range(kernel)], conv_weight, mixed.dtype)
-    q, k, v = _split_heads(conv, num_heads, key_dim)
-    value_dim = v.shape[-1]
+    conv state ``(B, K-1, C)`` (its last inputs) and the recurrent state ``(B, Hv, dk, dv)``."""
+    conv, conv_state = dense_causal_conv(mixed, conv_weight)
+    q, k, v = _split_heads(conv, num_heads, key_dim, num_value_heads)
+    value_heads, value_dim = v.shape[-2:]
 
     def one_sequence(q, k, v, decay, beta):
         def step(state, inputs):
             return delta_rule_step(state, *inputs)
 
-        init = jnp.zeros((num_heads, key_dim, value_dim), jnp.float32)
+        init = jnp.zeros((value_heads, key_dim, value_dim), jnp.float32)
         return jax.lax.scan(step, init, (q, k, v, decay.astype(jnp.float32), beta.astype(jnp.float32)))
 
     state, out = jax.vmap(one_sequence)(q, k, v, decay, beta)
-    return out, padded[:, length:], state
+    return out, conv_state, state
 
 
 FORMS = ("scan", "chunked")
@@ -225,15 +258,17 @@ def ragged_delta_net(
     num_heads: int,
     key_dim: int,
     *,
+    num_value_heads: int | None = None,
     chunk_size: int = 64,
     form: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One serving step: outputs ``(T, H, dv)`` and the sequences' states after it.
+    """One serving step: outputs ``(T, Hv, dv)`` and the sequences' states after it.
 
-    ``mixed (T, C)``, ``decay``/``beta (T, H)`` of the packed tokens; ``seq_of_token (T,)``
+    ``mixed (T, C)``, ``decay``/``beta (T, Hv)`` of the packed tokens (``Hv``:
+    ``num_value_heads``, None: ``num_heads``, as in :func:`_split_heads`); ``seq_of_token (T,)``
     the sequence of each token (each sequence's tokens contiguous, in sequence order),
     ``S`` (one past the last) for padding; ``conv_state (S, K-1, C)`` and
-    ``recurrent_state (S, H, dk, dv)`` each sequence's states before the step (zeros for
+    ``recurrent_state (S, Hv, dk, dv)`` each sequence's states before the step (zeros for
     a fresh one). Returns the outputs (zero for padding) and both states after the step.
 
     The convolution takes each token's inputs at once. ``form`` (None:
@@ -250,18 +285,23 @@ def ragged_delta_net(
         raise DeltaNetError(f"chunk_size must be >= 1, got {chunk_size}")
     num_seqs, num_tokens = conv_state.shape[0], mixed.shape[0]
     if num_tokens == 0:
-        return jnp.zeros((0, num_heads, recurrent_state.shape[-1]), jnp.float32), conv_state, recurrent_state
-    # starts[s]: the first token of sequence s; starts[S]: the first padding token.
-    starts = jnp.searchsorted(seq_of_token, jnp.arange(num_seqs + 1, dtype=seq_of_token.dtype), side="left")
+        return (
+            jnp.zeros((0, *recurrent_state.shape[1:2], recurrent_state.shape[-1]), jnp.float32),
+            conv_state,
+            recurrent_state,
+        )
+    starts = sequence_starts(seq_of_token, num_seqs)
     q_lens = jnp.diff(starts)
-    conv, conv_state = _ragged_conv(mixed, conv_weight, starts, conv_state)
+    conv, conv_state = ragged_causal_conv(mixed, conv_weight, starts, conv_state)
     real = seq_of_token < num_seqs
     # Padding rows are zeroed so that whatever they hold (even NaN) meets no real row.
     conv, decay, beta = (jnp.where(real[:, None], x, 0) for x in (conv, decay, beta))
     inputs = (conv, decay.astype(jnp.float32), beta.astype(jnp.float32))
-    heads = functools.partial(_split_heads, num_heads=num_heads, key_dim=key_dim)
+    heads = functools.partial(_split_heads, num_heads=num_heads, key_dim=key_dim, num_value_heads=num_value_heads)
     if form == "scan":
-        state, out = _scanned(*inputs, seq_of_token, recurrent_state.astype(jnp.float32), heads)
+        state, out = scan_rows(
+            delta_rule_step, recurrent_state.astype(jnp.float32), (*heads(conv), *inputs[1:]), seq_of_token
+        )
         out = jnp.where(real[:, None, None], out, 0.0)
         return out, conv_state, state.astype(recurrent_state.dtype)
 
@@ -278,10 +318,20 @@ def ragged_delta_net(
     return out, conv_state, state.astype(recurrent_state.dtype)
 
 
-def _ragged_conv(
-    mixed: jax.Array, conv_weight: jax.Array, starts: jax.Array, conv_state: jax.Array
+def sequence_starts(seq_of_token: jax.Array, num_seqs: int) -> jax.Array:
+    """``(S + 1,)``: the first packed token of each sequence, then of the padding."""
+    return jnp.searchsorted(seq_of_token, jnp.arange(num_seqs + 1, dtype=seq_of_token.dtype), side="left")
+
+
+def ragged_causal_conv(
+    mixed: jax.Array,
+    conv_weight: jax.Array,
+    starts: jax.Array,
+    conv_state: jax.Array,
+    bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The causal convolution of the packed tokens and each sequence's conv state after them.
+    """:func:`conv_silu` of the packed tokens ``mixed (T, C)`` (sequences beginning at
+    ``starts``, see :func:`sequence_starts`) and each sequence's conv state after them.
 
     A token's input ``back`` tokens before it is the packed input ``back`` places
     earlier, except within a sequence's first ``K - 1`` tokens, where it comes from
@@ -305,7 +355,7 @@ def _ragged_conv(
         reach = jnp.where(lead < back, target, num_tokens)  # only tokens back past their first
         return shifted.at[reach.reshape(-1)].set(held.reshape(-1, inputs.shape[-1]), mode="drop")
 
-    conv = _conv_silu([tap(kernel - 1 - i) for i in range(kernel)], conv_weight, mixed.dtype)
+    conv = conv_silu([tap(kernel - 1 - i) for i in range(kernel)], conv_weight, mixed.dtype, bias)
     # New state row r of sequence s: its input at q_len - (K-1) + r, from the old state when < 0.
     j = q_lens[:, None] - (kernel - 1) + lead
     taken = inputs[jnp.clip(starts[:-1, None] + j, 0, num_tokens - 1)]
@@ -313,25 +363,24 @@ def _ragged_conv(
     return conv, jnp.where((j >= 0)[..., None], taken, held)
 
 
-def _scanned(
-    conv: jax.Array,
-    decay: jax.Array,
-    beta: jax.Array,
-    seq_of_token: jax.Array,
+def scan_rows(
+    step: Callable[..., tuple[jax.Array, jax.Array]],
     state: jax.Array,
-    heads: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
+    inputs: tuple[jax.Array, ...],
+    seq_of_token: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """The delta rule a token at a time: one scan step per packed token updates its
-    sequence's state row (padding: a scratch row past the last). Returns the states and
-    the outputs ``(T, H, dv)``."""
+    """A recurrence a token at a time: one scan step per packed token,
+    ``step(row, *token_inputs) -> (row, out)``, updates its sequence's row of ``state
+    (S, ...)`` (padding: a scratch row past the last). Returns the rows and the outputs
+    stacked over tokens."""
     rows = jnp.concatenate([state, jnp.zeros_like(state[:1])])
 
-    def step(rows: jax.Array, token: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        *qkv_gates, seq = token
-        new, out = delta_rule_step(rows[seq], *qkv_gates)
+    def one(rows: jax.Array, token: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        *values, seq = token
+        new, out = step(rows[seq], *values)
         return rows.at[seq].set(new), out
 
-    rows, out = jax.lax.scan(step, rows, (*heads(conv), decay, beta, seq_of_token))
+    rows, out = jax.lax.scan(one, rows, (*inputs, seq_of_token))
     return rows[:-1], out
 
 

@@ -1,0 +1,192 @@
+"""Save a tiny random-weight Hugging Face checkpoint of one family (Llama, Qwen3, Gemma-3 text,
+Qwen3-Next, Nemotron-H).
+
+The checkpoints jaxkv's tests compare with transformers, and a directory to try
+``scripts/serve.py --checkpoint DIR`` and ``scripts/bench_serve.py --checkpoint DIR`` on:
+
+    python scripts/save_tiny_checkpoint.py --family llama --out /tmp/tiny-llama
+    python scripts/save_tiny_checkpoint.py --family gemma3 --out /tmp/tiny-gemma3 --max_shard_size 100KB
+
+Needs transformers and torch (the ``oracle`` extra); without them it refuses in one
+line. Every tensor is redrawn after construction, norms included, because
+transformers' default init leaves norms constant (a norm read with the wrong offset
+would go unseen), Nemotron-H's routing biases included. A byte-level ``tokenizer.json`` (256 tokens, the ``tokenizers``
+library) is saved beside the weights, so prompts may be text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TINY_SIZES: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+}
+"""Sizes the tiny checkpoints share (2 KV heads, so a 2-device mesh splits them)."""
+
+WINDOW = 8
+"""The sliding window of the tiny Gemma-3 (prompts of the tests are longer)."""
+
+
+def tiny_config(family: str) -> Any:
+    """A tiny transformers config of ``family`` (one of :data:`FAMILIES`), float32."""
+    import transformers
+
+    if family == "llama":
+        return transformers.LlamaConfig(
+            **TINY_SIZES,
+            num_hidden_layers=3,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500_000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            tie_word_embeddings=False,
+        )
+    if family == "qwen3":
+        return transformers.Qwen3Config(
+            **TINY_SIZES,
+            num_hidden_layers=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            tie_word_embeddings=True,
+        )
+    if family == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **TINY_SIZES,
+            num_hidden_layers=6,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
+            },
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+        )
+    if family == "qwen3_next":
+        # Gated DeltaNet : full attention = 3 : 1, value heads grouped 2 per key head, a
+        # dense MLP on layer 1 and a sparse MoE (8 experts, top 2, a shared expert) elsewhere.
+        return transformers.Qwen3NextConfig(
+            **TINY_SIZES,
+            num_hidden_layers=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        )
+    if family == "nemotron_h":
+        # Mamba-2, MLP, attention, Mamba-2, MoE (8 experts in 2 groups, top 2, a latent projection).
+        return transformers.NemotronHConfig(
+            **TINY_SIZES,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "moe"],
+            mamba_num_heads=8,
+            mamba_head_dim=8,
+            n_groups=2,
+            ssm_state_size=8,
+            conv_kernel=4,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            moe_latent_size=32,
+        )
+    raise ValueError(f"unknown family {family!r}")
+
+
+FAMILIES = ("llama", "qwen3", "gemma3", "qwen3_next", "nemotron_h")
+
+
+def _unit_centred(family: str, name: str) -> bool:
+    """Whether a norm weight scales by itself (drawn around 1) rather than by ``1 + weight``
+    (Gemma-3's and Qwen3-Next's zero-centred norms, drawn around 0; Qwen3-Next's gated
+    DeltaNet norm is a plain one)."""
+    if family == "gemma3":
+        return False
+    return family != "qwen3_next" or "linear_attn.norm" in name
+
+
+def tiny_model(family: str, *, seed: int = 0) -> Any:
+    """A transformers causal LM of ``family`` with every tensor drawn at random (float32, eval mode)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    config._attn_implementation = "eager"
+    cls = transformers.Gemma3ForCausalLM if family == "gemma3" else transformers.AutoModelForCausalLM
+    model = cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
+    with torch.no_grad():
+        routing_biases = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+        for name, tensor in [*model.named_parameters(), *routing_biases]:
+            scale = 0.3 if "norm" in name else 0.1
+            tensor.copy_(
+                torch.randn_like(tensor) * scale + (1.0 if "norm" in name and _unit_centred(family, name) else 0.0)
+            )
+    return model.float().eval()
+
+
+def save_tiny_checkpoint(
+    family: str, directory: str | Path, *, seed: int = 0, max_shard_size: str | None = None
+) -> Any:
+    """Save a :func:`tiny_model` of ``family`` to ``directory``; returns the transformers model."""
+    model = tiny_model(family, seed=seed)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(str(directory), **kwargs)
+    return model
+
+
+def save_byte_tokenizer(directory: str | Path) -> None:
+    """A byte-level BPE ``tokenizer.json`` of exactly 256 tokens (one per byte, no merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(Path(directory) / "tokenizer.json"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="save_tiny_checkpoint.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=FAMILIES, required=True)
+    parser.add_argument("--out", required=True, help="directory to write (created)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max_shard_size", default=None, help="e.g. 100KB: several *.safetensors and an index")
+    args = parser.parse_args(argv)
+    try:
+        import tokenizers  # noqa: F401
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as err:
+        parser.error(f"needs transformers, torch and tokenizers (pip install .[oracle,tokenizers]): {err}")
+    save_tiny_checkpoint(args.family, args.out, seed=args.seed, max_shard_size=args.max_shard_size)
+    save_byte_tokenizer(args.out)
+    print(f"saved a tiny random {args.family} checkpoint to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Loading Hugging Face-format checkpoint directories: one file or shards, dtypes, a mesh, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from hf_checkpoints import save_tiny_checkpoint
+from jax.sharding import PartitionSpec
+from script_runs import run_script
+
+from jaxkv.mesh import MODEL_AXIS, model_mesh
+from jaxkv.models.checkpoint import (
+    CheckpointError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnknownArchitectureError,
+    load_pretrained,
+)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    save_tiny_checkpoint("llama", directory)
+    return directory
+
+
+def _weights(model):
+    return {name: np.asarray(value) for name, value in model.params.items()}
+
+
+def test_sharded_checkpoint_with_index_loads_the_same_weights(llama_dir, tmp_path):
+    save_tiny_checkpoint("llama", tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    one, shards = _weights(load_pretrained(llama_dir)), _weights(load_pretrained(tmp_path))
+    assert one.keys() == shards.keys()
+    assert all(np.array_equal(one[name], shards[name]) for name in one)
+
+
+def test_dtype_none_keeps_the_checkpoints_and_a_dtype_casts(llama_dir):
+    assert {v.dtype for v in load_pretrained(llama_dir).params.values()} == {np.dtype("float32")}
+    model = load_pretrained(llama_dir, dtype="bfloat16")
+    assert {v.dtype.name for v in model.params.values()} == {"bfloat16"}
+    assert {spec.dtype for spec in model.layer_specs().values()} == {"bfloat16"}
+
+
+def test_a_mesh_receives_each_weight_split_by_its_partition_spec(llama_dir):
+    mesh = model_mesh(2)
+    model = load_pretrained(llama_dir, mesh=mesh)
+    whole = _weights(load_pretrained(llama_dir))
+    q = model.params["model.layers.0.self_attn.q_proj.weight"]
+    assert q.sharding.spec == PartitionSpec(MODEL_AXIS, None)
+    assert [s.data.shape for s in q.addressable_shards] == [(32, 64), (32, 64)]
+    o = model.params["model.layers.0.self_attn.o_proj.weight"]
+    assert [s.data.shape for s in o.addressable_shards] == [(64, 32), (64, 32)]
+    assert model.params["model.norm.weight"].sharding.spec == PartitionSpec()
+    assert all(np.array_equal(np.asarray(model.params[name]), whole[name]) for name in whole)
+
+
+def test_a_split_that_does_not_divide_is_refused_naming_the_weight(llama_dir):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:3]), (MODEL_AXIS,))
+    with pytest.raises(ShapeMismatchError, match="q_proj.weight"):
+        load_pretrained(llama_dir, mesh=mesh)
+
+
+def _copy(source, target, *, config=None, drop=None):
+    """``source``'s checkpoint in ``target``, its config edited and one tensor dropped."""
+    from safetensors.numpy import save_file
+
+    target.mkdir()
+    cfg = json.loads((source / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    model = load_pretrained(source)
+    save_file({k: v for k, v in _weights(model).items() if k != drop}, str(target / "model.safetensors"))
+
+
+def test_a_missing_tensor_is_named(llama_dir, tmp_path):
+    _copy(llama_dir, tmp_path / "ckpt", drop="model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(MissingTensorError, match="model.layers.1.mlp.up_proj.weight"):
+        load_pretrained(tmp_path / "ckpt")
+
+
+def test_a_shape_mismatch_names_the_tensor_and_both_shapes(llama_dir, tmp_path):
+    _copy(llama_dir, tmp_path / "ckpt", config={"intermediate_size": 96})
+    with pytest.raises(ShapeMismatchError, match=r"mlp.gate_proj.weight' has shape \(128, 64\).*\(96, 64\)"):
+        load_pretrained(tmp_path / "ckpt")
+
+
+def test_an_unknown_architecture_is_named(llama_dir, tmp_path):
+    _copy(llama_dir, tmp_path / "ckpt", config={"architectures": ["MixtralForCausalLM"]})
+    with pytest.raises(UnknownArchitectureError, match="MixtralForCausalLM"):
+        load_pretrained(tmp_path / "ckpt")
+
+
+def test_a_missing_directory_is_refused_without_downloading(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_pretrained(tmp_path / "meta-llama/Llama-3.2-1B")
+
+
+def test_serve_script_serves_a_saved_checkpoint_from_text_prompts(tmp_path):
+    saved = run_script("save_tiny_checkpoint.py", "--family", "qwen3", "--out", str(tmp_path))
+    assert saved.returncode == 0, saved.stderr
+    served = run_script(
+        "serve.py",
+        "--checkpoint",
+        str(tmp_path),
+        "--prompt",
+        "Hello there",
+        "--prompt",
+        "Hello again",
+        "--max_new_tokens",
+        "4",
+        "--max_model_len",
+        "64",
+        "--memory",
+        "1MiB",
+    )
+    assert served.returncode == 0, served.stderr
+    assert "Qwen3ForCausalLM" in served.stdout and served.stdout.count("decoded: ") == 2
+    assert "tokens identical to the dense (unpaged) forward: yes" in served.stdout
+
+
+def test_bench_serve_script_benchmarks_a_saved_checkpoint_with_caching_on_and_off(llama_dir, tmp_path):
+    bench = run_script(
+        "bench_serve.py",
+        *("--checkpoint", str(llama_dir), "--prompt_len", "64", "--max_model_len", "128", "--memory", "4MiB"),
+        *("--num_requests", "2", "--repeats", "1", "--max_new_tokens", "4", "--max_num_batched_tokens", "128"),
+        *("--out", str(tmp_path / "bench.json")),
+    )
+    assert bench.returncode == 0, bench.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert set(report["results"]) == {"no prefix caching", "prefix caching"} and report["token_check"]["passed"]
+
+
+def test_serve_script_refuses_a_missing_checkpoint_in_one_line(tmp_path):
+    served = run_script("serve.py", "--checkpoint", str(tmp_path / "absent"))
+    assert served.returncode == 2
+    assert served.stderr.strip().splitlines() == [
+        f"serve.py: error: checkpoint directory '{tmp_path / 'absent'}' does not exist (a local path only)"
+    ]
+
+
+def test_a_config_without_a_needed_field_is_named(llama_dir, tmp_path):
+    _copy(llama_dir, tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del config["intermediate_size"]
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="intermediate_size"):
+        load_pretrained(tmp_path / "ckpt")
+
+
+def test_a_bfloat16_checkpoint_loads_as_bfloat16_and_runs(tmp_path):
+    import torch
+    from hf_checkpoints import tiny
+
+    tiny.tiny_model("gemma3").to(torch.bfloat16).save_pretrained(str(tmp_path))
+    model = load_pretrained(tmp_path)
+    assert {v.dtype.name for v in model.params.values()} == {"bfloat16"}
+    logits = model.dense(model.params, np.arange(12)[None])
+    assert logits.dtype == np.float32 and np.isfinite(np.asarray(logits)).all()
