@@ -205,8 +205,6 @@ def test_an_engine_plans_its_own_cache_from_memory_and_length_or_takes_a_plan(mo
         Engine(model, max_model_len=MAX_MODEL_LEN)
     with pytest.raises(EngineError, match="a kv_config is one already"):
         Engine(model, plan, memory_bytes=4 << 20)
-    built = Engine.build(model, memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN, block_size=32)
-    assert built.model is model and {g.block_size for g in built.manager.config.groups} == {32}
 
 
 # ------------------------------------------------------------------ recurrent hybrid

@@ -486,7 +486,7 @@ class TinyLM(nnx.Module):
         self.lm_head = _linear(c.hidden_size, c.vocab_size, c.dtype, rngs)
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.config == self.config  # type: ignore[attr-defined]
+        return isinstance(other, TinyLM) and type(other) is type(self) and other.config == self.config
 
     def __hash__(self) -> int:
         return hash((type(self), self.config))

@@ -229,7 +229,8 @@ class GenerationResult:
 class Engine:
     """Serves any :class:`~jaxkv.models.protocol.ServedModel` over a paged KV cache:
     planned by ``kv_config``, or for ``memory_bytes`` and ``max_model_len`` (one or the
-    other; :func:`plan_for_model` with its defaults, :meth:`build` for its options).
+    other; :func:`plan_for_model` with its defaults; :meth:`build` and
+    :meth:`from_pretrained` take its options).
 
     ``max_num_batched_tokens`` (the step's token budget) defaults to the plan's own and
     may not exceed it: the plan sized sliding-window spans for that chunk size.
@@ -316,32 +317,36 @@ class Engine:
         self._live: dict[str, _LiveRequest] = {}
 
     @classmethod
-    def build(
+    def build(cls, model_name: str = "tiny-hybrid", *, seed: int = 0, **kwargs: Any) -> Engine:
+        """A named tiny model with seeded weights and a KV cache planned for ``memory_bytes``:
+        ``memory_bytes``, ``max_model_len`` and :func:`plan_for_model`'s options
+        (``block_size``, ``layout``, ``max_num_batched_tokens``, ``head_dim_multiple``,
+        ``state_layout``, ``checkpoint_share``), then :class:`Engine` keyword arguments."""
+        return cls._planned(TinyLM(get_model_config(model_name), seed=seed, name=model_name), **kwargs)
+
+    @classmethod
+    def _planned(
         cls,
-        model: str | ServedModel = "tiny-hybrid",
+        model: ServedModel,
         *,
         memory_bytes: int,
         max_model_len: int,
         block_size: int = 16,
         layout: str = "cross_layer",
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        seed: int = 0,
         head_dim_multiple: int | None = None,
         state_layout: str = "auto",
         checkpoint_share: float = 0.1,
         **kwargs: Any,
     ) -> Engine:
-        """An engine of ``model`` (a :class:`~jaxkv.models.protocol.ServedModel`, or the
-        name of a tiny model, built with seeded weights) and a KV cache planned for
-        ``memory_bytes`` by :func:`plan_for_model` (the planner options are its). With a
-        ``mesh`` the plan is split over its model axis (``tensor_parallel``; the same
-        ``num_blocks``, ``memory_bytes`` being the whole cache's). Other keyword
-        arguments go to :class:`Engine`.
-        """
-        served = TinyLM(get_model_config(model), seed=seed, name=model) if isinstance(model, str) else model
+        """An engine of ``model`` and a KV cache planned for ``memory_bytes`` by
+        :func:`plan_for_model` (the planner options are its). With a ``mesh`` the plan is
+        split over its model axis (``tensor_parallel``; the same ``num_blocks``,
+        ``memory_bytes`` being the whole cache's). Other keyword arguments go to
+        :class:`Engine`."""
         mesh = kwargs.get("mesh")
         config = plan_for_model(
-            served,
+            model,
             memory_bytes,
             max_model_len=max_model_len,
             block_size=block_size,
@@ -353,7 +358,7 @@ class Engine:
             max_num_seqs=kwargs.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS),
             tensor_parallel=1 if mesh is None else mesh_axis_size(mesh, kwargs.get("model_axis", MODEL_AXIS)),
         )
-        return cls(served, config, **kwargs)
+        return cls(model, config, **kwargs)
 
     @classmethod
     def from_pretrained(
@@ -369,7 +374,7 @@ class Engine:
         (:func:`jaxkv.models.checkpoint.load_pretrained`: weights cast to ``dtype``, None:
         the checkpoint's, and placed straight onto ``mesh``'s shardings when
         ``engine_kwargs`` has one). The rest is :meth:`build`'s: planner options and
-        :class:`Engine` keyword arguments."""
+        :class:`Engine` keyword arguments (``seed`` aside)."""
         from jaxkv.models.checkpoint import load_pretrained  # the loaders import safetensors
 
         model = load_pretrained(
@@ -378,7 +383,7 @@ class Engine:
             mesh=engine_kwargs.get("mesh"),
             model_axis=engine_kwargs.get("model_axis", MODEL_AXIS),
         )
-        return cls.build(model, memory_bytes=memory_bytes, max_model_len=max_model_len, **engine_kwargs)
+        return cls._planned(model, memory_bytes=memory_bytes, max_model_len=max_model_len, **engine_kwargs)
 
     def generate(
         self,
