@@ -5,6 +5,7 @@ import threading
 
 from jaxkv.fleet.protocol import ReplicaAddress
 from jaxkv.fleet.replica import ReplicaSpec, serve_replica
+from jaxkv.serving.zmq_security import CurveKeys
 
 ENGINE = {
     "model_name": "tiny-llama",
@@ -20,11 +21,13 @@ class ThreadReplica:
     """Serves ``ENGINE`` as replica ``name`` in a thread; :meth:`kill` stops its loop and
     closes it, so it falls silent with its requests unanswered, as a killed process does."""
 
-    def __init__(self, directory, name: str, heartbeat_interval_s: float) -> None:
+    def __init__(self, directory, name: str, heartbeat_interval_s: float, curve: CurveKeys | None = None) -> None:
         self.spec = ReplicaSpec(name, ReplicaAddress.ipc(directory, name), ENGINE, heartbeat_interval_s)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=serve_replica, args=(self.spec, self._stop.is_set), daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(
+            target=serve_replica, args=(self.spec, self._stop.is_set), kwargs={"curve": curve}, daemon=True
+        )
+        self.thread.start()
 
     @property
     def name(self) -> str:
@@ -36,4 +39,4 @@ class ThreadReplica:
 
     def kill(self) -> None:
         self._stop.set()
-        self._thread.join()
+        self.thread.join()

@@ -431,6 +431,22 @@ class Engine:
             self._publish_events()  # the host stores settled by _release
         return EngineStep(finished, output.num_tokens, usage)
 
+    def abort(self, request_id: str) -> bool:
+        """Drop one unfinished request between steps: its blocks and states freed (what
+        it computed stays cached), its events published; False when no such request is
+        unfinished. Host-tier pins last only within a step, so none is left to drop."""
+        self._owner.check()
+        request = self._live.pop(request_id, None) if isinstance(request_id, str) else None
+        if request is None:
+            return False
+        self._scheduler.remove(request.seq)
+        if self.manager.has_request(request_id):
+            self.manager.free(request.seq.request)
+        if not self._live:
+            self._release(())
+        self._publish_events()
+        return True
+
     def reset_prefix_cache(self) -> bool:
         """Forget the device prefix cache (published as ``AllBlocksCleared``); refused
         (False) while requests are unfinished."""
@@ -448,7 +464,9 @@ class Engine:
         )
 
     def _add(self, prompt: list[int], limit: int, salt: str | None, request_id: str | None, return_logits: bool) -> str:
-        rid = f"req-{next(self._ids)}" if request_id is None else request_id
+        rid = request_id
+        while rid is None or rid in self._live:  # a made id never takes a caller's
+            rid = f"req-{next(self._ids)}"
         seq = self._scheduler.add_request(Request(rid, prompt, cache_salt=salt), limit)
         self._live[rid] = _LiveRequest(seq, time.perf_counter(), logits=[] if return_logits else None)
         return rid
