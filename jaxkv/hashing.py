@@ -85,11 +85,15 @@ __all__ = [
     "digest_size",
     "root_hash",
     "MissingHashSeedError",
+    "VLLM_HASH_ALGORITHM",
     "cbor",
     "resolve_seed",
 ]
 
-HASH_ALGORITHMS: tuple[str, ...] = ("sha256", "xxh3_128", "sha256_cbor")
+HASH_ALGORITHMS: tuple[str, ...] = ("sha256", "xxh3_128")
+"""The algorithms over jaxkv's own serialization."""
+VLLM_HASH_ALGORITHM = "sha256_cbor"
+"""vLLM's block hash (see the module docstring), accepted wherever an algorithm is named."""
 ENV_HASH_SEED = "JAXKV_HASH_SEED"
 """The environment variable holding a deployment's hash seed."""
 
@@ -190,7 +194,7 @@ def cbor(value: object) -> bytes:
 
 def _check_algo(algo: object) -> str:
     if algo not in _DIGEST_SIZES:
-        raise UnknownHashAlgorithmError(f"unknown hash algorithm {algo!r}; valid ones: {', '.join(HASH_ALGORITHMS)}")
+        raise UnknownHashAlgorithmError(f"unknown hash algorithm {algo!r}; valid ones: {', '.join(_DIGEST_SIZES)}")
     return algo  # type: ignore[return-value]
 
 
