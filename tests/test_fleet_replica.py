@@ -22,6 +22,7 @@ from jaxkv.fleet.protocol import (  # noqa: E402
 from jaxkv.fleet.replica import ReplicaError, ReplicaSpec  # noqa: E402
 from jaxkv.fleet.router import Router  # noqa: E402
 from jaxkv.serving.engine import Engine  # noqa: E402
+from jaxkv.serving.kv_events import KVEventPublisher  # noqa: E402
 from jaxkv.serving.zmq_security import SocketSecurityError  # noqa: E402
 
 
@@ -177,3 +178,22 @@ def test_bad_replica_settings_are_refused(tmp_path):
         ReplicaSpec("", address, ENGINE)
     spec = ReplicaSpec("r", address, ENGINE, 0.5)
     assert ReplicaSpec.from_json(spec.to_json()) == spec
+
+
+def test_past_the_waiting_bound_a_request_is_refused_and_every_request_is_answered_once(replica):
+    client = Client(replica.address)
+    try:
+        for i in range(40):
+            client.send(GenerateRequest(f"q{i}", [1 + i % 7, 2, 3], 20))
+        answers = client.answers(40)
+    finally:
+        client.close()
+    assert sorted(a.request_id for a in answers) == sorted(f"q{i}" for i in range(40))
+    refused = [a for a in answers if isinstance(a, GenerateFailure)]
+    assert refused and all("requests already waiting" in a.message for a in refused)
+
+
+def test_binding_an_ipc_path_a_live_socket_holds_is_refused(replica):
+    spec = ReplicaSpec("r1", replica.address, ENGINE)
+    with pytest.raises(SocketSecurityError, match="a live socket already holds this path"):
+        KVEventPublisher(spec.address.events)

@@ -12,7 +12,7 @@ zmq = pytest.importorskip("zmq")
 
 from thread_replicas import ThreadReplica  # noqa: E402
 
-from jaxkv.fleet.protocol import GenerateResult, ReplicaAddress  # noqa: E402
+from jaxkv.fleet.protocol import GenerateResult, Heartbeat, ReplicaAddress  # noqa: E402
 from jaxkv.fleet.router import NoLiveReplicaError, Router, RouterError, pick_replica  # noqa: E402
 from jaxkv.hashing import BlockHasher, ExtraKeys  # noqa: E402
 from jaxkv.serving.kv_events import WireBlockStored, external_hash  # noqa: E402
@@ -283,3 +283,29 @@ def test_an_authenticated_replica_serves_a_router_with_the_keys_and_not_one_with
             assert wait_all(router, [rid])[rid].error is None
     finally:
         replica.kill()
+
+
+def test_a_silent_replay_socket_does_not_escape_the_router(tmp_path):
+    fake = ReplicaAddress.ipc(tmp_path, "f")
+    ctx = zmq.Context()
+    sockets = {kind: ctx.socket(zmq.PUB if kind in ("heartbeats", "events") else zmq.ROUTER) for kind in vars(fake)}
+    for kind, sock in sockets.items():
+        sock.bind(getattr(fake, kind))
+    beat = msgspec.msgpack.encode(Heartbeat("f", 0, 0))
+    try:
+        with Router({"f": fake}, heartbeat_interval_s=60) as router:
+            deadline = time.monotonic() + 30
+            while not router._links["f"].heard:
+                assert time.monotonic() < deadline
+                sockets["heartbeats"].send(beat)
+                try:
+                    router.wait_ready(0.2)
+                except RouterError:
+                    continue
+            assert router.num_replay_timeouts == 1, "the mute replay socket timed out inside wait_ready"
+            rid = router.submit([1, 2, 3], 1)
+            assert sockets["requests"].poll(5000) and router.in_flight("f") == 1 and rid
+    finally:
+        for sock in sockets.values():
+            sock.close(linger=0)
+        ctx.term()

@@ -308,3 +308,21 @@ def test_a_made_request_id_never_takes_a_callers(models):
     mine = eng.add_request([1, 2, 3], 1, request_id="req-0")
     made = eng.add_request([1, 2, 3], 1)
     assert mine == "req-0" and made != "req-0"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"step_check": 3}, "step_check must be None or a callable, got 3"),
+        ({"kv_events": "tcp://x"}, "kv_events must be None or a KVEventPublisher, got 'tcp://x'"),
+    ],
+)
+def test_hooks_that_are_not_hooks_are_refused(models, kwargs, match):
+    with pytest.raises(EngineError, match=match):
+        engine(models["tiny-llama"], **kwargs)
+
+
+@pytest.mark.parametrize("share", [float("nan"), -0.1, 1.0, "0.1"])
+def test_a_checkpoint_share_outside_0_1_is_refused(share):
+    with pytest.raises(EngineError, match="checkpoint_share must be a number in"):
+        Engine.build("tiny-hybrid", memory_bytes=4 << 20, max_model_len=256, checkpoint_share=share)

@@ -61,6 +61,9 @@ def state_plan(
     for a model with recurrent layers, else vLLM's ``attention_pages``; the state pool
     gets ``max_num_seqs`` live states and ``checkpoint_share`` of the memory for
     checkpoints."""
+    share = checkpoint_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:  # NaN fails too
+        raise EngineError(f"checkpoint_share must be a number in [0, 1), got {checkpoint_share!r}")
     if state_layout == "auto":
         state_layout = "state_pool" if any(model_config.recurrent) else "attention_pages"
     if state_layout != "state_pool":
@@ -225,6 +228,10 @@ class Engine:
         step_check: Callable[[SchedulerOutput | None], None] | None = None,
     ) -> None:
         budget = kv_config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+        if step_check is not None and not callable(step_check):
+            raise EngineError(f"step_check must be None or a callable, got {step_check!r}")
+        if kv_events is not None and not callable(getattr(kv_events, "publish_step", None)):
+            raise EngineError(f"kv_events must be None or a KVEventPublisher, got {kv_events!r}")
         check_positive_int("max_num_seqs", max_num_seqs)
         check_positive_int("max_num_batched_tokens", budget)
         if budget > kv_config.max_num_batched_tokens:
