@@ -2,9 +2,9 @@
 the replicas' engines hash them, and a replica that dies mid-trace (its requests
 retried on another, its prefixes gone from the index, nothing sent to it again)."""
 
-import threading
 import time
 
+import numpy as np
 import pytest
 
 msgspec = pytest.importorskip("msgspec")
@@ -12,11 +12,12 @@ zmq = pytest.importorskip("zmq")
 
 from thread_replicas import ThreadReplica  # noqa: E402
 
-from jaxkv.fleet.protocol import GenerateResult, Heartbeat, ReplicaAddress  # noqa: E402
+from jaxkv.fleet.protocol import GenerateResult, Heartbeat, ReplicaAddress, max_request_bytes  # noqa: E402
 from jaxkv.fleet.router import NoLiveReplicaError, Router, RouterError, pick_replica  # noqa: E402
 from jaxkv.hashing import BlockHasher, ExtraKeys  # noqa: E402
+from jaxkv.serving.engine import CacheAudit  # noqa: E402
 from jaxkv.serving.kv_events import WireBlockStored, external_hash  # noqa: E402
-from jaxkv.serving.zmq_security import CurveKeys  # noqa: E402
+from jaxkv.serving.zmq_security import CurveKeys, SecureContext  # noqa: E402
 
 
 # --- policies ------------------------------------------------------------------------
@@ -199,36 +200,25 @@ def test_a_request_past_its_deadline_is_answered_and_cancelled(tmp_path):
         replica.kill()
 
 
-def test_a_hung_replica_is_dropped_its_requests_served_elsewhere_and_readmitted_when_it_recovers(tmp_path, monkeypatch):
-    from jaxkv.serving.engine import Engine
-
+def test_a_hung_replica_is_dropped_its_requests_served_elsewhere_and_readmitted_when_it_recovers(tmp_path):
     replicas = [ThreadReplica(tmp_path, name, 0.2) for name in ("a", "b")]
-    gate = threading.Event()
-    step = Engine.step
-
-    def stuck_step(engine):
-        if threading.current_thread() is replicas[0].thread:
-            gate.wait()
-        return step(engine)
-
     try:
         with Router(
             {r.name: r.address for r in replicas}, policy="round_robin", heartbeat_interval_s=0.2, hang_timeout_s=1.0
         ) as router:
             router.wait_ready(120)
-            monkeypatch.setattr(Engine, "step", stuck_step)
+            replicas[0].running.clear()  # a's step hangs; its heartbeat thread goes on
             rid = router.submit(list(range(1, 30)), 4)
             answer = wait_all(router, [rid])[rid]
             assert answer.error is None and answer.replica == "b" and answer.attempts == 2
             assert router.live_replicas == ("b",), "a still heartbeats but makes no progress"
-            gate.set()
+            replicas[0].running.set()
             deadline = time.monotonic() + 30
             while router.live_replicas != ("a", "b"):
                 assert time.monotonic() < deadline, "a recovered but was not re-admitted"
                 router.poll(0.05)
             assert router.num_readmissions == 1
     finally:
-        gate.set()
         for replica in replicas:
             replica.kill()
 
@@ -309,3 +299,70 @@ def test_a_silent_replay_socket_does_not_escape_the_router(tmp_path):
         for sock in sockets.values():
             sock.close(linger=0)
         ctx.term()
+
+
+# --- a short soak (scripts/soak_route.py runs the long one over processes) -----------------
+def test_a_short_soak_answers_every_request_once_and_leaks_nothing(tmp_path):
+    """Two routers over three replicas, 240 requests: one replica killed and restarted on
+    its addresses (a new publisher), one hung then recovered, hostile frames throughout."""
+    keys = CurveKeys.generate()
+    replicas = {name: ThreadReplica(tmp_path, name, 0.2, curve=keys) for name in ("a", "b", "c")}
+    secure = SecureContext(keys)
+    hostile = [secure.connect(zmq.DEALER, "requests", r.address.requests) for r in replicas.values()]
+    frames = [[b"hello", b"world"], [b"\xc1"], [b"x" * (max_request_bytes(256) + 1)], [b"\x93\x01"]]
+    routers = []
+    try:
+        for _ in range(2):
+            routers.append(
+                Router(
+                    {n: r.address for n, r in replicas.items()},
+                    heartbeat_interval_s=0.2,
+                    hang_timeout_s=1.0,
+                    request_timeout_s=60,
+                    curve=keys,
+                )
+            )
+            routers[-1].wait_ready(120)
+        rng = np.random.default_rng(0)
+        systems = [rng.integers(0, 512, 48).tolist() for _ in range(4)]
+        answers, submitted, sent = [{}, {}], [set(), set()], 0
+        events = {60: "kill c", 90: "restart c", 130: "hang b", 170: "recover b"}
+        deadline = time.monotonic() + 240
+        while sent < 240 or any(len(a) < len(s) for a, s in zip(answers, submitted)):
+            assert time.monotonic() < deadline, "the soak did not finish"
+            for i, router in enumerate(routers):
+                while sent < 240 and len(submitted[i]) - len(answers[i]) < 6:
+                    prompt = systems[sent % 4] + rng.integers(0, 512, int(rng.integers(4, 30))).tolist()
+                    submitted[i].add(router.submit(prompt, 3))
+                    sent += 1
+                    what = events.pop(sent, None)
+                    if what == "kill c":
+                        replicas["c"].kill()
+                    elif what == "restart c":
+                        replicas["c"] = ThreadReplica(tmp_path, "c", 0.2, curve=keys)
+                    elif what == "hang b":
+                        replicas["b"].running.clear()
+                    elif what == "recover b":
+                        replicas["b"].running.set()
+                    hostile[sent % 3].send_multipart(frames[sent % 4], zmq.NOBLOCK)
+                for out in router.poll(0.01):
+                    assert out.request_id not in answers[i], "answered twice"
+                    answers[i][out.request_id] = out
+        assert [set(a) for a in answers] == submitted
+        outputs = [o for a in answers for o in a.values()]
+        assert sum(o.error is None for o in outputs) >= 200, {o.error for o in outputs}
+        assert sum(r.num_readmissions for r in routers) >= 2, "c came back and b recovered"
+        settle = time.monotonic() + 1.0  # the cancels reach the replicas
+        while time.monotonic() < settle:
+            for router in routers:
+                assert router.poll(0.01) == []
+    finally:
+        for sock in hostile:
+            sock.close(linger=0)
+        secure.term()
+        for router in routers:
+            router.close()
+        for replica in replicas.values():
+            replica.stop()
+    for replica in replicas.values():
+        assert replica.unfinished == 0 and replica.audit == CacheAudit(0, 0), (replica.name, replica.audit)
