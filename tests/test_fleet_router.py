@@ -13,7 +13,7 @@ zmq = pytest.importorskip("zmq")
 from thread_replicas import ThreadReplica  # noqa: E402
 
 from jaxkv.fleet.protocol import GenerateResult, Heartbeat, ReplicaAddress, max_request_bytes  # noqa: E402
-from jaxkv.fleet.router import NoLiveReplicaError, Router, RouterError, pick_replica  # noqa: E402
+from jaxkv.fleet.router import NoLiveReplicaError, Router, RouterError, pick_replica, queue_tokens  # noqa: E402
 from jaxkv.hashing import BlockHasher, ExtraKeys  # noqa: E402
 from jaxkv.serving.engine import CacheAudit  # noqa: E402
 from jaxkv.serving.kv_events import WireBlockStored, external_hash  # noqa: E402
@@ -366,3 +366,13 @@ def test_a_short_soak_answers_every_request_once_and_leaks_nothing(tmp_path):
             replica.stop()
     for replica in replicas.values():
         assert replica.unfinished == 0 and replica.audit == CacheAudit(0, 0), (replica.name, replica.audit)
+
+
+def test_past_its_free_slots_a_cached_replica_loses_to_the_expected_wait():
+    assert queue_tokens(3, 4, 128, 16) == 0, "a free slot: the request starts at once"
+    assert queue_tokens(4, 4, 128, 16) == 512, "one to finish first: 4 decode steps of 128 tokens' worth"
+    assert queue_tokens(9, 0, 128, 16) == 0, "slots unknown: no wait counted"
+    loads, cached = {"a": 4, "b": 0}, {"a": 300, "b": 128}
+    queued = {"a": queue_tokens(4, 4, 128, 16), "b": 0.0}
+    assert pick_replica("prefix", loads, cached, load_penalty=16, turn=0) == "a"
+    assert pick_replica("prefix", loads, cached, load_penalty=16, turn=0, queued=queued) == "b"

@@ -91,7 +91,8 @@ class Heartbeat(msgspec.Struct, tag=True):
     """The replica is alive; ``load`` = running + waiting requests; ``steps``: engine
     steps run since it started (its progress); ``busy``: it has unfinished requests
     (a busy replica whose ``steps`` stand still is hung); ``instance``: a token drawn
-    at its start (a new one: it restarted)."""
+    at its start (a new one: it restarted); ``slots`` and ``step_tokens``: its engine's
+    running requests and tokens per step at most (0: not said)."""
 
     replica: str
     seq: int
@@ -99,6 +100,8 @@ class Heartbeat(msgspec.Struct, tag=True):
     steps: int = 0
     busy: bool = False
     instance: str = ""
+    slots: int = 0
+    step_tokens: int = 0
 
 
 ToReplica = GenerateRequest | CancelRequest | ResetPrefixCache

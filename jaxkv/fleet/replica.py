@@ -177,7 +177,16 @@ class Replica:
         encoder = msgspec.msgpack.Encoder()  # the loop's encoder is not for this thread
         try:
             for seq in itertools.count():
-                beat = Heartbeat(self.name, seq, self._load, self._steps, self._busy, self.instance)
+                beat = Heartbeat(
+                    self.name,
+                    seq,
+                    self._load,
+                    self._steps,
+                    self._busy,
+                    self.instance,
+                    self.engine.max_num_seqs,
+                    self.engine.max_num_batched_tokens,
+                )
                 socket.send(encoder.encode(beat))
                 if self._closed.wait(interval_s):
                     return

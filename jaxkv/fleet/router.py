@@ -13,11 +13,16 @@ Policies (:func:`pick_replica`), over the live replicas:
 
 - ``round_robin``: the next replica in turn.
 - ``least_loaded``: the fewest requests in flight.
-- ``prefix``: the highest score ``cached_tokens - load_penalty * in_flight``: a
-  replica's cached prefix of the prompt, in tokens, less ``load_penalty`` tokens per
-  request it is serving. A cached prefix wins until its replica is that much busier
-  (a new tenant, cached nowhere, goes to the least loaded); ties go to the less
-  loaded, then in turn.
+- ``prefix``: the highest score ``cached_tokens - load_penalty * in_flight - queued``:
+  a replica's cached prefix of the prompt, in tokens (the prefill it saves), less
+  ``load_penalty`` tokens per request it is serving (they share its steps), less the
+  expected wait for a running slot (:func:`queue_tokens`: zero while the replica has
+  a free slot, then about a step's worth of tokens per decode step until one frees).
+  A cached prefix wins until its replica is that much busier (a new tenant, cached
+  nowhere, goes to the least loaded); ties go to the less loaded, then in turn. Both
+  terms are in prompt tokens, a step's budget of prefill being worth one step: on a
+  replica with a free slot a new request starts at once and its TTFT is its prefill,
+  while past its slots it first waits for running requests to finish.
 
 The load is the router's own count of requests in flight on the replica (sent, not
 yet answered): exact and current when this router is the replica's only client, where
@@ -86,6 +91,17 @@ class NoLiveReplicaError(RouterError):
     """Every replica was dropped: nothing can serve the request."""
 
 
+def queue_tokens(in_flight: int, slots: int, step_tokens: int, new_tokens: float) -> float:
+    """A new request's expected wait for a running slot, in prompt tokens: with
+    ``in_flight`` requests on a replica of ``slots`` running slots (0: unknown, no wait
+    counted), it waits for ``in_flight - slots + 1`` of them to finish, each about
+    ``new_tokens / slots`` decode steps away, a step being worth ``step_tokens``
+    tokens of prefill."""
+    if slots <= 0 or in_flight < slots:
+        return 0.0
+    return (in_flight - slots + 1) * new_tokens / slots * step_tokens
+
+
 def pick_replica(
     policy: str,
     loads: Mapping[str, int],
@@ -93,12 +109,14 @@ def pick_replica(
     *,
     load_penalty: float,
     turn: int,
+    queued: Mapping[str, float] | None = None,
 ) -> str:
     """The replica ``policy`` sends a request to (see the module docstring).
 
     ``loads``: requests in flight per live replica (its keys are the candidates, in
     turn order); ``cached_tokens``: the prompt's cached prefix per replica (missing:
-    0); ``turn``: the request's number, which rotates ties.
+    0); ``turn``: the request's number, which rotates ties; ``queued``: the
+    :func:`queue_tokens` of each replica (missing: 0).
     """
     if policy not in POLICIES:
         raise RouterError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -111,7 +129,8 @@ def pick_replica(
         return order[0]
     if policy == "least_loaded":
         return min(order, key=lambda r: loads[r])
-    return max(order, key=lambda r: (cached_tokens.get(r, 0) - load_penalty * loads[r], -loads[r]))
+    queued = queued or {}
+    return max(order, key=lambda r: (cached_tokens.get(r, 0) - load_penalty * loads[r] - queued.get(r, 0.0), -loads[r]))
 
 
 @dataclass(frozen=True)
@@ -163,6 +182,8 @@ class _Link:
         self.busy = False
         self.instance = ""
         self.reported_load = 0
+        self.slots = 0
+        self.step_tokens = 0
         self.in_flight: set[str] = set()
 
     def close(self) -> None:
@@ -192,7 +213,7 @@ class Router:
         block_size: int = 16,
         hash_algo: str = "sha256",
         hash_seed: str | None = None,
-        load_penalty: float = 64.0,
+        load_penalty: float = 16.0,
         heartbeat_interval_s: float = 1.0,
         hang_timeout_s: float = 30.0,
         request_timeout_s: float = 600.0,
@@ -473,7 +494,8 @@ class Router:
         turn = next(self._turns)
         while candidates:
             loads = {name: len(self._links[name].in_flight) for name in candidates}
-            name = pick_replica(self.policy, loads, cached, load_penalty=self.load_penalty, turn=turn)
+            queued = {name: self._queued(name, pending) for name in candidates} if self.policy == "prefix" else {}
+            name = pick_replica(self.policy, loads, cached, load_penalty=self.load_penalty, turn=turn, queued=queued)
             link = self._links[name]
             try:
                 link.requests.send(pending.payload, zmq.NOBLOCK)
@@ -487,6 +509,14 @@ class Router:
             self._sends[name] += 1
             return
         self._finish(pending, error="no live replica")
+
+    def _queued(self, name: str, pending: _InFlight) -> float:
+        """:func:`queue_tokens` of replica ``name`` for ``pending``, from the requests in
+        flight on it and the slots and step budget its heartbeats tell."""
+        link = self._links[name]
+        limits = [self._in_flight[rid].request.max_new_tokens for rid in link.in_flight]
+        new_tokens = sum(limits) / len(limits) if limits else pending.request.max_new_tokens
+        return queue_tokens(len(limits), link.slots, link.step_tokens, new_tokens)
 
     def _try_send(self, link: _Link, message: ToReplica) -> bool:
         try:
@@ -545,6 +575,7 @@ class Router:
         link.heard = True
         link.last_heard = now
         link.reported_load = beat.load
+        link.slots, link.step_tokens = beat.slots, beat.step_tokens
         link.busy = beat.busy
         link.instance, link.steps = beat.instance, beat.steps
         if progressed:
