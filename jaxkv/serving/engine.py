@@ -472,8 +472,10 @@ class Engine:
 
     def _add(self, prompt: list[int], limit: int, salt: str | None, request_id: str | None, return_logits: bool) -> str:
         rid = request_id
-        while rid is None or rid in self._live:  # a made id never takes a caller's
+        if rid is None:
             rid = f"req-{next(self._ids)}"
+            while rid in self._live:  # a made id never takes a caller's
+                rid = f"req-{next(self._ids)}"
         seq = self._scheduler.add_request(Request(rid, prompt, cache_salt=salt), limit)
         self._live[rid] = _LiveRequest(seq, time.perf_counter(), logits=[] if return_logits else None)
         return rid
