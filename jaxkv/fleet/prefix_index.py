@@ -313,12 +313,12 @@ class KVEventSubscriber:
         restarted = epoch is not None and self.epoch is not None and epoch != self.epoch
         if epoch is not None:
             self.epoch = epoch
-        if restarted or (start is None and self.next_seq is None):
-            if restarted:
-                self.num_resyncs += 1
-                self.index.drop_replica(self.replica)
-            self.next_seq = epoch if epoch is not None else (replayed[0][0] if replayed else live)
-            start = self.next_seq
+        if restarted:  # a new publisher: follow it from its first batch
+            self.num_resyncs += 1
+            self.index.drop_replica(self.replica)
+            self.next_seq = epoch
+        elif self.next_seq is None:  # the first contact: from the oldest batch still buffered
+            self.next_seq = replayed[0][0] if replayed else (epoch if epoch is not None else live)
         applied, lost_at = 0, None
         for seq, payload in replayed:
             if self.next_seq is None:
