@@ -23,8 +23,9 @@ every replica still running, no unfinished request and no block or state leaked
 run stops by itself after ``--time_limit`` seconds at most, and every replica process
 is killed on any exit.
 
-    python scripts/soak_route.py                  # the default run
-    python scripts/soak_route.py --quick          # a short run
+    python scripts/soak_route.py                  # 2,000 requests: about 5 minutes on a 2-core host
+    python scripts/soak_route.py --requests 5000  # the size: about 10 minutes there
+    python scripts/soak_route.py --quick          # 300 requests over 2 replicas
 
 Exits 0 when every check passes, 1 otherwise (the failed checks printed), 2 on bad
 input (one line ``soak_route.py: error: ...``).
@@ -65,7 +66,7 @@ from jaxkv.serving.zmq_security import ENV_CURVE_DIR, CurveKeys, SecureContext, 
 
 PROG = "soak_route.py"
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("requests", 5000, "requests sent in all (over every router)", lower_bound=1)
+flags.DEFINE_integer("requests", 2000, "requests sent in all (over every router)", lower_bound=1)
 flags.DEFINE_integer("num_replicas", 4, "replica processes", lower_bound=2)
 flags.DEFINE_integer("num_routers", 2, "routers (in this process)", lower_bound=1)
 flags.DEFINE_integer("concurrency", 12, "requests in flight per router", lower_bound=1)
