@@ -74,6 +74,8 @@ MEDIUM_HOST = "CPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence-number frame closing a replay answer."""
 _MASK_64 = (1 << 64) - 1
+REPLAY_SEND_TIMEOUT_MS = 5000
+"""How long a replay waits on a client that does not read before giving up on it."""
 
 ExternalBlockHash = int | bytes
 
@@ -224,8 +226,16 @@ class KVEventPublisher:
             self._pub = self._secure.bind(zmq.PUB, "endpoint", endpoint)
             self._pub.set_hwm(hwm)
             if replay_endpoint is not None:
-                self._replay = self._secure.bind(zmq.ROUTER, "replay_endpoint", replay_endpoint)
-                self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 2)  # a whole buffer and its end marker
+                # a whole buffer and its end marker queue up; past that a send waits (up to
+                # REPLAY_SEND_TIMEOUT_MS for a client that stopped reading) instead of dropping
+                self._replay = self._secure.bind(
+                    zmq.ROUTER,
+                    "replay_endpoint",
+                    replay_endpoint,
+                    SNDHWM=buffer_steps + 2,
+                    ROUTER_MANDATORY=1,
+                    SNDTIMEO=REPLAY_SEND_TIMEOUT_MS,
+                )
         except BaseException:
             self._close_sockets()
             raise
@@ -237,6 +247,7 @@ class KVEventPublisher:
         """The first sequence number: the start time in microseconds (see the module docstring)."""
         self._next_seq = self.epoch
         self.num_bad_replay_requests = 0
+        self.num_failed_replays = 0
         self._stop = threading.Event()
         self._thread = None
         if self._replay is not None:
@@ -316,9 +327,12 @@ class KVEventPublisher:
         with self._lock:
             oldest = self._buffer[0][0] if self._buffer else first
             batches = list(itertools.islice(self._buffer, max(0, first - oldest), None))
-        for seq, payload in batches:
-            self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, self.epoch.to_bytes(8, "big")))
+        try:
+            for seq, payload in batches:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", b"", END_SEQ, self.epoch.to_bytes(8, "big")))
+        except zmq.ZMQError:  # the client left or stopped reading: it sees no end marker and asks again
+            self.num_failed_replays += 1
 
     # --------------------------------------------------------------- close
     def close(self, linger_s: float = 1.0) -> None:
