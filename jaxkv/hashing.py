@@ -33,7 +33,21 @@ same items laid out differently inside a block would otherwise share a hash.
 Algorithms: ``"sha256"`` (collision resistant: the safe default when tenants do not
 trust each other) and ``"xxh3_128"`` (128-bit, non-cryptographic; per block about 3x
 cheaper to digest, so 2x faster end to end on list input, 3x on numpy input; see
-scripts/bench_hashing.py).
+scripts/bench_hashing.py), both over the serialization above; and ``"sha256_cbor"``,
+vLLM's block hash, so that a router hashing prompts as vLLM does (llm-d's precise
+prefix routing) matches jaxkv's events: ``sha256(cbor((parent, tokens, extras)))``
+with canonical CBOR, ``tokens`` the block's ids as an array, ``extras`` None or the
+array ``[lora_name?, cache_salt?]`` (the salt in block 0 only, and only when not
+empty), the root ``sha256(cbor(seed))``, equal to vLLM's under
+``PYTHONHASHSEED=seed``. It takes no multimodal items (their keys are vLLM's own).
+
+Hash seed (a secret per deployment): with a fixed public root, anyone can search for
+colliding prompts offline (cheap for ``xxh3_128``, a non-cryptographic hash) and plant
+them. ``seed`` (or the environment variable ``JAXKV_HASH_SEED``) goes into the root:
+``... || b"K" u32(n) seed_utf8`` for sha256 and xxh3_128, the CBOR root above for
+sha256_cbor, which needs one. Every replica, router and process of one deployment
+must use the same seed (set it in their environment) so that their hashes, events
+and routing agree; without one, the root is the documented constant.
 
 Token ids are validated in bulk (ints in [0, 2**31)); bad input raises a subclass of
 BlockHashError (a ValueError) naming the bad value, and leaves the caller's hash list
@@ -45,6 +59,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import operator
+import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -69,21 +84,32 @@ __all__ = [
     "UnknownHashAlgorithmError",
     "digest_size",
     "root_hash",
+    "MissingHashSeedError",
+    "VLLM_HASH_ALGORITHM",
+    "cbor",
+    "resolve_seed",
 ]
 
 HASH_ALGORITHMS: tuple[str, ...] = ("sha256", "xxh3_128")
+"""The algorithms over jaxkv's own serialization."""
+VLLM_HASH_ALGORITHM = "sha256_cbor"
+"""vLLM's block hash (see the module docstring), accepted wherever an algorithm is named."""
+ENV_HASH_SEED = "JAXKV_HASH_SEED"
+"""The environment variable holding a deployment's hash seed."""
 
 ROOT_DOMAIN = b"jaxkv.block_hash.v1"
 """Domain tag of root hashes; bump it when the serialization changes."""
 
 MAX_TOKEN_ID = 2**31 - 1
 
-_DIGEST_SIZES = {"sha256": 32, "xxh3_128": 16}
+_DIGEST_SIZES = {"sha256": 32, "xxh3_128": 16, "sha256_cbor": 32}
 _xxh3 = xxhash.xxh3_128_digest
 _DIGESTS: dict[str, Callable[[bytes], bytes]] = {
     "sha256": lambda data: hashlib.sha256(data).digest(),
     "xxh3_128": _xxh3,
+    "sha256_cbor": lambda data: hashlib.sha256(data).digest(),
 }
+_TAG_SEED = b"K"
 _TAG_SALT = b"S"
 _TAG_LORA = b"L"
 _TAG_MM_BYTES = b"M"
@@ -124,9 +150,51 @@ class InvalidBlockError(BlockHashError):
     """A parent hash, block index or block length does not fit this hasher."""
 
 
+class MissingHashSeedError(BlockHashError):
+    """``sha256_cbor`` was asked for without a seed (its root is the seed's hash)."""
+
+
+def resolve_seed(seed: str | None) -> str | None:
+    """``seed``, or when None the environment's ``JAXKV_HASH_SEED`` (None if unset or empty)."""
+    if seed is None:
+        seed = os.environ.get(ENV_HASH_SEED) or None
+    if seed is not None and not isinstance(seed, str):
+        raise InvalidExtraKeysError(f"seed must be a str or None, got {type(seed).__name__}")
+    return seed
+
+
+def _cbor_head(major: int, n: int) -> bytes:
+    if n < 24:
+        return bytes((major << 5 | n,))
+    for info, width in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if n < 1 << (8 * width):
+            return bytes((major << 5 | info,)) + n.to_bytes(width, "big")
+    raise InvalidBlockError(f"{n} does not fit a CBOR head")
+
+
+def cbor(value: object) -> bytes:
+    """Canonical CBOR (RFC 8949, shortest heads) of None, ints, bytes, str and
+    tuples / lists of them: what vLLM's ``sha256_cbor`` digests."""
+    if value is None:
+        return b"\xf6"
+    if isinstance(value, bool):
+        raise InvalidBlockError("bool is not a CBOR value here")
+    if isinstance(value, (int, np.integer)):
+        v = int(value)
+        return _cbor_head(0, v) if v >= 0 else _cbor_head(1, -1 - v)
+    if isinstance(value, bytes):
+        return _cbor_head(2, len(value)) + value
+    if isinstance(value, str):
+        data = value.encode("utf-8")
+        return _cbor_head(3, len(data)) + data
+    if isinstance(value, (tuple, list)):
+        return _cbor_head(4, len(value)) + b"".join(cbor(v) for v in value)
+    raise InvalidBlockError(f"{type(value).__name__} is not a CBOR value here")
+
+
 def _check_algo(algo: object) -> str:
     if algo not in _DIGEST_SIZES:
-        raise UnknownHashAlgorithmError(f"unknown hash algorithm {algo!r}; valid ones: {', '.join(HASH_ALGORITHMS)}")
+        raise UnknownHashAlgorithmError(f"unknown hash algorithm {algo!r}; valid ones: {', '.join(_DIGEST_SIZES)}")
     return algo  # type: ignore[return-value]
 
 
@@ -139,14 +207,25 @@ def _check_block_size(block_size: object) -> int:
     return check_int("block_size", block_size, minimum=1, error=InvalidBlockSizeError)
 
 
-def root_hash(algo: str, block_size: int) -> bytes:
-    """The parent of block 0: H(ROOT_DOMAIN || 0 || algo || 0 || u64le(block_size)).
+def root_hash(algo: str, block_size: int, seed: str | None = None) -> bytes:
+    """The parent of block 0: H(ROOT_DOMAIN || 0 || algo || 0 || u64le(block_size)),
+    followed by ``b"K" u32(n) seed`` with a seed; for sha256_cbor, sha256(cbor(seed)).
 
-    A documented constant per (algorithm, block size), identical in every process.
+    Identical in every process given the same seed; ``seed`` is taken as given (see
+    :func:`resolve_seed` for the environment's).
     """
     algo = _check_algo(algo)
     block_size = _check_block_size(block_size)
+    if algo == "sha256_cbor":
+        if seed is None:
+            raise MissingHashSeedError(
+                f"sha256_cbor needs a hash seed (seed= or {ENV_HASH_SEED}; vLLM's PYTHONHASHSEED)"
+            )
+        return hashlib.sha256(cbor(seed)).digest()
     message = ROOT_DOMAIN + b"\x00" + algo.encode("ascii") + b"\x00" + struct.pack("<Q", block_size)
+    if seed is not None:
+        data = _utf8(seed, "seed")
+        message += _TAG_SEED + _U32.pack(len(data)) + data
     return _DIGESTS[algo](message)
 
 
@@ -329,15 +408,17 @@ class BlockHasher:
     serves every request.
     """
 
-    __slots__ = ("_block_size", "_algo", "_root", "_digest_size", "_step", "_is_sha256", "_packer")
+    __slots__ = ("_block_size", "_algo", "_root", "_digest_size", "_step", "_is_sha256", "_cbor", "_packer")
 
-    def __init__(self, block_size: int, algo: str = "sha256"):
+    def __init__(self, block_size: int, algo: str = "sha256", *, seed: str | None = None):
+        """``seed``: the deployment's hash seed (None: ``JAXKV_HASH_SEED``, if set)."""
         self._block_size = _check_block_size(block_size)
         self._algo = _check_algo(algo)
-        self._root = root_hash(algo, block_size)
+        self._root = root_hash(algo, block_size, resolve_seed(seed))
         self._digest_size = _DIGEST_SIZES[algo]
         self._step = 4 * block_size
         self._is_sha256 = algo == "sha256"
+        self._cbor = algo == "sha256_cbor"
         self._packer = struct.Struct(f"<{block_size}I")
 
     @property
@@ -388,7 +469,7 @@ class BlockHasher:
             parent = self._root
         bs = self._block_size
         lo = first * bs
-        if count == 1 and type(token_ids) is list:  # the decode path: one new block
+        if count == 1 and type(token_ids) is list and not self._cbor:  # the decode path: one new block
             message = parent + _pack_list(token_ids[lo : lo + bs], lo, self._packer)
             if not extra._empty:  # type: ignore[attr-defined]
                 message += extra.block_extras(bs, first, 1)[0]
@@ -420,6 +501,8 @@ class BlockHasher:
         """The exact message hash_block digests (for tests, debugging and other
         implementations of the format)."""
         parent, data = self._check_block(parent, block_token_ids, block_index, extra)
+        if self._cbor:
+            return self._cbor_message(parent, data, 0, block_index, extra)
         return parent + data + extra.block_extras(self._block_size, block_index, 1)[0]
 
     def _check_block(
@@ -450,6 +533,11 @@ class BlockHasher:
         step = self._step
         offsets = range(0, count * step, step)
         p = parent
+        if self._cbor:
+            sha256 = hashlib.sha256
+            return [
+                p := sha256(self._cbor_message(p, data, i, first + k, extra)).digest() for k, i in enumerate(offsets)
+            ]
         if extra._empty:  # type: ignore[attr-defined]
             if self._is_sha256:
                 sha256 = hashlib.sha256
@@ -462,3 +550,13 @@ class BlockHasher:
             return [p := sha256(p + data[i : i + step] + s).digest() for i, s in zip(offsets, suffixes)]
         xxh3 = _xxh3
         return [p := xxh3(p + data[i : i + step] + s) for i, s in zip(offsets, suffixes)]
+
+    def _cbor_message(self, parent: bytes, data: bytes, offset: int, index: int, extra: ExtraKeys) -> bytes:
+        """sha256_cbor's message for block ``index``, its ids at ``data[offset:]``."""
+        if extra.mm_items:
+            raise InvalidExtraKeysError("sha256_cbor takes no multimodal items (their keys are vLLM's own)")
+        keys = [] if extra.lora_name is None else [extra.lora_name]
+        if index == 0 and extra.cache_salt:
+            keys.append(extra.cache_salt)
+        tokens = self._packer.unpack_from(data, offset)
+        return cbor((parent, tokens, tuple(keys) if keys else None))

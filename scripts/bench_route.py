@@ -36,6 +36,12 @@ it got nothing after the drop.
     python scripts/bench_route.py --out bench_route.json
     python scripts/bench_route.py --quick          # a short run, for tests
 
+Authentication is on: every socket (requests, heartbeats, KV events and replay) uses
+CURVE with keys made for the run (:mod:`jaxkv.serving.zmq_security`). Its cost per
+request is measured apart, on this machine, before the replicas start: round trips of
+a 300-token request and its answer between a DEALER and a ROUTER over ``ipc://``,
+with and without CURVE (``auth_cost``).
+
 Every replica process is killed on any exit (and exits by itself if this script
 dies). Bad input prints one line ``bench_route.py: error: ...`` and exits with
 status 2.
@@ -48,22 +54,26 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
+import zmq
 from absl import app, flags, logging
 
 from jaxkv.cli import exit_error, flags_parser, parse_size, write_json
 from jaxkv.errors import JaxkvError
-from jaxkv.fleet.protocol import ReplicaAddress
+from jaxkv.fleet.protocol import GenerateRequest, GenerateResult, ReplicaAddress
 from jaxkv.fleet.replica import ReplicaSpec, running_replicas
 from jaxkv.fleet.router import POLICIES, RoutedOutput, Router
 from jaxkv.models.tiny import get_model_config
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.workloads import Conversation, conversations
+from jaxkv.serving.zmq_security import ENV_CURVE_DIR, CurveKeys, SecureContext
 
 PROG = "bench_route.py"
 FLAGS = flags.FLAGS
@@ -81,7 +91,7 @@ flags.DEFINE_integer("message_len", 48, "tokens of the longest user message (the
 flags.DEFINE_integer("max_new_tokens", 16, "tokens generated per turn", lower_bound=1)
 flags.DEFINE_integer("concurrency", 10, "users chatting at once", lower_bound=1)
 flags.DEFINE_float("ramp_s", 0.2, "seconds between the first turns of the first users", lower_bound=0)
-flags.DEFINE_float("load_penalty", 64.0, "prefix-aware routing: tokens of cached prefix one request in flight is worth")
+flags.DEFINE_float("load_penalty", 16.0, "prefix-aware routing: tokens of cached prefix one request in flight is worth")
 flags.DEFINE_float("heartbeat_interval", 1.0, "seconds between a replica's heartbeats", lower_bound=0.05)
 flags.DEFINE_bool("kill_replica", True, "also kill one replica mid-trace and check that every request completes")
 flags.DEFINE_bool("quick", False, "a short run (2 replicas, a small trace), for tests")
@@ -180,6 +190,44 @@ def run_trace(router: Router, trace: Sequence[Conversation], kill: Kill | None =
     return TraceRun(tuple(outputs), time.monotonic() - start)
 
 
+def round_trips_us(directory: str, keys: CurveKeys | None, n: int = 2000) -> float:
+    """Mean microseconds of a request / answer round trip over ``ipc://`` (``keys``: CURVE)."""
+    request = msgspec.msgpack.encode(GenerateRequest("route-0", list(range(300)), 16))
+    answer = msgspec.msgpack.encode(GenerateResult("route-0", "r", list(range(16)), 0.1, 256))
+    server_side, client_side = SecureContext(keys), SecureContext(keys)
+    endpoint = f"ipc://{directory}/auth-{'curve' if keys else 'plain'}"
+    server = server_side.bind(zmq.ROUTER, "server", endpoint)
+    client = client_side.connect(zmq.DEALER, "client", endpoint)
+
+    def echo() -> None:
+        for _ in range(n + 1):
+            identity, _ = server.recv_multipart()
+            server.send_multipart((identity, answer))
+
+    thread = threading.Thread(target=echo)
+    thread.start()
+    client.send(request)
+    client.recv()  # the handshake, not timed
+    start = time.perf_counter()
+    for _ in range(n):
+        client.send(request)
+        client.recv()
+    elapsed = time.perf_counter() - start
+    thread.join()
+    client.close(linger=0)
+    server.close(linger=0)
+    client_side.term()
+    server_side.term()
+    return elapsed / n * 1e6
+
+
+def auth_cost(directory: str, keys: CurveKeys) -> dict[str, float]:
+    """CURVE's cost per request: round trips with and without it (best of 3 each)."""
+    plain = min(round_trips_us(directory, None) for _ in range(3))
+    curve = min(round_trips_us(directory, keys) for _ in range(3))
+    return {"plain_round_trip_us": plain, "curve_round_trip_us": curve, "curve_cost_per_request_us": curve - plain}
+
+
 def engine_args(memory: int, max_num_seqs: int) -> dict[str, object]:
     return {
         "model_name": FLAGS.model,
@@ -192,22 +240,27 @@ def engine_args(memory: int, max_num_seqs: int) -> dict[str, object]:
 
 
 @contextlib.contextmanager
-def router_over(names: Sequence[str], specs: dict[str, ReplicaSpec], policy: str, block_size: int) -> Iterator[Router]:
+def router_over(
+    names: Sequence[str], specs: dict[str, ReplicaSpec], policy: str, block_size: int, keys: CurveKeys
+) -> Iterator[Router]:
     with Router(
         {name: specs[name].address for name in names},
         policy=policy,
         block_size=block_size,
         load_penalty=FLAGS.load_penalty,
         heartbeat_interval_s=FLAGS.heartbeat_interval,
+        curve=keys,
     ) as router:
         router.wait_ready(FLAGS.startup_timeout)
         router.reset_prefix_caches()
         yield router
 
 
-def wait_started(specs: dict[str, ReplicaSpec], processes: dict[str, subprocess.Popen], block_size: int) -> None:
+def wait_started(
+    specs: dict[str, ReplicaSpec], processes: dict[str, subprocess.Popen], block_size: int, keys: CurveKeys
+) -> None:
     """Wait until every replica heartbeats; exit if one of them died on the way."""
-    with Router({name: s.address for name, s in specs.items()}, block_size=block_size) as router:
+    with Router({name: s.address for name, s in specs.items()}, block_size=block_size, curve=keys) as router:
         deadline = time.monotonic() + FLAGS.startup_timeout
         while True:
             dead = [name for name, p in processes.items() if p.poll() is not None]
@@ -227,11 +280,12 @@ def kill_section(
     names: Sequence[str],
     trace: Sequence[Conversation],
     block_size: int,
+    keys: CurveKeys,
 ) -> dict[str, object]:
     """Prefix-aware routing with one replica killed mid-trace."""
     expected = sum(c.num_turns for c in trace)
     victim = names[1]
-    with router_over(names, specs, "prefix", block_size) as router:
+    with router_over(names, specs, "prefix", block_size, keys) as router:
         kill = Kill(router, victim, processes[victim], after=expected // 2)
         run = run_trace(router, trace, kill)
         dropped_at = router.dropped_replicas.get(victim)
@@ -264,6 +318,8 @@ def table(results: dict[str, dict]) -> tuple[str, dict[str, float]]:
         "mean_ttft_prefix_vs_big_cache": prefix["mean_ttft_s"] / big["mean_ttft_s"],
         "mean_ttft_prefix_vs_round_robin": prefix["mean_ttft_s"] / rr["mean_ttft_s"],
         "mean_ttft_prefix_vs_least_loaded": prefix["mean_ttft_s"] / results["least_loaded"]["mean_ttft_s"],
+        "p90_ttft_prefix_vs_round_robin": prefix["p90_ttft_s"] / rr["p90_ttft_s"],
+        "p90_ttft_prefix_vs_least_loaded": prefix["p90_ttft_s"] / results["least_loaded"]["p90_ttft_s"],
     }
     lines.append("")
     lines.extend(f"{k}: {v:.2f}" for k, v in ratios.items())
@@ -316,6 +372,13 @@ def main(argv: Sequence[str]) -> None:
         f"{FLAGS.turns} turns over {FLAGS.num_tenants} system prompts, {FLAGS.concurrency} users at once"
     )
     with tempfile.TemporaryDirectory(prefix="bench_route-") as tmp:
+        keys = CurveKeys.generate()
+        keys.write(f"{tmp}/keys")
+        auth = auth_cost(tmp, keys)
+        print(
+            f"CURVE authentication: {auth['curve_cost_per_request_us']:.0f} us per request "
+            f"(round trip {auth['plain_round_trip_us']:.0f} -> {auth['curve_round_trip_us']:.0f} us)"
+        )
         names = [f"replica-{i}" for i in range(n)]
         specs = {
             name: ReplicaSpec(
@@ -330,25 +393,32 @@ def main(argv: Sequence[str]) -> None:
             FLAGS.heartbeat_interval,
         )
         start = time.monotonic()
-        with running_replicas(specs.values(), env=ONE_THREAD) as processes:
-            wait_started(specs, processes, block_size)
+        with running_replicas(specs.values(), env={**ONE_THREAD, ENV_CURVE_DIR: f"{tmp}/keys"}) as processes:
+            wait_started(specs, processes, block_size, keys)
             print(f"replicas compiled and serving after {time.monotonic() - start:.1f} s")
             results = {}
             for policy in POLICIES:
-                with router_over(names, specs, policy, block_size) as router:
+                with router_over(names, specs, policy, block_size, keys) as router:
                     results[policy] = run_trace(router, trace).summary()
                 print(f"{policy}: {results[policy]}")
-            with router_over([BIG], specs, "round_robin", block_size) as router:
+            with router_over([BIG], specs, "round_robin", block_size, keys) as router:
                 results[BIG] = run_trace(router, trace).summary()
             print(f"{BIG}: {results[BIG]}")
-            kill = kill_section(specs, processes, names, trace, block_size) if FLAGS.kill_replica else None
+            kill = kill_section(specs, processes, names, trace, block_size, keys) if FLAGS.kill_replica else None
     text, ratios = table(results)
     print(text)
     if kill is not None:
         print(f"replica killed mid-trace: {kill}")
     if FLAGS.out:
         flag_values = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
-        report = {"flags": flag_values, "device": "cpu", "results": results, "ratios": ratios, "kill_replica": kill}
+        report = {
+            "flags": flag_values,
+            "device": "cpu",
+            "results": results,
+            "ratios": ratios,
+            "kill_replica": kill,
+            "auth": auth,
+        }
         write_json(PROG, FLAGS.out, report)
     if any(r["errors"] for r in results.values()) or (kill is not None and not kill["all_completed"]):
         exit_error(PROG, "some requests failed or were lost", status=1)

@@ -361,8 +361,9 @@ def main(argv: Sequence[str]) -> None:
     del argv  # flags_parser refused positional arguments
     logging.set_verbosity(logging.WARNING)  # JAX's backend probing is INFO noise here
     role = ProcessRole.from_env()
+    if role is None:
+        _check_heads_split()  # before JAX makes the devices: 100,000 host devices would hang it
     if role is None and FLAGS.num_processes > 1:
-        _check_heads_split()
         try:
             command = [sys.executable, *sys.argv]
             sys.exit(launch(command, FLAGS.num_processes, cpu_devices_per_process=FLAGS.num_devices))

@@ -29,6 +29,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from absl import app, flags
 
@@ -52,6 +53,8 @@ from jaxkv.serving.simulator import (
 )
 
 PROG = "simulate.py"
+MAX_TRACE_BYTES = 1 << 30
+"""The largest trace file read (a trace of millions of requests is well under it)."""
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("preset", "gemma-3-27b", list_presets(), "model architecture")
@@ -101,6 +104,13 @@ def _check_synthetic_lengths(user_turn_len: tuple[int, int], output_len: tuple[i
 def make_trace() -> list[TraceRequest]:
     """The trace file named by --trace, else the synthetic trace of the flags."""
     if FLAGS.trace:
+        path = Path(FLAGS.trace)
+        if path.exists() and not path.is_file():
+            exit_error(PROG, f"--trace={FLAGS.trace} is not a regular file (a device or pipe reads without end)")
+        if path.exists() and path.stat().st_size > MAX_TRACE_BYTES:
+            exit_error(
+                PROG, f"--trace={FLAGS.trace} is {path.stat().st_size:,} bytes; the limit is {MAX_TRACE_BYTES:,}"
+            )
         return load_trace(FLAGS.trace)
     user_turn_len = (int(FLAGS.user_turn_len[0]), int(FLAGS.user_turn_len[1]))
     output_len = (int(FLAGS.output_len[0]), int(FLAGS.output_len[1]))

@@ -128,3 +128,18 @@ def test_serve_py_refuses_a_cluster_it_cannot_run_in_one_line(args, needle):
     status, _, err = finish(start("scripts/serve.py", *args))
     assert status == 2
     assert err.count("\n") == 1 and needle in err
+
+
+def test_the_coordinator_binds_the_address_it_is_reached_at_not_every_interface(monkeypatch):
+    import jax
+
+    from jaxkv.cluster import distributed
+    from jaxkv.cluster.launcher import LaunchError, ProcessRole
+
+    seen = {}
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: seen.update(kwargs))
+    distributed.join(ProcessRole("127.0.0.1:4321", 2, 0))
+    assert seen["coordinator_bind_address"] == "127.0.0.1:4321"
+    assert distributed.coordinator_bind_address("10.0.0.5:99", "0.0.0.0") == "0.0.0.0:99", "only when asked"
+    with pytest.raises(LaunchError, match="host:port"):
+        distributed.coordinator_bind_address("4321")

@@ -28,8 +28,11 @@ from jaxkv.serving.kv_events import (  # noqa: E402
     external_hash,
 )
 from jaxkv.serving.offload_connector import OffloadConfig  # noqa: E402
+from jaxkv.serving.zmq_security import CurveKeys, SocketSecurityError  # noqa: E402
 
 LOOPBACK = "tcp://127.0.0.1:*"
+KEYS = CurveKeys.generate()
+"""The test deployment's CURVE keys (tcp needs them)."""
 MAX_TRIES = 50
 
 
@@ -110,13 +113,19 @@ def test_a_batch_from_a_vllm_server_is_applied():
 # --- subscribers on a synthetic stream --------------------------------------------------
 @pytest.fixture
 def publisher():
-    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=MAX_TRIES + 10) as pub:
+    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=MAX_TRIES + 10, curve=KEYS) as pub:
         yield pub
 
 
 def subscriber(index: PrefixIndex, pub: KVEventPublisher, *, replay: bool = True, **kw) -> KVEventSubscriber:
     return KVEventSubscriber(
-        index, "r0", pub.endpoint, replay_endpoint=pub.replay_endpoint if replay else None, replay_timeout_s=10, **kw
+        index,
+        "r0",
+        pub.endpoint,
+        replay_endpoint=pub.replay_endpoint if replay else None,
+        replay_timeout_s=10,
+        curve=KEYS,
+        **kw,
     )
 
 
@@ -139,35 +148,39 @@ def test_a_live_gap_is_filled_from_the_replay_socket(publisher):
         publisher.publish([put(1)])
         sub.connect()
         last = publish_until_heard(publisher, sub, 2)
-        assert sub.next_seq == publisher.num_published
+        assert sub.next_seq == publisher.next_seq
         assert set(index.snapshot()) == set(range(last)), "batch 1 came back through the replay"
 
 
 def test_a_gap_longer_than_the_replay_buffer_is_reported_and_the_replica_dropped():
     index = PrefixIndex()
-    publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=2)
+    publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=2, curve=KEYS)
     with publisher, subscriber(index, publisher) as sub:
+        e = publisher.epoch
         publisher.publish([put(0)])
         assert sub.catch_up() == 1 and index.locations(0)
         sub.disconnect()
         for i in range(1, 5):
             publisher.publish([put(i)])
         sub.connect()
-        with pytest.raises(EventGapError, match="batches 1..2 are lost") as err:
+        with pytest.raises(EventGapError, match=f"batches {e + 1}..{e + 2} are lost") as err:
             sub.catch_up()
-        assert (err.value.missing_from, err.value.resumed_at) == (1, 3)
+        assert (err.value.missing_from, err.value.resumed_at) == (e + 1, e + 3)
         assert set(index.snapshot()) == {3, 4}, "what came before the gap is dropped, what follows is applied"
-        assert sub.next_seq == 5
+        assert sub.next_seq == e + 5
 
 
 def test_without_a_replay_socket_a_gap_is_reported(publisher):
-    publisher.publish([put(0)])  # before the subscriber exists: it can never get it
     index = PrefixIndex()
     with subscriber(index, publisher, replay=False) as sub:
+        last = publish_until_heard(publisher, sub, 0)
+        sub.disconnect()
+        publisher.publish([put(last)])  # while away: it can never get it
+        sub.connect()
         with pytest.raises(EventGapError, match="no replay socket") as err:
-            publish_until_heard(publisher, sub, 1)
-        assert err.value.missing_from == 0
-        assert 0 not in index.snapshot() and len(index) == 1, "the live batch is applied"
+            publish_until_heard(publisher, sub, last + 1)
+        assert err.value.missing_from == publisher.epoch + last
+        assert len(index) == 1 and min(index.snapshot()) > last, "the entries are dropped, the live batch applied"
 
 
 def test_a_silent_replay_socket_times_out_and_changes_nothing():
@@ -175,13 +188,18 @@ def test_a_silent_replay_socket_times_out_and_changes_nothing():
     mute = ctx.socket(zmq.ROUTER)
     port = mute.bind_to_random_port("tcp://127.0.0.1")
     index = PrefixIndex()
-    with KVEventPublisher(LOOPBACK) as pub:
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True) as pub:
         with KVEventSubscriber(
-            index, "r0", pub.endpoint, replay_endpoint=f"tcp://127.0.0.1:{port}", replay_timeout_s=0.2
+            index,
+            "r0",
+            pub.endpoint,
+            replay_endpoint=f"tcp://127.0.0.1:{port}",
+            replay_timeout_s=0.2,
+            plaintext_tcp=True,
         ) as sub:
             with pytest.raises(ReplayTimeoutError, match="no replay answer"):
                 sub.catch_up()
-            assert sub.next_seq == 0 and len(index) == 0
+            assert sub.next_seq is None and len(index) == 0
     mute.close(linger=0)
     ctx.term()
 
@@ -195,8 +213,8 @@ def test_a_silent_replay_socket_times_out_and_changes_nothing():
     ],
 )
 def test_bad_subscriber_settings_are_refused_by_name(kwargs, word):
-    with pytest.raises(KVEventsError, match=word):
-        KVEventSubscriber(PrefixIndex(), "r0", **{"endpoint": "tcp://127.0.0.1:5557", **kwargs})
+    with pytest.raises((KVEventsError, SocketSecurityError), match=word):
+        KVEventSubscriber(PrefixIndex(), "r0", **{"endpoint": "tcp://127.0.0.1:5557", "curve": KEYS, **kwargs})
 
 
 # --- an engine run ------------------------------------------------------------------
@@ -205,7 +223,7 @@ def test_a_subscriber_that_leaves_mid_run_rebuilds_the_index_of_one_that_stayed(
     shared = rng.integers(0, 512, 40).tolist()
     rounds = [[shared + rng.integers(0, 512, n).tolist() for n in (10, 30, 50, 70)]]
     rounds += [[rng.integers(0, 512, 60).tolist() for _ in range(4)] for _ in range(2)]
-    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub:
+    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, curve=KEYS) as pub:
         eng = Engine.build(
             "tiny-llama",
             memory_bytes=2 << 20,
@@ -240,8 +258,41 @@ def test_a_subscriber_that_leaves_mid_run_rebuilds_the_index_of_one_that_stayed(
                 sub.catch_up()
                 sub.poll()
             assert marks["back"] > marks["left"], "batches went out while it was away"
-            assert steady.next_seq == leaver.next_seq == pub.num_published
+            assert steady.next_seq == leaver.next_seq == pub.next_seq
         assert back.snapshot() == stayed.snapshot()
         device = {h for h, where in stayed.snapshot().items() if ("r0", "GPU") in where}
         assert device == {external_hash(h) for h in eng.manager.pool.cached[0]}, "the device prefix cache, exactly"
         assert any(("r0", "CPU") in where for where in stayed.snapshot().values())
+
+
+# --- a publisher restarted on the same endpoint -----------------------------------------
+def test_a_restarted_publisher_resyncs_the_index_instead_of_keeping_the_dead_caches_entries(tmp_path):
+    events, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/rp"
+    index = PrefixIndex()
+    first = KVEventPublisher(events, replay_endpoint=replay)
+    with KVEventSubscriber(index, "r0", events, replay_endpoint=replay, replay_timeout_s=10) as sub:
+        with first:
+            last = publish_until_heard(first, sub, 0)
+        assert set(index.snapshot()) == set(range(last))
+        with KVEventPublisher(events, replay_endpoint=replay) as second:
+            publish_until_heard(second, sub, 100)
+            assert sub.num_resyncs == 1 and sub.epoch == second.epoch
+            assert set(index.snapshot()) == set(range(100, 100 + second.num_published)), "the dead cache is gone"
+
+
+def test_undecodable_batches_are_counted_and_skipped(tmp_path):
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"ipc://{tmp_path}/ev")
+    index = PrefixIndex()
+    with KVEventSubscriber(index, "r0", f"ipc://{tmp_path}/ev") as sub:
+        good = msgspec.msgpack.encode(WireEventBatch(0.0, [put(1)]))
+        for _ in range(MAX_TRIES):
+            pub.send_multipart([b"", (7).to_bytes(8, "big"), b"\xc1 garbage"])
+            pub.send_multipart([b"one frame"])
+            pub.send_multipart([b"", (8).to_bytes(8, "big"), good])
+            if sub.poll(0.2):
+                break
+        assert sub.num_bad_batches >= 2 and 1 in index.snapshot()
+    pub.close(linger=0)
+    ctx.term()

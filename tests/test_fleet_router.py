@@ -2,17 +2,22 @@
 the replicas' engines hash them, and a replica that dies mid-trace (its requests
 retried on another, its prefixes gone from the index, nothing sent to it again)."""
 
+import time
+
+import numpy as np
 import pytest
 
-pytest.importorskip("msgspec")
-pytest.importorskip("zmq")
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
 
 from thread_replicas import ThreadReplica  # noqa: E402
 
-from jaxkv.fleet.protocol import ReplicaAddress  # noqa: E402
-from jaxkv.fleet.router import NoLiveReplicaError, Router, RouterError, pick_replica  # noqa: E402
+from jaxkv.fleet.protocol import GenerateResult, Heartbeat, ReplicaAddress, max_request_bytes  # noqa: E402
+from jaxkv.fleet.router import NoLiveReplicaError, Router, RouterError, pick_replica, queue_tokens  # noqa: E402
 from jaxkv.hashing import BlockHasher, ExtraKeys  # noqa: E402
+from jaxkv.serving.engine import CacheAudit  # noqa: E402
 from jaxkv.serving.kv_events import WireBlockStored, external_hash  # noqa: E402
+from jaxkv.serving.zmq_security import CurveKeys, SecureContext  # noqa: E402
 
 
 # --- policies ------------------------------------------------------------------------
@@ -117,3 +122,257 @@ def test_a_dead_replicas_requests_are_retried_elsewhere_and_its_prefixes_leave_t
     finally:
         for replica in replicas:
             replica.kill()
+
+
+# --- every request answered exactly once ----------------------------------------------
+def wait_all(router, ids, timeout_s=120.0):
+    """Poll until every id in ``ids`` is answered; the answers by id (each exactly once)."""
+    answers = {}
+    deadline = time.monotonic() + timeout_s
+    while set(answers) < set(ids):
+        assert time.monotonic() < deadline, f"unanswered: {set(ids) - set(answers)}"
+        for out in router.poll(0.05):
+            assert out.request_id not in answers, f"{out.request_id} answered twice"
+            answers[out.request_id] = out
+    return answers
+
+
+def test_when_the_last_replica_dies_its_requests_are_answered_with_no_live_replica(tmp_path):
+    replica = ThreadReplica(tmp_path, "a", 0.2)
+    try:
+        with Router({"a": replica.address}, heartbeat_interval_s=0.2) as router:
+            router.wait_ready(120)
+            ids = [router.submit(list(range(1, 30)), 200) for _ in range(2)]
+            replica.kill()
+            answers = wait_all(router, ids)
+            assert all(answers[i].error == "no live replica" for i in ids)
+            later = router.submit([1, 2, 3], 2)
+            assert wait_all(router, [later])[later].error == "no live replica"
+    finally:
+        replica.kill()
+
+
+class FailingSends:
+    """A request socket whose sends fail (a full queue), for a link under test."""
+
+    def __init__(self, socket) -> None:
+        self.socket = socket
+
+    def send(self, *args, **kwargs):
+        raise zmq.Again()
+
+    def __getattr__(self, name):
+        return getattr(self.socket, name)
+
+
+def test_a_send_failing_mid_drop_moves_on_to_the_next_replica(tmp_path):
+    replicas = [ThreadReplica(tmp_path, name, 0.5) for name in ("a", "b", "c")]
+    try:
+        with Router({r.name: r.address for r in replicas}, policy="round_robin") as router:
+            router.wait_ready(120)
+            ids = [router.submit(list(range(i, i + 20)), 30) for i in range(3)]
+            assert router.in_flight("c") == 1
+            link = router._links["b"]
+            link.requests = FailingSends(link.requests)
+            router.drop("c")
+            link.requests = link.requests.socket
+            answers = wait_all(router, ids)
+            assert all(a.error is None for a in answers.values())
+            assert answers[ids[2]].replica == "a" and router.num_send_failures >= 1
+    finally:
+        for replica in replicas:
+            replica.kill()
+
+
+def test_a_request_past_its_deadline_is_answered_and_cancelled(tmp_path):
+    replica = ThreadReplica(tmp_path, "a", 0.5)
+    try:
+        with Router({"a": replica.address}) as router:
+            router.wait_ready(120)
+            slow = router.submit(list(range(1, 30)), 200, deadline_s=0.05)
+            quick = router.submit([1, 2, 3], 2)
+            answers = wait_all(router, [slow, quick])
+            assert answers[slow].error == "deadline passed" and answers[quick].error is None
+            cancelled = router.submit(list(range(1, 30)), 200)
+            assert router.cancel(cancelled) and not router.cancel("unknown")
+            assert wait_all(router, [cancelled])[cancelled].error == "cancelled"
+    finally:
+        replica.kill()
+
+
+def test_a_hung_replica_is_dropped_its_requests_served_elsewhere_and_readmitted_when_it_recovers(tmp_path):
+    replicas = [ThreadReplica(tmp_path, name, 0.2) for name in ("a", "b")]
+    try:
+        with Router(
+            {r.name: r.address for r in replicas}, policy="round_robin", heartbeat_interval_s=0.2, hang_timeout_s=1.0
+        ) as router:
+            router.wait_ready(120)
+            replicas[0].running.clear()  # a's step hangs; its heartbeat thread goes on
+            rid = router.submit(list(range(1, 30)), 4)
+            answer = wait_all(router, [rid])[rid]
+            assert answer.error is None and answer.replica == "b" and answer.attempts == 2
+            assert router.live_replicas == ("b",), "a still heartbeats but makes no progress"
+            replicas[0].running.set()
+            deadline = time.monotonic() + 30
+            while router.live_replicas != ("a", "b"):
+                assert time.monotonic() < deadline, "a recovered but was not re-admitted"
+                router.poll(0.05)
+            assert router.num_readmissions == 1
+    finally:
+        for replica in replicas:
+            replica.kill()
+
+
+def test_forged_and_malformed_answers_are_skipped_and_a_valid_one_kept(tmp_path):
+    replica = ThreadReplica(tmp_path, "a", 0.5)
+    fake = ReplicaAddress.ipc(tmp_path, "f")
+    ctx = zmq.Context()
+    forger = ctx.socket(zmq.ROUTER)
+    forger.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    forger.bind(fake.requests)
+    try:
+        with Router({"a": replica.address, "f": fake}, policy="round_robin", heartbeat_interval_s=60) as router:
+            rid = router.submit(list(range(1, 20)), 3)
+            assert router.in_flight("a") == 1
+            forged = msgspec.msgpack.encode(GenerateResult(rid, "a", [9, 9, 9], 0.0, 0))
+            for frames in ([forged], [b"\xc1"], [forged, b"extra"]):
+                while True:
+                    try:
+                        forger.send_multipart([router.router_id.encode(), *frames])
+                        break
+                    except zmq.ZMQError:  # the router's link has not connected yet
+                        time.sleep(0.01)
+            answer = wait_all(router, [rid])[rid]
+            assert answer.replica == "a" and answer.output_token_ids != (9, 9, 9)
+            assert router.num_bad_messages >= 2
+    finally:
+        forger.close(linger=0)
+        ctx.term()
+        replica.kill()
+
+
+def test_routers_request_ids_differ_and_a_callers_id_may_not_be_reused_while_in_flight(tmp_path):
+    with Router(addresses(tmp_path, "a")) as one, Router(addresses(tmp_path, "a")) as two:
+        assert one.router_id != two.router_id
+        assert one.submit([1, 2], 1).startswith(one.router_id)
+        one.submit([1, 2], 1, request_id="mine")
+        with pytest.raises(RouterError, match="not already in flight"):
+            one.submit([1, 2], 1, request_id="mine")
+
+
+def test_an_authenticated_replica_serves_a_router_with_the_keys_and_not_one_without(tmp_path):
+    keys = CurveKeys.generate()
+    replica = ThreadReplica(tmp_path, "a", 0.2, curve=keys)
+    try:
+        with Router({"a": replica.address}, curve=CurveKeys.generate()) as stranger:
+            with pytest.raises(RouterError, match="sent no heartbeat"):
+                stranger.wait_ready(1.0)
+        with Router({"a": replica.address}, curve=keys) as router:
+            router.wait_ready(120)
+            rid = router.submit([1, 2, 3], 2)
+            assert wait_all(router, [rid])[rid].error is None
+    finally:
+        replica.kill()
+
+
+def test_a_silent_replay_socket_does_not_escape_the_router(tmp_path):
+    fake = ReplicaAddress.ipc(tmp_path, "f")
+    ctx = zmq.Context()
+    sockets = {kind: ctx.socket(zmq.PUB if kind in ("heartbeats", "events") else zmq.ROUTER) for kind in vars(fake)}
+    for kind, sock in sockets.items():
+        sock.bind(getattr(fake, kind))
+    beat = msgspec.msgpack.encode(Heartbeat("f", 0, 0))
+    try:
+        with Router({"f": fake}, heartbeat_interval_s=60) as router:
+            deadline = time.monotonic() + 30
+            while not router._links["f"].heard:
+                assert time.monotonic() < deadline
+                sockets["heartbeats"].send(beat)
+                try:
+                    router.wait_ready(0.2)
+                except RouterError:
+                    continue
+            assert router.num_replay_timeouts == 1, "the mute replay socket timed out inside wait_ready"
+            rid = router.submit([1, 2, 3], 1)
+            assert sockets["requests"].poll(5000) and router.in_flight("f") == 1 and rid
+    finally:
+        for sock in sockets.values():
+            sock.close(linger=0)
+        ctx.term()
+
+
+# --- a short soak (scripts/soak_route.py runs the long one over processes) -----------------
+def test_a_short_soak_answers_every_request_once_and_leaks_nothing(tmp_path):
+    """Two routers over three replicas, 240 requests: one replica killed and restarted on
+    its addresses (a new publisher), one hung then recovered, hostile frames throughout."""
+    keys = CurveKeys.generate()
+    replicas = {name: ThreadReplica(tmp_path, name, 0.2, curve=keys) for name in ("a", "b", "c")}
+    secure = SecureContext(keys)
+    hostile = [secure.connect(zmq.DEALER, "requests", r.address.requests) for r in replicas.values()]
+    frames = [[b"hello", b"world"], [b"\xc1"], [b"x" * (max_request_bytes(256) + 1)], [b"\x93\x01"]]
+    routers = []
+    try:
+        for _ in range(2):
+            routers.append(
+                Router(
+                    {n: r.address for n, r in replicas.items()},
+                    heartbeat_interval_s=0.2,
+                    hang_timeout_s=1.0,
+                    request_timeout_s=60,
+                    curve=keys,
+                )
+            )
+            routers[-1].wait_ready(120)
+        rng = np.random.default_rng(0)
+        systems = [rng.integers(0, 512, 48).tolist() for _ in range(4)]
+        answers, submitted, sent = [{}, {}], [set(), set()], 0
+        events = {60: "kill c", 90: "restart c", 130: "hang b", 170: "recover b"}
+        deadline = time.monotonic() + 240
+        while sent < 240 or any(len(a) < len(s) for a, s in zip(answers, submitted)):
+            assert time.monotonic() < deadline, "the soak did not finish"
+            for i, router in enumerate(routers):
+                while sent < 240 and len(submitted[i]) - len(answers[i]) < 6:
+                    prompt = systems[sent % 4] + rng.integers(0, 512, int(rng.integers(4, 30))).tolist()
+                    submitted[i].add(router.submit(prompt, 3))
+                    sent += 1
+                    what = events.pop(sent, None)
+                    if what == "kill c":
+                        replicas["c"].kill()
+                    elif what == "restart c":
+                        replicas["c"] = ThreadReplica(tmp_path, "c", 0.2, curve=keys)
+                    elif what == "hang b":
+                        replicas["b"].running.clear()
+                    elif what == "recover b":
+                        replicas["b"].running.set()
+                    hostile[sent % 3].send_multipart(frames[sent % 4], zmq.NOBLOCK)
+                for out in router.poll(0.01):
+                    assert out.request_id not in answers[i], "answered twice"
+                    answers[i][out.request_id] = out
+        assert [set(a) for a in answers] == submitted
+        outputs = [o for a in answers for o in a.values()]
+        assert sum(o.error is None for o in outputs) >= 200, {o.error for o in outputs}
+        assert sum(r.num_readmissions for r in routers) >= 2, "c came back and b recovered"
+        settle = time.monotonic() + 1.0  # the cancels reach the replicas
+        while time.monotonic() < settle:
+            for router in routers:
+                assert router.poll(0.01) == []
+    finally:
+        for sock in hostile:
+            sock.close(linger=0)
+        secure.term()
+        for router in routers:
+            router.close()
+        for replica in replicas.values():
+            replica.stop()
+    for replica in replicas.values():
+        assert replica.unfinished == 0 and replica.audit == CacheAudit(0, 0), (replica.name, replica.audit)
+
+
+def test_past_its_free_slots_a_cached_replica_loses_to_the_expected_wait():
+    assert queue_tokens(3, 4, 128, 16) == 0, "a free slot: the request starts at once"
+    assert queue_tokens(4, 4, 128, 16) == 512, "one to finish first: 4 decode steps of 128 tokens' worth"
+    assert queue_tokens(9, 0, 128, 16) == 0, "slots unknown: no wait counted"
+    loads, cached = {"a": 4, "b": 0}, {"a": 300, "b": 128}
+    queued = {"a": queue_tokens(4, 4, 128, 16), "b": 0.0}
+    assert pick_replica("prefix", loads, cached, load_penalty=16, turn=0) == "a"
+    assert pick_replica("prefix", loads, cached, load_penalty=16, turn=0, queued=queued) == "b"

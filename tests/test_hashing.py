@@ -23,6 +23,7 @@ from jaxkv.hashing import (
     InvalidBlockSizeError,
     InvalidExtraKeysError,
     InvalidTokenIdError,
+    MissingHashSeedError,
     MultiModalItem,
     UnknownHashAlgorithmError,
     digest_size,
@@ -523,3 +524,44 @@ def test_hash_block_errors(algo):
         hasher.hash_block(root_child, [1, 2, -5, 4], 1)
     with pytest.raises(InvalidExtraKeysError):
         hasher.hash_block(None, [1, 2, 3, 4], 0, None)  # type: ignore[arg-type]
+
+
+# --- a per-deployment seed ---------------------------------------------------------------
+def test_a_seed_changes_every_hash_and_the_same_seed_agrees_everywhere(monkeypatch):
+    tokens = list(range(32))
+    monkeypatch.delenv("JAXKV_HASH_SEED", raising=False)
+    public = hashes_of(BlockHasher(16), tokens)
+    seeded = hashes_of(BlockHasher(16, seed="deployment-secret"), tokens)
+    assert not set(public) & set(seeded) and BlockHasher(16).root == root_hash("sha256", 16)
+    monkeypatch.setenv("JAXKV_HASH_SEED", "deployment-secret")
+    assert hashes_of(BlockHasher(16), tokens) == seeded, "the environment's seed is the same seed"
+    assert hashes_of(BlockHasher(16, seed="other"), tokens) != seeded
+    assert BlockHasher(16, "xxh3_128").root != root_hash("xxh3_128", 16)
+
+
+# --- vLLM's sha256_cbor --------------------------------------------------------------------
+def test_sha256_cbor_matches_a_hand_encoded_vector():
+    """vLLM: NONE_HASH = sha256(cbor(PYTHONHASHSEED)); a block's hash is
+    sha256(cbor((parent, tuple(token_ids), extra_keys))), canonical CBOR. The bytes below
+    are written out by hand from RFC 8949 (text "0" = 0x61 0x30; a 32-byte string =
+    0x58 0x20 + bytes; an array of n < 24 = 0x80 + n; 1000 = 0x19 0x03e8; null = 0xf6)."""
+    root = hashlib.sha256(b"\x61\x30").digest()
+    assert root_hash("sha256_cbor", 4, "0") == root
+    first = hashlib.sha256(b"\x83\x58\x20" + root + b"\x84\x01\x02\x03\x19\x03\xe8" + b"\xf6").digest()
+    salted = hashlib.sha256(b"\x83\x58\x20" + root + b"\x84\x01\x02\x03\x19\x03\xe8" + b"\x81\x64salt").digest()
+    second = hashlib.sha256(b"\x83\x58\x20" + first + b"\x84\x05\x06\x07\x08" + b"\xf6").digest()
+    hasher = BlockHasher(4, "sha256_cbor", seed="0")
+    assert hashes_of(hasher, [1, 2, 3, 1000, 5, 6, 7, 8]) == [first, second]
+    assert hashes_of(hasher, [1, 2, 3, 1000], ExtraKeys(cache_salt="salt")) == [salted]
+    assert hashes_of(hasher, [1, 2, 3, 1000], ExtraKeys(cache_salt="")) == [first], "vLLM skips an empty salt"
+    assert hasher.hash_block(None, [1, 2, 3, 1000], 0) == first
+    assert hasher.serialize_block(first, [5, 6, 7, 8], 1) == b"\x83\x58\x20" + first + b"\x84\x05\x06\x07\x08\xf6"
+
+
+def test_sha256_cbor_needs_a_seed_and_takes_no_multimodal_items(monkeypatch):
+    monkeypatch.delenv("JAXKV_HASH_SEED", raising=False)
+    with pytest.raises(MissingHashSeedError, match="sha256_cbor needs a hash seed"):
+        BlockHasher(16, "sha256_cbor")
+    hasher = BlockHasher(4, "sha256_cbor", seed="s")
+    with pytest.raises(InvalidExtraKeysError, match="no multimodal items"):
+        hasher.extend([], [1, 2, 3, 4], ExtraKeys(mm_items=(MultiModalItem(b"img", 0, 4),)))

@@ -7,7 +7,7 @@ from jaxkv import ops
 from jaxkv.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, plan_kv_cache
-from jaxkv.serving.engine import Engine, EngineError, GenerationResult, resolve_head_dim_multiple
+from jaxkv.serving.engine import CacheAudit, Engine, EngineError, GenerationResult, resolve_head_dim_multiple
 
 MAX_MODEL_LEN = 256
 NEW_TOKENS = 10
@@ -292,3 +292,49 @@ def test_generate_refuses_to_run_beside_added_requests(models):
     with pytest.raises(EngineError, match="request_id must be a str not already unfinished, got 'a'"):
         eng.add_request(workload()[1], 2, request_id="a")
     assert eng.num_waiting == 1 and eng.reset_prefix_cache() is False
+
+
+# ------------------------------------------------------------------ one request aborted
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
+def test_abort_frees_one_request_and_the_others_finish_with_their_tokens(models, dense_tokens, name):
+    from jaxkv.serving.offload_connector import OffloadConfig
+
+    eng = engine(models[name], offload=OffloadConfig(1 << 20, store="write_through"))
+    prompts = workload()
+    keep = eng.add_request(prompts[0], NEW_TOKENS)
+    gone = eng.add_request(prompts[1], NEW_TOKENS)
+    eng.step()
+    assert eng.abort(gone) and not eng.abort(gone) and not eng.abort("unknown")
+    outputs = []
+    while eng.has_unfinished:
+        outputs += eng.step().finished
+    assert [o.request_id for o in outputs] == [keep]
+    assert list(outputs[0].output_token_ids) == dense_tokens[name][0]
+    assert eng.audit() == CacheAudit(0, 0), "the aborted request's blocks, states and host blocks are all back"
+    again = eng.generate([prompts[1]], NEW_TOKENS)
+    assert tokens(again) == [dense_tokens[name][1]], "the prefix cache stayed exact"
+
+
+def test_a_made_request_id_never_takes_a_callers(models):
+    eng = engine(models["tiny-llama"])
+    mine = eng.add_request([1, 2, 3], 1, request_id="req-0")
+    made = eng.add_request([1, 2, 3], 1)
+    assert mine == "req-0" and made != "req-0"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"step_check": 3}, "step_check must be None or a callable, got 3"),
+        ({"kv_events": "tcp://x"}, "kv_events must be None or a KVEventPublisher, got 'tcp://x'"),
+    ],
+)
+def test_hooks_that_are_not_hooks_are_refused(models, kwargs, match):
+    with pytest.raises(EngineError, match=match):
+        engine(models["tiny-llama"], **kwargs)
+
+
+@pytest.mark.parametrize("share", [float("nan"), -0.1, 1.0, "0.1"])
+def test_a_checkpoint_share_outside_0_1_is_refused(share):
+    with pytest.raises(EngineError, match="checkpoint_share must be a number in"):
+        Engine.build("tiny-hybrid", memory_bytes=4 << 20, max_model_len=256, checkpoint_share=share)

@@ -27,6 +27,7 @@ from jaxkv.serving.kv_events import (  # noqa: E402
     wire_events,
 )
 from jaxkv.serving.offload_connector import OffloadConfig  # noqa: E402
+from jaxkv.serving.zmq_security import CurveKeys, SocketSecurityError  # noqa: E402
 
 LOOPBACK = "tcp://127.0.0.1:*"
 WAIT_MS = 10_000
@@ -93,7 +94,7 @@ def engine_run():
     """Two generate calls published with a raw SUB listening; the published batches
     (through replay), the live frames, and the engine's first-round prompt hashes."""
     ctx = zmq.Context()
-    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, topic="kv") as pub:
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, topic="kv") as pub:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         sub.connect(pub.endpoint)
@@ -107,17 +108,24 @@ def engine_run():
         replayed = replay(pub.replay_endpoint, 0, b"kv")
         req = Request("probe", rounds[0][0])
         first_hashes = eng.manager.hashes_per_group(req)[0]
-        num_published = pub.num_published
+        num_published, epoch = pub.num_published, pub.epoch
     sub.close(linger=0)
     ctx.term()
-    return {"live": live, "replayed": replayed, "first_hashes": first_hashes, "num_published": num_published}
+    return {
+        "live": live,
+        "replayed": replayed,
+        "first_hashes": first_hashes,
+        "num_published": num_published,
+        "epoch": epoch,
+    }
 
 
 def test_every_batch_is_replayed_in_order_then_the_end_marker(engine_run):
     replayed = engine_run["replayed"]
-    assert replayed[-1] == (END, b"")
+    epoch = engine_run["epoch"]
+    assert replayed[-1] == (END, epoch.to_bytes(8, "big")), "the end marker carries the publisher's epoch"
     seqs = [int.from_bytes(seq, "big") for seq, _ in replayed[:-1]]
-    assert seqs == list(range(engine_run["num_published"])) and seqs
+    assert seqs == list(range(epoch, epoch + engine_run["num_published"])) and seqs
 
 
 def test_live_frames_are_topic_sequence_payload_and_match_the_replay(engine_run):
@@ -158,17 +166,18 @@ def test_published_hashes_are_the_low_64_bits_of_jaxkvs(engine_run):
 
 # --- the replay socket ---------------------------------------------------------------
 def test_a_replay_answers_from_the_requested_batch_with_what_is_still_buffered():
-    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, buffer_steps=3) as pub:
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, buffer_steps=3) as pub:
         for i in range(5):
             pub.publish(wire_events([stored(0, (h(i),))]))
-        seqs = lambda frames: [int.from_bytes(s, "big") for s, _ in frames[:-1]]  # noqa: E731
-        assert seqs(replay(pub.replay_endpoint, 1)) == [2, 3, 4], "1 is no longer buffered"
-        assert seqs(replay(pub.replay_endpoint, 3)) == [3, 4]
-        assert replay(pub.replay_endpoint, 9) == [(END, b"")]
+        e = pub.epoch
+        seqs = lambda frames: [int.from_bytes(s, "big") - e for s, _ in frames[:-1]]  # noqa: E731
+        assert seqs(replay(pub.replay_endpoint, e + 1)) == [2, 3, 4], "1 is no longer buffered"
+        assert seqs(replay(pub.replay_endpoint, e + 3)) == [3, 4]
+        assert replay(pub.replay_endpoint, e + 9) == [(END, e.to_bytes(8, "big"))]
 
 
 def test_malformed_replay_requests_are_counted_and_ignored():
-    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK) as pub:
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK) as pub:
         pub.publish([])
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -183,7 +192,7 @@ def test_malformed_replay_requests_are_counted_and_ignored():
                 break
         sock.close(linger=0)
         ctx.term()
-        assert answers == [(0).to_bytes(8, "big"), END], "only the well-formed request is answered"
+        assert answers == [pub.epoch.to_bytes(8, "big"), END], "only the well-formed request is answered"
         assert pub.num_bad_replay_requests == 2
 
 
@@ -231,12 +240,12 @@ def test_external_hash_is_the_digest_read_big_endian_masked_to_64_bits():
     ],
 )
 def test_bad_publisher_settings_are_refused_by_name(kwargs, word):
-    with pytest.raises(KVEventsError, match=word):
-        KVEventPublisher(**{"endpoint": LOOPBACK, **kwargs})
+    with pytest.raises((KVEventsError, SocketSecurityError), match=word):
+        KVEventPublisher(**{"endpoint": LOOPBACK, "plaintext_tcp": True, **kwargs})
 
 
 def test_a_closed_publisher_refuses_to_publish():
-    pub = KVEventPublisher(LOOPBACK)
+    pub = KVEventPublisher(LOOPBACK, plaintext_tcp=True)
     pub.close()
     with pytest.raises(KVEventsError, match="closed"):
         pub.publish([])
@@ -249,3 +258,45 @@ def test_jaxkv_imports_without_the_events_extra():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# --- the whole buffer, epochs, token ids, authentication ------------------------------
+def test_a_replay_brings_back_all_of_a_large_buffer():
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, buffer_steps=5000) as pub:
+        for i in range(5000):
+            pub.publish(wire_events([stored(0, (h(i),))]))
+        frames = replay(pub.replay_endpoint, pub.epoch)
+    assert len(frames) == 5001, "every buffered batch and the end marker (the send queue dropped none)"
+
+
+def test_a_restarted_publisher_continues_above_its_predecessors_sequence_numbers():
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True) as first:
+        first.publish([])
+        last = first.next_seq
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True) as second:
+        assert second.epoch >= last and second.num_published == 0
+
+
+def test_token_ids_can_be_left_out_of_stored_events():
+    event = stored(0, (h(1),))
+    [with_ids] = wire_events([event])
+    [without] = wire_events([event], include_token_ids=False)
+    assert with_ids.token_ids == list(range(16)) and without.token_ids == []
+    assert without.block_hashes == with_ids.block_hashes
+
+
+def test_tcp_needs_curve_keys_and_a_plaintext_client_hears_nothing():
+    with pytest.raises(SocketSecurityError, match="tcp needs CURVE keys"):
+        KVEventPublisher(LOOPBACK)
+    with pytest.raises(SocketSecurityError, match="loopback only"):
+        KVEventPublisher("tcp://0.0.0.0:*", plaintext_tcp=True)
+    keys = CurveKeys.generate()
+    with KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, curve=keys) as pub:
+        pub.publish([])
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(pub.replay_endpoint)
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert not sock.poll(500), "an unauthenticated client got an answer"
+        sock.close(linger=0)
+        ctx.term()

@@ -6,7 +6,7 @@ from conftest import FULL, make_manager, window
 from jaxkv.manager import KVCacheManagerError, Request
 from jaxkv.offload.catalog import PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
-from jaxkv.serving.offload_connector import ConnectorError, OffloadConnector
+from jaxkv.serving.offload_connector import ConnectorError, OffloadConfig, OffloadConnector
 from jaxkv.specs import MambaSpec
 
 
@@ -142,3 +142,17 @@ def test_a_recurrent_model_needs_a_state_tier_and_its_hit_needs_a_checkpoint_on_
         catalog.complete_store(keys)
     hit = connector._host_hit(req, mgr.hashes_per_group(req), 0)
     assert (hit.start, hit.end) == (0, 64), "attention reaches 96, the only checkpoint on host sits at 64"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"host_bytes": 10**20}, "host_bytes=100,000,000,000,000,000,000 exceeds this host's"),
+        ({"host_bytes": 0}, "host_bytes must be a positive int, got 0"),
+        ({"host_bytes": 1 << 20, "fail_load": 3}, "fail_load must be None or a callable, got 3"),
+        ({"host_bytes": 1 << 20, "state_host_bytes": 2 << 20}, r"state_host_bytes must be an int in \[0, host_bytes"),
+    ],
+)
+def test_offload_configs_that_cannot_work_are_refused_by_name(kwargs, match):
+    with pytest.raises(ConnectorError, match=match):
+        OffloadConfig(**kwargs)

@@ -111,6 +111,16 @@ BAD_INPUT = {
         "--logit_tolerance must be a finite number > 0",
     ),
     "serve: unknown dtype": ("serve.py", ["--dtype=float16"], "flag --dtype=float16: value should be one of"),
+    "serve: more devices than KV heads": (
+        "serve.py",
+        ["--num_devices=100000"],
+        "KV heads, not a multiple of the 100000 devices",
+    ),
+    "simulate: a trace that reads without end": (
+        "simulate.py",
+        ["--trace=/dev/zero"],
+        "--trace=/dev/zero is not a regular file",
+    ),
 }
 
 

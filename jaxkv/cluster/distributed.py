@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxkv.cluster.launcher import ProcessRole
+from jaxkv.cluster.launcher import LaunchError, ProcessRole
 from jaxkv.cluster.lockstep import LockstepCheck
 from jaxkv.errors import JaxkvError
 
@@ -24,12 +24,24 @@ class NotJoinedError(JaxkvError, RuntimeError):
     """A cluster-wide object was asked for in a process that joined no cluster."""
 
 
-def join(role: ProcessRole) -> None:
-    """``jax.distributed.initialize`` for ``role``; call it before anything touches a device."""
+def coordinator_bind_address(coordinator_address: str, bind_host: str | None = None) -> str:
+    """Where process 0's coordinator listens: on ``bind_host`` when asked, else on the
+    host of ``coordinator_address`` itself (127.0.0.1 for the launcher's one-machine
+    clusters), never on every interface (jax's default)."""
+    host, sep, port = coordinator_address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise LaunchError(f"coordinator address must be host:port, got {coordinator_address!r}")
+    return f"{bind_host or host}:{port}"
+
+
+def join(role: ProcessRole, *, bind_host: str | None = None) -> None:
+    """``jax.distributed.initialize`` for ``role``, the coordinator bound as
+    :func:`coordinator_bind_address` says; call it before anything touches a device."""
     jax.distributed.initialize(
         coordinator_address=role.coordinator_address,
         num_processes=role.num_processes,
         process_id=role.process_id,
+        coordinator_bind_address=coordinator_bind_address(role.coordinator_address, bind_host),
     )
 
 

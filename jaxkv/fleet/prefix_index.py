@@ -13,7 +13,10 @@ batches in sequence order, skips those it already has, and on a gap asks the rep
 socket for the missing ones. A gap the publisher no longer buffers cannot be filled:
 the subscriber drops the replica's entries (the index then under-reports that replica,
 never over-reports), goes on from the oldest batch still there, and raises
-:class:`EventGapError` naming what was lost.
+:class:`EventGapError` naming what was lost. A publisher restarted on the same endpoint
+(a new epoch, see :mod:`jaxkv.serving.kv_events`) is followed from its first batch,
+the dead cache's entries dropped first. Batches that do not decode are counted and
+skipped.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from jaxkv.serving.kv_events import (
     WireBlockStored,
     WireEvent,
     WireEventBatch,
-    check_endpoint,
 )
+from jaxkv.serving.zmq_security import CurveKeys, SecureContext, check_endpoint
 
 Location = tuple[Hashable, str]
 """(replica, medium)."""
@@ -137,7 +140,8 @@ class KVEventSubscriber:
     wait for a replay answer. :meth:`poll` applies what has arrived;
     :meth:`catch_up` asks for what was published since the last applied batch
     without waiting for a live one to reveal the gap (after :meth:`connect`, or
-    before reading the index at a moment that matters). Single-threaded.
+    before reading the index at a moment that matters). ``curve`` / ``plaintext_tcp``:
+    see :class:`~jaxkv.serving.zmq_security.SecureContext`. Single-threaded.
     """
 
     def __init__(
@@ -149,6 +153,8 @@ class KVEventSubscriber:
         replay_endpoint: str | None = None,
         topic: str = "",
         replay_timeout_s: float = 5.0,
+        curve: CurveKeys | None = None,
+        plaintext_tcp: bool = False,
     ) -> None:
         self.endpoint = check_endpoint("endpoint", endpoint)
         self.replay_endpoint = None if replay_endpoint is None else check_endpoint("replay_endpoint", replay_endpoint)
@@ -156,14 +162,23 @@ class KVEventSubscriber:
             raise KVEventsError(f"topic must be a str, got {topic!r}")
         if not isinstance(replay_timeout_s, (int, float)) or not replay_timeout_s > 0:
             raise KVEventsError(f"replay_timeout_s must be a positive number, got {replay_timeout_s!r}")
+        self._secure = SecureContext(curve, plaintext_tcp=plaintext_tcp)
+        for name, value in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
+            if value is not None:
+                self._secure.check(name, value, bind=False)
         self.index = index
         self.replica = replica
         self.topic = topic
         self.replay_timeout_s = replay_timeout_s
-        self.next_seq = 0
-        """The sequence number of the next batch to apply."""
+        self.next_seq: int | None = None
+        """The sequence number of the next batch to apply (None before the first)."""
+        self.epoch: int | None = None
+        """The publisher's epoch, from its last replay answer (None before one)."""
+        self.num_resyncs = 0
+        """Publisher restarts followed (a new epoch)."""
+        self.num_bad_batches = 0
+        """Batches (live or replayed) that did not decode, skipped."""
         self._decoder = msgspec.msgpack.Decoder(WireEventBatch)
-        self._ctx = zmq.Context()
         self._sub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
         self.connect()
@@ -178,9 +193,8 @@ class KVEventSubscriber:
         disconnected come back through the replay socket."""
         if self.connected:
             return
-        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub = self._secure.connect(zmq.SUB, "endpoint", self.endpoint)
         self._sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
-        self._sub.connect(self.endpoint)
         self._open_replay()
 
     def disconnect(self) -> None:
@@ -192,9 +206,18 @@ class KVEventSubscriber:
             self._replay.close(linger=0)
             self._replay = None
 
+    def resync(self) -> None:
+        """Forget the position in the stream and the replica's entries and reconnect:
+        the next :meth:`catch_up` follows the stream from the oldest batch its
+        publisher buffers (for a replica that comes back after it was dropped)."""
+        self.index.drop_replica(self.replica)
+        self.next_seq = self.epoch = None
+        self.disconnect()
+        self.connect()
+
     def close(self) -> None:
         self.disconnect()
-        self._ctx.term()
+        self._secure.term()
 
     def __enter__(self) -> KVEventSubscriber:
         return self
@@ -203,9 +226,8 @@ class KVEventSubscriber:
         self.close()
 
     def _open_replay(self) -> None:
-        if self.replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.DEALER)
-            self._replay.connect(self.replay_endpoint)
+        if self.replay_endpoint is not None:  # no receive limit: a replay brings a whole buffer
+            self._replay = self._secure.connect(zmq.DEALER, "replay_endpoint", self.replay_endpoint, RCVHWM=0)
 
     # ----------------------------------------------------------- receiving
     def poll(self, timeout_s: float = 0.0) -> int:
@@ -216,9 +238,12 @@ class KVEventSubscriber:
         applied = 0
         wait_ms = int(timeout_s * 1000)
         while self._sub.poll(wait_ms):
-            _topic, seq, payload = self._sub.recv_multipart()
-            applied += self._receive(int.from_bytes(seq, "big"), payload)
+            frames = self._sub.recv_multipart()
             wait_ms = 0
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.num_bad_batches += 1
+                continue
+            applied += self._receive(int.from_bytes(frames[1], "big"), frames[2])
         return applied
 
     def catch_up(self) -> int:
@@ -228,6 +253,8 @@ class KVEventSubscriber:
         return self._replay_from(self.next_seq, None)
 
     def _receive(self, seq: int, payload: bytes) -> int:
+        if self.next_seq is None:  # the first batch seen: everything before it comes from a replay
+            return self._replay_from(None, seq) + self._apply_if_next(seq, payload)
         if seq < self.next_seq:
             return 0  # already applied (it came through a replay first)
         applied = 0
@@ -235,25 +262,37 @@ class KVEventSubscriber:
             if seq > self.next_seq:
                 applied = self._replay_from(self.next_seq, seq)
         finally:  # a lost gap still lets the live batch in
-            if seq == self.next_seq:
-                self._apply(seq, payload)
-                applied += 1
+            applied += self._apply_if_next(seq, payload)
         return applied
 
-    def _apply(self, seq: int, payload: bytes) -> None:
-        self.index.apply(self.replica, self._decoder.decode(payload).events)
-        self.next_seq = seq + 1
+    def _apply_if_next(self, seq: int, payload: bytes) -> int:
+        if self.next_seq is not None and seq != self.next_seq:
+            return 0
+        self._apply(seq, payload)
+        return 1
 
-    def _replay_from(self, start: int, live: int | None) -> int:
-        """Apply the replayed batches from ``start`` on; ``live`` is a sequence number
-        seen live (None when none is known), so the stream is known to reach it.
-        Raises :class:`EventGapError` after applying what came back if batches are lost."""
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self.next_seq = seq + 1
+        try:
+            batch = self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.num_bad_batches += 1
+            return
+        self.index.apply(self.replica, batch.events)
+
+    def _replay_from(self, start: int | None, live: int | None) -> int:
+        """Apply the replayed batches from ``start`` on (None: from the oldest buffered);
+        ``live`` is a sequence number seen live (None when none is known), so the stream
+        is known to reach it. Raises :class:`EventGapError` after applying what came
+        back if batches are lost; follows a new epoch from its start."""
         if self._replay is None:
-            if live is None:
+            if live is None or start is None:
+                if start is None and live is not None:
+                    self.next_seq = live
                 return 0
             return self._lose(start, live, "no replay socket")
-        self._replay.send_multipart((b"", start.to_bytes(8, "big")))
-        applied, lost_at = 0, None
+        self._replay.send_multipart((b"", (start or 0).to_bytes(8, "big")))
+        replayed: list[tuple[int, bytes]] = []
         while True:
             if not self._replay.poll(int(self.replay_timeout_s * 1000)):
                 self._replay.close(linger=0)  # a late answer must not mix into the next one
@@ -262,12 +301,28 @@ class KVEventSubscriber:
                     f"replica {self.replica!r}: no replay answer from {self.replay_endpoint} "
                     f"within {self.replay_timeout_s} s"
                 )
-            *_, seq_bytes, payload = (
-                self._replay.recv_multipart()
-            )  # with the topic frame first or (before vLLM 0.33) without
+            frames = self._replay.recv_multipart()  # with the topic frame first or (before vLLM 0.33) without
+            if len(frames) < 3 or len(frames[-2]) != 8:
+                self.num_bad_batches += 1
+                continue
+            seq_bytes, payload = frames[-2], frames[-1]
             if seq_bytes == END_SEQ:
+                epoch = int.from_bytes(payload, "big") if len(payload) == 8 else None
                 break
-            seq = int.from_bytes(seq_bytes, "big")
+            replayed.append((int.from_bytes(seq_bytes, "big"), payload))
+        restarted = epoch is not None and self.epoch is not None and epoch != self.epoch
+        if epoch is not None:
+            self.epoch = epoch
+        if restarted:  # a new publisher: follow it from its first batch
+            self.num_resyncs += 1
+            self.index.drop_replica(self.replica)
+            self.next_seq = epoch
+        elif self.next_seq is None:  # the first contact: from the oldest batch still buffered
+            self.next_seq = replayed[0][0] if replayed else (epoch if epoch is not None else live)
+        applied, lost_at = 0, None
+        for seq, payload in replayed:
+            if self.next_seq is None:
+                self.next_seq = seq
             if seq < self.next_seq:
                 continue
             if seq > self.next_seq and lost_at is None:
@@ -275,7 +330,9 @@ class KVEventSubscriber:
                 self.index.drop_replica(self.replica)
             self._apply(seq, payload)
             applied += 1
-        if lost_at is None and live is not None and self.next_seq < live:
+        if self.next_seq is None:
+            self.next_seq = live
+        elif lost_at is None and live is not None and self.next_seq < live:
             lost_at = (self.next_seq, live)
             self.index.drop_replica(self.replica)
             self.next_seq = live

@@ -4,9 +4,17 @@ structs tagged by class name, one per ZeroMQ frame. Imports no JAX, so a router
 process need not carry it.
 
 A client (a DEALER on the replica's ``requests`` ROUTER) sends
-:class:`GenerateRequest` or :class:`ResetPrefixCache`; the replica answers each with
-:class:`GenerateResult`, :class:`GenerateFailure` or :class:`CacheReset`. The replica
-publishes a :class:`Heartbeat` on ``heartbeats`` every interval.
+:class:`GenerateRequest`, :class:`CancelRequest` or :class:`ResetPrefixCache`; the
+replica answers each request with :class:`GenerateResult`, :class:`GenerateFailure`
+or :class:`CacheReset`; a cancel is not answered (the request it stops gets no
+answer: its client has answered it already). Request ids are the client's: a replica keeps each
+client's apart, so two routers never collide. The replica publishes a
+:class:`Heartbeat` on ``heartbeats`` every interval.
+
+Size: a replica refuses, before decoding, any frame longer than
+:func:`max_request_bytes` of its ``max_model_len`` (ZeroMQ's ``MAXMSGSIZE``: the
+connection is dropped and the client reconnects); a message of other than one frame
+is counted and skipped.
 """
 
 from __future__ import annotations
@@ -18,7 +26,18 @@ from pathlib import Path
 
 import msgspec
 
-from jaxkv.serving.kv_events import check_endpoint
+from jaxkv.serving.zmq_security import check_endpoint
+
+MAX_TOKEN_BYTES = 9
+"""The most bytes one token id takes in msgpack (a 64-bit int)."""
+REQUEST_OVERHEAD_BYTES = 64 << 10
+"""Room for a request's other fields (its id, limits, cache salt)."""
+
+
+def max_request_bytes(max_model_len: int) -> int:
+    """The longest request frame a replica of ``max_model_len`` accepts: a prompt of
+    ``max_model_len`` 64-bit token ids and the other fields."""
+    return MAX_TOKEN_BYTES * max_model_len + REQUEST_OVERHEAD_BYTES
 
 
 class GenerateRequest(msgspec.Struct, tag=True):
@@ -28,6 +47,13 @@ class GenerateRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     max_new_tokens: int
     cache_salt: str | None = None
+
+
+class CancelRequest(msgspec.Struct, tag=True):
+    """Stop ``request_id`` (the router took it elsewhere, its deadline passed or its
+    caller cancelled it): the replica frees what it holds."""
+
+    request_id: str
 
 
 class ResetPrefixCache(msgspec.Struct, tag=True):
@@ -62,14 +88,23 @@ class CacheReset(msgspec.Struct, tag=True):
 
 
 class Heartbeat(msgspec.Struct, tag=True):
-    """The replica is serving; ``load`` = running + waiting requests."""
+    """The replica is alive; ``load`` = running + waiting requests; ``steps``: engine
+    steps run since it started (its progress); ``busy``: it has unfinished requests
+    (a busy replica whose ``steps`` stand still is hung); ``instance``: a token drawn
+    at its start (a new one: it restarted); ``slots`` and ``step_tokens``: its engine's
+    running requests and tokens per step at most (0: not said)."""
 
     replica: str
     seq: int
     load: int
+    steps: int = 0
+    busy: bool = False
+    instance: str = ""
+    slots: int = 0
+    step_tokens: int = 0
 
 
-ToReplica = GenerateRequest | ResetPrefixCache
+ToReplica = GenerateRequest | CancelRequest | ResetPrefixCache
 FromReplica = GenerateResult | GenerateFailure | CacheReset
 
 

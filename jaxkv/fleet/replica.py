@@ -4,15 +4,18 @@ request endpoint, publishing its KV events and heartbeats for a router
 
 A replica binds four sockets, named by a :class:`ReplicaAddress`:
 
-- ``requests`` (ROUTER): a client (a DEALER) sends :class:`GenerateRequest` or
-  :class:`ResetPrefixCache` messages; the replica answers each with a
-  :class:`GenerateResult`, a :class:`GenerateFailure` or a :class:`CacheReset`.
-  Requests are added to the engine as they arrive and join the running batch at the
-  next step (continuous batching: :meth:`Engine.add_request` / :meth:`Engine.step`).
+- ``requests`` (ROUTER): a client (a DEALER) sends :class:`GenerateRequest`,
+  :class:`CancelRequest` or :class:`ResetPrefixCache` messages; the replica answers
+  each request with a :class:`GenerateResult`, a :class:`GenerateFailure` or a
+  :class:`CacheReset`. Requests are added to the engine as they arrive and join the
+  running batch at the next step (continuous batching: :meth:`Engine.add_request` /
+  :meth:`Engine.step`); a cancel aborts one (:meth:`Engine.abort`). Oversized,
+  multi-frame and undecodable messages are refused without stopping the loop.
 - ``heartbeats`` (PUB): a :class:`Heartbeat` with the replica's load (running +
-  waiting requests, as of the last step) every ``heartbeat_interval_s``, from a thread
-  of its own: a long step (a big prefill on a busy host) is not read as death, while a
-  replica that is killed or closed falls silent.
+  waiting requests, as of the last step), its step count and whether it is busy,
+  every ``heartbeat_interval_s``, from a thread of its own: a long step (a big
+  prefill on a busy host) is not read as death, while a replica that is killed or
+  closed falls silent, and one whose step hangs shows no progress.
 - ``events`` (PUB) and ``replay`` (ROUTER): the engine's KV events in vLLM's format
   (:class:`~jaxkv.serving.kv_events.KVEventPublisher`).
 
@@ -30,6 +33,7 @@ import dataclasses
 import itertools
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -43,6 +47,7 @@ import zmq
 from jaxkv.errors import JaxkvError
 from jaxkv.fleet.protocol import (
     CacheReset,
+    CancelRequest,
     FromReplica,
     GenerateFailure,
     GenerateResult,
@@ -50,9 +55,12 @@ from jaxkv.fleet.protocol import (
     ReplicaAddress,
     ResetPrefixCache,
     ToReplica,
+    max_request_bytes,
 )
+from jaxkv.ints import is_int
 from jaxkv.serving.engine import Engine, RequestOutput
 from jaxkv.serving.kv_events import KVEventPublisher
+from jaxkv.serving.zmq_security import CurveKeys, SecureContext
 
 
 class ReplicaError(JaxkvError, ValueError):
@@ -98,22 +106,49 @@ class Replica:
 
     The engine must publish to ``address.events`` (its ``kv_events``); the replica
     owns the request socket and a heartbeat thread. The serving loop runs on the
-    engine's owner thread.
+    engine's owner thread. Bounds: frames longer than
+    :func:`~jaxkv.fleet.protocol.max_request_bytes` of the engine's ``max_model_len``
+    are refused before decoding; at most ``max_receive`` messages are taken between
+    two steps (so a flood cannot starve stepping); past ``max_waiting`` queued
+    requests a new one is refused with a failure. ``curve`` / ``plaintext_tcp``: see
+    :class:`~jaxkv.serving.zmq_security.SecureContext`.
     """
 
-    def __init__(self, name: str, engine: Engine, address: ReplicaAddress, *, heartbeat_interval_s: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        address: ReplicaAddress,
+        *,
+        heartbeat_interval_s: float,
+        max_waiting: int | None = None,
+        max_receive: int | None = None,
+        curve: CurveKeys | None = None,
+        plaintext_tcp: bool = False,
+    ) -> None:
         self.name = name
         self.engine = engine
-        self._ctx = zmq.Context()
-        self._requests = self._ctx.socket(zmq.ROUTER)
-        self._requests.bind(address.requests)
+        self.max_waiting = 4 * engine.max_num_seqs if max_waiting is None else max_waiting
+        self.max_receive = 2 * engine.max_num_seqs if max_receive is None else max_receive
+        for what, value in (("max_waiting", self.max_waiting), ("max_receive", self.max_receive)):
+            if not is_int(value) or value < 1:
+                raise ReplicaError(f"{what} must be a positive int, got {value!r}")
+        self.instance = secrets.token_hex(8)
+        self.num_bad_messages = 0
+        """Messages skipped: of other than two frames (identity, payload), or undecodable."""
+        self._secure = SecureContext(curve, plaintext_tcp=plaintext_tcp)
+        limit = max_request_bytes(engine.manager.max_model_len)
+        self._requests = self._secure.bind(
+            zmq.ROUTER, "requests", address.requests, MAXMSGSIZE=limit, ROUTER_HANDOVER=1
+        )
         self._decoder = msgspec.msgpack.Decoder(ToReplica)
         self._encoder = msgspec.msgpack.Encoder()
-        self._clients: dict[str, bytes] = {}  # request id -> the client identity to answer
+        self._clients: dict[str, tuple[bytes, str]] = {}  # engine request id -> (client identity, its request id)
         self._load = 0  # running + waiting, written by the serving loop, read by the heartbeat thread
+        self._steps = 0
+        self._busy = False
         self._closed = threading.Event()
-        heartbeats = self._ctx.socket(zmq.PUB)
-        heartbeats.bind(address.heartbeats)
+        heartbeats = self._secure.bind(zmq.PUB, "heartbeats", address.heartbeats)
         self._heartbeat = threading.Thread(
             target=self._beat, args=(heartbeats, heartbeat_interval_s), name=f"{name}-heartbeat", daemon=True
         )
@@ -125,77 +160,111 @@ class Replica:
         while not should_stop():
             if self._requests.poll(0 if self.engine.has_unfinished else 50):
                 self._receive()
-            if self.engine.has_unfinished:
+            self._busy = self.engine.has_unfinished
+            if self._busy:
                 self._step()
             self._load = self.engine.num_running + self.engine.num_waiting
+            self._busy = self.engine.has_unfinished
 
     def close(self) -> None:
         """Stop heartbeating and close the sockets (answers already sent get 1 s to leave)."""
         self._closed.set()
         self._heartbeat.join()
         self._requests.close(linger=1000)
-        self._ctx.term()
+        self._secure.term()
 
     def _beat(self, socket: zmq.Socket, interval_s: float) -> None:
         encoder = msgspec.msgpack.Encoder()  # the loop's encoder is not for this thread
         try:
             for seq in itertools.count():
-                socket.send(encoder.encode(Heartbeat(self.name, seq, self._load)))
+                beat = Heartbeat(
+                    self.name,
+                    seq,
+                    self._load,
+                    self._steps,
+                    self._busy,
+                    self.instance,
+                    self.engine.max_num_seqs,
+                    self.engine.max_num_batched_tokens,
+                )
+                socket.send(encoder.encode(beat))
                 if self._closed.wait(interval_s):
                     return
         finally:
             socket.close(linger=0)
 
     def _receive(self) -> None:
-        while self._requests.poll(0):
-            client, payload = self._requests.recv_multipart()
+        for _ in range(self.max_receive):
+            if not self._requests.poll(0):
+                return
+            frames = self._requests.recv_multipart()
+            if len(frames) != 2:
+                self.num_bad_messages += 1
+                continue
+            client, payload = frames
             try:
                 message = self._decoder.decode(payload)
-            except msgspec.DecodeError as err:
-                self._send(client, GenerateFailure("", self.name, f"undecodable request: {err}"))
+            except (msgspec.DecodeError, msgspec.ValidationError) as err:
+                self.num_bad_messages += 1
+                self._send(client, GenerateFailure("", self.name, f"refused: undecodable request: {err}"))
                 continue
-            if isinstance(message, ResetPrefixCache):
-                self._send(client, CacheReset(message.request_id, self.name, self.engine.reset_prefix_cache()))
-                continue
-            if message.request_id in self._clients:
-                self._send(client, GenerateFailure(message.request_id, self.name, "request id already in flight"))
-                continue
-            try:
-                self.engine.add_request(
-                    message.prompt_token_ids,
-                    message.max_new_tokens,
-                    cache_salt=message.cache_salt,
-                    request_id=message.request_id,
-                )
-            except JaxkvError as err:
-                self._send(client, GenerateFailure(message.request_id, self.name, str(err)))
-                continue
-            self._clients[message.request_id] = client
+            self._handle(client, message)
+
+    def _handle(self, client: bytes, message: ToReplica) -> None:
+        key = f"{client.hex()}:{message.request_id}"  # each client's ids apart from the others'
+        if isinstance(message, ResetPrefixCache):
+            self._send(client, CacheReset(message.request_id, self.name, self.engine.reset_prefix_cache()))
+            return
+        if isinstance(message, CancelRequest):
+            if self._clients.pop(key, None) is not None:  # not answered: the client answered it itself
+                self.engine.abort(key)
+            return
+        if key in self._clients:
+            self._send(client, GenerateFailure(message.request_id, self.name, "refused: request id already in flight"))
+            return
+        if self.engine.num_waiting >= self.max_waiting:
+            self._send(
+                client,
+                GenerateFailure(message.request_id, self.name, f"refused: {self.max_waiting} requests already waiting"),
+            )
+            return
+        try:
+            self.engine.add_request(
+                message.prompt_token_ids, message.max_new_tokens, cache_salt=message.cache_salt, request_id=key
+            )
+        except JaxkvError as err:
+            self._send(client, GenerateFailure(message.request_id, self.name, f"refused: {err}"))
+            return
+        self._clients[key] = (client, message.request_id)
 
     def _step(self) -> None:
         try:
             step = self.engine.step()
         except JaxkvError as err:  # the engine dropped every unfinished request
-            for rid, client in self._clients.items():
+            for client, rid in self._clients.values():
                 self._send(client, GenerateFailure(rid, self.name, f"step failed: {err}"))
             self._clients.clear()
             return
+        finally:
+            self._steps += 1
         for out in step.finished:
-            self._send(self._clients.pop(out.request_id), self._result(out))
+            client, rid = self._clients.pop(out.request_id)
+            self._send(client, self._result(rid, out))
 
-    def _result(self, out: RequestOutput) -> GenerateResult:
-        return GenerateResult(out.request_id, self.name, list(out.output_token_ids), out.ttft_s, out.num_cached_tokens)
+    def _result(self, request_id: str, out: RequestOutput) -> GenerateResult:
+        return GenerateResult(request_id, self.name, list(out.output_token_ids), out.ttft_s, out.num_cached_tokens)
 
     def _send(self, client: bytes, message: FromReplica) -> None:
         self._requests.send_multipart((client, self._encoder.encode(message)))
 
 
-def serve_replica(spec: ReplicaSpec, should_stop: Callable[[], bool]) -> None:
-    """Build the spec's engine with a KV event publisher, compile it, and serve."""
-    with KVEventPublisher(spec.address.events, replay_endpoint=spec.address.replay) as events:
+def serve_replica(spec: ReplicaSpec, should_stop: Callable[[], bool], *, curve: CurveKeys | None = None) -> None:
+    """Build the spec's engine with a KV event publisher, compile it, and serve
+    (``curve``: the deployment's keys; None reads ``JAXKV_CURVE_DIR``)."""
+    with KVEventPublisher(spec.address.events, replay_endpoint=spec.address.replay, curve=curve) as events:
         engine = Engine.build(**spec.engine, kv_events=events)
         warm_up(engine)
-        replica = Replica(spec.name, engine, spec.address, heartbeat_interval_s=spec.heartbeat_interval_s)
+        replica = Replica(spec.name, engine, spec.address, heartbeat_interval_s=spec.heartbeat_interval_s, curve=curve)
         try:
             replica.serve(should_stop)
         finally:

@@ -68,6 +68,9 @@ def state_plan(
     state pool for a model with recurrent layers, else vLLM's ``attention_pages``; the
     state pool gets ``max_num_seqs`` live states and ``checkpoint_share`` of the memory
     for checkpoints."""
+    share = checkpoint_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:  # NaN fails too
+        raise EngineError(f"checkpoint_share must be a number in [0, 1), got {checkpoint_share!r}")
     if state_layout == "auto":
         recurrent = any(isinstance(spec, MambaSpec) for spec in layer_specs.values())
         state_layout = "state_pool" if recurrent else "attention_pages"
@@ -273,6 +276,10 @@ class Engine:
         model_axis: str = MODEL_AXIS,
         step_check: Callable[[SchedulerOutput | None], None] | None = None,
     ) -> None:
+        if step_check is not None and not callable(step_check):
+            raise EngineError(f"step_check must be None or a callable, got {step_check!r}")
+        if kv_events is not None and not callable(getattr(kv_events, "publish_step", None)):
+            raise EngineError(f"kv_events must be None or a KVEventPublisher, got {kv_events!r}")
         check_positive_int("max_num_seqs", max_num_seqs)
         if kv_config is None:
             if memory_bytes is None or max_model_len is None:
@@ -526,6 +533,22 @@ class Engine:
             self._publish_events()  # the host stores settled by _release
         return EngineStep(finished, output.num_tokens, usage)
 
+    def abort(self, request_id: str) -> bool:
+        """Drop one unfinished request between steps: its blocks and states freed (what
+        it computed stays cached), its events published; False when no such request is
+        unfinished. Host-tier pins last only within a step, so none is left to drop."""
+        self._owner.check()
+        request = self._live.pop(request_id, None) if isinstance(request_id, str) else None
+        if request is None:
+            return False
+        self._scheduler.remove(request.seq)
+        if self.manager.has_request(request_id):
+            self.manager.free(request.seq.request)
+        if not self._live:
+            self._release(())
+        self._publish_events()
+        return True
+
     def reset_prefix_cache(self) -> bool:
         """Forget the device prefix cache (published as ``AllBlocksCleared``); refused
         (False) while requests are unfinished."""
@@ -543,7 +566,11 @@ class Engine:
         )
 
     def _add(self, prompt: list[int], limit: int, salt: str | None, request_id: str | None, return_logits: bool) -> str:
-        rid = f"req-{next(self._ids)}" if request_id is None else request_id
+        rid = request_id
+        if rid is None:
+            rid = f"req-{next(self._ids)}"
+            while rid in self._live:  # a made id never takes a caller's
+                rid = f"req-{next(self._ids)}"
         seq = self._scheduler.add_request(Request(rid, prompt, cache_salt=salt), limit)
         self._live[rid] = _LiveRequest(seq, time.perf_counter(), logits=[] if return_logits else None)
         return rid

@@ -61,6 +61,7 @@ import zmq
 from jaxkv.errors import JaxkvError
 from jaxkv.offload.catalog import KeysRemoved, KeysStored, OffloadEvent
 from jaxkv.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.serving.zmq_security import CurveKeys, SecureContext, check_endpoint
 
 if TYPE_CHECKING:
     from jaxkv.manager import KVCacheManager
@@ -72,8 +73,9 @@ MEDIUM_HOST = "CPU"
 """vLLM's word for the host-memory tier."""
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence-number frame closing a replay answer."""
-ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 _MASK_64 = (1 << 64) - 1
+REPLAY_SEND_TIMEOUT_MS = 5000
+"""How long a replay waits on a client that does not read before giving up on it."""
 
 ExternalBlockHash = int | bytes
 
@@ -136,10 +138,12 @@ def wire_events(
     block_sizes: Sequence[int] = (),
     *,
     int_hashes: bool = True,
+    include_token_ids: bool = True,
 ) -> list[WireEvent]:
     """The wire form of one step's events: the device pools' (medium ``"GPU"``), then the
     host tier's (``"CPU"``, one event per run of keys of one group; ``block_sizes`` gives
-    each group's block size)."""
+    each group's block size). ``include_token_ids=False`` leaves stored blocks' token ids
+    out."""
 
     def ext(h: bytes) -> ExternalBlockHash:
         return external_hash(h, as_int=int_hashes)
@@ -151,7 +155,7 @@ def wire_events(
                 WireBlockStored(
                     block_hashes=[ext(h) for h in e.block_hashes],
                     parent_block_hash=None if e.parent_block_hash is None else ext(e.parent_block_hash),
-                    token_ids=list(e.token_ids),
+                    token_ids=list(e.token_ids) if include_token_ids else [],
                     block_size=e.block_size,
                     lora_id=None,
                     medium=MEDIUM_DEVICE,
@@ -175,22 +179,18 @@ def wire_events(
     return out
 
 
-def check_endpoint(name: str, endpoint: object) -> str:
-    """``endpoint`` if it is a ZeroMQ address this module may use, else :class:`KVEventsError`."""
-    if not isinstance(endpoint, str) or not endpoint.startswith(ENDPOINT_SCHEMES):
-        raise KVEventsError(f"{name} must be a str starting with one of {ENDPOINT_SCHEMES}, got {endpoint!r}")
-    return endpoint
-
-
 class KVEventPublisher:
     """Publishes batches of KV events over ZeroMQ as a vLLM server does, with replay.
 
     Binds ``endpoint`` (PUB) and, if given, ``replay_endpoint`` (ROUTER), e.g.
-    ``tcp://127.0.0.1:5557``; a ``*`` port takes a free one (read the bound address back
-    from :attr:`endpoint` / :attr:`replay_endpoint`). :meth:`publish` runs on the
-    caller's thread (one thread only, like the engine); a background thread answers
-    replay requests from the last ``buffer_steps`` batches. ``int_block_hashes=False``
-    publishes block hashes as bytes. Close it (or use it as a context manager).
+    ``ipc:///run/jaxkv/r0-events``; a ``*`` port takes a free one (read the bound
+    address back from :attr:`endpoint` / :attr:`replay_endpoint`). :meth:`publish` runs
+    on the caller's thread (one thread only, like the engine); a background thread
+    answers replay requests from the last ``buffer_steps`` batches, all of them (the
+    replay socket's send queue holds a whole buffer). ``int_block_hashes=False``
+    publishes block hashes as bytes; ``include_token_ids=False`` leaves token ids out.
+    ``curve`` / ``plaintext_tcp``: see :class:`~jaxkv.serving.zmq_security.SecureContext`.
+    Close it (or use it as a context manager).
     """
 
     def __init__(
@@ -202,7 +202,10 @@ class KVEventPublisher:
         buffer_steps: int = 10_000,
         data_parallel_rank: int = 0,
         int_block_hashes: bool = True,
+        include_token_ids: bool = True,
         hwm: int = 100_000,
+        curve: CurveKeys | None = None,
+        plaintext_tcp: bool = False,
     ) -> None:
         check_endpoint("endpoint", endpoint)
         if replay_endpoint is not None:
@@ -215,23 +218,36 @@ class KVEventPublisher:
         self.topic = topic
         self.data_parallel_rank = data_parallel_rank
         self.int_block_hashes = int_block_hashes
-        self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._replay = self._ctx.socket(zmq.ROUTER) if replay_endpoint is not None else None
+        self.include_token_ids = include_token_ids
+        self._secure = SecureContext(curve, plaintext_tcp=plaintext_tcp)
+        self._pub: zmq.Socket | None = None
+        self._replay: zmq.Socket | None = None
         try:
+            self._pub = self._secure.bind(zmq.PUB, "endpoint", endpoint)
             self._pub.set_hwm(hwm)
-            self._pub.bind(endpoint)
-            if self._replay is not None:
-                self._replay.bind(replay_endpoint)
-        except zmq.ZMQError as err:
+            if replay_endpoint is not None:
+                # a whole buffer and its end marker queue up; past that a send waits (up to
+                # REPLAY_SEND_TIMEOUT_MS for a client that stopped reading) instead of dropping
+                self._replay = self._secure.bind(
+                    zmq.ROUTER,
+                    "replay_endpoint",
+                    replay_endpoint,
+                    SNDHWM=buffer_steps + 2,
+                    ROUTER_MANDATORY=1,
+                    SNDTIMEO=REPLAY_SEND_TIMEOUT_MS,
+                )
+        except BaseException:
             self._close_sockets()
-            raise KVEventsError(f"cannot bind {endpoint!r} / {replay_endpoint!r}: {err}") from None
+            raise
         self._topic = topic.encode()
         self._encoder = msgspec.msgpack.Encoder()
         self._lock = threading.Lock()  # the buffer, shared with the replay thread
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._next_seq = 0
+        self.epoch = time.time_ns() // 1000
+        """The first sequence number: the start time in microseconds (see the module docstring)."""
+        self._next_seq = self.epoch
         self.num_bad_replay_requests = 0
+        self.num_failed_replays = 0
         self._stop = threading.Event()
         self._thread = None
         if self._replay is not None:
@@ -251,12 +267,17 @@ class KVEventPublisher:
 
     @property
     def num_published(self) -> int:
-        """Batches published so far (the next batch's sequence number)."""
+        """Batches published so far."""
+        return self._next_seq - self.epoch
+
+    @property
+    def next_seq(self) -> int:
+        """The next batch's sequence number."""
         return self._next_seq
 
     @property
     def closed(self) -> bool:
-        return self._pub.closed
+        return self._pub is None or self._pub.closed
 
     # ---------------------------------------------------------- publishing
     def publish(self, events: Sequence[WireEvent]) -> int:
@@ -281,7 +302,13 @@ class KVEventPublisher:
         ``create`` for such a manager does).
         """
         host = connector.take_events() if connector is not None else ()
-        events = wire_events(manager.take_events(), host, manager.block_sizes, int_hashes=self.int_block_hashes)
+        events = wire_events(
+            manager.take_events(),
+            host,
+            manager.block_sizes,
+            int_hashes=self.int_block_hashes,
+            include_token_ids=self.include_token_ids,
+        )
         return self.publish(events) if events else None
 
     # -------------------------------------------------------------- replay
@@ -292,7 +319,7 @@ class KVEventPublisher:
 
     def _answer(self, frames: list[bytes]) -> None:
         """Stream the buffered batches from the requested sequence number, then the end
-        marker; a request of another shape is counted and ignored."""
+        marker (with the epoch); a request of another shape is counted and ignored."""
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             self.num_bad_replay_requests += 1
             return
@@ -300,9 +327,12 @@ class KVEventPublisher:
         with self._lock:
             oldest = self._buffer[0][0] if self._buffer else first
             batches = list(itertools.islice(self._buffer, max(0, first - oldest), None))
-        for seq, payload in batches:
-            self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        try:
+            for seq, payload in batches:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", b"", END_SEQ, self.epoch.to_bytes(8, "big")))
+        except zmq.ZMQError:  # the client left or stopped reading: it sees no end marker and asks again
+            self.num_failed_replays += 1
 
     # --------------------------------------------------------------- close
     def close(self, linger_s: float = 1.0) -> None:
@@ -316,10 +346,11 @@ class KVEventPublisher:
         self._close_sockets(linger_s)
 
     def _close_sockets(self, linger_s: float = 0.0) -> None:
-        self._pub.close(linger=int(linger_s * 1000))
+        if self._pub is not None:
+            self._pub.close(linger=int(linger_s * 1000))
         if self._replay is not None:
             self._replay.close(linger=0)
-        self._ctx.term()
+        self._secure.term()
 
     def __enter__(self) -> KVEventPublisher:
         return self

@@ -49,12 +49,14 @@ blocking the loop (:meth:`OffloadConnector.finish_stores`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from jaxkv.errors import JaxkvError, OwnerThread
+from jaxkv.ints import is_int
 from jaxkv.manager import KVCacheBlocks, KVCacheManager, Request
 from jaxkv.offload.catalog import OffloadEvent, OffloadingManager, OffloadKey, PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
@@ -86,6 +88,23 @@ class OffloadConfig:
     fail_store: FailureHook | None = None
     fail_load: FailureHook | None = None
     state_host_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not is_int(self.host_bytes) or self.host_bytes <= 0:
+            raise ConnectorError(f"host_bytes must be a positive int, got {self.host_bytes!r}")
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if self.host_bytes > physical:
+            raise ConnectorError(f"host_bytes={self.host_bytes:,} exceeds this host's {physical:,} bytes of memory")
+        if self.state_host_bytes is not None and (
+            not is_int(self.state_host_bytes) or not 0 <= self.state_host_bytes <= self.host_bytes
+        ):
+            raise ConnectorError(
+                f"state_host_bytes must be an int in [0, host_bytes={self.host_bytes:,}], got {self.state_host_bytes!r}"
+            )
+        for name in ("fail_store", "fail_load"):
+            hook = getattr(self, name)
+            if hook is not None and not callable(hook):
+                raise ConnectorError(f"{name} must be None or a callable, got {hook!r}")
 
 
 @dataclass

@@ -176,6 +176,14 @@ class Scheduler:
         self._queued_ids.add(rid)
         return seq
 
+    def remove(self, seq: SeqState) -> None:
+        """Take an unfinished request out of the queues (the caller frees its blocks)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._queued_ids.discard(seq.request_id)
+
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks and allocate their slots."""
