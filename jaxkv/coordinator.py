@@ -126,6 +126,8 @@ class KVCacheCoordinator:
         # The config guarantees every block size is a multiple of the smallest.
         self.hash_block_size = config.hash_block_size
         self.lcm_block_size = math.lcm(*(g.block_size for g in groups))
+        for m in self.managers:
+            m.hit_alignment = self.lcm_block_size
         by_key: dict[tuple, list[int]] = {}
         for i, (g, m) in enumerate(zip(groups, self.managers)):
             by_key.setdefault((type(m), g.spec, g.block_size), []).append(i)
@@ -378,7 +380,7 @@ class KVCacheCoordinator:
         for m in self.managers:
             bs = m.block_size
             capacity = min(capacity, len(m.req_blocks[request_id]) * bs)
-            next_full = min(next_full, (m.num_cached.get(request_id, 0) + 1) * bs)
+            next_full = min(next_full, m.next_cache_tokens(request_id))
             if m.skips_blocks:
                 next_skip = min(next_skip, m.next_skip_computed(request_id))
         return capacity, next_full, next_skip

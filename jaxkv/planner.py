@@ -9,8 +9,9 @@ specs -> (tile alignment) -> groups -> block size per group -> layout -> num_blo
    the device buffers really take. MLA latents and Mamba states are left as they are.
 1. **Groups.** Layers whose specs have the same ``type_key`` form a type. Every group
    has the same number of layers per block, ``layers_per_group`` (see
-   :func:`choose_layers_per_group`); a type's layers are cut into
-   ceil(count / layers_per_group) groups in model order. One block id then means the
+   :func:`choose_layers_per_group`); a type's layers are dealt round-robin into
+   ceil(count / layers_per_group) groups (vLLM's order: layers 3-6 in two groups
+   are [3, 5] and [4, 6]). One block id then means the
    same bytes in every group, so all groups draw from one shared pool.
 2. **Pages.** Slot i of every group is the same memory, so one layer's page must be
    the same size in every group. Attention types with a smaller page get a block size
@@ -732,6 +733,13 @@ def plan_kv_cache(
     )
 
 
+def _strided(names: Sequence[str], num_groups: int) -> list[tuple[str, ...]]:
+    """``names`` dealt round-robin into ``num_groups`` groups (vLLM's rule): with
+    pipeline stages holding consecutive layers, every stage then holds a share of every
+    group instead of whole groups of one type, so no stage pads a group out."""
+    return [tuple(names[i::num_groups]) for i in range(num_groups)]
+
+
 def _group_and_page(
     types: Sequence[_LayerType],
     sizes: Sequence[int],
@@ -748,7 +756,7 @@ def _group_and_page(
     groups = tuple(
         KVCacheGroup(names, t.spec, size, _head_padding_bytes_per_token(names, original, padded))
         for t, size in zip(types, sizes)
-        for names in (t.layer_names[i : i + per_group] for i in range(0, len(t.layer_names), per_group))
+        for names in _strided(t.layer_names, cdiv(len(t.layer_names), per_group))
     )
     pages = BlockPages(
         layout=layout,

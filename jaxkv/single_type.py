@@ -77,6 +77,9 @@ class SingleTypeManager:
         # hit (see :meth:`set_anchors`), and the skipped blocks retained for them.
         self.anchors: dict[str, tuple[int, ...]] = {}
         self.retained: dict[str, list[tuple[int, int]]] = {}
+        # Hit lengths are multiples of this (the lcm of the model's block sizes; the
+        # coordinator sets it): a window group caches only blocks a hit can end on.
+        self.hit_alignment = block_size
 
     # ----------------------------------------------------------- hit search
     @classmethod
@@ -208,6 +211,10 @@ class SingleTypeManager:
         )
         self.num_cached[request_id] = end
 
+    def next_cache_tokens(self, request_id: str) -> int:
+        """Fewest tokens at which :meth:`cache_blocks` would cache another block."""
+        return (self.num_cached.get(request_id, 0) + 1) * self.block_size
+
     def release(self, request_id: str) -> Iterable[int]:
         """Forget the request; return the blocks it held, last first (evicted first),
         for the caller to free together with the other groups' blocks."""
@@ -283,6 +290,43 @@ class SlidingWindowManager(SingleTypeManager):
 
     def min_computed_to_skip(self, num_blocks: int) -> int:
         return num_blocks * self.block_size + self.spec.sliding_window - 1
+
+    def cache_blocks(self, request_id, hashes, num_tokens, token_ids, lora_name):
+        """Cache only the blocks a hit can end on (vLLM's rule when block sizes differ).
+
+        A hit's length is a multiple of :attr:`hit_alignment`, so of each aligned
+        segment only the trailing ``cdiv(window - 1, block_size)`` blocks can be the
+        window of a hit; blocks past the last aligned boundary wait until the request
+        crosses the next one. The others stay uncached: freed, they join the head of
+        the free queue instead of pushing useful blocks out."""
+        per_segment = self.hit_alignment // self.block_size
+        needed = cdiv(self.spec.sliding_window - 1, self.block_size)
+        if needed >= per_segment:
+            super().cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
+            return
+        end = num_tokens // self.hit_alignment * per_segment
+        start = self.num_cached.get(request_id, 0)
+        if end <= start:
+            return
+        blocks = self.req_blocks[request_id]
+        for segment_end in range(start // per_segment * per_segment + per_segment, end + 1, per_segment):
+            self.pool.cache_blocks(
+                self.group_id,
+                blocks,
+                hashes,
+                max(start, segment_end - needed),
+                segment_end,
+                block_size=self.block_size,
+                token_ids=token_ids,
+                lora_name=lora_name,
+            )
+        self.num_cached[request_id] = end
+
+    def next_cache_tokens(self, request_id: str) -> int:
+        """The next aligned boundary, when blocks a hit can end on are cached."""
+        if cdiv(self.spec.sliding_window - 1, self.block_size) >= self.hit_alignment // self.block_size:
+            return super().next_cache_tokens(request_id)
+        return (self.num_cached.get(request_id, 0) * self.block_size // self.hit_alignment + 1) * self.hit_alignment
 
 
 class ChunkedLocalAttentionManager(SingleTypeManager):

@@ -6,7 +6,8 @@ through the same small scheduler loop: FCFS admission up to ``max_running`` (a p
 lookup, then the rest of the prompt; admission stops at the first request that does not
 fit), one decode token per running request per step, and preemption of the newest
 running request when a decode cannot get its block (freed, reset to 0 computed tokens,
-back to the head of the queue). Timed per call: ``lookup`` (``get_computed_blocks``),
+back to the head of the queue). Timed per call: ``request`` (building the ``Request``
+and hashing its prompt: vLLM's hashes itself when built), ``lookup`` (``get_computed_blocks``),
 ``alloc_prefill``, ``alloc_decode``, ``free``, and ``hash`` (appending a token, which
 hashes a newly full block: vLLM's ``Request`` does it inside
 ``append_output_token_ids``, ours through ``manager.hash_request``). Garbage
@@ -19,9 +20,11 @@ suffixes, 128 decode steps, at most 32 running, a pool that holds them all), ``p
 preempted, window blocks are evicted) and ``running512`` (512 requests running at once:
 512-token system prompts, 64-256-token suffixes, 32 decode steps). Models: ``full``
 (one full-attention group) and ``gemma3-like`` (5 sliding-window groups of window 1024 +
-1 full). With ``--check_decisions`` (on when vLLM is importable) the stream first runs
-through both managers in lockstep, untimed, and every hit, block id list, allocation
-failure and the free queue after every scheduler step must agree.
+1 full) and ``mixed-blocks`` (full attention with blocks 4x ``--block_size`` beside 2
+window groups of 2 blocks' window at ``--block_size``: groups of different block sizes, where
+a window group caches only the blocks a hit can end on). With ``--check_decisions`` (on when
+vLLM is importable) the stream first runs through both managers in lockstep, untimed, and
+every hit, block id list, allocation failure and the free queue after every scheduler step must agree.
 
     python scripts/bench_manager.py --out bench_manager.json
 
@@ -45,7 +48,7 @@ from jaxkv.planner import KVCacheConfig, KVCacheGroup
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["full", "gemma3-like"], "models to run")
+flags.DEFINE_list("models", ["full", "gemma3-like", "mixed-blocks"], "models to run")
 flags.DEFINE_list("workloads", ["base", "pressure", "running512"], "workloads to run")
 flags.DEFINE_integer("pairs", 5, "alternating jaxkv / vLLM runs per workload; medians are reported", lower_bound=1)
 flags.DEFINE_integer("block_size", 16, "tokens per block", lower_bound=1)
@@ -57,7 +60,7 @@ flags.DEFINE_boolean("peer", True, "time vLLM's manager too when it is importabl
 flags.DEFINE_integer("seed", 0, "workload seed")
 flags.DEFINE_string("out", None, "write the results as JSON here")
 
-OPS = ("lookup", "alloc_prefill", "alloc_decode", "free", "hash")
+OPS = ("request", "lookup", "alloc_prefill", "alloc_decode", "free", "hash")
 PRESSURE = 0.6
 """The pressure workload's pool, as a fraction of the blocks the stream holds at its peak."""
 MAX_MODEL_LEN = 8192
@@ -87,7 +90,7 @@ def make_workload(name: str, model: str, seed: int, scale: float) -> Workload:
         for i in range(num)
     )
     per_request = -(-(max(map(len, prompts)) + steps) // FLAGS.block_size)
-    groups = 1 if model == "full" else 6
+    groups = len(group_specs(model))
     roomy = Workload(name, prompts, steps, running, groups * per_request * (min(running, num) + systems) + 2)
     if name != "pressure":
         return roomy
@@ -97,9 +100,14 @@ def make_workload(name: str, model: str, seed: int, scale: float) -> Workload:
     return Workload(name, prompts, steps, running, max(int(peak * PRESSURE), groups * per_request + 2))
 
 
-def group_specs(model: str) -> list[tuple[str, int | None]]:
-    """(kind, window) per group."""
-    return [("full", None)] if model == "full" else [("window", FLAGS.sliding_window)] * 5 + [("full", None)]
+def group_specs(model: str) -> list[tuple[str, int | None, int]]:
+    """(kind, window, block size) per group."""
+    bs = FLAGS.block_size
+    if model == "full":
+        return [("full", None, bs)]
+    if model == "mixed-blocks":
+        return [("full", None, 4 * bs)] + [("window", 2 * bs, bs)] * 2
+    return [("window", FLAGS.sliding_window, bs)] * 5 + [("full", None, bs)]
 
 
 # ------------------------------------------------------------------------ the two sides
@@ -113,9 +121,10 @@ class JaxkvSide:
             FullAttentionSpec(num_kv_heads=8, head_size=128)
             if kind == "full"
             else SlidingWindowSpec(num_kv_heads=8, head_size=128, sliding_window=window)
-            for kind, window in group_specs(model)
+            for kind, window, _ in group_specs(model)
         ]
-        groups = tuple(KVCacheGroup((f"layer{i}",), s, FLAGS.block_size) for i, s in enumerate(specs))
+        sizes = [bs for _, _, bs in group_specs(model)]
+        groups = tuple(KVCacheGroup((f"layer{i}",), s, bs) for i, (s, bs) in enumerate(zip(specs, sizes)))
         self.manager = KVCacheManager(
             KVCacheConfig(num_blocks=num_blocks, groups=groups), max_model_len=MAX_MODEL_LEN, hash_algo=FLAGS.hash_algo
         )
@@ -164,9 +173,10 @@ class VllmSide:
 
         init_none_hash(sha256)
         bs = FLAGS.block_size
-        common = dict(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+        common = dict(num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
         specs = [
-            VFull(**common) if kind == "full" else VWindow(**common, sliding_window=w) for kind, w in group_specs(model)
+            VFull(**common, block_size=size) if kind == "full" else VWindow(**common, block_size=size, sliding_window=w)
+            for kind, w, size in group_specs(model)
         ]
         config = VConfig(
             num_blocks=num_blocks,
@@ -228,12 +238,6 @@ def run_loop(sides: Sequence, workload: Workload, times: list[dict[str, float]] 
     timed and every decision is compared (:class:`DecisionMismatch` on the first
     difference)."""
     clock = time.perf_counter
-    reqs = [[side.request(f"r{i}", p) for side in sides] for i, p in enumerate(workload.prompts)]
-    generated = [0] * len(reqs)
-    waiting: deque[int] = deque(range(len(reqs)))
-    running: list[int] = []
-    preemptions = step = 0
-    min_free = workload.num_blocks
 
     def call(op: str, fn: Callable, *args_per_side: Sequence) -> list:
         out = []
@@ -243,6 +247,16 @@ def run_loop(sides: Sequence, workload: Workload, times: list[dict[str, float]] 
             if times is not None:
                 times[k][op] += clock() - start
         return out
+
+    reqs = [
+        call("request", lambda s, p: s.request(f"r{i}", p), *[(p,)] * len(sides))
+        for i, p in enumerate(workload.prompts)
+    ]
+    generated = [0] * len(reqs)
+    waiting: deque[int] = deque(range(len(reqs)))
+    running: list[int] = []
+    preemptions = step = 0
+    min_free = workload.num_blocks
 
     def agree(what: str, results: list) -> None:
         if len(results) > 1 and results[0] != results[1]:

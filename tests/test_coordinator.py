@@ -94,3 +94,53 @@ def test_a_reset_is_one_all_blocks_cleared_between_every_pools_events(tokens):
     for side in (before, after):
         assert {e.group for e in side} == {0, 1} and all(isinstance(e, BlockStored) for e in side)
         assert any(e.group == state_group for e in side), "the state pool's checkpoints on both sides"
+
+
+def mixed_block_manager(num_blocks: int) -> KVCacheManager:
+    """Full attention with 32-token blocks beside a window of 8 with 8-token blocks (lcm 32)."""
+    groups = (KVCacheGroup(("full",), FULL, 32), KVCacheGroup(("swa",), window(8), 8))
+    return KVCacheManager(KVCacheConfig(num_blocks=num_blocks, groups=groups), max_model_len=1024)
+
+
+def test_a_window_group_caches_only_the_blocks_a_hit_can_end_on(tokens):
+    mgr = mixed_block_manager(16)
+    req = Request("a", tokens(0, 64))
+    admit(mgr, req)
+    _, swa = mgr.get_block_ids("a")
+    swa_hashes = mgr.coordinator.hashes_per_group(req.block_hashes)[1]
+    cached = [i for i, (b, h) in enumerate(zip(swa, swa_hashes)) if mgr.coordinator.is_cached_as(1, b, h)]
+    assert cached == [3, 7]  # the one block before each 32-token boundary
+
+
+def test_a_window_block_past_the_last_aligned_boundary_waits_for_it(tokens):
+    groups = (KVCacheGroup(("full",), FULL, 32), KVCacheGroup(("swa",), window(12), 8))
+    mgr = KVCacheManager(KVCacheConfig(num_blocks=32, groups=groups), max_model_len=1024)
+    req = Request("a", tokens(0, 56))
+    admit(mgr, req)
+    swa_hashes = mgr.coordinator.hashes_per_group(req.block_hashes)[1]
+
+    def cached() -> list[int]:
+        swa = mgr.get_block_ids("a")[1]
+        return [i for i, (b, h) in enumerate(zip(swa, swa_hashes)) if b and mgr.coordinator.is_cached_as(1, b, h)]
+
+    assert cached() == [2, 3]  # block 6 is full, but 56 tokens reach no second boundary
+    for t in range(8):
+        req.append_output_token_ids(1000 + t)
+        mgr.hash_request(req)
+        swa_hashes = mgr.coordinator.hashes_per_group(req.block_hashes)[1]
+        assert mgr.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+    assert cached() == [6, 7]  # blocks 2, 3 left the window; 6 and 7 end at the 64 boundary
+
+
+@pytest.mark.parametrize(("spare", "kept"), [(2, 64), (1, 32)])
+def test_an_unrelated_request_takes_the_unusable_window_blocks_first(tokens, spare, kept):
+    # The prompt holds 2 full + 8 window blocks; the unrelated 48-token one 2 + 6.
+    mgr = mixed_block_manager(1 + 10 + spare)
+    prompt = tokens(0, 64)
+    a = Request("a", prompt)
+    admit(mgr, a)
+    mgr.free(a)
+    other = Request("b", tokens(5000, 48))
+    assert admit(mgr, other)[2] is not None
+    assert mgr.get_computed_blocks(Request("c", prompt + [7]))[1] == kept
