@@ -107,19 +107,25 @@ class KVCacheCoordinator:
         )
         self.pools = (self.pool,) if self.state_pool is None else (self.pool, self.state_pool)
         state_groups = set(config.state_group_ids)
+        shared = config.shared_states
         self.managers: list[SingleTypeManager] = [
-            StatePoolManager(self.state_pool, i, g.block_size, g.spec)
+            (
+                StatePoolManager(self.pool, i, g.block_size, g.spec, shared.pages_per_state)
+                if shared is not None
+                else StatePoolManager(self.state_pool, i, g.block_size, g.spec)
+            )
             if i in state_groups
             else manager_class_for(g.spec)(self.pool, i, g.block_size, g.spec)
             for i, g in enumerate(groups)
         ]
         self._state_managers = [m for m in self.managers if isinstance(m, StatePoolManager)]
+        self._attention_managers = [m for m in self.managers if not isinstance(m, StatePoolManager)]
         self._retention: CheckpointRetention | None = None
-        if self.state_pool is not None:
+        if self._state_managers:
             self._retention = CheckpointRetention(
                 self.pool,
-                self.state_pool,
-                [m.group_id for m in self.managers if m.pool is self.pool and m.block_size == config.hash_block_size],
+                self._state_managers[0].pool,
+                [m.group_id for m in self._attention_managers if m.block_size == config.hash_block_size],
                 [m.group_id for m in self._state_managers],
             )
             self.pool.add_reuse_listener(self._retention.on_evict)
@@ -331,7 +337,7 @@ class KVCacheCoordinator:
                 n = m.num_new_blocks(request_id, num_tokens, 0)
             if m.skips_blocks:
                 n -= pool.count_newly_freed(m.skippable_blocks(request_id, num_computed_tokens))
-            needed[id(pool)] += n
+            needed[id(pool)] += n * m.pages_per_block
         return all(needed[id(p)] <= p.num_free_blocks for p in self.pools)
 
     def allocate(
@@ -401,7 +407,7 @@ class KVCacheCoordinator:
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group, in one pass over each pool."""
-        managers = [m for m in self.managers if m.pool is self.pool]
+        managers = self._attention_managers
         if self.retention == "group_aware":
             entries = [e for m in managers for e in m.release_by_position(request_id)]
             entries.sort(key=lambda e: -e[0])  # last position first; stable: group order within one
@@ -411,7 +417,7 @@ class KVCacheCoordinator:
         else:
             self.pool.free_block_lists([m.release(request_id) for m in managers])
         if self._state_managers:
-            self.state_pool.free_block_lists([m.release(request_id) for m in self._state_managers])
+            self._state_managers[0].pool.free_block_lists([m.release(request_id) for m in self._state_managers])
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Copies of the request's block lists, one per group."""

@@ -63,6 +63,9 @@ class SingleTypeManager:
     skips_blocks = False
     """Whether leading blocks can fall out of the span (then they are nulled and freed)."""
 
+    pages_per_block = 1
+    """Pool blocks one of this group's blocks takes (a state on shared pages takes several)."""
+
     def __init__(self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec) -> None:
         self.pool = pool
         self.group_id = group_id
@@ -390,7 +393,7 @@ class MambaManager(SingleTypeManager):
         n = cdiv(num_tokens, self.block_size) - len(blocks)
         if n <= 0:
             return []
-        new = self.pool.get_new_blocks(1)
+        new = [self.pool.get_new_unit(self.pages_per_block)]
         blocks.extend([NULL_BLOCK] * (n - 1))
         blocks.extend(new)
         return new
@@ -421,7 +424,8 @@ class MambaManager(SingleTypeManager):
 
 
 class StatePoolManager(MambaManager):
-    """Recurrent state drawn from a pool of its own (the planner's ``state_pool`` layout).
+    """Recurrent state drawn from a pool of its own (the planner's ``state_pool`` layout),
+    or as units of ``pages_per_block`` blocks of the attention pool (``shared_pages``).
 
     Its block size is the hash block size, so a checkpoint can sit at any attention
     block boundary. A request holds one running state slot, updated in place: as the
@@ -436,8 +440,11 @@ class StatePoolManager(MambaManager):
     demoted to be evicted first.
     """
 
-    def __init__(self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec) -> None:
+    def __init__(
+        self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec, pages_per_block: int = 1
+    ) -> None:
         super().__init__(pool, group_id, block_size, spec)
+        self.pages_per_block = pages_per_block
         self.checkpoints: dict[str, tuple[frozenset[int], int]] = {}
         # The request's newest continuation checkpoint: (block, hash).
         self.continuation: dict[str, tuple[int, bytes]] = {}

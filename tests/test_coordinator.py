@@ -5,7 +5,7 @@ from conftest import FULL, admit, make_config, window
 
 from jaxkv.coordinator import CoordinatorError, KVCacheCoordinator
 from jaxkv.manager import KVCacheManager, Request
-from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanError, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanError, SharedStates, plan_kv_cache
 from jaxkv.pool import AllBlocksCleared, BlockStored
 from jaxkv.presets import get_preset
 from jaxkv.specs import MambaSpec
@@ -144,3 +144,39 @@ def test_an_unrelated_request_takes_the_unusable_window_blocks_first(tokens, spa
     other = Request("b", tokens(5000, 48))
     assert admit(mgr, other)[2] is not None
     assert mgr.get_computed_blocks(Request("c", prompt + [7]))[1] == kept
+
+
+def shared_pages_manager(num_blocks: int) -> KVCacheManager:
+    """Full attention at 16-token blocks; a Mamba state weighs 3 of its blocks (shared pages)."""
+    groups = (KVCacheGroup(("mamba",), MAMBA, 16), KVCacheGroup(("attn",), FULL, 16))
+    shared = SharedStates(pages_per_state=3, state_bytes=MAMBA.state_bytes)
+    return KVCacheManager(KVCacheConfig(num_blocks=num_blocks, groups=groups, shared_states=shared), max_model_len=512)
+
+
+def test_shared_pages_admit_as_many_requests_as_the_pages_hold(tokens):
+    mgr = shared_pages_manager(1 + 4 * (3 + 3))  # 40 tokens: 3 attention blocks + a 3-block state each
+    admitted = [admit(mgr, Request(f"r{i}", tokens(1000 * i, 40)))[2] is not None for i in range(5)]
+    assert admitted == [True] * 4 + [False]
+    assert mgr.num_free_blocks == 0
+
+
+def test_a_checkpoint_is_cached_not_held_and_hits_through_the_shared_pool(tokens):
+    mgr = shared_pages_manager(1 + 2 * 6)
+    a = Request("a", tokens(0, 32))
+    admit(mgr, a)
+    state = mgr.get_block_ids("a")[0][-1]
+    assert len(mgr.coordinator.pool.unit_blocks(state)) == 3
+    mgr.free(a)
+    assert mgr.num_free_blocks == 12
+    hit, n = mgr.get_computed_blocks(Request("b", tokens(0, 40)))
+    assert n == 32 and hit.get_block_ids()[0] == [0, state]
+
+
+def test_pages_for_a_new_request_evict_a_cached_state_as_a_unit(tokens):
+    mgr = shared_pages_manager(1 + 2 * 6)
+    a = Request("a", tokens(0, 32))
+    admit(mgr, a)
+    mgr.free(a)
+    assert admit(mgr, Request("b", tokens(500, 40)))[2] is not None
+    assert admit(mgr, Request("c", tokens(900, 40)))[2] is not None, "the cached checkpoint's 3 blocks were free"
+    assert mgr.get_computed_blocks(Request("d", tokens(0, 40)))[1] == 0

@@ -251,3 +251,28 @@ def test_demoted_free_blocks_go_first_and_stay_cached():
     pool.demote([3, 99 % 6])  # block 3 is free; a held or unknown block is left alone
     assert pool.free_block_ids()[0] == 3 and pool.is_cached(3)
     assert pool.get_new_blocks(1) == [3] and not pool.is_cached(3)
+
+
+def test_a_freed_cached_unit_queues_by_its_head_and_leaves_whole():
+    pool = BlockPool(10)
+    head = pool.get_new_unit(3)
+    assert pool.unit_blocks(head) == [1, 2, 3] and pool.num_free_blocks == 6
+    pool.cache_blocks(0, [head], [h(7)], 0, 1)
+    pool.free_blocks([head])
+    assert pool.num_free_blocks == 9, "the unit's three blocks count free"
+    assert pool.free_block_ids() == [4, 5, 6, 7, 8, 9, 1], "its head alone waits in the queue"
+    assert pool.get_new_blocks(6) == [4, 5, 6, 7, 8, 9] and pool.cached[0] == {h(7): 1}
+    assert pool.get_new_blocks(2) == [1, 2], "taking the head evicts the state and dissolves the unit"
+    assert pool.cached[0] == {} and pool.free_block_ids() == [3] and pool.num_free_blocks == 1
+
+
+def test_a_freed_uncached_unit_dissolves_to_the_head_and_a_hit_on_a_free_unit_takes_all_its_blocks():
+    pool = BlockPool(8)
+    live = pool.get_new_unit(3)
+    pool.free_blocks([live])
+    assert pool.free_block_ids()[:3] == [1, 2, 3] and pool.num_free_blocks == 7
+    checkpoint = pool.get_new_unit(3)
+    pool.cache_blocks(0, [checkpoint], [h(1)], 0, 1)
+    pool.free_blocks([checkpoint])
+    pool.touch([checkpoint])
+    assert pool.num_free_blocks == 4 and checkpoint not in pool.free_block_ids()
