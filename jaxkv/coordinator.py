@@ -366,8 +366,11 @@ class KVCacheCoordinator:
         lora_name: str | None,
     ) -> None:
         """Offer every group's newly full blocks to the prefix cache (with a state pool,
-        recording the attention chains that its retention follows)."""
+        recording the attention chains that its retention follows). With groups of
+        different block sizes only blocks up to the last lcm boundary are offered (as
+        vLLM does): a hit ends on one, so a block past it would serve none yet."""
         managers = self.managers
+        num_tokens = num_tokens // self.lcm_block_size * self.lcm_block_size
         retention = self._retention
         for t, hashes in self.typed_hashes(block_hashes):
             for g in t.group_ids:
@@ -389,6 +392,8 @@ class KVCacheCoordinator:
             next_full = min(next_full, m.next_cache_tokens(request_id))
             if m.skips_blocks:
                 next_skip = min(next_skip, m.next_skip_computed(request_id))
+        lcm = self.lcm_block_size
+        next_full = -(-next_full // lcm) * lcm
         return capacity, next_full, next_skip
 
     def set_anchors(self, request_id: str, anchors: Sequence[int]) -> None:

@@ -299,37 +299,34 @@ class SlidingWindowManager(SingleTypeManager):
 
         A hit's length is a multiple of :attr:`hit_alignment`, so of each aligned
         segment only the trailing ``cdiv(window - 1, block_size)`` blocks can be the
-        window of a hit; blocks past the last aligned boundary wait until the request
-        crosses the next one. The others stay uncached: freed, they join the head of
-        the free queue instead of pushing useful blocks out."""
+        window of a hit (the coordinator offers blocks up to an aligned boundary only).
+        The others stay uncached: freed, they join the head of the free queue instead
+        of pushing useful blocks out."""
         per_segment = self.hit_alignment // self.block_size
         needed = cdiv(self.spec.sliding_window - 1, self.block_size)
         if needed >= per_segment:
             super().cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
             return
-        end = num_tokens // self.hit_alignment * per_segment
+        end = num_tokens // self.block_size
         start = self.num_cached.get(request_id, 0)
         if end <= start:
             return
         blocks = self.req_blocks[request_id]
-        for segment_end in range(start // per_segment * per_segment + per_segment, end + 1, per_segment):
-            self.pool.cache_blocks(
-                self.group_id,
-                blocks,
-                hashes,
-                max(start, segment_end - needed),
-                segment_end,
-                block_size=self.block_size,
-                token_ids=token_ids,
-                lora_name=lora_name,
-            )
+        first_tail = per_segment - needed
+        for segment in range(start // per_segment * per_segment, end, per_segment):
+            lo, hi = max(start, segment + first_tail), min(end, segment + per_segment)
+            if lo < hi:
+                self.pool.cache_blocks(
+                    self.group_id,
+                    blocks,
+                    hashes,
+                    lo,
+                    hi,
+                    block_size=self.block_size,
+                    token_ids=token_ids,
+                    lora_name=lora_name,
+                )
         self.num_cached[request_id] = end
-
-    def next_cache_tokens(self, request_id: str) -> int:
-        """The next aligned boundary, when blocks a hit can end on are cached."""
-        if cdiv(self.spec.sliding_window - 1, self.block_size) >= self.hit_alignment // self.block_size:
-            return super().next_cache_tokens(request_id)
-        return (self.num_cached.get(request_id, 0) * self.block_size // self.hit_alignment + 1) * self.hit_alignment
 
 
 class ChunkedLocalAttentionManager(SingleTypeManager):

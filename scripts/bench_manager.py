@@ -34,6 +34,7 @@ vLLM is a benchmark-only extra, never a dependency; BUILD.md says how to install
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections import defaultdict, deque
@@ -183,8 +184,9 @@ class VllmSide:
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
         )
+        lcm = math.lcm(*(size for _, _, size in group_specs(model)))
         self.manager = VllmManager(
-            config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=bs, hash_block_size=bs, enable_caching=True
+            config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=lcm, hash_block_size=bs, enable_caching=True
         )
         self._hasher = get_request_block_hasher(bs, sha256)
         self._params = SamplingParams(max_tokens=MAX_MODEL_LEN)

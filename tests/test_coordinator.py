@@ -112,25 +112,27 @@ def test_a_window_group_caches_only_the_blocks_a_hit_can_end_on(tokens):
     assert cached == [3, 7]  # the one block before each 32-token boundary
 
 
-def test_a_window_block_past_the_last_aligned_boundary_waits_for_it(tokens):
+def test_blocks_past_the_last_lcm_boundary_wait_for_the_next_one(tokens):
     groups = (KVCacheGroup(("full",), FULL, 32), KVCacheGroup(("swa",), window(12), 8))
     mgr = KVCacheManager(KVCacheConfig(num_blocks=32, groups=groups), max_model_len=1024)
-    req = Request("a", tokens(0, 56))
+    req = Request("a", tokens(0, 48))
     admit(mgr, req)
-    swa_hashes = mgr.coordinator.hashes_per_group(req.block_hashes)[1]
 
     def cached() -> list[int]:
+        swa_hashes = mgr.coordinator.hashes_per_group(req.block_hashes)[1]
         swa = mgr.get_block_ids("a")[1]
         return [i for i, (b, h) in enumerate(zip(swa, swa_hashes)) if b and mgr.coordinator.is_cached_as(1, b, h)]
 
-    assert cached() == [2, 3]  # block 6 is full, but 56 tokens reach no second boundary
-    for t in range(8):
+    assert cached() == [2, 3]  # blocks 4, 5 lead the second segment: no hit ends after them
+    full = mgr.coordinator.managers[0]
+    for t in range(16):
         req.append_output_token_ids(1000 + t)
         mgr.hash_request(req)
-        swa_hashes = mgr.coordinator.hashes_per_group(req.block_hashes)[1]
         assert mgr.allocate_slots(req, 1) is not None
         req.num_computed_tokens += 1
-    assert cached() == [6, 7]  # blocks 2, 3 left the window; 6 and 7 end at the 64 boundary
+        if req.num_computed_tokens == 60:
+            assert cached() == [] and full.num_cached["a"] == 1  # 56 tokens: block 6 is full, 64 is not reached
+    assert cached() == [6, 7] and full.num_cached["a"] == 2
 
 
 @pytest.mark.parametrize(("spare", "kept"), [(2, 64), (1, 32)])
