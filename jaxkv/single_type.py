@@ -445,6 +445,18 @@ class StatePoolManager(MambaManager):
         self.checkpoints: dict[str, tuple[frozenset[int], int]] = {}
         # The request's newest continuation checkpoint: (block, hash).
         self.continuation: dict[str, tuple[int, bytes]] = {}
+        # Every cached continuation checkpoint (block -> hash), and per request the one its
+        # hit resumed from: superseded once the request caches its own.
+        self._continuations: dict[int, bytes] = {}
+        self.resumed: dict[str, tuple[int, bytes]] = {}
+
+    def add_hit_blocks(self, request_id: str, block_ids: list[int]) -> None:
+        """Adopt a hit; remember the checkpoint it resumes from if that is another request's continuation."""
+        super().add_hit_blocks(request_id, block_ids)
+        state = block_ids[-1] if block_ids else NULL_BLOCK
+        h = self._continuations.get(state)
+        if h is not None and self.pool.is_cached_as(state, self.group_id, h):
+            self.resumed[request_id] = (state, h)
 
     def set_checkpoints(self, request_id: str, shared: Iterable[int], num_prompt_tokens: int) -> None:
         """The request's checkpoint positions (block multiples): ``shared`` ones, and its
@@ -500,12 +512,28 @@ class StatePoolManager(MambaManager):
                 previous = self.continuation.get(request_id)
                 if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
                     self.pool.demote([previous[0]])
+                self._demote_resumed(request_id)
                 self.continuation[request_id] = (block, hashes[end - 1])
+                self._continuations[block] = hashes[end - 1]
         self.num_cached[request_id] = end
+
+    def _demote_resumed(self, request_id: str) -> None:
+        """The previous turn's continuation this request resumed from is superseded by its
+        own: demote it once the request no longer holds it (a chat resumes from the newest)."""
+        resumed = self.resumed.get(request_id)
+        if resumed is None:
+            return
+        block, h = resumed
+        if not self.pool.is_cached_as(block, self.group_id, h):
+            del self.resumed[request_id]
+        elif self.pool.is_free(block):
+            self.pool.demote([block])
+            del self.resumed[request_id]
 
     def release(self, request_id: str) -> Iterable[int]:
         self.checkpoints.pop(request_id, None)
         self.continuation.pop(request_id, None)
+        self.resumed.pop(request_id, None)
         return super().release(request_id)
 
 

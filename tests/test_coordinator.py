@@ -182,3 +182,20 @@ def test_pages_for_a_new_request_evict_a_cached_state_as_a_unit(tokens):
     assert admit(mgr, Request("b", tokens(500, 40)))[2] is not None
     assert admit(mgr, Request("c", tokens(900, 40)))[2] is not None, "the cached checkpoint's 3 blocks were free"
     assert mgr.get_computed_blocks(Request("d", tokens(0, 40)))[1] == 0
+
+
+def test_the_next_turn_s_own_checkpoint_supersedes_the_one_it_resumed_from(tokens):
+    mgr = shared_pages_manager(1 + 4 * 8)
+    a = Request("a", tokens(0, 32))
+    admit(mgr, a)
+    resumed = mgr.get_block_ids("a")[0][-1]
+    mgr.free(a)
+    b = Request("b", tokens(0, 48))
+    assert admit(mgr, b)[1] == 32
+    for t in range(16):
+        b.append_output_token_ids(2000 + t)
+        mgr.hash_request(b)
+        assert mgr.allocate_slots(b, 1) is not None
+        b.num_computed_tokens += 1
+    pool = mgr.coordinator.pool
+    assert pool.is_cached(resumed) and pool.free_block_ids()[0] == resumed, "evicted first, still findable"
