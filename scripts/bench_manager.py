@@ -359,6 +359,9 @@ def bench(model: str, name: str, peer: bool, check: bool) -> dict:
         if side_runs:
             result[side] = median_times(side_runs)
             result[f"{side}_total"] = statistics.median(sum(r.values()) for r in side_runs)
+    if runs["vllm"]:
+        pair_ratios = [sum(a.values()) / sum(b.values()) for a, b in zip(runs["jaxkv"], runs["vllm"])]
+        result["total_ratio_range"] = (min(pair_ratios), max(pair_ratios))
     return result
 
 
@@ -376,6 +379,8 @@ def print_table(results: list[dict]) -> None:
             peer_s = f"{peer * 1e3:10.2f}" if peer is not None else f"{'n/a':>10s}"
             print(f"{r['model']:12s} {r['workload']:11s} {op:14s} {ours * 1e3:10.2f} {peer_s} {ratio}")
         extra = f"preemptions jaxkv {r.get('jaxkv_preemptions')} / vLLM {r.get('vllm_preemptions', 'n/a')}"
+        if "total_ratio_range" in r:
+            extra += ", total ratio per pair {:.2f}-{:.2f}".format(*r["total_ratio_range"])
         print(f"{r['model']:12s} {r['workload']:11s} {extra}; decisions: {r.get('decisions', 'not checked')}")
 
 
