@@ -178,7 +178,11 @@ def test_cli_prints_what_one_memory_holds_without_extra_flags(capsys):
 @pytest.mark.parametrize(
     ("args", "message", "status"),
     [
-        (["--state_layout=pages"], "flag --state_layout=pages: value should be one of <auto|attention_pages|state_pool|shared_pages>", 2),
+        (
+            ["--state_layout=pages"],
+            "flag --state_layout=pages: value should be one of <auto|attention_pages|state_pool|shared_pages>",
+            2,
+        ),
         (["--max_num_seqs=4"], "max_num_seqs=4 and checkpoint_bytes=0 size a state pool", 2),
         (["--checkpoint_memory=1GiB"], "checkpoint_bytes=1073741824 size a state pool", 2),
         (["--state_layout=state_pool", "--max_num_seqs=0"], "max_num_seqs must be a positive int, got 0", 2),
