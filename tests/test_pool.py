@@ -276,3 +276,13 @@ def test_a_freed_uncached_unit_dissolves_to_the_head_and_a_hit_on_a_free_unit_ta
     pool.free_blocks([checkpoint])
     pool.touch([checkpoint])
     assert pool.num_free_blocks == 4 and checkpoint not in pool.free_block_ids()
+
+
+def test_a_reset_dissolves_free_units_and_keeps_every_block():
+    pool = BlockPool(6)
+    head = pool.get_new_unit(3)
+    pool.cache_blocks(0, [head], [h(1)], 0, 1)
+    pool.free_blocks([head])
+    assert pool.reset_prefix_cache()
+    assert pool.num_free_blocks == 5 and sorted(pool.free_block_ids()) == [1, 2, 3, 4, 5]
+    assert pool.get_new_blocks(5) and pool.num_free_blocks == 0
