@@ -40,8 +40,8 @@ Sections (``--sections``, comma list, default all), one table each:
 
     python scripts/bench_hybrid.py --out bench_hybrid.json
 
-``--quick`` shrinks the retention trace (a smoke run of a few seconds; its hit rates
-are not the benchmark's).
+``--quick`` shrinks the traces and the cases (a smoke run; its hit rates are not the
+benchmark's).
 """
 
 from __future__ import annotations
@@ -186,6 +186,7 @@ def capacity() -> list[dict]:
     specs = get_preset(CHAT_PRESET)
     low = vllm_minimum_memory(specs, CHAT_MAX_MODEL_LEN)
     memories = [(f"{f}x vLLM min", f * low) for f in CHAT_MEMORY_FACTORS] + [("8GiB", 8 * GiB), ("16GiB", 16 * GiB)]
+    prompts = CAPACITY_PROMPTS[:1] if FLAGS.quick else CAPACITY_PROMPTS
     rows = []
     for label, memory in memories:
         plans = {
@@ -199,7 +200,7 @@ def capacity() -> list[dict]:
                 checkpoint_bytes=int(STATE_POOL_SHARE * memory),
             ),
         }
-        for prompt_len in CAPACITY_PROMPTS:
+        for prompt_len in prompts:
             row: dict = {"memory": label, "gib": memory / GiB, "prompt_len": prompt_len}
             row.update({key: admitted_at_once(config, prompt_len) for key, config in plans.items()})
             rows.append(row)
@@ -223,7 +224,7 @@ def chat() -> list[dict]:
     attention = {n: s for n, s in specs.items() if not isinstance(s, MambaSpec)}
     low = vllm_minimum_memory(specs, CHAT_MAX_MODEL_LEN)
     rows = []
-    for factor in CHAT_MEMORY_FACTORS:
+    for factor in CHAT_MEMORY_FACTORS[:1] if FLAGS.quick else CHAT_MEMORY_FACTORS:
         memory = factor * low
         start = time.perf_counter()
         config = plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN, state_layout=None)
@@ -263,7 +264,7 @@ def multiturn() -> list[dict]:
         seed=FLAGS.seed,
     )
     rows = []
-    for name, text, max_model_len in MULTITURN_CASES:
+    for name, text, max_model_len in MULTITURN_CASES[::3] if FLAGS.quick else MULTITURN_CASES:
         specs = get_preset(name)
         memory = parse_size(text)
         attention = {n: s for n, s in specs.items() if not isinstance(s, MambaSpec)}

@@ -27,12 +27,7 @@ def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
     for row in report["chat"]["rows"]:
         assert row["default_hit_rate"] >= row["vllm_rule_hit_rate"]
     multiturn = report["multiturn"]["rows"]
-    assert {r["preset"] for r in multiturn} == {
-        "tiny-mamba-hybrid",
-        "nemotron-h-8b",
-        "qwen3-next-80b",
-        "jamba-1.5-mini",
-    }
+    assert {r["preset"] for r in multiturn} == {"tiny-mamba-hybrid", "nemotron-h-8b", "jamba-1.5-mini"}
     for row in multiturn:
         rates = (row["attention_only_hit_rate"], row["attention_pages_hit_rate"], row["default_hit_rate"])
         assert all(0 <= r <= 1 for r in rates)
