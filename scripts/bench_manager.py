@@ -22,7 +22,9 @@ preempted, window blocks are evicted) and ``running512`` (512 requests running a
 (one full-attention group) and ``gemma3-like`` (5 sliding-window groups of window 1024 +
 1 full) and ``mixed-blocks`` (full attention with blocks 4x ``--block_size`` beside 2
 window groups of 2 blocks' window at ``--block_size``: groups of different block sizes, where
-a window group caches only the blocks a hit can end on). With ``--check_decisions`` (on when
+a window group caches only the blocks a hit can end on) and ``recurrent`` (3 Mamba groups of a
+Gated-DeltaNet-like state + 1 full, vLLM's align mode on its side; timed only: jaxkv keeps one
+live state block a request where align mode keeps up to two). With ``--check_decisions`` (on when
 vLLM is importable) the stream first runs through both managers in lockstep, untimed, and
 every hit, block id list, allocation failure and the free queue after every scheduler step must agree.
 
@@ -46,10 +48,10 @@ from absl import app, flags
 
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, KVCacheGroup
-from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
+from jaxkv.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["full", "gemma3-like", "mixed-blocks"], "models to run")
+flags.DEFINE_list("models", ["full", "gemma3-like", "mixed-blocks", "recurrent"], "models to run")
 flags.DEFINE_list("workloads", ["base", "pressure", "running512"], "workloads to run")
 flags.DEFINE_integer("pairs", 5, "alternating jaxkv / vLLM runs per workload; medians are reported", lower_bound=1)
 flags.DEFINE_integer("block_size", 16, "tokens per block", lower_bound=1)
@@ -65,6 +67,8 @@ OPS = ("request", "lookup", "alloc_prefill", "alloc_decode", "free", "hash")
 PRESSURE = 0.6
 """The pressure workload's pool, as a fraction of the blocks the stream holds at its peak."""
 MAX_MODEL_LEN = 8192
+MAMBA_SHAPES = ((3, 1024), (8, 64, 64))
+"""A Gated-DeltaNet-like state (conv, recurrent) of the ``recurrent`` model's groups (vLLM's align mode)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,8 @@ def group_specs(model: str) -> list[tuple[str, int | None, int]]:
         return [("full", None, bs)]
     if model == "mixed-blocks":
         return [("full", None, 4 * bs)] + [("window", 2 * bs, bs)] * 2
+    if model == "recurrent":
+        return [("mamba", None, bs)] * 3 + [("full", None, bs)]
     return [("window", FLAGS.sliding_window, bs)] * 5 + [("full", None, bs)]
 
 
@@ -118,12 +124,12 @@ class JaxkvSide:
     name = "jaxkv"
 
     def __init__(self, model: str, num_blocks: int) -> None:
-        specs = [
-            FullAttentionSpec(num_kv_heads=8, head_size=128)
-            if kind == "full"
-            else SlidingWindowSpec(num_kv_heads=8, head_size=128, sliding_window=window)
-            for kind, window, _ in group_specs(model)
-        ]
+        made = {
+            "full": lambda w: FullAttentionSpec(num_kv_heads=8, head_size=128),
+            "window": lambda w: SlidingWindowSpec(num_kv_heads=8, head_size=128, sliding_window=w),
+            "mamba": lambda w: MambaSpec(shapes=MAMBA_SHAPES, dtypes=("bfloat16", "bfloat16")),
+        }
+        specs = [made[kind](window) for kind, window, _ in group_specs(model)]
         sizes = [bs for _, _, bs in group_specs(model)]
         groups = tuple(KVCacheGroup((f"layer{i}",), s, bs) for i, (s, bs) in enumerate(zip(specs, sizes)))
         self.manager = KVCacheManager(
@@ -169,16 +175,20 @@ class VllmSide:
         from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
         from vllm.v1.kv_cache_interface import KVCacheConfig as VConfig
         from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import MambaSpec as VMamba
         from vllm.v1.kv_cache_interface import SlidingWindowSpec as VWindow
         from vllm.v1.request import Request as VRequest
 
         init_none_hash(sha256)
         bs = FLAGS.block_size
         common = dict(num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-        specs = [
-            VFull(**common, block_size=size) if kind == "full" else VWindow(**common, block_size=size, sliding_window=w)
-            for kind, w, size in group_specs(model)
-        ]
+        mamba = dict(shapes=MAMBA_SHAPES, dtypes=(torch.bfloat16, torch.bfloat16), mamba_cache_mode="align")
+        made = {
+            "full": lambda w, size: VFull(**common, block_size=size),
+            "window": lambda w, size: VWindow(**common, block_size=size, sliding_window=w),
+            "mamba": lambda w, size: VMamba(block_size=size, **mamba),
+        }
+        specs = [made[kind](w, size) for kind, w, size in group_specs(model)]
         config = VConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[],
@@ -340,7 +350,9 @@ def bench(model: str, name: str, peer: bool, check: bool) -> dict:
     workload = make_workload(name, model, FLAGS.seed, FLAGS.scale)
     result: dict = {"model": model, "workload": name, "num_requests": len(workload.prompts)}
     result["num_blocks"] = workload.num_blocks
-    if check:
+    if check and model == "recurrent":
+        result["decisions"] = "not compared (vLLM's align mode holds up to 2 state blocks a request, jaxkv 1)"
+    elif check:
         try:
             run_loop([JaxkvSide(model, workload.num_blocks), VllmSide(model, workload.num_blocks)], workload, None)
             result["decisions"] = "identical"
