@@ -286,3 +286,37 @@ def test_a_reset_dissolves_free_units_and_keeps_every_block():
     assert pool.reset_prefix_cache()
     assert pool.num_free_blocks == 5 and sorted(pool.free_block_ids()) == [1, 2, 3, 4, 5]
     assert pool.get_new_blocks(5) and pool.num_free_blocks == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["take", "unit", "free", "cache", "touch", "evict"]), st.integers(0, 5)), max_size=60
+    )
+)
+def test_random_operations_with_units_account_for_every_block(ops):
+    pool = BlockPool(16)
+    held: list[int] = []  # one entry per reference: plain blocks and unit heads
+    for op, k in ops:
+        if op == "take" and k <= pool.num_free_blocks:
+            held += pool.get_new_blocks(k)
+        elif op == "unit" and 3 <= pool.num_free_blocks:
+            held.append(pool.get_new_unit(3))
+        elif op == "free" and held:
+            pool.free_blocks([held.pop(k % len(held))])
+        elif op == "cache" and held:
+            b = held[k % len(held)]
+            pool.cache_blocks(0, [b], [h(b * 100 + k)], 0, 1)
+        elif op == "touch" and pool.cached[0]:
+            b = sorted(pool.cached[0].values())[k % len(pool.cached[0])]
+            pool.touch([b])
+            held.append(b)
+        elif op == "evict" and pool.cached[0]:
+            pool.evict_blocks([sorted(pool.cached[0].values())[k % len(pool.cached[0])]])
+        in_use = {m for b in set(held) for m in pool.unit_blocks(b)}
+        assert pool.num_free_blocks + len(in_use) == 15
+        free = pool.free_block_ids()
+        attached = [m for b in free for m in pool.unit_blocks(b)[1:]]
+        assert sorted(free + attached + sorted(in_use)) == list(range(1, 16))
+        for hh, b in pool.cached[0].items():
+            assert pool.block_hash[b] == hh
