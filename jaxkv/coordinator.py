@@ -107,25 +107,33 @@ class KVCacheCoordinator:
         )
         self.pools = (self.pool,) if self.state_pool is None else (self.pool, self.state_pool)
         state_groups = set(config.state_group_ids)
+        shared = config.shared_states
         self.managers: list[SingleTypeManager] = [
-            StatePoolManager(self.state_pool, i, g.block_size, g.spec)
+            (
+                StatePoolManager(self.pool, i, g.block_size, g.spec, shared.pages_per_state)
+                if shared is not None
+                else StatePoolManager(self.state_pool, i, g.block_size, g.spec)
+            )
             if i in state_groups
             else manager_class_for(g.spec)(self.pool, i, g.block_size, g.spec)
             for i, g in enumerate(groups)
         ]
         self._state_managers = [m for m in self.managers if isinstance(m, StatePoolManager)]
+        self._attention_managers = [m for m in self.managers if not isinstance(m, StatePoolManager)]
         self._retention: CheckpointRetention | None = None
-        if self.state_pool is not None:
+        if self._state_managers:
             self._retention = CheckpointRetention(
                 self.pool,
-                self.state_pool,
-                [m.group_id for m in self.managers if m.pool is self.pool and m.block_size == config.hash_block_size],
+                self._state_managers[0].pool,
+                [m.group_id for m in self._attention_managers if m.block_size == config.hash_block_size],
                 [m.group_id for m in self._state_managers],
             )
             self.pool.add_reuse_listener(self._retention.on_evict)
         # The config guarantees every block size is a multiple of the smallest.
         self.hash_block_size = config.hash_block_size
         self.lcm_block_size = math.lcm(*(g.block_size for g in groups))
+        for m in self.managers:
+            m.hit_alignment = self.lcm_block_size
         by_key: dict[tuple, list[int]] = {}
         for i, (g, m) in enumerate(zip(groups, self.managers)):
             by_key.setdefault((type(m), g.spec, g.block_size), []).append(i)
@@ -329,7 +337,7 @@ class KVCacheCoordinator:
                 n = m.num_new_blocks(request_id, num_tokens, 0)
             if m.skips_blocks:
                 n -= pool.count_newly_freed(m.skippable_blocks(request_id, num_computed_tokens))
-            needed[id(pool)] += n
+            needed[id(pool)] += n * m.pages_per_block
         return all(needed[id(p)] <= p.num_free_blocks for p in self.pools)
 
     def allocate(
@@ -358,8 +366,11 @@ class KVCacheCoordinator:
         lora_name: str | None,
     ) -> None:
         """Offer every group's newly full blocks to the prefix cache (with a state pool,
-        recording the attention chains that its retention follows)."""
+        recording the attention chains that its retention follows). With groups of
+        different block sizes only blocks up to the last lcm boundary are offered (as
+        vLLM does): a hit ends on one, so a block past it would serve none yet."""
         managers = self.managers
+        num_tokens = num_tokens // self.lcm_block_size * self.lcm_block_size
         retention = self._retention
         for t, hashes in self.typed_hashes(block_hashes):
             for g in t.group_ids:
@@ -378,9 +389,11 @@ class KVCacheCoordinator:
         for m in self.managers:
             bs = m.block_size
             capacity = min(capacity, len(m.req_blocks[request_id]) * bs)
-            next_full = min(next_full, (m.num_cached.get(request_id, 0) + 1) * bs)
+            next_full = min(next_full, m.next_cache_tokens(request_id))
             if m.skips_blocks:
                 next_skip = min(next_skip, m.next_skip_computed(request_id))
+        lcm = self.lcm_block_size
+        next_full = -(-next_full // lcm) * lcm
         return capacity, next_full, next_skip
 
     def set_anchors(self, request_id: str, anchors: Sequence[int]) -> None:
@@ -399,7 +412,7 @@ class KVCacheCoordinator:
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group, in one pass over each pool."""
-        managers = [m for m in self.managers if m.pool is self.pool]
+        managers = self._attention_managers
         if self.retention == "group_aware":
             entries = [e for m in managers for e in m.release_by_position(request_id)]
             entries.sort(key=lambda e: -e[0])  # last position first; stable: group order within one
@@ -409,7 +422,7 @@ class KVCacheCoordinator:
         else:
             self.pool.free_block_lists([m.release(request_id) for m in managers])
         if self._state_managers:
-            self.state_pool.free_block_lists([m.release(request_id) for m in self._state_managers])
+            self._state_managers[0].pool.free_block_lists([m.release(request_id) for m in self._state_managers])
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Copies of the request's block lists, one per group."""

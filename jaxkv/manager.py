@@ -305,8 +305,8 @@ class KVCacheManager:
         self.config = config
         self.max_model_len = int(max_model_len)
         self.checkpoint_interval = checkpoint_interval
-        # Block size of the state-pool groups (the hash block size), 0 without a state pool.
-        self._state_block_size = config.hash_block_size if config.state_pool is not None else 0
+        # Block size of the state groups (the hash block size; state pool or shared pages), 0 without.
+        self._state_block_size = config.hash_block_size if config.state_group_ids else 0
         self.enable_caching = enable_caching
         self.enable_events = enable_events
         self.coordinator = KVCacheCoordinator(config, enable_events=enable_events, retention=retention)

@@ -54,9 +54,10 @@ def _define_flags() -> flags.FlagValues:
     )
     flags.DEFINE_enum(
         "state_layout",
-        "attention_pages",
-        STATE_LAYOUTS,
-        "where Mamba states live: in attention pages (vLLM's rule) or in a state pool of their own",
+        "auto",
+        ["auto", *STATE_LAYOUTS],
+        "where Mamba states live: pages of the one block pool (shared_pages), in attention pages (vLLM's rule) "
+        "or in a state pool of their own; auto: shared_pages for hybrids with recurrent layers",
         flag_values=fv,
     )
     flags.DEFINE_integer(
@@ -125,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             layout=fv.layout,
             max_num_batched_tokens=fv.max_num_batched_tokens,
             head_dim_multiple=fv.head_dim_multiple,
-            state_layout=fv.state_layout,
+            state_layout=None if fv.state_layout == "auto" else fv.state_layout,
             max_num_seqs=fv.max_num_seqs,
             checkpoint_bytes=checkpoint_bytes,
             tensor_parallel=fv.tensor_parallel,

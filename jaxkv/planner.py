@@ -9,8 +9,9 @@ specs -> (tile alignment) -> groups -> block size per group -> layout -> num_blo
    the device buffers really take. MLA latents and Mamba states are left as they are.
 1. **Groups.** Layers whose specs have the same ``type_key`` form a type. Every group
    has the same number of layers per block, ``layers_per_group`` (see
-   :func:`choose_layers_per_group`); a type's layers are cut into
-   ceil(count / layers_per_group) groups in model order. One block id then means the
+   :func:`choose_layers_per_group`); a type's layers are dealt round-robin into
+   ceil(count / layers_per_group) groups (vLLM's order: layers 3-6 in two groups
+   are [3, 5] and [4, 6]). One block id then means the
    same bytes in every group, so all groups draw from one shared pool.
 2. **Pages.** Slot i of every group is the same memory, so one layer's page must be
    the same size in every group. Attention types with a smaller page get a block size
@@ -51,10 +52,27 @@ LAYOUTS = ("cross_layer", "per_layer")
 (num_blocks, num_layers_per_block, page)), so a block moves in one copy. ``per_layer``: one
 buffer of (num_blocks, page) per layer index."""
 
-STATE_LAYOUTS = ("attention_pages", "state_pool")
+STATE_LAYOUTS = ("attention_pages", "state_pool", "shared_pages")
 """Where recurrent states live. ``attention_pages``: vLLM's rule, one attention page
 holds one state (the attention block size grows until it does). ``state_pool``: a pool
-of state slots apart from the attention pages (:class:`StatePool`)."""
+of state slots apart from the attention pages (:class:`StatePool`), split at plan
+time. ``shared_pages``: one memory: a state is ``k`` pages of the attention block pool
+(:class:`SharedStates`), taken and evicted as a unit, so KV blocks, live states and
+state checkpoints share one pool and one eviction order decided at run time."""
+
+DEFAULT_STATE_LAYOUT = "shared_pages"
+"""What :func:`default_state_layout` picks for models with recurrent layers."""
+
+
+def default_state_layout(layer_specs: Mapping[str, KVCacheSpec]) -> str:
+    """``shared_pages`` for a model with recurrent (Mamba) and attention layers,
+    ``state_pool`` for one with recurrent layers alone (no pages to share), else
+    ``attention_pages`` (nothing to place)."""
+    recurrent = [isinstance(s, MambaSpec) for s in layer_specs.values()]
+    if all(recurrent):
+        return "state_pool"
+    return DEFAULT_STATE_LAYOUT if any(recurrent) else "attention_pages"
+
 
 TPU_HEAD_DIM_MULTIPLE = 128
 """``head_dim_multiple`` for TPUs: a vreg is 8 sublanes x 128 lanes and Mosaic kernels
@@ -214,6 +232,24 @@ class StatePool:
 
 
 @dataclass(frozen=True)
+class SharedStates:
+    """Recurrent states stored as pages of the attention block pool (one memory).
+
+    A state (all layers of one recurrent group, one request, one position) takes
+    ``pages_per_state`` blocks = ceil(``state_bytes`` / block bytes) of the shared pool,
+    allocated, cached and evicted as a unit: a live state is held by its request, a
+    checkpoint waits in the free queue with the KV blocks and leaves it as a whole.
+    """
+
+    pages_per_state: int
+    state_bytes: int
+
+    def __post_init__(self) -> None:
+        _positive_int("pages_per_state", self.pages_per_state)
+        _positive_int("state_bytes", self.state_bytes)
+
+
+@dataclass(frozen=True)
 class KVCacheConfig:
     """The plan: the shared pool of ``num_blocks`` blocks and the groups drawing on it.
 
@@ -237,6 +273,9 @@ class KVCacheConfig:
     head_dim_multiple: int = 1
     state_pool: StatePool | None = None
     tensor_parallel: int = 1
+    shared_states: SharedStates | None = None
+    """With the ``shared_pages`` layout: the recurrent groups' states are pages of the
+    ``num_blocks`` pool (``state_pool`` is then None)."""
     """Devices the KV heads are split over (a mesh's model axis): each device holds
     ``num_kv_heads / tensor_parallel`` heads of every attention block, and a whole copy
     of the state pool (recurrent states are replicated)."""
@@ -261,6 +300,12 @@ class KVCacheConfig:
                 )
         if self.state_pool is not None:
             _check_state_pool(self.groups, self.state_pool)
+        if self.shared_states is not None:
+            if self.state_pool is not None:
+                raise PlanError("a plan has a state_pool or shared_states, not both")
+            if not isinstance(self.shared_states, SharedStates):
+                raise PlanError(f"shared_states must be SharedStates or None, got {self.shared_states!r}")
+            _check_state_pool(self.groups, StatePool(num_states=2))
         if self.pages is not None:
             _check_pages_fit(self.attention_groups, self.pages)
         if self.max_model_len is not None:
@@ -280,6 +325,8 @@ class KVCacheConfig:
         plan has no page layout)."""
         if self.pages is None and self.state_pool is None:
             return None
+        if self.shared_states is not None:
+            return self.num_blocks * self.pages.block_bytes // self.tensor_parallel
         states = 0 if self.state_pool is None else self.state_pool.total_bytes
         if states is None:
             return None
@@ -288,8 +335,9 @@ class KVCacheConfig:
 
     @property
     def state_group_ids(self) -> tuple[int, ...]:
-        """Groups whose blocks come from the state pool (none without one)."""
-        if self.state_pool is None:
+        """Groups whose blocks are recurrent states: from the state pool, or pages of the
+        shared pool with ``shared_states`` (none otherwise)."""
+        if self.state_pool is None and self.shared_states is None:
             return ()
         return tuple(i for i, g in enumerate(self.groups) if isinstance(g.spec, MambaSpec))
 
@@ -313,19 +361,24 @@ class KVCacheConfig:
         """Blocks one request of ``num_tokens`` (default max_model_len) holds, per group.
 
         A group on the state pool holds one state (its running state, updated in
-        place), drawn from the state pool, not from the ``num_blocks`` pool.
+        place), drawn from the state pool, not from the ``num_blocks`` pool; with shared
+        pages that state is ``pages_per_state`` blocks of the ``num_blocks`` pool.
         """
         num_tokens = self.max_model_len if num_tokens is None else num_tokens
         if num_tokens is None:
             raise PlanError("blocks_per_request needs num_tokens: the config has no max_model_len")
         states = set(self.state_group_ids)
+        state = 1 if self.shared_states is None else self.shared_states.pages_per_state
         return tuple(
-            1 if i in states else g.spec.blocks_per_request(num_tokens, g.block_size, self.max_num_batched_tokens)
+            state if i in states else g.spec.blocks_per_request(num_tokens, g.block_size, self.max_num_batched_tokens)
             for i, g in enumerate(self.groups)
         )
 
     def attention_blocks_per_request(self, num_tokens: int | None = None) -> int:
-        """Blocks of the ``num_blocks`` pool one request of ``num_tokens`` holds, all groups together."""
+        """Blocks of the ``num_blocks`` pool one request of ``num_tokens`` holds, all groups together
+        (its live states' pages too with shared pages)."""
+        if self.shared_states is not None:
+            return sum(self.blocks_per_request(num_tokens))
         states = set(self.state_group_ids)
         return sum(b for i, b in enumerate(self.blocks_per_request(num_tokens)) if i not in states)
 
@@ -356,6 +409,12 @@ class KVCacheConfig:
         states = set(self.state_group_ids)
         padding = []
         for i, g in enumerate(self.groups):
+            if i in states and self.shared_states is not None:
+                shared = self.shared_states
+                padding.append(
+                    shared.pages_per_state * self.pages.block_bytes - len(g.layer_names) * g.spec.state_bytes
+                )
+                continue
             if i in states:
                 slot = self.state_pool.state_bytes
                 padding.append(0 if slot is None else slot - len(g.layer_names) * g.spec.state_bytes)
@@ -379,7 +438,8 @@ class KVCacheConfig:
             rows.append(
                 (
                     str(i),
-                    g.spec.label + (" (state pool)" if i in states else ""),
+                    g.spec.label
+                    + ((" (state pool)" if self.shared_states is None else " (shared pages)") if i in states else ""),
                     f"{len(g.layer_names)}{'' if i in states else per_block}",
                     str(g.block_size),
                     f"{g.spec.page_size_bytes(g.block_size):,}",
@@ -418,6 +478,8 @@ class KVCacheConfig:
         )
         if self.state_pool is not None:
             lines.extend(_state_pool_lines(self))
+        if self.shared_states is not None:
+            lines.extend(_shared_pages_lines(self))
         if self.tensor_parallel > 1:
             lines.append(_device_line(self))
         if per_request is not None:
@@ -425,11 +487,17 @@ class KVCacheConfig:
             line = f"max_model_len {self.max_model_len:,}: one request needs {need:,} blocks"
             if self.pages is not None:
                 line += f" ({_human(need * self.pages.block_bytes)})"
-            if states:
+            if states and self.shared_states is None:
                 line += f" + {len(states)} live state(s)"
+            elif states:
+                line += f" (its {len(states)} live state(s) included)"
             lines.append(f"{line}; max concurrency {self.max_concurrency:,}")
             if self.pages is not None:
-                wasted = sum(n * p for i, (n, p) in enumerate(zip(per_request, padding)) if i not in states)
+                wasted = sum(
+                    (n if i not in states else 1) * p
+                    for i, (n, p) in enumerate(zip(per_request, padding))
+                    if i not in states or self.shared_states is not None
+                )
                 share = wasted / (need * self.pages.block_bytes)
                 lines.append(
                     f"padding: {_human(wasted)} of a max_model_len request's blocks ({share:.1%}) "
@@ -458,6 +526,28 @@ def _state_pool_lines(config: KVCacheConfig) -> list[str]:
     if config.memory_bytes is not None:
         total += f" of {_human(config.memory_bytes)}"
     lines.append(f"{total}; prefix-cache granularity (hash block size) {config.hash_block_size} tokens")
+    return lines
+
+
+def _shared_pages_lines(config: KVCacheConfig) -> list[str]:
+    """The summary's account of the one memory: what a state weighs in pages, what the pool holds."""
+    shared = config.shared_states
+    k = shared.pages_per_state
+    block = config.pages.block_bytes
+    usable = config.num_usable_blocks
+    tokens = usable * config.hash_block_size
+    lines = [
+        f"one memory: a state ({_human(shared.state_bytes)}: one recurrent group's layers, one request) takes "
+        f"{k:,} block(s) of the pool ({_human(k * block)}, as much as {k * config.hash_block_size:,} tokens of KV)",
+        f"the {usable:,} usable blocks hold KV blocks, live states and state checkpoints in any mix, "
+        f"e.g. {tokens:,} tokens of KV alone, or {usable // k:,} states alone; "
+        "live states are never evicted, checkpoints and KV blocks leave in one eviction order",
+    ]
+    if config.memory_bytes is not None:
+        lines.append(
+            f"total {_human(config.num_blocks * block)} of {_human(config.memory_bytes)}; "
+            f"prefix-cache granularity (hash block size) {config.hash_block_size} tokens"
+        )
     return lines
 
 
@@ -527,6 +617,8 @@ def _headline(config: KVCacheConfig) -> str:
         head += f" x {config.pages.num_layers_per_block} layer page(s), {config.pages.layout} layout"
     if config.state_pool is not None:
         head += f", {len(config.state_group_ids)} on a state pool"
+    if config.shared_states is not None:
+        head += f", {len(config.state_group_ids)} recurrent with states on the same pages"
     return f"{head}, hash block size {config.hash_block_size} tokens"
 
 
@@ -627,7 +719,7 @@ def plan_kv_cache(
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     num_blocks_override: int | None = None,
     head_dim_multiple: int = 1,
-    state_layout: str = "attention_pages",
+    state_layout: str | None = "attention_pages",
     max_num_seqs: int | None = None,
     checkpoint_bytes: int = 0,
     tensor_parallel: int = 1,
@@ -641,9 +733,10 @@ def plan_kv_cache(
     is what :func:`jaxkv.cache.allocate_kv_cache` allocates and :mod:`jaxkv.ops` pads
     q/k/v up to.
 
-    ``state_layout`` (:data:`STATE_LAYOUTS`) says where Mamba states live; see
-    :func:`_plan_state_pool` for ``"state_pool"`` and its ``max_num_seqs`` and
-    ``checkpoint_bytes``, which the default ``"attention_pages"`` refuses.
+    ``state_layout`` (:data:`STATE_LAYOUTS`, or None for :func:`default_state_layout`)
+    says where Mamba states live; see :func:`_plan_state_pool` for ``"state_pool"`` and
+    its ``max_num_seqs`` and ``checkpoint_bytes``, which the other layouts refuse, and
+    :func:`_plan_shared_pages` for ``"shared_pages"``.
 
     ``tensor_parallel`` splits every attention block's KV heads over that many devices
     (a mesh's model axis; :attr:`KVCacheConfig.device_bytes`). ``memory_bytes`` stays the
@@ -668,20 +761,22 @@ def plan_kv_cache(
     if num_blocks_override is not None:
         _positive_int("num_blocks_override", num_blocks_override)
     _positive_int("head_dim_multiple", head_dim_multiple)
+    if state_layout is None and isinstance(layer_specs, Mapping):
+        state_layout = default_state_layout(layer_specs)
     if state_layout not in STATE_LAYOUTS:
         raise PlanError(f"unknown state_layout {state_layout!r}; valid state layouts: {', '.join(STATE_LAYOUTS)}")
     if max_num_seqs is not None:
         _positive_int("max_num_seqs", max_num_seqs)
     check_int("checkpoint_bytes", checkpoint_bytes, minimum=0, error=PlanError)
-    if state_layout == "attention_pages" and (max_num_seqs is not None or checkpoint_bytes):
+    if state_layout != "state_pool" and (max_num_seqs is not None or checkpoint_bytes):
         raise PlanError(
             f"max_num_seqs={max_num_seqs} and checkpoint_bytes={checkpoint_bytes} size a state pool; "
-            "state_layout='attention_pages' has none (use state_layout='state_pool')"
+            f"state_layout={state_layout!r} has none (use state_layout='state_pool')"
         )
-    if state_layout == "state_pool" and num_blocks_override is not None:
+    if state_layout in ("state_pool", "shared_pages") and num_blocks_override is not None:
         raise PlanError(
-            f"num_blocks_override={num_blocks_override} cannot be combined with state_layout='state_pool', "
-            "which splits memory_bytes between attention blocks and states itself"
+            f"num_blocks_override={num_blocks_override} cannot be combined with state_layout={state_layout!r}, "
+            "which places attention blocks and states in memory_bytes itself"
         )
 
     _positive_int("tensor_parallel", tensor_parallel)
@@ -700,6 +795,19 @@ def plan_kv_cache(
             head_dim_multiple=head_dim_multiple,
             max_num_seqs=max_num_seqs,
             checkpoint_bytes=checkpoint_bytes,
+        )
+        return dataclasses.replace(config, tensor_parallel=tensor_parallel)
+    if state_layout == "shared_pages":
+        config = _plan_shared_pages(
+            types,
+            layer_specs,
+            padded,
+            memory_bytes,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            layout=layout,
+            max_num_batched_tokens=max_num_batched_tokens,
+            head_dim_multiple=head_dim_multiple,
         )
         return dataclasses.replace(config, tensor_parallel=tensor_parallel)
     sizes, page = _unify_pages([t.spec for t in types], block_size)
@@ -732,6 +840,13 @@ def plan_kv_cache(
     )
 
 
+def _strided(names: Sequence[str], num_groups: int) -> list[tuple[str, ...]]:
+    """``names`` dealt round-robin into ``num_groups`` groups (vLLM's rule): with
+    pipeline stages holding consecutive layers, every stage then holds a share of every
+    group instead of whole groups of one type, so no stage pads a group out."""
+    return [tuple(names[i::num_groups]) for i in range(num_groups)]
+
+
 def _group_and_page(
     types: Sequence[_LayerType],
     sizes: Sequence[int],
@@ -748,7 +863,7 @@ def _group_and_page(
     groups = tuple(
         KVCacheGroup(names, t.spec, size, _head_padding_bytes_per_token(names, original, padded))
         for t, size in zip(types, sizes)
-        for names in (t.layer_names[i : i + per_group] for i in range(0, len(t.layer_names), per_group))
+        for names in _strided(t.layer_names, cdiv(len(t.layer_names), per_group))
     )
     pages = BlockPages(
         layout=layout,
@@ -844,6 +959,72 @@ def _plan_state_pool(
         max_num_batched_tokens=max_num_batched_tokens,
         head_dim_multiple=head_dim_multiple,
         state_pool=StatePool(num_states=num_states, state_bytes=slot, num_live_states=live),
+    )
+
+
+def _plan_shared_pages(
+    types: Sequence[_LayerType],
+    original: Mapping[str, KVCacheSpec],
+    padded: Mapping[str, KVCacheSpec],
+    memory_bytes: int,
+    *,
+    max_model_len: int,
+    block_size: int,
+    layout: str,
+    max_num_batched_tokens: int,
+    head_dim_multiple: int,
+) -> KVCacheConfig:
+    """The ``state_layout="shared_pages"`` plan: one pool of attention blocks; a state is pages of it.
+
+    Attention types are planned as if the Mamba layers were absent (as for the state
+    pool); each Mamba type is one group at the hash block size whose state (all its
+    layers, one request) takes ``ceil(state bytes / block bytes)`` blocks. Every byte
+    goes to one pool: nothing is split at plan time. A model with no attention layers
+    is refused (use ``state_pool``: there are no pages to share).
+    """
+    attention = [t for t in types if not isinstance(t.spec, MambaSpec)]
+    recurrent = [t for t in types if isinstance(t.spec, MambaSpec)]
+    if not recurrent or not attention:
+        raise PlanError(
+            "state_layout='shared_pages' needs recurrent (MambaSpec) and attention layers, got "
+            f"{', '.join(sorted({t.spec.label for t in types}))} (recurrent layers alone: use 'state_pool')"
+        )
+    slot = max(len(t.layer_names) * t.spec.state_bytes for t in recurrent)
+    sizes, page = _unify_pages([t.spec for t in attention], block_size)
+    attention_groups, pages = _group_and_page(
+        attention, sizes, page, original, padded, max_model_len, max_num_batched_tokens, layout
+    )
+    hash_block_size = min(sizes)
+    need = sum(g.spec.blocks_per_request(max_model_len, g.block_size, max_num_batched_tokens) for g in attention_groups)
+    block_bytes = pages.block_bytes
+    pages_per_state = cdiv(slot, block_bytes)
+    state_groups = {t.spec.type_key: KVCacheGroup(t.layer_names, t.spec, hash_block_size) for t in recurrent}
+    groups = tuple(
+        g
+        for t in types
+        for g in (
+            [state_groups[t.spec.type_key]]
+            if isinstance(t.spec, MambaSpec)
+            else [g for g in attention_groups if g.spec.type_key == t.spec.type_key]
+        )
+    )
+    num_blocks = memory_bytes // block_bytes
+    need += len(recurrent) * pages_per_state
+    if num_blocks < need + 1:
+        raise InsufficientMemoryError(
+            f"memory_bytes={memory_bytes} holds {num_blocks} blocks of {block_bytes} B, but one request of "
+            f"max_model_len={max_model_len} needs {need} blocks ({len(recurrent)} live state(s) of "
+            f"{pages_per_state} block(s) included) with the null block"
+        )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        groups=groups,
+        pages=pages,
+        max_model_len=max_model_len,
+        memory_bytes=memory_bytes,
+        max_num_batched_tokens=max_num_batched_tokens,
+        head_dim_multiple=head_dim_multiple,
+        shared_states=SharedStates(pages_per_state=pages_per_state, state_bytes=slot),
     )
 
 

@@ -6,6 +6,13 @@ and never cached. Blocks whose reference count drops to zero stay cached (their 
 is kept) and wait in the free queue in eviction order; allocating pops from the head
 and evicts whatever hash the popped block still carries.
 
+A *unit* is several blocks taken, held, cached and evicted as one (a recurrent state
+stored as pages of the pool, :meth:`BlockPool.get_new_unit`): its first block (the
+head) stands for it everywhere (reference count, hash, free queue); the others are
+attached to the head. A freed cached unit queues by its head alone, its other blocks
+counted free with it; when the head leaves the queue for reuse, the unit dissolves and
+all its blocks are handed out. A freed uncached unit dissolves at once.
+
 Hot-path layout: reference counts and per-block hashes live in plain lists indexed by
 block id, the free queue is a ``FreeBlockQueue`` (bulk insertion at either end, O(1)
 removal of a cached block that is hit again), and each group has its own ``dict``
@@ -102,17 +109,25 @@ class BlockPool:
         self._reuse_listeners: list[ReuseListener] = []
         # Blocks cached since begin_journal(), while a journal is open (else None).
         self._journal: set[int] | None = None
+        # Unit head -> its other blocks; and how many such blocks sit behind queued heads.
+        self._units: dict[int, list[int]] = {}
+        self._unit_free = 0
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now (cached-but-unreferenced ones included)."""
-        return len(self._free) + len(self._retained)
+        """Blocks that can be handed out now (cached-but-unreferenced ones included, and
+        the blocks of free units)."""
+        return len(self._free) + len(self._retained) + self._unit_free
 
     @property
     def usage(self) -> float:
         """Fraction of allocatable blocks (the null block excluded) referenced now."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def unit_blocks(self, block_id: int) -> list[int]:
+        """All blocks of the unit whose head is ``block_id`` (just ``[block_id]`` for a plain block)."""
+        return [block_id, *self._units.get(block_id, ())]
 
     def free_block_ids(self) -> list[int]:
         """Every unreferenced block in eviction order: the free queue head (evicted
@@ -173,9 +188,15 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[int]:
         """Pop ``n`` blocks from the head of the free queue (then the oldest retained
         ones, once it is empty), evicting their hashes."""
-        free = self._free
-        if n < 0 or n > len(free) + len(self._retained):
+        if n < 0 or n > self.num_free_blocks:
             raise BlockPoolError(f"cannot take {n} blocks: {self.num_free_blocks} free of {self.num_blocks}")
+        if self._units:
+            return self._take_dissolving(n)
+        return self._take(n)
+
+    def _take(self, n: int) -> list[int]:
+        """Pop ``n`` queued blocks (then retained ones), evicting their hashes; the caller checked there are."""
+        free = self._free
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
         num_queued = len(free)
@@ -193,16 +214,49 @@ class BlockPool:
             ref_cnt[b] = 1
         return out
 
+    def _take_dissolving(self, n: int) -> list[int]:
+        """:meth:`_take` where popped heads of free units bring their other blocks along
+        (the unit dissolves); blocks beyond ``n`` go back to the queue's head."""
+        out: list[int] = []
+        units = self._units
+        ref_cnt = self.ref_cnt
+        while len(out) < n:
+            for b in self._take(min(n - len(out), len(self._free) + len(self._retained))):
+                out.append(b)
+                members = units.pop(b, None)
+                if members:
+                    self._unit_free -= len(members)
+                    for m in members:
+                        ref_cnt[m] = 1
+                    out.extend(members)
+        if len(out) > n:
+            extra = out[n:]
+            del out[n:]
+            for b in extra:
+                ref_cnt[b] = 0
+            self._free.prepend(extra)
+        return out
+
+    def get_new_unit(self, size: int) -> int:
+        """Take ``size`` blocks as one unit (see the module doc) and return its head."""
+        blocks = self.get_new_blocks(size)
+        if size > 1:
+            self._units[blocks[0]] = blocks[1:]
+        return blocks[0]
+
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a cache hit), pulling free ones out of the queue."""
         ref_cnt = self.ref_cnt
         free = self._free
         retained = self._retained
+        units = self._units
         for b in block_ids:
             if b:
                 r = ref_cnt[b]
                 if r == 0:
                     (free if b in free else retained).remove(b)
+                    if units and b in units:
+                        self._unit_free -= len(units[b])
                 ref_cnt[b] = r + 1
 
     def free_blocks(self, ordered_block_ids: Iterable[int]) -> None:
@@ -222,6 +276,7 @@ class BlockPool:
         order, each list's uncached blocks the head, the last list's first."""
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
+        units = self._units
         cached: list[int] = []
         uncached_per_list = []
         for ids in block_lists:
@@ -232,14 +287,25 @@ class BlockPool:
                 if r == 0:
                     if block_hash[b] is None:
                         uncached.append(b)
+                        if units and b in units:
+                            uncached.extend(self._dissolve(b))
                     else:
                         cached.append(b)
+                        if units and b in units:
+                            self._unit_free += len(units[b])
             uncached_per_list.append(uncached)
         self._free.append(cached)
         if len(uncached_per_list) == 1:
             self._free.prepend(uncached_per_list[0])
         else:
             self._free.prepend([b for uncached in reversed(uncached_per_list) for b in uncached])
+
+    def _dissolve(self, head: int) -> list[int]:
+        """Detach an unreferenced unit's other blocks (now plain free blocks) and return them."""
+        members = self._units.pop(head)
+        for m in members:
+            self.ref_cnt[m] = 0
+        return members
 
     def retain_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block; cached ones reaching zero are *retained*:
@@ -384,6 +450,9 @@ class BlockPool:
         if self.num_free_blocks != self.num_blocks - 1:
             return False
         self._free.append(self._retained.popleft_n(len(self._retained)))
+        for head in list(self._units):
+            self._free.append(self._dissolve(head))
+        self._unit_free = 0
         for m in self.cached:
             m.clear()
         for d in self._copies:

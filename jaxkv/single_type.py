@@ -63,6 +63,9 @@ class SingleTypeManager:
     skips_blocks = False
     """Whether leading blocks can fall out of the span (then they are nulled and freed)."""
 
+    pages_per_block = 1
+    """Pool blocks one of this group's blocks takes (a state on shared pages takes several)."""
+
     def __init__(self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec) -> None:
         self.pool = pool
         self.group_id = group_id
@@ -77,6 +80,9 @@ class SingleTypeManager:
         # hit (see :meth:`set_anchors`), and the skipped blocks retained for them.
         self.anchors: dict[str, tuple[int, ...]] = {}
         self.retained: dict[str, list[tuple[int, int]]] = {}
+        # Hit lengths are multiples of this (the lcm of the model's block sizes; the
+        # coordinator sets it): a window group caches only blocks a hit can end on.
+        self.hit_alignment = block_size
 
     # ----------------------------------------------------------- hit search
     @classmethod
@@ -208,6 +214,10 @@ class SingleTypeManager:
         )
         self.num_cached[request_id] = end
 
+    def next_cache_tokens(self, request_id: str) -> int:
+        """Fewest tokens at which :meth:`cache_blocks` would cache another block."""
+        return (self.num_cached.get(request_id, 0) + 1) * self.block_size
+
     def release(self, request_id: str) -> Iterable[int]:
         """Forget the request; return the blocks it held, last first (evicted first),
         for the caller to free together with the other groups' blocks."""
@@ -284,6 +294,40 @@ class SlidingWindowManager(SingleTypeManager):
     def min_computed_to_skip(self, num_blocks: int) -> int:
         return num_blocks * self.block_size + self.spec.sliding_window - 1
 
+    def cache_blocks(self, request_id, hashes, num_tokens, token_ids, lora_name):
+        """Cache only the blocks a hit can end on (vLLM's rule when block sizes differ).
+
+        A hit's length is a multiple of :attr:`hit_alignment`, so of each aligned
+        segment only the trailing ``cdiv(window - 1, block_size)`` blocks can be the
+        window of a hit (the coordinator offers blocks up to an aligned boundary only).
+        The others stay uncached: freed, they join the head of the free queue instead
+        of pushing useful blocks out."""
+        per_segment = self.hit_alignment // self.block_size
+        needed = cdiv(self.spec.sliding_window - 1, self.block_size)
+        if needed >= per_segment:
+            super().cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
+            return
+        end = num_tokens // self.block_size
+        start = self.num_cached.get(request_id, 0)
+        if end <= start:
+            return
+        blocks = self.req_blocks[request_id]
+        first_tail = per_segment - needed
+        for segment in range(start // per_segment * per_segment, end, per_segment):
+            lo, hi = max(start, segment + first_tail), min(end, segment + per_segment)
+            if lo < hi:
+                self.pool.cache_blocks(
+                    self.group_id,
+                    blocks,
+                    hashes,
+                    lo,
+                    hi,
+                    block_size=self.block_size,
+                    token_ids=token_ids,
+                    lora_name=lora_name,
+                )
+        self.num_cached[request_id] = end
+
 
 class ChunkedLocalAttentionManager(SingleTypeManager):
     """Chunked-local attention: a token attends only within its own chunk."""
@@ -346,7 +390,7 @@ class MambaManager(SingleTypeManager):
         n = cdiv(num_tokens, self.block_size) - len(blocks)
         if n <= 0:
             return []
-        new = self.pool.get_new_blocks(1)
+        new = [self.pool.get_new_unit(self.pages_per_block)]
         blocks.extend([NULL_BLOCK] * (n - 1))
         blocks.extend(new)
         return new
@@ -377,7 +421,8 @@ class MambaManager(SingleTypeManager):
 
 
 class StatePoolManager(MambaManager):
-    """Recurrent state drawn from a pool of its own (the planner's ``state_pool`` layout).
+    """Recurrent state drawn from a pool of its own (the planner's ``state_pool`` layout),
+    or as units of ``pages_per_block`` blocks of the attention pool (``shared_pages``).
 
     Its block size is the hash block size, so a checkpoint can sit at any attention
     block boundary. A request holds one running state slot, updated in place: as the
@@ -392,11 +437,26 @@ class StatePoolManager(MambaManager):
     demoted to be evicted first.
     """
 
-    def __init__(self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec) -> None:
+    def __init__(
+        self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec, pages_per_block: int = 1
+    ) -> None:
         super().__init__(pool, group_id, block_size, spec)
+        self.pages_per_block = pages_per_block
         self.checkpoints: dict[str, tuple[frozenset[int], int]] = {}
         # The request's newest continuation checkpoint: (block, hash).
         self.continuation: dict[str, tuple[int, bytes]] = {}
+        # Every cached continuation checkpoint (block -> hash), and per request the one its
+        # hit resumed from: superseded once the request caches its own.
+        self._continuations: dict[int, bytes] = {}
+        self.resumed: dict[str, tuple[int, bytes]] = {}
+
+    def add_hit_blocks(self, request_id: str, block_ids: list[int]) -> None:
+        """Adopt a hit; remember the checkpoint it resumes from if that is another request's continuation."""
+        super().add_hit_blocks(request_id, block_ids)
+        state = block_ids[-1] if block_ids else NULL_BLOCK
+        h = self._continuations.get(state)
+        if h is not None and self.pool.is_cached_as(state, self.group_id, h):
+            self.resumed[request_id] = (state, h)
 
     def set_checkpoints(self, request_id: str, shared: Iterable[int], num_prompt_tokens: int) -> None:
         """The request's checkpoint positions (block multiples): ``shared`` ones, and its
@@ -452,12 +512,28 @@ class StatePoolManager(MambaManager):
                 previous = self.continuation.get(request_id)
                 if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
                     self.pool.demote([previous[0]])
+                self._demote_resumed(request_id)
                 self.continuation[request_id] = (block, hashes[end - 1])
+                self._continuations[block] = hashes[end - 1]
         self.num_cached[request_id] = end
+
+    def _demote_resumed(self, request_id: str) -> None:
+        """The previous turn's continuation this request resumed from is superseded by its
+        own: demote it once the request no longer holds it (a chat resumes from the newest)."""
+        resumed = self.resumed.get(request_id)
+        if resumed is None:
+            return
+        block, h = resumed
+        if not self.pool.is_cached_as(block, self.group_id, h):
+            del self.resumed[request_id]
+        elif self.pool.is_free(block):
+            self.pool.demote([block])
+            del self.resumed[request_id]
 
     def release(self, request_id: str) -> Iterable[int]:
         self.checkpoints.pop(request_id, None)
         self.continuation.pop(request_id, None)
+        self.resumed.pop(request_id, None)
         return super().release(request_id)
 
 

@@ -111,8 +111,15 @@ def allocate_state_cache(config: KVCacheConfig, *, mesh: Mesh | None = None) -> 
     """Zero-filled state rows for every recurrent layer of ``config``, created on device.
 
     With a ``mesh`` the buffers are replicated over it (state is small next to the
-    attention KV; sharding it over heads is not done here).
+    attention KV; sharding it over heads is not done here). A ``shared_pages`` plan is
+    refused: its states live in the attention pages, which this device side does not
+    read yet (plan with ``state_layout="state_pool"`` to serve).
     """
+    if config.shared_states is not None:
+        raise StateCacheError(
+            "state_layout='shared_pages' keeps states in the attention pages, which the device side does not "
+            "implement yet; plan with state_layout='state_pool' to serve this model"
+        )
     layers = _recurrent_layers(config)
     rows = num_state_rows(config)
     shapes = tuple(

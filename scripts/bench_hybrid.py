@@ -1,23 +1,35 @@
-"""What jaxkv's hybrid-model options buy over vLLM's rules (issue 9 and group-aware retention).
+"""What jaxkv's hybrid-model options buy over vLLM's rules (issues 9 and 19, group-aware retention).
+
+"vLLM's rule" below is jaxkv's implementation of vLLM 0.33's layout and decisions for
+recurrent hybrids (``state_layout="attention_pages"``: one attention page holds one
+state, align mode: a state cached at block boundaries); vLLM's own manager is not
+driven by the simulator. jaxkv's default for hybrids is ``shared_pages`` (one memory:
+a state is pages of the block pool; :mod:`jaxkv.planner`).
 
 Sections (``--sections``, comma list, default all), one table each:
 
 * ``granularity``: the prefix-cache granularity (hash block size, tokens) of the
-  recurrent hybrids' plans with ``state_layout="state_pool"`` against vLLM's rule
-  (``attention_pages``: one attention page holds one Mamba state, so blocks grow to
-  hundreds or thousands of tokens). Target: <= 64 tokens.
+  recurrent hybrids' default plans against vLLM's rule (blocks grow to hundreds or
+  thousands of tokens so that a page holds a state). Target: <= 64 tokens.
 * ``concurrency``: how many ``--max_model_len`` requests each plan runs at once
-  (``max_concurrency``; the state pool with no checkpoint memory) against
-  :func:`~jaxkv.planner.exact_concurrency_bound`, and the state pool's split of the
-  budget. Target: the state pool reaches >= 98 % of the bound.
+  (``max_concurrency``) against :func:`~jaxkv.planner.exact_concurrency_bound`.
+  Target: >= 98 % of the bound.
+* ``capacity``: requests of each of :data:`CAPACITY_PROMPTS` tokens admitted at once into
+  an idle manager (prefix lookup, then the whole prompt), Qwen3-Next-80B at each chat
+  memory and at 8 and 16 GiB: the default against vLLM's rule and the static state pool
+  (10 % checkpoints). Target: >= vLLM's rule everywhere.
+* ``chat``: prompt hit rate of Qwen3-Next-80B on a chat trace (6 system prompts of 512
+  tokens, 3 turns per conversation: 2 in 3 requests are follow-ups, <= 32 running) at
+  vLLM's minimum memory (what its layout needs to run 32 requests, one of
+  ``max_model_len``) and 2x and 4x it: the default, vLLM's rule and attention alone in
+  the same memory. Targets: >= vLLM's rule at every memory, >= 0.9 of attention alone
+  where live states leave at least half the memory to caching.
 * ``multiturn``: prompt hit rate of recurrent hybrids replaying a multi-turn chat trace
   (a 512-token system prompt, 12 turns per conversation) in the simulator under
-  memory pressure: the state pool (checkpoints at prompt ends, where attention ran
-  ahead and at the newest decode boundary), vLLM's rule (``attention_pages``) and the
-  same model's attention layers alone in the same memory. The state pool's split is
-  static, so the section also sweeps the share of the budget given to checkpoints
-  (:data:`CHECKPOINT_SHARES`) and reports ``--checkpoint_share``'s hit rate and the
-  best share's. Targets: the state pool >= 0.9 of attention-only and above vLLM's rule.
+  memory pressure: the default (checkpoints at prompt ends, where attention ran ahead
+  and at the newest decode boundary), vLLM's rule and the same model's attention
+  layers alone in the same memory, for the tiny hybrid and the three presets at 8 and
+  16 GiB. Targets: >= 0.9 of attention-only and above vLLM's rule.
 * ``ttft``: time to first token of the tiny recurrent hybrid (``tiny-qwen3-next``, state
   pool) with and without prefix caching on prompts 90 % shared, measured by
   ``scripts/bench_serve.py`` (run as a subprocess, its JSON read back). Target: >= 5x on CPU.
@@ -28,8 +40,8 @@ Sections (``--sections``, comma list, default all), one table each:
 
     python scripts/bench_hybrid.py --out bench_hybrid.json
 
-``--quick`` shrinks the retention trace (a smoke run of a few seconds; its hit rates
-are not the benchmark's).
+``--quick`` shrinks the traces and the cases (a smoke run; its hit rates are not the
+benchmark's).
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ from absl import app, flags
 
 from jaxkv.cli import exit_error, flags_parser, parse_size
 from jaxkv.errors import JaxkvError
-from jaxkv.manager import KVCacheManager
+from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, exact_concurrency_bound, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.simulator import Simulator, synthetic_trace
@@ -59,15 +71,19 @@ RETENTION_RULES = ("vllm", "group_aware")
 MULTITURN_CASES = (
     ("tiny-mamba-hybrid", "30MiB", 8192),
     ("tiny-mamba-hybrid", "60MiB", 8192),
-    ("qwen3-next-80b", "8GiB", 32768),
-    ("qwen3-next-80b", "16GiB", 32768),
+    *((name, memory, 32768) for name in RECURRENT_PRESETS for memory in ("8GiB", "16GiB")),
 )
 """(preset, budget, max_model_len) of the multi-turn section: the tiny hybrid, whose
-state weighs ~55 tokens of its attention KV, under strong and mild pressure, and
-Qwen3-Next-80B, whose state weighs ~3,000 tokens of it."""
+state weighs ~55 tokens of its attention KV, under strong and mild pressure, and the
+presets (Qwen3-Next-80B's state weighs ~3,150 tokens of its KV, Nemotron-H-8B's ~6,240,
+Jamba-1.5-Mini's ~990)."""
 MULTITURN_MAX_NUM_SEQS = 32
-CHECKPOINT_SHARES = (0.05, 0.1, 0.2, 0.4, 0.6)
-"""Shares of the budget for state checkpoints the multi-turn section sweeps."""
+CHAT_PRESET = "qwen3-next-80b"
+CHAT_MAX_MODEL_LEN = 8192
+CHAT_MEMORY_FACTORS = (1, 2, 4)
+CAPACITY_PROMPTS = (929, 2048, 8192)
+STATE_POOL_SHARE = 0.1
+"""The static state pool's checkpoint share in the capacity section (its old default)."""
 GiB = 1 << 30
 
 
@@ -77,7 +93,9 @@ class BenchError(JaxkvError):
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
-    "sections", ["granularity", "concurrency", "multiturn", "ttft", "retention"], "sections to run, in this order"
+    "sections",
+    ["granularity", "concurrency", "capacity", "chat", "multiturn", "ttft", "retention"],
+    "sections to run, in this order",
 )
 flags.DEFINE_string("memory", "16GiB", "KV cache budget of the granularity and concurrency plans")
 flags.DEFINE_integer("max_model_len", 32768, "tokens of the longest request (every section)", lower_bound=1)
@@ -85,17 +103,14 @@ flags.DEFINE_list("retention_memory", ["16GiB", "20GiB"], "retention: KV cache b
 flags.DEFINE_integer("conversations", 200, "retention: conversations in the trace", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "retention: trace seed", lower_bound=0)
 flags.DEFINE_boolean("quick", False, "retention, multiturn: 20- and 12-conversation traces (smoke runs)")
-flags.DEFINE_float(
-    "checkpoint_share", 0.1, "multiturn: share of the budget for state checkpoints", lower_bound=0.0, upper_bound=0.9
-)
 flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
 def _both_layouts(name: str) -> tuple[dict, KVCacheConfig, KVCacheConfig]:
-    """A recurrent preset's specs and its state-pool and vLLM-rule plans at ``--memory``."""
+    """A recurrent preset's specs and its default and vLLM-rule plans at ``--memory``."""
     specs = get_preset(name)
     memory = parse_size(FLAGS.memory)
-    pooled = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len, state_layout="state_pool")
+    pooled = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len, state_layout=None)
     return specs, pooled, plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len)
 
 
@@ -107,7 +122,7 @@ def granularity() -> list[dict]:
         rows.append(
             {
                 "preset": name,
-                "state_pool": pooled.hash_block_size,
+                "default": pooled.hash_block_size,
                 "attention_pages": paged.hash_block_size,
                 "finer_x": paged.hash_block_size / pooled.hash_block_size,
             }
@@ -116,33 +131,123 @@ def granularity() -> list[dict]:
 
 
 def concurrency() -> list[dict]:
-    """max_concurrency of both state layouts against the exact bound, and the state pool's split."""
+    """max_concurrency of the default and vLLM's rule against the exact bound."""
     rows = []
     for name in RECURRENT_PRESETS:
         specs, pooled, paged = _both_layouts(name)
         bound = exact_concurrency_bound(specs, parse_size(FLAGS.memory), FLAGS.max_model_len)
-        pool = pooled.state_pool
         rows.append(
             {
                 "preset": name,
-                "state_pool": pooled.max_concurrency,
+                "default": pooled.max_concurrency,
                 "attention_pages": paged.max_concurrency,
                 "exact_bound": bound,
-                "state_pool_ratio": pooled.max_concurrency / bound,
+                "default_ratio": pooled.max_concurrency / bound,
                 "attention_pages_ratio": paged.max_concurrency / bound,
-                "attention_gib": pooled.num_blocks * pooled.pages.block_bytes / GiB,
-                "live_states": pool.num_live_states,
-                "checkpoint_states": pool.num_checkpoint_states,
-                "state_gib": pool.total_bytes / GiB,
+                "pages_per_state": pooled.shared_states.pages_per_state,
+                "state_mib": pooled.shared_states.state_bytes / (1 << 20),
             }
         )
     return rows
 
 
-def _hit_rate(config, trace) -> tuple[float, KVCacheManager]:
+def _hit_rate(config, trace) -> tuple[float, int]:
+    """Prompt hit rate and preemptions of ``trace`` replayed on ``config``."""
+    sim = Simulator(KVCacheManager(config), max_num_seqs=MULTITURN_MAX_NUM_SEQS, max_num_batched_tokens=2048)
+    result = sim.run(trace)
+    return result.prompt_hit_rate, result.num_preemptions
+
+
+def vllm_minimum_memory(specs: dict, max_model_len: int) -> int:
+    """Bytes vLLM's layout needs to run ``MULTITURN_MAX_NUM_SEQS`` requests at once, one of
+    ``max_model_len`` tokens: their states (a block per recurrent group each), that request's
+    attention blocks and the null block."""
+    config = plan_kv_cache(specs, 1 << 50, max_model_len=max_model_len)
+    per_request = config.blocks_per_request()
+    recurrent = [n for n, g in zip(per_request, config.groups) if isinstance(g.spec, MambaSpec)]
+    attention = sum(per_request) - sum(recurrent)
+    return (MULTITURN_MAX_NUM_SEQS * sum(recurrent) + attention + 1) * config.pages.block_bytes
+
+
+def admitted_at_once(config: KVCacheConfig, prompt_len: int) -> int:
+    """Requests of ``prompt_len`` distinct tokens an idle manager admits whole before one does not fit."""
     manager = KVCacheManager(config)
-    sim = Simulator(manager, max_num_seqs=MULTITURN_MAX_NUM_SEQS, max_num_batched_tokens=2048)
-    return sim.run(trace).prompt_hit_rate, manager
+    n = 0
+    while True:
+        request = Request(f"r{n}", list(range(n * prompt_len, (n + 1) * prompt_len)))
+        hit, num_hit = manager.get_computed_blocks(request)
+        if manager.allocate_slots(request, prompt_len - num_hit, num_hit, hit) is None:
+            return n
+        n += 1
+
+
+def capacity() -> list[dict]:
+    """Requests admitted at once, per prompt length and memory: the default against vLLM's rule and the state pool."""
+    specs = get_preset(CHAT_PRESET)
+    low = vllm_minimum_memory(specs, CHAT_MAX_MODEL_LEN)
+    memories = [(f"{f}x vLLM min", f * low) for f in CHAT_MEMORY_FACTORS] + [("8GiB", 8 * GiB), ("16GiB", 16 * GiB)]
+    prompts = CAPACITY_PROMPTS[:1] if FLAGS.quick else CAPACITY_PROMPTS
+    rows = []
+    for label, memory in memories:
+        plans = {
+            "default": plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN, state_layout=None),
+            "vllm_rule": plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN),
+            "state_pool": plan_kv_cache(
+                specs,
+                memory,
+                max_model_len=CHAT_MAX_MODEL_LEN,
+                state_layout="state_pool",
+                checkpoint_bytes=int(STATE_POOL_SHARE * memory),
+            ),
+        }
+        for prompt_len in prompts:
+            row: dict = {"memory": label, "gib": memory / GiB, "prompt_len": prompt_len}
+            row.update({key: admitted_at_once(config, prompt_len) for key, config in plans.items()})
+            rows.append(row)
+    return rows
+
+
+def chat() -> list[dict]:
+    """Hit rate of the default, vLLM's rule and attention alone on a chat trace, from vLLM's minimum memory to 4x it."""
+    trace = synthetic_trace(
+        num_conversations=30 if FLAGS.quick else 100,
+        turns_per_conversation=3,
+        num_system_prompts=6,
+        system_prompt_len=512,
+        user_turn_len=(64, 256),
+        output_len=(32, 192),
+        arrival_rate=1.0,
+        turn_gap_s=20.0,
+        seed=FLAGS.seed,
+    )
+    specs = get_preset(CHAT_PRESET)
+    attention = {n: s for n, s in specs.items() if not isinstance(s, MambaSpec)}
+    low = vllm_minimum_memory(specs, CHAT_MAX_MODEL_LEN)
+    rows = []
+    for factor in CHAT_MEMORY_FACTORS[:1] if FLAGS.quick else CHAT_MEMORY_FACTORS:
+        memory = factor * low
+        start = time.perf_counter()
+        config = plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN, state_layout=None)
+        ours, preempted = _hit_rate(config, trace)
+        paged, _ = _hit_rate(plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN), trace)
+        only, _ = _hit_rate(plan_kv_cache(attention, memory, max_model_len=CHAT_MAX_MODEL_LEN), trace)
+        live = MULTITURN_MAX_NUM_SEQS * config.shared_states.pages_per_state / config.num_usable_blocks
+        rows.append(
+            {
+                "memory": f"{factor}x vLLM min",
+                "gib": memory / GiB,
+                "requests": len(trace),
+                "attention_only_hit_rate": only,
+                "vllm_rule_hit_rate": paged,
+                "default_hit_rate": ours,
+                "over_attention_only": ours / only if only else 0.0,
+                "minus_vllm_points": 100 * (ours - paged),
+                "live_state_share": live,
+                "preemptions": preempted,
+                "wall_s": time.perf_counter() - start,
+            }
+        )
+    return rows
 
 
 def multiturn() -> list[dict]:
@@ -159,27 +264,14 @@ def multiturn() -> list[dict]:
         seed=FLAGS.seed,
     )
     rows = []
-    for name, text, max_model_len in MULTITURN_CASES:
+    for name, text, max_model_len in MULTITURN_CASES[::3] if FLAGS.quick else MULTITURN_CASES:
         specs = get_preset(name)
         memory = parse_size(text)
         attention = {n: s for n, s in specs.items() if not isinstance(s, MambaSpec)}
         start = time.perf_counter()
         only, _ = _hit_rate(plan_kv_cache(attention, memory, max_model_len=max_model_len), trace)
         paged, _ = _hit_rate(plan_kv_cache(specs, memory, max_model_len=max_model_len), trace)
-        pooled = {}
-        for share in sorted({FLAGS.checkpoint_share, *CHECKPOINT_SHARES}):
-            config = plan_kv_cache(
-                specs,
-                memory,
-                max_model_len=max_model_len,
-                state_layout="state_pool",
-                max_num_seqs=MULTITURN_MAX_NUM_SEQS,
-                checkpoint_bytes=int(share * memory),
-            )
-            hit_rate, manager = _hit_rate(config, trace)
-            pooled[share] = (hit_rate, config.state_pool, manager.state_pool.num_cached_blocks())
-        pool, state, cached = pooled[FLAGS.checkpoint_share]
-        best = max(pooled, key=lambda share: pooled[share][0])
+        ours, preempted = _hit_rate(plan_kv_cache(specs, memory, max_model_len=max_model_len, state_layout=None), trace)
         rows.append(
             {
                 "preset": name,
@@ -187,16 +279,10 @@ def multiturn() -> list[dict]:
                 "requests": len(trace),
                 "attention_only_hit_rate": only,
                 "attention_pages_hit_rate": paged,
-                "state_pool_hit_rate": pool,
-                "pool_over_attention_only": pool / only if only else 0.0,
-                "pool_minus_pages_points": 100 * (pool - paged),
-                "checkpoint_states": state.num_checkpoint_states,
-                "checkpoint_mib": state.num_checkpoint_states * state.state_bytes / (1 << 20),
-                "cached_checkpoints_at_end": cached,
-                "best_share": best,
-                "best_hit_rate": pooled[best][0],
-                "best_over_attention_only": pooled[best][0] / only if only else 0.0,
-                "hit_rate_by_share": {str(share): pooled[share][0] for share in sorted(pooled)},
+                "default_hit_rate": ours,
+                "over_attention_only": ours / only if only else 0.0,
+                "minus_pages_points": 100 * (ours - paged),
+                "preemptions": preempted,
                 "wall_s": time.perf_counter() - start,
             }
         )
@@ -272,6 +358,8 @@ def retention() -> list[dict]:
 SECTIONS: dict[str, Callable[[], list[dict]]] = {
     "granularity": granularity,
     "concurrency": concurrency,
+    "capacity": capacity,
+    "chat": chat,
     "multiturn": multiturn,
     "ttft": ttft,
     "retention": retention,
@@ -279,31 +367,57 @@ SECTIONS: dict[str, Callable[[], list[dict]]] = {
 
 COLUMNS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
     "granularity": (
-        "prefix-cache granularity (hash block size, tokens): state pool vs vLLM's rule (attention_pages)",
+        "prefix-cache granularity (hash block size, tokens): default (shared pages) vs vLLM's rule",
         (
             ("preset", "preset", "s"),
-            ("state_pool", "state_pool", "d"),
+            ("default", "default", "d"),
             ("attention_pages", "attention_pages", "d"),
             ("finer_x", "finer x", ".1f"),
         ),
     ),
     "concurrency": (
-        "max_model_len requests at once: state pool (no checkpoint memory) vs attention_pages vs the exact bound",
+        "max_model_len requests at once: default (shared pages) vs vLLM's rule vs the exact bound",
         (
             ("preset", "preset", "s"),
-            ("state_pool", "state_pool", "d"),
-            ("attention_pages", "attn_pages", "d"),
+            ("default", "default", "d"),
+            ("attention_pages", "vllm rule", "d"),
             ("exact_bound", "bound", "d"),
-            ("state_pool_ratio", "pool/bound", ".3f"),
-            ("attention_pages_ratio", "pages/bound", ".3f"),
-            ("attention_gib", "attn GiB", ".2f"),
-            ("live_states", "live", "d"),
-            ("checkpoint_states", "ckpt", "d"),
-            ("state_gib", "state GiB", ".2f"),
+            ("default_ratio", "default/bound", ".3f"),
+            ("attention_pages_ratio", "vllm/bound", ".3f"),
+            ("pages_per_state", "pages/state", ",d"),
+            ("state_mib", "state MiB", ",.1f"),
+        ),
+    ),
+    "capacity": (
+        f"{CHAT_PRESET} requests admitted at once into an idle manager (max_model_len {CHAT_MAX_MODEL_LEN}): "
+        f"default vs vLLM's rule vs the static state pool ({STATE_POOL_SHARE:.0%} checkpoints)",
+        (
+            ("memory", "memory", "s"),
+            ("gib", "GiB", ".2f"),
+            ("prompt_len", "prompt", "d"),
+            ("default", "default", "d"),
+            ("vllm_rule", "vllm rule", "d"),
+            ("state_pool", "state pool", "d"),
+        ),
+    ),
+    "chat": (
+        f"{CHAT_PRESET} chat trace prompt hit rate (6 x 512-token system prompts, 3 turns, <= 32 running): "
+        "default vs vLLM's rule vs attention alone, same memory",
+        (
+            ("memory", "memory", "s"),
+            ("gib", "GiB", ".2f"),
+            ("requests", "requests", "d"),
+            ("attention_only_hit_rate", "attn only", ".3f"),
+            ("vllm_rule_hit_rate", "vllm rule", ".3f"),
+            ("default_hit_rate", "default", ".3f"),
+            ("over_attention_only", "default/attn", ".3f"),
+            ("minus_vllm_points", "default-vllm pts", "+.1f"),
+            ("live_state_share", "32 live states", ".2f"),
+            ("preemptions", "preempt", "d"),
         ),
     ),
     "multiturn": (
-        "multi-turn chat (512-token system prompt, 12 turns) prompt hit rate: state pool vs vLLM's rule vs "
+        "multi-turn chat (512-token system prompt, 12 turns) prompt hit rate: default vs vLLM's rule vs "
         "attention alone, same memory",
         (
             ("preset", "preset", "s"),
@@ -311,15 +425,10 @@ COLUMNS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
             ("requests", "requests", "d"),
             ("attention_only_hit_rate", "attn only", ".3f"),
             ("attention_pages_hit_rate", "vllm rule", ".3f"),
-            ("state_pool_hit_rate", "state pool", ".3f"),
-            ("pool_over_attention_only", "pool/attn", ".3f"),
-            ("pool_minus_pages_points", "pool-vllm pts", "+.1f"),
-            ("checkpoint_states", "ckpt states", ",d"),
-            ("checkpoint_mib", "ckpt MiB", ",.1f"),
-            ("cached_checkpoints_at_end", "cached at end", ",d"),
-            ("best_share", "best share", ".2f"),
-            ("best_hit_rate", "best pool", ".3f"),
-            ("best_over_attention_only", "best/attn", ".3f"),
+            ("default_hit_rate", "default", ".3f"),
+            ("over_attention_only", "default/attn", ".3f"),
+            ("minus_pages_points", "default-vllm pts", "+.1f"),
+            ("preemptions", "preempt", "d"),
         ),
     ),
     "ttft": (

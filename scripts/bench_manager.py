@@ -6,7 +6,8 @@ through the same small scheduler loop: FCFS admission up to ``max_running`` (a p
 lookup, then the rest of the prompt; admission stops at the first request that does not
 fit), one decode token per running request per step, and preemption of the newest
 running request when a decode cannot get its block (freed, reset to 0 computed tokens,
-back to the head of the queue). Timed per call: ``lookup`` (``get_computed_blocks``),
+back to the head of the queue). Timed per call: ``request`` (building the ``Request``
+and hashing its prompt: vLLM's hashes itself when built), ``lookup`` (``get_computed_blocks``),
 ``alloc_prefill``, ``alloc_decode``, ``free``, and ``hash`` (appending a token, which
 hashes a newly full block: vLLM's ``Request`` does it inside
 ``append_output_token_ids``, ours through ``manager.hash_request``). Garbage
@@ -19,9 +20,13 @@ suffixes, 128 decode steps, at most 32 running, a pool that holds them all), ``p
 preempted, window blocks are evicted) and ``running512`` (512 requests running at once:
 512-token system prompts, 64-256-token suffixes, 32 decode steps). Models: ``full``
 (one full-attention group) and ``gemma3-like`` (5 sliding-window groups of window 1024 +
-1 full). With ``--check_decisions`` (on when vLLM is importable) the stream first runs
-through both managers in lockstep, untimed, and every hit, block id list, allocation
-failure and the free queue after every scheduler step must agree.
+1 full) and ``mixed-blocks`` (full attention with blocks 4x ``--block_size`` beside 2
+window groups of 2 blocks' window at ``--block_size``: groups of different block sizes, where
+a window group caches only the blocks a hit can end on) and ``recurrent`` (3 Mamba groups of a
+Gated-DeltaNet-like state + 1 full, vLLM's align mode on its side; timed only: jaxkv keeps one
+live state block a request where align mode keeps up to two). With ``--check_decisions`` (on when
+vLLM is importable) the stream first runs through both managers in lockstep, untimed, and
+every hit, block id list, allocation failure and the free queue after every scheduler step must agree.
 
     python scripts/bench_manager.py --out bench_manager.json
 
@@ -31,6 +36,7 @@ vLLM is a benchmark-only extra, never a dependency; BUILD.md says how to install
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections import defaultdict, deque
@@ -42,10 +48,10 @@ from absl import app, flags
 
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, KVCacheGroup
-from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
+from jaxkv.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["full", "gemma3-like"], "models to run")
+flags.DEFINE_list("models", ["full", "gemma3-like", "mixed-blocks", "recurrent"], "models to run")
 flags.DEFINE_list("workloads", ["base", "pressure", "running512"], "workloads to run")
 flags.DEFINE_integer("pairs", 5, "alternating jaxkv / vLLM runs per workload; medians are reported", lower_bound=1)
 flags.DEFINE_integer("block_size", 16, "tokens per block", lower_bound=1)
@@ -57,10 +63,12 @@ flags.DEFINE_boolean("peer", True, "time vLLM's manager too when it is importabl
 flags.DEFINE_integer("seed", 0, "workload seed")
 flags.DEFINE_string("out", None, "write the results as JSON here")
 
-OPS = ("lookup", "alloc_prefill", "alloc_decode", "free", "hash")
+OPS = ("request", "lookup", "alloc_prefill", "alloc_decode", "free", "hash")
 PRESSURE = 0.6
 """The pressure workload's pool, as a fraction of the blocks the stream holds at its peak."""
 MAX_MODEL_LEN = 8192
+MAMBA_SHAPES = ((3, 1024), (8, 64, 64))
+"""A Gated-DeltaNet-like state (conv, recurrent) of the ``recurrent`` model's groups (vLLM's align mode)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,7 @@ def make_workload(name: str, model: str, seed: int, scale: float) -> Workload:
         for i in range(num)
     )
     per_request = -(-(max(map(len, prompts)) + steps) // FLAGS.block_size)
-    groups = 1 if model == "full" else 6
+    groups = len(group_specs(model))
     roomy = Workload(name, prompts, steps, running, groups * per_request * (min(running, num) + systems) + 2)
     if name != "pressure":
         return roomy
@@ -97,9 +105,16 @@ def make_workload(name: str, model: str, seed: int, scale: float) -> Workload:
     return Workload(name, prompts, steps, running, max(int(peak * PRESSURE), groups * per_request + 2))
 
 
-def group_specs(model: str) -> list[tuple[str, int | None]]:
-    """(kind, window) per group."""
-    return [("full", None)] if model == "full" else [("window", FLAGS.sliding_window)] * 5 + [("full", None)]
+def group_specs(model: str) -> list[tuple[str, int | None, int]]:
+    """(kind, window, block size) per group."""
+    bs = FLAGS.block_size
+    if model == "full":
+        return [("full", None, bs)]
+    if model == "mixed-blocks":
+        return [("full", None, 4 * bs)] + [("window", 2 * bs, bs)] * 2
+    if model == "recurrent":
+        return [("mamba", None, bs)] * 3 + [("full", None, bs)]
+    return [("window", FLAGS.sliding_window, bs)] * 5 + [("full", None, bs)]
 
 
 # ------------------------------------------------------------------------ the two sides
@@ -109,13 +124,14 @@ class JaxkvSide:
     name = "jaxkv"
 
     def __init__(self, model: str, num_blocks: int) -> None:
-        specs = [
-            FullAttentionSpec(num_kv_heads=8, head_size=128)
-            if kind == "full"
-            else SlidingWindowSpec(num_kv_heads=8, head_size=128, sliding_window=window)
-            for kind, window in group_specs(model)
-        ]
-        groups = tuple(KVCacheGroup((f"layer{i}",), s, FLAGS.block_size) for i, s in enumerate(specs))
+        made = {
+            "full": lambda w: FullAttentionSpec(num_kv_heads=8, head_size=128),
+            "window": lambda w: SlidingWindowSpec(num_kv_heads=8, head_size=128, sliding_window=w),
+            "mamba": lambda w: MambaSpec(shapes=MAMBA_SHAPES, dtypes=("bfloat16", "bfloat16")),
+        }
+        specs = [made[kind](window) for kind, window, _ in group_specs(model)]
+        sizes = [bs for _, _, bs in group_specs(model)]
+        groups = tuple(KVCacheGroup((f"layer{i}",), s, bs) for i, (s, bs) in enumerate(zip(specs, sizes)))
         self.manager = KVCacheManager(
             KVCacheConfig(num_blocks=num_blocks, groups=groups), max_model_len=MAX_MODEL_LEN, hash_algo=FLAGS.hash_algo
         )
@@ -159,22 +175,28 @@ class VllmSide:
         from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
         from vllm.v1.kv_cache_interface import KVCacheConfig as VConfig
         from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import MambaSpec as VMamba
         from vllm.v1.kv_cache_interface import SlidingWindowSpec as VWindow
         from vllm.v1.request import Request as VRequest
 
         init_none_hash(sha256)
         bs = FLAGS.block_size
-        common = dict(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-        specs = [
-            VFull(**common) if kind == "full" else VWindow(**common, sliding_window=w) for kind, w in group_specs(model)
-        ]
+        common = dict(num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+        mamba = dict(shapes=MAMBA_SHAPES, dtypes=(torch.bfloat16, torch.bfloat16), mamba_cache_mode="align")
+        made = {
+            "full": lambda w, size: VFull(**common, block_size=size),
+            "window": lambda w, size: VWindow(**common, block_size=size, sliding_window=w),
+            "mamba": lambda w, size: VMamba(block_size=size, **mamba),
+        }
+        specs = [made[kind](w, size) for kind, w, size in group_specs(model)]
         config = VConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
         )
+        lcm = math.lcm(*(size for _, _, size in group_specs(model)))
         self.manager = VllmManager(
-            config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=bs, hash_block_size=bs, enable_caching=True
+            config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=lcm, hash_block_size=bs, enable_caching=True
         )
         self._hasher = get_request_block_hasher(bs, sha256)
         self._params = SamplingParams(max_tokens=MAX_MODEL_LEN)
@@ -228,12 +250,6 @@ def run_loop(sides: Sequence, workload: Workload, times: list[dict[str, float]] 
     timed and every decision is compared (:class:`DecisionMismatch` on the first
     difference)."""
     clock = time.perf_counter
-    reqs = [[side.request(f"r{i}", p) for side in sides] for i, p in enumerate(workload.prompts)]
-    generated = [0] * len(reqs)
-    waiting: deque[int] = deque(range(len(reqs)))
-    running: list[int] = []
-    preemptions = step = 0
-    min_free = workload.num_blocks
 
     def call(op: str, fn: Callable, *args_per_side: Sequence) -> list:
         out = []
@@ -243,6 +259,16 @@ def run_loop(sides: Sequence, workload: Workload, times: list[dict[str, float]] 
             if times is not None:
                 times[k][op] += clock() - start
         return out
+
+    reqs = [
+        call("request", lambda s, p: s.request(f"r{i}", p), *[(p,)] * len(sides))
+        for i, p in enumerate(workload.prompts)
+    ]
+    generated = [0] * len(reqs)
+    waiting: deque[int] = deque(range(len(reqs)))
+    running: list[int] = []
+    preemptions = step = 0
+    min_free = workload.num_blocks
 
     def agree(what: str, results: list) -> None:
         if len(results) > 1 and results[0] != results[1]:
@@ -324,7 +350,9 @@ def bench(model: str, name: str, peer: bool, check: bool) -> dict:
     workload = make_workload(name, model, FLAGS.seed, FLAGS.scale)
     result: dict = {"model": model, "workload": name, "num_requests": len(workload.prompts)}
     result["num_blocks"] = workload.num_blocks
-    if check:
+    if check and model == "recurrent":
+        result["decisions"] = "not compared (vLLM's align mode holds up to 2 state blocks a request, jaxkv 1)"
+    elif check:
         try:
             run_loop([JaxkvSide(model, workload.num_blocks), VllmSide(model, workload.num_blocks)], workload, None)
             result["decisions"] = "identical"
@@ -343,6 +371,9 @@ def bench(model: str, name: str, peer: bool, check: bool) -> dict:
         if side_runs:
             result[side] = median_times(side_runs)
             result[f"{side}_total"] = statistics.median(sum(r.values()) for r in side_runs)
+    if runs["vllm"]:
+        pair_ratios = [sum(a.values()) / sum(b.values()) for a, b in zip(runs["jaxkv"], runs["vllm"])]
+        result["total_ratio_range"] = (min(pair_ratios), max(pair_ratios))
     return result
 
 
@@ -360,6 +391,8 @@ def print_table(results: list[dict]) -> None:
             peer_s = f"{peer * 1e3:10.2f}" if peer is not None else f"{'n/a':>10s}"
             print(f"{r['model']:12s} {r['workload']:11s} {op:14s} {ours * 1e3:10.2f} {peer_s} {ratio}")
         extra = f"preemptions jaxkv {r.get('jaxkv_preemptions')} / vLLM {r.get('vllm_preemptions', 'n/a')}"
+        if "total_ratio_range" in r:
+            extra += ", total ratio per pair {:.2f}-{:.2f}".format(*r["total_ratio_range"])
         print(f"{r['model']:12s} {r['workload']:11s} {extra}; decisions: {r.get('decisions', 'not checked')}")
 
 

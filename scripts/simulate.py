@@ -163,13 +163,15 @@ def format_table(result: SimulationResult, wall_s: float) -> str:
 
 
 def plan() -> KVCacheConfig:
-    """The KV cache plan of the flags; refuses one of more than MAX_NUM_BLOCKS blocks."""
+    """The KV cache plan of the flags (a hybrid with recurrent layers: one memory for KV
+    pages and states, the planner's default); refuses one of more than MAX_NUM_BLOCKS blocks."""
     config = plan_kv_cache(
         get_preset(FLAGS.preset),
         parse_size(FLAGS.memory),
         max_model_len=FLAGS.max_model_len,
         block_size=FLAGS.block_size,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        state_layout=None,
     )
     try:
         check_num_blocks(config.num_blocks)

@@ -9,25 +9,28 @@ def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
     out = tmp_path / "bench.json"
     done = run_script("bench_hybrid.py", "--quick", "--out", str(out))
     assert done.returncode == 0, done.stderr
-    for section in ("[granularity]", "[concurrency]", "[multiturn]", "[ttft]", "[retention]"):
+    for section in ("[granularity]", "[concurrency]", "[capacity]", "[chat]", "[multiturn]", "[ttft]", "[retention]"):
         assert section in done.stdout
     report = json.loads(out.read_text())
     granularity = {r["preset"]: r for r in report["granularity"]["rows"]}
     assert set(granularity) == {"nemotron-h-8b", "qwen3-next-80b", "jamba-1.5-mini"}
-    assert all(r["state_pool"] <= 64 for r in granularity.values())
+    assert all(r["default"] <= 64 for r in granularity.values())
     assert [granularity[p]["attention_pages"] for p in ("nemotron-h-8b", "qwen3-next-80b", "jamba-1.5-mini")] == [
         1040,
         1056,
         144,
     ]
     for row in report["concurrency"]["rows"]:
-        assert row["state_pool_ratio"] >= 0.98 and row["state_pool"] >= row["attention_pages"]
-        assert row["attention_gib"] + row["state_gib"] <= 16
+        assert row["default_ratio"] >= 0.98 and row["default"] >= row["attention_pages"]
+    for row in report["capacity"]["rows"]:
+        assert row["default"] >= row["vllm_rule"] >= 1
+    for row in report["chat"]["rows"]:
+        assert row["default_hit_rate"] >= row["vllm_rule_hit_rate"]
     multiturn = report["multiturn"]["rows"]
-    assert {r["preset"] for r in multiturn} == {"tiny-mamba-hybrid", "qwen3-next-80b"}
+    assert {r["preset"] for r in multiturn} == {"tiny-mamba-hybrid", "nemotron-h-8b", "jamba-1.5-mini"}
     for row in multiturn:
-        rates = (row["attention_only_hit_rate"], row["attention_pages_hit_rate"], row["state_pool_hit_rate"])
-        assert all(0 <= r <= 1 for r in rates) and row["best_hit_rate"] >= row["state_pool_hit_rate"]
+        rates = (row["attention_only_hit_rate"], row["attention_pages_hit_rate"], row["default_hit_rate"])
+        assert all(0 <= r <= 1 for r in rates)
     (ttft,) = report["ttft"]["rows"]
     assert ttft["model"] == "tiny-qwen3-next" and ttft["tokens_identical"]
     assert ttft["uncached_ttft_ms"] > 0 and ttft["cached_ttft_ms"] > 0
@@ -43,5 +46,5 @@ def test_an_unknown_section_is_one_line_and_status_2():
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert (
         "unknown sections ['speed']" in done.stderr
-        and "granularity, concurrency, multiturn, ttft, retention" in done.stderr
+        and "granularity, concurrency, capacity, chat, multiturn, ttft, retention" in done.stderr
     )

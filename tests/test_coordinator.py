@@ -5,7 +5,7 @@ from conftest import FULL, admit, make_config, window
 
 from jaxkv.coordinator import CoordinatorError, KVCacheCoordinator
 from jaxkv.manager import KVCacheManager, Request
-from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanError, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanError, SharedStates, plan_kv_cache
 from jaxkv.pool import AllBlocksCleared, BlockStored
 from jaxkv.presets import get_preset
 from jaxkv.specs import MambaSpec
@@ -94,3 +94,108 @@ def test_a_reset_is_one_all_blocks_cleared_between_every_pools_events(tokens):
     for side in (before, after):
         assert {e.group for e in side} == {0, 1} and all(isinstance(e, BlockStored) for e in side)
         assert any(e.group == state_group for e in side), "the state pool's checkpoints on both sides"
+
+
+def mixed_block_manager(num_blocks: int) -> KVCacheManager:
+    """Full attention with 32-token blocks beside a window of 8 with 8-token blocks (lcm 32)."""
+    groups = (KVCacheGroup(("full",), FULL, 32), KVCacheGroup(("swa",), window(8), 8))
+    return KVCacheManager(KVCacheConfig(num_blocks=num_blocks, groups=groups), max_model_len=1024)
+
+
+def test_a_window_group_caches_only_the_blocks_a_hit_can_end_on(tokens):
+    mgr = mixed_block_manager(16)
+    req = Request("a", tokens(0, 64))
+    admit(mgr, req)
+    _, swa = mgr.get_block_ids("a")
+    swa_hashes = mgr.coordinator.hashes_per_group(req.block_hashes)[1]
+    cached = [i for i, (b, h) in enumerate(zip(swa, swa_hashes)) if mgr.coordinator.is_cached_as(1, b, h)]
+    assert cached == [3, 7]  # the one block before each 32-token boundary
+
+
+def test_blocks_past_the_last_lcm_boundary_wait_for_the_next_one(tokens):
+    groups = (KVCacheGroup(("full",), FULL, 32), KVCacheGroup(("swa",), window(12), 8))
+    mgr = KVCacheManager(KVCacheConfig(num_blocks=32, groups=groups), max_model_len=1024)
+    req = Request("a", tokens(0, 48))
+    admit(mgr, req)
+
+    def cached() -> list[int]:
+        swa_hashes = mgr.coordinator.hashes_per_group(req.block_hashes)[1]
+        swa = mgr.get_block_ids("a")[1]
+        return [i for i, (b, h) in enumerate(zip(swa, swa_hashes)) if b and mgr.coordinator.is_cached_as(1, b, h)]
+
+    assert cached() == [2, 3]  # blocks 4, 5 lead the second segment: no hit ends after them
+    full = mgr.coordinator.managers[0]
+    for t in range(16):
+        req.append_output_token_ids(1000 + t)
+        mgr.hash_request(req)
+        assert mgr.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        if req.num_computed_tokens == 60:
+            assert cached() == [] and full.num_cached["a"] == 1  # 56 tokens: block 6 is full, 64 is not reached
+    assert cached() == [6, 7] and full.num_cached["a"] == 2
+
+
+@pytest.mark.parametrize(("spare", "kept"), [(2, 64), (1, 32)])
+def test_an_unrelated_request_takes_the_unusable_window_blocks_first(tokens, spare, kept):
+    # The prompt holds 2 full + 8 window blocks; the unrelated 48-token one 2 + 6.
+    mgr = mixed_block_manager(1 + 10 + spare)
+    prompt = tokens(0, 64)
+    a = Request("a", prompt)
+    admit(mgr, a)
+    mgr.free(a)
+    other = Request("b", tokens(5000, 48))
+    assert admit(mgr, other)[2] is not None
+    assert mgr.get_computed_blocks(Request("c", prompt + [7]))[1] == kept
+
+
+def shared_pages_manager(num_blocks: int) -> KVCacheManager:
+    """Full attention at 16-token blocks; a Mamba state weighs 3 of its blocks (shared pages)."""
+    groups = (KVCacheGroup(("mamba",), MAMBA, 16), KVCacheGroup(("attn",), FULL, 16))
+    shared = SharedStates(pages_per_state=3, state_bytes=MAMBA.state_bytes)
+    return KVCacheManager(KVCacheConfig(num_blocks=num_blocks, groups=groups, shared_states=shared), max_model_len=512)
+
+
+def test_shared_pages_admit_as_many_requests_as_the_pages_hold(tokens):
+    mgr = shared_pages_manager(1 + 4 * (3 + 3))  # 40 tokens: 3 attention blocks + a 3-block state each
+    admitted = [admit(mgr, Request(f"r{i}", tokens(1000 * i, 40)))[2] is not None for i in range(5)]
+    assert admitted == [True] * 4 + [False]
+    assert mgr.num_free_blocks == 0
+
+
+def test_a_checkpoint_is_cached_not_held_and_hits_through_the_shared_pool(tokens):
+    mgr = shared_pages_manager(1 + 2 * 6)
+    a = Request("a", tokens(0, 32))
+    admit(mgr, a)
+    state = mgr.get_block_ids("a")[0][-1]
+    assert len(mgr.coordinator.pool.unit_blocks(state)) == 3
+    mgr.free(a)
+    assert mgr.num_free_blocks == 12
+    hit, n = mgr.get_computed_blocks(Request("b", tokens(0, 40)))
+    assert n == 32 and hit.get_block_ids()[0] == [0, state]
+
+
+def test_pages_for_a_new_request_evict_a_cached_state_as_a_unit(tokens):
+    mgr = shared_pages_manager(1 + 2 * 6)
+    a = Request("a", tokens(0, 32))
+    admit(mgr, a)
+    mgr.free(a)
+    assert admit(mgr, Request("b", tokens(500, 40)))[2] is not None
+    assert admit(mgr, Request("c", tokens(900, 40)))[2] is not None, "the cached checkpoint's 3 blocks were free"
+    assert mgr.get_computed_blocks(Request("d", tokens(0, 40)))[1] == 0
+
+
+def test_the_next_turn_s_own_checkpoint_supersedes_the_one_it_resumed_from(tokens):
+    mgr = shared_pages_manager(1 + 4 * 8)
+    a = Request("a", tokens(0, 32))
+    admit(mgr, a)
+    resumed = mgr.get_block_ids("a")[0][-1]
+    mgr.free(a)
+    b = Request("b", tokens(0, 48))
+    assert admit(mgr, b)[1] == 32
+    for t in range(16):
+        b.append_output_token_ids(2000 + t)
+        mgr.hash_request(b)
+        assert mgr.allocate_slots(b, 1) is not None
+        b.num_computed_tokens += 1
+    pool = mgr.coordinator.pool
+    assert pool.is_cached(resumed) and pool.free_block_ids()[0] == resumed, "evicted first, still findable"

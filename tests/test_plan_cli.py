@@ -164,14 +164,25 @@ def test_cli_plans_a_state_pool_and_prints_the_split(capsys):
     assert "of 16.00 GiB; prefix-cache granularity (hash block size) 16 tokens" in out
     assert main([*NEMOTRON, "--state_layout=state_pool", "--max_num_seqs=8"]) == 0
     assert "8 live x" in capsys.readouterr().out
-    assert main(NEMOTRON) == 0
+    assert main([*NEMOTRON, "--state_layout=attention_pages"]) == 0
     assert "hash block size 1040 tokens" in capsys.readouterr().out
+
+
+def test_cli_prints_what_one_memory_holds_without_extra_flags(capsys):
+    assert main(NEMOTRON) == 0
+    out = capsys.readouterr().out
+    assert "mamba2 (shared pages)" in out and "hash block size 16 tokens" in out
+    assert "a state (97.41 MiB" in out and "takes 390 block(s)" in out and "max concurrency 26" in out
 
 
 @pytest.mark.parametrize(
     ("args", "message", "status"),
     [
-        (["--state_layout=pages"], "flag --state_layout=pages: value should be one of <attention_pages|state_pool>", 2),
+        (
+            ["--state_layout=pages"],
+            "flag --state_layout=pages: value should be one of <auto|attention_pages|state_pool|shared_pages>",
+            2,
+        ),
         (["--max_num_seqs=4"], "max_num_seqs=4 and checkpoint_bytes=0 size a state pool", 2),
         (["--checkpoint_memory=1GiB"], "checkpoint_bytes=1073741824 size a state pool", 2),
         (["--state_layout=state_pool", "--max_num_seqs=0"], "max_num_seqs must be a positive int, got 0", 2),

@@ -717,3 +717,22 @@ def test_any_state_pool_plan_fits_its_budget_and_one_request(
     check_state_pool_plan(config, specs, memory)
     if max_num_seqs is None:
         assert config.state_pool.num_checkpoint_states == checkpoint_bytes // config.state_pool.state_bytes
+
+
+def test_a_type_s_layers_are_dealt_round_robin_into_groups_as_vllm_does():
+    full = FullAttentionSpec(num_kv_heads=1, head_size=8)
+    swa = SlidingWindowSpec(num_kv_heads=1, head_size=8, sliding_window=64)
+    specs = {"l1": full, "l2": full, "l3": swa, "l4": swa, "l5": swa, "l6": swa}
+    config = plan_kv_cache(specs, 1 << 20, max_model_len=256)
+    assert [g.layer_names for g in config.groups] == [("l1", "l2"), ("l3", "l5"), ("l4", "l6")]
+
+
+@pytest.mark.parametrize("name", ["nemotron-h-8b", "qwen3-next-80b", "jamba-1.5-mini"])
+def test_recurrent_hybrids_default_to_one_memory_that_reaches_the_exact_concurrency_bound(name):
+    specs = get_preset(name)
+    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout=None)
+    assert config.shared_states is not None and config.state_pool is None
+    assert config.hash_block_size == 16
+    assert config.max_concurrency == exact_concurrency_bound(specs, 16 * GiB, 32768)
+    assert config.num_blocks * config.pages.block_bytes <= 16 * GiB
+    assert "one memory: a state" in config.summary()

@@ -251,3 +251,72 @@ def test_demoted_free_blocks_go_first_and_stay_cached():
     pool.demote([3, 99 % 6])  # block 3 is free; a held or unknown block is left alone
     assert pool.free_block_ids()[0] == 3 and pool.is_cached(3)
     assert pool.get_new_blocks(1) == [3] and not pool.is_cached(3)
+
+
+def test_a_freed_cached_unit_queues_by_its_head_and_leaves_whole():
+    pool = BlockPool(10)
+    head = pool.get_new_unit(3)
+    assert pool.unit_blocks(head) == [1, 2, 3] and pool.num_free_blocks == 6
+    pool.cache_blocks(0, [head], [h(7)], 0, 1)
+    pool.free_blocks([head])
+    assert pool.num_free_blocks == 9, "the unit's three blocks count free"
+    assert pool.free_block_ids() == [4, 5, 6, 7, 8, 9, 1], "its head alone waits in the queue"
+    assert pool.get_new_blocks(6) == [4, 5, 6, 7, 8, 9] and pool.cached[0] == {h(7): 1}
+    assert pool.get_new_blocks(2) == [1, 2], "taking the head evicts the state and dissolves the unit"
+    assert pool.cached[0] == {} and pool.free_block_ids() == [3] and pool.num_free_blocks == 1
+
+
+def test_a_freed_uncached_unit_dissolves_to_the_head_and_a_hit_on_a_free_unit_takes_all_its_blocks():
+    pool = BlockPool(8)
+    live = pool.get_new_unit(3)
+    pool.free_blocks([live])
+    assert pool.free_block_ids()[:3] == [1, 2, 3] and pool.num_free_blocks == 7
+    checkpoint = pool.get_new_unit(3)
+    pool.cache_blocks(0, [checkpoint], [h(1)], 0, 1)
+    pool.free_blocks([checkpoint])
+    pool.touch([checkpoint])
+    assert pool.num_free_blocks == 4 and checkpoint not in pool.free_block_ids()
+
+
+def test_a_reset_dissolves_free_units_and_keeps_every_block():
+    pool = BlockPool(6)
+    head = pool.get_new_unit(3)
+    pool.cache_blocks(0, [head], [h(1)], 0, 1)
+    pool.free_blocks([head])
+    assert pool.reset_prefix_cache()
+    assert pool.num_free_blocks == 5 and sorted(pool.free_block_ids()) == [1, 2, 3, 4, 5]
+    assert pool.get_new_blocks(5) and pool.num_free_blocks == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["take", "unit", "free", "cache", "touch", "evict"]), st.integers(0, 5)), max_size=60
+    )
+)
+def test_random_operations_with_units_account_for_every_block(ops):
+    pool = BlockPool(16)
+    held: list[int] = []  # one entry per reference: plain blocks and unit heads
+    for op, k in ops:
+        if op == "take" and k <= pool.num_free_blocks:
+            held += pool.get_new_blocks(k)
+        elif op == "unit" and 3 <= pool.num_free_blocks:
+            held.append(pool.get_new_unit(3))
+        elif op == "free" and held:
+            pool.free_blocks([held.pop(k % len(held))])
+        elif op == "cache" and held:
+            b = held[k % len(held)]
+            pool.cache_blocks(0, [b], [h(b * 100 + k)], 0, 1)
+        elif op == "touch" and pool.cached[0]:
+            b = sorted(pool.cached[0].values())[k % len(pool.cached[0])]
+            pool.touch([b])
+            held.append(b)
+        elif op == "evict" and pool.cached[0]:
+            pool.evict_blocks([sorted(pool.cached[0].values())[k % len(pool.cached[0])]])
+        in_use = {m for b in set(held) for m in pool.unit_blocks(b)}
+        assert pool.num_free_blocks + len(in_use) == 15
+        free = pool.free_block_ids()
+        attached = [m for b in free for m in pool.unit_blocks(b)[1:]]
+        assert sorted(free + attached + sorted(in_use)) == list(range(1, 16))
+        for hh, b in pool.cached[0].items():
+            assert pool.block_hash[b] == hh

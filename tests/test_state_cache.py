@@ -9,7 +9,7 @@ import pytest
 
 from jaxkv import ops
 from jaxkv.cache import UnknownLayerError
-from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePool
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePool, plan_kv_cache
 from jaxkv.specs import FullAttentionSpec, MambaSpec
 from jaxkv.state_cache import StateCacheError, allocate_state_cache, num_state_rows, read_states, write_states
 
@@ -68,3 +68,13 @@ def test_copy_states_copies_a_checkpoint_row_in_every_layer(impl):
         conv, state = read_states(copied, layer, jnp.array([4, 3]))
         assert float(conv[0].astype(jnp.float32).min()) == fill and float(state[0].max()) == fill
         assert float(jnp.abs(state[1]).sum()) == 0
+
+
+def test_a_shared_pages_plan_is_refused_by_name_until_the_device_side_reads_it():
+    specs = {
+        "attn": FullAttentionSpec(num_kv_heads=1, head_size=8),
+        "m0": MambaSpec(shapes=((4,),), dtypes=("float32",)),
+    }
+    config = plan_kv_cache(specs, 1 << 20, max_model_len=64, state_layout="shared_pages")
+    with pytest.raises(StateCacheError, match="shared_pages"):
+        allocate_state_cache(config)
