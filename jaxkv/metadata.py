@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+import jaxkv.jax_support  # noqa: F401 - refuses a jax outside the tested range
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv, check_int, is_int
 
