@@ -10,7 +10,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from absl import flags
 
@@ -111,8 +111,9 @@ def _format_bytes(n: int) -> str:
     return f"{n:,} bytes"
 
 
-def device_memory_bytes(device: object) -> tuple[int, str] | None:
-    """(bytes, what they are) of memory on a JAX ``device``, or None if unknown.
+def device_memory_bytes(device: Any) -> tuple[int, str] | None:
+    """(bytes, what they are) of memory on a JAX ``device`` (``Any``: the host core imports
+    no JAX), or None if unknown.
 
     ``device.memory_stats()["bytes_limit"]`` where the backend reports it (GPU, TPU);
     else, on CPU (whose memory_stats is None), the host's physical RAM.
@@ -134,7 +135,7 @@ def device_memory_bytes(device: object) -> tuple[int, str] | None:
     return None
 
 
-def check_fits_device(memory_bytes: int, device: object, *, name: str = "memory") -> None:
+def check_fits_device(memory_bytes: int, device: Any, *, name: str = "memory") -> None:
     """Raise :class:`DeviceMemoryError` if a ``memory_bytes`` budget exceeds ``device``'s memory.
 
     Unknown device memory passes (nothing to compare with).

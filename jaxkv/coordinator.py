@@ -108,7 +108,7 @@ class KVCacheCoordinator:
         self.pools = (self.pool,) if self.state_pool is None else (self.pool, self.state_pool)
         state_groups = set(config.state_group_ids)
         self.managers: list[SingleTypeManager] = [
-            StatePoolManager(self.state_pool, i, g.block_size, g.spec)
+            StatePoolManager(self.state_pool, i, g.block_size, g.spec)  # type: ignore[arg-type]  # state groups need a pool
             if i in state_groups
             else manager_class_for(g.spec)(self.pool, i, g.block_size, g.spec)
             for i, g in enumerate(groups)
@@ -126,7 +126,7 @@ class KVCacheCoordinator:
         # The config guarantees every block size is a multiple of the smallest.
         self.hash_block_size = config.hash_block_size
         self.lcm_block_size = math.lcm(*(g.block_size for g in groups))
-        by_key: dict[tuple, list[int]] = {}
+        by_key: dict[tuple[type[SingleTypeManager], KVCacheSpec, int], list[int]] = {}
         for i, (g, m) in enumerate(zip(groups, self.managers)):
             by_key.setdefault((type(m), g.spec, g.block_size), []).append(i)
         types = [
@@ -252,7 +252,7 @@ class KVCacheCoordinator:
         lcm = self.lcm_block_size
         length = max_length // lcm * lcm
         typed = list(self.typed_hashes(block_hashes))
-        found: list[CacheHit] = [None] * len(typed)
+        found: list[CacheHit] = [CacheHit(0, 0, [])] * len(typed)
         reach = None
         changed = True
         while changed:
@@ -409,6 +409,7 @@ class KVCacheCoordinator:
         else:
             self.pool.free_block_lists([m.release(request_id) for m in managers])
         if self._state_managers:
+            assert self.state_pool is not None  # state managers exist only beside a state pool
             self.state_pool.free_block_lists([m.release(request_id) for m in self._state_managers])
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:

@@ -7,6 +7,7 @@ integers are (token ids and counts often come from arrays). Host-only: no JAX.
 from __future__ import annotations
 
 import numbers
+from typing import TypeGuard
 
 from jaxkv.errors import JaxkvError
 
@@ -16,7 +17,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """An int or numpy integer, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from threading import get_ident as _get_ident
-from typing import NamedTuple
+from typing import NamedTuple, cast, overload
 
 from jaxkv.coordinator import KVCacheCoordinator
 from jaxkv.errors import JaxkvError, OwnerThread
@@ -51,7 +51,7 @@ class StaleCacheHitError(InvalidCacheHitError):
     """Blocks from ``get_computed_blocks`` were evicted before ``allocate_slots``."""
 
 
-class ReadOnlyTokenIds(Sequence):
+class ReadOnlyTokenIds(Sequence[int]):
     """A read-only view of a request's token ids (slices come back as lists).
 
     The manager hashes full blocks once and caches them under those hashes, so a token
@@ -67,7 +67,13 @@ class ReadOnlyTokenIds(Sequence):
     def __len__(self) -> int:
         return len(self._ids)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
         return self._ids[index]
 
     def __iter__(self) -> Iterator[int]:
@@ -99,7 +105,7 @@ def token_id_list(values: object, what: str) -> list[int]:
     ndim = getattr(values, "ndim", 1)
     if ndim != 1:
         raise KVCacheManagerError(f"{what} must be 1-D, got an array of shape {getattr(values, 'shape', None)}")
-    ids = list(values)  # type: ignore[call-overload]
+    ids: list[int] = list(values)  # type: ignore[call-overload]
     if set(map(type, ids)) - {int}:
         bad = next((t for t in ids if not is_int(t)), None)  # is_int refuses bools
         if bad is not None:
@@ -526,7 +532,7 @@ class KVCacheManager:
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted)."""
         self._owner.check()
-        rid = request if isinstance(request, str) else getattr(request, "request_id", request)
+        rid = cast(str, request if isinstance(request, str) else getattr(request, "request_id", request))
         held = self._requests.pop(rid, None)
         if held is None:
             raise UnknownRequestError(f"cannot free unknown (or already freed) request {rid!r}")

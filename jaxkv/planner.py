@@ -39,6 +39,7 @@ from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv, check_int
 from jaxkv.specs import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
@@ -357,9 +358,11 @@ class KVCacheConfig:
         padding = []
         for i, g in enumerate(self.groups):
             if i in states:
+                assert self.state_pool is not None and isinstance(g.spec, MambaSpec)  # state groups: a pool's
                 slot = self.state_pool.state_bytes
                 padding.append(0 if slot is None else slot - len(g.layer_names) * g.spec.state_bytes)
                 continue
+            assert self.pages is not None  # attention groups live on the pages
             page = self.pages.page_size_bytes
             padding.append(
                 (self.pages.num_layers_per_block - len(g.layer_names)) * page
@@ -428,7 +431,7 @@ class KVCacheConfig:
             if states:
                 line += f" + {len(states)} live state(s)"
             lines.append(f"{line}; max concurrency {self.max_concurrency:,}")
-            if self.pages is not None:
+            if self.pages is not None and padding is not None:
                 wasted = sum(n * p for i, (n, p) in enumerate(zip(per_request, padding)) if i not in states)
                 share = wasted / (need * self.pages.block_bytes)
                 lines.append(
@@ -441,20 +444,22 @@ class KVCacheConfig:
 def _state_pool_lines(config: KVCacheConfig) -> list[str]:
     """The summary's split of the budget between the attention blocks and the state pool."""
     pool = config.state_pool
+    assert pool is not None  # called for plans with a state pool
     if pool.state_bytes is None:
         return [f"state pool: {pool.num_states:,} states (state 0 is the null state)"]
     slot = pool.state_bytes
+    total_bytes = pool.num_states * slot
     lines = [f"state slot {slot:,} B ({_human(slot)}): the states of one recurrent group's layers for one request"]
     if pool.num_live_states is not None:
-        checkpoints = pool.num_checkpoint_states
+        checkpoints = pool.num_states - 1 - pool.num_live_states
         lines.append(
             f"state pool: {pool.num_live_states:,} live x {_human(slot)} = {_human(pool.num_live_states * slot)}"
             f" + {checkpoints:,} checkpoint(s) = {_human(checkpoints * slot)} + the null state"
-            f" = {pool.num_states:,} states = {_human(pool.total_bytes)}"
+            f" = {pool.num_states:,} states = {_human(total_bytes)}"
         )
     attention = config.num_blocks * config.pages.block_bytes if config.pages is not None else 0
-    both = _human(attention + pool.total_bytes)
-    total = f"total {_human(attention)} attention + {_human(pool.total_bytes)} states = {both}"
+    both = _human(attention + total_bytes)
+    total = f"total {_human(attention)} attention + {_human(total_bytes)} states = {both}"
     if config.memory_bytes is not None:
         total += f" of {_human(config.memory_bytes)}"
     lines.append(f"{total}; prefix-cache granularity (hash block size) {config.hash_block_size} tokens")
@@ -464,14 +469,17 @@ def _state_pool_lines(config: KVCacheConfig) -> list[str]:
 def _device_line(config: KVCacheConfig) -> str:
     """The summary's memory per tensor-parallel device."""
     tp = config.tensor_parallel
-    heads = config.attention_groups[0].spec.num_kv_heads
+    spec = config.attention_groups[0].spec
+    assert isinstance(spec, AttentionSpec)  # tensor_parallel > 1 is refused for other specs
+    heads = spec.num_kv_heads
     line = f"per device (tensor_parallel={tp}, {heads // tp} of {heads} KV heads each):"
     if config.pages is not None:
         block = config.pages.block_bytes // tp
         line += f" block {block:,} B, attention {_human(config.num_blocks * block)}"
     if config.state_pool is not None and config.state_pool.total_bytes is not None:
         line += f" + states {_human(config.state_pool.total_bytes)} (replicated)"
-    return f"{line} = {_human(config.device_bytes)}"
+    device_bytes = config.device_bytes
+    return line if device_bytes is None else f"{line} = {_human(device_bytes)}"
 
 
 def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
@@ -491,13 +499,13 @@ def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
 def _check_tensor_parallel(groups: Sequence[KVCacheGroup], tensor_parallel: int) -> None:
     """Every group on the attention pages must split into whole KV heads per device."""
     for group in groups:
-        heads = getattr(group.spec, "num_kv_heads", None)
         if not isinstance(group.spec, PADDED_HEAD_SPECS):
             raise TensorParallelError(
                 f"group of {group.layer_names[0]!r} has spec {group.spec!r}, whose pages cannot be split by "
                 f"KV heads over tensor_parallel={tensor_parallel} devices (recurrent states: use "
                 "state_layout='state_pool', whose states are replicated)"
             )
+        heads = group.spec.num_kv_heads
         if heads % tensor_parallel:
             raise TensorParallelError(
                 f"num_kv_heads={heads} of group {group.layer_names[0]!r} is not a multiple of "
@@ -592,7 +600,23 @@ def _head_padding_bytes_per_token(
     padded: Mapping[str, KVCacheSpec],
 ) -> int:
     """Bytes per token that tile alignment added to the layers ``names``, together."""
-    return sum(padded[n].bytes_per_token - original[n].bytes_per_token for n in names if padded[n] is not original[n])
+    return sum(
+        _bytes_per_token(padded[n]) - _bytes_per_token(original[n]) for n in names if padded[n] is not original[n]
+    )
+
+
+def _state_bytes(spec: KVCacheSpec) -> int:
+    """A recurrent layer's state bytes (``PlanError`` for a spec without a state)."""
+    if not isinstance(spec, MambaSpec):
+        raise PlanError(f"{spec!r} holds no recurrent state")
+    return spec.state_bytes
+
+
+def _bytes_per_token(spec: KVCacheSpec) -> int:
+    """An attention layer's bytes per token (``PlanError`` for a spec without tokens)."""
+    if not isinstance(spec, AttentionSpec):
+        raise PlanError(f"{spec!r} holds no per-token KV")
+    return spec.bytes_per_token
 
 
 def _num_groups(counts: Sequence[int], layers_per_group: int) -> int:
@@ -818,7 +842,7 @@ def _plan_state_pool(
             else [g for g in attention_groups if g.spec.type_key == t.spec.type_key]
         )
     )
-    slot = max(len(t.layer_names) * t.spec.state_bytes for t in recurrent)
+    slot = max(len(t.layer_names) * _state_bytes(t.spec) for t in recurrent)
     states_per_request = len(recurrent)
     per_request = need * block_bytes + states_per_request * slot
     fixed = block_bytes + slot  # the null block and the null state
@@ -863,5 +887,5 @@ def exact_concurrency_bound(layer_specs: Mapping[str, KVCacheSpec], memory_bytes
         if not isinstance(spec, KVCacheSpec):
             raise PlanError(f"layer {name!r} has no KVCacheSpec: {spec!r}")
     state = sum(s.state_bytes for s in layer_specs.values() if isinstance(s, MambaSpec))
-    per_token = sum(s.bytes_per_token for s in layer_specs.values() if not isinstance(s, MambaSpec))
+    per_token = sum(_bytes_per_token(s) for s in layer_specs.values() if not isinstance(s, MambaSpec))
     return memory_bytes // (per_token * max_model_len + state)

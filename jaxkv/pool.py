@@ -185,10 +185,11 @@ class BlockPool:
             out = free.popleft_n(num_queued) + self._retained.popleft_n(n - num_queued)
         journal = self._journal
         for b in out:
-            if block_hash[b] is not None:
+            h = block_hash[b]
+            if h is not None:
                 if journal is None or b not in journal:  # a journaled block's KV is not written yet
                     for listener in self._reuse_listeners:
-                        listener(b, block_hash[b], self.block_group[b])
+                        listener(b, h, self.block_group[b])
                 self._evict(b)
             ref_cnt[b] = 1
         return out
@@ -425,6 +426,7 @@ class BlockPool:
 
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]
+        assert h is not None, f"block {b} is not cached"  # callers evict cached blocks only
         g = self.block_group[b]
         cached = self.cached[g]
         copies = self._copies[g].get(h)
@@ -434,6 +436,7 @@ class BlockPool:
             else:
                 del cached[h]
         else:
+            assert copies is not None, f"block {b} is cached under {h!r} but is no copy"
             copies.remove(b)
         if copies is not None and not copies:
             del self._copies[g][h]

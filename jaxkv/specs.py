@@ -68,7 +68,7 @@ def canonical_dtype(value: object) -> str:
             raise SpecError(f"dtype {value!r} is not a numeric type") from err
     if bits < 8:
         raise SpecError(f"dtype {value!r} has {bits} bits; sub-byte dtypes are not supported")
-    return dtype.name
+    return str(dtype.name)
 
 
 def _dtype_field(owner: str, name: str, value: object) -> str:
@@ -81,8 +81,8 @@ def _dtype_field(owner: str, name: str, value: object) -> str:
 def dtype_itemsize(name: str) -> int:
     """Bytes per element of a dtype given by canonical name."""
     if hasattr(ml_dtypes, name):
-        return np.dtype(getattr(ml_dtypes, name)).itemsize
-    return np.dtype(name).itemsize
+        return int(np.dtype(getattr(ml_dtypes, name)).itemsize)
+    return int(np.dtype(name).itemsize)
 
 
 def _blocks_touched(num_tokens: int, block_size: int) -> int:

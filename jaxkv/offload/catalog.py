@@ -106,9 +106,13 @@ class _Entry:
 class PolicyOffloadingManager(OffloadingManager):
     """An offloading manager over a :class:`Backend` with an eviction policy by name."""
 
-    def __init__(self, backend: Backend, policy: str | EvictionPolicy = "lru", *, enable_events: bool = True) -> None:
+    def __init__(
+        self, backend: Backend, policy: str | EvictionPolicy[OffloadKey] = "lru", *, enable_events: bool = True
+    ) -> None:
         self.backend = backend
-        self.policy = make_policy(policy, backend.capacity) if isinstance(policy, str) else policy
+        self.policy: EvictionPolicy[OffloadKey] = (
+            make_policy(policy, backend.capacity) if isinstance(policy, str) else policy
+        )
         self.enable_events = enable_events
         self._entries: dict[OffloadKey, _Entry] = {}
         self._events: list[OffloadEvent] = []

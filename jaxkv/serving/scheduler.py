@@ -244,9 +244,10 @@ class Scheduler:
             req = seq.request
             hit, num_hit = mgr.get_computed_blocks(req)
             if self.admission is not None:
-                num_hit = self.admission.allocate_admitted(req, hit, num_hit, budget)
-                if num_hit is None:
+                admitted = self.admission.allocate_admitted(req, hit, num_hit, budget)
+                if admitted is None:
                     break
+                num_hit = admitted
                 n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget))
             else:
                 n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget))

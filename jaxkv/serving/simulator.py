@@ -143,7 +143,7 @@ def _arrival_time(value: object, where: str) -> float:
     """``value`` as a finite float >= 0, or a TraceError (ints too large for a float included)."""
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
     try:
-        arrival = float(value) if ok else math.nan
+        arrival = float(value) if ok else math.nan  # type: ignore[arg-type]  # a real number when ok
     except OverflowError:
         arrival = math.inf
     if not (math.isfinite(arrival) and arrival >= 0):
@@ -180,9 +180,9 @@ class TraceRequest:
             if value is not None and not (isinstance(value, str) and _is_utf8(value)):
                 raise TraceError(f"{where}field {name!r} must be a UTF-8 str or null, got {value!r:.80}")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         """The request as a JSON-able object of the trace file schema."""
-        out = {
+        out: dict[str, object] = {
             "request_id": self.request_id,
             "arrival_time": self.arrival_time,
             "prompt_token_ids": list(self.prompt_token_ids),
@@ -200,12 +200,14 @@ def output_token_ids(request_id: str, count: int) -> list[int]:
     scheduling order (with or without caching or preemption) agree.
     """
     seed = int.from_bytes(hashlib.blake2b(request_id.encode("utf-8"), digest_size=8).digest(), "little")
-    return np.random.default_rng(seed).integers(0, VOCAB_SIZE, count).tolist()
+    ids: list[int] = np.random.default_rng(seed).integers(0, VOCAB_SIZE, count).tolist()
+    return ids
 
 
 def _length_range(name: str, value: object) -> tuple[int, int]:
-    ok = isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2
-    if not (ok and is_int(value[0]) and is_int(value[1]) and 1 <= value[0] <= value[1]):
+    if not (isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2):
+        raise TraceError(f"{name} must be a range (lo, hi) of ints with 1 <= lo <= hi, got {value!r:.80}")
+    if not (is_int(value[0]) and is_int(value[1]) and 1 <= value[0] <= value[1]):
         raise TraceError(f"{name} must be a range (lo, hi) of ints with 1 <= lo <= hi, got {value!r:.80}")
     return int(value[0]), int(value[1])
 
@@ -384,7 +386,7 @@ class SimulationResult:
         data = json.dumps(sorted(self.outputs.items()), separators=(",", ":")).encode()
         return hashlib.sha256(data).hexdigest()[:16]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         """The counters, rates and outputs digest as a JSON-able dict."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "outputs"}
         out.update(
@@ -528,7 +530,7 @@ class _Replay:
             num_steps=len(self.host_s),
             simulated_time_s=self.clock,
             num_prompt_tokens=sum(s.request.num_prompt_tokens for s in self.finished),
-            num_prompt_hit_tokens=sum(s.num_cached_tokens for s in self.finished),
+            num_prompt_hit_tokens=sum(s.num_cached_tokens or 0 for s in self.finished),
             cache_queries=stats.num_requests - before.num_requests,
             cache_queried_tokens=stats.num_queried_tokens - before.num_queried_tokens,
             cache_hit_tokens=stats.num_hit_tokens - before.num_hit_tokens,
