@@ -120,7 +120,7 @@ def device_memory_bytes(device: Any) -> tuple[int, str] | None:
     """
     try:
         stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - backends without stats raise various errors
+    except Exception:
         stats = None
     limit = stats.get("bytes_limit") if isinstance(stats, dict) else None
     if is_int(limit) and limit > 0:

@@ -614,7 +614,7 @@ class KVCacheManager:
     @staticmethod
     def _raise_bad_counts(rid: str, *counts: object) -> None:
         names = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens", "num_external_computed_tokens")
-        for name, value in zip(names, counts):
+        for name, value in zip(names, counts, strict=True):
             if type(value) is not int or value < 0:
                 raise KVCacheManagerError(f"{name} must be an int >= 0, got {value!r} (request {rid!r})")
 
@@ -642,7 +642,7 @@ class KVCacheManager:
             raise KVCacheManagerError(
                 f"request {rid!r}: new_computed_blocks has {len(hit.blocks)} groups, config has {coord.num_groups}"
             )
-        for blocks, bs in zip(hit.blocks, self.block_sizes):
+        for blocks, bs in zip(hit.blocks, self.block_sizes, strict=True):
             if len(blocks) * bs != num_new_computed_tokens:
                 raise KVCacheManagerError(
                     f"request {rid!r}: {len(blocks)} hit blocks of {bs} tokens do not cover "

@@ -393,11 +393,11 @@ class KVCacheConfig:
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         table = [
             "  ".join(
-                cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))
+                cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
             ).rstrip()
             for row in rows
         ]
-        lines = [_headline(self)] + table
+        lines = [_headline(self), *table]
         if self.head_dim_multiple > 1:
             lines.append(
                 f"attention head_size rounded up to a multiple of {self.head_dim_multiple} "
@@ -432,7 +432,9 @@ class KVCacheConfig:
                 line += f" + {len(states)} live state(s)"
             lines.append(f"{line}; max concurrency {self.max_concurrency:,}")
             if self.pages is not None and padding is not None:
-                wasted = sum(n * p for i, (n, p) in enumerate(zip(per_request, padding)) if i not in states)
+                wasted = sum(
+                    n * p for i, (n, p) in enumerate(zip(per_request, padding, strict=True)) if i not in states
+                )
                 share = wasted / (need * self.pages.block_bytes)
                 lines.append(
                     f"padding: {_human(wasted)} of a max_model_len request's blocks ({share:.1%}) "
@@ -634,7 +636,7 @@ def choose_layers_per_group(counts: Sequence[int], blocks_per_request: Sequence[
     bound = _num_groups(counts, min(counts))
 
     def cost(size: int) -> tuple[int, int, int]:
-        pages = sum(cdiv(n, size) * size * b for n, b in zip(counts, blocks_per_request))
+        pages = sum(cdiv(n, size) * size * b for n, b in zip(counts, blocks_per_request, strict=True))
         return pages, _num_groups(counts, size), size
 
     candidates = [s for s in range(1, max(counts) + 1) if _num_groups(counts, s) <= bound]
@@ -767,11 +769,14 @@ def _group_and_page(
     layout: str,
 ) -> tuple[tuple[KVCacheGroup, ...], BlockPages]:
     """Cut ``types`` (block size ``sizes``) into groups of equal layer count and lay them on pages of ``page`` B."""
-    per_type = [t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens) for t, size in zip(types, sizes)]
+    per_type = [
+        t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens)
+        for t, size in zip(types, sizes, strict=True)
+    ]
     per_group = choose_layers_per_group([len(t.layer_names) for t in types], per_type)
     groups = tuple(
         KVCacheGroup(names, t.spec, size, _head_padding_bytes_per_token(names, original, padded))
-        for t, size in zip(types, sizes)
+        for t, size in zip(types, sizes, strict=True)
         for names in (t.layer_names[i : i + per_group] for i in range(0, len(t.layer_names), per_group))
     )
     pages = BlockPages(

@@ -127,7 +127,7 @@ class KVCacheSpec(abc.ABC):
     @property
     def type_key(self) -> Hashable:
         """Layers with equal type_key may share a KV cache group: class and all fields."""
-        return (type(self).__name__,) + tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        return (type(self).__name__, *tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
 
     def max_memory_bytes(
         self,
@@ -345,7 +345,9 @@ class MambaSpec(KVCacheSpec):
     @property
     def state_bytes(self) -> int:
         """Bytes of one layer's state for one request (all tensors)."""
-        return sum(math.prod(shape) * dtype_itemsize(dtype) for shape, dtype in zip(self.shapes, self.dtypes))
+        return sum(
+            math.prod(shape) * dtype_itemsize(dtype) for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+        )
 
     def page_size_bytes(self, block_size: int) -> int:
         """The state size; a Mamba page holds one state whatever the block size."""

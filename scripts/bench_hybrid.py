@@ -359,7 +359,11 @@ def print_table(section: str, rows: list[dict]) -> None:
     widths = [max(len(line[c]) for line in cells) for c in range(len(columns))]
     print(f"\n[{section}] {title}")
     for line in cells:
-        print("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(line, widths))))
+        print(
+            "  ".join(
+                cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(line, widths, strict=True))
+            )
+        )
 
 
 def main(argv: Sequence[str]) -> None:

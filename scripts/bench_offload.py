@@ -106,7 +106,7 @@ def make_cache(layout: str, block_bytes: int) -> KVCache:
     group = KVCacheGroup(layer_names=layers, spec=spec, block_size=FLAGS.block_size)
     num_blocks = 2 * FLAGS.batch_blocks + 1
     cache = allocate_kv_cache(KVCacheConfig(num_blocks=num_blocks, groups=(group,)), layout=layout)
-    data = jax.random.normal(jax.random.key(FLAGS.seed), (num_blocks,) + block_shape(cache), jnp.float32)
+    data = jax.random.normal(jax.random.key(FLAGS.seed), (num_blocks, *block_shape(cache)), jnp.float32)
     return ops.scatter_blocks(cache, jnp.arange(num_blocks), data)
 
 
@@ -172,7 +172,7 @@ def time_layer_by_layer(block_bytes: int) -> dict:
     buffers = list(cache.buffers)
 
     def store() -> None:
-        for pool, buffer in zip(pools, buffers):
+        for pool, buffer in zip(pools, buffers, strict=True):
             if pool.memory_kind == "pinned_host":
                 pool.write(slots, gather(buffer, src))
             else:
@@ -182,7 +182,7 @@ def time_layer_by_layer(block_bytes: int) -> dict:
 
     def load() -> None:
         nonlocal buffers
-        buffers = [scatter(b, dst, pool.read(slots)) for b, pool in zip(buffers, pools)]
+        buffers = [scatter(b, dst, pool.read(slots)) for b, pool in zip(buffers, pools, strict=True)]
         jax.block_until_ready(buffers)
 
     t_store, t_load = best_seconds(store, FLAGS.repeats), best_seconds(load, FLAGS.repeats)

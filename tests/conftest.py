@@ -11,15 +11,15 @@ os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
 ).strip()
 
-import secrets  # noqa: E402
+import secrets
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from paged_batches import SeededRng  # noqa: E402
+import numpy as np
+import pytest
+from paged_batches import SeededRng
 
-from jaxkv.manager import KVCacheManager, Request  # noqa: E402
-from jaxkv.planner import KVCacheConfig, KVCacheGroup  # noqa: E402
-from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from jaxkv.manager import KVCacheManager, Request
+from jaxkv.planner import KVCacheConfig, KVCacheGroup
+from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 
 FULL = FullAttentionSpec(num_kv_heads=1, head_size=1)
 

@@ -70,7 +70,7 @@ def make_batch(
     distinct; pages wholly outside every query's window are freed to the null block."""
     bs, h = block_size, num_kv_heads
     num_pages = [-(-kv // bs) for _, kv in seqs]
-    width = max(num_pages + [1]) + width_slack
+    width = max([*num_pages, 1]) + width_slack
     num_blocks = 1 + sum(num_pages) + 2
     page_shape = (bs, 2 * h, head_dim)
     full_shape = (num_blocks,) + ((num_layers_per_block,) if layer_index is not None else ()) + page_shape
@@ -86,7 +86,7 @@ def make_batch(
             b = next(blocks)
             tables[i, p] = b
             n = min(bs, kv_len - p * bs)
-            layer[b, :n] = rng.standard_normal((n,) + page_shape[1:])
+            layer[b, :n] = rng.standard_normal((n, *page_shape[1:]))
     clean = np.where(np.isnan(kv), rng.standard_normal(kv.shape), kv)
     q_lens = [q for q, _ in seqs]
     num_tokens = sum(q_lens) + extra_tokens

@@ -48,6 +48,8 @@ HOST_MODULES = [
     "jaxkv.serving",
     "jaxkv.serving.scheduler",
     "jaxkv.serving.simulator",
+    "jaxkv.serving.stats",
+    "jaxkv.serving.metrics",  # an exporter process need not carry JAX
     "jaxkv.cluster",
     "jaxkv.cluster.lockstep",
     "jaxkv.cluster.launcher",

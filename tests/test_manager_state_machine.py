@@ -283,7 +283,7 @@ def test_single_full_group_decides_exactly_like_the_vllm_rules(num_blocks, ops):
     for n, (op, prefix, k) in enumerate(ops):
         if op.startswith("admit"):
             if op == "admit":
-                req = Request(f"r{n}", PREFIXES[prefix][: 4 + k] + [k, n])
+                req = Request(f"r{n}", [*PREFIXES[prefix][: 4 + k], k, n])
             else:
                 req = Request(f"r{n}", PREFIXES[prefix][: BS * (1 + k % 4)])
             hit, num_hit = mgr.get_computed_blocks(req)

@@ -362,7 +362,7 @@ def test_copy_blocks_matches_reference_and_touches_nothing_else(rng, dtype, layo
     untouched = np.setdiff1d(np.arange(n), dst[src != dst])
     msg = f"seed={rng.seed}"
     assert len(out) == len(buffers)
-    for o, w, b in zip(out, want, buffers):
+    for o, w, b in zip(out, want, buffers, strict=False):
         np.testing.assert_array_equal(bits(o), bits(w), err_msg=msg)
         np.testing.assert_array_equal(bits(o)[untouched], bits(b)[untouched], err_msg=msg)
         np.testing.assert_array_equal(bits(o)[dst], bits(b)[src], err_msg=msg)
@@ -380,7 +380,7 @@ def test_copy_states_matches_reference_over_buffers_of_any_shape_and_dtype(rng):
     out = kernels.copy_states(buffers, jnp.asarray(src), jnp.asarray(dst), interpret=params)
     want = ref.copy_states(buffers, jnp.asarray(src), jnp.asarray(dst))
     msg = f"seed={rng.seed}"
-    for o, w, b in zip(out, want, buffers):
+    for o, w, b in zip(out, want, buffers, strict=False):
         assert o.shape == b.shape and o.dtype == b.dtype
         np.testing.assert_array_equal(bits(o), bits(w), err_msg=msg)
         np.testing.assert_array_equal(bits(o)[dst], bits(b)[src], err_msg=msg)

@@ -72,7 +72,7 @@ def check_plan(config: KVCacheConfig, layer_specs, memory_bytes: int) -> None:
 
 def request_pages(counts, blocks, slots):
     """Slot-pages one max_model_len request occupies with ``slots`` per group."""
-    return sum(math.ceil(n / slots) * slots * b for n, b in zip(counts, blocks))
+    return sum(math.ceil(n / slots) * slots * b for n, b in zip(counts, blocks, strict=False))
 
 
 # ------------------------------------------------------------ real models
@@ -134,7 +134,7 @@ def test_jamba_grows_attention_blocks_until_a_page_holds_a_mamba_state():
     assert len(mamba) == 7 and all(len(g.layer_names) == 4 for g in mamba)
     assert all(g.block_size == attention.block_size for g in mamba)
     # Each Mamba page is padded up to the attention page; the padding is reported.
-    padding = dict(zip(config.groups, config.padding_bytes_per_block))
+    padding = dict(zip(config.groups, config.padding_bytes_per_block, strict=False))
     assert all(padding[g] == 4 * (page - state) for g in mamba)
     assert padding[attention] == 0
     assert "padded" in config.summary()
@@ -163,7 +163,7 @@ def test_pages_in_a_non_integer_ratio_are_incompatible():
         "full": FullAttentionSpec(num_kv_heads=8, head_size=128),  # 65,536 B at 16
         "mla": MLASpec(kv_lora_rank=512, qk_rope_head_dim=64),  # 18,432 B at 16
     }
-    with pytest.raises(IncompatibleSpecsError, match="18432 B.*65536 B"):
+    with pytest.raises(IncompatibleSpecsError, match=r"18432 B.*65536 B"):
         plan_kv_cache(specs, GiB, max_model_len=4096)
 
 
@@ -307,7 +307,7 @@ def test_mamba_states_keep_their_size_while_attention_heads_are_padded():
     assert all(g.spec == specs["layers.0"] for g in mamba)
     # A padded attention page (32 KiB at block 16) already holds a state: no growth.
     assert attention[0].block_size == 16 and config.pages.page_size_bytes == 16 * 2048
-    padding = dict(zip(config.groups, config.padding_bytes_per_block))
+    padding = dict(zip(config.groups, config.padding_bytes_per_block, strict=False))
     page = config.pages.page_size_bytes
     assert all(padding[g] == len(g.layer_names) * (page - state) for g in mamba)
     # Every token of every attention layer carries 2 x 2 heads x (128 - 16) zero floats.
@@ -407,7 +407,7 @@ def mamba_specs():
 def models(draw):
     kinds = draw(st.lists(st.one_of(attention_specs(), mamba_specs()), min_size=1, max_size=4))
     counts = draw(st.lists(st.integers(1, 12), min_size=len(kinds), max_size=len(kinds)))
-    layers = [spec for spec, n in zip(kinds, counts) for _ in range(n)]
+    layers = [spec for spec, n in zip(kinds, counts, strict=False) for _ in range(n)]
     order = draw(st.permutations(layers))
     return {f"layers.{i}": spec for i, spec in enumerate(order)}
 
@@ -437,7 +437,7 @@ def test_any_mix_plans_equal_slots_and_pages_within_budget(specs, memory, max_mo
         types[spec.type_key] = types.get(spec.type_key, 0) + 1
     smallest = min(types.values())
     assert len(config.groups) <= sum(math.ceil(n / smallest) for n in types.values())
-    per_type = {g.spec.type_key: b for g, b in zip(config.groups, config.blocks_per_request())}
+    per_type = {g.spec.type_key: b for g, b in zip(config.groups, config.blocks_per_request(), strict=False)}
     counts = list(types.values())
     blocks = [per_type[k] for k in types]
     assert request_pages(counts, blocks, config.pages.num_layers_per_block) <= request_pages(counts, blocks, smallest)
@@ -676,7 +676,7 @@ def test_bad_state_layout_arguments_raise_a_plan_error_naming_the_value(kwargs, 
 
 
 def test_a_state_pool_without_recurrent_layers_is_refused():
-    with pytest.raises(PlanError, match="needs recurrent .* every layer is attention: full_attention"):
+    with pytest.raises(PlanError, match=r"needs recurrent .* every layer is attention: full_attention"):
         plan_kv_cache(get_preset("llama-3.1-8b"), 16 * GiB, max_model_len=32768, state_layout="state_pool")
 
 

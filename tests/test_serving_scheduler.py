@@ -102,13 +102,13 @@ def test_a_prefix_hit_skips_the_cached_tokens():
     mgr = make_manager(40, FULL)
     sched = Scheduler(mgr, max_num_batched_tokens=512)
     shared = list(range(1000, 1040))
-    first = sched.add_request(Request("a", shared + [1, 2]), 1)
+    first = sched.add_request(Request("a", [*shared, 1, 2]), 1)
     step(sched)
     assert first.num_cached_tokens == 0 and not sched.has_unfinished
-    second = sched.add_request(Request("b", shared + [3, 4, 5]), 1)
+    second = sched.add_request(Request("b", [*shared, 3, 4, 5]), 1)
     out = sched.schedule()
     assert shape(out) == [("b", 32, 11)]
-    assert out.chunks[0].token_ids == shared[32:] + [3, 4, 5]
+    assert out.chunks[0].token_ids == [*shared[32:], 3, 4, 5]
     assert second.num_cached_tokens == 32
     assert out.chunks[0].block_ids[0][:2] == mgr.get_block_ids("b")[0][:2]
 
@@ -171,7 +171,7 @@ def test_bad_requests_and_arguments_are_refused_with_the_value():
         sched.add_request(started, 1)
     assert not sched.has_unfinished
     sched.add_request(Request("huge", range(60)), 1)  # needs 4 blocks
-    with pytest.raises(PoolTooSmallError, match="'huge' .60 tokens. cannot be admitted"):
+    with pytest.raises(PoolTooSmallError, match=r"'huge' .60 tokens. cannot be admitted"):
         sched.schedule()
     ok = Scheduler(make_manager(20, FULL))
     ok.add_request(Request("a", range(4)), 1)

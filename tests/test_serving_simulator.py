@@ -194,7 +194,7 @@ def test_a_plan_of_too_many_blocks_is_refused_before_a_manager_exists():
     with pytest.raises(PlanTooLargeError, match=f"{config.num_blocks:,} blocks.*at most 16,777,216") as err:
         check_num_blocks(config.num_blocks)
     assert isinstance(err.value, SimulationError) and isinstance(err.value, JaxkvError)
-    with pytest.raises(SimulationError, match="num_blocks must be a.* int.*, got 0"):
+    with pytest.raises(SimulationError, match=r"num_blocks must be a.* int.*, got 0"):
         check_num_blocks(0)
 
 
@@ -215,7 +215,7 @@ def test_a_pool_too_small_for_one_request_is_an_error(prompt, output):
 
 def test_bad_simulator_arguments_are_named():
     mgr = make_manager(20, FULL)
-    with pytest.raises(SimulationError, match="max_num_seqs must be a.* int.*, got 0"):
+    with pytest.raises(SimulationError, match=r"max_num_seqs must be a.* int.*, got 0"):
         Simulator(mgr, max_num_seqs=0)
     with pytest.raises(TypeError, match="max_num_running"):  # renamed to the scheduler's word, no alias
         Simulator(mgr, max_num_running=4)
@@ -227,7 +227,7 @@ def test_bad_simulator_arguments_are_named():
 
 # ------------------------------------------------------------- JSON traces
 def test_json_trace_round_trip(tmp_path):
-    trace = chat_trace()[:5] + [TraceRequest("salted", 3.5, [1, 2, 3], 4, cache_salt="t1", lora_name="sql")]
+    trace = [*chat_trace()[:5], TraceRequest("salted", 3.5, [1, 2, 3], 4, cache_salt="t1", lora_name="sql")]
     path = tmp_path / "trace.json"
     save_trace(path, trace)
     assert load_trace(path) == trace

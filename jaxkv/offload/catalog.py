@@ -185,7 +185,7 @@ class PolicyOffloadingManager(OffloadingManager):
             if self.enable_events:
                 self._events.append(KeysRemoved(tuple(victims)))
         places = self.backend.allocate(len(incoming))
-        for key, place in zip(incoming, places):
+        for key, place in zip(incoming, places, strict=True):
             self._entries[key] = _Entry(place)
         return PrepareStoreOutput(tuple(incoming), tuple(places), tuple(victims))
 

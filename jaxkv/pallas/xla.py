@@ -139,7 +139,7 @@ def paged_attention(
     init = (
         jnp.full(shape, -jnp.inf, jnp.float32),
         jnp.zeros(shape, jnp.float32),
-        jnp.zeros(shape + (head_dim,), jnp.float32),
+        jnp.zeros((*shape, head_dim), jnp.float32),
     )
     _, denom, acc = jax.lax.fori_loop(first, last, step, init)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]

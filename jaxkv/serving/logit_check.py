@@ -82,7 +82,7 @@ class LogitCheck:
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -114,7 +114,7 @@ def compare_outputs(
     diverged = []
     max_diff = max_logit = 0.0
     num_positions = 0
-    for index, (a, b) in enumerate(zip(baseline, candidate)):
+    for index, (a, b) in enumerate(zip(baseline, candidate, strict=True)):
         split = _first_difference(a.output_token_ids, b.output_token_ids)
         if split is not None:
             diverged.append((index, split))

@@ -90,15 +90,19 @@ class OffloadConfig:
 
 @dataclass
 class ConnectorStats:
-    """Cumulative counters (blocks are (block, group) keys; states count state checkpoints among them)."""
+    """Cumulative counters (blocks are (block, group) keys; states count state checkpoints among
+    them; queried tokens are those past the device hit that admitted requests asked of the host tier)."""
 
+    num_queried_tokens: int = 0
     num_loaded_tokens: int = 0
     num_loaded_blocks: int = 0
+    num_loaded_bytes: int = 0
     num_loaded_states: int = 0
     num_failed_loads: int = 0
     num_stored_blocks: int = 0
     num_failed_stores: int = 0
     num_skipped_stores: int = 0
+    num_stored_bytes: int = 0
 
 
 @dataclass
@@ -246,13 +250,14 @@ class OffloadConnector:
             try:
                 host_blocks = {}
                 for tier, keys in self._split(host.keys):
-                    host_blocks.update(zip(keys, tier.offload.prepare_load(keys)))
+                    host_blocks.update(zip(keys, tier.offload.prepare_load(keys), strict=True))
                     pinned.append((tier, keys))
                 num_ext = host.end - host.start
                 n = mgr.chunk_limit(request, host.end, min(request.num_tokens - host.end, budget))
                 if mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext) is not None:
                     if self._load(request, host, host_blocks):
                         self._touch_prefix(request, hashes)
+                        self.stats.num_queried_tokens += request.num_tokens - num_hit
                         return host.end
                     hit, num_hit = mgr.get_computed_blocks(request)  # the allocation may have evicted the first hit
             finally:
@@ -262,6 +267,7 @@ class OffloadConnector:
         if mgr.allocate_slots(request, n, num_hit, hit) is None:
             return None
         self._touch_prefix(request, hashes)
+        self.stats.num_queried_tokens += request.num_tokens - num_hit
         return num_hit
 
     def _load(self, request: Request, host: _HostHit, host_blocks: dict[OffloadKey, int]) -> bool:
@@ -290,6 +296,7 @@ class OffloadConnector:
             return False
         self.stats.num_loaded_tokens += host.end - host.start
         self.stats.num_loaded_blocks += len(host.keys)
+        self.stats.num_loaded_bytes += sum(self._tier_of[g].transfers.pool.block_bytes for _, g in host.keys)
         self.stats.num_loaded_states += sum(self._tier_of[g].states for _, g in host.keys)
         return True
 
@@ -319,7 +326,7 @@ class OffloadConnector:
             for chunk in chunks:
                 hashes = self.manager.hashes_per_group(chunk.seq.request)
                 start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
-                for g, (blocks, bs) in enumerate(zip(chunk.block_ids, self.manager.block_sizes)):
+                for g, (blocks, bs) in enumerate(zip(chunk.block_ids, self.manager.block_sizes, strict=True)):
                     states = self._tier_of[g].states  # a state slot holds a checkpoint only once cached
                     for i in range(start // bs, end // bs):
                         if blocks[i] and (not states or self.manager.is_cached_as(g, blocks[i], hashes[g][i])):
@@ -350,7 +357,7 @@ class OffloadConnector:
             tier.transfers.release([tier.host_blocks.pop(k) for k in plan.evicted])
         if not plan.keys_to_store:
             return
-        tier.host_blocks.update(zip(plan.keys_to_store, plan.where))
+        tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
         store = self.runner.store_states if tier.states else self.runner.store_blocks
         try:
             transfer = store(tier.transfers, [block_of[k] for k in plan.keys_to_store], plan.where)
@@ -380,6 +387,7 @@ class OffloadConnector:
             tier.offload.complete_store(failed, success=False)
             tier.transfers.release([tier.host_blocks.pop(k) for k in failed])
         self.stats.num_stored_blocks += len(ok)
+        self.stats.num_stored_bytes += len(ok) * tier.transfers.pool.block_bytes
         self.stats.num_failed_stores += len(failed)
 
     def take_events(self) -> list[OffloadEvent]:

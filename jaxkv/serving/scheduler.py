@@ -274,7 +274,7 @@ class Scheduler:
             raise SchedulerError(f"got {len(sampled)} sampled tokens for {len(output.chunks)} scheduled chunks")
         limit = self.manager.max_model_len
         done = []
-        for chunk, token in zip(output.chunks, sampled):
+        for chunk, token in zip(output.chunks, sampled, strict=True):
             seq = chunk.seq
             req = seq.request
             req.num_computed_tokens += chunk.num_new_tokens
