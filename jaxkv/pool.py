@@ -14,11 +14,14 @@ hash -> block id.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from jaxkv.errors import JaxkvError
 from jaxkv.free_queue import FreeBlockQueue
+
+_log = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
 
@@ -184,6 +187,7 @@ class BlockPool:
         else:
             out = free.popleft_n(num_queued) + self._retained.popleft_n(n - num_queued)
         journal = self._journal
+        evictions = self.num_evictions
         for b in out:
             h = block_hash[b]
             if h is not None:
@@ -192,6 +196,8 @@ class BlockPool:
                         listener(b, h, self.block_group[b])
                 self._evict(b)
             ref_cnt[b] = 1
+        if self.num_evictions != evictions:  # one record per call: this is the allocation hot path
+            _log.debug("evicted %d cached block(s) to hand out %d", self.num_evictions - evictions, n)
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:

@@ -1,6 +1,7 @@
 """Serving scheduler: batch order, chunked prefill, admission, prefix hits, preemption, finishing."""
 
 import dataclasses
+import logging
 
 import pytest
 from conftest import FULL, make_config, make_manager, window
@@ -113,8 +114,9 @@ def test_a_prefix_hit_skips_the_cached_tokens():
     assert out.chunks[0].block_ids[0][:2] == mgr.get_block_ids("b")[0][:2]
 
 
-def test_preemption_frees_the_newest_request_and_requeues_it_first():
+def test_preemption_frees_the_newest_request_and_requeues_it_first(caplog):
     # 6 usable blocks of 16 tokens: "a" and "b" grow until one must go.
+    caplog.set_level(logging.INFO, logger="jaxkv")
     mgr = make_manager(7, FULL, max_model_len=256)
     sched = Scheduler(mgr, max_num_batched_tokens=512)
     a = sched.add_request(Request("a", range(40)), 30)
@@ -127,6 +129,9 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
     assert [s.request_id for s in sched.waiting] == ["b", "c"]
     assert b.request.num_computed_tokens == 0 and b.num_output_tokens > 0
     assert sched.num_preemptions == 1 and a in sched.running
+    assert [r.getMessage() for r in caplog.records if r.name == "jaxkv.serving.scheduler"] == [
+        "preempted request 'b' (recompute; 1 preemption(s) of it, 1 in all)"
+    ]
     assert shape(out) == [("a", a.request.num_computed_tokens - 1, 1)]
     while sched.has_unfinished:
         step(sched)

@@ -9,6 +9,7 @@ returns None and changes nothing either.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Hashable, Sequence
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from jaxkv.errors import JaxkvError
 from jaxkv.offload.host_blocks import Backend
 from jaxkv.offload.policies import EvictionPolicy, make_policy
+
+_log = logging.getLogger(__name__)
 
 OffloadKey = tuple[Hashable, int]
 """(block hash, KV cache group)."""
@@ -181,6 +184,7 @@ class PolicyOffloadingManager(OffloadingManager):
             victims = chosen
         self.policy.admit(incoming, victims)
         if victims:
+            _log.debug("host tier evicts %d key(s) to store %d", len(victims), len(incoming))
             self.backend.free([self._entries.pop(key).place for key in victims])
             if self.enable_events:
                 self._events.append(KeysRemoved(tuple(victims)))

@@ -49,6 +49,7 @@ blocking the loop (:meth:`OffloadConnector.finish_stores`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +63,8 @@ from jaxkv.offload.host_pool import HostKVPool
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
 from jaxkv.serving.runner import ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
+
+_log = logging.getLogger(__name__)
 
 STORE_POLICIES = ("on_eviction", "write_through")
 """When device blocks are stored to host: as the pool reuses them, or once filled."""
@@ -292,6 +295,7 @@ class OffloadConnector:
             raise
         if failed:
             self.stats.num_failed_loads += 1
+            _log.warning("host tier load for request %r failed; recomputing its tokens", request.request_id)
             self._drop(request, host.start)
             return False
         self.stats.num_loaded_tokens += host.end - host.start
@@ -389,6 +393,8 @@ class OffloadConnector:
         self.stats.num_stored_blocks += len(ok)
         self.stats.num_stored_bytes += len(ok) * tier.transfers.pool.block_bytes
         self.stats.num_failed_stores += len(failed)
+        if failed:
+            _log.warning("%d host-tier store(s) failed; those blocks are not kept on host", len(failed))
 
     def take_events(self) -> list[OffloadEvent]:
         """Host-tier events (keys stored, keys removed) of every catalog since the last call."""

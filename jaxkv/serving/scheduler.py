@@ -17,6 +17,7 @@ The scheduler is host-only (no JAX): :mod:`jaxkv.serving.simulator` replays trac
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from typing import NamedTuple, Protocol
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 from jaxkv.manager import KVCacheBlocks, KVCacheManager, Request
+
+_log = logging.getLogger(__name__)
 
 
 class SchedulerError(JaxkvError, ValueError):
@@ -199,10 +202,12 @@ class Scheduler:
             budget = self._admit_waiting(budget, decodes, prefills)
         if not (decodes or prefills) and self.waiting:
             head = self.waiting[0].request
-            raise PoolTooSmallError(
+            message = (
                 f"request {head.request_id!r} ({head.num_tokens} tokens) cannot be admitted into an idle "
                 f"pool of {self.manager.config.num_usable_blocks} usable blocks"
             )
+            _log.warning("refused: %s", message)
+            raise PoolTooSmallError(message)
         self.num_scheduled_tokens += self.max_num_batched_tokens - budget
         return SchedulerOutput(tuple(decodes + prefills), tuple(preempted))
 
@@ -219,10 +224,12 @@ class Scheduler:
         while self.manager.allocate_slots(seq.request, n) is None:
             victim = self.running.pop()
             if victim is seq and alone:
-                raise PoolTooSmallError(
+                message = (
                     f"request {seq.request_id!r} cannot grow to {seq.request.num_computed_tokens + n} "
                     f"tokens even alone in a pool of {self.manager.config.num_usable_blocks} usable blocks"
                 )
+                _log.warning("refused: %s", message)
+                raise PoolTooSmallError(message)
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:
@@ -235,6 +242,12 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        _log.info(
+            "preempted request %r (recompute; %d preemption(s) of it, %d in all)",
+            seq.request_id,
+            seq.num_preemptions,
+            self.num_preemptions,
+        )
 
     def _admit_waiting(self, budget: int, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> int:
         """Admit waiting requests FCFS while budget and sequence slots last; return the budget left."""
