@@ -171,6 +171,32 @@ def write_json(prog: str, path: str, report: object) -> None:
     print(f"wrote {path}")
 
 
+PLOTS_MISSING = "--plot needs matplotlib: pip install 'jaxkv[plots]'"
+
+
+def pyplot(prog: str) -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or :func:`exit_error` naming the
+    ``plots`` extra when matplotlib is missing (call it before long work, so a run is
+    not lost to a missing package at the end)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        exit_error(prog, PLOTS_MISSING)
+    return plt
+
+
+def save_figure(prog: str, figure: Any, path: str) -> None:
+    """Write a matplotlib ``figure`` to ``path`` (PNG by its suffix) and say so; :func:`exit_error` if it cannot."""
+    try:
+        figure.savefig(path, dpi=120, bbox_inches="tight")
+    except (OSError, ValueError) as err:
+        exit_error(prog, err)
+    print(f"wrote {path}")
+
+
 def flags_parser(prog: str, flag_values: flags.FlagValues = flags.FLAGS) -> Callable[[list[str]], list[str]]:
     """A ``flags_parser`` for ``absl.app.run``: a bad flag is one line on stderr, exit status 2.
 

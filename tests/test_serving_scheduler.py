@@ -116,7 +116,7 @@ def test_a_prefix_hit_skips_the_cached_tokens():
 
 def test_preemption_frees_the_newest_request_and_requeues_it_first(caplog):
     # 6 usable blocks of 16 tokens: "a" and "b" grow until one must go.
-    caplog.set_level(logging.INFO, logger="jaxkv")
+    caplog.set_level(logging.DEBUG, logger="jaxkv")
     mgr = make_manager(7, FULL, max_model_len=256)
     sched = Scheduler(mgr, max_num_batched_tokens=512)
     a = sched.add_request(Request("a", range(40)), 30)

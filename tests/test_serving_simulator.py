@@ -419,3 +419,24 @@ def test_script_caps_a_trace_request_at_max_model_len(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())["result"]
     assert report["num_capped"] == 1 and report["num_generated_tokens"] == 510
+
+
+def test_script_plots_usage_and_hit_rate_over_time(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sim.png"
+    result = simulate(*CLI_FLAGS, f"--plot={png}")
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {png}" in result.stdout
+    assert "step      50" in result.stdout  # sampling for the plot keeps the progress lines
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_script_refuses_a_plot_without_matplotlib_before_the_run(tmp_path, monkeypatch):
+    blocker = tmp_path / "no_matplotlib" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
+    monkeypatch.setenv("PYTHONPATH", str(blocker.parent))
+    result = simulate(*CLI_FLAGS, f"--plot={tmp_path / 'sim.png'}")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["simulate.py: error: --plot needs matplotlib: pip install 'jaxkv[plots]'"]
+    assert result.stdout == "" and not (tmp_path / "sim.png").exists()

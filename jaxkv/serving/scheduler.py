@@ -242,7 +242,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-        _log.info(
+        _log.debug(  # DEBUG: under memory pressure preemptions come every step
             "preempted request %r (recompute; %d preemption(s) of it, %d in all)",
             seq.request_id,
             seq.num_preemptions,

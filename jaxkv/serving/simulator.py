@@ -329,7 +329,7 @@ def save_trace(path: str | Path, trace: Sequence[TraceRequest]) -> None:
 # --------------------------------------------------------------- simulator
 @dataclass(frozen=True)
 class Progress:
-    """A snapshot handed to the progress callback."""
+    """A snapshot handed to the progress callback (cache counters in tokens, since the run started)."""
 
     step: int
     time_s: float
@@ -339,6 +339,8 @@ class Progress:
     num_requests: int
     usage: float
     num_preemptions: int
+    cache_queried_tokens: int = 0
+    cache_hit_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -506,6 +508,7 @@ class _Replay:
 
     # ------------------------------------------------------------ reports
     def _progress(self) -> Progress:
+        stats = self.manager.prefix_cache_stats()
         return Progress(
             step=len(self.host_s),
             time_s=self.clock,
@@ -515,6 +518,8 @@ class _Replay:
             num_requests=self.num_requests,
             usage=self.usages[-1],
             num_preemptions=self.scheduler.num_preemptions,
+            cache_queried_tokens=stats.num_queried_tokens - self.stats_before.num_queried_tokens,
+            cache_hit_tokens=stats.num_hit_tokens - self.stats_before.num_hit_tokens,
         )
 
     def _result(self) -> SimulationResult:
