@@ -197,13 +197,31 @@ def save_figure(prog: str, figure: Any, path: str) -> None:
     print(f"wrote {path}")
 
 
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
+
+
+def print_help(flag_values: flags.FlagValues, *, full: bool = False) -> None:
+    """The ``__main__`` module's docstring, then its flags (``full``, or when ``__main__``
+    defines none of them: every flag defined)."""
+    doc = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip()
+    listing = "" if full else flag_values.main_module_help().strip()
+    listing = listing or flag_values.get_help()
+    print(f"{doc}\n\nflags:\n{listing}" if doc else listing)
+
+
 def flags_parser(prog: str, flag_values: flags.FlagValues = flags.FLAGS) -> Callable[[list[str]], list[str]]:
     """A ``flags_parser`` for ``absl.app.run``: a bad flag is one line on stderr, exit status 2.
 
     (absl's own parser prints two lines and exits with 1.) Positional arguments are refused.
+    ``--help`` (``-h``, ``--helpshort``) prints the main module's docstring and its flags,
+    ``--helpfull`` every flag, on stdout, and exits with 0 (absl's help exits with 1).
     """
 
     def parse(argv: list[str]) -> list[str]:
+        asked = [arg for arg in argv[1:] if arg in HELP_FLAGS]
+        if asked:
+            print_help(flag_values, full=asked[0] == "--helpfull")
+            sys.exit(0)
         try:
             rest = flag_values(argv)
         except flags.Error as err:

@@ -54,8 +54,10 @@ from jaxkv import ops
 from jaxkv.benchmarks.kernel_peers import PEERS, NotApplicable, PagedBatch
 from jaxkv.benchmarks.timing import best_seconds
 from jaxkv.cache import KVCache
+from jaxkv.cli import flags_parser
 from jaxkv.pallas.reference import KVShapeError
 
+PROG = "bench_kernels.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write results as JSON to this path.")
 flags.DEFINE_enum("preset", "auto", ["auto", "cpu", "accelerator"], "Case sizes; auto picks by backend.")
@@ -513,4 +515,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))

@@ -40,10 +40,12 @@ from dataclasses import dataclass
 import numpy as np
 from absl import app, flags
 
+from jaxkv.cli import flags_parser
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, KVCacheGroup
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 
+PROG = "bench_manager.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["full", "gemma3-like"], "models to run")
 flags.DEFINE_list("workloads", ["base", "pressure", "running512"], "workloads to run")
@@ -377,4 +379,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))

@@ -45,6 +45,7 @@ from absl import app, flags
 from jaxkv import ops
 from jaxkv.benchmarks.timing import best_seconds
 from jaxkv.cache import KVCache, allocate_kv_cache
+from jaxkv.cli import flags_parser
 from jaxkv.metadata import Buckets
 from jaxkv.models.tiny import MODEL_CONFIGS, TinyLM, get_model_config
 from jaxkv.offload.catalog import PolicyOffloadingManager
@@ -56,6 +57,7 @@ from jaxkv.serving.engine import Engine
 from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 from jaxkv.specs import FullAttentionSpec
 
+PROG = "bench_offload.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_layers", 16, "layers (layer slots) per block")
 flags.DEFINE_list(
@@ -482,4 +484,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))

@@ -33,11 +33,13 @@ import numpy as np
 from absl import app, flags, logging
 
 from jaxkv import ops
+from jaxkv.cli import flags_parser
 from jaxkv.models.tiny import MODEL_CONFIGS, get_model_config
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.engine import Engine, GenerationResult
 from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 
+PROG = "soak.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_requests", 1000, "requests in total, split over the configurations", lower_bound=1)
 OFFLOAD_MODELS = [name for name, config in MODEL_CONFIGS.items() if not any(config.recurrent)]
@@ -450,4 +452,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))
