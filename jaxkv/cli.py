@@ -5,6 +5,7 @@ exit status 2 (absl flag errors included)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -197,6 +198,32 @@ def save_figure(prog: str, figure: Any, path: str) -> None:
     print(f"wrote {path}")
 
 
+JAX_BACKEND_PROBE_LOGGER = "jax._src.xla_bridge"
+
+
+def quiet_backend_probe() -> None:
+    """Keep JAX's INFO record "Unable to initialize backend 'tpu'" (JAX probing for
+    accelerators it then does not use) out of a script's output: under absl it reads
+    like a failure. Warnings and errors of that logger still show."""
+    logging.getLogger(JAX_BACKEND_PROBE_LOGGER).setLevel(logging.WARNING)
+
+
+def underscored(arg: str, flag_values: flags.FlagValues) -> str:
+    """``arg`` with a dashed flag name spelled as defined: ``--max-model-len=8`` -> ``--max_model_len=8``,
+    ``--no-prefix-caching`` -> ``--noprefix_caching`` (anything else unchanged)."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg[2:].partition("=")
+    if "-" not in name:
+        return arg
+    plain = name.replace("-", "_")
+    if plain in flag_values:
+        return f"--{plain}{eq}{value}"
+    if plain.startswith("no_") and plain[3:] in flag_values:
+        return f"--no{plain[3:]}{eq}{value}"
+    return arg
+
+
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
@@ -215,6 +242,7 @@ def flags_parser(prog: str, flag_values: flags.FlagValues = flags.FLAGS) -> Call
     (absl's own parser prints two lines and exits with 1.) Positional arguments are refused.
     ``--help`` (``-h``, ``--helpshort``) prints the main module's docstring and its flags,
     ``--helpfull`` every flag, on stdout, and exits with 0 (absl's help exits with 1).
+    Every flag takes dashes for underscores too (``--max-model-len``, ``--no-prefix-caching``).
     """
 
     def parse(argv: list[str]) -> list[str]:
@@ -222,6 +250,9 @@ def flags_parser(prog: str, flag_values: flags.FlagValues = flags.FLAGS) -> Call
         if asked:
             print_help(flag_values, full=asked[0] == "--helpfull")
             sys.exit(0)
+        quiet_backend_probe()
+        end = argv.index("--") if "--" in argv else len(argv)
+        argv = [argv[0], *(underscored(arg, flag_values) for arg in argv[1:end]), *argv[end:]]
         try:
             rest = flag_values(argv)
         except flags.Error as err:

@@ -540,6 +540,11 @@ def _headline(config: KVCacheConfig) -> str:
     return f"{head}, hash block size {config.hash_block_size} tokens"
 
 
+def _bytes(num_bytes: int) -> str:
+    """Exact bytes and a readable size: "2,097,152 B (2.00 MiB)"."""
+    return f"{num_bytes:,} B" + ("" if num_bytes < 1 << 10 else f" ({_human(num_bytes)})")
+
+
 def _human(num_bytes: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if num_bytes >= size:
@@ -744,7 +749,7 @@ def plan_kv_cache(
         raise InsufficientMemoryError(
             f"memory_bytes={memory_bytes} holds {num_blocks} blocks of {block_bytes} B, but one "
             f"request of max_model_len={max_model_len} needs {needed} blocks with the null "
-            f"block = {needed * block_bytes} B"
+            f"block: the smallest budget that fits is {_bytes(needed * block_bytes)}"
         )
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -858,11 +863,17 @@ def _plan_state_pool(
     num_blocks = (memory_bytes - num_states * slot) // block_bytes if attention else 1
     fits = num_states * slot + num_blocks * block_bytes <= memory_bytes
     if num_seqs < 1 or num_blocks < need + 1 or not fits:
+        if max_num_seqs is None:  # one request, the checkpoint bytes, the null block and state
+            smallest = checkpoint_bytes + fixed + per_request
+        else:
+            states = 1 + max_num_seqs * states_per_request + checkpoint_bytes // slot
+            smallest = states * slot + ((need + 1) * block_bytes if attention else 0)
         raise InsufficientMemoryError(
             f"memory_bytes={memory_bytes} with checkpoint_bytes={checkpoint_bytes} and "
             f"max_num_seqs={max_num_seqs} cannot hold {max(num_seqs, 1)} request(s) of "
             f"max_model_len={max_model_len}: each needs {need} attention blocks of {block_bytes} B and "
-            f"{states_per_request} state slot(s) of {slot} B, plus the null block and null state"
+            f"{states_per_request} state slot(s) of {slot} B, plus the null block and null state; "
+            f"the smallest budget that fits is {_bytes(smallest)}"
         )
     return KVCacheConfig(
         num_blocks=num_blocks,

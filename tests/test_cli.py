@@ -1,6 +1,7 @@
 """What the command-line tools share: help exits 0 everywhere, the plots extra is named
 when matplotlib is missing."""
 
+import logging
 import sys
 
 import pytest
@@ -47,3 +48,40 @@ def test_every_script_answers_help_with_status_0(script):
     result = run_script(script, "--help", timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "flags:" in result.stdout and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("arg", "spelled"),
+    [
+        ("--max-model-len=8", "--max_model_len=8"),
+        ("--no-prefix-caching", "--noprefix_caching"),
+        ("--max_model_len=8", "--max_model_len=8"),
+        ("--unknown-flag=1", "--unknown-flag=1"),  # left for absl to refuse by its own name
+        ("-v", "-v"),
+        ("--memory=a-b", "--memory=a-b"),  # values keep their dashes
+    ],
+)
+def test_dashed_flag_names_are_spelled_as_defined(arg, spelled):
+    fv = flags.FlagValues()
+    flags.DEFINE_integer("max_model_len", 1, "", flag_values=fv)
+    flags.DEFINE_boolean("prefix_caching", True, "", flag_values=fv)
+    flags.DEFINE_string("memory", "", "", flag_values=fv)
+    assert cli.underscored(arg, fv) == spelled
+
+
+def test_the_flags_parser_takes_both_spellings():
+    both = ["--max-model-len=64", "--max_model_len=64"]
+    parsed = []
+    for arg in both:
+        fv = flags.FlagValues()
+        flags.DEFINE_integer("max_model_len", 1, "", flag_values=fv)
+        cli.flags_parser("tool", fv)(["tool", arg])
+        parsed.append(fv.max_model_len)
+    assert parsed == [64, 64]
+
+
+def test_parsing_flags_quiets_jaxs_backend_probe():
+    logger = logging.getLogger(cli.JAX_BACKEND_PROBE_LOGGER)
+    logger.setLevel(logging.NOTSET)
+    cli.flags_parser("tool", private_flags())(["tool"])
+    assert not logger.isEnabledFor(logging.INFO) and logger.isEnabledFor(logging.WARNING)

@@ -1,6 +1,7 @@
 """The planner: groups, unified pages, block sizes, layout, num_blocks; and its CLI."""
 
 import math
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -196,8 +197,8 @@ def test_too_small_a_budget_names_the_budget_the_need_and_the_length():
     with pytest.raises(InsufficientMemoryError) as info:
         plan_kv_cache(specs, need - 1, max_model_len=32768)
     message = str(info.value)
-    assert f"memory_bytes={need - 1}" in message
-    assert str(need) in message and "max_model_len=32768" in message
+    assert f"memory_bytes={need - 1}" in message and "max_model_len=32768" in message
+    assert f"the smallest budget that fits is {need:,} B" in message
 
 
 def test_num_blocks_override_is_used_but_must_fit_the_budget():
@@ -481,9 +482,10 @@ def test_cli_unknown_preset_is_one_line_and_status_2():
     assert "'nope'" in out.stderr and "gemma-3-27b" in out.stderr
 
 
-def test_cli_too_small_budget_is_status_1():
+def test_cli_too_small_budget_is_status_2_and_names_the_smallest_that_fits():
     out = run_cli("--preset", "llama-3.1-8b", "--memory", "1MiB", "--max_model_len=32768")
-    assert out.returncode == 1 and "memory_bytes=1048576" in out.stderr
+    assert out.returncode == 2 and "memory_bytes=1048576" in out.stderr
+    assert "the smallest budget that fits is 4,297,064,448 B (4.00 GiB)" in out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -625,6 +627,21 @@ def test_max_num_seqs_fixes_the_live_states_and_attention_takes_the_rest():
     check_state_pool_plan(config, specs, 16 * GiB)
     with pytest.raises(InsufficientMemoryError, match="max_num_seqs=100000"):
         plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool", max_num_seqs=100_000)
+
+
+@pytest.mark.parametrize("max_num_seqs", [None, 8])
+@pytest.mark.parametrize("checkpoint_bytes", [0, 300 << 20])
+def test_a_state_pool_refusal_names_the_smallest_budget_that_fits(max_num_seqs, checkpoint_bytes):
+    specs = get_preset("nemotron-h-8b")
+    kwargs = dict(max_model_len=32768, state_layout="state_pool", max_num_seqs=max_num_seqs)
+    with pytest.raises(InsufficientMemoryError, match="the smallest budget that fits is") as info:
+        plan_kv_cache(specs, 512 << 20, checkpoint_bytes=checkpoint_bytes, **kwargs)
+    smallest = int(
+        re.search(r"the smallest budget that fits is ([0-9,]+) B", str(info.value)).group(1).replace(",", "")
+    )
+    plan_kv_cache(specs, smallest, checkpoint_bytes=checkpoint_bytes, **kwargs)
+    with pytest.raises(InsufficientMemoryError):
+        plan_kv_cache(specs, smallest - 1, checkpoint_bytes=checkpoint_bytes, **kwargs)
 
 
 def test_a_state_pool_too_small_for_one_request_names_the_budget():
