@@ -176,3 +176,29 @@ def random_batch(
         num_layers_per_block=None if layer_index is None else num_layers_per_block,
         layer_index=layer_index,
     )
+
+
+def ragged_metadata(
+    rng: np.random.Generator,
+    seqs: list[tuple[int, int]],
+    *,
+    block_size: int,
+    num_blocks: int,
+    width: int,
+    max_seqs: int,
+) -> dict[str, np.ndarray]:
+    """Paged-attention metadata for (q_len, kv_len) sequences (decodes first), padded
+    to fixed shapes: distinct random non-null blocks, unused table entries 0."""
+    ids = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((max_seqs, width), np.int32)
+    kv_lens = np.zeros(max_seqs, np.int32)
+    cu = np.zeros(max_seqs + 1, np.int32)
+    used = 0
+    for i, (q_len, kv_len) in enumerate(seqs):
+        n = -(-kv_len // block_size)
+        tables[i, :n] = ids[used : used + n]
+        used += n
+        kv_lens[i] = kv_len
+        cu[i + 1] = cu[i] + q_len
+    cu[len(seqs) + 1 :] = cu[len(seqs)]
+    return dict(kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu, num_seqs=np.array([len(seqs)], np.int32))

@@ -5,6 +5,8 @@ import json
 import pytest
 from script_runs import run_script
 
+pytestmark = pytest.mark.subprocess  # runs scripts as a user would
+
 
 def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
     out = tmp_path / "bench.json"

@@ -193,6 +193,7 @@ def test_a_column_whose_kernels_cannot_load_is_na_and_a_failing_peer_is_reported
         bench.time_column(case, "pallas_gpu", 1)
 
 
+@pytest.mark.subprocess
 def test_a_quick_run_reports_every_column_with_small_errors(tmp_path):
     out = tmp_path / "bench.json"
     done = run_script("bench_kernels.py", "--quick", "--out", str(out))

@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.subprocess  # runs scripts as a user would
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_manager.py"
 
 

@@ -3,6 +3,8 @@
 import pytest
 from script_runs import run_script
 
+pytestmark = pytest.mark.subprocess  # runs scripts as a user would
+
 SMALL = ("--sections=policies", "--conversations=20", "--device_blocks=32", "--host_blocks=32", "--scan_blocks=16")
 
 

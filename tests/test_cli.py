@@ -43,6 +43,7 @@ def test_plots_without_matplotlib_are_refused_in_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == f"tool: error: {cli.PLOTS_MISSING}\n"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_answers_help_with_status_0(script):
     result = run_script(script, "--help", timeout=120)

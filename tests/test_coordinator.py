@@ -1,7 +1,7 @@
 """The hybrid cache-hit fixed point across groups of different types and block sizes."""
 
 import pytest
-from conftest import FULL, admit, make_config, window
+from kv_configs import FULL, admit, make_config, window
 
 from jaxkv.coordinator import CoordinatorError, KVCacheCoordinator
 from jaxkv.manager import KVCacheManager, Request

@@ -58,6 +58,7 @@ HOST_MODULES = [
 ]
 
 
+@pytest.mark.subprocess
 def test_the_host_side_imports_no_jax():
     code = (
         f"import sys\nfor m in {HOST_MODULES!r}: __import__(m)\n"
@@ -107,6 +108,7 @@ def test_cluster_and_fleet_do_not_import_each_other():
             assert not {m for m in imported_jaxkv_modules(path) if top_level(m) == other}, path
 
 
+@pytest.mark.subprocess
 def test_the_host_side_imports_with_jax_and_flax_absent():
     """A router or scheduler process installs jaxkv without extras: no jax, no flax."""
     code = (

@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import FULL, admit, make_config, make_manager, window
+from kv_configs import FULL, admit, make_config, make_manager, window
 
 from jaxkv.errors import JaxkvError, WrongThreadError
 from jaxkv.manager import (
@@ -235,7 +235,7 @@ def test_bad_requests_and_configs_are_named():
         Request("x", [])
     with pytest.raises(KVCacheManagerError, match="request_id"):
         Request(7, [1])
-    from conftest import make_config
+    from kv_configs import make_config
 
     from jaxkv.manager import KVCacheManager
 

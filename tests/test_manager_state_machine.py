@@ -4,10 +4,10 @@ straightforward reference of vLLM v1's rules for one full-attention group."""
 import copy
 
 import pytest
-from conftest import FULL, window
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kv_configs import FULL, window
 
 from jaxkv.coordinator import RETENTION_RULES
 from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ragged_metadata
+from paged_batches import ragged_metadata
 
 from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache

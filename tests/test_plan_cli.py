@@ -130,6 +130,7 @@ def test_cli_refuses_bad_flags_in_one_line(capsys, args, message, status):
     assert err.count("\n") == 1 and err.startswith("jaxkv.plan: error: ") and message in err
 
 
+@pytest.mark.subprocess
 def test_cli_plans_a_petabyte_and_runs_as_a_module():
     out = subprocess.run(
         [sys.executable, "-m", "jaxkv.plan", "--preset=gemma-3-27b", "--memory=1PiB", "--max-model-len=8192"],

@@ -468,6 +468,7 @@ def run_cli(*args):
     )
 
 
+@pytest.mark.subprocess
 def test_cli_prints_the_plan_table():
     out = run_cli("--preset", "gemma-3-27b", "--memory", "16GiB", "--max-model-len", "32768")
     assert out.returncode == 0, out.stderr
@@ -475,6 +476,7 @@ def test_cli_prints_the_plan_table():
     assert "num_blocks" in out.stdout and "max concurrency" in out.stdout
 
 
+@pytest.mark.subprocess
 def test_cli_unknown_preset_is_one_line_and_status_2():
     out = run_cli("--preset", "nope", "--memory", "16GiB", "--max-model-len", "32768")
     assert out.returncode == 2
@@ -482,6 +484,7 @@ def test_cli_unknown_preset_is_one_line_and_status_2():
     assert "'nope'" in out.stderr and "gemma-3-27b" in out.stderr
 
 
+@pytest.mark.subprocess
 def test_cli_too_small_budget_is_status_2_and_names_the_smallest_that_fits():
     out = run_cli("--preset", "llama-3.1-8b", "--memory", "1MiB", "--max_model_len=32768")
     assert out.returncode == 2 and "memory_bytes=1048576" in out.stderr
@@ -489,6 +492,7 @@ def test_cli_too_small_budget_is_status_2_and_names_the_smallest_that_fits():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.subprocess
 def test_cli_pads_heads_to_tiles_on_request():
     args = ("--preset", "gpt-oss-120b", "--memory", "16GiB", "--max-model-len", "32768")
     plain, tiled = run_cli(*args), run_cli(*args, "--head_dim_multiple", "128")

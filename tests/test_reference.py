@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ragged_metadata
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+from paged_batches import ragged_metadata
 
 from jaxkv.pallas import reference as ref
 

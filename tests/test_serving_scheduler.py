@@ -4,7 +4,7 @@ import dataclasses
 import logging
 
 import pytest
-from conftest import FULL, make_config, make_manager, window
+from kv_configs import FULL, make_config, make_manager, window
 
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import StatePool

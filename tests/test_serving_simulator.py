@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import FULL, make_manager
+from kv_configs import FULL, make_manager
 from script_runs import run_script
 
 from jaxkv.errors import JaxkvError
@@ -326,6 +326,7 @@ CLI_FLAGS = (
 )
 
 
+@pytest.mark.subprocess
 def test_script_runs_end_to_end_and_replays_its_saved_trace(tmp_path):
     out, trace = tmp_path / "result.json", tmp_path / "trace.json"
     first = simulate(*CLI_FLAGS, f"--out={out}", f"--save_trace={trace}")
@@ -345,6 +346,7 @@ def test_script_runs_end_to_end_and_replays_its_saved_trace(tmp_path):
     assert again["outputs_digest"] == report["result"]["outputs_digest"]
 
 
+@pytest.mark.subprocess
 def test_script_reports_bad_input_in_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1]")
@@ -401,6 +403,7 @@ BAD_CLI = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", list(BAD_CLI))
 def test_script_refuses_bad_input_in_one_line_with_status_2(tmp_path, case):
     flags, more, expected = BAD_CLI[case]
@@ -412,6 +415,7 @@ def test_script_refuses_bad_input_in_one_line_with_status_2(tmp_path, case):
     assert expected in lines[0]
 
 
+@pytest.mark.subprocess
 def test_script_caps_a_trace_request_at_max_model_len(tmp_path):
     trace = _trace_file(tmp_path, "t.json", json.dumps([{**GOOD, "max_output_tokens": 10**11}]).encode())
     out = tmp_path / "out.json"
@@ -421,6 +425,7 @@ def test_script_caps_a_trace_request_at_max_model_len(tmp_path):
     assert report["num_capped"] == 1 and report["num_generated_tokens"] == 510
 
 
+@pytest.mark.subprocess
 def test_script_plots_usage_and_hit_rate_over_time(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "sim.png"
@@ -431,6 +436,7 @@ def test_script_plots_usage_and_hit_rate_over_time(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.subprocess
 def test_script_refuses_a_plot_without_matplotlib_before_the_run(tmp_path, monkeypatch):
     blocker = tmp_path / "no_matplotlib" / "matplotlib"
     blocker.mkdir(parents=True)

@@ -1,7 +1,7 @@
 """Per-type cache-hit rules and span rules of the single-type managers."""
 
 import pytest
-from conftest import FULL, admit, make_manager, window
+from kv_configs import FULL, admit, make_manager, window
 
 from jaxkv.manager import Request
 from jaxkv.single_type import (
