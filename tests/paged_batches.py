@@ -9,7 +9,8 @@ replaced by finite noise.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -202,3 +203,39 @@ def ragged_metadata(
         cu[i + 1] = cu[i] + q_len
     cu[len(seqs) + 1 :] = cu[len(seqs)]
     return dict(kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu, num_seqs=np.array([len(seqs)], np.int32))
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """One random paged-attention batch to check a kernel on: its shapes, mix of decodes
+    and prefills, the attention options and the kernel's tuning knobs."""
+
+    dtype: Any
+    num_kv_heads: int
+    num_queries_per_kv: int
+    head_dim: int
+    block_size: int
+    num_decodes: int
+    num_prefills: int
+    max_len: int
+    window: int | None = None
+    soft_cap: float | None = None
+    layer_index: int | None = None
+    tuning: dict[str, int] = field(default_factory=dict)
+
+    def batch(self, rng: SeededRng, **kwargs: Any) -> Batch:
+        """A fresh random batch of this case (``kwargs`` go to :func:`random_batch`)."""
+        return random_batch(
+            rng,
+            self.dtype,
+            self.num_kv_heads,
+            self.num_queries_per_kv,
+            self.head_dim,
+            self.block_size,
+            self.num_decodes,
+            self.num_prefills,
+            self.max_len,
+            window=self.window,
+            layer_index=self.layer_index,
+            **kwargs,
+        )
