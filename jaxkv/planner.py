@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv, check_int
@@ -47,12 +48,14 @@ from jaxkv.specs import (
     SlidingWindowSpec,
 )
 
-LAYOUTS = ("cross_layer", "per_layer")
+Layout = Literal["cross_layer", "per_layer"]
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 """``cross_layer``: block-major, all layers of a block contiguous (one buffer of
 (num_blocks, num_layers_per_block, page)), so a block moves in one copy. ``per_layer``: one
 buffer of (num_blocks, page) per layer index."""
 
-STATE_LAYOUTS = ("attention_pages", "state_pool")
+StateLayout = Literal["attention_pages", "state_pool"]
+STATE_LAYOUTS: tuple[StateLayout, ...] = get_args(StateLayout)
 """Where recurrent states live. ``attention_pages``: vLLM's rule, one attention page
 holds one state (the attention block size grows until it does). ``state_pool``: a pool
 of state slots apart from the attention pages (:class:`StatePool`)."""
@@ -135,7 +138,7 @@ class BlockPages:
     ``page_size_bytes``.
     """
 
-    layout: str
+    layout: Layout
     layers: tuple[tuple[str | None, ...], ...]
     page_size_bytes: int
 
@@ -654,11 +657,11 @@ def plan_kv_cache(
     *,
     max_model_len: int,
     block_size: int = 16,
-    layout: str = "cross_layer",
+    layout: Layout = "cross_layer",
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     num_blocks_override: int | None = None,
     head_dim_multiple: int = 1,
-    state_layout: str = "attention_pages",
+    state_layout: StateLayout = "attention_pages",
     max_num_seqs: int | None = None,
     checkpoint_bytes: int = 0,
     tensor_parallel: int = 1,
@@ -771,7 +774,7 @@ def _group_and_page(
     padded: Mapping[str, KVCacheSpec],
     max_model_len: int,
     max_num_batched_tokens: int,
-    layout: str,
+    layout: Layout,
 ) -> tuple[tuple[KVCacheGroup, ...], BlockPages]:
     """Cut ``types`` (block size ``sizes``) into groups of equal layer count and lay them on pages of ``page`` B."""
     per_type = [
@@ -802,7 +805,7 @@ def _plan_state_pool(
     *,
     max_model_len: int,
     block_size: int,
-    layout: str,
+    layout: Layout,
     max_num_batched_tokens: int,
     head_dim_multiple: int,
     max_num_seqs: int | None,
