@@ -24,15 +24,15 @@ import numpy as np
 try:  # Pallas-Triton, deprecated from jax 0.11: it may vanish
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as triton_paged_attention
 except ImportError:  # pragma: no cover - depends on the installed jax
-    triton_paged_attention = None
+    triton_paged_attention = None  # type: ignore[assignment]
 try:  # private module: the only way to cuDNN's paged attention from JAX
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 except ImportError:  # pragma: no cover - depends on the installed jax
-    cudnn_attention = None
+    cudnn_attention = None  # type: ignore[assignment]
 try:  # TPU kernel; its module imports on every backend
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 except ImportError:  # pragma: no cover - depends on the installed jax
-    ragged_paged_attention = None
+    ragged_paged_attention = None  # type: ignore[assignment]
 
 TRITON_K_SPLITS = 16  # the bundled kernel's defaults, kept: the peer is timed as it ships
 TRITON_PAGES_PER_COMPUTE_BLOCK = 8

@@ -98,6 +98,14 @@ class OffloadingManager(ABC):
     def take_events(self) -> list[OffloadEvent]:
         """Return and clear the events since the last call."""
 
+    @abstractmethod
+    def num_keys_by_state(self) -> dict[str, int]:
+        """How many keys are ``storing``, ``ready`` and ``pinned`` (for leak checks)."""
+
+    @abstractmethod
+    def num_allocated_places(self) -> int:
+        """Places the backend has handed out; equals ``len(self)`` unless one leaked."""
+
 
 @dataclass
 class _Entry:

@@ -273,19 +273,19 @@ class HostKVPool:
         if bad:
             raise HostPoolError(f"host blocks out of range [0, {self.num_blocks}]: {bad}")
 
-    def bump(self, host_blocks: Sequence[int]) -> np.ndarray:
+    def bump(self, host_blocks: Sequence[int] | np.ndarray) -> np.ndarray:
         """A new generation for each host block (a new writer owns it); returns them."""
-        host_blocks = np.asarray(host_blocks, np.int64)
-        self.generation[host_blocks] += 1
+        rows = np.asarray(host_blocks, np.int64)
+        self.generation[rows] += 1
         self.generation[SCRATCH_HOST_BLOCK] = 0
-        return self.generation[host_blocks].copy()
+        return self.generation[rows].copy()
 
     def release(self, host_blocks: Sequence[int]) -> None:
         """The host blocks were freed by the manager: any transfer still in flight is stale."""
         self.check_host_blocks(host_blocks)
         self.bump(host_blocks)
 
-    def current(self, host_blocks: Sequence[int], generations: np.ndarray) -> np.ndarray:
+    def current(self, host_blocks: Sequence[int] | np.ndarray, generations: np.ndarray) -> np.ndarray:
         """Which host blocks still have the given generations (scratch rows count as current)."""
         return self.generation[np.asarray(host_blocks, np.int64)] == generations
 

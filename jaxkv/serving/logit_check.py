@@ -64,7 +64,7 @@ class LogitCheck:
         verdict = "PASS" if self.passed else "FAIL"
         tokens = (
             f"tokens identical ({self.num_tokens:,})"
-            if self.identical_tokens
+            if self.first_divergence is None
             else f"{self.num_diverged} request(s) diverge, first at request {self.first_divergence[0]} "
             f"token {self.first_divergence[1]}"
         )
@@ -119,11 +119,13 @@ def compare_outputs(
         if split is not None:
             diverged.append((index, split))
         if with_logits:
-            end = min(len(a.logits), len(b.logits), len(a.logits) if split is None else split + 1)
+            la, lb = a.logits, b.logits
+            assert la is not None and lb is not None  # with_logits: checked above
+            end = min(len(la), len(lb), len(la) if split is None else split + 1)
             if end:
-                diff = float(np.abs(a.logits[:end] - b.logits[:end]).max())
+                diff = float(np.abs(la[:end] - lb[:end]).max())
                 max_diff = max(max_diff, np.inf if np.isnan(diff) else diff)  # NaN never passes
-                max_logit = max(max_logit, float(np.abs(a.logits[:end]).max()))
+                max_logit = max(max_logit, float(np.abs(la[:end]).max()))
                 num_positions += end
     if not with_logits:
         max_diff = max_logit = float("nan")

@@ -179,7 +179,7 @@ class OffloadConnector:
         if manager.recurrent_group_ids():
             state_bytes = config.state_host_bytes
             if state_bytes is None:
-                device_states = runner.cache.states.nbytes
+                device_states = runner.cache.states.nbytes  # type: ignore[union-attr]  # recurrent: a HybridCache
                 state_bytes = host_bytes * device_states // (device_states + runner.kv_cache.nbytes)
             pool = runner.state_host_pool(state_bytes, memory_kind=config.memory_kind)
             states = cls._tier_parts(pool, config, manager.enable_events)
@@ -230,7 +230,7 @@ class OffloadConnector:
 
     def _touch_prefix(self, request: Request, hashes: Sequence[Sequence[bytes]]) -> None:
         """Refresh the host recency of every full block of the request's prompt."""
-        keys = []
+        keys: list[OffloadKey] = []
         for g, bs in enumerate(self.manager.block_sizes):
             keys.extend((h, g) for h in hashes[g][: request.num_prompt_tokens // bs])
         for tier, tier_keys in self._split(keys):
@@ -251,7 +251,7 @@ class OffloadConnector:
         if host is not None:
             pinned = []  # pinned: nothing below can evict them
             try:
-                host_blocks = {}
+                host_blocks: dict[OffloadKey, int] = {}
                 for tier, keys in self._split(host.keys):
                     host_blocks.update(zip(keys, tier.offload.prepare_load(keys), strict=True))
                     pinned.append((tier, keys))
@@ -280,7 +280,7 @@ class OffloadConnector:
         try:
             self._store_reused()  # the fresh blocks may be reused ones: read them before the load
             table = self.manager.get_block_ids(request.request_id)
-            device = {}
+            device: dict[OffloadKey, int] = {}
             for g, blocks in enumerate(table):
                 for i in self.manager.needed_blocks(g, host.start, host.end):
                     device[host.keys[len(device)]] = blocks[-1] if self._tier_of[g].states else blocks[i]
@@ -289,7 +289,9 @@ class OffloadConnector:
                 if keys:
                     load = self.runner.load_states if tier.states else self.runner.load_blocks
                     transfer = load(tier.transfers, [device[k] for k in keys], [host_blocks[k] for k in keys])
-                    failed |= bool(tier.transfers.poll(transfer).failed)  # known at issue
+                    result = tier.transfers.poll(transfer)
+                    assert result is not None  # a load's result is known at issue
+                    failed |= bool(result.failed)
         except BaseException:
             self._drop(request, host.start)
             raise

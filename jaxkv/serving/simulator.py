@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxkv.errors import JaxkvError
 from jaxkv.hashing import MAX_TOKEN_ID
-from jaxkv.ints import check_int, is_int
+from jaxkv.ints import check_int, check_int_range, is_int
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.serving.scheduler import (
     PoolTooSmallError,
@@ -204,14 +204,6 @@ def output_token_ids(request_id: str, count: int) -> list[int]:
     return ids
 
 
-def _length_range(name: str, value: object) -> tuple[int, int]:
-    if not (isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2):
-        raise TraceError(f"{name} must be a range (lo, hi) of ints with 1 <= lo <= hi, got {value!r:.80}")
-    if not (is_int(value[0]) and is_int(value[1]) and 1 <= value[0] <= value[1]):
-        raise TraceError(f"{name} must be a range (lo, hi) of ints with 1 <= lo <= hi, got {value!r:.80}")
-    return int(value[0]), int(value[1])
-
-
 def _check_rate(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise TraceError(f"{name} must be a finite number > 0, got {value!r}")
@@ -245,8 +237,8 @@ def synthetic_trace(
     check_int("seed", seed, minimum=0, error=TraceError)
     _check_rate("arrival_rate", arrival_rate)
     _check_rate("turn_gap_s", turn_gap_s)
-    user_lo, user_hi = _length_range("user_turn_len", user_turn_len)
-    out_lo, out_hi = _length_range("output_len", output_len)
+    user_lo, user_hi = check_int_range("user_turn_len", user_turn_len, error=TraceError)
+    out_lo, out_hi = check_int_range("output_len", output_len, error=TraceError)
     rng = np.random.default_rng(seed)
     systems = [rng.integers(0, VOCAB_SIZE, system_prompt_len).tolist() for _ in range(num_system_prompts)]
     starts = np.cumsum(rng.exponential(1.0 / arrival_rate, num_conversations))
