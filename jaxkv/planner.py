@@ -896,7 +896,7 @@ def exact_concurrency_bound(layer_specs: Mapping[str, KVCacheSpec], memory_bytes
     floor(memory_bytes / (attention bytes per token x max_model_len + one live state)),
     where the attention bytes per token sum every non-Mamba layer's ``bytes_per_token``
     and the live state sums every Mamba layer's ``state_bytes``. It is the yardstick
-    the planner's concurrency is measured against (issue 9's target: >= 98% of it).
+    the planner's concurrency is measured against (the target: >= 98% of it).
     """
     if not isinstance(layer_specs, Mapping) or not layer_specs:
         raise PlanError(f"layer_specs must be a non-empty mapping, got {layer_specs!r}")

@@ -1,4 +1,4 @@
-"""What jaxkv's hybrid-model options buy over vLLM's rules (issue 9 and group-aware retention).
+"""What jaxkv's hybrid-model options buy over vLLM's rules (recurrent-state layout and group-aware retention).
 
 Sections (``--sections``, comma list, default all), one table each:
 
