@@ -250,7 +250,7 @@ class Scheduler:
         )
 
     def _admit_waiting(self, budget: int, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> int:
-        """Admit waiting requests FCFS while budget and sequence slots last; return the budget left."""
+        """Admit waiting requests FCFS while the token budget and max_num_seqs allow; return the budget left."""
         mgr = self.manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
