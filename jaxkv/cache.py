@@ -75,11 +75,14 @@ class KVCache:
 
     ``buffers`` are the only pytree children (donate the cache into step functions);
     everything else is static metadata, hashable, part of the jit cache key.
+    ``layer_specs`` is each layer's planned spec (its group's): what the ops read a
+    layer's attention window from, so no caller passes it.
     """
 
     buffers: tuple[jax.Array, ...]
     layout: str = dataclasses.field(metadata={"static": True})
     layer_indices: tuple[tuple[str, int], ...] = dataclasses.field(metadata={"static": True})
+    layer_specs: tuple[tuple[str, KVCacheSpec], ...] = dataclasses.field(metadata={"static": True})
     block_size: int = dataclasses.field(metadata={"static": True})
     num_kv_heads: int = dataclasses.field(metadata={"static": True})
     head_dim: int = dataclasses.field(metadata={"static": True})
@@ -91,6 +94,15 @@ class KVCache:
                 return index
         raise UnknownLayerError(
             f"layer {layer!r} has no page in this cache; layers: {[n for n, _ in self.layer_indices]}"
+        )
+
+    def spec(self, layer: str) -> KVCacheSpec:
+        """The spec ``layer``'s group was planned with (its window, head size, dtype)."""
+        for name, spec in self.layer_specs:
+            if name == layer:
+                return spec
+        raise UnknownLayerError(
+            f"layer {layer!r} has no spec in this cache; layers: {[n for n, _ in self.layer_specs]}"
         )
 
     def layer_buffer(self, layer: str) -> tuple[jax.Array, int | None]:
@@ -240,6 +252,7 @@ def allocate_kv_cache(
         buffers=tuple(buffers),
         layout=kind,
         layer_indices=layer_indices,
+        layer_specs=tuple((name, group.spec) for group in config.groups for name in group.layer_names),
         block_size=block_size,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_size,

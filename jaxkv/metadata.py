@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-import jaxkv.jax_support  # noqa: F401 - refuses a jax outside the tested range
+from jaxkv.cache import UnknownLayerError
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv, check_int, is_int
 
@@ -219,10 +219,13 @@ class StepMetadata:
     """All metadata of one step, packed in one int32 array (one host->device transfer).
 
     ``packed`` is the only pytree leaf; the fields are static slices of it.
+    ``group_layers[g]`` names the layers of KV cache group g (static, from the plan's
+    groups), so a layer finds its own group's metadata (:meth:`group_of`).
     """
 
     packed: jax.Array
     packing: _Packing = dataclasses.field(metadata={"static": True})
+    group_layers: tuple[tuple[str, ...], ...] = dataclasses.field(default=(), metadata={"static": True})
 
     def _field(self, name: str) -> jax.Array:
         start, shape = self.packing.offsets[name]
@@ -261,11 +264,22 @@ class StepMetadata:
     @property
     def groups(self) -> tuple[AttentionMetadata | StateMetadata, ...]:
         """Per KV cache group: block table and slot mapping, or state rows for a recurrent group."""
-        return tuple(
-            AttentionMetadata(self._field(f"tables{g}"), self._field(f"slots{g}"))
-            if width is not None
-            else StateMetadata(self._field(f"read{g}"), self._field(f"write{g}"), self._field(f"fresh{g}"))
-            for g, width in enumerate(self.packing.widths)
+        return tuple(self._group(g) for g in range(len(self.packing.widths)))
+
+    def _group(self, g: int) -> AttentionMetadata | StateMetadata:
+        if self.packing.widths[g] is None:
+            return StateMetadata(self._field(f"read{g}"), self._field(f"write{g}"), self._field(f"fresh{g}"))
+        return AttentionMetadata(self._field(f"tables{g}"), self._field(f"slots{g}"))
+
+    def group_of(self, layer: str) -> AttentionMetadata | StateMetadata:
+        """The metadata of ``layer``'s KV cache group: its block table and slot mapping,
+        or its state rows; :class:`~jaxkv.cache.UnknownLayerError` for a layer in no group."""
+        for g, names in enumerate(self.group_layers):
+            if layer in names:
+                return self._group(g)
+        raise UnknownLayerError(
+            f"layer {layer!r} is in no KV cache group of this step's metadata; "
+            f"groups: {[list(n) for n in self.group_layers]}"
         )
 
     @property
@@ -341,6 +355,7 @@ def build_step_metadata(
     num_blocks: int | None = None,
     state_groups: Sequence[int] = (),
     num_states: int | None = None,
+    group_layers: Sequence[Sequence[str]] = (),
     device: jax.Device | jax.sharding.Sharding | None = None,
 ) -> StepMetadata:
     """Build one step's metadata in numpy and send it to ``device`` in one transfer.
@@ -359,6 +374,8 @@ def build_step_metadata(
     pool's size, or ``num_blocks`` when the states live in the block pool) instead of a
     block table. ``device`` may be a sharding (replicated over a mesh, for a tensor-parallel
     step), also one spanning processes: every process then passes the same steps.
+    ``group_layers`` names each group's layers (``[g.layer_names for g in config.groups]``),
+    which :meth:`StepMetadata.group_of` looks layers up in; empty: no layer map.
     """
     if not seqs:
         raise MetadataError("no sequences scheduled")
@@ -369,6 +386,9 @@ def build_step_metadata(
         raise MetadataError(f"block_sizes must be positive ints, one per group: {block_sizes!r}")
     if num_blocks is not None:
         check_int("num_blocks", num_blocks, error=MetadataError)
+    layer_map = tuple(tuple(names) for names in group_layers)
+    if layer_map and len(layer_map) != num_groups:
+        raise MetadataError(f"group_layers names {len(layer_map)} groups, expected {num_groups}")
     for seq, ids in zip(seqs, block_ids):
         if len(ids) != num_groups:
             raise MetadataError(
@@ -442,7 +462,44 @@ def build_step_metadata(
     info = np.iinfo(np.int32)
     if packed.size and (packed.max() > info.max or packed.min() < info.min):
         raise MetadataError(f"values [{packed.min()}, {packed.max()}] do not fit int32")
-    return StepMetadata(place_values(packed.astype(np.int32), device), packing)
+    return StepMetadata(place_values(packed.astype(np.int32), device), packing, layer_map)
+
+
+def attention_metadata(
+    layers: Sequence[str],
+    block_tables: np.ndarray | jax.Array,
+    kv_lens: np.ndarray | jax.Array,
+    cu_q_lens: np.ndarray | jax.Array,
+    num_seqs: np.ndarray | jax.Array,
+    slot_mapping: np.ndarray | jax.Array | None = None,
+    *,
+    num_tokens: int | None = None,
+) -> StepMetadata:
+    """Step metadata of one attention group (``layers``) over arrays a caller already
+    holds: a kernel's test or benchmark drawing its own ragged batch. Nothing is checked
+    (see the module docstring): prefer :func:`build_step_metadata`. ``block_tables``
+    ``(S, W)``, ``kv_lens`` ``(S,)``, ``cu_q_lens`` ``(S+1,)``, ``num_seqs`` ``(1,)``;
+    ``slot_mapping`` ``(T,)`` (None: every token writes the null slot 0) and ``num_tokens``
+    T (None: ``slot_mapping``'s length, else ``cu_q_lens[-1]``). Token ids and positions
+    are zeros; logits are read at each sequence's last token."""
+    tables, kv, cu, count = (np.asarray(x, dtype=np.int64) for x in (block_tables, kv_lens, cu_q_lens, num_seqs))
+    slots = None if slot_mapping is None else np.asarray(slot_mapping, dtype=np.int64)
+    tokens = num_tokens if num_tokens is not None else len(slots) if slots is not None else int(cu[-1])
+    packing = _Packing(tokens, tables.shape[0], (tables.shape[1],))
+    offsets = packing.offsets
+    packed = np.zeros(offsets["_end"][0], dtype=np.int32)
+    fields = {
+        "kv_lens": kv,
+        "cu_q_lens": cu,
+        "num_seqs": count,
+        "logits_indices": np.maximum(cu[1:] - 1, 0),
+        "tables0": tables,
+        "slots0": np.zeros(tokens, np.int64) if slots is None else slots,
+    }
+    for name, values in fields.items():
+        start = offsets[name][0]
+        packed[start : start + values.size] = values.reshape(-1)
+    return StepMetadata(jax.device_put(packed), packing, (tuple(layers),))
 
 
 def place_values(values: np.ndarray | jax.Array, device: jax.Device | jax.sharding.Sharding | None = None) -> jax.Array:

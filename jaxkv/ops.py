@@ -22,6 +22,10 @@ it was traced with. Pick it per call with ``impl=``, or process-wide with
 :func:`set_implementation` (also a context manager that restores the previous choice).
 Every op is pure: the cache goes in and a new cache comes out; donate it in jit.
 
+A layer's ops take the layer's name and the step's :class:`~jaxkv.metadata.StepMetadata`:
+the cache supplies the layer's window (its planned spec) and the metadata the layer's
+group (block table, slot mapping), so a caller cannot pass another layer's.
+
 Inputs are trusted: shapes are checked (:class:`KVShapeError`), but block ids, slots and
 lengths are not, on device (a slot of -1 wraps into the last block, an out-of-range
 scatter is dropped). They are checked where the metadata is built, by
@@ -48,10 +52,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv.cache import KVCache
+from jaxkv.cache import KVCache, UnknownLayerError
 from jaxkv.errors import JaxkvError
+from jaxkv.metadata import AttentionMetadata, StepMetadata
 from jaxkv.pallas import reference, xla
 from jaxkv.pallas.reference import KVShapeError
+from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 from jaxkv.state_cache import StateCache
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "xla_gpu")
@@ -67,6 +73,10 @@ class UnknownImplementationError(JaxkvError, ValueError):
 
 class KernelUnavailableError(JaxkvError, ImportError):
     """The chosen implementation's kernels cannot be imported."""
+
+
+class UnsupportedAttentionError(JaxkvError, ValueError):
+    """A layer whose spec no paged attention implementation masks (chunked-local attention)."""
 
 
 _lock = threading.Lock()
@@ -207,23 +217,46 @@ def _shard_heads_like(q: jax.Array, buffer: jax.Array) -> jax.Array:
     return jax.sharding.reshard(q, NamedSharding(sharding.mesh, spec))
 
 
+def _attention_group(meta: StepMetadata, layer: str) -> AttentionMetadata:
+    """``layer``'s block table and slot mapping; :class:`UnknownLayerError` when the
+    step's metadata holds state rows for it (a recurrent layer has no pages)."""
+    group = meta.group_of(layer)
+    if not isinstance(group, AttentionMetadata):
+        raise UnknownLayerError(f"layer {layer!r} is a recurrent layer in this step's metadata: it has no KV pages")
+    return group
+
+
+def _window(cache: KVCache, layer: str) -> int | None:
+    """The sliding window of ``layer``'s planned spec (None: full attention);
+    :class:`UnsupportedAttentionError` for a spec no implementation masks."""
+    spec = cache.spec(layer)
+    if isinstance(spec, SlidingWindowSpec):
+        return spec.sliding_window
+    if type(spec) is FullAttentionSpec:
+        return None
+    raise UnsupportedAttentionError(
+        f"layer {layer!r} has spec {spec!r}; paged attention masks only full and sliding-window attention"
+    )
+
+
 def write_kv(
     cache: KVCache,
     layer: str,
     k: jax.Array,
     v: jax.Array,
-    slot_mapping: jax.Array,
+    meta: StepMetadata,
     *,
     impl: str | None = None,
 ) -> KVCache:
-    """Write new K/V ``(T, H, d)`` of ``layer`` into their global slots; returns the cache.
+    """Write new K/V ``(T, H, d)`` of ``layer`` into the slots ``meta`` gives its group; returns the cache.
 
     ``d`` may be smaller than the cache's head dim: K and V are zero-padded up to it.
-    Padding tokens must map into the null block (slot 0). ``slot_mapping`` is trusted,
-    not checked: build it with :func:`jaxkv.metadata.build_step_metadata`, which refuses
-    bad block ids (a slot of -1 would wrap into the last block).
+    A layer the cache or the metadata does not know is :class:`UnknownLayerError`. The
+    slots are trusted, not checked on device: :func:`jaxkv.metadata.build_step_metadata`
+    checked them (a slot of -1 would wrap into the last block).
     """
     buffer, layer_index = cache.layer_buffer(layer)
+    slot_mapping = _attention_group(meta, layer).slot_mapping
     if k.shape != v.shape:
         raise KVShapeError(f"k {k.shape} and v {v.shape} must have the same shape")
     k, v = (_pad_head_dim(name, x, buffer.shape[-1]) for name, x in (("k", k), ("v", v)))
@@ -242,28 +275,28 @@ def paged_attention(
     q: jax.Array,
     cache: KVCache,
     layer: str,
-    block_tables: jax.Array,
-    kv_lens: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
+    meta: StepMetadata,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
     soft_cap: float | None = None,
     impl: str | None = None,
 ) -> jax.Array:
-    """Causal paged attention of ``layer`` over a ragged batch; ``(T, QH, d)`` out.
+    """Causal paged attention of ``layer`` over the ragged batch of ``meta``; ``(T, QH, d)`` out.
 
-    Semantics are those of :func:`jaxkv.pallas.reference.paged_attention`;
-    ``block_tables`` is the table of ``layer``'s KV cache group. ``q``'s head dim ``d``
-    may be smaller than the cache's: q is zero-padded up to it and the output sliced
-    back to ``d``. The metadata is trusted, not checked: build it with
-    :func:`jaxkv.metadata.build_step_metadata`.
+    Semantics are those of :func:`jaxkv.pallas.reference.paged_attention`. What the
+    cache and the metadata know of ``layer`` comes from them: its sliding window from
+    the cache's spec of the layer, its block table from its group's metadata
+    (:meth:`~jaxkv.metadata.StepMetadata.group_of`); a layer either does not know is
+    :class:`UnknownLayerError`. ``soft_cap`` (``cap * tanh(s / cap)`` of the scaled
+    scores) is the model's math, not the cache's. ``q``'s head dim ``d`` may be smaller
+    than the cache's: q is zero-padded up to it and the output sliced back to ``d``.
     """
     buffer, layer_index = cache.layer_buffer(layer)
+    window = _window(cache, layer)
+    block_tables = _attention_group(meta, layer).block_tables
     padded = _pad_head_dim("q", q, buffer.shape[-1])
-    args = (_shard_heads_like(padded, buffer), buffer, kv_lens, block_tables, cu_q_lens, num_seqs)
-    kwargs = {"layer_index": layer_index, "sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
+    args = (_shard_heads_like(padded, buffer), buffer, meta.kv_lens, block_tables, meta.cu_q_lens, meta.num_seqs)
+    kwargs = {"layer_index": layer_index, "sm_scale": sm_scale, "sliding_window": window, "soft_cap": soft_cap}
     name = get_implementation(impl)
     gpu_kernel = _gpu_attention(padded, buffer, _current[0] if impl is None else impl) if name == "pallas_gpu" else None
     if name == "pallas_tpu":

@@ -55,7 +55,9 @@ from jaxkv.benchmarks.kernel_peers import PEERS, NotApplicable, PagedBatch
 from jaxkv.benchmarks.timing import best_seconds
 from jaxkv.cache import KVCache
 from jaxkv.cli import flags_parser
+from jaxkv.metadata import attention_metadata
 from jaxkv.pallas.reference import KVShapeError
+from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 
 PROG = "bench_kernels.py"
 FLAGS = flags.FLAGS
@@ -196,12 +198,18 @@ PRESETS["quick"] = {  # smoke run: windowed cross-layer decodes and a mixed pref
 }
 
 
-def one_layer_cache(buffer: jax.Array, layer_index: int | None, num_kv_heads: int) -> KVCache:
-    """A cache over ``buffer`` whose only layer is :data:`LAYER` (at ``layer_index`` if cross-layer)."""
+def one_layer_cache(
+    buffer: jax.Array, layer_index: int | None, num_kv_heads: int, window: int | None = None
+) -> KVCache:
+    """A cache over ``buffer`` whose only layer is :data:`LAYER` (at ``layer_index`` if
+    cross-layer), of sliding ``window`` (None: full attention)."""
+    kw = {"num_kv_heads": num_kv_heads, "head_size": buffer.shape[-1], "dtype": buffer.dtype}
+    spec = FullAttentionSpec(**kw) if window is None else SlidingWindowSpec(**kw, sliding_window=window)
     return KVCache(
         buffers=(buffer,),
         layout="per_layer" if layer_index is None else "cross_layer",
         layer_indices=((LAYER, layer_index or 0),),
+        layer_specs=((LAYER, spec),),
         block_size=buffer.shape[-3],
         num_kv_heads=num_kv_heads,
         head_dim=buffer.shape[-1],
@@ -255,19 +263,16 @@ def attention_case(
 
     impls: dict[str, Impl] = {}
     notes: dict[str, str] = {}
-    cache = one_layer_cache(batch.kv, batch.layer_index, h)
+    cache = one_layer_cache(batch.kv, batch.layer_index, h, w.window)
     kv_lens, tables, cu, num_seqs = batch.metadata()
-    kw = {"sm_scale": batch.sm_scale, "sliding_window": w.window, "soft_cap": w.soft_cap}
+    meta = attention_metadata((LAYER,), tables, kv_lens, cu, num_seqs, num_tokens=q.shape[0])
+    kw = {"sm_scale": batch.sm_scale, "soft_cap": w.soft_cap}
     gather_bytes = q.shape[0] * width * bs * (2 * h * d * (jnp.dtype(dtype).itemsize + 4) + q.shape[1] * 12)
     for name in unavailable(notes, impls, modes):
         if name == "reference" and gather_bytes > ref_budget:
             impls[name], notes[name] = None, "skipped: token-major gather too large"
             continue
-        fn = jax.jit(
-            lambda q, cache, name=name: ops.paged_attention(
-                q, cache, LAYER, tables, kv_lens, cu, num_seqs, impl=name, **kw
-            )
-        )
+        fn = jax.jit(lambda q, cache, name=name: ops.paged_attention(q, cache, LAYER, meta, impl=name, **kw))
         impls[name] = lambda fn=fn: fn(q, cache)
 
     rows = {}
@@ -315,12 +320,12 @@ def write_case(
     else:
         start = int(rng.integers(1, n - num_tokens // bs))
         slots = start * bs + np.arange(num_tokens)
-    slots = jnp.asarray(slots, jnp.int32)
+    meta = attention_metadata((LAYER,), [[0]], [0], [0, 0], [0], slots)
     k, v = (jnp.asarray(rng.standard_normal((num_tokens, h, d), np.float32), dtype) for _ in range(2))
     impls: dict[str, Impl] = {}
     notes: dict[str, str] = {}
     for impl in unavailable(notes, impls, modes):
-        jitted = jax.jit(lambda c, impl=impl: ops.write_kv(c, LAYER, k, v, slots, impl=impl), donate_argnums=0)
+        jitted = jax.jit(lambda c, impl=impl: ops.write_kv(c, LAYER, k, v, meta, impl=impl), donate_argnums=0)
         buffer = jnp.asarray(rng.standard_normal((n, bs, 2 * h, d), np.float32), dtype)
         impls[impl] = donating(jitted, [one_layer_cache(buffer, None, h)])
     bytes_moved = 2 * 2 * k.size * k.dtype.itemsize

@@ -402,7 +402,7 @@ def plot_policies(rows: list[dict], path: str) -> None:
 def chat(engine: Engine, seed: int) -> tuple[list[float], int, int, list[list[int]]]:
     """Serve the multi-turn chat one request at a time: TTFTs, cached and prompt tokens, outputs."""
     rng = np.random.default_rng(seed)
-    vocab = engine.model.config.vocab_size
+    vocab = engine.model.vocab_size
     system = rng.integers(0, vocab, FLAGS.serve_system_len).tolist()
     contexts = [
         system + rng.integers(0, vocab, FLAGS.serve_user_len).tolist() for _ in range(FLAGS.serve_conversations)

@@ -199,7 +199,9 @@ def main(argv: Sequence[str]) -> None:
             max_model_len=FLAGS.max_model_len,
             layout=FLAGS.layout,
             max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-            **state_plan(model.config, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs),
+            **state_plan(
+                model.config.layer_specs(), FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs
+            ),
         )
     # PlanError, EngineError, ModelConfigError: listed until they subclass JaxkvError too.
     except JaxkvError as err:

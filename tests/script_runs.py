@@ -13,10 +13,11 @@ def repo_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
-def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``scripts/<name>`` run with ``args``: its status and captured text output."""
+def run_script(name: str, *args: str, timeout: float = 300, folder: str = "scripts") -> subprocess.CompletedProcess:
+    """``<folder>/<name>`` (a script, or an example with ``folder="examples"``) run with
+    ``args``: its status and captured text output."""
     return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / name), *args],
+        [sys.executable, str(REPO / folder / name), *args],
         capture_output=True,
         text=True,
         env=repo_env(),

@@ -20,6 +20,7 @@ from jaxkv.cache import (
     UnsupportedLayoutError,
     allocate_kv_cache,
 )
+from jaxkv.metadata import attention_metadata
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, MLASpec, SlidingWindowSpec
@@ -146,7 +147,7 @@ def test_donated_write_is_in_place(layout):
     config = KVCacheConfig(num_blocks=256, groups=(KVCacheGroup(("a", "b"), spec(), 16),))
     cache = allocate_kv_cache(config, layout=layout)
     k = jnp.ones((8, 2, 16), jnp.float32)
-    slots = jnp.arange(16, 24, dtype=jnp.int32)
+    slots = attention_metadata(("a", "b"), [[1]], [8], [0, 8], [1], np.arange(16, 24))
 
     def step(cache, k, slots):
         cache = ops.write_kv(cache, "b", k, -k, slots)
@@ -180,7 +181,11 @@ def test_one_device_mesh_shards_the_kv_head_axis(layout):
     for buffer in cache.buffers:
         assert buffer.sharding.spec[-2] == "model" and buffer.sharding.mesh == mesh
     out = jax.jit(ops.write_kv, static_argnums=1, donate_argnums=0)(
-        cache, "a1", jnp.ones((1, 2, 16)), jnp.ones((1, 2, 16)), jnp.array([9], jnp.int32)
+        cache,
+        "a1",
+        jnp.ones((1, 2, 16)),
+        jnp.ones((1, 2, 16)),
+        attention_metadata(("a1",), [[2]], [2], [0, 1], [1], [9]),
     )
     assert out.buffers[0].sharding.spec[-2] == "model"
 
@@ -200,6 +205,7 @@ def test_heads_are_split_whole_across_devices():
         import jax, jax.numpy as jnp, numpy as np
         from jaxkv import ops
         from jaxkv.cache import allocate_kv_cache, KVCacheShardingError
+        from jaxkv.metadata import attention_metadata
         from jaxkv.planner import KVCacheConfig, KVCacheGroup
         from jaxkv.specs import FullAttentionSpec
         spec = FullAttentionSpec(num_kv_heads=2, head_size=8, dtype="float32")
@@ -217,11 +223,11 @@ def test_heads_are_split_whole_across_devices():
         rng = np.random.default_rng(0)
         k, v = (jnp.asarray(rng.standard_normal((3, 2, 8)), jnp.float32) for _ in "kv")
         q = jnp.asarray(rng.standard_normal((3, 4, 8)), jnp.float32)
-        meta = [jnp.array(x, jnp.int32) for x in ([[1, 2], [0, 0]], [6, 0], [0, 3, 3], [1])]
+        meta = attention_metadata(("a",), [[1, 2], [0, 0]], [6, 0], [0, 3, 3], [1], [7, 8, 9])
 
         def step(cache, impl):
-            cache = ops.write_kv(cache, "a", k, v, jnp.array([7, 8, 9], jnp.int32))
-            return ops.paged_attention(q, cache, "a", *meta, sm_scale=0.3, impl=impl)
+            cache = ops.write_kv(cache, "a", k, v, meta)
+            return ops.paged_attention(q, cache, "a", meta, sm_scale=0.3, impl=impl)
 
         want = jax.jit(step, static_argnums=1)(allocate_kv_cache(config), "reference")
         for impl in ("reference", "xla_gpu"):

@@ -124,3 +124,23 @@ def test_the_host_side_imports_with_jax_and_flax_absent():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.subprocess
+def test_the_public_names_come_from_jaxkv_and_only_the_device_ones_load_jax():
+    code = (
+        "import sys, jaxkv\n"
+        "jax = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
+        "host = [jaxkv.KVCacheManager, jaxkv.Request, jaxkv.plan_kv_cache, jaxkv.get_preset, jaxkv.JaxkvError]\n"
+        "print(jax() == [])\n"
+        "print(all(getattr(jaxkv, name) is not None for name in jaxkv.__all__), 'jax' in jax())\n"
+        "print(jaxkv.ops.paged_attention.__module__, jaxkv.Engine.__module__)\n"
+        "try:\n    jaxkv.Engin\nexcept AttributeError as err:\n    print(err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [
+        "True",
+        "True True",
+        "jaxkv.ops jaxkv.serving.engine",
+        "module 'jaxkv' has no attribute 'Engin'",
+    ]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxkv import ops
-from jaxkv.cache import allocate_kv_cache
+from jaxkv.cache import UnknownLayerError, allocate_kv_cache
 from jaxkv.metadata import (
     BlockIdError,
     BucketOverflowError,
@@ -256,18 +256,8 @@ def test_metadata_drives_write_and_attention_end_to_end():
 
     @jax.jit
     def step(cache, md, k, q):
-        cache = ops.write_kv(cache, "l", k, k, md.groups[0].slot_mapping)
-        out = ops.paged_attention(
-            q,
-            cache,
-            "l",
-            md.groups[0].block_tables,
-            md.kv_lens,
-            md.cu_q_lens,
-            md.num_seqs,
-            sm_scale=1.0,
-        )
-        return cache, out
+        cache = ops.write_kv(cache, "l", k, k, md)
+        return cache, ops.paged_attention(q, cache, "l", md, sm_scale=1.0)
 
     def run(cache, seqs):
         md = build_step_metadata(
@@ -276,6 +266,7 @@ def test_metadata_drives_write_and_attention_end_to_end():
             [blocks[s.request_id] for s in seqs],
             [4],
             BUCKETS,
+            group_layers=[config.groups[0].layer_names],
         )
         k = np.zeros((md.num_tokens, 1, 4), np.float32)
         k[: sum(s.num_new_tokens for s in seqs)] = np.concatenate(
@@ -333,3 +324,18 @@ def test_state_rows_out_of_range_or_null_are_refused():
         build_step_metadata(seq, [[1]], [([1, 2], [4, 0])], (16, 16), BUCKETS, state_groups=(1,), num_states=8)
     with pytest.raises(MetadataError, match="state_groups"):
         build_step_metadata(seq, [[1]], [([1, 2], [4, 5])], (16, 16), BUCKETS, state_groups=(2,))
+
+
+def test_each_layer_finds_its_own_group():
+    seqs, tokens, block_ids = example()
+    layers = [("local.0", "local.1"), ("global.0",)]
+    md = build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS, group_layers=layers)
+    for layer, g in (("local.1", 0), ("global.0", 1)):
+        np.testing.assert_array_equal(md.group_of(layer).block_tables, md.groups[g].block_tables)
+        np.testing.assert_array_equal(md.group_of(layer).slot_mapping, md.groups[g].slot_mapping)
+    with pytest.raises(UnknownLayerError, match=r"layer 'global.1' is in no KV cache group.*\['global.0'\]"):
+        md.group_of("global.1")
+    with pytest.raises(UnknownLayerError, match="'local.0' is in no KV cache group"):
+        build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS).group_of("local.0")  # no layer map
+    with pytest.raises(MetadataError, match="group_layers names 1 groups, expected 2"):
+        build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS, group_layers=layers[:1])

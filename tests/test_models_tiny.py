@@ -5,10 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxkv.cache import allocate_kv_cache
 from jaxkv.manager import KVCacheManager, Request
+from jaxkv.mesh import MODEL_AXIS
 from jaxkv.metadata import Buckets, ScheduledSeq, build_step_metadata
+from jaxkv.models.protocol import ServedModel
 from jaxkv.models.tiny import (
     MODEL_CONFIGS,
     ModelConfig,
@@ -16,7 +19,6 @@ from jaxkv.models.tiny import (
     TinyLM,
     dense_greedy_generate,
     get_model_config,
-    layer_groups,
     model_names,
 )
 from jaxkv.planner import plan_kv_cache
@@ -50,14 +52,17 @@ def test_tiny_qwen3_next_has_three_delta_nets_to_one_attention_layer():
     assert pooled.hash_block_size == 16 and paged.hash_block_size == 32  # vLLM's rule: a page holds a state
 
 
-def test_layer_groups_follow_the_plan():
-    config = get_model_config("tiny-hybrid")
-    plan = plan_kv_cache(config.layer_specs(), 1 << 20, max_model_len=128)
-    groups = layer_groups(config, [g.layer_names for g in plan.groups])
-    for name, g in zip(config.layer_names, groups):
-        assert name in plan.groups[g].layer_names
-    with pytest.raises(ModelConfigError, match=r"\['layers.5'\] are in no KV cache group"):
-        layer_groups(config, [g.layer_names for g in plan.groups if "layers.5" not in g.layer_names])
+def test_a_tiny_model_is_a_served_model_whose_weights_are_its_params():
+    model = TinyLM(get_model_config("tiny-hybrid"), seed=0, name="tiny-hybrid")
+    assert isinstance(model, ServedModel) and model.name == "tiny-hybrid" and model.vocab_size == 512
+    assert model.layer_specs() == get_preset("tiny-hybrid")
+    specs = model.partition_specs()
+    assert jax.tree.structure(specs) == jax.tree.structure(model.params)
+    attention = specs["layers"][0]["attn"]
+    assert (attention["q_proj"]["kernel"], attention["o_proj"]["kernel"]) == (P(None, MODEL_AXIS), P(MODEL_AXIS, None))
+    assert specs["embed"]["embedding"] == P()
+    # Equal architectures are one forward (engines share its compilation), whatever the weights.
+    assert model == TinyLM(get_model_config("tiny-hybrid"), seed=1) != TinyLM(get_model_config("tiny-llama"))
 
 
 @pytest.mark.parametrize(
@@ -93,9 +98,8 @@ def test_llama_1b_is_a_gpu_model_of_1_1e9_bf16_parameters():
     assert get_model_config("llama-1b", dtype="float32").dtype == "float32"
 
 
-@nnx.jit
 def dense(model: TinyLM, tokens: jax.Array) -> jax.Array:
-    return model.dense(tokens)
+    return jax.jit(model.dense)(model.params, tokens)
 
 
 def small_config(windows) -> ModelConfig:
@@ -126,13 +130,12 @@ def test_paged_forward_matches_the_dense_forward(name, layout):
     plan = plan_kv_cache(model.config.layer_specs(), 4 << 20, max_model_len=128, layout=layout)
     manager = KVCacheManager(plan, enable_caching=False)
     cache = allocate_kv_cache(plan)
-    groups = layer_groups(model.config, [g.layer_names for g in plan.groups])
     rng = np.random.default_rng(0)
     a = Request("a", rng.integers(0, 512, 70).tolist())
     b = Request("b", rng.integers(0, 512, 45).tolist())
     buckets = Buckets((128,), (4,), (8,))
     block_sizes = [g.block_size for g in plan.groups]
-    forward = jax.jit(lambda cache, meta: model(cache, meta, groups))
+    forward = jax.jit(lambda params, cache, meta: model.forward(params, cache, meta))
 
     def run(steps):
         nonlocal cache
@@ -145,8 +148,9 @@ def test_paged_forward_matches_the_dense_forward(name, layout):
             [manager.get_block_ids(r.request_id) for r, _ in steps],
             block_sizes,
             buckets,
+            group_layers=[g.layer_names for g in plan.groups],
         )
-        logits, cache = forward(cache, meta)
+        logits, cache = forward(model.params, cache, meta)
         for req, n in steps:
             req.num_computed_tokens += n
         return np.asarray(logits)[: len(steps)]

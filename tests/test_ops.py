@@ -16,12 +16,13 @@ import pytest
 from paged_batches import ragged_metadata
 
 from jaxkv import ops
-from jaxkv.cache import KVCache, allocate_kv_cache
+from jaxkv.cache import KVCache, UnknownLayerError, allocate_kv_cache
+from jaxkv.metadata import attention_metadata
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import xla
 from jaxkv.pallas.reference import KVShapeError
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, KVCacheGroup, plan_kv_cache
-from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
+from jaxkv.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 BLOCK = 4
 HEAD_DIM = 8
@@ -42,6 +43,12 @@ def config(num_blocks: int = 24) -> KVCacheConfig:
         num_blocks=num_blocks,
         groups=(KVCacheGroup(("l0", "l2"), local, BLOCK), KVCacheGroup(("l1", "l3"), full, BLOCK)),
     )
+
+
+GROUP_OF = {"l0": ("l0", "l2"), "l2": ("l0", "l2"), "l1": ("l1", "l3"), "l3": ("l1", "l3")}
+"""The layers of each layer's group in :func:`config`."""
+ONE_DECODE = ([[1, 2]], [5], [0, 1], [1])
+"""Block table, kv lens, cu_q_lens and num_seqs of one decode."""
 
 
 def random_cache(rng, layout: str):
@@ -88,7 +95,7 @@ def test_missing_tpu_kernels_give_a_clear_error(monkeypatch):
     cache = allocate_kv_cache(config())
     k = jnp.zeros((1, 2, HEAD_DIM))
     with pytest.raises(ops.KernelUnavailableError, match="jaxkv.pallas.no_such_kernels.write_kv"):
-        ops.write_kv(cache, "l0", k, k, jnp.zeros(1, jnp.int32), impl="pallas_tpu")
+        ops.write_kv(cache, "l0", k, k, attention_metadata(("l0",), *ONE_DECODE, np.zeros(1)), impl="pallas_tpu")
 
 
 def test_pallas_tpu_dispatch_passes_layer_index_and_interpret(monkeypatch):
@@ -109,19 +116,11 @@ def test_pallas_tpu_dispatch_passes_layer_index_and_interpret(monkeypatch):
     cache = allocate_kv_cache(config(), layout="cross_layer")
     k = jnp.ones((1, 2, HEAD_DIM))
     with ops.set_implementation("pallas_tpu"):
-        cache = ops.write_kv(cache, "l3", k, k, jnp.array([5], jnp.int32))
+        cache = ops.write_kv(cache, "l3", k, k, attention_metadata(("l1", "l3"), *ONE_DECODE, np.array([5])))
         ops.copy_blocks(cache, jnp.array([1], jnp.int32), jnp.array([2], jnp.int32))
     with ops.set_implementation("pallas_tpu", interpret=True):
         ops.paged_attention(
-            jnp.ones((1, 2, HEAD_DIM)),
-            cache,
-            "l2",
-            jnp.ones((1, 2), jnp.int32),
-            jnp.array([5], jnp.int32),
-            jnp.array([0, 1], jnp.int32),
-            jnp.array([1], jnp.int32),
-            sm_scale=1.0,
-            sliding_window=5,
+            jnp.ones((1, 2, HEAD_DIM)), cache, "l2", attention_metadata(("l0", "l2"), *ONE_DECODE), sm_scale=1.0
         )
     from jax.experimental.pallas import tpu as pltpu
 
@@ -139,7 +138,7 @@ def test_ops_on_a_cache_match_the_reference(layout, rng):
     k = jnp.asarray(rng.standard_normal((3, 2, HEAD_DIM)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((3, 2, HEAD_DIM)), jnp.float32)
     slots = jnp.array([9, 10, 0], jnp.int32)
-    out = jax.jit(ops.write_kv, static_argnums=1)(cache, "l2", k, v, slots)
+    out = jax.jit(ops.write_kv, static_argnums=1)(cache, "l2", k, v, attention_metadata(("l2",), *ONE_DECODE, slots))
     layer_index = 1
     if layout == "cross_layer":
         expected = ref.write_kv(jnp.asarray(before[0]), k, v, slots, layer_index=layer_index)
@@ -167,11 +166,12 @@ def test_ops_on_a_cache_match_the_reference(layout, rng):
         "cu_q_lens": jnp.array([0, 1, 4], jnp.int32),
         "num_seqs": jnp.array([2], jnp.int32),
     }
+    step = attention_metadata(("l0", "l2"), **meta)
     buffer, layer_index = out.layer_buffer("l2")
 
     @jax.jit
-    def both(q, cache, buffer):
-        got = ops.paged_attention(q, cache, "l2", **meta, sm_scale=0.3)
+    def both(q, cache, buffer, step):
+        got = ops.paged_attention(q, cache, "l2", step, sm_scale=0.3)
         want = ref.paged_attention(
             q,
             buffer,
@@ -181,10 +181,11 @@ def test_ops_on_a_cache_match_the_reference(layout, rng):
             meta["num_seqs"],
             layer_index=layer_index,
             sm_scale=0.3,
+            sliding_window=5,  # l2's window, from the cache's spec
         )
         return got, want
 
-    got, want = both(q, out, buffer)
+    got, want = both(q, out, buffer, step)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -262,9 +263,9 @@ def poison_unread(cache: KVCache, layer: str, meta: dict[str, np.ndarray], windo
     return ops.scatter_blocks(cache, ids, jnp.asarray(blocks))
 
 
-@pytest.mark.parametrize("layout,window", [("cross_layer", 5), ("per_layer", None)])
+@pytest.mark.parametrize("layout,layer,window", [("cross_layer", "l2", 5), ("per_layer", "l3", None)])
 @pytest.mark.parametrize("impl", ["reference", "xla_gpu", "pallas_tpu"])
-def test_nan_where_no_query_may_look_never_reaches_the_output(impl, layout, window, rng):
+def test_nan_where_no_query_may_look_never_reaches_the_output(impl, layout, layer, window, rng):
     """Masking selects, never multiplies (0 * NaN is NaN): a cache holding NaN wherever no
     query may look gives the finite result of a clean cache, for every implementation."""
     if impl == "pallas_tpu":
@@ -273,14 +274,14 @@ def test_nan_where_no_query_may_look_never_reaches_the_output(impl, layout, wind
     seqs = [(1, 1), (1, 9), (0, 6), (6, 6), (5, 17)]
     meta = ragged_metadata(rng, seqs, block_size=BLOCK, num_blocks=24, width=5, max_seqs=7)
     clean = random_cache(rng, layout)
-    poisoned = poison_unread(clean, "l2", meta, window)
+    poisoned = poison_unread(clean, layer, meta, window)
     assert np.isnan(np.asarray(poisoned.buffers[0])).any()
     q = jnp.asarray(rng.standard_normal((16, 4, HEAD_DIM)), jnp.float32)
-    meta = {name: jnp.asarray(x) for name, x in meta.items()}
+    step = attention_metadata(GROUP_OF[layer], **meta)
 
     @functools.partial(jax.jit, static_argnums=0)
     def attend(impl, cache):
-        return ops.paged_attention(q, cache, "l2", **meta, sm_scale=0.3, sliding_window=window, impl=impl)
+        return ops.paged_attention(q, cache, layer, step, sm_scale=0.3, impl=impl)
 
     got = np.asarray(attend(impl, poisoned))
     assert np.isfinite(got).all(), f"NaN reached rows {np.unique(np.nonzero(~np.isfinite(got))[0])}"
@@ -291,27 +292,24 @@ def test_nan_where_no_query_may_look_never_reaches_the_output(impl, layout, wind
 
 def test_pallas_tpu_kernels_through_ops_in_interpret_mode(rng):
     pytest.importorskip("jaxkv.pallas.tpu")
-    spec = FullAttentionSpec(num_kv_heads=2, head_size=128, dtype="float32")
+    spec = SlidingWindowSpec(num_kv_heads=2, head_size=128, dtype="float32", sliding_window=6)
     cache = allocate_kv_cache(
         KVCacheConfig(num_blocks=8, groups=(KVCacheGroup(("a", "b"), spec, 8),)),
         layout="cross_layer",
     )
     cache = cache.replace((jnp.asarray(rng.standard_normal(cache.buffers[0].shape), jnp.float32),))
-    k = jnp.asarray(rng.standard_normal((4, 2, 128)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((8, 2, 128)), jnp.float32)  # 4 real, 4 padding tokens
     q = jnp.asarray(rng.standard_normal((8, 4, 128)), jnp.float32)
-    meta = (
-        jnp.array([[2, 3], [4, 0], [0, 0]], jnp.int32),
-        jnp.array([11, 3, 0], jnp.int32),
-        jnp.array([0, 1, 4, 4], jnp.int32),
-        jnp.array([2], jnp.int32),
+    meta = attention_metadata(
+        ("a", "b"), [[2, 3], [4, 0], [0, 0]], [11, 3, 0], [0, 1, 4, 4], [2], [17, 18, 19, 0], num_tokens=8
     )
 
     @functools.partial(jax.jit, static_argnums=0)
     def step(impl, cache, k, q):
-        out = ops.write_kv(cache, "b", k, -k, jnp.array([17, 18, 19, 0], jnp.int32), impl=impl)
+        out = ops.write_kv(cache, "b", k, -k, meta, impl=impl)
         src, dst = jnp.array([2, 0], jnp.int32), jnp.array([5, 0], jnp.int32)
         out = ops.copy_blocks(out, src, dst, impl=impl)
-        attn = ops.paged_attention(q, out, "b", *meta, sm_scale=0.1, sliding_window=6, impl=impl)
+        attn = ops.paged_attention(q, out, "b", meta, sm_scale=0.1, impl=impl)
         return out.buffers[0], attn
 
     results = {}
@@ -323,32 +321,35 @@ def test_pallas_tpu_kernels_through_ops_in_interpret_mode(rng):
 
 
 def bf16_cache(rng, head_size: int = 64) -> KVCache:
-    spec = FullAttentionSpec(num_kv_heads=1, head_size=head_size, dtype="bfloat16")
+    spec = SlidingWindowSpec(num_kv_heads=1, head_size=head_size, dtype="bfloat16", sliding_window=20)
     cache = allocate_kv_cache(
         KVCacheConfig(num_blocks=8, groups=(KVCacheGroup(("a", "b"), spec, 16),)), layout="cross_layer"
     )
     return cache.replace((jnp.asarray(rng.standard_normal(cache.buffers[0].shape), jnp.bfloat16),))
 
 
-GPU_META = (
-    jnp.array([[2, 3], [4, 0], [0, 0]], jnp.int32),  # block tables
-    jnp.array([27, 3, 0], jnp.int32),  # kv lens
-    jnp.array([0, 1, 4, 4], jnp.int32),  # cu_q_lens
-    jnp.array([2], jnp.int32),  # num_seqs
+GPU_META = attention_metadata(
+    ("a", "b"),
+    [[2, 3], [4, 0], [0, 0]],  # block tables
+    [27, 3, 0],  # kv lens
+    [0, 1, 4, 4],  # cu_q_lens
+    [2],  # num_seqs
+    [33, 34, 35, 0],  # slots
+    num_tokens=8,
 )
 
 
 def test_pallas_gpu_through_ops_matches_the_reference(rng):
     """The Mosaic GPU kernel (interpreted off GPU) for attention, XLA's writes and copies."""
     cache = bf16_cache(rng)
-    k = jnp.asarray(rng.standard_normal((4, 1, 64)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((8, 1, 64)), jnp.bfloat16)  # 4 real, 4 padding tokens
     q = jnp.asarray(rng.standard_normal((8, 4, 64)), jnp.bfloat16)
 
     @functools.partial(jax.jit, static_argnums=0)
     def step(impl, cache, k, q):
-        out = ops.write_kv(cache, "b", k, -k, jnp.array([33, 34, 35, 0], jnp.int32), impl=impl)
+        out = ops.write_kv(cache, "b", k, -k, GPU_META, impl=impl)
         out = ops.copy_blocks(out, jnp.array([2, 0], jnp.int32), jnp.array([5, 0], jnp.int32), impl=impl)
-        return out.buffers[0], ops.paged_attention(q, out, "b", *GPU_META, sm_scale=0.125, sliding_window=20, impl=impl)
+        return out.buffers[0], ops.paged_attention(q, out, "b", GPU_META, sm_scale=0.125, impl=impl)
 
     (ref_cache, ref_attn), (gpu_cache, gpu_attn) = (
         tuple(np.asarray(x, np.float32) for x in step(impl, cache, k, q)) for impl in ("reference", "pallas_gpu")
@@ -362,14 +363,14 @@ def test_auto_on_hopper_picks_the_gpu_kernel_and_falls_back_to_xla_where_its_til
     assert ops.get_implementation() == "pallas_gpu"
     cache = random_cache(rng, "per_layer")  # float32, head dim 8: not the kernel's
     meta = ragged_metadata(rng, [(1, 7), (3, 9)], block_size=BLOCK, num_blocks=24, width=5, max_seqs=3)
-    meta = {name: jnp.asarray(x) for name, x in meta.items()}
+    meta = attention_metadata(GROUP_OF["l1"], **meta)
     q = jnp.asarray(rng.standard_normal((4, 4, HEAD_DIM)), jnp.float32)
-    auto = ops.paged_attention(q, cache, "l1", **meta, sm_scale=0.3)
+    auto = ops.paged_attention(q, cache, "l1", meta, sm_scale=0.3)
     np.testing.assert_array_equal(
-        np.asarray(auto), np.asarray(ops.paged_attention(q, cache, "l1", **meta, sm_scale=0.3, impl="xla_gpu"))
+        np.asarray(auto), np.asarray(ops.paged_attention(q, cache, "l1", meta, sm_scale=0.3, impl="xla_gpu"))
     )
     with pytest.raises(KVShapeError, match="bf16 or fp16"):
-        ops.paged_attention(q, cache, "l1", **meta, sm_scale=0.3, impl="pallas_gpu")
+        ops.paged_attention(q, cache, "l1", meta, sm_scale=0.3, impl="pallas_gpu")
 
 
 # ---------------------------------------------------------------- tile alignment
@@ -407,10 +408,10 @@ def history_slots(meta: dict[str, np.ndarray], seqs: list[tuple[int, int]], pad_
     return np.array(slots + [0] * (pad_to - len(slots)), np.int32)
 
 
-def write_then_attend(impl, cache, k, v, slots, q, meta):
-    """Write K/V into the sliding-window layer l0, then attend through it."""
-    cache = ops.write_kv(cache, "l0", k, v, slots, impl=impl)
-    out = ops.paged_attention(q, cache, "l0", **meta, sm_scale=1 / np.sqrt(LOGICAL_HEAD), sliding_window=5, impl=impl)
+def write_then_attend(impl, cache, k, v, q, meta):
+    """Write K/V into the sliding-window layer l0 (window 5), then attend through it."""
+    cache = ops.write_kv(cache, "l0", k, v, meta, impl=impl)
+    out = ops.paged_attention(q, cache, "l0", meta, sm_scale=1 / np.sqrt(LOGICAL_HEAD), impl=impl)
     return cache, out
 
 
@@ -428,13 +429,13 @@ def test_heads_of_64_in_a_cache_padded_to_128_lanes_give_the_unpadded_results(im
     slots = history_slots(meta, seqs, pad_to=64)
     k, v = (jnp.asarray(rng.standard_normal((64, 2, LOGICAL_HEAD)), jnp.float32) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((12, 4, LOGICAL_HEAD)), jnp.float32)
-    meta = {name: jnp.asarray(x) for name, x in meta.items()}
+    meta = attention_metadata(("l0", "l2"), **meta, slot_mapping=slots)
 
     plain = tile_cache(1, layout)
     tiled = tile_cache(TPU_HEAD_DIM_MULTIPLE, layout)
     assert (plain.head_dim, tiled.head_dim) == (LOGICAL_HEAD, 128)
-    plain_cache, want = jit_write_then_attend(impl, plain, k, v, slots, q, meta)
-    tiled_cache, got = jit_write_then_attend(impl, tiled, k, v, slots, q, meta)
+    plain_cache, want = jit_write_then_attend(impl, plain, k, v, q, meta)
+    tiled_cache, got = jit_write_then_attend(impl, tiled, k, v, q, meta)
 
     assert got.shape == want.shape == q.shape
     got, want = np.asarray(got), np.asarray(want)
@@ -464,12 +465,11 @@ def test_equal_head_dims_trace_no_pad_and_smaller_ones_are_padded():
     # The reference traces no pad of its own, so any pad here is the ops' alignment.
     impl = "reference"
     meta = ragged_metadata(np.random.default_rng(), [(1, 3)], block_size=BLOCK, num_blocks=24, width=8, max_seqs=2)
-    meta = {name: jnp.asarray(x) for name, x in meta.items()}
-    slots = jnp.zeros(8, jnp.int32)
+    meta = attention_metadata(("l0", "l2"), **meta, num_tokens=8)
 
     def traced(cache) -> set[str]:
         x = jnp.ones((8, 2, LOGICAL_HEAD))
-        step = functools.partial(write_then_attend, impl, slots=slots, meta=meta)
+        step = functools.partial(write_then_attend, impl, meta=meta)
         return primitive_names(jax.make_jaxpr(step)(cache, k=x, v=x, q=x).jaxpr)
 
     assert "pad" not in traced(tile_cache(1, "cross_layer"))
@@ -481,7 +481,7 @@ def test_a_head_dim_larger_than_the_cache_is_refused_and_the_cache_kept(layout, 
     cache = tile_cache(TPU_HEAD_DIM_MULTIPLE, layout)
     cache = cache.replace(tuple(jnp.asarray(rng.standard_normal(b.shape), b.dtype) for b in cache.buffers))
     before = [np.asarray(b) for b in cache.buffers]
-    slots = jnp.array([5, 6], jnp.int32)
+    slots = attention_metadata(("l0", "l2"), *ONE_DECODE, np.array([5, 6]))
     write = jax.jit(ops.write_kv, static_argnums=1, donate_argnums=0)
     big = jnp.ones((2, 2, 130))
     too_big = r"k \(2, 2, 130\) has head dim 130, larger than the cache's head_dim 128"
@@ -491,7 +491,44 @@ def test_a_head_dim_larger_than_the_cache_is_refused_and_the_cache_kept(layout, 
         write(cache, "l0", jnp.ones((2, 2, 64)), jnp.ones((2, 2, 32)), slots)
     meta = ragged_metadata(rng, [(2, 6)], block_size=BLOCK, num_blocks=24, width=8, max_seqs=2)
     with pytest.raises(KVShapeError, match="head dim 129, larger than the cache's head_dim 128"):
-        ops.paged_attention(jnp.ones((2, 4, 129)), cache, "l1", **meta, sm_scale=1.0)
+        ops.paged_attention(jnp.ones((2, 4, 129)), cache, "l1", attention_metadata(("l1", "l3"), **meta), sm_scale=1.0)
     assert not any(b.is_deleted() for b in cache.buffers), "nothing was donated"
     for b, old in zip(cache.buffers, before):
         np.testing.assert_array_equal(np.asarray(b), old)
+
+
+# ---------------------------------------------------- what the cache supplies
+
+
+def test_a_layer_unknown_to_the_cache_or_to_the_metadata_is_refused(rng):
+    cache = random_cache(rng, "cross_layer")
+    meta = attention_metadata(GROUP_OF["l0"], *ONE_DECODE, np.array([5]))
+    k = jnp.ones((1, 2, HEAD_DIM))
+    with pytest.raises(UnknownLayerError, match="layer 'l9' has no page in this cache"):
+        ops.write_kv(cache, "l9", k, k, meta)
+    with pytest.raises(UnknownLayerError, match="layer 'l1' is in no KV cache group of this step's metadata"):
+        ops.paged_attention(jnp.ones((1, 4, HEAD_DIM)), cache, "l1", meta, sm_scale=1.0)
+
+
+def test_each_layer_attends_within_the_window_of_its_own_spec(rng):
+    """l2 (window 5) and l3 (full) over the same pages: each is the reference with its own window."""
+    cache = random_cache(rng, "per_layer")
+    cache = cache.replace((cache.buffers[1], cache.buffers[1]))  # index 1 holds l2 and l3
+    meta = ragged_metadata(rng, [(1, 11), (4, 9)], block_size=BLOCK, num_blocks=24, width=5, max_seqs=2)
+    q = jnp.asarray(rng.standard_normal((5, 4, HEAD_DIM)), jnp.float32)
+    buffer, _ = cache.layer_buffer("l2")
+    args = (q, buffer, *(jnp.asarray(meta[k]) for k in ("kv_lens", "block_tables", "cu_q_lens", "num_seqs")))
+    for layer, window in (("l2", 5), ("l3", None)):
+        got = ops.paged_attention(q, cache, layer, attention_metadata(GROUP_OF[layer], **meta), sm_scale=0.3)
+        want = ref.paged_attention(*args, sm_scale=0.3, sliding_window=window)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+    full = ref.paged_attention(*args, sm_scale=0.3)
+    assert not np.allclose(np.asarray(full), np.asarray(ref.paged_attention(*args, sm_scale=0.3, sliding_window=5)))
+
+
+def test_chunked_local_attention_is_refused_rather_than_run_as_full_attention():
+    spec = ChunkedLocalAttentionSpec(num_kv_heads=2, head_size=HEAD_DIM, dtype="float32", attention_chunk_size=8)
+    cache = allocate_kv_cache(KVCacheConfig(num_blocks=8, groups=(KVCacheGroup(("c",), spec, BLOCK),)))
+    meta = attention_metadata(("c",), *ONE_DECODE)
+    with pytest.raises(ops.UnsupportedAttentionError, match="layer 'c' has spec ChunkedLocalAttentionSpec"):
+        ops.paged_attention(jnp.ones((1, 4, HEAD_DIM)), cache, "c", meta, sm_scale=1.0)

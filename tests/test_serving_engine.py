@@ -195,6 +195,20 @@ def test_the_step_budget_may_not_exceed_the_plan(models):
         Engine(models["tiny-llama"], plan, max_num_batched_tokens=128)
 
 
+def test_an_engine_plans_its_own_cache_from_memory_and_length_or_takes_a_plan(models):
+    model = models["tiny-hybrid"]
+    eng = Engine(model, memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN)
+    assert eng.manager.config.max_model_len == MAX_MODEL_LEN and eng.max_num_batched_tokens == 256
+    assert {n for g in eng.manager.config.groups for n in g.layer_names} == set(model.layer_specs())
+    plan = eng.manager.config
+    with pytest.raises(EngineError, match="memory_bytes=None, max_model_len=256"):
+        Engine(model, max_model_len=MAX_MODEL_LEN)
+    with pytest.raises(EngineError, match="a kv_config is one already"):
+        Engine(model, plan, memory_bytes=4 << 20)
+    built = Engine.build(model, memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN, block_size=32)
+    assert built.model is model and {g.block_size for g in built.manager.config.groups} == {32}
+
+
 # ------------------------------------------------------------------ recurrent hybrid
 @pytest.fixture(scope="module")
 def qwen3_next() -> tuple[TinyLM, list[list[int]]]:

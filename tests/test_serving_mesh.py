@@ -68,7 +68,7 @@ def test_same_tokens_on_1_2_4_8_devices_and_no_compilation_after_warm_up(model, 
 
 def test_weights_follow_their_annotations_on_the_mesh():
     eng = build("tiny-llama-kv8", 4)
-    layer = eng.runner.weights["layers"][0]
+    layer = eng.runner.params["layers"][0]
     q, o = layer["attn"]["q_proj"]["kernel"][...], layer["attn"]["o_proj"]["kernel"][...]
     norm = layer["attn_norm"]["scale"][...]
     assert q.addressable_shards[0].data.shape == (128, 128 // 4)  # column-parallel

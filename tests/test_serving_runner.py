@@ -106,3 +106,16 @@ def test_default_buckets_give_two_shapes():
     no_len = plan.__class__(num_blocks=plan.num_blocks, groups=plan.groups)
     with pytest.raises(RunnerError, match="max_model_len=None"):
         default_buckets(no_len, 8, 256)
+
+
+def test_a_model_must_be_served_and_planned_layer_for_layer(model):
+    plan = plan_kv_cache(model.config.layer_specs(), 1 << 20, max_model_len=64)
+    with pytest.raises(RunnerError, match="dict is not a ServedModel"):
+        ModelRunner({"params": 1}, plan, BUCKETS)
+    llama = TinyLM(get_model_config("tiny-llama"), seed=0, name="tiny-llama")
+    fewer = plan_kv_cache(dict(list(llama.layer_specs().items())[:3]), 1 << 20, max_model_len=64)
+    with pytest.raises(RunnerError, match="layer 'layers.3' of tiny-llama is in no KV cache group"):
+        ModelRunner(llama, fewer, BUCKETS)
+    more = plan_kv_cache({**llama.layer_specs(), "extra": llama.layer_specs()["layers.0"]}, 1 << 20, max_model_len=64)
+    with pytest.raises(RunnerError, match=r"the plan holds layers \['extra'\] that tiny-llama does not have"):
+        ModelRunner(llama, more, BUCKETS)

@@ -11,6 +11,7 @@ import pytest
 
 from jaxkv import ops
 from jaxkv.cache import KVCache, allocate_kv_cache
+from jaxkv.metadata import attention_metadata
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import xla
 from jaxkv.pallas.reference import KVShapeError
@@ -97,8 +98,10 @@ def test_ops_dispatch_writes_and_copies_to_xla_in_place(rng, monkeypatch):
     fresh = min(set(range(1, NUM_BLOCKS)) - written)
     pair = jnp.asarray([min(written), 0], jnp.int32), jnp.asarray([fresh, 0], jnp.int32)  # copy-on-write, padding
 
+    meta = attention_metadata(layers, [[1]], [1], [0, 1], [1], slots)
+
     def step(cache: KVCache, impl: str) -> KVCache:
-        cache = ops.write_kv(cache, "l1", k, -k, slots, impl=impl)
+        cache = ops.write_kv(cache, "l1", k, -k, meta, impl=impl)
         return ops.copy_blocks(cache, *pair, impl=impl)
 
     want = jax.jit(step, static_argnums=1)(cache, "reference")

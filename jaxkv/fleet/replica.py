@@ -89,7 +89,7 @@ def warm_up(engine: Engine) -> None:
     """Compile every step shape of ``engine``'s default buckets (a prefill of the whole
     step budget and a decode), then forget what that cached."""
     length = min(engine.max_num_batched_tokens + 1, engine.manager.max_model_len - 2)
-    engine.generate([[t % engine.model.config.vocab_size for t in range(length)]], 2)
+    engine.generate([[t % engine.model.vocab_size for t in range(length)]], 2)
     engine.reset_prefix_cache()
 
 

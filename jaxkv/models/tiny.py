@@ -15,10 +15,11 @@ Three architectures, all small enough to serve on a CPU in seconds:
 
 Every model has two forwards over the same weights:
 
-- :meth:`TinyLM.__call__`: a ragged batch (decodes first, then prefill chunks) against
-  the paged KV cache; each attention layer writes its new K/V with
-  :func:`jaxkv.ops.write_kv` and attends with :func:`jaxkv.ops.paged_attention` through
-  its own KV cache group's block table;
+- :meth:`TinyLM.forward` (the :class:`~jaxkv.models.protocol.ServedModel` step): a
+  ragged batch (decodes first, then prefill chunks) against the paged KV cache; each
+  attention layer writes its new K/V with :func:`jaxkv.ops.write_kv` and attends with
+  :func:`jaxkv.ops.paged_attention` by its name, the cache and the step metadata
+  supplying its window and block table;
 - :meth:`TinyLM.dense`: plain causal attention over whole sequences (window-masked in
   window layers) and the delta rule from zero state, no cache: the correctness oracle
   of the paged path.
@@ -41,6 +42,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +54,9 @@ from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 from jaxkv.mesh import MODEL_AXIS
-from jaxkv.metadata import AttentionMetadata, StateMetadata, StepMetadata
+from jaxkv.metadata import StateMetadata, StepMetadata
 from jaxkv.models.delta_net import dense_delta_net, ragged_delta_net, seq_of_token
+from jaxkv.models.protocol import ServedModel
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from jaxkv.state_cache import HybridCache, StateCache, read_states, write_states
 
@@ -331,25 +334,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rope(q, positions, self.theta), rope(k, positions, self.theta), v
 
-    def paged(
-        self, x: jax.Array, cache: KVCache, meta: StepMetadata, group: AttentionMetadata, impl: str | None
-    ) -> tuple[jax.Array, KVCache]:
-        """``x (T, hidden)`` of a ragged batch; writes this step's K/V, then attends through the cache."""
+    def paged(self, x: jax.Array, cache: KVCache, meta: StepMetadata, impl: str | None) -> tuple[jax.Array, KVCache]:
+        """``x (T, hidden)`` of a ragged batch; writes this step's K/V, then attends through
+        the cache (which supplies this layer's window and block table)."""
         q, k, v = self._qkv(x, meta.positions)
-        cache = ops.write_kv(cache, self.name, k, v, group.slot_mapping, impl=impl)
-        out = ops.paged_attention(
-            q,
-            cache,
-            self.name,
-            group.block_tables,
-            meta.kv_lens,
-            meta.cu_q_lens,
-            meta.num_seqs,
-            sm_scale=self.sm_scale,
-            sliding_window=self.window,
-            soft_cap=self.logit_cap,
-            impl=impl,
-        )
+        cache = ops.write_kv(cache, self.name, k, v, meta, impl=impl)
+        out = ops.paged_attention(q, cache, self.name, meta, sm_scale=self.sm_scale, soft_cap=self.logit_cap, impl=impl)
         return self.o_proj(out.reshape(x.shape[0], -1)), cache
 
     def dense(self, x: jax.Array) -> jax.Array:
@@ -402,11 +392,12 @@ class GatedDeltaNet(nnx.Module):
         out = self.out_norm(out.astype(x.dtype)) * jax.nn.silu(gate)
         return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
-    def paged(
-        self, x: jax.Array, states: StateCache, meta: StepMetadata, group: StateMetadata
-    ) -> tuple[jax.Array, StateCache]:
+    def paged(self, x: jax.Array, states: StateCache, meta: StepMetadata) -> tuple[jax.Array, StateCache]:
         """``x (T, hidden)`` of a ragged batch: each sequence resumes from its state row
         (zeros when fresh) and its state after the step goes to its write row."""
+        group = meta.group_of(self.name)
+        if not isinstance(group, StateMetadata):
+            raise ModelConfigError(f"recurrent layer {self.name!r} has a KV cache group of pages in the step metadata")
         conv, state = read_states(states, self.name, group.read_rows)
         fresh = group.fresh.astype(bool)
         conv = jnp.where(fresh[:, None, None], 0, conv)
@@ -458,16 +449,12 @@ class DecoderLayer(nnx.Module):
     def _residual(self, x: jax.Array, out: jax.Array, post_norm: nnx.RMSNorm | None) -> jax.Array:
         return x + (out if post_norm is None else post_norm(out))
 
-    def paged(
-        self, x: jax.Array, cache: KVCache, meta: StepMetadata, group: AttentionMetadata, impl: str | None
-    ) -> tuple[jax.Array, KVCache]:
-        out, cache = self.attn.paged(self.attn_norm(x), cache, meta, group, impl)
+    def paged(self, x: jax.Array, cache: KVCache, meta: StepMetadata, impl: str | None) -> tuple[jax.Array, KVCache]:
+        out, cache = self.attn.paged(self.attn_norm(x), cache, meta, impl)
         return self._mlp_block(self._residual(x, out, self.post_attn_norm)), cache
 
-    def recurrent(
-        self, x: jax.Array, states: StateCache, meta: StepMetadata, group: StateMetadata
-    ) -> tuple[jax.Array, StateCache]:
-        out, states = self.delta.paged(self.attn_norm(x), states, meta, group)
+    def recurrent(self, x: jax.Array, states: StateCache, meta: StepMetadata) -> tuple[jax.Array, StateCache]:
+        out, states = self.delta.paged(self.attn_norm(x), states, meta)
         return self._mlp_block(self._residual(x, out, self.post_attn_norm)), states
 
     def _mlp_block(self, x: jax.Array) -> jax.Array:
@@ -479,16 +466,60 @@ class DecoderLayer(nnx.Module):
 
 
 class TinyLM(nnx.Module):
-    """A decoder-only LM built from a :class:`ModelConfig`, weights drawn from ``seed``."""
+    """A decoder-only LM built from a :class:`ModelConfig`, weights drawn from ``seed``.
 
-    def __init__(self, config: ModelConfig, *, seed: int = 0) -> None:
+    A :class:`~jaxkv.models.protocol.ServedModel`: :attr:`params` is its ``nnx.State``,
+    :meth:`forward` merges it into the module's graph, and :meth:`partition_specs` reads
+    the weights' NNX sharding annotations. Two TinyLMs are equal when their configs are
+    (their forwards are the same function of ``params``), so engines of one architecture
+    share compiled steps whatever the weights.
+    """
+
+    def __init__(self, config: ModelConfig, *, seed: int = 0, name: str = "tiny") -> None:
         c = config
         rngs = nnx.Rngs(seed)
         self.config = c
+        self.name = name
         self.embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(c, i, rngs) for i in range(c.num_layers)])
         self.final_norm = _norm(c.hidden_size, c.dtype, rngs)
         self.lm_head = _linear(c.hidden_size, c.vocab_size, c.dtype, rngs)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.config == self.config  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.config))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def params(self) -> nnx.State:
+        """Every weight of the module (its ``nnx.State``)."""
+        return nnx.state(self)
+
+    def layer_specs(self) -> dict[str, KVCacheSpec]:
+        """The cache spec of every layer (:meth:`ModelConfig.layer_specs`)."""
+        return self.config.layer_specs()
+
+    def partition_specs(self) -> nnx.State:
+        """:attr:`params`' partition specs from the NNX annotations (column- and row-parallel
+        projections on :data:`MODEL_AXIS`, the rest replicated)."""
+        return nnx.get_partition_spec(self.params)
+
+    def forward(
+        self, params: nnx.State, cache: KVCache | HybridCache, meta: StepMetadata, *, impl: str | None = None
+    ) -> tuple[jax.Array, KVCache | HybridCache]:
+        """:meth:`__call__` of this module's graph over ``params``."""
+        module: TinyLM = nnx.merge(nnx.graphdef(self), params)
+        return module(cache, meta, impl=impl)
+
+    def dense(self, params: nnx.State, tokens: jax.Array) -> jax.Array:
+        """Logits ``(B, L, vocab)`` of whole sequences ``tokens (B, L)`` over ``params``, without a cache."""
+        module: TinyLM = nnx.merge(nnx.graphdef(self), params)
+        return module.dense_forward(tokens)
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens)
@@ -499,16 +530,14 @@ class TinyLM(nnx.Module):
         return soft_cap(logits, self.config.final_soft_cap)
 
     def __call__(
-        self, cache: KVCache | HybridCache, meta: StepMetadata, layer_groups: Sequence[int], *, impl: str | None = None
+        self, cache: KVCache | HybridCache, meta: StepMetadata, *, impl: str | None = None
     ) -> tuple[jax.Array, KVCache | HybridCache]:
         """Logits ``(S, vocab)`` at ``meta.logits_indices`` of a ragged batch, and the updated cache.
 
-        ``layer_groups[i]`` is the KV cache group of layer i (which block table, or state
-        rows, it reads); ``impl`` picks the :mod:`jaxkv.ops` implementation (None: the
-        current setting). A model with recurrent layers takes a :class:`HybridCache`.
+        Each layer finds its KV cache group in ``meta`` by its name; ``impl`` picks the
+        :mod:`jaxkv.ops` implementation (None: the current setting). A model with
+        recurrent layers takes a :class:`HybridCache`.
         """
-        if len(layer_groups) != self.config.num_layers:
-            raise ModelConfigError(f"layer_groups has {len(layer_groups)} entries for {self.config.num_layers} layers")
         hybrid = isinstance(cache, HybridCache)
         if hybrid != bool(self.config.recurrent and any(self.config.recurrent)):
             raise ModelConfigError(
@@ -516,32 +545,24 @@ class TinyLM(nnx.Module):
             )
         kv, states = (cache.kv, cache.states) if hybrid else (cache, None)
         x = self._embed(meta.input_ids)
-        for layer, g in zip(self.layers, layer_groups):
+        for layer in self.layers:
             if layer.delta is None:
-                x, kv = layer.paged(x, kv, meta, meta.groups[g], impl)
+                x, kv = layer.paged(x, kv, meta, impl)
             else:
-                x, states = layer.recurrent(x, states, meta, meta.groups[g])
+                x, states = layer.recurrent(x, states, meta)
         return self._logits(x[meta.logits_indices]), HybridCache(kv, states) if hybrid else kv
 
-    def dense(self, tokens: jax.Array) -> jax.Array:
-        """Logits ``(B, L, vocab)`` of whole sequences ``tokens (B, L)``, without a cache."""
+    def dense_forward(self, tokens: jax.Array) -> jax.Array:
+        """Logits ``(B, L, vocab)`` of whole sequences ``tokens (B, L)`` by this module's weights."""
         x = self._embed(tokens)
         for layer in self.layers:
             x = layer.dense(x)
         return self._logits(x)
 
 
-def layer_groups(config: ModelConfig, groups: Sequence[Sequence[str]]) -> tuple[int, ...]:
-    """Index of the group holding each layer of ``config``; ``groups`` lists layer names per group."""
-    where = {name: g for g, names in enumerate(groups) for name in names}
-    missing = [name for name in config.layer_names if name not in where]
-    if missing:
-        raise ModelConfigError(f"layers {missing} are in no KV cache group; groups: {list(map(list, groups))}")
-    return tuple(where[name] for name in config.layer_names)
-
-
-def dense_greedy_generate(model: TinyLM, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of ``prompts`` by the dense forward: the oracle of the engine.
+def dense_greedy_generate(model: ServedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` by ``model.dense`` (the optional dense forward
+    of a :class:`~jaxkv.models.protocol.ServedModel`): the oracle of the engine.
 
     Recomputes every sequence in full each step, padded to one length (a multiple of
     64), so it compiles once per call.
@@ -555,15 +576,15 @@ def dense_greedy_generate(model: TinyLM, prompts: Sequence[Sequence[int]], max_n
     tokens = np.zeros((len(prompts), width), np.int32)
     for row, prompt in zip(tokens, prompts):
         row[: len(prompt)] = prompt
-    graphdef, state = nnx.split(model)
 
     @jax.jit
-    def next_tokens(state: nnx.State, tokens: jax.Array, last: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, state).dense(tokens)
+    def next_tokens(params: Any, tokens: jax.Array, last: jax.Array) -> jax.Array:
+        logits = model.dense(params, tokens)
         return jnp.argmax(logits[jnp.arange(tokens.shape[0]), last], axis=-1).astype(jnp.int32)
 
+    params = model.params
     for _ in range(max_new_tokens):
-        new = np.asarray(next_tokens(state, tokens, lengths - 1))
+        new = np.asarray(next_tokens(params, tokens, lengths - 1))
         tokens[np.arange(len(prompts)), lengths] = new
         lengths += 1
     return [tokens[i, len(p) : len(p) + max_new_tokens].tolist() for i, p in enumerate(prompts)]

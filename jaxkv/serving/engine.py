@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -28,12 +29,14 @@ from jaxkv.ints import is_int
 from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request, token_id_list
 from jaxkv.mesh import MODEL_AXIS, mesh_axis_size
 from jaxkv.metadata import Buckets
-from jaxkv.models.tiny import ModelConfig, TinyLM, get_model_config
+from jaxkv.models.protocol import ServedModel
+from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, plan_kv_cache
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
 from jaxkv.serving.scheduler import Scheduler, SchedulerOutput, SeqState, check_positive_int
 from jaxkv.serving.stats import EngineStats
+from jaxkv.specs import KVCacheSpec, MambaSpec
 
 if TYPE_CHECKING:
     from jaxkv.serving.kv_events import KVEventPublisher
@@ -55,15 +58,20 @@ class CacheAudit:
 
 
 def state_plan(
-    model_config: ModelConfig, state_layout: str, memory_bytes: int, checkpoint_share: float, max_num_seqs: int
+    layer_specs: Mapping[str, KVCacheSpec],
+    state_layout: str,
+    memory_bytes: int,
+    checkpoint_share: float,
+    max_num_seqs: int,
 ) -> dict[str, object]:
-    """The planner's recurrent-state arguments for a model (keyword arguments of
-    :func:`~jaxkv.planner.plan_kv_cache`). ``state_layout`` "auto" is the state pool
-    for a model with recurrent layers, else vLLM's ``attention_pages``; the state pool
-    gets ``max_num_seqs`` live states and ``checkpoint_share`` of the memory for
-    checkpoints."""
+    """The planner's recurrent-state arguments for a model of ``layer_specs`` (keyword
+    arguments of :func:`~jaxkv.planner.plan_kv_cache`). ``state_layout`` "auto" is the
+    state pool for a model with recurrent layers, else vLLM's ``attention_pages``; the
+    state pool gets ``max_num_seqs`` live states and ``checkpoint_share`` of the memory
+    for checkpoints."""
     if state_layout == "auto":
-        state_layout = "state_pool" if any(model_config.recurrent) else "attention_pages"
+        recurrent = any(isinstance(spec, MambaSpec) for spec in layer_specs.values())
+        state_layout = "state_pool" if recurrent else "attention_pages"
     if state_layout != "state_pool":
         return {"state_layout": state_layout}
     return {
@@ -80,6 +88,42 @@ def resolve_head_dim_multiple(head_dim_multiple: int | None) -> int:
     if head_dim_multiple is not None:
         return head_dim_multiple
     return TPU_HEAD_DIM_MULTIPLE if jax.default_backend() == "tpu" else 1
+
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+"""The step's token budget an engine plans for when not told."""
+
+
+def plan_for_model(
+    model: ServedModel,
+    memory_bytes: int,
+    *,
+    max_model_len: int,
+    block_size: int = 16,
+    layout: str = "cross_layer",
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    head_dim_multiple: int | None = None,
+    state_layout: str = "auto",
+    checkpoint_share: float = 0.1,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    tensor_parallel: int = 1,
+) -> KVCacheConfig:
+    """The KV cache plan of ``model.layer_specs()`` in ``memory_bytes`` (the whole cache's,
+    over ``tensor_parallel`` devices). ``head_dim_multiple`` None: see
+    :func:`resolve_head_dim_multiple`; ``state_layout`` and ``checkpoint_share`` plan a
+    recurrent model's state (:func:`state_plan`)."""
+    specs = model.layer_specs()
+    return plan_kv_cache(
+        specs,
+        memory_bytes,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        layout=layout,
+        max_num_batched_tokens=max_num_batched_tokens,
+        head_dim_multiple=resolve_head_dim_multiple(head_dim_multiple),
+        tensor_parallel=tensor_parallel,
+        **state_plan(specs, state_layout, memory_bytes, checkpoint_share, max_num_seqs),
+    )
 
 
 @dataclass(frozen=True)
@@ -184,7 +228,9 @@ class GenerationResult:
 
 
 class Engine:
-    """Serves a :class:`TinyLM` over a paged KV cache planned by ``kv_config``.
+    """Serves any :class:`~jaxkv.models.protocol.ServedModel` over a paged KV cache:
+    planned by ``kv_config``, or for ``memory_bytes`` and ``max_model_len`` (one or the
+    other; :func:`plan_for_model` with its defaults, :meth:`build` for its options).
 
     ``max_num_batched_tokens`` (the step's token budget) defaults to the plan's own and
     may not exceed it: the plan sized sliding-window spans for that chunk size.
@@ -211,9 +257,11 @@ class Engine:
 
     def __init__(
         self,
-        model: TinyLM,
-        kv_config: KVCacheConfig,
+        model: ServedModel,
+        kv_config: KVCacheConfig | None = None,
         *,
+        memory_bytes: int | None = None,
+        max_model_len: int | None = None,
         enable_caching: bool = True,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int | None = None,
@@ -225,8 +273,27 @@ class Engine:
         model_axis: str = MODEL_AXIS,
         step_check: Callable[[SchedulerOutput | None], None] | None = None,
     ) -> None:
-        budget = kv_config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
         check_positive_int("max_num_seqs", max_num_seqs)
+        if kv_config is None:
+            if memory_bytes is None or max_model_len is None:
+                raise EngineError(
+                    f"an engine needs a kv_config, or memory_bytes and max_model_len to plan one; got "
+                    f"memory_bytes={memory_bytes!r}, max_model_len={max_model_len!r}"
+                )
+            kv_config = plan_for_model(
+                model,
+                memory_bytes,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                max_num_seqs=max_num_seqs,
+                tensor_parallel=1 if mesh is None else mesh_axis_size(mesh, model_axis),
+            )
+        elif memory_bytes is not None or max_model_len is not None:
+            raise EngineError(
+                f"memory_bytes={memory_bytes!r} and max_model_len={max_model_len!r} plan a cache; "
+                "a kv_config is one already: give one or the other"
+            )
+        budget = kv_config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
         check_positive_int("max_num_batched_tokens", budget)
         if budget > kv_config.max_num_batched_tokens:
             raise EngineError(
@@ -253,44 +320,67 @@ class Engine:
     @classmethod
     def build(
         cls,
-        model_name: str = "tiny-hybrid",
+        model: str | ServedModel = "tiny-hybrid",
         *,
         memory_bytes: int,
         max_model_len: int,
         block_size: int = 16,
         layout: str = "cross_layer",
-        max_num_batched_tokens: int = 256,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         seed: int = 0,
         head_dim_multiple: int | None = None,
         state_layout: str = "auto",
         checkpoint_share: float = 0.1,
-        **kwargs: object,
+        **kwargs: Any,
     ) -> Engine:
-        """A named tiny model with seeded weights and a KV cache planned for ``memory_bytes``.
-
-        ``head_dim_multiple`` goes to the planner (None: see
-        :func:`resolve_head_dim_multiple`, 128 on TPU, else 1); ``state_layout`` and
-        ``checkpoint_share`` plan a recurrent model's state (see :func:`state_plan`).
-        With a ``mesh`` the plan is split over its model axis (``tensor_parallel``; the
-        same ``num_blocks``, ``memory_bytes`` being the whole cache's). Other keyword
+        """An engine of ``model`` (a :class:`~jaxkv.models.protocol.ServedModel`, or the
+        name of a tiny model, built with seeded weights) and a KV cache planned for
+        ``memory_bytes`` by :func:`plan_for_model` (the planner options are its). With a
+        ``mesh`` the plan is split over its model axis (``tensor_parallel``; the same
+        ``num_blocks``, ``memory_bytes`` being the whole cache's). Other keyword
         arguments go to :class:`Engine`.
         """
-        model = TinyLM(get_model_config(model_name), seed=seed)
-        max_num_seqs = kwargs.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+        served = TinyLM(get_model_config(model), seed=seed, name=model) if isinstance(model, str) else model
         mesh = kwargs.get("mesh")
-        tensor_parallel = 1 if mesh is None else mesh_axis_size(mesh, kwargs.get("model_axis", MODEL_AXIS))
-        config = plan_kv_cache(
-            model.config.layer_specs(),
+        config = plan_for_model(
+            served,
             memory_bytes,
             max_model_len=max_model_len,
             block_size=block_size,
             layout=layout,
             max_num_batched_tokens=max_num_batched_tokens,
-            head_dim_multiple=resolve_head_dim_multiple(head_dim_multiple),
-            tensor_parallel=tensor_parallel,
-            **state_plan(model.config, state_layout, memory_bytes, checkpoint_share, max_num_seqs),
+            head_dim_multiple=head_dim_multiple,
+            state_layout=state_layout,
+            checkpoint_share=checkpoint_share,
+            max_num_seqs=kwargs.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS),
+            tensor_parallel=1 if mesh is None else mesh_axis_size(mesh, kwargs.get("model_axis", MODEL_AXIS)),
         )
-        return cls(model, config, **kwargs)
+        return cls(served, config, **kwargs)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        memory_bytes: int,
+        max_model_len: int,
+        dtype: str | None = None,
+        **engine_kwargs: Any,
+    ) -> Engine:
+        """An engine of the Hugging Face-format checkpoint in the local directory ``path``
+        (:func:`jaxkv.models.checkpoint.load_pretrained`: weights cast to ``dtype``, None:
+        the checkpoint's, and placed straight onto ``mesh``'s shardings when
+        ``engine_kwargs`` has one). The rest is :meth:`build`'s: planner options and
+        :class:`Engine` keyword arguments."""
+        from jaxkv.models.checkpoint import load_pretrained  # the loaders import safetensors
+
+        model = load_pretrained(
+            path,
+            dtype=dtype,
+            mesh=engine_kwargs.get("mesh"),
+            model_axis=engine_kwargs.get("model_axis", MODEL_AXIS),
+        )
+        return cls.build(model, memory_bytes=memory_bytes, max_model_len=max_model_len, **engine_kwargs)
 
     def generate(
         self,
@@ -543,7 +633,7 @@ class Engine:
         n = len(prompts)
         limits = self._per_prompt("max_new_tokens", max_new_tokens, n, scalar=lambda v: not isinstance(v, Sequence))
         salts = self._per_prompt("cache_salt", cache_salt, n, scalar=lambda v: v is None or isinstance(v, str))
-        vocab = self.model.config.vocab_size
+        vocab = self.model.vocab_size
         max_len = self.manager.max_model_len
         out = []
         for i, (prompt, limit, salt) in enumerate(zip(prompts, limits, salts)):

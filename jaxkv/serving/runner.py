@@ -1,11 +1,12 @@
 """Run scheduled chunks on the device: step metadata in, greedy next tokens out.
 
-:class:`ModelRunner` owns the model weights and the device :class:`~jaxkv.cache.KVCache`
-(with a :class:`~jaxkv.state_cache.StateCache` beside it, as one
+:class:`ModelRunner` runs any :class:`~jaxkv.models.protocol.ServedModel`: it owns the
+model's params and the device :class:`~jaxkv.cache.KVCache` (with a
+:class:`~jaxkv.state_cache.StateCache` beside it, as one
 :class:`~jaxkv.state_cache.HybridCache`, when the model has recurrent layers).
 Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.metadata`: one
 host-to-device transfer, shapes padded to :class:`~jaxkv.metadata.Buckets`) and calls
-one jitted step function ``(weights, cache, metadata) -> (next_token_ids, cache)`` with
+one jitted step function ``(params, cache, metadata) -> (next_token_ids, cache)`` with
 the cache donated, so its buffers are updated in place. Sampling is greedy (argmax) on
 the device; only ``num_seqs`` int32 tokens come back to the host (and their logits, from
 a step compiled apart, when a token check asks for them).
@@ -27,11 +28,11 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 from jaxkv import ops
@@ -40,7 +41,7 @@ from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv
 from jaxkv.mesh import MODEL_AXIS, auto_axes, place, replicated, weight_shardings
 from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
-from jaxkv.models.tiny import TinyLM, layer_groups
+from jaxkv.models.protocol import ServedModel
 from jaxkv.offload.host_pool import HostKVPool
 from jaxkv.offload.transfer import Transfer, TransferEngine
 from jaxkv.planner import KVCacheConfig, pad_head_size
@@ -77,35 +78,47 @@ def _holds(planned: KVCacheSpec, spec: KVCacheSpec) -> bool:
     return planned == spec or (isinstance(head, int) and pad_head_size(spec, head) == planned)
 
 
+def check_plan(model: ServedModel, config: KVCacheConfig) -> None:
+    """:class:`RunnerError` unless every layer of ``model`` is in a group of ``config``
+    planned for its spec (see :func:`_holds`) and the plan holds no layer the model lacks."""
+    if not isinstance(model, ServedModel):
+        raise RunnerError(
+            f"{type(model).__name__} is not a ServedModel (name, vocab_size, params, layer_specs, "
+            "partition_specs, forward)"
+        )
+    specs = model.layer_specs()
+    planned = {name: g.spec for g in config.groups for name in g.layer_names}
+    for name, spec in specs.items():
+        if name not in planned:
+            raise RunnerError(
+                f"layer {name!r} of {model.name} is in no KV cache group of the plan; planned: {list(planned)}"
+            )
+        if not _holds(planned[name], spec):
+            raise RunnerError(f"layer {name!r} needs {spec!r}, but its group is planned for {planned[name]!r}")
+    extra = [name for name in planned if name not in specs]
+    if extra:
+        raise RunnerError(f"the plan holds layers {extra} that {model.name} does not have")
+
+
 _num_step_traces = 0
 """Traces of the step functions in this process (one per compiled shape), all runners together."""
 
 
 def _step_with_logits(
-    graphdef: nnx.GraphDef,
-    groups: tuple[int, ...],
-    impl: str,
-    weights: nnx.State,
-    cache: KVCache | HybridCache,
-    meta: StepMetadata,
+    model: ServedModel, impl: str, params: Any, cache: KVCache | HybridCache, meta: StepMetadata
 ) -> tuple[jax.Array, jax.Array, KVCache | HybridCache]:
     """One forward step and greedy sampling: ``(next_token_ids (S,), logits (S, vocab), cache)``."""
     global _num_step_traces
     _num_step_traces += 1  # runs once per trace, i.e. per compiled shape
-    logits, cache = nnx.merge(graphdef, weights)(cache, meta, groups, impl=impl)
+    logits, cache = model.forward(params, cache, meta, impl=impl)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
 
 
 def _step(
-    graphdef: nnx.GraphDef,
-    groups: tuple[int, ...],
-    impl: str,
-    weights: nnx.State,
-    cache: KVCache | HybridCache,
-    meta: StepMetadata,
+    model: ServedModel, impl: str, params: Any, cache: KVCache | HybridCache, meta: StepMetadata
 ) -> tuple[jax.Array, KVCache | HybridCache]:
     """One forward step and greedy sampling: ``(next_token_ids (S,), cache)``."""
-    tokens, _, cache = _step_with_logits(graphdef, groups, impl, weights, cache, meta)
+    tokens, _, cache = _step_with_logits(model, impl, params, cache, meta)
     return tokens, cache
 
 
@@ -115,21 +128,20 @@ StepShardings = tuple[tuple[jax.sharding.Sharding, ...], object] | None
 
 
 @functools.cache
-def jitted_step(
-    fn: Callable, graphdef: nnx.GraphDef, groups: tuple[int, ...], impl: str, shardings: StepShardings
-) -> jax.stages.Wrapped:
+def jitted_step(fn: Callable, model: ServedModel, impl: str, shardings: StepShardings) -> jax.stages.Wrapped:
     """``fn`` (:func:`_step` or :func:`_step_with_logits`) with its static arguments
-    bound, jitted with the cache donated: ``(weights, cache, meta) -> outputs``.
+    bound, jitted with the cache donated: ``(params, cache, meta) -> outputs``.
 
-    Shared by all runners: the same architecture, plan, ops implementation, bucket
-    shapes and shardings compile once per process. The static arguments are bound here
-    rather than passed at each call, where JAX would hash the model's graph definition
-    every step (~1 ms on the tiny models). The step with logits is a separate
+    Keyed by the model object (by its ``__hash__``/``__eq__``: identity unless the model
+    defines them) and shared by all runners: the same model, ops implementation, bucket
+    shapes and shardings compile once per process. The cache holds the model for the
+    process's life. The static arguments are bound here rather than passed at each
+    call, where JAX would hash them every step. The step with logits is a separate
     compilation, used only when logits are asked for (token checks, not serving).
     """
 
-    def step(weights: nnx.State, cache: KVCache | HybridCache, meta: StepMetadata) -> tuple:
-        return fn(graphdef, groups, impl, weights, cache, meta)
+    def step(params: Any, cache: KVCache | HybridCache, meta: StepMetadata) -> tuple:
+        return fn(model, impl, params, cache, meta)
 
     if shardings is None:
         return jax.jit(step, donate_argnums=(1,))
@@ -172,35 +184,31 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: TinyLM,
+        model: ServedModel,
         config: KVCacheConfig,
         buckets: Buckets,
         *,
         mesh: Mesh | None = None,
         model_axis: str = MODEL_AXIS,
     ) -> None:
+        check_plan(model, config)
+        self.model = model
         self.config = config
         self.buckets = buckets
         self.mesh = None if mesh is None else auto_axes(mesh, model_axis)
         self.model_axis = model_axis
         self.block_sizes = tuple(g.block_size for g in config.groups)
         self.state_groups = tuple(i for i, g in enumerate(config.groups) if isinstance(g.spec, MambaSpec))
+        self.group_layers = tuple(g.layer_names for g in config.groups)
         self.cache: KVCache | HybridCache = allocate_cache(config, self.mesh, model_axis)
-        self.groups = layer_groups(model.config, [g.layer_names for g in config.groups])
-        specs = model.config.layer_specs()
-        for name, g in zip(model.config.layer_names, self.groups):
-            if not _holds(config.groups[g].spec, specs[name]):
-                raise RunnerError(
-                    f"layer {name!r} needs {specs[name]!r}, but its group is planned for {config.groups[g].spec!r}"
-                )
-        self.graphdef, self.weights = nnx.split(model)
+        self.params = model.params
         self._meta_sharding = None if self.mesh is None else replicated(self.mesh)
         plain = with_logits = None
         if self.mesh is not None:
-            weights = weight_shardings(nnx.get_partition_spec(self.weights), self.mesh, model_axis)
-            self.weights = place(self.weights, weights)
+            params = weight_shardings(model.partition_specs(), self.mesh, model_axis)
+            self.params = place(self.params, params)
             cache = jax.tree.map(lambda buf: buf.sharding, self.cache)
-            ins, rep = (weights, cache, self._meta_sharding), self._meta_sharding
+            ins, rep = (params, cache, self._meta_sharding), self._meta_sharding
             plain = _flat((ins, (rep, cache)))
             with_logits = _flat((ins, (rep, rep, cache)))
         self._shardings = {_step: plain, _step_with_logits: with_logits}
@@ -224,6 +232,7 @@ class ModelRunner:
             num_blocks=self.config.num_blocks,
             state_groups=self.state_groups,
             num_states=num_state_rows(self.config) if self.state_groups else None,
+            group_layers=self.group_layers,
             device=self._meta_sharding,
         )
 
@@ -243,7 +252,7 @@ class ModelRunner:
         impl = ops.get_implementation()
         key = (fn, impl)
         if key not in self._steps:
-            self._steps[key] = jitted_step(fn, self.graphdef, self.groups, impl, self._shardings[fn])
+            self._steps[key] = jitted_step(fn, self.model, impl, self._shardings[fn])
         return self._steps[key]
 
     def _run(self, fn: Callable, chunks: Sequence[ScheduledChunk]) -> list[np.ndarray]:
@@ -255,7 +264,7 @@ class ModelRunner:
         step = self._jitted(fn)
         before = _num_step_traces
         start = time.perf_counter()
-        *outputs, self.cache = step(self.weights, self.cache, meta)
+        *outputs, self.cache = step(self.params, self.cache, meta)
         dispatched = time.perf_counter()
         self.dispatch_s += dispatched - start
         self.num_compilations += _num_step_traces - before
@@ -308,4 +317,4 @@ class ModelRunner:
 
     def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
         """The step lowered for these chunks' shapes (``.compile().memory_analysis()``)."""
-        return self._jitted(_step).lower(self.weights, self.cache, self.metadata(chunks))
+        return self._jitted(_step).lower(self.params, self.cache, self.metadata(chunks))

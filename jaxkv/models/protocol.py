@@ -1,0 +1,64 @@
+"""What a serving engine needs of a model: :class:`ServedModel`.
+
+A model is a guest of the engine. It declares the layers that hold cache (names and
+:class:`~jaxkv.specs.KVCacheSpec`), its weights as a pytree, where the weights split
+over a tensor-parallel mesh, and one forward step over a ragged batch against the paged
+cache. The engine plans the cache from the specs, owns the cache and the weights on
+device, builds each step's :class:`~jaxkv.metadata.StepMetadata` and jits
+:meth:`ServedModel.forward` once per shape, the model object a static argument.
+
+Inside ``forward`` an attention layer calls :func:`jaxkv.ops.write_kv` and
+:func:`jaxkv.ops.paged_attention` with its own name: the cache supplies its window and
+the metadata its block table. A recurrent layer reads and writes its state rows with
+:func:`jaxkv.state_cache.read_states` / :func:`~jaxkv.state_cache.write_states` at the
+rows of ``meta.group_of(layer)`` (a :class:`~jaxkv.metadata.StateMetadata`).
+
+Optional, duck-typed: ``dense(params, tokens (B, L)) -> logits (B, L, vocab)``, a forward
+without a cache that scripts use as an oracle when a model has it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+from jaxkv.cache import KVCache
+from jaxkv.metadata import StepMetadata
+from jaxkv.specs import KVCacheSpec
+from jaxkv.state_cache import HybridCache
+
+
+@runtime_checkable
+class ServedModel(Protocol):
+    """What an :class:`~jaxkv.serving.engine.Engine` needs of a model."""
+
+    name: str
+    """For printing ("tiny-hybrid", "LlamaForCausalLM ...")."""
+    vocab_size: int
+    """Token ids are in ``[0, vocab_size)``; logits have this last dim."""
+    params: Any
+    """Pytree of ``jax.Array`` weights: the only traced input of :meth:`forward` besides
+    the cache and the metadata."""
+
+    def layer_specs(self) -> dict[str, KVCacheSpec]:
+        """Every layer that holds cache, in model order: an attention spec
+        (:class:`~jaxkv.specs.FullAttentionSpec`, :class:`~jaxkv.specs.SlidingWindowSpec`...)
+        or a :class:`~jaxkv.specs.MambaSpec` for a recurrent layer.
+        ``plan_kv_cache(model.layer_specs(), ...)`` plans the cache this model reads."""
+        ...
+
+    def partition_specs(self) -> Any:
+        """A pytree like :attr:`params` of :class:`jax.sharding.PartitionSpec`, with
+        :data:`jaxkv.mesh.MODEL_AXIS` on the split dimension (column-parallel q/k/v,
+        gate/up; row-parallel o, down); ``PartitionSpec()`` = replicated."""
+        ...
+
+    def forward(
+        self, params: Any, cache: KVCache | HybridCache, meta: StepMetadata, *, impl: str | None = None
+    ) -> tuple[jax.Array, KVCache | HybridCache]:
+        """One step over a ragged batch (decodes first, then prefill chunks): float32
+        logits ``(S, vocab)`` at ``meta.logits_indices`` and the updated cache (a
+        :class:`~jaxkv.state_cache.HybridCache` when the model has recurrent layers).
+        Pure: weights come only from ``params``; ``impl`` goes to :mod:`jaxkv.ops`."""
+        ...
