@@ -94,7 +94,7 @@ def test_missing_tpu_kernels_give_a_clear_error(monkeypatch):
     monkeypatch.setattr(ops, "_TPU_KERNELS", "jaxkv.pallas.no_such_kernels")
     cache = allocate_kv_cache(config())
     k = jnp.zeros((1, 2, HEAD_DIM))
-    with pytest.raises(ops.KernelUnavailableError, match="jaxkv.pallas.no_such_kernels.write_kv"):
+    with pytest.raises(ops.KernelUnavailableError, match=r"jaxkv\.pallas\.no_such_kernels\.write_kv"):
         ops.write_kv(cache, "l0", k, k, attention_metadata(("l0",), *ONE_DECODE, np.zeros(1)), impl="pallas_tpu")
 
 
@@ -453,7 +453,7 @@ def test_heads_of_64_in_a_cache_padded_to_128_lanes_give_the_unpadded_results(im
     got, want = np.asarray(got), np.asarray(want)
     assert np.isfinite(got).all() and got[:9].any() and not got[9:].any()  # 9 real tokens
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-    for padded, unpadded in zip(tiled_cache.buffers, plain_cache.buffers):
+    for padded, unpadded in zip(tiled_cache.buffers, plain_cache.buffers, strict=True):
         padded, unpadded = np.asarray(padded), np.asarray(unpadded)
         assert not padded[..., LOGICAL_HEAD:].any(), "padded head columns stay exactly zero"
         np.testing.assert_array_equal(padded[1:, ..., :LOGICAL_HEAD], unpadded[1:])  # block 0: padding
@@ -505,7 +505,7 @@ def test_a_head_dim_larger_than_the_cache_is_refused_and_the_cache_kept(layout, 
     with pytest.raises(KVShapeError, match="head dim 129, larger than the cache's head_dim 128"):
         ops.paged_attention(jnp.ones((2, 4, 129)), cache, "l1", attention_metadata(("l1", "l3"), **meta), sm_scale=1.0)
     assert not any(b.is_deleted() for b in cache.buffers), "nothing was donated"
-    for b, old in zip(cache.buffers, before):
+    for b, old in zip(cache.buffers, before, strict=True):
         np.testing.assert_array_equal(np.asarray(b), old)
 
 
