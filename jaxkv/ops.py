@@ -112,7 +112,7 @@ class _Restore:
 def _check_name(name: object) -> str:
     if name not in IMPLEMENTATIONS:
         raise UnknownImplementationError(f"unknown implementation {name!r}; valid: {', '.join(IMPLEMENTATIONS)}")
-    return name  # type: ignore[return-value]
+    return name
 
 
 def set_implementation(name: str, *, interpret: Any = None) -> _Restore:
