@@ -198,7 +198,7 @@ class ManagerMachine(RuleBasedStateMachine):
 ManagerMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine = pytest.mark.slow(ManagerMachine.TestCase)
 
 
 # --------------------------------------------------------------------------

@@ -90,6 +90,7 @@ def test_kernel_matches_the_reference(rng, case):
     )
 
 
+@pytest.mark.slow
 def test_kv_splits_do_not_change_the_result(rng):
     """One long decode split over 1 and 4 CTAs, and a prefill chunk: the merge is exact."""
     batch = make_batch(
@@ -114,6 +115,7 @@ def test_kv_splits_do_not_change_the_result(rng):
     assert abs(outs[0] - outs[1]).max() <= 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernel is compiled and run by the tests above")
 @pytest.mark.parametrize("layer_index, window, soft_cap", [(None, None, None), (1, 48, 30.0)])
 def test_kernel_lowers_for_cuda(rng, layer_index, window, soft_cap):

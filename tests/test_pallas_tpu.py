@@ -204,6 +204,7 @@ def test_paged_attention_window_covers_everything(rng):
     np.testing.assert_allclose(windowed, np.asarray(causal), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_paged_attention_matches_jax_bundled_reference(rng):
     """Second, independent oracle: JAX's own ref_ragged_paged_attention (real rows)."""
     seqs = random_seqs(rng, 2, 2, 14)
