@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import jaxkv.jax_support  # noqa: F401 - refuses a jax outside the tested range
 from jaxkv.errors import JaxkvError
 from jaxkv.planner import LAYOUTS, KVCacheConfig
 from jaxkv.specs import (

@@ -5,12 +5,13 @@ exit status 2 (absl flag errors included)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from absl import flags
 
@@ -111,15 +112,16 @@ def _format_bytes(n: int) -> str:
     return f"{n:,} bytes"
 
 
-def device_memory_bytes(device: object) -> tuple[int, str] | None:
-    """(bytes, what they are) of memory on a JAX ``device``, or None if unknown.
+def device_memory_bytes(device: Any) -> tuple[int, str] | None:
+    """(bytes, what they are) of memory on a JAX ``device`` (``Any``: the host core imports
+    no JAX), or None if unknown.
 
     ``device.memory_stats()["bytes_limit"]`` where the backend reports it (GPU, TPU);
     else, on CPU (whose memory_stats is None), the host's physical RAM.
     """
     try:
         stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - backends without stats raise various errors
+    except Exception:
         stats = None
     limit = stats.get("bytes_limit") if isinstance(stats, dict) else None
     if is_int(limit) and limit > 0:
@@ -134,7 +136,7 @@ def device_memory_bytes(device: object) -> tuple[int, str] | None:
     return None
 
 
-def check_fits_device(memory_bytes: int, device: object, *, name: str = "memory") -> None:
+def check_fits_device(memory_bytes: int, device: Any, *, name: str = "memory") -> None:
     """Raise :class:`DeviceMemoryError` if a ``memory_bytes`` budget exceeds ``device``'s memory.
 
     Unknown device memory passes (nothing to compare with).
@@ -170,13 +172,87 @@ def write_json(prog: str, path: str, report: object) -> None:
     print(f"wrote {path}")
 
 
+PLOTS_MISSING = "--plot needs matplotlib: pip install 'jaxkv[plots]'"
+
+
+def pyplot(prog: str) -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or :func:`exit_error` naming the
+    ``plots`` extra when matplotlib is missing (call it before long work, so a run is
+    not lost to a missing package at the end)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        exit_error(prog, PLOTS_MISSING)
+    return plt
+
+
+def save_figure(prog: str, figure: Any, path: str) -> None:
+    """Write a matplotlib ``figure`` to ``path`` (PNG by its suffix) and say so; :func:`exit_error` if it cannot."""
+    try:
+        figure.savefig(path, dpi=120, bbox_inches="tight")
+    except (OSError, ValueError) as err:
+        exit_error(prog, err)
+    print(f"wrote {path}")
+
+
+JAX_BACKEND_PROBE_LOGGER = "jax._src.xla_bridge"
+
+
+def quiet_backend_probe() -> None:
+    """Keep JAX's INFO record "Unable to initialize backend 'tpu'" (JAX probing for
+    accelerators it then does not use) out of a script's output: under absl it reads
+    like a failure. Warnings and errors of that logger still show."""
+    logging.getLogger(JAX_BACKEND_PROBE_LOGGER).setLevel(logging.WARNING)
+
+
+def underscored(arg: str, flag_values: flags.FlagValues) -> str:
+    """``arg`` with a dashed flag name spelled as defined: ``--max-model-len=8`` -> ``--max_model_len=8``,
+    ``--no-prefix-caching`` -> ``--noprefix_caching`` (anything else unchanged)."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg[2:].partition("=")
+    if "-" not in name:
+        return arg
+    plain = name.replace("-", "_")
+    if plain in flag_values:
+        return f"--{plain}{eq}{value}"
+    if plain.startswith("no_") and plain[3:] in flag_values:
+        return f"--no{plain[3:]}{eq}{value}"
+    return arg
+
+
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
+
+
+def print_help(flag_values: flags.FlagValues, *, full: bool = False) -> None:
+    """The ``__main__`` module's docstring, then its flags (``full``, or when ``__main__``
+    defines none of them: every flag defined)."""
+    doc = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip()
+    listing = "" if full else flag_values.main_module_help().strip()
+    listing = listing or flag_values.get_help()
+    print(f"{doc}\n\nflags:\n{listing}" if doc else listing)
+
+
 def flags_parser(prog: str, flag_values: flags.FlagValues = flags.FLAGS) -> Callable[[list[str]], list[str]]:
     """A ``flags_parser`` for ``absl.app.run``: a bad flag is one line on stderr, exit status 2.
 
     (absl's own parser prints two lines and exits with 1.) Positional arguments are refused.
+    ``--help`` (``-h``, ``--helpshort``) prints the main module's docstring and its flags,
+    ``--helpfull`` every flag, on stdout, and exits with 0 (absl's help exits with 1).
+    Every flag takes dashes for underscores too (``--max-model-len``, ``--no-prefix-caching``).
     """
 
     def parse(argv: list[str]) -> list[str]:
+        asked = [arg for arg in argv[1:] if arg in HELP_FLAGS]
+        if asked:
+            print_help(flag_values, full=asked[0] == "--helpfull")
+            sys.exit(0)
+        quiet_backend_probe()
+        end = argv.index("--") if "--" in argv else len(argv)
+        argv = [argv[0], *(underscored(arg, flag_values) for arg in argv[1:end]), *argv[end:]]
         try:
             rest = flag_values(argv)
         except flags.Error as err:

@@ -134,8 +134,8 @@ class KVCacheCoordinator:
         self.lcm_block_size = math.lcm(*(g.block_size for g in groups))
         for m in self.managers:
             m.hit_alignment = self.lcm_block_size
-        by_key: dict[tuple, list[int]] = {}
-        for i, (g, m) in enumerate(zip(groups, self.managers)):
+        by_key: dict[tuple[type[SingleTypeManager], KVCacheSpec, int], list[int]] = {}
+        for i, (g, m) in enumerate(zip(groups, self.managers, strict=True)):
             by_key.setdefault((type(m), g.spec, g.block_size), []).append(i)
         types = [
             AttentionType(cls, spec, bs, tuple(ids), bs // self.hash_block_size)
@@ -176,7 +176,7 @@ class KVCacheCoordinator:
         :class:`AllBlocksCleared`, then what each pool did after it."""
         runs = [_split_at_resets(p.take_events()) for p in self.pools]
         events: list[KVCacheEvent] = []
-        for i, parts in enumerate(zip(*runs)):
+        for i, parts in enumerate(zip(*runs, strict=True)):
             if i:
                 events.append(AllBlocksCleared())
             events.extend(e for part in parts for e in part)
@@ -260,7 +260,7 @@ class KVCacheCoordinator:
         lcm = self.lcm_block_size
         length = max_length // lcm * lcm
         typed = list(self.typed_hashes(block_hashes))
-        found: list[CacheHit] = [None] * len(typed)
+        found: list[CacheHit] = [CacheHit(0, 0, [])] * len(typed)
         reach = None
         changed = True
         while changed:
@@ -281,8 +281,8 @@ class KVCacheCoordinator:
         # The last pass ran every search at the final length, so each hit is exact.
         blocks: list[list[int]] = [[] for _ in self.managers]
         if length:
-            for t, hit in zip(self.types, found):
-                for g, ids in zip(t.group_ids, hit.block_ids):
+            for t, hit in zip(self.types, found, strict=True):
+                for g, ids in zip(t.group_ids, hit.block_ids, strict=True):
                     blocks[g] = [0] * hit.first_real + ids
         return PrefixHit(tuple(blocks), length, length if reach is None else reach)
 
@@ -290,9 +290,9 @@ class KVCacheCoordinator:
         """Whether a recurrent group's hit ends on a state the open step has yet to write."""
         return any(
             ids and self.managers[g].pool.is_journaled(ids[-1])
-            for t, hit in zip(self.types, found)
+            for t, hit in zip(self.types, found, strict=True)
             if issubclass(t.manager_cls, MambaManager)
-            for g, ids in zip(t.group_ids, hit.block_ids)
+            for g, ids in zip(t.group_ids, hit.block_ids, strict=True)
         )
 
     def invalid_hit_block(
@@ -352,7 +352,7 @@ class KVCacheCoordinator:
             if m.skips_blocks:
                 m.remove_skipped_blocks(request_id, num_computed_tokens)
         if hit_blocks:
-            for m, hits in zip(self.managers, hit_blocks):
+            for m, hits in zip(self.managers, hit_blocks, strict=True):
                 m.pool.touch(hits)
                 m.add_hit_blocks(request_id, hits)
         return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)

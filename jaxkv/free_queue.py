@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 NOT_QUEUED = 0
 
@@ -25,7 +26,7 @@ class FreeBlockQueue:
 
     def __init__(self, block_ids: Iterable[int], num_blocks: int) -> None:
         self._where = [NOT_QUEUED] * num_blocks  # chunk id holding each queued block
-        self._chunks: deque[list] = deque()  # [chunk id, read position, block ids]
+        self._chunks: deque[list[Any]] = deque()  # [chunk id, read position, block ids]
         self._next_chunk = NOT_QUEUED + 1
         self._len = 0
         self._entries = 0  # ids stored in the chunks past their read positions
@@ -88,7 +89,7 @@ class FreeBlockQueue:
         self._len -= n
         return out
 
-    def _new_chunk(self, block_ids: list[int]) -> list:
+    def _new_chunk(self, block_ids: list[int]) -> list[Any]:
         cid = self._next_chunk
         self._next_chunk += 1
         where = self._where

@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from threading import get_ident as _get_ident
-from typing import NamedTuple
+from typing import NamedTuple, cast, overload
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class StaleCacheHitError(InvalidCacheHitError):
     """Blocks from ``get_computed_blocks`` were evicted before ``allocate_slots``."""
 
 
-class ReadOnlyTokenIds(Sequence):
+class ReadOnlyTokenIds(Sequence[int]):
     """A read-only view of a request's token ids (slices come back as lists).
 
     The manager hashes full blocks once and caches them under those hashes, so a token
@@ -70,7 +70,13 @@ class ReadOnlyTokenIds(Sequence):
     def __len__(self) -> int:
         return len(self._ids)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
         return self._ids[index]
 
     def __iter__(self) -> Iterator[int]:
@@ -123,7 +129,7 @@ def token_id_list(values: object, what: str) -> list[int]:
     ndim = getattr(values, "ndim", 1)
     if ndim != 1:
         raise KVCacheManagerError(f"{what} must be 1-D, got an array of shape {getattr(values, 'shape', None)}")
-    ids = list(values)  # type: ignore[call-overload]
+    ids: list[int] = list(values)  # type: ignore[call-overload]
     if set(map(type, ids)) - {int}:
         bad = [t for t in ids if not is_int(t)][:1]  # is_int refuses bools
         if bad:
@@ -557,7 +563,7 @@ class KVCacheManager:
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted)."""
         self._owner.check()
-        rid = request if isinstance(request, str) else getattr(request, "request_id", request)
+        rid = cast(str, request if isinstance(request, str) else getattr(request, "request_id", request))
         held = self._requests.pop(rid, None)
         if held is None:
             raise UnknownRequestError(f"cannot free unknown (or already freed) request {rid!r}")
@@ -639,7 +645,7 @@ class KVCacheManager:
     @staticmethod
     def _raise_bad_counts(rid: str, *counts: object) -> None:
         names = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens", "num_external_computed_tokens")
-        for name, value in zip(names, counts):
+        for name, value in zip(names, counts, strict=True):
             if type(value) is not int or value < 0:
                 raise KVCacheManagerError(f"{name} must be an int >= 0, got {value!r} (request {rid!r})")
 
@@ -667,7 +673,7 @@ class KVCacheManager:
             raise KVCacheManagerError(
                 f"request {rid!r}: new_computed_blocks has {len(hit.blocks)} groups, config has {coord.num_groups}"
             )
-        for blocks, bs in zip(hit.blocks, self.block_sizes):
+        for blocks, bs in zip(hit.blocks, self.block_sizes, strict=True):
             if len(blocks) * bs != num_new_computed_tokens:
                 raise KVCacheManagerError(
                     f"request {rid!r}: {len(blocks)} hit blocks of {bs} tokens do not cover "

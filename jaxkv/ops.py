@@ -8,14 +8,20 @@ Implementations (:data:`IMPLEMENTATIONS`):
   other backends they run in Pallas interpret mode);
 - ``pallas_gpu``: the Mosaic GPU paged-attention kernel of :mod:`jaxkv.pallas.gpu` for
   Hopper (wgmma, TMA), with ``xla_gpu``'s writes and copies; on other backends it runs
-  in the Mosaic GPU interpreter. ``auto`` picks it on a Hopper GPU for the shapes its
-  tiles fit (:func:`jaxkv.pallas.gpu.check_supported`), ``xla_gpu`` otherwise;
+  in the Mosaic GPU interpreter. Only on request: it has not run on a GPU yet, so
+  ``auto`` picks ``xla_gpu`` on every GPU until it passes the suite and the oracle
+  tests there; shapes its tiles do not fit are :class:`KVShapeError`;
 - ``xla_gpu``: :mod:`jaxkv.pallas.xla` for GPUs (other GPUs' default): paged attention as an
   online-softmax loop over chunks of each sequence's pages, bounded by the batch's real
   kv lengths; writes and block copies as single scatters declared in-bounds with unique
   indices (padding repeats only the null block's); gathers and scatters of whole blocks
   are the reference ops.
 - ``auto``: pick by ``jax.default_backend()``.
+
+Each implementation is one row of a dispatch table (:data:`_DISPATCH`): the function
+of each op, the Pallas ones imported on first use. Every public op runs under a
+``jax.named_scope`` of its name (``jaxkv.paged_attention``...), so a profile shows
+jaxkv's ops by name.
 
 The choice is read when a function is traced: a jitted step keeps the implementation
 it was traced with. Pick it per call with ``impl=``, or process-wide with
@@ -45,8 +51,9 @@ from __future__ import annotations
 import functools
 import importlib
 import threading
+from collections.abc import Callable
 from types import ModuleType, TracebackType
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +71,6 @@ IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "xla_gpu")
 _BACKEND_DEFAULTS = {"tpu": "pallas_tpu", "gpu": "xla_gpu", "cuda": "xla_gpu", "rocm": "xla_gpu"}
 _TPU_KERNELS = "jaxkv.pallas.tpu"
 _GPU_KERNELS = "jaxkv.pallas.gpu"
-_HOPPER = "9"
 
 
 class UnknownImplementationError(JaxkvError, ValueError):
@@ -106,7 +112,7 @@ class _Restore:
 def _check_name(name: object) -> str:
     if name not in IMPLEMENTATIONS:
         raise UnknownImplementationError(f"unknown implementation {name!r}; valid: {', '.join(IMPLEMENTATIONS)}")
-    return name  # type: ignore[return-value]
+    return name
 
 
 def set_implementation(name: str, *, interpret: Any = None) -> _Restore:
@@ -126,20 +132,13 @@ def set_implementation(name: str, *, interpret: Any = None) -> _Restore:
 def get_implementation(impl: str | None = None) -> str:
     """The concrete implementation an op would use now (``impl`` overrides the setting).
 
-    ``auto`` on a Hopper GPU is ``pallas_gpu``; its paged attention falls back to
-    ``xla_gpu`` for shapes the kernel's tiles do not fit (see :func:`paged_attention`).
+    ``auto`` is the backend's default: ``pallas_tpu`` on TPU, ``xla_gpu`` on every GPU
+    (Hopper included: ``pallas_gpu`` only on request), ``reference`` elsewhere.
     """
     name = _check_name(_current[0] if impl is None else impl)
     if name == "auto":
-        if _is_hopper(jax.devices()[0]):
-            return "pallas_gpu"
         return _BACKEND_DEFAULTS.get(jax.default_backend(), "reference")
     return name
-
-
-def _is_hopper(device: jax.Device) -> bool:
-    """Whether ``device`` is an sm_90 GPU (the wgmma / TMA generation the GPU kernel targets)."""
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith(_HOPPER + ".")
 
 
 def _kernel(implementation: str, path: str, name: str) -> Any:
@@ -154,33 +153,65 @@ def _kernel(implementation: str, path: str, name: str) -> Any:
         ) from err
 
 
-def _tpu_kernel(name: str) -> tuple[Any, Any]:
-    """The Pallas TPU kernel ``name`` and the ``interpret`` value to call it with."""
+def _tpu_op(name: str) -> Callable[..., Any]:
+    """The Pallas TPU kernel ``name`` with its ``interpret`` bound (the interpreter off TPU)."""
     kernel = _kernel("pallas_tpu", _TPU_KERNELS, name)
     interpret = _current[1]
     if interpret is None:
         if jax.default_backend() == "tpu":
-            return kernel, False
+            return functools.partial(kernel, interpret=False)
         from jax.experimental.pallas import tpu as pltpu
 
         interpret = pltpu.InterpretParams()
-    return kernel, interpret
+    return functools.partial(kernel, interpret=interpret)
 
 
-def _gpu_attention(q: jax.Array, buffer: jax.Array, requested: str) -> Any:
-    """The Mosaic GPU kernel with its ``interpret`` bound, or None to use ``xla_gpu``
-    (``auto`` on shapes the kernel's tiles do not fit; an explicit ``pallas_gpu``
-    raises :class:`KVShapeError` naming the shape instead)."""
-    try:
-        _kernel("pallas_gpu", _GPU_KERNELS, "check_supported")(q, buffer)
-    except KVShapeError:
-        if requested == "auto":
-            return None
-        raise
-    interpret = _current[1]
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    return functools.partial(_kernel("pallas_gpu", _GPU_KERNELS, "paged_attention"), interpret=interpret)
+def _gpu_paged_attention() -> Callable[..., jax.Array]:
+    """The Mosaic GPU kernel with its ``interpret`` bound (the interpreter off GPU); a shape
+    its tiles do not fit is :class:`KVShapeError` naming it."""
+    check = _kernel("pallas_gpu", _GPU_KERNELS, "check_supported")
+    kernel = _kernel("pallas_gpu", _GPU_KERNELS, "paged_attention")
+    interpret = _current[1] if _current[1] is not None else jax.default_backend() != "gpu"
+
+    def attend(q: jax.Array, buffer: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+        check(q, buffer)
+        out: jax.Array = kernel(q, buffer, *args, **kwargs, interpret=interpret)
+        return out
+
+    return attend
+
+
+_OPS = ("write_kv", "paged_attention", "copy_blocks", "copy_states")
+_XLA: dict[str, Callable[[], Callable[..., Any]]] = {op: functools.partial(getattr, xla, op) for op in _OPS}
+_DISPATCH: dict[str, dict[str, Callable[[], Callable[..., Any]]]] = {
+    "reference": {op: functools.partial(getattr, reference, op) for op in _OPS},
+    "xla_gpu": _XLA,
+    "pallas_gpu": {**_XLA, "paged_attention": _gpu_paged_attention},
+    "pallas_tpu": {op: functools.partial(_tpu_op, op) for op in _OPS},
+}
+"""Implementation -> op -> a function returning the op's implementation (Pallas kernels
+are imported, and their ``interpret`` bound, when an op is traced)."""
+
+
+def _implementation_of(op: str, impl: str | None) -> Callable[..., Any]:
+    """The function implementing ``op`` under ``impl`` (default: the implementation in force)."""
+    return _DISPATCH[get_implementation(impl)][op]()
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _named(op: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``op`` run under ``jax.named_scope("jaxkv.<name>")``: labelled in profiles and HLO."""
+    scope = f"jaxkv.{op.__name__}"
+
+    @functools.wraps(op)
+    def scoped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with jax.named_scope(scope):
+            return op(*args, **kwargs)
+
+    return scoped
 
 
 def _pad_head_dim(name: str, x: jax.Array, head_dim: int) -> jax.Array:
@@ -239,6 +270,7 @@ def _window(cache: KVCache, layer: str) -> int | None:
     )
 
 
+@_named
 def write_kv(
     cache: KVCache,
     layer: str,
@@ -260,17 +292,11 @@ def write_kv(
     if k.shape != v.shape:
         raise KVShapeError(f"k {k.shape} and v {v.shape} must have the same shape")
     k, v = (_pad_head_dim(name, x, buffer.shape[-1]) for name, x in (("k", k), ("v", v)))
-    name = get_implementation(impl)
-    if name == "pallas_tpu":
-        kernel, interpret = _tpu_kernel("write_kv")
-        new = kernel(buffer, k, v, slot_mapping, layer_index=layer_index, interpret=interpret)
-    elif name in ("pallas_gpu", "xla_gpu"):
-        new = xla.write_kv(buffer, k, v, slot_mapping, layer_index=layer_index)
-    else:
-        new = reference.write_kv(buffer, k, v, slot_mapping, layer_index=layer_index)
+    new = _implementation_of("write_kv", impl)(buffer, k, v, slot_mapping, layer_index=layer_index)
     return cache.with_layer_buffer(layer, new)
 
 
+@_named
 def paged_attention(
     q: jax.Array,
     cache: KVCache,
@@ -297,52 +323,31 @@ def paged_attention(
     padded = _pad_head_dim("q", q, buffer.shape[-1])
     args = (_shard_heads_like(padded, buffer), buffer, meta.kv_lens, block_tables, meta.cu_q_lens, meta.num_seqs)
     kwargs = {"layer_index": layer_index, "sm_scale": sm_scale, "sliding_window": window, "soft_cap": soft_cap}
-    name = get_implementation(impl)
-    gpu_kernel = _gpu_attention(padded, buffer, _current[0] if impl is None else impl) if name == "pallas_gpu" else None
-    if name == "pallas_tpu":
-        kernel, interpret = _tpu_kernel("paged_attention")
-        out = kernel(*args, **kwargs, interpret=interpret)
-    elif gpu_kernel is not None:
-        out = gpu_kernel(*args, **kwargs)
-    elif name in ("pallas_gpu", "xla_gpu"):
-        out = xla.paged_attention(*args, **kwargs)
-    else:
-        out = reference.paged_attention(*args, **kwargs)
+    out = _implementation_of("paged_attention", impl)(*args, **kwargs)
     return out if padded is q else out[..., : q.shape[-1]]
 
 
+@_named
 def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array, *, impl: str | None = None) -> KVCache:
     """Copy whole blocks (every layer's page) ``src[i] -> dst[i]``; pad with ``0 -> 0``.
 
     Contract (the kernels copy concurrently): real ``dst`` ids are distinct and none is
     also the ``src`` of another pair. Ids are trusted, not checked on device.
     """
-    name = get_implementation(impl)
-    if name == "pallas_tpu":
-        kernel, interpret = _tpu_kernel("copy_blocks")
-        return cache.replace(kernel(cache.buffers, src, dst, interpret=interpret))
-    if name in ("pallas_gpu", "xla_gpu"):
-        return cache.replace(xla.copy_blocks(cache.buffers, src, dst))
-    return cache.replace(reference.copy_blocks(cache.buffers, src, dst))
+    return cache.replace(_implementation_of("copy_blocks", impl)(cache.buffers, src, dst))
 
 
+@_named
 def copy_states(cache: StateCache, src: jax.Array, dst: jax.Array, *, impl: str | None = None) -> StateCache:
     """Copy recurrent state rows ``src[i] -> dst[i]`` in every layer's buffers (a prefix-cache
     checkpoint into a request's running slot); pad with ``0 -> 0``. The contract of
     :func:`copy_blocks`; rows are trusted, not checked on device."""
-    name = get_implementation(impl)
-    buffers = cache.flat_buffers
-    if name == "pallas_tpu":
-        kernel, interpret = _tpu_kernel("copy_states")
-        flat = kernel(buffers, src, dst, interpret=interpret)
-    elif name in ("pallas_gpu", "xla_gpu"):
-        flat = xla.copy_states(buffers, src, dst)
-    else:
-        flat = reference.copy_states(buffers, src, dst)
+    flat = _implementation_of("copy_states", impl)(cache.flat_buffers, src, dst)
     rows = iter(flat)
     return cache.replace([[next(rows) for _ in layer] for layer in cache.buffers])
 
 
+@_named
 def gather_blocks(cache: KVCache, ids: jax.Array) -> jax.Array:
     """Whole blocks ``(n, num_layers_per_block, block_size, 2*H, D)`` (the offload staging format).
 
@@ -352,6 +357,7 @@ def gather_blocks(cache: KVCache, ids: jax.Array) -> jax.Array:
     return reference.gather_blocks(cache.buffers, ids)
 
 
+@_named
 def scatter_blocks(cache: KVCache, ids: jax.Array, data: jax.Array) -> KVCache:
     """Write whole blocks gathered by :func:`gather_blocks` back at ``ids`` (trusted ids)."""
     return cache.replace(reference.scatter_blocks(cache.buffers, ids, data))

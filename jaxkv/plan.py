@@ -5,9 +5,9 @@
 Flags are absl flags kept in a private registry (importing this module defines no
 global flags); ``--max-model-len`` and ``--max_model_len`` spellings both work. Bad
 arguments (unknown or unparsable flags, sizes that are not positive, counts below 1)
-print one line ``jaxkv.plan: error: ...`` on stderr and exit with status 2; a plan that
-cannot be made (budget too small for one request, pages that cannot be unified) exits
-with 1.
+and plans that cannot be made (a budget too small for one request, which names the
+smallest that fits; pages that cannot be unified) print one line ``jaxkv.plan: error:
+...`` on stderr and exit with status 2, as every jaxkv command refuses bad input.
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from jaxkv.cli import SizeError, parse_size, print_error
+from jaxkv.cli import USAGE_STATUS, SizeError, parse_size, print_error
 from jaxkv.planner import (
     LAYOUTS,
     STATE_LAYOUTS,
     TPU_HEAD_DIM_MULTIPLE,
-    IncompatibleSpecsError,
-    InsufficientMemoryError,
     PlanError,
     plan_kv_cache,
 )
@@ -102,21 +100,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         extra = fv(argv)
     except flags.Error as err:
-        return _fail(str(err).splitlines()[0], 2)
+        return _fail(str(err).splitlines()[0], USAGE_STATUS)
     if fv.help:
         print(fv.get_help())
         return 0
     if len(extra) > 1:
-        return _fail(f"unexpected arguments: {' '.join(extra[1:])}", 2)
+        return _fail(f"unexpected arguments: {' '.join(extra[1:])}", USAGE_STATUS)
     for name in ("preset", "memory", "max_model_len"):
         if fv[name].value is None:
-            return _fail(f"--{name} is required", 2)
+            return _fail(f"--{name} is required", USAGE_STATUS)
     try:
         specs = get_preset(fv.preset)
         memory = parse_size(fv.memory)
         checkpoint_bytes = 0 if fv.checkpoint_memory is None else parse_size(fv.checkpoint_memory)
     except (UnknownPresetError, SizeError) as err:
-        return _fail(str(err), 2)
+        return _fail(str(err), USAGE_STATUS)
     try:
         config = plan_kv_cache(
             specs,
@@ -131,10 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_bytes=checkpoint_bytes,
             tensor_parallel=fv.tensor_parallel,
         )
-    except (InsufficientMemoryError, IncompatibleSpecsError) as err:
-        return _fail(str(err), 1)
-    except PlanError as err:
-        return _fail(str(err), 2)
+    except PlanError as err:  # InsufficientMemoryError, IncompatibleSpecsError included
+        return _fail(str(err), USAGE_STATUS)
     print(f"{fv.preset}: {len(specs)} cached layers")
     print(config.summary())
     return 0

@@ -35,11 +35,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv, check_int
 from jaxkv.specs import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
@@ -47,12 +49,14 @@ from jaxkv.specs import (
     SlidingWindowSpec,
 )
 
-LAYOUTS = ("cross_layer", "per_layer")
+Layout = Literal["cross_layer", "per_layer"]
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 """``cross_layer``: block-major, all layers of a block contiguous (one buffer of
 (num_blocks, num_layers_per_block, page)), so a block moves in one copy. ``per_layer``: one
 buffer of (num_blocks, page) per layer index."""
 
-STATE_LAYOUTS = ("attention_pages", "state_pool", "shared_pages")
+StateLayout = Literal["attention_pages", "state_pool", "shared_pages"]
+STATE_LAYOUTS: tuple[StateLayout, ...] = get_args(StateLayout)
 """Where recurrent states live. ``attention_pages``: vLLM's rule, one attention page
 holds one state (the attention block size grows until it does). ``state_pool``: a pool
 of state slots apart from the attention pages (:class:`StatePool`), split at plan
@@ -60,11 +64,11 @@ time. ``shared_pages``: one memory: a state is ``k`` pages of the attention bloc
 (:class:`SharedStates`), taken and evicted as a unit, so KV blocks, live states and
 state checkpoints share one pool and one eviction order decided at run time."""
 
-DEFAULT_STATE_LAYOUT = "shared_pages"
+DEFAULT_STATE_LAYOUT: StateLayout = "shared_pages"
 """What :func:`default_state_layout` picks for models with recurrent layers."""
 
 
-def default_state_layout(layer_specs: Mapping[str, KVCacheSpec]) -> str:
+def default_state_layout(layer_specs: Mapping[str, KVCacheSpec]) -> StateLayout:
     """``shared_pages`` for a model with recurrent (Mamba) and attention layers,
     ``state_pool`` for one with recurrent layers alone (no pages to share), else
     ``attention_pages`` (nothing to place)."""
@@ -152,7 +156,7 @@ class BlockPages:
     ``page_size_bytes``.
     """
 
-    layout: str
+    layout: Layout
     layers: tuple[tuple[str | None, ...], ...]
     page_size_bytes: int
 
@@ -416,9 +420,11 @@ class KVCacheConfig:
                 )
                 continue
             if i in states:
+                assert self.state_pool is not None and isinstance(g.spec, MambaSpec)  # state groups: a pool's
                 slot = self.state_pool.state_bytes
                 padding.append(0 if slot is None else slot - len(g.layer_names) * g.spec.state_bytes)
                 continue
+            assert self.pages is not None  # attention groups live on the pages
             page = self.pages.page_size_bytes
             padding.append(
                 (self.pages.num_layers_per_block - len(g.layer_names)) * page
@@ -450,11 +456,11 @@ class KVCacheConfig:
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         table = [
             "  ".join(
-                cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))
+                cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
             ).rstrip()
             for row in rows
         ]
-        lines = [_headline(self)] + table
+        lines = [_headline(self), *table]
         if self.head_dim_multiple > 1:
             lines.append(
                 f"attention head_size rounded up to a multiple of {self.head_dim_multiple} "
@@ -495,7 +501,7 @@ class KVCacheConfig:
             if self.pages is not None:
                 wasted = sum(
                     (n if i not in states else 1) * p
-                    for i, (n, p) in enumerate(zip(per_request, padding))
+                    for i, (n, p) in enumerate(zip(per_request, padding, strict=True))
                     if i not in states or self.shared_states is not None
                 )
                 share = wasted / (need * self.pages.block_bytes)
@@ -509,20 +515,22 @@ class KVCacheConfig:
 def _state_pool_lines(config: KVCacheConfig) -> list[str]:
     """The summary's split of the budget between the attention blocks and the state pool."""
     pool = config.state_pool
+    assert pool is not None  # called for plans with a state pool
     if pool.state_bytes is None:
         return [f"state pool: {pool.num_states:,} states (state 0 is the null state)"]
     slot = pool.state_bytes
+    total_bytes = pool.num_states * slot
     lines = [f"state slot {slot:,} B ({_human(slot)}): the states of one recurrent group's layers for one request"]
     if pool.num_live_states is not None:
-        checkpoints = pool.num_checkpoint_states
+        checkpoints = pool.num_states - 1 - pool.num_live_states
         lines.append(
             f"state pool: {pool.num_live_states:,} live x {_human(slot)} = {_human(pool.num_live_states * slot)}"
             f" + {checkpoints:,} checkpoint(s) = {_human(checkpoints * slot)} + the null state"
-            f" = {pool.num_states:,} states = {_human(pool.total_bytes)}"
+            f" = {pool.num_states:,} states = {_human(total_bytes)}"
         )
     attention = config.num_blocks * config.pages.block_bytes if config.pages is not None else 0
-    both = _human(attention + pool.total_bytes)
-    total = f"total {_human(attention)} attention + {_human(pool.total_bytes)} states = {both}"
+    both = _human(attention + total_bytes)
+    total = f"total {_human(attention)} attention + {_human(total_bytes)} states = {both}"
     if config.memory_bytes is not None:
         total += f" of {_human(config.memory_bytes)}"
     lines.append(f"{total}; prefix-cache granularity (hash block size) {config.hash_block_size} tokens")
@@ -554,14 +562,17 @@ def _shared_pages_lines(config: KVCacheConfig) -> list[str]:
 def _device_line(config: KVCacheConfig) -> str:
     """The summary's memory per tensor-parallel device."""
     tp = config.tensor_parallel
-    heads = config.attention_groups[0].spec.num_kv_heads
+    spec = config.attention_groups[0].spec
+    assert isinstance(spec, AttentionSpec)  # tensor_parallel > 1 is refused for other specs
+    heads = spec.num_kv_heads
     line = f"per device (tensor_parallel={tp}, {heads // tp} of {heads} KV heads each):"
     if config.pages is not None:
         block = config.pages.block_bytes // tp
         line += f" block {block:,} B, attention {_human(config.num_blocks * block)}"
     if config.state_pool is not None and config.state_pool.total_bytes is not None:
         line += f" + states {_human(config.state_pool.total_bytes)} (replicated)"
-    return f"{line} = {_human(config.device_bytes)}"
+    device_bytes = config.device_bytes
+    return line if device_bytes is None else f"{line} = {_human(device_bytes)}"
 
 
 def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
@@ -581,13 +592,13 @@ def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
 def _check_tensor_parallel(groups: Sequence[KVCacheGroup], tensor_parallel: int) -> None:
     """Every group on the attention pages must split into whole KV heads per device."""
     for group in groups:
-        heads = getattr(group.spec, "num_kv_heads", None)
         if not isinstance(group.spec, PADDED_HEAD_SPECS):
             raise TensorParallelError(
                 f"group of {group.layer_names[0]!r} has spec {group.spec!r}, whose pages cannot be split by "
                 f"KV heads over tensor_parallel={tensor_parallel} devices (recurrent states: use "
                 "state_layout='state_pool', whose states are replicated)"
             )
+        heads = group.spec.num_kv_heads
         if heads % tensor_parallel:
             raise TensorParallelError(
                 f"num_kv_heads={heads} of group {group.layer_names[0]!r} is not a multiple of "
@@ -620,6 +631,11 @@ def _headline(config: KVCacheConfig) -> str:
     if config.shared_states is not None:
         head += f", {len(config.state_group_ids)} recurrent with states on the same pages"
     return f"{head}, hash block size {config.hash_block_size} tokens"
+
+
+def _bytes(num_bytes: int) -> str:
+    """Exact bytes and a readable size: "2,097,152 B (2.00 MiB)"."""
+    return f"{num_bytes:,} B" + ("" if num_bytes < 1 << 10 else f" ({_human(num_bytes)})")
 
 
 def _human(num_bytes: int) -> str:
@@ -684,7 +700,23 @@ def _head_padding_bytes_per_token(
     padded: Mapping[str, KVCacheSpec],
 ) -> int:
     """Bytes per token that tile alignment added to the layers ``names``, together."""
-    return sum(padded[n].bytes_per_token - original[n].bytes_per_token for n in names if padded[n] is not original[n])
+    return sum(
+        _bytes_per_token(padded[n]) - _bytes_per_token(original[n]) for n in names if padded[n] is not original[n]
+    )
+
+
+def _state_bytes(spec: KVCacheSpec) -> int:
+    """A recurrent layer's state bytes (``PlanError`` for a spec without a state)."""
+    if not isinstance(spec, MambaSpec):
+        raise PlanError(f"{spec!r} holds no recurrent state")
+    return spec.state_bytes
+
+
+def _bytes_per_token(spec: KVCacheSpec) -> int:
+    """An attention layer's bytes per token (``PlanError`` for a spec without tokens)."""
+    if not isinstance(spec, AttentionSpec):
+        raise PlanError(f"{spec!r} holds no per-token KV")
+    return spec.bytes_per_token
 
 
 def _num_groups(counts: Sequence[int], layers_per_group: int) -> int:
@@ -702,7 +734,7 @@ def choose_layers_per_group(counts: Sequence[int], blocks_per_request: Sequence[
     bound = _num_groups(counts, min(counts))
 
     def cost(size: int) -> tuple[int, int, int]:
-        pages = sum(cdiv(n, size) * size * b for n, b in zip(counts, blocks_per_request))
+        pages = sum(cdiv(n, size) * size * b for n, b in zip(counts, blocks_per_request, strict=True))
         return pages, _num_groups(counts, size), size
 
     candidates = [s for s in range(1, max(counts) + 1) if _num_groups(counts, s) <= bound]
@@ -715,11 +747,11 @@ def plan_kv_cache(
     *,
     max_model_len: int,
     block_size: int = 16,
-    layout: str = "cross_layer",
+    layout: Layout = "cross_layer",
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     num_blocks_override: int | None = None,
     head_dim_multiple: int = 1,
-    state_layout: str | None = "attention_pages",
+    state_layout: StateLayout | None = "attention_pages",
     max_num_seqs: int | None = None,
     checkpoint_bytes: int = 0,
     tensor_parallel: int = 1,
@@ -826,7 +858,7 @@ def plan_kv_cache(
         raise InsufficientMemoryError(
             f"memory_bytes={memory_bytes} holds {num_blocks} blocks of {block_bytes} B, but one "
             f"request of max_model_len={max_model_len} needs {needed} blocks with the null "
-            f"block = {needed * block_bytes} B"
+            f"block: the smallest budget that fits is {_bytes(needed * block_bytes)}"
         )
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -855,14 +887,17 @@ def _group_and_page(
     padded: Mapping[str, KVCacheSpec],
     max_model_len: int,
     max_num_batched_tokens: int,
-    layout: str,
+    layout: Layout,
 ) -> tuple[tuple[KVCacheGroup, ...], BlockPages]:
     """Cut ``types`` (block size ``sizes``) into groups of equal layer count and lay them on pages of ``page`` B."""
-    per_type = [t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens) for t, size in zip(types, sizes)]
+    per_type = [
+        t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens)
+        for t, size in zip(types, sizes, strict=True)
+    ]
     per_group = choose_layers_per_group([len(t.layer_names) for t in types], per_type)
     groups = tuple(
         KVCacheGroup(names, t.spec, size, _head_padding_bytes_per_token(names, original, padded))
-        for t, size in zip(types, sizes)
+        for t, size in zip(types, sizes, strict=True)
         for names in _strided(t.layer_names, cdiv(len(t.layer_names), per_group))
     )
     pages = BlockPages(
@@ -883,7 +918,7 @@ def _plan_state_pool(
     *,
     max_model_len: int,
     block_size: int,
-    layout: str,
+    layout: Layout,
     max_num_batched_tokens: int,
     head_dim_multiple: int,
     max_num_seqs: int | None,
@@ -933,7 +968,7 @@ def _plan_state_pool(
             else [g for g in attention_groups if g.spec.type_key == t.spec.type_key]
         )
     )
-    slot = max(len(t.layer_names) * t.spec.state_bytes for t in recurrent)
+    slot = max(len(t.layer_names) * _state_bytes(t.spec) for t in recurrent)
     states_per_request = len(recurrent)
     per_request = need * block_bytes + states_per_request * slot
     fixed = block_bytes + slot  # the null block and the null state
@@ -944,11 +979,17 @@ def _plan_state_pool(
     num_blocks = (memory_bytes - num_states * slot) // block_bytes if attention else 1
     fits = num_states * slot + num_blocks * block_bytes <= memory_bytes
     if num_seqs < 1 or num_blocks < need + 1 or not fits:
+        if max_num_seqs is None:  # one request, the checkpoint bytes, the null block and state
+            smallest = checkpoint_bytes + fixed + per_request
+        else:
+            states = 1 + max_num_seqs * states_per_request + checkpoint_bytes // slot
+            smallest = states * slot + ((need + 1) * block_bytes if attention else 0)
         raise InsufficientMemoryError(
             f"memory_bytes={memory_bytes} with checkpoint_bytes={checkpoint_bytes} and "
             f"max_num_seqs={max_num_seqs} cannot hold {max(num_seqs, 1)} request(s) of "
             f"max_model_len={max_model_len}: each needs {need} attention blocks of {block_bytes} B and "
-            f"{states_per_request} state slot(s) of {slot} B, plus the null block and null state"
+            f"{states_per_request} state slot(s) of {slot} B, plus the null block and null state; "
+            f"the smallest budget that fits is {_bytes(smallest)}"
         )
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -1034,7 +1075,7 @@ def exact_concurrency_bound(layer_specs: Mapping[str, KVCacheSpec], memory_bytes
     floor(memory_bytes / (attention bytes per token x max_model_len + one live state)),
     where the attention bytes per token sum every non-Mamba layer's ``bytes_per_token``
     and the live state sums every Mamba layer's ``state_bytes``. It is the yardstick
-    the planner's concurrency is measured against (issue 9's target: >= 98% of it).
+    the planner's concurrency is measured against (the target: >= 98% of it).
     """
     if not isinstance(layer_specs, Mapping) or not layer_specs:
         raise PlanError(f"layer_specs must be a non-empty mapping, got {layer_specs!r}")
@@ -1044,5 +1085,5 @@ def exact_concurrency_bound(layer_specs: Mapping[str, KVCacheSpec], memory_bytes
         if not isinstance(spec, KVCacheSpec):
             raise PlanError(f"layer {name!r} has no KVCacheSpec: {spec!r}")
     state = sum(s.state_bytes for s in layer_specs.values() if isinstance(s, MambaSpec))
-    per_token = sum(s.bytes_per_token for s in layer_specs.values() if not isinstance(s, MambaSpec))
+    per_token = sum(_bytes_per_token(s) for s in layer_specs.values() if not isinstance(s, MambaSpec))
     return memory_bytes // (per_token * max_model_len + state)

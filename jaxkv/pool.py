@@ -21,11 +21,14 @@ hash -> block id.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from jaxkv.errors import JaxkvError
 from jaxkv.free_queue import FreeBlockQueue
+
+_log = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
 
@@ -205,13 +208,17 @@ class BlockPool:
         else:
             out = free.popleft_n(num_queued) + self._retained.popleft_n(n - num_queued)
         journal = self._journal
+        evictions = self.num_evictions
         for b in out:
-            if block_hash[b] is not None:
+            h = block_hash[b]
+            if h is not None:
                 if journal is None or b not in journal:  # a journaled block's KV is not written yet
                     for listener in self._reuse_listeners:
-                        listener(b, block_hash[b], self.block_group[b])
+                        listener(b, h, self.block_group[b])
                 self._evict(b)
             ref_cnt[b] = 1
+        if self.num_evictions != evictions:  # one record per call: this is the allocation hot path
+            _log.debug("evicted %d cached block(s) to hand out %d", self.num_evictions - evictions, n)
         return out
 
     def _take_dissolving(self, n: int) -> list[int]:
@@ -494,6 +501,7 @@ class BlockPool:
 
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]
+        assert h is not None, f"block {b} is not cached"  # callers evict cached blocks only
         g = self.block_group[b]
         cached = self.cached[g]
         copies = self._copies[g].get(h)
@@ -503,6 +511,7 @@ class BlockPool:
             else:
                 del cached[h]
         else:
+            assert copies is not None, f"block {b} is cached under {h!r} but is no copy"
             copies.remove(b)
         if copies is not None and not copies:
             del self._copies[g][h]

@@ -102,7 +102,7 @@ class SingleTypeManager:
             if None in ids:
                 n = ids.index(None)
             found.append(ids)
-        return CacheHit(n, 0, [ids[:n] for ids in found])
+        return CacheHit(n, 0, [ids[:n] for ids in found])  # type: ignore[misc]  # no None before n
 
     # ---------------------------------------------------------- span rules
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -170,7 +170,7 @@ class SingleTypeManager:
         held = len(self.req_blocks.get(request_id, ())) + num_hit_blocks
         return max(0, cdiv(num_tokens, self.block_size) - held)
 
-    def add_hit_blocks(self, request_id: str, block_ids: list[int]) -> None:
+    def add_hit_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Adopt the (already touched) blocks of a cache hit; they are cached already."""
         self.req_blocks[request_id] = list(block_ids)
         self.num_cached[request_id] = len(block_ids)
@@ -250,10 +250,18 @@ class FullAttentionManager(SingleTypeManager):
 class SlidingWindowManager(SingleTypeManager):
     """Sliding-window attention: only the last ``window - 1`` tokens are kept."""
 
+    spec: SlidingWindowSpec
     skips_blocks = True
 
     @classmethod
-    def find_longest_cache_hit(cls, maps, hashes, max_blocks, spec, block_size):
+    def find_longest_cache_hit(
+        cls,
+        maps: Sequence[dict[bytes, int]],
+        hashes: Sequence[bytes],
+        max_blocks: int,
+        spec: KVCacheSpec,
+        block_size: int,
+    ) -> CacheHit:
         """Rightmost contiguous run of cached blocks covering the window (vLLM's rule).
 
         Linear in the blocks scanned: chunks of "cached in every group" flags are read
@@ -261,6 +269,7 @@ class SlidingWindowManager(SingleTypeManager):
         of ``needed`` ones; each block is read once, however many of the newest blocks
         were evicted.
         """
+        assert isinstance(spec, SlidingWindowSpec)
         needed = cdiv(spec.sliding_window - 1, block_size)
         end = min(max_blocks, len(hashes))
         if needed == 0:
@@ -269,7 +278,7 @@ class SlidingWindowManager(SingleTypeManager):
         if lo >= 0:  # the usual case first: the newest window is cached whole
             found = [list(map(m.get, hashes[lo:end])) for m in maps]
             if not any(None in ids for ids in found):
-                return CacheHit(end, lo, found)
+                return CacheHit(end, lo, found)  # type: ignore[arg-type]  # no None in found
         window = b"\x01" * needed
         chunk = max(needed, _MIN_FLAG_CHUNK)
         flags = b""  # cached-in-every-group flags of blocks [lo, end)
@@ -332,11 +341,20 @@ class SlidingWindowManager(SingleTypeManager):
 class ChunkedLocalAttentionManager(SingleTypeManager):
     """Chunked-local attention: a token attends only within its own chunk."""
 
+    spec: ChunkedLocalAttentionSpec
     skips_blocks = True
 
     @classmethod
-    def find_longest_cache_hit(cls, maps, hashes, max_blocks, spec, block_size):
+    def find_longest_cache_hit(
+        cls,
+        maps: Sequence[dict[bytes, int]],
+        hashes: Sequence[bytes],
+        max_blocks: int,
+        spec: KVCacheSpec,
+        block_size: int,
+    ) -> CacheHit:
         """Blocks before the current chunk are null; then cached blocks left to right."""
+        assert isinstance(spec, ChunkedLocalAttentionSpec)
         chunk = spec.attention_chunk_size
         first = (max_blocks * block_size // chunk) * chunk // block_size
         n = min(max_blocks, len(hashes))
@@ -367,7 +385,14 @@ class MambaManager(SingleTypeManager):
     skips_blocks = True
 
     @classmethod
-    def find_longest_cache_hit(cls, maps, hashes, max_blocks, spec, block_size):
+    def find_longest_cache_hit(
+        cls,
+        maps: Sequence[dict[bytes, int]],
+        hashes: Sequence[bytes],
+        max_blocks: int,
+        spec: KVCacheSpec,
+        block_size: int,
+    ) -> CacheHit:
         """The last block boundary whose state is cached in every group."""
         for i in range(min(max_blocks, len(hashes)) - 1, -1, -1):
             h = hashes[i]
@@ -399,7 +424,14 @@ class MambaManager(SingleTypeManager):
         """Mamba lists keep nulls between states: drop them."""
         return [b for b in reversed(blocks[start:]) if b]
 
-    def cache_blocks(self, request_id, hashes, num_tokens, token_ids, lora_name):
+    def cache_blocks(
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        num_tokens: int,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+    ) -> None:
         """Cache only the newest state, and only when it sits on a block boundary."""
         end = num_tokens // self.block_size
         start = self.num_cached.get(request_id, 0)
@@ -498,7 +530,14 @@ class StatePoolManager(MambaManager):
             return []
         return super().allocate_new_blocks(request_id, num_tokens)
 
-    def cache_blocks(self, request_id, hashes, num_tokens, token_ids, lora_name):
+    def cache_blocks(
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        num_tokens: int,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+    ) -> None:
         """Cache the newest state when it sits on one of the request's checkpoint positions;
         a new continuation checkpoint demotes the previous one."""
         end = num_tokens // self.block_size

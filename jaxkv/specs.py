@@ -68,7 +68,7 @@ def canonical_dtype(value: object) -> str:
             raise SpecError(f"dtype {value!r} is not a numeric type") from err
     if bits < 8:
         raise SpecError(f"dtype {value!r} has {bits} bits; sub-byte dtypes are not supported")
-    return dtype.name
+    return str(dtype.name)
 
 
 def _dtype_field(owner: str, name: str, value: object) -> str:
@@ -81,8 +81,8 @@ def _dtype_field(owner: str, name: str, value: object) -> str:
 def dtype_itemsize(name: str) -> int:
     """Bytes per element of a dtype given by canonical name."""
     if hasattr(ml_dtypes, name):
-        return np.dtype(getattr(ml_dtypes, name)).itemsize
-    return np.dtype(name).itemsize
+        return int(np.dtype(getattr(ml_dtypes, name)).itemsize)
+    return int(np.dtype(name).itemsize)
 
 
 def _blocks_touched(num_tokens: int, block_size: int) -> int:
@@ -127,7 +127,7 @@ class KVCacheSpec(abc.ABC):
     @property
     def type_key(self) -> Hashable:
         """Layers with equal type_key may share a KV cache group: class and all fields."""
-        return (type(self).__name__,) + tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        return (type(self).__name__, *tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
 
     def max_memory_bytes(
         self,
@@ -345,7 +345,9 @@ class MambaSpec(KVCacheSpec):
     @property
     def state_bytes(self) -> int:
         """Bytes of one layer's state for one request (all tensors)."""
-        return sum(math.prod(shape) * dtype_itemsize(dtype) for shape, dtype in zip(self.shapes, self.dtypes))
+        return sum(
+            math.prod(shape) * dtype_itemsize(dtype) for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+        )
 
     def page_size_bytes(self, block_size: int) -> int:
         """The state size; a Mamba page holds one state whatever the block size."""

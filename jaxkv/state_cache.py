@@ -60,7 +60,7 @@ class StateCache:
     def with_layer_states(self, layer: str, states: Sequence[jax.Array]) -> StateCache:
         """This cache with ``layer``'s buffers replaced."""
         i = self._index(layer)
-        return dataclasses.replace(self, buffers=self.buffers[:i] + (tuple(states),) + self.buffers[i + 1 :])
+        return dataclasses.replace(self, buffers=(*self.buffers[:i], tuple(states), *self.buffers[i + 1 :]))
 
     def replace(self, buffers: Sequence[Sequence[jax.Array]]) -> StateCache:
         """The same layers over new buffers."""
@@ -125,7 +125,7 @@ def allocate_state_cache(config: KVCacheConfig, *, mesh: Mesh | None = None) -> 
     shapes = tuple(
         ((rows, *shape), jnp.dtype(canonical_dtype(dtype)))
         for _, spec in layers
-        for shape, dtype in zip(spec.shapes, spec.dtypes)
+        for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
     )
     sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
     flat = iter(jax.jit(_zeros, static_argnums=0, out_shardings=sharding)(shapes))
@@ -146,13 +146,13 @@ def write_states(cache: StateCache, layer: str, rows: jax.Array, values: Sequenc
     values = tuple(values)
     if len(values) != len(buffers):
         raise StateCacheError(f"layer {layer!r} holds {len(buffers)} state tensors, got {len(values)} values")
-    for b, v in zip(buffers, values):
+    for b, v in zip(buffers, values, strict=True):
         if v.shape != rows.shape + b.shape[1:] or v.dtype != b.dtype:
             raise StateCacheError(
                 f"layer {layer!r}: values {v.shape} {v.dtype} do not match rows {rows.shape} of a "
                 f"{b.shape[1:]} {b.dtype} state"
             )
-    return cache.with_layer_states(layer, [b.at[rows].set(v) for b, v in zip(buffers, values)])
+    return cache.with_layer_states(layer, [b.at[rows].set(v) for b, v in zip(buffers, values, strict=True)])
 
 
 def slot_nbytes(cache: StateCache) -> int:
@@ -172,7 +172,7 @@ def _from_bytes(data: jax.Array, like: jax.Array) -> jax.Array:
     """Inverse of :func:`_as_bytes` for rows shaped and typed as ``like``'s."""
     itemsize = like.dtype.itemsize
     rows = data.reshape(data.shape[0], -1, itemsize) if itemsize > 1 else data
-    return jax.lax.bitcast_convert_type(rows, like.dtype).reshape((data.shape[0],) + like.shape[1:])
+    return jax.lax.bitcast_convert_type(rows, like.dtype).reshape((data.shape[0], *like.shape[1:]))
 
 
 def gather_slots(cache: StateCache, ids: jax.Array) -> jax.Array:

@@ -78,6 +78,7 @@ class CheckpointRetention:
             pred, pred_hash = self._pred_block[b], self._pred_hash[b]
             if (
                 not pred
+                or pred_hash is None
                 or self._demoted[pred]
                 or self._has_checkpoint(pred_hash)
                 or not pool.is_cached_as(pred, group, pred_hash)

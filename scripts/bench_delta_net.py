@@ -30,8 +30,10 @@ import numpy as np
 from absl import app, flags
 
 from jaxkv.benchmarks.timing import best_seconds
+from jaxkv.cli import flags_parser
 from jaxkv.models.delta_net import default_form, ragged_delta_net, seq_of_token
 
+PROG = "bench_delta_net.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tokens", ["1024", "8192"], "packed prefill tokens per step")
 flags.DEFINE_list("seqs", ["1", "4"], "sequences sharing the tokens evenly")
@@ -126,4 +128,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    sys.exit(app.run(main, flags_parser=flags_parser(PROG)))

@@ -33,8 +33,10 @@ import numpy as np
 import xxhash
 from absl import app, flags
 
+from jaxkv.cli import flags_parser
 from jaxkv.hashing import HASH_ALGORITHMS, NO_EXTRA_KEYS, BlockHasher, ExtraKeys
 
+PROG = "bench_hashing.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write results as JSON to this path.")
 flags.DEFINE_integer("num_tokens", 32768, "Tokens per prompt / per decode stream.")
@@ -217,4 +219,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))

@@ -41,7 +41,7 @@ Sections (``--sections``, comma list, default all), one table each:
     python scripts/bench_hybrid.py --out bench_hybrid.json
 
 ``--quick`` shrinks the traces and the cases (a smoke run; its hit rates are not the
-benchmark's).
+benchmark's). ``--plot FILE.png`` draws every section run as grouped bars.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from jaxkv.cli import exit_error, flags_parser, parse_size
+from jaxkv.cli import exit_error, flags_parser, parse_size, pyplot, save_figure
 from jaxkv.errors import JaxkvError
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, exact_concurrency_bound, plan_kv_cache
@@ -104,6 +104,7 @@ flags.DEFINE_integer("conversations", 200, "retention: conversations in the trac
 flags.DEFINE_integer("seed", 0, "retention: trace seed", lower_bound=0)
 flags.DEFINE_boolean("quick", False, "retention, multiturn: 20- and 12-conversation traces (smoke runs)")
 flags.DEFINE_string("out", None, "write the results as JSON here")
+flags.DEFINE_string("plot", None, "draw each section run as grouped bars to this PNG (matplotlib)")
 
 
 def _both_layouts(name: str) -> tuple[dict, KVCacheConfig, KVCacheConfig]:
@@ -344,6 +345,7 @@ def retention() -> list[dict]:
         config = plan_kv_cache(specs, parse_size(text), max_model_len=FLAGS.max_model_len)
         row: dict = {"memory": text, "num_blocks": config.num_blocks, "requests": len(trace)}
         for rule in RETENTION_RULES:
+            print(f"  {text}: {rule} retention over {len(trace):,} requests", flush=True)
             start = time.perf_counter()
             sim = Simulator(KVCacheManager(config, retention=rule), max_num_seqs=64, max_num_batched_tokens=4096)
             result = sim.run(trace)
@@ -460,6 +462,76 @@ COLUMNS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
 }
 
 
+PLOTS: dict[str, tuple[str, str, tuple[tuple[str, str], ...], bool]] = {
+    "granularity": (
+        "hash block size (tokens)",
+        "preset",
+        (("state_pool", "state pool"), ("attention_pages", "vLLM's rule")),
+        True,
+    ),
+    "concurrency": (
+        "max_model_len requests at once",
+        "preset",
+        (("state_pool", "state pool"), ("attention_pages", "vLLM's rule"), ("exact_bound", "exact bound")),
+        False,
+    ),
+    "multiturn": (
+        "prompt hit rate",
+        "case",
+        (
+            ("attention_only_hit_rate", "attention only"),
+            ("attention_pages_hit_rate", "vLLM's rule"),
+            ("state_pool_hit_rate", "state pool"),
+            ("best_hit_rate", "state pool, best share"),
+        ),
+        False,
+    ),
+    "ttft": (
+        "time to first token (ms)",
+        "model",
+        (("uncached_ttft_ms", "no caching"), ("cached_ttft_ms", "cached")),
+        True,
+    ),
+    "retention": (
+        "prompt hit rate",
+        "memory",
+        (("vllm_hit_rate", "vLLM's eviction"), ("group_aware_hit_rate", "group-aware")),
+        False,
+    ),
+}
+"""Per section: y label, the row field naming each group, (field, legend) of its bars, log scale."""
+
+
+def plot_report(report: dict, path: str) -> None:
+    """One panel of grouped bars per section run."""
+    plt = pyplot(PROG)
+    sections = [s for s in FLAGS.sections if s in report]
+    cols = min(3, len(sections))
+    rows_ = -(-len(sections) // cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(5.2 * cols, 4.4 * rows_), squeeze=False)
+    for ax in axes.flat[len(sections) :]:
+        ax.set_visible(False)
+    for ax, section in zip(axes.flat, sections, strict=False):
+        ylabel, group_key, bars, log = PLOTS[section]
+        rows = report[section]["rows"]
+        labels = [f"{r['preset']}\n{r['memory']}" if group_key == "case" else str(r[group_key]) for r in rows]
+        width = 0.8 / len(bars)
+        for i, (key, legend) in enumerate(bars):
+            xs = [g + (i - (len(bars) - 1) / 2) * width for g in range(len(rows))]
+            ax.bar(xs, [r[key] for r in rows], width, label=legend)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(section)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"bench_hybrid{' --quick' if FLAGS.quick else ''}: jaxkv's hybrid options vs vLLM's rules")
+    fig.tight_layout()
+    save_figure(PROG, fig, path)
+
+
 def print_table(section: str, rows: list[dict]) -> None:
     """One section's rows as an aligned table under its title."""
     title, columns = COLUMNS[section]
@@ -468,7 +540,11 @@ def print_table(section: str, rows: list[dict]) -> None:
     widths = [max(len(line[c]) for line in cells) for c in range(len(columns))]
     print(f"\n[{section}] {title}")
     for line in cells:
-        print("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(line, widths))))
+        print(
+            "  ".join(
+                cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(line, widths, strict=True))
+            )
+        )
 
 
 def main(argv: Sequence[str]) -> None:
@@ -476,9 +552,12 @@ def main(argv: Sequence[str]) -> None:
     unknown = [s for s in FLAGS.sections if s not in SECTIONS]
     if unknown or not FLAGS.sections:
         exit_error(PROG, f"unknown sections {unknown!r}; valid sections: {', '.join(SECTIONS)}")
+    if FLAGS.plot:
+        pyplot(PROG)  # refuse now, not after the run, if matplotlib is missing
     report: dict = {"memory": FLAGS.memory, "max_model_len": FLAGS.max_model_len, "quick": FLAGS.quick}
     try:
         for section in FLAGS.sections:
+            print(f"\n({section} ...)", flush=True)
             start = time.perf_counter()
             rows = SECTIONS[section]()
             print_table(section, rows)
@@ -489,6 +568,8 @@ def main(argv: Sequence[str]) -> None:
         with open(FLAGS.out, "w") as f:
             json.dump(report, f, indent=2)
         print(f"\nwrote {FLAGS.out}", file=sys.stderr)
+    if FLAGS.plot:
+        plot_report(report, FLAGS.plot)
 
 
 if __name__ == "__main__":

@@ -54,10 +54,12 @@ from jaxkv import ops
 from jaxkv.benchmarks.kernel_peers import PEERS, NotApplicable, PagedBatch
 from jaxkv.benchmarks.timing import best_seconds
 from jaxkv.cache import KVCache
+from jaxkv.cli import flags_parser
 from jaxkv.metadata import attention_metadata
 from jaxkv.pallas.reference import KVShapeError
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 
+PROG = "bench_kernels.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write results as JSON to this path.")
 flags.DEFINE_enum("preset", "auto", ["auto", "cpu", "accelerator"], "Case sizes; auto picks by backend.")
@@ -256,7 +258,7 @@ def attention_case(
     batch = attention_batch(w, dtype, rng)
     q, bs, h, d = batch.q, w.block_size, w.num_kv_heads, w.head_dim
     width = batch.block_tables.shape[1]
-    needed = sum(-(-kv // bs) - start // bs for kv, start in zip(batch.kv_lens, batch.visible_start()))
+    needed = sum(-(-kv // bs) - start // bs for kv, start in zip(batch.kv_lens, batch.visible_start(), strict=True))
     bytes_moved = needed * bs * 2 * h * d * jnp.dtype(dtype).itemsize + 2 * q.size * q.dtype.itemsize
 
     impls: dict[str, Impl] = {}
@@ -378,7 +380,7 @@ def time_column(case: Case, col: str, repeats: int) -> tuple[float | None, jax.A
         return best_seconds(fn, repeats), fn()
     except (ops.KernelUnavailableError, KVShapeError) as err:  # kernels missing, or tiles that do not fit
         case.notes[col] = f"n/a: {err}"
-    except Exception as err:  # noqa: BLE001 - only peers get here; their failure is a result
+    except Exception as err:
         if col not in PEER_NAMES:
             raise
         case.notes[col] = f"failed: {type(err).__name__}: {str(err)[:200]}"
@@ -518,4 +520,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))

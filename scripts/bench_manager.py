@@ -46,10 +46,12 @@ from dataclasses import dataclass
 import numpy as np
 from absl import app, flags
 
+from jaxkv.cli import flags_parser
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, KVCacheGroup
 from jaxkv.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
+PROG = "bench_manager.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["full", "gemma3-like", "mixed-blocks", "recurrent"], "models to run")
 flags.DEFINE_list("workloads", ["base", "pressure", "running512"], "workloads to run")
@@ -317,7 +319,7 @@ def run_loop(sides: Sequence, workload: Workload, times: list[dict[str, float]] 
             got = call(
                 "alloc_prefill",
                 lambda s, r, n, b, t: s.allocate(r, t - n, n, b),
-                *[(r, n, b, t) for r, (b, n), t in zip(reqs[i], found, num_tokens)],
+                *[(r, n, b, t) for r, (b, n), t in zip(reqs[i], found, num_tokens, strict=True)],
             )
             agree(f"prefill of r{i}", [block_ids(g) for g in got])
             if got[0] is None:
@@ -384,7 +386,7 @@ def print_table(results: list[dict]) -> None:
     )
     print(f"{'model':12s} {'workload':11s} {'op':14s} {'jaxkv ms':>10s} {'vLLM ms':>10s} {'ratio':>6s}")
     for r in results:
-        for op in OPS + ("total",):
+        for op in (*OPS, "total"):
             ours = r["jaxkv_total"] if op == "total" else r["jaxkv"][op]
             peer = (r["vllm_total"] if op == "total" else r["vllm"][op]) if "vllm" in r else None
             ratio = f"{ours / peer:6.2f}" if peer else "   n/a"
@@ -410,4 +412,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))

@@ -29,6 +29,7 @@
 
     python scripts/bench_offload.py --out bench_offload.json
     python scripts/bench_offload.py --sections=transfers   # (a) only
+    python scripts/bench_offload.py --sections=policies --plot /tmp/policies.png   # (b) drawn
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from absl import app, flags
 from jaxkv import ops
 from jaxkv.benchmarks.timing import best_seconds
 from jaxkv.cache import KVCache, allocate_kv_cache
+from jaxkv.cli import exit_error, flags_parser, pyplot, save_figure
 from jaxkv.metadata import Buckets
 from jaxkv.models.tiny import MODEL_CONFIGS, TinyLM, get_model_config
 from jaxkv.offload.catalog import PolicyOffloadingManager
@@ -56,6 +58,7 @@ from jaxkv.serving.engine import Engine
 from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 from jaxkv.specs import FullAttentionSpec
 
+PROG = "bench_offload.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_layers", 16, "layers (layer slots) per block")
 flags.DEFINE_list(
@@ -84,6 +87,15 @@ flags.DEFINE_list(
     "sections", ["transfers", "policies", "serving"], "which of (a) transfers, (b) policies, (c) serving to run"
 )
 flags.DEFINE_string("out", None, "write the results as JSON here")
+flags.DEFINE_string("plot", None, "(b): draw the policies' hit rates side by side to this PNG (matplotlib)")
+
+POLICY_BARS = {
+    "device_only": "device only (LRU)",
+    "host_lru": "+ host, LRU",
+    "host_arc": "+ host, ARC",
+    "belady": "Belady, device + host",
+    "unlimited": "unlimited device",
+}
 
 
 # ------------------------------------------------------------------ (a) transfers
@@ -106,7 +118,7 @@ def make_cache(layout: str, block_bytes: int) -> KVCache:
     group = KVCacheGroup(layer_names=layers, spec=spec, block_size=FLAGS.block_size)
     num_blocks = 2 * FLAGS.batch_blocks + 1
     cache = allocate_kv_cache(KVCacheConfig(num_blocks=num_blocks, groups=(group,)), layout=layout)
-    data = jax.random.normal(jax.random.key(FLAGS.seed), (num_blocks,) + block_shape(cache), jnp.float32)
+    data = jax.random.normal(jax.random.key(FLAGS.seed), (num_blocks, *block_shape(cache)), jnp.float32)
     return ops.scatter_blocks(cache, jnp.arange(num_blocks), data)
 
 
@@ -172,7 +184,7 @@ def time_layer_by_layer(block_bytes: int) -> dict:
     buffers = list(cache.buffers)
 
     def store() -> None:
-        for pool, buffer in zip(pools, buffers):
+        for pool, buffer in zip(pools, buffers, strict=True):
             if pool.memory_kind == "pinned_host":
                 pool.write(slots, gather(buffer, src))
             else:
@@ -182,7 +194,7 @@ def time_layer_by_layer(block_bytes: int) -> dict:
 
     def load() -> None:
         nonlocal buffers
-        buffers = [scatter(b, dst, pool.read(slots)) for b, pool in zip(buffers, pools)]
+        buffers = [scatter(b, dst, pool.read(slots)) for b, pool in zip(buffers, pools, strict=True)]
         jax.block_until_ready(buffers)
 
     t_store, t_load = best_seconds(store, FLAGS.repeats), best_seconds(load, FLAGS.repeats)
@@ -365,6 +377,27 @@ def bench_policies() -> list[dict]:
     return rows
 
 
+def plot_policies(rows: list[dict], path: str) -> None:
+    """(b) as grouped bars: one panel per trace, one group per host size and store policy."""
+    plt = pyplot(PROG)
+    traces = list(dict.fromkeys(row["trace"] for row in rows))
+    fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.2), sharey=True, squeeze=False)
+    width = 0.8 / len(POLICY_BARS)
+    for ax, trace in zip(axes[0], traces, strict=True):
+        group = [row for row in rows if row["trace"] == trace]
+        for i, (key, label) in enumerate(POLICY_BARS.items()):
+            xs = [g + (i - (len(POLICY_BARS) - 1) / 2) * width for g in range(len(group))]
+            ax.bar(xs, [100 * row[key] for row in group], width, label=label)
+        ax.set_xticks(range(len(group)))
+        ax.set_xticklabels([f"host {row['host_blocks']}\n{row['store']}" for row in group])
+        ax.set_title(f"{trace} (device {FLAGS.device_blocks} blocks)")
+        ax.set_ylim(0, 100)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("prefix hit rate (% of requested blocks)")
+    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    save_figure(PROG, fig, path)
+
+
 # ------------------------------------------------------------------- (c) serving
 def chat(engine: Engine, seed: int) -> tuple[list[float], int, int, list[list[int]]]:
     """Serve the multi-turn chat one request at a time: TTFTs, cached and prompt tokens, outputs."""
@@ -451,6 +484,10 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> None:
     del argv
+    if FLAGS.plot:
+        if "policies" not in FLAGS.sections:
+            exit_error(PROG, "--plot draws section (b): add policies to --sections")
+        pyplot(PROG)  # refuse now, not after the run, if matplotlib is missing
     results = {}
     if "transfers" in FLAGS.sections:
         transfers, ratios = bench_transfers()
@@ -464,11 +501,15 @@ def main(argv: list[str]) -> None:
         print(table(ratios))
         results.update(transfers=transfers, cross_layer_ratios=ratios)
     if "policies" in FLAGS.sections:
+        print("\n(b) replaying the block traces (Belady's optimum takes longest) ...", flush=True)
         policies = bench_policies()
-        print(f"\n(b) prefix hit rate: device {FLAGS.device_blocks} blocks")
+        print(f"(b) prefix hit rate: device {FLAGS.device_blocks} blocks")
         print(table(policies))
         results["policies"] = policies
+        if FLAGS.plot:
+            plot_policies(policies, FLAGS.plot)
     if "serving" in FLAGS.sections:
+        print("\n(c) serving: compiling and running each engine twice ...", flush=True)
         serving = bench_serving()
         print(
             f"\n(c) serving {FLAGS.serve_model}: {FLAGS.serve_conversations} conversations x {FLAGS.serve_turns} "
@@ -482,4 +523,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))

@@ -65,7 +65,7 @@ import numpy as np
 import zmq
 from absl import app, flags, logging
 
-from jaxkv.cli import exit_error, flags_parser, parse_size, write_json
+from jaxkv.cli import exit_error, flags_parser, parse_size, pyplot, save_figure, write_json
 from jaxkv.errors import JaxkvError
 from jaxkv.fleet.protocol import GenerateRequest, GenerateResult, ReplicaAddress
 from jaxkv.fleet.replica import ReplicaSpec, running_replicas
@@ -98,6 +98,7 @@ flags.DEFINE_bool("quick", False, "a short run (2 replicas, a small trace), for 
 flags.DEFINE_integer("seed", 0, "weights and trace seed", lower_bound=0)
 flags.DEFINE_float("startup_timeout", 300.0, "seconds to wait for the replicas to compile and heartbeat")
 flags.DEFINE_string("out", None, "write the results as JSON here")
+flags.DEFINE_string("plot", None, "draw hit rate and TTFT per routing policy to this PNG (matplotlib)")
 flags.register_validator(
     "load_penalty", lambda v: 0 <= v < float("inf"), message="--load_penalty must be a finite number >= 0"
 )
@@ -304,6 +305,40 @@ def kill_section(
     }
 
 
+def one_line(summary: dict) -> str:
+    """A summary as ``name value`` pairs on one line (rates as %, seconds as ms), not a dict repr."""
+
+    def show(key: str, value: object) -> str:
+        if key.endswith("_s") and isinstance(value, float):
+            return f"{key[:-2]} {value * 1e3:,.0f} ms"
+        if key.endswith("rate") and isinstance(value, float):
+            return f"{key} {value:.1%}"
+        return f"{key} {value:.3g}" if isinstance(value, float) else f"{key} {value}"
+
+    return ", ".join(show(k, v) for k, v in summary.items())
+
+
+def plot_results(results: dict[str, dict], path: str) -> None:
+    """Hit rate and mean / P90 TTFT of each routing policy (and the one big cache), side by side."""
+    plt = pyplot(PROG)
+    names = list(results)
+    fig, (hits, ttft) = plt.subplots(1, 2, figsize=(10, 3.8))
+    hits.bar(names, [100 * results[n]["hit_rate"] for n in names], color="tab:green")
+    hits.set_ylabel("prefix hit rate (%)")
+    xs = range(len(names))
+    ttft.bar([x - 0.2 for x in xs], [1e3 * results[n]["mean_ttft_s"] for n in names], 0.4, label="mean")
+    ttft.bar([x + 0.2 for x in xs], [1e3 * results[n]["p90_ttft_s"] for n in names], 0.4, label="P90")
+    ttft.set_xticks(list(xs), names)
+    ttft.set_ylabel("time to first token (ms)")
+    ttft.legend()
+    for ax in (hits, ttft):
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{FLAGS.num_replicas} replicas of {FLAGS.model}, {FLAGS.memory} each; big cache: one replica")
+    fig.tight_layout()
+    save_figure(PROG, fig, path)
+
+
 def table(results: dict[str, dict]) -> tuple[str, dict[str, float]]:
     lines = ["| routing | hit rate | mean TTFT (ms) | P90 TTFT (ms) | wall (s) |", "|---|---|---|---|---|"]
     for name, r in results.items():
@@ -356,6 +391,8 @@ def main(argv: Sequence[str]) -> None:
             if not FLAGS[name].present:
                 FLAGS[name].value = value
     memory, block_size = check_flags()
+    if FLAGS.plot:
+        pyplot(PROG)  # refuse now, not after the run, if matplotlib is missing
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the replicas are killed
     trace = conversations(
         num_conversations=FLAGS.num_conversations,
@@ -400,15 +437,17 @@ def main(argv: Sequence[str]) -> None:
             for policy in POLICIES:
                 with router_over(names, specs, policy, block_size, keys) as router:
                     results[policy] = run_trace(router, trace).summary()
-                print(f"{policy}: {results[policy]}")
+                print(f"{policy}: {one_line(results[policy])}", flush=True)
             with router_over([BIG], specs, "round_robin", block_size, keys) as router:
                 results[BIG] = run_trace(router, trace).summary()
-            print(f"{BIG}: {results[BIG]}")
+            print(f"{BIG}: {one_line(results[BIG])}", flush=True)
             kill = kill_section(specs, processes, names, trace, block_size, keys) if FLAGS.kill_replica else None
     text, ratios = table(results)
     print(text)
+    if FLAGS.plot:
+        plot_results(results, FLAGS.plot)
     if kill is not None:
-        print(f"replica killed mid-trace: {kill}")
+        print(f"replica killed mid-trace: {one_line(kill)}")
     if FLAGS.out:
         flag_values = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
         report = {

@@ -9,7 +9,7 @@ KV usage, and (by default) checks the tokens against the dense, unpaged forward.
 
     python scripts/serve.py
     python scripts/serve.py --model tiny-llama --layout per_layer --num_requests 32
-    python scripts/serve.py --memory 1MiB --max_new_tokens 64      # preemptions
+    python scripts/serve.py --memory 2MiB --max_new_tokens 64      # preemptions
     python scripts/serve.py --noprefix_caching --out /tmp/serve.json
     python scripts/serve.py --head_dim_multiple 128                # the TPU cache layout anywhere
     python scripts/serve.py --verify_uncached                      # cached vs uncached check
@@ -291,7 +291,10 @@ def serve() -> dict:
     )
     backend = jax.default_backend()
     devices = f" x {num_devices} devices" if mesh is not None else ""
-    print(f"{model_name} ({model_dtype}), {FLAGS.memory}, {ops.get_implementation()} ops, JAX on {backend}{devices}:")
+    print(
+        f"{model_name} ({model_dtype}), {FLAGS.memory}, jaxkv.ops implementation "
+        f"{ops.get_implementation()!r} on JAX's {backend} backend{devices}:"
+    )
     print(config.summary())
     engine = Engine(
         model,

@@ -11,6 +11,7 @@ scheduler step. No device work is done.
     python scripts/simulate.py --preset tiny-hybrid --memory 32MiB --max_model_len 2048 \
         --system_prompt_len 256 --user_turn_len 16,128 --output_len 16,64
     python scripts/simulate.py --trace my_trace.json --no_prefix_caching
+    python scripts/simulate.py --plot /tmp/sim.png      # KV usage and hit rate over time
 
 The default (gemma-3-27b, 12 GiB, 300 three-turn conversations arriving at 2 per
 second) fills the pool and evicts cached blocks, with a handful of preemptions.
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from jaxkv.cli import exit_error, flags_parser, is_int_range, parse_size
+from jaxkv.cli import exit_error, flags_parser, is_int_range, parse_size, pyplot, save_figure
 from jaxkv.errors import JaxkvError
 from jaxkv.hashing import HASH_ALGORITHMS
 from jaxkv.manager import KVCacheManager
@@ -81,6 +82,10 @@ flags.DEFINE_boolean("no_prefix_caching", False, "disable prefix caching")
 flags.DEFINE_integer("progress_every", 1000, "print a progress line every N steps", lower_bound=1)
 flags.DEFINE_string("out", None, "write the result as JSON to this path")
 flags.DEFINE_string("save_trace", None, "write the replayed trace as JSON to this path")
+flags.DEFINE_string("plot", None, "draw KV usage and prefix hit rate over simulated time to this PNG (matplotlib)")
+
+PLOT_SAMPLES = 400
+"""About this many points per curve of --plot (sampled every few steps)."""
 
 
 for _name in ("user_turn_len", "output_len"):
@@ -129,7 +134,7 @@ def make_trace() -> list[TraceRequest]:
 
 
 def print_progress(p: Progress) -> None:
-    """One line per --progress_every steps."""
+    """One progress line."""
     print(
         f"step {p.step:>7,}  t={p.time_s:8.1f}s  running {p.num_running:>3}  waiting {p.num_waiting:>4}  "
         f"finished {p.num_finished:>5,}/{p.num_requests:,}  usage {p.usage:6.1%}  preemptions {p.num_preemptions}",
@@ -162,6 +167,55 @@ def format_table(result: SimulationResult, wall_s: float) -> str:
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
+class Timeline:
+    """Progress snapshots every ``every`` steps, for --plot; prints one line per --progress_every steps."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.points: list[Progress] = []
+
+    def __call__(self, p: Progress) -> None:
+        self.points.append(p)
+        if p.step % FLAGS.progress_every == 0:
+            print_progress(p)
+
+
+def plot_sample_every(trace: Sequence[TraceRequest]) -> int:
+    """Steps between --plot samples: about PLOT_SAMPLES over the arrivals, dividing --progress_every."""
+    last_arrival_steps = max((r.arrival_time for r in trace), default=0.0) * 1000 / FLAGS.step_ms
+    target = max(1, int(last_arrival_steps) // PLOT_SAMPLES)
+    return max(d for d in range(1, min(target, FLAGS.progress_every) + 1) if FLAGS.progress_every % d == 0)
+
+
+def plot_timeline(points: Sequence[Progress], path: str, title: str) -> None:
+    """KV usage (top) and prefix hit rate (bottom: per sample and since the start) over simulated time."""
+    plt = pyplot(PROG)
+    fig, (usage_ax, hit_ax) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
+    times = [p.time_s for p in points]
+    usage_ax.plot(times, [100 * p.usage for p in points], color="tab:blue", lw=1)
+    usage_ax.set_ylabel("KV usage (%)")
+    usage_ax.set_ylim(0, 105)
+    preempted = [p.time_s for p, q in zip(points[1:], points, strict=False) if p.num_preemptions > q.num_preemptions]
+    if preempted:
+        usage_ax.plot(preempted, [102] * len(preempted), "|", color="tab:red", ms=8, label="preemption")
+        usage_ax.legend(loc="lower right")
+    window = []
+    for p, q in zip(points[1:], points, strict=False):
+        queried = p.cache_queried_tokens - q.cache_queried_tokens
+        window.append(100 * (p.cache_hit_tokens - q.cache_hit_tokens) / queried if queried else float("nan"))
+    total = [
+        100 * p.cache_hit_tokens / p.cache_queried_tokens if p.cache_queried_tokens else float("nan") for p in points
+    ]
+    hit_ax.plot(times[1:], window, color="tab:green", lw=0.8, alpha=0.6, label="per sample")
+    hit_ax.plot(times, total, color="tab:green", lw=2, label="since start")
+    hit_ax.set_ylabel("prefix hit rate (%)")
+    hit_ax.set_ylim(0, 100)
+    hit_ax.set_xlabel("simulated time (s)")
+    hit_ax.legend(loc="lower right")
+    usage_ax.set_title(title)
+    save_figure(PROG, fig, path)
+
+
 def plan() -> KVCacheConfig:
     """The KV cache plan of the flags (a hybrid with recurrent layers: one memory for KV
     pages and states, the planner's default); refuses one of more than MAX_NUM_BLOCKS blocks."""
@@ -182,6 +236,8 @@ def plan() -> KVCacheConfig:
 
 def simulate() -> dict:
     """Plan, build the trace, replay it, print everything; return the JSON report."""
+    if FLAGS.plot:
+        pyplot(PROG)  # refuse now, not after the run, if matplotlib is missing
     start = time.perf_counter()
     config = plan()
     print(f"{FLAGS.preset}, {FLAGS.memory}:")
@@ -198,9 +254,14 @@ def simulate() -> dict:
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         step_duration_s=FLAGS.step_ms / 1000,
     )
-    result = sim.run(trace, progress=print_progress, progress_every=FLAGS.progress_every)
+    every = plot_sample_every(trace) if FLAGS.plot else FLAGS.progress_every
+    timeline = Timeline(every)
+    result = sim.run(trace, progress=timeline, progress_every=every)
     wall_s = time.perf_counter() - start
     print(format_table(result, wall_s))
+    if FLAGS.plot:
+        memory = f"{FLAGS.memory}{'' if not FLAGS.no_prefix_caching else ', no prefix caching'}"
+        plot_timeline(timeline.points, FLAGS.plot, f"{FLAGS.preset}, {memory}: {len(trace):,} requests")
     return {
         "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])},
         "plan": {"num_blocks": config.num_blocks, "block_bytes": config.pages.block_bytes},

@@ -33,11 +33,13 @@ import numpy as np
 from absl import app, flags, logging
 
 from jaxkv import ops
+from jaxkv.cli import flags_parser
 from jaxkv.models.tiny import MODEL_CONFIGS, get_model_config
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.engine import Engine, GenerationResult
 from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 
+PROG = "soak.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_requests", 1000, "requests in total, split over the configurations", lower_bound=1)
 OFFLOAD_MODELS = [name for name, config in MODEL_CONFIGS.items() if not any(config.recurrent)]
@@ -149,7 +151,7 @@ class ChatWorkload:
 
     def record(self, picked: Sequence[int], prompts: Sequence[list[int]], outputs: Sequence[Sequence[int]]) -> None:
         """Each conversation's context becomes its prompt and the reply."""
-        for c, prompt, out in zip(picked, prompts, outputs):
+        for c, prompt, out in zip(picked, prompts, outputs, strict=True):
             self.contexts[c] = prompt + list(out)
 
 
@@ -231,7 +233,7 @@ def compare(
     res: ConfigResult, call: int, prompts: Sequence[list[int]], got: GenerationResult, want: GenerationResult
 ) -> None:
     """Count requests whose tokens equal the reference's; keep the first mismatches."""
-    for i, (g, w) in enumerate(zip(got.outputs, want.outputs)):
+    for i, (g, w) in enumerate(zip(got.outputs, want.outputs, strict=True)):
         if g.output_token_ids == w.output_token_ids:
             res.tokens_equal += 1
         elif len(res.mismatches) < FLAGS.max_reported_mismatches:
@@ -283,7 +285,7 @@ def run_config(index: int, model: str, store: str, policy: str, num_requests: in
         stats = engine.connector.stats if engine.connector is not None else None
         res.loaded_tokens = getattr(stats, "num_loaded_tokens", None)
         res.failed_loads = getattr(stats, "num_failed_loads", None)
-    except Exception as err:  # noqa: BLE001 - a soak reports every crash and goes on
+    except Exception as err:
         lines = traceback.format_exception(err)
         res.error = f"call {res.num_calls}: {type(err).__name__}: {err}"
         print(f"\n[{model} {store} {policy}] crashed in call {res.num_calls}:\n" + "".join(lines[-6:]), flush=True)
@@ -345,9 +347,10 @@ def table(results: Sequence[ConfigResult]) -> str:
     ]
     cells = [[fmt(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(cols)]
-    lines = [" | ".join(h.ljust(w) for h, w in zip(cols, widths)), "-|-".join("-" * w for w in widths)]
+    lines = [" | ".join(h.ljust(w) for h, w in zip(cols, widths, strict=True)), "-|-".join("-" * w for w in widths)]
     lines += [
-        " | ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
+        " | ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
     ]
     return "\n".join(lines)
 
@@ -449,4 +452,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))

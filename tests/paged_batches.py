@@ -9,7 +9,8 @@ replaced by finite noise.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +71,7 @@ def make_batch(
     distinct; pages wholly outside every query's window are freed to the null block."""
     bs, h = block_size, num_kv_heads
     num_pages = [-(-kv // bs) for _, kv in seqs]
-    width = max(num_pages + [1]) + width_slack
+    width = max([*num_pages, 1]) + width_slack
     num_blocks = 1 + sum(num_pages) + 2
     page_shape = (bs, 2 * h, head_dim)
     full_shape = (num_blocks,) + ((num_layers_per_block,) if layer_index is not None else ()) + page_shape
@@ -86,7 +87,7 @@ def make_batch(
             b = next(blocks)
             tables[i, p] = b
             n = min(bs, kv_len - p * bs)
-            layer[b, :n] = rng.standard_normal((n,) + page_shape[1:])
+            layer[b, :n] = rng.standard_normal((n, *page_shape[1:]))
     clean = np.where(np.isnan(kv), rng.standard_normal(kv.shape), kv)
     q_lens = [q for q, _ in seqs]
     num_tokens = sum(q_lens) + extra_tokens
@@ -176,3 +177,65 @@ def random_batch(
         num_layers_per_block=None if layer_index is None else num_layers_per_block,
         layer_index=layer_index,
     )
+
+
+def ragged_metadata(
+    rng: np.random.Generator,
+    seqs: list[tuple[int, int]],
+    *,
+    block_size: int,
+    num_blocks: int,
+    width: int,
+    max_seqs: int,
+) -> dict[str, np.ndarray]:
+    """Paged-attention metadata for (q_len, kv_len) sequences (decodes first), padded
+    to fixed shapes: distinct random non-null blocks, unused table entries 0."""
+    ids = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((max_seqs, width), np.int32)
+    kv_lens = np.zeros(max_seqs, np.int32)
+    cu = np.zeros(max_seqs + 1, np.int32)
+    used = 0
+    for i, (q_len, kv_len) in enumerate(seqs):
+        n = -(-kv_len // block_size)
+        tables[i, :n] = ids[used : used + n]
+        used += n
+        kv_lens[i] = kv_len
+        cu[i + 1] = cu[i] + q_len
+    cu[len(seqs) + 1 :] = cu[len(seqs)]
+    return dict(kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu, num_seqs=np.array([len(seqs)], np.int32))
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """One random paged-attention batch to check a kernel on: its shapes, mix of decodes
+    and prefills, the attention options and the kernel's tuning knobs."""
+
+    dtype: Any
+    num_kv_heads: int
+    num_queries_per_kv: int
+    head_dim: int
+    block_size: int
+    num_decodes: int
+    num_prefills: int
+    max_len: int
+    window: int | None = None
+    soft_cap: float | None = None
+    layer_index: int | None = None
+    tuning: dict[str, int] = field(default_factory=dict)
+
+    def batch(self, rng: SeededRng, **kwargs: Any) -> Batch:
+        """A fresh random batch of this case (``kwargs`` go to :func:`random_batch`)."""
+        return random_batch(
+            rng,
+            self.dtype,
+            self.num_kv_heads,
+            self.num_queries_per_kv,
+            self.head_dim,
+            self.block_size,
+            self.num_decodes,
+            self.num_prefills,
+            self.max_len,
+            window=self.window,
+            layer_index=self.layer_index,
+            **kwargs,
+        )

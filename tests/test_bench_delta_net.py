@@ -2,7 +2,10 @@
 
 import json
 
+import pytest
 from script_runs import run_script
+
+pytestmark = pytest.mark.subprocess  # runs scripts as a user would
 
 
 def test_a_small_run_times_both_forms_and_they_agree(tmp_path):

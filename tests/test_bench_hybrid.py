@@ -2,7 +2,10 @@
 
 import json
 
+import pytest
 from script_runs import run_script
+
+pytestmark = pytest.mark.subprocess  # runs scripts as a user would
 
 
 def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
@@ -48,3 +51,12 @@ def test_an_unknown_section_is_one_line_and_status_2():
         "unknown sections ['speed']" in done.stderr
         and "granularity, concurrency, capacity, chat, multiturn, ttft, retention" in done.stderr
     )
+
+
+def test_the_plan_sections_are_drawn_as_grouped_bars(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "hybrid.png"
+    done = run_script("bench_hybrid.py", "--sections=granularity,concurrency", f"--plot={png}")
+    assert done.returncode == 0, done.stderr
+    assert "(granularity ...)" in done.stdout and f"wrote {png}" in done.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -94,6 +94,7 @@ ALIGNED = ((1, 64), (1, 48), (1, 96), (1, 32))  # with a window of 32, every win
     [(DECODES, {}), (DECODES, {"layers": 3, "soft_cap": 5.0}), (ALIGNED, {"window": 32})],
     ids=["per-layer", "cross-layer+cap", "page-aligned-window"],
 )
+@pytest.mark.slow
 def test_jax_paged_attention_in_interpret_mode_matches_the_reference(peers, seqs, case):
     batch = make_batch(peers, seqs, **case)
     run = peers.jax_paged_attention(batch, interpret=True)
@@ -155,6 +156,7 @@ def test_cudnn_refuses_prefill_and_soft_caps(peers):
     ],
     ids=["decode", "window+cap+cross-layer", "prefill+window", "mixed"],
 )
+@pytest.mark.slow
 def test_the_dense_bound_over_a_contiguous_copy_matches_the_reference(peers, seqs, case):
     batch = make_batch(peers, seqs, **case)
     run = peers.dense_bound(batch)
@@ -193,6 +195,7 @@ def test_a_column_whose_kernels_cannot_load_is_na_and_a_failing_peer_is_reported
         bench.time_column(case, "pallas_gpu", 1)
 
 
+@pytest.mark.subprocess
 def test_a_quick_run_reports_every_column_with_small_errors(tmp_path):
     out = tmp_path / "bench.json"
     done = run_script("bench_kernels.py", "--quick", "--out", str(out))

@@ -2,7 +2,10 @@
 
 import json
 
+import pytest
 from script_runs import run_script
+
+pytestmark = pytest.mark.subprocess  # runs scripts as a user would
 
 
 def test_a_tiny_run_reports_every_op_of_every_workload(tmp_path):

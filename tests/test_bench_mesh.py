@@ -3,7 +3,10 @@ tokens and nothing compiled while timed, and splits jaxkv's host time from JAX's
 
 import json
 
+import pytest
 from script_runs import run_script
+
+pytestmark = pytest.mark.subprocess  # runs scripts as a user would
 
 
 def test_a_short_run_on_one_and_two_devices_reports_both_host_times(tmp_path):

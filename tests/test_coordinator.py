@@ -1,7 +1,7 @@
 """The hybrid cache-hit fixed point across groups of different types and block sizes."""
 
 import pytest
-from conftest import FULL, admit, make_config, window
+from kv_configs import FULL, admit, make_config, window
 
 from jaxkv.coordinator import CoordinatorError, KVCacheCoordinator
 from jaxkv.manager import KVCacheManager, Request
@@ -64,12 +64,12 @@ def test_a_hit_shorter_than_the_largest_block_is_no_hit(tokens):
 
 def test_block_sizes_must_be_multiples_of_the_smallest():
     groups = (KVCacheGroup(("a",), FULL, 16), KVCacheGroup(("b",), MAMBA, 24))
-    with pytest.raises(PlanError, match="multiples of the smallest .16., got 24"):
+    with pytest.raises(PlanError, match=r"multiples of the smallest .16., got 24"):
         KVCacheConfig(num_blocks=8, groups=groups)
 
 
 def test_groups_of_one_type_are_searched_together():
-    groups = tuple(KVCacheGroup((f"l{i}",), window(64), 16) for i in range(5)) + (KVCacheGroup(("f",), FULL, 16),)
+    groups = (*tuple(KVCacheGroup((f"l{i}",), window(64), 16) for i in range(5)), KVCacheGroup(("f",), FULL, 16))
     coord = KVCacheCoordinator(KVCacheConfig(num_blocks=8, groups=groups))
     assert [t.group_ids for t in coord.types] == [(5,), (0, 1, 2, 3, 4)]
 

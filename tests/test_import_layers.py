@@ -26,7 +26,7 @@ HOST_CORE = [
     "cli",
     "plan",
 ]
-DEVICE_SIDE = ["cache", "state_cache", "metadata", "ops", "mesh", "pallas"]
+DEVICE_SIDE = ["jax_support", "cache", "state_cache", "metadata", "ops", "mesh", "pallas"]
 
 # The layer of each top-level name under jaxkv; a module may import its own layer and below.
 LAYERS = {
@@ -48,6 +48,8 @@ HOST_MODULES = [
     "jaxkv.serving",
     "jaxkv.serving.scheduler",
     "jaxkv.serving.simulator",
+    "jaxkv.serving.stats",
+    "jaxkv.serving.metrics",  # an exporter process need not carry JAX
     "jaxkv.cluster",
     "jaxkv.cluster.lockstep",
     "jaxkv.cluster.launcher",
@@ -56,6 +58,7 @@ HOST_MODULES = [
 ]
 
 
+@pytest.mark.subprocess
 def test_the_host_side_imports_no_jax():
     code = (
         f"import sys\nfor m in {HOST_MODULES!r}: __import__(m)\n"
@@ -105,6 +108,25 @@ def test_cluster_and_fleet_do_not_import_each_other():
             assert not {m for m in imported_jaxkv_modules(path) if top_level(m) == other}, path
 
 
+@pytest.mark.subprocess
+def test_the_host_side_imports_with_jax_and_flax_absent():
+    """A router or scheduler process installs jaxkv without extras: no jax, no flax."""
+    code = (
+        "import importlib.abc, sys\n"
+        "class Absent(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('jax', 'jaxlib', 'flax'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Absent())\n"
+        f"for m in {HOST_MODULES!r}: __import__(m)\n"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.subprocess
 def test_the_public_names_come_from_jaxkv_and_only_the_device_ones_load_jax():
     code = (
         "import sys, jaxkv\n"

@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import FULL, admit, make_config, make_manager, window
+from kv_configs import FULL, admit, make_config, make_manager, window
 
 from jaxkv.errors import JaxkvError, WrongThreadError
 from jaxkv.manager import (
@@ -235,7 +235,7 @@ def test_bad_requests_and_configs_are_named():
         Request("x", [])
     with pytest.raises(KVCacheManagerError, match="request_id"):
         Request(7, [1])
-    from conftest import make_config
+    from kv_configs import make_config
 
     from jaxkv.manager import KVCacheManager
 
@@ -532,7 +532,7 @@ def test_state_pool_checkpoints_where_attention_ran_ahead_of_the_state(tokens):
     mgr = state_pool_manager(64, 8)
     serve_prompt(mgr, Request("a", tokens(0, 100)))
     b = Request("b", tokens(0, 50) + tokens(700, 30))
-    hit, n = mgr.get_computed_blocks(b)
+    _hit, n = mgr.get_computed_blocks(b)
     assert n == 0 and mgr.checkpoint_positions(b, 0) == (48, 80)
     assert serve_prompt(mgr, b) == 0
     assert serve_prompt(mgr, Request("c", tokens(0, 50) + tokens(900, 30))) == 48

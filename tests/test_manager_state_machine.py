@@ -4,10 +4,10 @@ straightforward reference of vLLM v1's rules for one full-attention group."""
 import copy
 
 import pytest
-from conftest import FULL, window
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kv_configs import FULL, window
 
 from jaxkv.coordinator import RETENTION_RULES
 from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request
@@ -198,7 +198,7 @@ class ManagerMachine(RuleBasedStateMachine):
 ManagerMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine = pytest.mark.slow(ManagerMachine.TestCase)
 
 
 # --------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def test_single_full_group_decides_exactly_like_the_vllm_rules(num_blocks, ops):
     for n, (op, prefix, k) in enumerate(ops):
         if op.startswith("admit"):
             if op == "admit":
-                req = Request(f"r{n}", PREFIXES[prefix][: 4 + k] + [k, n])
+                req = Request(f"r{n}", [*PREFIXES[prefix][: 4 + k], k, n])
             else:
                 req = Request(f"r{n}", PREFIXES[prefix][: BS * (1 + k % 4)])
             hit, num_hit = mgr.get_computed_blocks(req)

@@ -31,7 +31,7 @@ def random_cache(layout: str, seed: int = 0, num_blocks: int = NUM_BLOCKS):
     spec = FullAttentionSpec(num_kv_heads=1, head_size=4, dtype="float32")
     group = KVCacheGroup(layer_names=("l0", "l1", "l2"), spec=spec, block_size=2)
     cache = allocate_kv_cache(KVCacheConfig(num_blocks=num_blocks, groups=(group,)), layout=layout)
-    data = jax.random.normal(jax.random.key(seed), (num_blocks,) + block_shape(cache), jnp.float32)
+    data = jax.random.normal(jax.random.key(seed), (num_blocks, *block_shape(cache)), jnp.float32)
     return ops.scatter_blocks(cache, jnp.arange(num_blocks), data)
 
 

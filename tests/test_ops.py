@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ragged_metadata
+from paged_batches import ragged_metadata
 
 from jaxkv import ops
 from jaxkv.cache import KVCache, UnknownLayerError, allocate_kv_cache
@@ -94,7 +94,7 @@ def test_missing_tpu_kernels_give_a_clear_error(monkeypatch):
     monkeypatch.setattr(ops, "_TPU_KERNELS", "jaxkv.pallas.no_such_kernels")
     cache = allocate_kv_cache(config())
     k = jnp.zeros((1, 2, HEAD_DIM))
-    with pytest.raises(ops.KernelUnavailableError, match="jaxkv.pallas.no_such_kernels.write_kv"):
+    with pytest.raises(ops.KernelUnavailableError, match=r"jaxkv\.pallas\.no_such_kernels\.write_kv"):
         ops.write_kv(cache, "l0", k, k, attention_metadata(("l0",), *ONE_DECODE, np.zeros(1)), impl="pallas_tpu")
 
 
@@ -358,19 +358,31 @@ def test_pallas_gpu_through_ops_matches_the_reference(rng):
     np.testing.assert_allclose(gpu_attn, ref_attn, atol=1e-2, rtol=1e-2)
 
 
-def test_auto_on_hopper_picks_the_gpu_kernel_and_falls_back_to_xla_where_its_tiles_do_not_fit(monkeypatch, rng):
-    monkeypatch.setattr(ops, "_is_hopper", lambda device: True)
-    assert ops.get_implementation() == "pallas_gpu"
+def test_auto_picks_xla_on_every_gpu_and_the_gpu_kernel_only_on_request(monkeypatch, rng):
+    """The Mosaic GPU kernel has not run on a GPU yet: ``auto`` never picks it."""
+    monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
+    assert ops.get_implementation() == "xla_gpu"
+    monkeypatch.undo()
     cache = random_cache(rng, "per_layer")  # float32, head dim 8: not the kernel's
     meta = ragged_metadata(rng, [(1, 7), (3, 9)], block_size=BLOCK, num_blocks=24, width=5, max_seqs=3)
     meta = attention_metadata(GROUP_OF["l1"], **meta)
     q = jnp.asarray(rng.standard_normal((4, 4, HEAD_DIM)), jnp.float32)
-    auto = ops.paged_attention(q, cache, "l1", meta, sm_scale=0.3)
-    np.testing.assert_array_equal(
-        np.asarray(auto), np.asarray(ops.paged_attention(q, cache, "l1", meta, sm_scale=0.3, impl="xla_gpu"))
-    )
     with pytest.raises(KVShapeError, match="bf16 or fp16"):
         ops.paged_attention(q, cache, "l1", meta, sm_scale=0.3, impl="pallas_gpu")
+
+
+@pytest.mark.parametrize(
+    "op", ["write_kv", "paged_attention", "copy_blocks", "copy_states", "gather_blocks", "scatter_blocks"]
+)
+def test_every_op_runs_under_a_named_scope(op):
+    assert getattr(ops, op).__wrapped__.__name__ == op
+
+
+def test_an_op_is_labelled_by_name_in_the_lowered_program(rng):
+    cache = random_cache(rng, "cross_layer")
+    src, dst = jnp.asarray([1], jnp.int32), jnp.asarray([2], jnp.int32)
+    lowered = jax.jit(lambda c: ops.copy_blocks(c, src, dst, impl="reference")).lower(cache)
+    assert "jaxkv.copy_blocks" in lowered.as_text(debug_info=True)
 
 
 # ---------------------------------------------------------------- tile alignment
@@ -441,7 +453,7 @@ def test_heads_of_64_in_a_cache_padded_to_128_lanes_give_the_unpadded_results(im
     got, want = np.asarray(got), np.asarray(want)
     assert np.isfinite(got).all() and got[:9].any() and not got[9:].any()  # 9 real tokens
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-    for padded, unpadded in zip(tiled_cache.buffers, plain_cache.buffers):
+    for padded, unpadded in zip(tiled_cache.buffers, plain_cache.buffers, strict=True):
         padded, unpadded = np.asarray(padded), np.asarray(unpadded)
         assert not padded[..., LOGICAL_HEAD:].any(), "padded head columns stay exactly zero"
         np.testing.assert_array_equal(padded[1:, ..., :LOGICAL_HEAD], unpadded[1:])  # block 0: padding
@@ -493,7 +505,7 @@ def test_a_head_dim_larger_than_the_cache_is_refused_and_the_cache_kept(layout, 
     with pytest.raises(KVShapeError, match="head dim 129, larger than the cache's head_dim 128"):
         ops.paged_attention(jnp.ones((2, 4, 129)), cache, "l1", attention_metadata(("l1", "l3"), **meta), sm_scale=1.0)
     assert not any(b.is_deleted() for b in cache.buffers), "nothing was donated"
-    for b, old in zip(cache.buffers, before):
+    for b, old in zip(cache.buffers, before, strict=True):
         np.testing.assert_array_equal(np.asarray(b), old)
 
 

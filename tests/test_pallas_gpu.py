@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from paged_batches import compare_attention, make_batch, random_batch
+from paged_batches import AttentionCase, compare_attention, make_batch, random_batch
 
 from jaxkv.pallas import gpu as kernels
 from jaxkv.pallas.reference import KVShapeError
@@ -23,37 +23,74 @@ ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
 
 CASES = {
-    # name: (dtype, H, G, D, bs, decodes, prefills, max_len, window, soft_cap, layer_index, tuning)
-    "bf16-gqa4-per-layer": (jnp.bfloat16, 2, 4, 128, 16, 3, 2, 150, None, None, None, {}),
-    "bf16-gqa8-cross-layer-window-cap-splits": (
+    "bf16-gqa4-per-layer": AttentionCase(
         jnp.bfloat16,
-        1,
-        8,
-        64,
-        32,
-        2,
-        2,
-        200,
-        40,
-        5.0,
-        1,
-        {"num_kv_splits": 3},
+        num_kv_heads=2,
+        num_queries_per_kv=4,
+        head_dim=128,
+        block_size=16,
+        num_decodes=3,
+        num_prefills=2,
+        max_len=150,
     ),
-    "fp16-mha-big-pages-window": (jnp.float16, 1, 1, 64, 128, 2, 1, 300, 70, None, None, {"num_slots": 2}),
-    "bf16-gqa2-chunk128": (jnp.bfloat16, 1, 2, 64, 16, 1, 2, 260, None, None, None, {"kv_tokens_per_chunk": 128}),
+    "bf16-gqa8-cross-layer-window-cap-splits": AttentionCase(
+        jnp.bfloat16,
+        num_kv_heads=1,
+        num_queries_per_kv=8,
+        head_dim=64,
+        block_size=32,
+        num_decodes=2,
+        num_prefills=2,
+        max_len=200,
+        window=40,
+        soft_cap=5.0,
+        layer_index=1,
+        tuning={"num_kv_splits": 3},
+    ),
+    "fp16-mha-big-pages-window": AttentionCase(
+        jnp.float16,
+        num_kv_heads=1,
+        num_queries_per_kv=1,
+        head_dim=64,
+        block_size=128,
+        num_decodes=2,
+        num_prefills=1,
+        max_len=300,
+        window=70,
+        tuning={"num_slots": 2},
+    ),
+    "bf16-gqa2-chunk128": AttentionCase(
+        jnp.bfloat16,
+        num_kv_heads=1,
+        num_queries_per_kv=2,
+        head_dim=64,
+        block_size=16,
+        num_decodes=1,
+        num_prefills=2,
+        max_len=260,
+        tuning={"kv_tokens_per_chunk": 128},
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_the_reference(rng, case):
-    dtype, h, g, d, bs, decodes, prefills, max_len, window, cap, layer, tuning = CASES[case]
-    batch = random_batch(
-        rng, dtype, h, g, d, bs, decodes, prefills, max_len, window=window, layer_index=layer, num_layers_per_block=2
-    )
+    c = CASES[case]
+    batch = c.batch(rng, num_layers_per_block=2)
     kernel = functools.partial(kernels.paged_attention, interpret=INTERPRET)
-    compare_attention(kernel, rng, batch, layer_index=layer, sm_scale=d**-0.5, window=window, soft_cap=cap, **tuning)
+    compare_attention(
+        kernel,
+        rng,
+        batch,
+        layer_index=c.layer_index,
+        sm_scale=c.head_dim**-0.5,
+        window=c.window,
+        soft_cap=c.soft_cap,
+        **c.tuning,
+    )
 
 
+@pytest.mark.slow
 def test_kv_splits_do_not_change_the_result(rng):
     """One long decode split over 1 and 4 CTAs, and a prefill chunk: the merge is exact."""
     batch = make_batch(
@@ -78,6 +115,7 @@ def test_kv_splits_do_not_change_the_result(rng):
     assert abs(outs[0] - outs[1]).max() <= 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernel is compiled and run by the tests above")
 @pytest.mark.parametrize("layer_index, window, soft_cap", [(None, None, None), (1, 48, 30.0)])
 def test_kernel_lowers_for_cuda(rng, layer_index, window, soft_cap):

@@ -17,7 +17,15 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
-from paged_batches import Batch, SeededRng, bits, compare_attention, make_batch, random_batch, random_seqs
+from paged_batches import (
+    AttentionCase,
+    Batch,
+    SeededRng,
+    bits,
+    compare_attention,
+    make_batch,
+    random_seqs,
+)
 
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import tpu as kernels
@@ -43,88 +51,112 @@ def check_attention(rng: SeededRng, batch: Batch, *, interpret: pltpu.InterpretP
 
 
 ATTENTION_CASES = {
-    # name: (dtype, H, G, D, bs, decodes, prefills, max_len, window, soft_cap, layer_index, tuning)
-    "fp32-mha-per-layer": (jnp.float32, 2, 1, 8, 4, 3, 2, 13, None, None, None, {}),
-    "fp32-gqa2-cross-layer": (
+    "fp32-mha-per-layer": AttentionCase(
         jnp.float32,
-        2,
-        2,
-        8,
-        4,
-        2,
-        2,
-        14,
-        None,
-        None,
-        1,
-        {"pages_per_chunk": 2},
+        num_kv_heads=2,
+        num_queries_per_kv=1,
+        head_dim=8,
+        block_size=4,
+        num_decodes=3,
+        num_prefills=2,
+        max_len=13,
     ),
-    "fp32-gqa4-window-cap": (
+    "fp32-gqa2-cross-layer": AttentionCase(
         jnp.float32,
-        1,
-        4,
-        16,
-        4,
-        2,
-        2,
-        17,
-        5,
-        4.0,
-        None,
-        {"pages_per_chunk": 1},
+        num_kv_heads=2,
+        num_queries_per_kv=2,
+        head_dim=8,
+        block_size=4,
+        num_decodes=2,
+        num_prefills=2,
+        max_len=14,
+        layer_index=1,
+        tuning={"pages_per_chunk": 2},
     ),
-    "fp32-window-eq-block": (
+    "fp32-gqa4-window-cap": AttentionCase(
         jnp.float32,
-        2,
-        2,
-        8,
-        4,
-        1,
-        2,
-        15,
-        4,
-        None,
-        0,
-        {"queries_per_tile": 8},
+        num_kv_heads=1,
+        num_queries_per_kv=4,
+        head_dim=16,
+        block_size=4,
+        num_decodes=2,
+        num_prefills=2,
+        max_len=17,
+        window=5,
+        soft_cap=4.0,
+        tuning={"pages_per_chunk": 1},
     ),
-    "fp32-window-1": (jnp.float32, 1, 2, 8, 2, 2, 1, 9, 1, None, None, {"pages_per_chunk": 3}),
-    "fp32-prefill-only-tiles": (
+    "fp32-window-eq-block": AttentionCase(
         jnp.float32,
-        1,
-        2,
-        8,
-        4,
-        0,
-        3,
-        20,
-        6,
-        2.5,
-        2,
-        {"queries_per_tile": 8, "pages_per_chunk": 2},
+        num_kv_heads=2,
+        num_queries_per_kv=2,
+        head_dim=8,
+        block_size=4,
+        num_decodes=1,
+        num_prefills=2,
+        max_len=15,
+        window=4,
+        layer_index=0,
+        tuning={"queries_per_tile": 8},
     ),
-    "bf16-gqa4": (jnp.bfloat16, 1, 4, 16, 4, 3, 1, 12, None, None, None, {}),
-    "bf16-window-cap-cross": (
+    "fp32-window-1": AttentionCase(
+        jnp.float32,
+        num_kv_heads=1,
+        num_queries_per_kv=2,
+        head_dim=8,
+        block_size=2,
+        num_decodes=2,
+        num_prefills=1,
+        max_len=9,
+        window=1,
+        tuning={"pages_per_chunk": 3},
+    ),
+    "fp32-prefill-only-tiles": AttentionCase(
+        jnp.float32,
+        num_kv_heads=1,
+        num_queries_per_kv=2,
+        head_dim=8,
+        block_size=4,
+        num_decodes=0,
+        num_prefills=3,
+        max_len=20,
+        window=6,
+        soft_cap=2.5,
+        layer_index=2,
+        tuning={"queries_per_tile": 8, "pages_per_chunk": 2},
+    ),
+    "bf16-gqa4": AttentionCase(
         jnp.bfloat16,
-        2,
-        2,
-        16,
-        8,
-        2,
-        2,
-        19,
-        7,
-        3.0,
-        1,
-        {"pages_per_chunk": 1},
+        num_kv_heads=1,
+        num_queries_per_kv=4,
+        head_dim=16,
+        block_size=4,
+        num_decodes=3,
+        num_prefills=1,
+        max_len=12,
+    ),
+    "bf16-window-cap-cross": AttentionCase(
+        jnp.bfloat16,
+        num_kv_heads=2,
+        num_queries_per_kv=2,
+        head_dim=16,
+        block_size=8,
+        num_decodes=2,
+        num_prefills=2,
+        max_len=19,
+        window=7,
+        soft_cap=3.0,
+        layer_index=1,
+        tuning={"pages_per_chunk": 1},
     ),
 }
 
 
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 def test_paged_attention_matches_reference(rng, case):
-    dtype, h, g, d, bs, decodes, prefills, max_len, window, cap, layer, tuning = ATTENTION_CASES[case]
-    batch = random_batch(rng, dtype, h, g, d, bs, decodes, prefills, max_len, window=window, layer_index=layer)
-    check_attention(rng, batch, layer_index=layer, window=window, soft_cap=cap, **tuning)
+    c = ATTENTION_CASES[case]
+    batch = c.batch(rng)
+    check_attention(rng, batch, layer_index=c.layer_index, window=c.window, soft_cap=c.soft_cap, **c.tuning)
 
 
 def test_paged_attention_full_batch_and_empty_sequences(rng):
@@ -172,6 +204,7 @@ def test_paged_attention_window_covers_everything(rng):
     np.testing.assert_allclose(windowed, np.asarray(causal), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_paged_attention_matches_jax_bundled_reference(rng):
     """Second, independent oracle: JAX's own ref_ragged_paged_attention (real rows)."""
     seqs = random_seqs(rng, 2, 2, 14)
@@ -362,7 +395,7 @@ def test_copy_blocks_matches_reference_and_touches_nothing_else(rng, dtype, layo
     untouched = np.setdiff1d(np.arange(n), dst[src != dst])
     msg = f"seed={rng.seed}"
     assert len(out) == len(buffers)
-    for o, w, b in zip(out, want, buffers):
+    for o, w, b in zip(out, want, buffers, strict=False):
         np.testing.assert_array_equal(bits(o), bits(w), err_msg=msg)
         np.testing.assert_array_equal(bits(o)[untouched], bits(b)[untouched], err_msg=msg)
         np.testing.assert_array_equal(bits(o)[dst], bits(b)[src], err_msg=msg)
@@ -380,7 +413,7 @@ def test_copy_states_matches_reference_over_buffers_of_any_shape_and_dtype(rng):
     out = kernels.copy_states(buffers, jnp.asarray(src), jnp.asarray(dst), interpret=params)
     want = ref.copy_states(buffers, jnp.asarray(src), jnp.asarray(dst))
     msg = f"seed={rng.seed}"
-    for o, w, b in zip(out, want, buffers):
+    for o, w, b in zip(out, want, buffers, strict=False):
         assert o.shape == b.shape and o.dtype == b.dtype
         np.testing.assert_array_equal(bits(o), bits(w), err_msg=msg)
         np.testing.assert_array_equal(bits(o)[dst], bits(b)[src], err_msg=msg)

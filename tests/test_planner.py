@@ -1,6 +1,7 @@
 """The planner: groups, unified pages, block sizes, layout, num_blocks; and its CLI."""
 
 import math
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -72,7 +73,7 @@ def check_plan(config: KVCacheConfig, layer_specs, memory_bytes: int) -> None:
 
 def request_pages(counts, blocks, slots):
     """Slot-pages one max_model_len request occupies with ``slots`` per group."""
-    return sum(math.ceil(n / slots) * slots * b for n, b in zip(counts, blocks))
+    return sum(math.ceil(n / slots) * slots * b for n, b in zip(counts, blocks, strict=False))
 
 
 # ------------------------------------------------------------ real models
@@ -134,7 +135,7 @@ def test_jamba_grows_attention_blocks_until_a_page_holds_a_mamba_state():
     assert len(mamba) == 7 and all(len(g.layer_names) == 4 for g in mamba)
     assert all(g.block_size == attention.block_size for g in mamba)
     # Each Mamba page is padded up to the attention page; the padding is reported.
-    padding = dict(zip(config.groups, config.padding_bytes_per_block))
+    padding = dict(zip(config.groups, config.padding_bytes_per_block, strict=False))
     assert all(padding[g] == 4 * (page - state) for g in mamba)
     assert padding[attention] == 0
     assert "padded" in config.summary()
@@ -163,7 +164,7 @@ def test_pages_in_a_non_integer_ratio_are_incompatible():
         "full": FullAttentionSpec(num_kv_heads=8, head_size=128),  # 65,536 B at 16
         "mla": MLASpec(kv_lora_rank=512, qk_rope_head_dim=64),  # 18,432 B at 16
     }
-    with pytest.raises(IncompatibleSpecsError, match="18432 B.*65536 B"):
+    with pytest.raises(IncompatibleSpecsError, match=r"18432 B.*65536 B"):
         plan_kv_cache(specs, GiB, max_model_len=4096)
 
 
@@ -196,8 +197,8 @@ def test_too_small_a_budget_names_the_budget_the_need_and_the_length():
     with pytest.raises(InsufficientMemoryError) as info:
         plan_kv_cache(specs, need - 1, max_model_len=32768)
     message = str(info.value)
-    assert f"memory_bytes={need - 1}" in message
-    assert str(need) in message and "max_model_len=32768" in message
+    assert f"memory_bytes={need - 1}" in message and "max_model_len=32768" in message
+    assert f"the smallest budget that fits is {need:,} B" in message
 
 
 def test_num_blocks_override_is_used_but_must_fit_the_budget():
@@ -307,7 +308,7 @@ def test_mamba_states_keep_their_size_while_attention_heads_are_padded():
     assert all(g.spec == specs["layers.0"] for g in mamba)
     # A padded attention page (32 KiB at block 16) already holds a state: no growth.
     assert attention[0].block_size == 16 and config.pages.page_size_bytes == 16 * 2048
-    padding = dict(zip(config.groups, config.padding_bytes_per_block))
+    padding = dict(zip(config.groups, config.padding_bytes_per_block, strict=False))
     page = config.pages.page_size_bytes
     assert all(padding[g] == len(g.layer_names) * (page - state) for g in mamba)
     # Every token of every attention layer carries 2 x 2 heads x (128 - 16) zero floats.
@@ -407,7 +408,7 @@ def mamba_specs():
 def models(draw):
     kinds = draw(st.lists(st.one_of(attention_specs(), mamba_specs()), min_size=1, max_size=4))
     counts = draw(st.lists(st.integers(1, 12), min_size=len(kinds), max_size=len(kinds)))
-    layers = [spec for spec, n in zip(kinds, counts) for _ in range(n)]
+    layers = [spec for spec, n in zip(kinds, counts, strict=False) for _ in range(n)]
     order = draw(st.permutations(layers))
     return {f"layers.{i}": spec for i, spec in enumerate(order)}
 
@@ -437,7 +438,7 @@ def test_any_mix_plans_equal_slots_and_pages_within_budget(specs, memory, max_mo
         types[spec.type_key] = types.get(spec.type_key, 0) + 1
     smallest = min(types.values())
     assert len(config.groups) <= sum(math.ceil(n / smallest) for n in types.values())
-    per_type = {g.spec.type_key: b for g, b in zip(config.groups, config.blocks_per_request())}
+    per_type = {g.spec.type_key: b for g, b in zip(config.groups, config.blocks_per_request(), strict=False)}
     counts = list(types.values())
     blocks = [per_type[k] for k in types]
     assert request_pages(counts, blocks, config.pages.num_layers_per_block) <= request_pages(counts, blocks, smallest)
@@ -467,6 +468,7 @@ def run_cli(*args):
     )
 
 
+@pytest.mark.subprocess
 def test_cli_prints_the_plan_table():
     out = run_cli("--preset", "gemma-3-27b", "--memory", "16GiB", "--max-model-len", "32768")
     assert out.returncode == 0, out.stderr
@@ -474,6 +476,7 @@ def test_cli_prints_the_plan_table():
     assert "num_blocks" in out.stdout and "max concurrency" in out.stdout
 
 
+@pytest.mark.subprocess
 def test_cli_unknown_preset_is_one_line_and_status_2():
     out = run_cli("--preset", "nope", "--memory", "16GiB", "--max-model-len", "32768")
     assert out.returncode == 2
@@ -481,12 +484,15 @@ def test_cli_unknown_preset_is_one_line_and_status_2():
     assert "'nope'" in out.stderr and "gemma-3-27b" in out.stderr
 
 
-def test_cli_too_small_budget_is_status_1():
+@pytest.mark.subprocess
+def test_cli_too_small_budget_is_status_2_and_names_the_smallest_that_fits():
     out = run_cli("--preset", "llama-3.1-8b", "--memory", "1MiB", "--max_model_len=32768")
-    assert out.returncode == 1 and "memory_bytes=1048576" in out.stderr
+    assert out.returncode == 2 and "memory_bytes=1048576" in out.stderr
+    assert "the smallest budget that fits is 4,297,064,448 B (4.00 GiB)" in out.stderr
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.subprocess
 def test_cli_pads_heads_to_tiles_on_request():
     args = ("--preset", "gpt-oss-120b", "--memory", "16GiB", "--max-model-len", "32768")
     plain, tiled = run_cli(*args), run_cli(*args, "--head_dim_multiple", "128")
@@ -627,6 +633,21 @@ def test_max_num_seqs_fixes_the_live_states_and_attention_takes_the_rest():
         plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool", max_num_seqs=100_000)
 
 
+@pytest.mark.parametrize("max_num_seqs", [None, 8])
+@pytest.mark.parametrize("checkpoint_bytes", [0, 300 << 20])
+def test_a_state_pool_refusal_names_the_smallest_budget_that_fits(max_num_seqs, checkpoint_bytes):
+    specs = get_preset("nemotron-h-8b")
+    kwargs = dict(max_model_len=32768, state_layout="state_pool", max_num_seqs=max_num_seqs)
+    with pytest.raises(InsufficientMemoryError, match="the smallest budget that fits is") as info:
+        plan_kv_cache(specs, 512 << 20, checkpoint_bytes=checkpoint_bytes, **kwargs)
+    smallest = int(
+        re.search(r"the smallest budget that fits is ([0-9,]+) B", str(info.value)).group(1).replace(",", "")
+    )
+    plan_kv_cache(specs, smallest, checkpoint_bytes=checkpoint_bytes, **kwargs)
+    with pytest.raises(InsufficientMemoryError):
+        plan_kv_cache(specs, smallest - 1, checkpoint_bytes=checkpoint_bytes, **kwargs)
+
+
 def test_a_state_pool_too_small_for_one_request_names_the_budget():
     specs = get_preset("nemotron-h-8b")
     with pytest.raises(InsufficientMemoryError, match="memory_bytes=536870912 with checkpoint_bytes=0"):
@@ -676,7 +697,7 @@ def test_bad_state_layout_arguments_raise_a_plan_error_naming_the_value(kwargs, 
 
 
 def test_a_state_pool_without_recurrent_layers_is_refused():
-    with pytest.raises(PlanError, match="needs recurrent .* every layer is attention: full_attention"):
+    with pytest.raises(PlanError, match=r"needs recurrent .* every layer is attention: full_attention"):
         plan_kv_cache(get_preset("llama-3.1-8b"), 16 * GiB, max_model_len=32768, state_layout="state_pool")
 
 

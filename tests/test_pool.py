@@ -1,5 +1,7 @@
 """BlockPool: the null block, the free queue's order, ref counts, the hash map, events."""
 
+import logging
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -53,7 +55,8 @@ def test_touching_a_free_cached_block_takes_it_out_of_the_queue():
     assert pool.ref_cnt[b] == 2 and pool.ref_cnt[0] == 0
 
 
-def test_allocation_evicts_the_hash_of_a_reused_block():
+def test_allocation_evicts_the_hash_of_a_reused_block(caplog):
+    caplog.set_level(logging.DEBUG, logger="jaxkv")
     pool = BlockPool(3, enable_events=True)
     [b, c] = pool.get_new_blocks(2)
     pool.cache_blocks(0, [b], [h(1)], 0, 1, block_size=2, token_ids=[7, 8])
@@ -62,6 +65,7 @@ def test_allocation_evicts_the_hash_of_a_reused_block():
     pool.free_blocks([c])  # uncached: head
     assert pool.get_new_blocks(2) == [c, b]
     assert pool.cached[0] == {} and pool.block_hash[b] is None
+    assert [r.getMessage() for r in caplog.records] == ["evicted 1 cached block(s) to hand out 2"]
     events = pool.take_events()
     assert events == [
         BlockStored(

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ragged_metadata
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+from paged_batches import ragged_metadata
 
 from jaxkv.pallas import reference as ref
 
@@ -231,13 +231,13 @@ def test_cross_layer_gather_is_one_contiguous_slice_per_block(rng):
     got = ref.gather_blocks((buffer,), ids)
     # All layers' pages of a block sit together: the block is buffer[id], a C-contiguous
     # sub-array of block_bytes (leading axis = block id), not a per-layer gather.
-    assert got.shape == (2,) + buffer.shape[1:]
+    assert got.shape == (2, *buffer.shape[1:])
     host = np.asarray(buffer)
     assert host[7].flags.c_contiguous and host[7].nbytes == host.nbytes // NUM_BLOCKS
     np.testing.assert_array_equal(np.asarray(got), host[np.asarray(ids)])
     jaxpr = jax.make_jaxpr(ref.gather_blocks)((buffer,), ids)
     (gather,) = [e for e in jaxpr.eqns if e.primitive.name == "gather"]
-    assert gather.params["slice_sizes"] == (1,) + buffer.shape[1:]
+    assert gather.params["slice_sizes"] == (1, *buffer.shape[1:])
 
 
 def test_block_ops_reject_mismatched_buffers():

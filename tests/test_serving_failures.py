@@ -184,7 +184,13 @@ def test_different_cache_salts_never_share_blocks(models):
 def test_generate_from_another_thread_is_refused(models):
     eng = engine(models["tiny-llama"])
     errors = []
-    worker = threading.Thread(target=lambda: errors.append(pytest.raises(WrongThreadError, eng.generate, [[1]], 1)))
+
+    def generate_elsewhere():
+        with pytest.raises(WrongThreadError) as info:
+            eng.generate([[1]], 1)
+        errors.append(info.value)
+
+    worker = threading.Thread(target=generate_elsewhere)
     worker.start()
     worker.join()
     assert len(errors) == 1

@@ -112,11 +112,11 @@ def test_host_pool_of_a_sharded_cache_round_trips_each_shard():
 
 
 def test_kv_heads_that_do_not_split_over_the_mesh_are_typed_errors():
-    with pytest.raises(TensorParallelError, match="num_kv_heads=2 .* tensor_parallel=4"):
+    with pytest.raises(TensorParallelError, match=r"num_kv_heads=2 .* tensor_parallel=4"):
         build("tiny-llama", 4)
     model = TinyLM(get_model_config("tiny-llama"))
     config = plan_kv_cache(model.config.layer_specs(), 2 << 20, max_model_len=256, max_num_batched_tokens=64)
-    with pytest.raises(KVCacheShardingError, match="num_kv_heads=2 .* size 8"):
+    with pytest.raises(KVCacheShardingError, match=r"num_kv_heads=2 .* size 8"):
         Engine(model, config, mesh=model_mesh(8))
     with pytest.raises(MeshError, match="num_devices=9 exceeds the 8"):
         model_mesh(9)

@@ -217,7 +217,7 @@ def test_recurrent_checkpoints_go_to_host_and_come_back_with_the_cold_tokens(
         qwen3_next, state_layout, store, layout, fail_load=lambda ids, host: failures.random(len(ids)) < fail_rate
     )
     for _ in range(2):
-        for prompt, expected in zip(prompts, cold):
+        for prompt, expected in zip(prompts, cold, strict=False):
             assert [list(o.output_token_ids) for o in eng.generate([prompt], NEW_TOKENS).outputs] == [expected]
             assert (eng.audit().device_blocks_leaked, eng.audit().host_blocks_leaked) == (0, 0)
     stats = eng.connector.stats

@@ -1,7 +1,7 @@
 """Host-side rules of the offload connector: external tokens in the manager, host hits."""
 
 import pytest
-from conftest import FULL, make_manager, window
+from kv_configs import FULL, make_manager, window
 
 from jaxkv.manager import KVCacheManagerError, Request
 from jaxkv.offload.catalog import PolicyOffloadingManager

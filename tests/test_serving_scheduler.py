@@ -1,9 +1,10 @@
 """Serving scheduler: batch order, chunked prefill, admission, prefix hits, preemption, finishing."""
 
 import dataclasses
+import logging
 
 import pytest
-from conftest import FULL, make_config, make_manager, window
+from kv_configs import FULL, make_config, make_manager, window
 
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import StatePool
@@ -102,19 +103,20 @@ def test_a_prefix_hit_skips_the_cached_tokens():
     mgr = make_manager(40, FULL)
     sched = Scheduler(mgr, max_num_batched_tokens=512)
     shared = list(range(1000, 1040))
-    first = sched.add_request(Request("a", shared + [1, 2]), 1)
+    first = sched.add_request(Request("a", [*shared, 1, 2]), 1)
     step(sched)
     assert first.num_cached_tokens == 0 and not sched.has_unfinished
-    second = sched.add_request(Request("b", shared + [3, 4, 5]), 1)
+    second = sched.add_request(Request("b", [*shared, 3, 4, 5]), 1)
     out = sched.schedule()
     assert shape(out) == [("b", 32, 11)]
-    assert out.chunks[0].token_ids == shared[32:] + [3, 4, 5]
+    assert out.chunks[0].token_ids == [*shared[32:], 3, 4, 5]
     assert second.num_cached_tokens == 32
     assert out.chunks[0].block_ids[0][:2] == mgr.get_block_ids("b")[0][:2]
 
 
-def test_preemption_frees_the_newest_request_and_requeues_it_first():
+def test_preemption_frees_the_newest_request_and_requeues_it_first(caplog):
     # 6 usable blocks of 16 tokens: "a" and "b" grow until one must go.
+    caplog.set_level(logging.DEBUG, logger="jaxkv")
     mgr = make_manager(7, FULL, max_model_len=256)
     sched = Scheduler(mgr, max_num_batched_tokens=512)
     a = sched.add_request(Request("a", range(40)), 30)
@@ -127,6 +129,9 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
     assert [s.request_id for s in sched.waiting] == ["b", "c"]
     assert b.request.num_computed_tokens == 0 and b.num_output_tokens > 0
     assert sched.num_preemptions == 1 and a in sched.running
+    assert [r.getMessage() for r in caplog.records if r.name == "jaxkv.serving.scheduler"] == [
+        "preempted request 'b' (recompute; 1 preemption(s) of it, 1 in all)"
+    ]
     assert shape(out) == [("a", a.request.num_computed_tokens - 1, 1)]
     while sched.has_unfinished:
         step(sched)
@@ -171,7 +176,7 @@ def test_bad_requests_and_arguments_are_refused_with_the_value():
         sched.add_request(started, 1)
     assert not sched.has_unfinished
     sched.add_request(Request("huge", range(60)), 1)  # needs 4 blocks
-    with pytest.raises(PoolTooSmallError, match="'huge' .60 tokens. cannot be admitted"):
+    with pytest.raises(PoolTooSmallError, match=r"'huge' .60 tokens. cannot be admitted"):
         sched.schedule()
     ok = Scheduler(make_manager(20, FULL))
     ok.add_request(Request("a", range(4)), 1)

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from script_runs import run_script
 
+pytestmark = pytest.mark.subprocess  # runs scripts as a user would
+
 
 def test_serve_prints_tokens_throughput_hits_and_usage_and_matches_dense(tmp_path):
     out = tmp_path / "serve.json"

@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import FULL, make_manager
+from kv_configs import FULL, make_manager
 from script_runs import run_script
 
 from jaxkv.errors import JaxkvError
@@ -194,7 +194,7 @@ def test_a_plan_of_too_many_blocks_is_refused_before_a_manager_exists():
     with pytest.raises(PlanTooLargeError, match=f"{config.num_blocks:,} blocks.*at most 16,777,216") as err:
         check_num_blocks(config.num_blocks)
     assert isinstance(err.value, SimulationError) and isinstance(err.value, JaxkvError)
-    with pytest.raises(SimulationError, match="num_blocks must be a.* int.*, got 0"):
+    with pytest.raises(SimulationError, match=r"num_blocks must be a.* int.*, got 0"):
         check_num_blocks(0)
 
 
@@ -215,7 +215,7 @@ def test_a_pool_too_small_for_one_request_is_an_error(prompt, output):
 
 def test_bad_simulator_arguments_are_named():
     mgr = make_manager(20, FULL)
-    with pytest.raises(SimulationError, match="max_num_seqs must be a.* int.*, got 0"):
+    with pytest.raises(SimulationError, match=r"max_num_seqs must be a.* int.*, got 0"):
         Simulator(mgr, max_num_seqs=0)
     with pytest.raises(TypeError, match="max_num_running"):  # renamed to the scheduler's word, no alias
         Simulator(mgr, max_num_running=4)
@@ -227,7 +227,7 @@ def test_bad_simulator_arguments_are_named():
 
 # ------------------------------------------------------------- JSON traces
 def test_json_trace_round_trip(tmp_path):
-    trace = chat_trace()[:5] + [TraceRequest("salted", 3.5, [1, 2, 3], 4, cache_salt="t1", lora_name="sql")]
+    trace = [*chat_trace()[:5], TraceRequest("salted", 3.5, [1, 2, 3], 4, cache_salt="t1", lora_name="sql")]
     path = tmp_path / "trace.json"
     save_trace(path, trace)
     assert load_trace(path) == trace
@@ -326,6 +326,7 @@ CLI_FLAGS = (
 )
 
 
+@pytest.mark.subprocess
 def test_script_runs_end_to_end_and_replays_its_saved_trace(tmp_path):
     out, trace = tmp_path / "result.json", tmp_path / "trace.json"
     first = simulate(*CLI_FLAGS, f"--out={out}", f"--save_trace={trace}")
@@ -345,6 +346,7 @@ def test_script_runs_end_to_end_and_replays_its_saved_trace(tmp_path):
     assert again["outputs_digest"] == report["result"]["outputs_digest"]
 
 
+@pytest.mark.subprocess
 def test_script_reports_bad_input_in_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1]")
@@ -401,6 +403,7 @@ BAD_CLI = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", list(BAD_CLI))
 def test_script_refuses_bad_input_in_one_line_with_status_2(tmp_path, case):
     flags, more, expected = BAD_CLI[case]
@@ -412,6 +415,7 @@ def test_script_refuses_bad_input_in_one_line_with_status_2(tmp_path, case):
     assert expected in lines[0]
 
 
+@pytest.mark.subprocess
 def test_script_caps_a_trace_request_at_max_model_len(tmp_path):
     trace = _trace_file(tmp_path, "t.json", json.dumps([{**GOOD, "max_output_tokens": 10**11}]).encode())
     out = tmp_path / "out.json"
@@ -419,3 +423,26 @@ def test_script_caps_a_trace_request_at_max_model_len(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())["result"]
     assert report["num_capped"] == 1 and report["num_generated_tokens"] == 510
+
+
+@pytest.mark.subprocess
+def test_script_plots_usage_and_hit_rate_over_time(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sim.png"
+    result = simulate(*CLI_FLAGS, f"--plot={png}")
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {png}" in result.stdout
+    assert "step      50" in result.stdout  # sampling for the plot keeps the progress lines
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.subprocess
+def test_script_refuses_a_plot_without_matplotlib_before_the_run(tmp_path, monkeypatch):
+    blocker = tmp_path / "no_matplotlib" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
+    monkeypatch.setenv("PYTHONPATH", str(blocker.parent))
+    result = simulate(*CLI_FLAGS, f"--plot={tmp_path / 'sim.png'}")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["simulate.py: error: --plot needs matplotlib: pip install 'jaxkv[plots]'"]
+    assert result.stdout == "" and not (tmp_path / "sim.png").exists()

@@ -52,11 +52,11 @@ def test_a_chat_trace_has_tenants_system_prompts_and_follow_ups_that_extend_the_
     first = chat.prompt(0)
     assert first[:12] == list(chat.system_prompt) and 14 <= len(first) <= 16
     follow_up = chat.prompt(1, first, [7, 8])
-    assert follow_up == first + [7, 8] + list(chat.user_messages[1])
+    assert follow_up == [*first, 7, 8, *list(chat.user_messages[1])]
 
 
 def test_bad_chat_trace_knobs_are_refused():
     with pytest.raises(WorkloadError, match=r"message_len must be a range \(lo, hi\) .*got \(3, 2\)"):
         conversations(num_conversations=1, num_tenants=1, system_len=1, num_turns=1, message_len=(3, 2), vocab_size=5)
-    with pytest.raises(WorkloadError, match="num_turns must be a.* int.*, got 0"):
+    with pytest.raises(WorkloadError, match=r"num_turns must be a.* int.*, got 0"):
         conversations(num_conversations=1, num_tenants=1, system_len=1, num_turns=0, message_len=(1, 2), vocab_size=5)

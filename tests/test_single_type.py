@@ -1,7 +1,7 @@
 """Per-type cache-hit rules and span rules of the single-type managers."""
 
 import pytest
-from conftest import FULL, admit, make_manager, window
+from kv_configs import FULL, admit, make_manager, window
 
 from jaxkv.manager import Request
 from jaxkv.single_type import (
@@ -49,8 +49,8 @@ def test_sliding_window_hit_through_the_manager_has_leading_nulls(tokens):
     admit(mgr, req)
     blocks = mgr.get_block_ids("a")[0]
     mgr.free("a")
-    pattern = "T T F T F F T T F T T T".split()
-    mgr.evict_blocks([b for b, c in zip(blocks, pattern) if c == "F"])
+    pattern = ["T", "T", "F", "T", "F", "F", "T", "T", "F", "T", "T", "T"]
+    mgr.evict_blocks([b for b, c in zip(blocks, pattern, strict=False) if c == "F"])
     hit, n = mgr.get_computed_blocks(Request("b", tokens(0, 25)))
     assert n == 24
     assert hit.get_block_ids()[0] == [0] * 10 + blocks[10:12]
@@ -90,7 +90,7 @@ def test_mamba_hit_is_the_last_cached_state():
 def test_mamba_keeps_one_live_state_and_caches_boundary_states(tokens):
     mgr = make_manager(20, mamba_spec(), block_size=4)
     req = Request("m", tokens(0, 10))
-    _, _, new = admit(mgr, req)
+    _, _, _new = admit(mgr, req)
     # Only the block that will hold the state after 10 tokens is allocated.
     assert mgr.get_block_ids("m") == ([0, 0, 1],)
     assert mgr.pool.num_cached_blocks() == 0  # 10 is not a block boundary
@@ -110,7 +110,7 @@ def test_mamba_keeps_one_live_state_and_caches_boundary_states(tokens):
     # The checkpoint fell behind the live state: freed, still cached.
     assert mgr.get_block_ids("m") == ([0, 0, 0, 2],)
     assert mgr.pool.is_free(1) and mgr.pool.cached[0]
-    hit, n = mgr.get_computed_blocks(Request("n", tokens(0, 10) + [0, 1, 5]))
+    hit, n = mgr.get_computed_blocks(Request("n", [*tokens(0, 10), 0, 1, 5]))
     assert n == 12 and hit.get_block_ids() == ([0, 0, 1],)
 
 

@@ -4,7 +4,10 @@ request's tokens equal those of an engine without offload."""
 
 import json
 
+import pytest
 from script_runs import run_script
+
+pytestmark = pytest.mark.subprocess  # runs scripts as a user would
 
 REDUCED = (
     "--num_requests=40",

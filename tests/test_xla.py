@@ -31,7 +31,7 @@ def rng() -> np.random.Generator:
 
 def buffer(rng, layout: str, dtype=jnp.float32) -> jax.Array:
     lead = (NUM_BLOCKS, LAYERS) if layout == "cross_layer" else (NUM_BLOCKS,)
-    return jnp.asarray(rng.standard_normal(lead + (BLOCK, 2 * HEADS, HEAD_DIM)), dtype)
+    return jnp.asarray(rng.standard_normal((*lead, BLOCK, 2 * HEADS, HEAD_DIM)), dtype)
 
 
 def slots_with_padding(rng, num_real: int, num_padding: int) -> jax.Array:
@@ -88,7 +88,9 @@ def test_ops_dispatch_writes_and_copies_to_xla_in_place(rng, monkeypatch):
     calls = []
     for name in ("write_kv", "copy_blocks"):
         monkeypatch.setattr(
-            xla, name, lambda *a, _f=getattr(xla, name), _n=name, **kw: calls.append(_n) or _f(*a, **kw)
+            xla,
+            name,
+            lambda *a, _f=getattr(xla, name), _n=name, **kw: calls.append(_n) or _f(*a, **kw),  # noqa: B008
         )
     k = jnp.asarray(rng.standard_normal((5, HEADS, HEAD_DIM)), jnp.float32)
     slots = slots_with_padding(rng, 4, 1)

@@ -9,6 +9,7 @@ returns None and changes nothing either.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Hashable, Sequence
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from jaxkv.errors import JaxkvError
 from jaxkv.offload.host_blocks import Backend
 from jaxkv.offload.policies import EvictionPolicy, make_policy
+
+_log = logging.getLogger(__name__)
 
 OffloadKey = tuple[Hashable, int]
 """(block hash, KV cache group)."""
@@ -95,6 +98,14 @@ class OffloadingManager(ABC):
     def take_events(self) -> list[OffloadEvent]:
         """Return and clear the events since the last call."""
 
+    @abstractmethod
+    def num_keys_by_state(self) -> dict[str, int]:
+        """How many keys are ``storing``, ``ready`` and ``pinned`` (for leak checks)."""
+
+    @abstractmethod
+    def num_allocated_places(self) -> int:
+        """Places the backend has handed out; equals ``len(self)`` unless one leaked."""
+
 
 @dataclass
 class _Entry:
@@ -106,9 +117,13 @@ class _Entry:
 class PolicyOffloadingManager(OffloadingManager):
     """An offloading manager over a :class:`Backend` with an eviction policy by name."""
 
-    def __init__(self, backend: Backend, policy: str | EvictionPolicy = "lru", *, enable_events: bool = True) -> None:
+    def __init__(
+        self, backend: Backend, policy: str | EvictionPolicy[OffloadKey] = "lru", *, enable_events: bool = True
+    ) -> None:
         self.backend = backend
-        self.policy = make_policy(policy, backend.capacity) if isinstance(policy, str) else policy
+        self.policy: EvictionPolicy[OffloadKey] = (
+            make_policy(policy, backend.capacity) if isinstance(policy, str) else policy
+        )
         self.enable_events = enable_events
         self._entries: dict[OffloadKey, _Entry] = {}
         self._events: list[OffloadEvent] = []
@@ -177,11 +192,12 @@ class PolicyOffloadingManager(OffloadingManager):
             victims = chosen
         self.policy.admit(incoming, victims)
         if victims:
+            _log.debug("host tier evicts %d key(s) to store %d", len(victims), len(incoming))
             self.backend.free([self._entries.pop(key).place for key in victims])
             if self.enable_events:
                 self._events.append(KeysRemoved(tuple(victims)))
         places = self.backend.allocate(len(incoming))
-        for key, place in zip(incoming, places):
+        for key, place in zip(incoming, places, strict=True):
             self._entries[key] = _Entry(place)
         return PrepareStoreOutput(tuple(incoming), tuple(places), tuple(victims))
 

@@ -117,7 +117,7 @@ def _write_rows(buf: jax.Array, host_blocks: jax.Array, rows: jax.Array) -> jax.
 def _read_rows(buf: jax.Array, host_blocks: jax.Array) -> jax.Array:
     """``buf[host_blocks]`` on the device: one dynamic-slice per row, each moved to the device
     (a host->device DMA), joined on the device."""
-    row_shape = (1,) + buf.shape[1:]
+    row_shape = (1, *buf.shape[1:])
     rows = [
         jax.device_put(
             lax.dynamic_slice(buf, _host_row_starts(buf, host_blocks[i]), row_shape), jax.memory.Space.Device
@@ -227,7 +227,7 @@ class HostKVPool:
         self.num_blocks = num_blocks
         self.block_shape = tuple(shape)
         self.dtype = jnp.dtype(dtype)
-        full = (num_blocks + 1,) + self.block_shape
+        full = (num_blocks + 1, *self.block_shape)
         shards: dict[tuple, list[jax.Device]] = {}
         indices = self.sharding.addressable_devices_indices_map(full)
         for device in sorted(indices, key=lambda d: d.id):
@@ -236,7 +236,7 @@ class HostKVPool:
         shard_shape = self.sharding.shard_shape(full)
         self._shards = []
         for key, devices in shards.items():
-            index = (slice(None),) + tuple(slice(start, stop) for start, stop in key[1:])
+            index = (slice(None), *tuple(slice(start, stop) for start, stop in key[1:]))
             zeros = np.zeros(shard_shape, self.dtype)
             buffer = jax.device_put(zeros, _host_sharding(devices[0])) if memory_kind == "pinned_host" else zeros
             self._shards.append(_Shard(index, devices, buffer))
@@ -273,19 +273,19 @@ class HostKVPool:
         if bad:
             raise HostPoolError(f"host blocks out of range [0, {self.num_blocks}]: {bad}")
 
-    def bump(self, host_blocks: Sequence[int]) -> np.ndarray:
+    def bump(self, host_blocks: Sequence[int] | np.ndarray) -> np.ndarray:
         """A new generation for each host block (a new writer owns it); returns them."""
-        host_blocks = np.asarray(host_blocks, np.int64)
-        self.generation[host_blocks] += 1
+        rows = np.asarray(host_blocks, np.int64)
+        self.generation[rows] += 1
         self.generation[SCRATCH_HOST_BLOCK] = 0
-        return self.generation[host_blocks].copy()
+        return self.generation[rows].copy()
 
     def release(self, host_blocks: Sequence[int]) -> None:
         """The host blocks were freed by the manager: any transfer still in flight is stale."""
         self.check_host_blocks(host_blocks)
         self.bump(host_blocks)
 
-    def current(self, host_blocks: Sequence[int], generations: np.ndarray) -> np.ndarray:
+    def current(self, host_blocks: Sequence[int] | np.ndarray, generations: np.ndarray) -> np.ndarray:
         """Which host blocks still have the given generations (scratch rows count as current)."""
         return self.generation[np.asarray(host_blocks, np.int64)] == generations
 
@@ -323,7 +323,7 @@ class HostKVPool:
                 parts = [read(shard.buffer, jnp.asarray(host_blocks[part])) for part in _row_parts(len(host_blocks))]
                 rows = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
             arrays.extend(shard.to_devices(rows))
-        shape = (len(host_blocks),) + self.block_shape
+        shape = (len(host_blocks), *self.block_shape)
         return jax.make_array_from_single_device_arrays(shape, self.sharding, arrays)
 
     def rows(self, host_blocks: Sequence[int]) -> np.ndarray:

@@ -12,11 +12,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Generic, TypeVar
 
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 
-Key = Hashable
+Key = TypeVar("Key", bound=Hashable)
 Evictable = Callable[[Key], bool]
 Ready = Callable[[Key], bool]
 """Whether a resident key's data is in the tier (its store completed)."""
@@ -30,7 +31,7 @@ class UnknownPolicyError(PolicyError):
     """A policy name that is not in :data:`POLICIES`."""
 
 
-class EvictionPolicy(ABC):
+class EvictionPolicy(ABC, Generic[Key]):
     """Orders resident keys for eviction; ``capacity`` is the host tier's size in blocks."""
 
     def __init__(self, capacity: int) -> None:
@@ -44,7 +45,7 @@ class EvictionPolicy(ABC):
         policy with a frequency list must not count it as a second use."""
 
     @abstractmethod
-    def choose_victims(self, n: int, evictable: Evictable, incoming: Sequence[Key]) -> list[Key] | None:
+    def choose_victims(self, n: int, evictable: Evictable[Key], incoming: Sequence[Key]) -> list[Key] | None:
         """``n`` evictable keys to make room for ``incoming``, or None; changes nothing."""
 
     @abstractmethod
@@ -60,14 +61,14 @@ class EvictionPolicy(ABC):
         """Resident keys, roughly in eviction order (for tests and debugging)."""
 
 
-def _first_evictable(order: Iterable[Key], evictable: Evictable, taken: set[Key]) -> Key | None:
+def _first_evictable(order: Iterable[Key], evictable: Evictable[Key], taken: set[Key]) -> Key | None:
     for key in order:
         if key not in taken and evictable(key):
             return key
     return None
 
 
-class LRUPolicy(EvictionPolicy):
+class LRUPolicy(EvictionPolicy[Key]):
     """Least recently used first; new keys enter as most recent."""
 
     def __init__(self, capacity: int) -> None:
@@ -79,7 +80,7 @@ class LRUPolicy(EvictionPolicy):
             if key in self._order:
                 self._order.move_to_end(key)
 
-    def choose_victims(self, n: int, evictable: Evictable, incoming: Sequence[Key]) -> list[Key] | None:
+    def choose_victims(self, n: int, evictable: Evictable[Key], incoming: Sequence[Key]) -> list[Key] | None:
         victims = [key for key in self._order if evictable(key)][:n]
         return victims if len(victims) == n else None
 
@@ -97,7 +98,7 @@ class LRUPolicy(EvictionPolicy):
         return list(self._order)
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(EvictionPolicy[Key]):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003) over host blocks.
 
     ``T1`` holds keys seen once (recency), ``T2`` keys hit again (frequency); ``B1`` /
@@ -146,7 +147,7 @@ class ARCPolicy(EvictionPolicy):
                 b2 -= 1
         return p
 
-    def choose_victims(self, n: int, evictable: Evictable, incoming: Sequence[Key]) -> list[Key] | None:
+    def choose_victims(self, n: int, evictable: Evictable[Key], incoming: Sequence[Key]) -> list[Key] | None:
         p = self._adapted_p(incoming)
         prefer_t1_at_p = bool(incoming) and incoming[0] in self.b2
         t1_size = len(self.t1)
@@ -200,10 +201,10 @@ class ARCPolicy(EvictionPolicy):
         return list(self.t1) + list(self.t2)
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, type[EvictionPolicy[Any]]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
-def make_policy(name: str, capacity: int) -> EvictionPolicy:
+def make_policy(name: str, capacity: int) -> EvictionPolicy[Any]:
     """The policy registered as ``name`` (see :data:`POLICIES`) for ``capacity`` blocks."""
     if name not in POLICIES:
         raise UnknownPolicyError(f"unknown eviction policy {name!r}; valid: {', '.join(POLICIES)}")

@@ -140,22 +140,22 @@ class TransferEngine:
                 f"cache blocks {shape} {dtype} do not match the host pool's {self.pool.block_shape} {self.pool.dtype}"
             )
         ids = np.asarray(block_ids, np.int64).reshape(-1)
-        host_blocks = np.asarray(host_blocks, np.int64).reshape(-1)
-        if len(ids) != len(host_blocks):
-            raise TransferError(f"{len(ids)} block ids but {len(host_blocks)} host blocks")
+        hosts = np.asarray(host_blocks, np.int64).reshape(-1)
+        if len(ids) != len(hosts):
+            raise TransferError(f"{len(ids)} block ids but {len(hosts)} host blocks")
         num_rows = cache.num_rows if isinstance(cache, StateCache) else cache.num_blocks
         bad = ids[(ids <= NULL_BLOCK) | (ids >= num_rows)]
         if bad.size:
             raise TransferError(f"device block ids out of range [1, {num_rows}): {bad.tolist()}")
         try:
-            self.pool.check_host_blocks(host_blocks.tolist())
+            self.pool.check_host_blocks(hosts.tolist())
         except HostPoolError as err:
             raise TransferError(str(err)) from None
-        if (host_blocks == SCRATCH_HOST_BLOCK).any():
-            raise TransferError(f"host block {SCRATCH_HOST_BLOCK} is the scratch host block: {host_blocks.tolist()}")
-        if len(set(host_blocks.tolist())) != len(host_blocks):
-            raise TransferError(f"host blocks repeat: {host_blocks.tolist()}")
-        return ids, host_blocks
+        if (hosts == SCRATCH_HOST_BLOCK).any():
+            raise TransferError(f"host block {SCRATCH_HOST_BLOCK} is the scratch host block: {hosts.tolist()}")
+        if len(set(hosts.tolist())) != len(hosts):
+            raise TransferError(f"host blocks repeat: {hosts.tolist()}")
+        return ids, hosts
 
     @staticmethod
     def _injected(hook: FailureHook | None, ids: np.ndarray, host_blocks: np.ndarray) -> np.ndarray:
@@ -189,9 +189,9 @@ class TransferEngine:
         The cache is only read. Reuse a source device block only once
         :meth:`is_done` (or :meth:`wait`) says so.
         """
-        ids, host_blocks = self._check(cache, block_ids, host_blocks)
-        injected = self._injected(self.fail_store, ids, host_blocks)
-        targets = np.where(injected, SCRATCH_HOST_BLOCK, host_blocks)
+        ids, hosts = self._check(cache, block_ids, host_blocks)
+        injected = self._injected(self.fail_store, ids, hosts)
+        targets = np.where(injected, SCRATCH_HOST_BLOCK, hosts)
         generations = self.pool.bump(targets)
         size = bucket_size(len(ids))
         staged = None
@@ -214,16 +214,16 @@ class TransferEngine:
         The result is known at once (:meth:`poll`): a caller need not wait for the data
         before dispatching the step that reads it.
         """
-        ids, host_blocks = self._check(cache, block_ids, host_blocks)
-        injected = self._injected(self.fail_load, ids, host_blocks)
+        ids, hosts = self._check(cache, block_ids, host_blocks)
+        injected = self._injected(self.fail_load, ids, hosts)
         ids = np.where(injected, NULL_BLOCK, ids)
-        host_blocks = np.where(injected, SCRATCH_HOST_BLOCK, host_blocks)
+        hosts = np.where(injected, SCRATCH_HOST_BLOCK, hosts)
         staged = None
         if len(ids):
             size = bucket_size(len(ids))
-            staged = self.pool.read(_pad(host_blocks, size, SCRATCH_HOST_BLOCK))
+            staged = self.pool.read(_pad(hosts, size, SCRATCH_HOST_BLOCK))
             cache = self._scatter(cache, jnp.asarray(_pad(ids, size, NULL_BLOCK)), staged)
-        transfer = Transfer("load", host_blocks, None, injected, staged)
+        transfer = Transfer("load", hosts, None, injected, staged)
         transfer.result = _result(~injected)
         return cache, transfer
 

@@ -303,7 +303,7 @@ def scatter_blocks(buffers: Sequence[jax.Array], ids: jax.Array, data: jax.Array
     """Inverse of :func:`gather_blocks`: block ``ids[i]`` := ``data[i]`` (all layers)."""
     buffers = check_block_buffers(buffers)
     cross = buffers[0].ndim == CROSS_LAYER_NDIM
-    expected = ids.shape + (buffers[0].shape[1:] if cross else (len(buffers),) + buffers[0].shape[1:])
+    expected = ids.shape + (buffers[0].shape[1:] if cross else (len(buffers), *buffers[0].shape[1:]))
     if data.shape != expected:
         raise KVShapeError(f"data {data.shape} must be {expected} for ids {ids.shape}")
     data = data.astype(buffers[0].dtype)

@@ -95,7 +95,7 @@ def paged_attention(
     token_tables = tables[seq]  # (T, width)
     lowest = jnp.zeros_like(position) if sliding_window is None else position - sliding_window + 1
     first = jnp.min(jnp.where(valid, jnp.maximum(lowest, 0), width * block_size)) // chunk
-    last = cdiv(jnp.max(jnp.where(valid, position + 1, 0)), chunk)
+    last = cdiv(jnp.max(jnp.where(valid, position + 1, 0)), chunk)  # type: ignore[arg-type]  # traced ints too
 
     qg = q.reshape(num_tokens, num_kv_heads, num_queries_per_kv, head_dim)  # (T, H, G, D)
     precision = jax.lax.Precision.HIGHEST
@@ -139,7 +139,7 @@ def paged_attention(
     init = (
         jnp.full(shape, -jnp.inf, jnp.float32),
         jnp.zeros(shape, jnp.float32),
-        jnp.zeros(shape + (head_dim,), jnp.float32),
+        jnp.zeros((*shape, head_dim), jnp.float32),
     )
     _, denom, acc = jax.lax.fori_loop(first, last, step, init)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]

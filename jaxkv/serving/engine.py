@@ -35,6 +35,7 @@ from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, plan_kv_cache
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
 from jaxkv.serving.scheduler import Scheduler, SchedulerOutput, SeqState, check_positive_int
+from jaxkv.serving.stats import EngineStats
 from jaxkv.specs import KVCacheSpec, MambaSpec
 
 if TYPE_CHECKING:
@@ -322,6 +323,7 @@ class Engine:
         self._owner = OwnerThread("Engine")
         self._scheduler = self._new_scheduler()
         self._live: dict[str, _LiveRequest] = {}
+        self._step_observers: list[Callable[[EngineStats], None]] = []
 
     @classmethod
     def build(cls, model_name: str = "tiny-hybrid", *, seed: int = 0, **kwargs: Any) -> Engine:
@@ -531,6 +533,10 @@ class Engine:
         if not self._live:
             self._release(())
             self._publish_events()  # the host stores settled by _release
+        if self._step_observers:
+            stats = self.stats()
+            for observer in self._step_observers:
+                observer(stats)
         return EngineStep(finished, output.num_tokens, usage)
 
     def abort(self, request_id: str) -> bool:
@@ -548,6 +554,28 @@ class Engine:
             self._release(())
         self._publish_events()
         return True
+    def add_step_observer(self, observer: Callable[[EngineStats], None]) -> None:
+        """Call ``observer`` with :meth:`stats` after every step (a metrics exporter:
+        :class:`jaxkv.serving.metrics.PrometheusMetrics`)."""
+        self._owner.check()
+        self._step_observers.append(observer)
+
+    def stats(self) -> EngineStats:
+        """Usage, queue lengths and cumulative counters of the engine now."""
+        cache = self.manager.prefix_cache_stats()
+        host = self.connector.stats if self.connector is not None else None
+        return EngineStats(
+            kv_cache_usage=self.manager.usage,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_preemptions=self._scheduler.num_preemptions,
+            prefix_cache_queries=cache.num_queried_tokens,
+            prefix_cache_hits=cache.num_hit_tokens,
+            host_cache_queries=host.num_queried_tokens if host else 0,
+            host_cache_hits=host.num_loaded_tokens if host else 0,
+            offload_stored_bytes=host.num_stored_bytes if host else 0,
+            offload_loaded_bytes=host.num_loaded_bytes if host else 0,
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget the device prefix cache (published as ``AllBlocksCleared``); refused

@@ -64,7 +64,7 @@ class LogitCheck:
         verdict = "PASS" if self.passed else "FAIL"
         tokens = (
             f"tokens identical ({self.num_tokens:,})"
-            if self.identical_tokens
+            if self.first_divergence is None
             else f"{self.num_diverged} request(s) diverge, first at request {self.first_divergence[0]} "
             f"token {self.first_divergence[1]}"
         )
@@ -82,7 +82,7 @@ class LogitCheck:
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -114,16 +114,18 @@ def compare_outputs(
     diverged = []
     max_diff = max_logit = 0.0
     num_positions = 0
-    for index, (a, b) in enumerate(zip(baseline, candidate)):
+    for index, (a, b) in enumerate(zip(baseline, candidate, strict=True)):
         split = _first_difference(a.output_token_ids, b.output_token_ids)
         if split is not None:
             diverged.append((index, split))
         if with_logits:
-            end = min(len(a.logits), len(b.logits), len(a.logits) if split is None else split + 1)
+            la, lb = a.logits, b.logits
+            assert la is not None and lb is not None  # with_logits: checked above
+            end = min(len(la), len(lb), len(la) if split is None else split + 1)
             if end:
-                diff = float(np.abs(a.logits[:end] - b.logits[:end]).max())
+                diff = float(np.abs(la[:end] - lb[:end]).max())
                 max_diff = max(max_diff, np.inf if np.isnan(diff) else diff)  # NaN never passes
-                max_logit = max(max_logit, float(np.abs(a.logits[:end]).max()))
+                max_logit = max(max_logit, float(np.abs(la[:end]).max()))
                 num_positions += end
     if not with_logits:
         max_diff = max_logit = float("nan")

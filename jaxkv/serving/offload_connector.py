@@ -49,6 +49,7 @@ blocking the loop (:meth:`OffloadConnector.finish_stores`).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ from jaxkv.offload.host_pool import HostKVPool
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
 from jaxkv.serving.runner import ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
+
+_log = logging.getLogger(__name__)
 
 STORE_POLICIES = ("on_eviction", "write_through")
 """When device blocks are stored to host: as the pool reuses them, or once filled."""
@@ -109,15 +112,19 @@ class OffloadConfig:
 
 @dataclass
 class ConnectorStats:
-    """Cumulative counters (blocks are (block, group) keys; states count state checkpoints among them)."""
+    """Cumulative counters (blocks are (block, group) keys; states count state checkpoints among
+    them; queried tokens are those past the device hit that admitted requests asked of the host tier)."""
 
+    num_queried_tokens: int = 0
     num_loaded_tokens: int = 0
     num_loaded_blocks: int = 0
+    num_loaded_bytes: int = 0
     num_loaded_states: int = 0
     num_failed_loads: int = 0
     num_stored_blocks: int = 0
     num_failed_stores: int = 0
     num_skipped_stores: int = 0
+    num_stored_bytes: int = 0
 
 
 @dataclass
@@ -191,7 +198,7 @@ class OffloadConnector:
         if manager.recurrent_group_ids():
             state_bytes = config.state_host_bytes
             if state_bytes is None:
-                device_states = runner.cache.states.nbytes
+                device_states = runner.cache.states.nbytes  # type: ignore[union-attr]  # recurrent: a HybridCache
                 state_bytes = host_bytes * device_states // (device_states + runner.kv_cache.nbytes)
             pool = runner.state_host_pool(state_bytes, memory_kind=config.memory_kind)
             states = cls._tier_parts(pool, config, manager.enable_events)
@@ -242,7 +249,7 @@ class OffloadConnector:
 
     def _touch_prefix(self, request: Request, hashes: Sequence[Sequence[bytes]]) -> None:
         """Refresh the host recency of every full block of the request's prompt."""
-        keys = []
+        keys: list[OffloadKey] = []
         for g, bs in enumerate(self.manager.block_sizes):
             keys.extend((h, g) for h in hashes[g][: request.num_prompt_tokens // bs])
         for tier, tier_keys in self._split(keys):
@@ -263,15 +270,16 @@ class OffloadConnector:
         if host is not None:
             pinned = []  # pinned: nothing below can evict them
             try:
-                host_blocks = {}
+                host_blocks: dict[OffloadKey, int] = {}
                 for tier, keys in self._split(host.keys):
-                    host_blocks.update(zip(keys, tier.offload.prepare_load(keys)))
+                    host_blocks.update(zip(keys, tier.offload.prepare_load(keys), strict=True))
                     pinned.append((tier, keys))
                 num_ext = host.end - host.start
                 n = mgr.chunk_limit(request, host.end, min(request.num_tokens - host.end, budget))
                 if mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext) is not None:
                     if self._load(request, host, host_blocks):
                         self._touch_prefix(request, hashes)
+                        self.stats.num_queried_tokens += request.num_tokens - num_hit
                         return host.end
                     hit, num_hit = mgr.get_computed_blocks(request)  # the allocation may have evicted the first hit
             finally:
@@ -281,6 +289,7 @@ class OffloadConnector:
         if mgr.allocate_slots(request, n, num_hit, hit) is None:
             return None
         self._touch_prefix(request, hashes)
+        self.stats.num_queried_tokens += request.num_tokens - num_hit
         return num_hit
 
     def _load(self, request: Request, host: _HostHit, host_blocks: dict[OffloadKey, int]) -> bool:
@@ -290,7 +299,7 @@ class OffloadConnector:
         try:
             self._store_reused()  # the fresh blocks may be reused ones: read them before the load
             table = self.manager.get_block_ids(request.request_id)
-            device = {}
+            device: dict[OffloadKey, int] = {}
             for g, blocks in enumerate(table):
                 for i in self.manager.needed_blocks(g, host.start, host.end):
                     device[host.keys[len(device)]] = blocks[-1] if self._tier_of[g].states else blocks[i]
@@ -299,16 +308,20 @@ class OffloadConnector:
                 if keys:
                     load = self.runner.load_states if tier.states else self.runner.load_blocks
                     transfer = load(tier.transfers, [device[k] for k in keys], [host_blocks[k] for k in keys])
-                    failed |= bool(tier.transfers.poll(transfer).failed)  # known at issue
+                    result = tier.transfers.poll(transfer)
+                    assert result is not None  # a load's result is known at issue
+                    failed |= bool(result.failed)
         except BaseException:
             self._drop(request, host.start)
             raise
         if failed:
             self.stats.num_failed_loads += 1
+            _log.warning("host tier load for request %r failed; recomputing its tokens", request.request_id)
             self._drop(request, host.start)
             return False
         self.stats.num_loaded_tokens += host.end - host.start
         self.stats.num_loaded_blocks += len(host.keys)
+        self.stats.num_loaded_bytes += sum(self._tier_of[g].transfers.pool.block_bytes for _, g in host.keys)
         self.stats.num_loaded_states += sum(self._tier_of[g].states for _, g in host.keys)
         return True
 
@@ -338,7 +351,7 @@ class OffloadConnector:
             for chunk in chunks:
                 hashes = self.manager.hashes_per_group(chunk.seq.request)
                 start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
-                for g, (blocks, bs) in enumerate(zip(chunk.block_ids, self.manager.block_sizes)):
+                for g, (blocks, bs) in enumerate(zip(chunk.block_ids, self.manager.block_sizes, strict=True)):
                     states = self._tier_of[g].states  # a state slot holds a checkpoint only once cached
                     for i in range(start // bs, end // bs):
                         if blocks[i] and (not states or self.manager.is_cached_as(g, blocks[i], hashes[g][i])):
@@ -369,7 +382,7 @@ class OffloadConnector:
             tier.transfers.release([tier.host_blocks.pop(k) for k in plan.evicted])
         if not plan.keys_to_store:
             return
-        tier.host_blocks.update(zip(plan.keys_to_store, plan.where))
+        tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
         store = self.runner.store_states if tier.states else self.runner.store_blocks
         try:
             transfer = store(tier.transfers, [block_of[k] for k in plan.keys_to_store], plan.where)
@@ -399,7 +412,10 @@ class OffloadConnector:
             tier.offload.complete_store(failed, success=False)
             tier.transfers.release([tier.host_blocks.pop(k) for k in failed])
         self.stats.num_stored_blocks += len(ok)
+        self.stats.num_stored_bytes += len(ok) * tier.transfers.pool.block_bytes
         self.stats.num_failed_stores += len(failed)
+        if failed:
+            _log.warning("%d host-tier store(s) failed; those blocks are not kept on host", len(failed))
 
     def take_events(self) -> list[OffloadEvent]:
         """Host-tier events (keys stored, keys removed) of every catalog since the last call."""

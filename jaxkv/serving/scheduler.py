@@ -17,6 +17,7 @@ The scheduler is host-only (no JAX): :mod:`jaxkv.serving.simulator` replays trac
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from typing import NamedTuple, Protocol
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 from jaxkv.manager import KVCacheBlocks, KVCacheManager, Request
+
+_log = logging.getLogger(__name__)
 
 
 class SchedulerError(JaxkvError, ValueError):
@@ -207,10 +210,12 @@ class Scheduler:
             budget = self._admit_waiting(budget, decodes, prefills)
         if not (decodes or prefills) and self.waiting:
             head = self.waiting[0].request
-            raise PoolTooSmallError(
+            message = (
                 f"request {head.request_id!r} ({head.num_tokens} tokens) cannot be admitted into an idle "
                 f"pool of {self.manager.config.num_usable_blocks} usable blocks"
             )
+            _log.warning("refused: %s", message)
+            raise PoolTooSmallError(message)
         self.num_scheduled_tokens += self.max_num_batched_tokens - budget
         return SchedulerOutput(tuple(decodes + prefills), tuple(preempted))
 
@@ -227,10 +232,12 @@ class Scheduler:
         while self.manager.allocate_slots(seq.request, n) is None:
             victim = self.running.pop()
             if victim is seq and alone:
-                raise PoolTooSmallError(
+                message = (
                     f"request {seq.request_id!r} cannot grow to {seq.request.num_computed_tokens + n} "
                     f"tokens even alone in a pool of {self.manager.config.num_usable_blocks} usable blocks"
                 )
+                _log.warning("refused: %s", message)
+                raise PoolTooSmallError(message)
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:
@@ -243,18 +250,25 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        _log.debug(  # DEBUG: under memory pressure preemptions come every step
+            "preempted request %r (recompute; %d preemption(s) of it, %d in all)",
+            seq.request_id,
+            seq.num_preemptions,
+            self.num_preemptions,
+        )
 
     def _admit_waiting(self, budget: int, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> int:
-        """Admit waiting requests FCFS while budget and sequence slots last; return the budget left."""
+        """Admit waiting requests FCFS while the token budget and max_num_seqs allow; return the budget left."""
         mgr = self.manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             req = seq.request
             hit, num_hit = mgr.get_computed_blocks(req)
             if self.admission is not None:
-                num_hit = self.admission.allocate_admitted(req, hit, num_hit, budget)
-                if num_hit is None:
+                admitted = self.admission.allocate_admitted(req, hit, num_hit, budget)
+                if admitted is None:
                     break
+                num_hit = admitted
                 n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget))
             else:
                 n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget))
@@ -281,7 +295,7 @@ class Scheduler:
             raise SchedulerError(f"got {len(sampled)} sampled tokens for {len(output.chunks)} scheduled chunks")
         limit = self.manager.max_model_len
         done = []
-        for chunk, token in zip(output.chunks, sampled):
+        for chunk, token in zip(output.chunks, sampled, strict=True):
             seq = chunk.seq
             req = seq.request
             req.num_computed_tokens += chunk.num_new_tokens

@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxkv.errors import JaxkvError
 from jaxkv.hashing import MAX_TOKEN_ID
-from jaxkv.ints import check_int, is_int
+from jaxkv.ints import check_int, check_int_range, is_int
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.serving.scheduler import (
     PoolTooSmallError,
@@ -143,7 +143,7 @@ def _arrival_time(value: object, where: str) -> float:
     """``value`` as a finite float >= 0, or a TraceError (ints too large for a float included)."""
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
     try:
-        arrival = float(value) if ok else math.nan
+        arrival = float(value) if ok else math.nan  # type: ignore[arg-type]  # a real number when ok
     except OverflowError:
         arrival = math.inf
     if not (math.isfinite(arrival) and arrival >= 0):
@@ -180,9 +180,9 @@ class TraceRequest:
             if value is not None and not (isinstance(value, str) and _is_utf8(value)):
                 raise TraceError(f"{where}field {name!r} must be a UTF-8 str or null, got {value!r:.80}")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         """The request as a JSON-able object of the trace file schema."""
-        out = {
+        out: dict[str, object] = {
             "request_id": self.request_id,
             "arrival_time": self.arrival_time,
             "prompt_token_ids": list(self.prompt_token_ids),
@@ -200,14 +200,8 @@ def output_token_ids(request_id: str, count: int) -> list[int]:
     scheduling order (with or without caching or preemption) agree.
     """
     seed = int.from_bytes(hashlib.blake2b(request_id.encode("utf-8"), digest_size=8).digest(), "little")
-    return np.random.default_rng(seed).integers(0, VOCAB_SIZE, count).tolist()
-
-
-def _length_range(name: str, value: object) -> tuple[int, int]:
-    ok = isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2
-    if not (ok and is_int(value[0]) and is_int(value[1]) and 1 <= value[0] <= value[1]):
-        raise TraceError(f"{name} must be a range (lo, hi) of ints with 1 <= lo <= hi, got {value!r:.80}")
-    return int(value[0]), int(value[1])
+    ids: list[int] = np.random.default_rng(seed).integers(0, VOCAB_SIZE, count).tolist()
+    return ids
 
 
 def _check_rate(name: str, value: object) -> None:
@@ -243,8 +237,8 @@ def synthetic_trace(
     check_int("seed", seed, minimum=0, error=TraceError)
     _check_rate("arrival_rate", arrival_rate)
     _check_rate("turn_gap_s", turn_gap_s)
-    user_lo, user_hi = _length_range("user_turn_len", user_turn_len)
-    out_lo, out_hi = _length_range("output_len", output_len)
+    user_lo, user_hi = check_int_range("user_turn_len", user_turn_len, error=TraceError)
+    out_lo, out_hi = check_int_range("output_len", output_len, error=TraceError)
     rng = np.random.default_rng(seed)
     systems = [rng.integers(0, VOCAB_SIZE, system_prompt_len).tolist() for _ in range(num_system_prompts)]
     starts = np.cumsum(rng.exponential(1.0 / arrival_rate, num_conversations))
@@ -327,7 +321,7 @@ def save_trace(path: str | Path, trace: Sequence[TraceRequest]) -> None:
 # --------------------------------------------------------------- simulator
 @dataclass(frozen=True)
 class Progress:
-    """A snapshot handed to the progress callback."""
+    """A snapshot handed to the progress callback (cache counters in tokens, since the run started)."""
 
     step: int
     time_s: float
@@ -337,6 +331,8 @@ class Progress:
     num_requests: int
     usage: float
     num_preemptions: int
+    cache_queried_tokens: int = 0
+    cache_hit_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -384,7 +380,7 @@ class SimulationResult:
         data = json.dumps(sorted(self.outputs.items()), separators=(",", ":")).encode()
         return hashlib.sha256(data).hexdigest()[:16]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         """The counters, rates and outputs digest as a JSON-able dict."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "outputs"}
         out.update(
@@ -504,6 +500,7 @@ class _Replay:
 
     # ------------------------------------------------------------ reports
     def _progress(self) -> Progress:
+        stats = self.manager.prefix_cache_stats()
         return Progress(
             step=len(self.host_s),
             time_s=self.clock,
@@ -513,6 +510,8 @@ class _Replay:
             num_requests=self.num_requests,
             usage=self.usages[-1],
             num_preemptions=self.scheduler.num_preemptions,
+            cache_queried_tokens=stats.num_queried_tokens - self.stats_before.num_queried_tokens,
+            cache_hit_tokens=stats.num_hit_tokens - self.stats_before.num_hit_tokens,
         )
 
     def _result(self) -> SimulationResult:
@@ -528,7 +527,7 @@ class _Replay:
             num_steps=len(self.host_s),
             simulated_time_s=self.clock,
             num_prompt_tokens=sum(s.request.num_prompt_tokens for s in self.finished),
-            num_prompt_hit_tokens=sum(s.num_cached_tokens for s in self.finished),
+            num_prompt_hit_tokens=sum(s.num_cached_tokens or 0 for s in self.finished),
             cache_queries=stats.num_requests - before.num_requests,
             cache_queried_tokens=stats.num_queried_tokens - before.num_queried_tokens,
             cache_hit_tokens=stats.num_hit_tokens - before.num_hit_tokens,

@@ -9,18 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxkv.errors import JaxkvError
-from jaxkv.ints import check_int, is_int
+from jaxkv.ints import check_int, check_int_range
 
 
 class WorkloadError(JaxkvError, ValueError):
     """A workload knob out of range."""
-
-
-def _length_range(name: str, value: object) -> tuple[int, int]:
-    ok = isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2
-    if not (ok and is_int(value[0]) and is_int(value[1]) and 1 <= value[0] <= value[1]):
-        raise WorkloadError(f"{name} must be a range (lo, hi) of ints with 1 <= lo <= hi, got {value!r:.80}")
-    return int(value[0]), int(value[1])
 
 
 def shared_prefix_prompts(
@@ -46,7 +39,7 @@ def shared_prefix_prompts(
         ("seed", seed, 0),
     ):
         check_int(name, value, minimum=minimum, error=WorkloadError)
-    lo, hi = _length_range("suffix_len", suffix_len)
+    lo, hi = check_int_range("suffix_len", suffix_len, error=WorkloadError)
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(0, vocab_size, prefix_len).tolist() for _ in range(num_prefixes)]
     return [
@@ -100,7 +93,7 @@ def conversations(
         ("seed", seed, 0),
     ):
         check_int(name, value, minimum=minimum, error=WorkloadError)
-    lo, hi = _length_range("message_len", message_len)
+    lo, hi = check_int_range("message_len", message_len, error=WorkloadError)
     rng = np.random.default_rng(seed)
     systems = [tuple(rng.integers(0, vocab_size, system_len).tolist()) for _ in range(num_tenants)]
     out = []
