@@ -119,7 +119,7 @@ class KVCache:
     def with_layer_buffer(self, layer: str, buffer: jax.Array) -> KVCache:
         """This cache with ``layer``'s buffer (per-layer) or the shared buffer replaced."""
         index = self.layer_index(layer) if self.layout == "per_layer" else 0
-        buffers = self.buffers[:index] + (buffer,) + self.buffers[index + 1 :]
+        buffers = (*self.buffers[:index], buffer, *self.buffers[index + 1 :])
         return self.replace(buffers)
 
     def replace(self, buffers: tuple[jax.Array, ...]) -> KVCache:
@@ -242,9 +242,9 @@ def allocate_kv_cache(
     dtype = jnp.dtype(canonical_dtype(spec.dtype if dtype is None else dtype))
     page = (block_size, 2 * spec.num_kv_heads, spec.head_size)
     if kind == "per_layer":
-        shape, count = (config.num_blocks,) + page, num_layers_per_block
+        shape, count = (config.num_blocks, *page), num_layers_per_block
     else:
-        shape, count = (config.num_blocks, num_layers_per_block) + page, 1
+        shape, count = (config.num_blocks, num_layers_per_block, *page), 1
     sharding = _sharding(mesh, kv_axis, len(shape), spec.num_kv_heads)
     zeros = jax.jit(_zeros, static_argnums=(0, 1, 2), out_shardings=sharding)
     buffers = zeros(shape, dtype, count)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import operator
 import os
 import struct
@@ -72,6 +73,8 @@ from jaxkv.ints import check_int
 
 __all__ = [
     "HASH_ALGORITHMS",
+    "NO_EXTRA_KEYS",
+    "VLLM_HASH_ALGORITHM",
     "BlockHashError",
     "BlockHasher",
     "ExtraKeys",
@@ -79,15 +82,13 @@ __all__ = [
     "InvalidBlockSizeError",
     "InvalidExtraKeysError",
     "InvalidTokenIdError",
-    "MultiModalItem",
-    "NO_EXTRA_KEYS",
-    "UnknownHashAlgorithmError",
-    "digest_size",
-    "root_hash",
     "MissingHashSeedError",
-    "VLLM_HASH_ALGORITHM",
+    "MultiModalItem",
+    "UnknownHashAlgorithmError",
     "cbor",
+    "digest_size",
     "resolve_seed",
+    "root_hash",
 ]
 
 HASH_ALGORITHMS: tuple[str, ...] = ("sha256", "xxh3_128")
@@ -309,7 +310,7 @@ class ExtraKeys:
             if not isinstance(item, MultiModalItem):
                 raise InvalidExtraKeysError(f"mm_items must hold MultiModalItem, got {item!r}")
         items = tuple(sorted(items, key=lambda item: item.offset))
-        for prev, cur in zip(items, items[1:]):
+        for prev, cur in itertools.pairwise(items):
             if cur.offset < prev.end:
                 raise InvalidExtraKeysError(f"multimodal items overlap: {prev!r} and {cur!r}")
         salt_key = b""
@@ -408,7 +409,7 @@ class BlockHasher:
     serves every request.
     """
 
-    __slots__ = ("_block_size", "_algo", "_root", "_digest_size", "_step", "_is_sha256", "_cbor", "_packer")
+    __slots__ = ("_algo", "_block_size", "_cbor", "_digest_size", "_is_sha256", "_packer", "_root", "_step")
 
     def __init__(self, block_size: int, algo: str = "sha256", *, seed: str | None = None):
         """``seed``: the deployment's hash seed (None: ``JAXKV_HASH_SEED``, if set)."""
@@ -547,9 +548,9 @@ class BlockHasher:
         suffixes = extra.block_extras(self._block_size, first, count)
         if self._is_sha256:
             sha256 = hashlib.sha256
-            return [p := sha256(p + data[i : i + step] + s).digest() for i, s in zip(offsets, suffixes)]
+            return [p := sha256(p + data[i : i + step] + s).digest() for i, s in zip(offsets, suffixes, strict=True)]
         xxh3 = _xxh3
-        return [p := xxh3(p + data[i : i + step] + s) for i, s in zip(offsets, suffixes)]
+        return [p := xxh3(p + data[i : i + step] + s) for i, s in zip(offsets, suffixes, strict=True)]
 
     def _cbor_message(self, parent: bytes, data: bytes, offset: int, index: int, extra: ExtraKeys) -> bytes:
         """sha256_cbor's message for block ``index``, its ids at ``data[offset:]``."""

@@ -95,7 +95,7 @@ class Buckets:
             while size < limit:
                 sizes.append(size)
                 size *= 2
-            return tuple(sizes) + (limit,)
+            return (*tuple(sizes), limit)
 
         return cls(ladder(max_tokens), ladder(max_seqs), ladder(max_blocks))
 
@@ -334,7 +334,7 @@ def _state_rows(
     """(3, max_seqs): read rows, write rows and fresh flags of one recurrent group."""
     out = np.zeros((3, max_seqs), dtype=np.int64)
     out[2, len(seqs) :] = 1
-    for i, (seq, table) in enumerate(zip(seqs, tables)):
+    for i, (seq, table) in enumerate(zip(seqs, tables, strict=True)):
         read, write = state_rows(table.tolist(), seq.num_computed_tokens, seq.num_new_tokens, block_size)
         if write == 0:  # then the read row, which falls back to it, is null too
             raise BlockIdError(
@@ -389,7 +389,7 @@ def build_step_metadata(
     layer_map = tuple(tuple(names) for names in group_layers)
     if layer_map and len(layer_map) != num_groups:
         raise MetadataError(f"group_layers names {len(layer_map)} groups, expected {num_groups}")
-    for seq, ids in zip(seqs, block_ids):
+    for seq, ids in zip(seqs, block_ids, strict=True):
         if len(ids) != num_groups:
             raise MetadataError(
                 f"request {seq.request_id!r} has block ids for {len(ids)} groups, expected {num_groups}"
@@ -414,11 +414,11 @@ def build_step_metadata(
     for g, block_size in enumerate(block_sizes):
         if g in state_groups:
             limit = num_states if num_states is not None else num_blocks
-            rows = [_block_table(seq, ids[g], block_size, g, limit) for seq, ids in zip(seqs, block_ids)]
+            rows = [_block_table(seq, ids[g], block_size, g, limit) for seq, ids in zip(seqs, block_ids, strict=True)]
             states[g] = _state_rows(seqs, rows, block_size, g, max_seqs)
             tables.append(None)
             continue
-        rows = [_block_table(seq, ids[g], block_size, g, num_blocks) for seq, ids in zip(seqs, block_ids)]
+        rows = [_block_table(seq, ids[g], block_size, g, num_blocks) for seq, ids in zip(seqs, block_ids, strict=True)]
         width = bucket(max(len(r) for r in rows), buckets.blocks, f"blocks of group {g}")
         table = np.zeros((max_seqs, width), dtype=np.int64)
         for i, row in enumerate(rows):
@@ -436,13 +436,13 @@ def build_step_metadata(
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)])
     seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
     positions = np.arange(total) - cu_q_lens[seq_of_token] + (kv_lens - q_lens)[seq_of_token]
-    put("input_ids", np.concatenate([_new_tokens(s, t) for s, t in zip(seqs, token_ids)]))
+    put("input_ids", np.concatenate([_new_tokens(s, t) for s, t in zip(seqs, token_ids, strict=True)]))
     put("positions", positions)
     put("kv_lens", kv_lens)
     put("cu_q_lens", np.pad(cu_q_lens, (0, max_seqs - len(seqs)), mode="edge"))
     put("num_seqs", np.array([len(seqs)]))
     put("logits_indices", cu_q_lens[1:] - 1)
-    for g, (table, block_size) in enumerate(zip(tables, block_sizes)):
+    for g, (table, block_size) in enumerate(zip(tables, block_sizes, strict=True)):
         if table is None:
             read, write, fresh = states[g]
             put(f"read{g}", read)

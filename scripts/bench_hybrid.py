@@ -165,7 +165,7 @@ def vllm_minimum_memory(specs: dict, max_model_len: int) -> int:
     attention blocks and the null block."""
     config = plan_kv_cache(specs, 1 << 50, max_model_len=max_model_len)
     per_request = config.blocks_per_request()
-    recurrent = [n for n, g in zip(per_request, config.groups) if isinstance(g.spec, MambaSpec)]
+    recurrent = [n for n, g in zip(per_request, config.groups, strict=True) if isinstance(g.spec, MambaSpec)]
     attention = sum(per_request) - sum(recurrent)
     return (MULTITURN_MAX_NUM_SEQS * sum(recurrent) + attention + 1) * config.pages.block_bytes
 
@@ -511,7 +511,7 @@ def plot_report(report: dict, path: str) -> None:
     fig, axes = plt.subplots(rows_, cols, figsize=(5.2 * cols, 4.4 * rows_), squeeze=False)
     for ax in axes.flat[len(sections) :]:
         ax.set_visible(False)
-    for ax, section in zip(axes.flat, sections, strict=False):
+    for ax, section in zip(axes.flat, sections, strict=True):
         ylabel, group_key, bars, log = PLOTS[section]
         rows = report[section]["rows"]
         labels = [f"{r['preset']}\n{r['memory']}" if group_key == "case" else str(r[group_key]) for r in rows]

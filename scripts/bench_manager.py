@@ -133,7 +133,7 @@ class JaxkvSide:
         }
         specs = [made[kind](window) for kind, window, _ in group_specs(model)]
         sizes = [bs for _, _, bs in group_specs(model)]
-        groups = tuple(KVCacheGroup((f"layer{i}",), s, bs) for i, (s, bs) in enumerate(zip(specs, sizes)))
+        groups = tuple(KVCacheGroup((f"layer{i}",), s, bs) for i, (s, bs) in enumerate(zip(specs, sizes, strict=True)))
         self.manager = KVCacheManager(
             KVCacheConfig(num_blocks=num_blocks, groups=groups), max_model_len=MAX_MODEL_LEN, hash_algo=FLAGS.hash_algo
         )
@@ -263,7 +263,7 @@ def run_loop(sides: Sequence, workload: Workload, times: list[dict[str, float]] 
         return out
 
     reqs = [
-        call("request", lambda s, p: s.request(f"r{i}", p), *[(p,)] * len(sides))
+        call("request", lambda s, p, i=i: s.request(f"r{i}", p), *[(p,)] * len(sides))
         for i, p in enumerate(workload.prompts)
     ]
     generated = [0] * len(reqs)
@@ -374,7 +374,7 @@ def bench(model: str, name: str, peer: bool, check: bool) -> dict:
             result[side] = median_times(side_runs)
             result[f"{side}_total"] = statistics.median(sum(r.values()) for r in side_runs)
     if runs["vllm"]:
-        pair_ratios = [sum(a.values()) / sum(b.values()) for a, b in zip(runs["jaxkv"], runs["vllm"])]
+        pair_ratios = [sum(a.values()) / sum(b.values()) for a, b in zip(runs["jaxkv"], runs["vllm"], strict=True)]
         result["total_ratio_range"] = (min(pair_ratios), max(pair_ratios))
     return result
 

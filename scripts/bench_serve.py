@@ -121,7 +121,7 @@ def measure(engines: dict[str, Engine], vocab_size: int) -> dict[str, dict]:
     for seed in (0, 1):  # 0: warm-up (compiles every shape), 1: timed
         served, *timed = prompts(1 + FLAGS.repeats, seed, vocab_size)
         runs: dict[str, list[GenerationResult]] = {name: [] for name in engines}
-        for name, engine in engines.items():
+        for engine in engines.values():
             run(engine, [served])
         for prompt in timed:
             for name, engine in engines.items():

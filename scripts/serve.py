@@ -215,7 +215,7 @@ def _load_tokenizer(directory: str) -> Any:
 def _text_prompts(tokenizer: Any, vocab_size: int) -> list[list[int]]:
     """``--prompt`` texts as token ids; a refusal for an empty one or ids past the model's vocabulary."""
     prompts = [tokenizer.encode(text).ids for text in FLAGS.prompt]
-    for text, ids in zip(FLAGS.prompt, prompts):
+    for text, ids in zip(FLAGS.prompt, prompts, strict=True):
         if not ids or max(ids) >= vocab_size or len(ids) >= FLAGS.max_model_len:
             exit_error(
                 PROG,

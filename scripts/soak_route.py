@@ -317,7 +317,7 @@ def run(fleet: Fleet, routers: list[Router], keys: CurveKeys) -> dict:
                 print(log[-1], flush=True)
             if rss_quarter is None and sent >= total // 4:
                 rss_quarter = peak_rss_bytes()
-            if sent >= total and all(len(a) == len(s) for a, s in zip(answers, submitted)):
+            if sent >= total and all(len(a) == len(s) for a, s in zip(answers, submitted, strict=True)):
                 break
         wall = time.monotonic() - start
         settle = time.monotonic() + 2 * FLAGS.heartbeat_interval  # cancels reach their replicas
@@ -339,7 +339,7 @@ def run(fleet: Fleet, routers: list[Router], keys: CurveKeys) -> dict:
     return {
         "requests": sent,
         "answered": len(outputs),
-        "unanswered": sum(len(s - set(a)) for a, s in zip(answers, submitted)),
+        "unanswered": sum(len(s - set(a)) for a, s in zip(answers, submitted, strict=True)),
         "answered_twice": duplicates,
         "with_tokens": sum(o.error is None for o in outputs),
         "errors": errors,

@@ -67,9 +67,9 @@ def test_allocate_planned_tiny_hybrid(layout):
     assert cache.num_layers_per_block == layers
     page = (config.groups[0].block_size, 4, 64)
     if layout == "cross_layer":
-        assert [b.shape for b in cache.buffers] == [(config.num_blocks, layers) + page]
+        assert [b.shape for b in cache.buffers] == [(config.num_blocks, layers, *page)]
     else:
-        assert [b.shape for b in cache.buffers] == [(config.num_blocks,) + page] * layers
+        assert [b.shape for b in cache.buffers] == [(config.num_blocks, *page)] * layers
     assert cache.nbytes == config.num_blocks * config.pages.block_bytes
     for name in get_preset("tiny-hybrid"):
         assert cache.layer_index(name) == config.pages.layer_index(name)

@@ -108,7 +108,7 @@ def test_a_window_group_caches_only_the_blocks_a_hit_can_end_on(tokens):
     admit(mgr, req)
     _, swa = mgr.get_block_ids("a")
     swa_hashes = mgr.coordinator.hashes_per_group(req.block_hashes)[1]
-    cached = [i for i, (b, h) in enumerate(zip(swa, swa_hashes)) if mgr.coordinator.is_cached_as(1, b, h)]
+    cached = [i for i, (b, h) in enumerate(zip(swa, swa_hashes, strict=True)) if mgr.coordinator.is_cached_as(1, b, h)]
     assert cached == [3, 7]  # the one block before each 32-token boundary
 
 
@@ -121,7 +121,11 @@ def test_blocks_past_the_last_lcm_boundary_wait_for_the_next_one(tokens):
     def cached() -> list[int]:
         swa_hashes = mgr.coordinator.hashes_per_group(req.block_hashes)[1]
         swa = mgr.get_block_ids("a")[1]
-        return [i for i, (b, h) in enumerate(zip(swa, swa_hashes)) if b and mgr.coordinator.is_cached_as(1, b, h)]
+        return [
+            i
+            for i, (b, h) in enumerate(zip(swa, swa_hashes, strict=True))
+            if b and mgr.coordinator.is_cached_as(1, b, h)
+        ]
 
     assert cached() == [2, 3]  # blocks 4, 5 lead the second segment: no hit ends after them
     full = mgr.coordinator.managers[0]
@@ -145,7 +149,7 @@ def test_an_unrelated_request_takes_the_unusable_window_blocks_first(tokens, spa
     mgr.free(a)
     other = Request("b", tokens(5000, 48))
     assert admit(mgr, other)[2] is not None
-    assert mgr.get_computed_blocks(Request("c", prompt + [7]))[1] == kept
+    assert mgr.get_computed_blocks(Request("c", [*prompt, 7]))[1] == kept
 
 
 def shared_pages_manager(num_blocks: int) -> KVCacheManager:

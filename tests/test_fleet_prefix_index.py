@@ -188,18 +188,20 @@ def test_a_silent_replay_socket_times_out_and_changes_nothing():
     mute = ctx.socket(zmq.ROUTER)
     port = mute.bind_to_random_port("tcp://127.0.0.1")
     index = PrefixIndex()
-    with KVEventPublisher(LOOPBACK, plaintext_tcp=True) as pub:
-        with KVEventSubscriber(
+    with (
+        KVEventPublisher(LOOPBACK, plaintext_tcp=True) as pub,
+        KVEventSubscriber(
             index,
             "r0",
             pub.endpoint,
             replay_endpoint=f"tcp://127.0.0.1:{port}",
             replay_timeout_s=0.2,
             plaintext_tcp=True,
-        ) as sub:
-            with pytest.raises(ReplayTimeoutError, match="no replay answer"):
-                sub.catch_up()
-            assert sub.next_seq is None and len(index) == 0
+        ) as sub,
+    ):
+        with pytest.raises(ReplayTimeoutError, match="no replay answer"):
+            sub.catch_up()
+        assert sub.next_seq is None and len(index) == 0
     mute.close(linger=0)
     ctx.term()
 

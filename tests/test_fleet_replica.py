@@ -36,7 +36,7 @@ def replica(tmp_path_factory):
 
 def prompts():
     shared = [(7 * t) % 512 for t in range(40)]
-    return [shared + [1, 2, 3], shared + list(range(90, 150)), list(range(300, 321)), shared + [5]]
+    return [[*shared, 1, 2, 3], shared + list(range(90, 150)), list(range(300, 321)), [*shared, 5]]
 
 
 def test_a_replica_answers_with_the_tokens_of_engine_generate(replica):
@@ -63,10 +63,10 @@ def test_the_router_counts_the_cached_prefix_the_replica_hits(replica):
         router.submit(prompt, 2)
         while router.num_in_flight:
             router.poll(0.05)
-        while router.cached_tokens(prompt + [1])["r0"] < 64:  # the events of the first request
+        while router.cached_tokens([*prompt, 1])["r0"] < 64:  # the events of the first request
             router.poll(0.05)
-        again = router.cached_tokens(prompt + [1])["r0"]
-        router.submit(prompt + [1], 2)
+        again = router.cached_tokens([*prompt, 1])["r0"]
+        router.submit([*prompt, 1], 2)
         answers = []
         while not answers:
             answers += router.poll(0.05)

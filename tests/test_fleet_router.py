@@ -45,7 +45,7 @@ def test_round_robin_ignores_loads_and_least_loaded_ignores_prefixes():
 
 
 def test_bad_policies_and_no_replica_are_refused():
-    with pytest.raises(RouterError, match="policy must be one of .* got 'random'"):
+    with pytest.raises(RouterError, match=r"policy must be one of .* got 'random'"):
         pick_replica("random", {"a": 0}, {}, load_penalty=0, turn=0)
     with pytest.raises(NoLiveReplicaError):
         pick_replica("prefix", {}, {}, load_penalty=0, turn=0)
@@ -67,7 +67,7 @@ def test_the_router_hashes_prompts_as_the_events_name_blocks(tmp_path):
     with Router(addresses(tmp_path, "a", "b")) as router:
         router.index.apply("a", [stored(prompt[:64])])
         router.index.apply("b", [stored(prompt[:32], salt="tenant")])
-        assert router.cached_tokens(prompt + [7]) == {"a": 64, "b": 0}
+        assert router.cached_tokens([*prompt, 7]) == {"a": 64, "b": 0}
         assert router.cached_tokens(prompt, cache_salt="tenant") == {"a": 0, "b": 32}
 
 
@@ -264,9 +264,11 @@ def test_an_authenticated_replica_serves_a_router_with_the_keys_and_not_one_with
     keys = CurveKeys.generate()
     replica = ThreadReplica(tmp_path, "a", 0.2, curve=keys)
     try:
-        with Router({"a": replica.address}, curve=CurveKeys.generate()) as stranger:
-            with pytest.raises(RouterError, match="sent no heartbeat"):
-                stranger.wait_ready(1.0)
+        with (
+            Router({"a": replica.address}, curve=CurveKeys.generate()) as stranger,
+            pytest.raises(RouterError, match="sent no heartbeat"),
+        ):
+            stranger.wait_ready(1.0)
         with Router({"a": replica.address}, curve=keys) as router:
             router.wait_ready(120)
             rid = router.submit([1, 2, 3], 2)
@@ -328,7 +330,7 @@ def test_a_short_soak_answers_every_request_once_and_leaks_nothing(tmp_path):
         answers, submitted, sent = [{}, {}], [set(), set()], 0
         events = {60: "kill c", 90: "restart c", 130: "hang b", 170: "recover b"}
         deadline = time.monotonic() + 240
-        while sent < 240 or any(len(a) < len(s) for a, s in zip(answers, submitted)):
+        while sent < 240 or any(len(a) < len(s) for a, s in zip(answers, submitted, strict=True)):
             assert time.monotonic() < deadline, "the soak did not finish"
             for i, router in enumerate(routers):
                 while sent < 240 and len(submitted[i]) - len(answers[i]) < 6:

@@ -183,11 +183,11 @@ def test_chaining_changes_every_later_hash(algo):
     hasher = BlockHasher(4, algo)
     tokens = list(range(20))
     base = hashes_of(hasher, tokens)
-    changed = hashes_of(hasher, [99] + tokens[1:])
-    assert all(a != b for a, b in zip(base, changed))
+    changed = hashes_of(hasher, [99, *tokens[1:]])
+    assert all(a != b for a, b in zip(base, changed, strict=True))
     # A change in block 2 keeps blocks 0-1.
-    later = hashes_of(hasher, tokens[:9] + [99] + tokens[10:])
-    assert later[:2] == base[:2] and all(a != b for a, b in zip(base[2:], later[2:]))
+    later = hashes_of(hasher, [*tokens[:9], 99, *tokens[10:]])
+    assert later[:2] == base[:2] and all(a != b for a, b in zip(base[2:], later[2:], strict=True))
 
 
 @ALGOS
@@ -228,7 +228,7 @@ def test_hash_block_chains_like_extend(algo):
 def test_incremental_equals_one_shot(algo, block_size, tokens, cuts, extra, as_numpy):
     hasher = BlockHasher(block_size, algo)
     incremental: list[bytes] = []
-    for cut in sorted(cuts) + [len(tokens)]:
+    for cut in [*sorted(cuts), len(tokens)]:
         prefix = tokens[:cut]
         before = len(incremental)
         stream = np.asarray(prefix, np.int64) if as_numpy else prefix
@@ -259,7 +259,7 @@ def test_salt_changes_first_block_and_all_later(algo):
     variants = [hashes_of(hasher, tokens, ExtraKeys(cache_salt=s)) for s in (None, "", "a", "b")]
     for i, a in enumerate(variants):
         for b in variants[i + 1 :]:
-            assert all(x != y for x, y in zip(a, b))
+            assert all(x != y for x, y in zip(a, b, strict=True))
     # The salt is serialized in block 0 only; later blocks differ by chaining alone.
     h = variants[2]
     salted = ExtraKeys(cache_salt="a")
@@ -275,7 +275,7 @@ def test_lora_changes_every_block(algo):
     plain = hashes_of(hasher, tokens)
     for extra in (ExtraKeys(lora_name="x"), ExtraKeys(lora_name=""), ExtraKeys(lora_name="y")):
         h = hashes_of(hasher, tokens, extra)
-        assert all(a != b for a, b in zip(plain, h))
+        assert all(a != b for a, b in zip(plain, h, strict=True))
         for b in range(1, 4):
             assert hasher.serialize_block(h[b - 1], tokens[4 * b : 4 * b + 4], b, extra).endswith(
                 b"L" + struct.pack("<I", len(extra.lora_name)) + extra.lora_name.encode()
@@ -292,7 +292,7 @@ def test_mm_item_changes_exactly_the_blocks_it_overlaps(algo):
     extra = ExtraKeys(mm_items=(item,))
     h = hashes_of(hasher, tokens, extra)
     assert h[:2] == plain[:2]
-    assert all(a != b for a, b in zip(plain[2:], h[2:]))
+    assert all(a != b for a, b in zip(plain[2:], h[2:], strict=True))
     for b in range(8):
         msg = hasher.serialize_block(h[b - 1] if b else None, tokens[4 * b : 4 * b + 4], b, extra)
         assert (b"image-1" in msg) == (2 <= b <= 4)
@@ -409,7 +409,7 @@ def test_classic_confusions_are_impossible(algo):
 
 
 def test_unknown_algorithm():
-    with pytest.raises(UnknownHashAlgorithmError, match="'md5'.*sha256, xxh3_128"):
+    with pytest.raises(UnknownHashAlgorithmError, match=r"'md5'.*sha256, xxh3_128"):
         BlockHasher(16, "md5")
     assert issubclass(UnknownHashAlgorithmError, ValueError)
     with pytest.raises(UnknownHashAlgorithmError):
@@ -431,7 +431,7 @@ def test_bad_token_ids_leave_hashes_unchanged(algo, bad, shown):
     hasher = BlockHasher(4, algo)
     hashes = hashes_of(hasher, list(range(8)))
     before = list(hashes)
-    tokens = list(range(8)) + [1, 2, bad, 4] + list(range(100))  # error at position 10
+    tokens = [*range(8), 1, 2, bad, 4, *range(100)]  # error at position 10
     with pytest.raises(InvalidTokenIdError, match=shown) as info:
         hasher.extend(hashes, tokens)
     assert info.value.position == 10 and hashes == before
@@ -499,7 +499,7 @@ def test_bad_extra_and_chain_leave_hashes_unchanged(algo):
     with pytest.raises(InvalidExtraKeysError, match="'salt'"):
         hasher.extend(hashes, list(range(12)), "salt")  # type: ignore[arg-type]
     with pytest.raises(InvalidBlockError, match="digest"):
-        hasher.extend(hashes[:1] + [b"short"], list(range(12)))
+        hasher.extend([*hashes[:1], b"short"], list(range(12)))
     foreign = hashes_of(BlockHasher(4, "xxh3_128" if algo == "sha256" else "sha256"), range(8))
     with pytest.raises(InvalidBlockError):
         hasher.extend(foreign, list(range(12)))

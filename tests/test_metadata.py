@@ -207,7 +207,7 @@ def test_ids_the_device_would_wrap_or_drop_are_refused_before_any_transfer(table
 def test_positions_and_counts_that_would_give_slot_minus_one_are_refused():
     with pytest.raises(MetadataError, match="num_computed_tokens=-1 must be an int >= 0"):
         ScheduledSeq("x", -1, 1)  # position -1: slot -1
-    with pytest.raises(MetadataError, match="num_computed_tokens=2.5"):
+    with pytest.raises(MetadataError, match=r"num_computed_tokens=2.5"):
         ScheduledSeq("x", 2.5, 1)
     with pytest.raises(MetadataError, match="num_new_tokens=True"):
         ScheduledSeq("x", 0, True)
@@ -335,7 +335,7 @@ def test_each_layer_finds_its_own_group():
         np.testing.assert_array_equal(md.group_of(layer).slot_mapping, md.groups[g].slot_mapping)
     with pytest.raises(UnknownLayerError, match=r"layer 'global.1' is in no KV cache group.*\['global.0'\]"):
         md.group_of("global.1")
-    with pytest.raises(UnknownLayerError, match="'local.0' is in no KV cache group"):
+    with pytest.raises(UnknownLayerError, match=r"'local.0' is in no KV cache group"):
         build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS).group_of("local.0")  # no layer map
     with pytest.raises(MetadataError, match="group_layers names 1 groups, expected 2"):
         build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS, group_layers=layers[:1])

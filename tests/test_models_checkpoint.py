@@ -62,7 +62,7 @@ def test_a_mesh_receives_each_weight_split_by_its_partition_spec(llama_dir):
 
 def test_a_split_that_does_not_divide_is_refused_naming_the_weight(llama_dir):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:3]), (MODEL_AXIS,))
-    with pytest.raises(ShapeMismatchError, match="q_proj.weight"):
+    with pytest.raises(ShapeMismatchError, match=r"q_proj.weight"):
         load_pretrained(llama_dir, mesh=mesh)
 
 
@@ -79,7 +79,7 @@ def _copy(source, target, *, config=None, drop=None):
 
 def test_a_missing_tensor_is_named(llama_dir, tmp_path):
     _copy(llama_dir, tmp_path / "ckpt", drop="model.layers.1.mlp.up_proj.weight")
-    with pytest.raises(MissingTensorError, match="model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(MissingTensorError, match=r"model.layers.1.mlp.up_proj.weight"):
         load_pretrained(tmp_path / "ckpt")
 
 

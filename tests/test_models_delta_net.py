@@ -109,7 +109,10 @@ def serve(seqs, steps, weight, form, *, rows=None, bucket=None, filler=9.0, idle
         conv, state = conv.at[len(seqs) :].set(idle[0]), state.at[len(seqs) :].set(idle[1])
     done, outs, pad_outs = [0] * len(seqs), [[] for _ in seqs], []
     for step in steps:
-        parts = [jax.tree.map(lambda x, s=s, n=n: x[s : s + n], seqs[i]) for i, (s, n) in enumerate(zip(done, step))]
+        parts = [
+            jax.tree.map(lambda x, s=s, n=n: x[s : s + n], seqs[i])
+            for i, (s, n) in enumerate(zip(done, step, strict=True))
+        ]
         pad = bucket - sum(step) if bucket else 0
         mixed = jnp.concatenate([p[0] for p in parts] + [jnp.full((pad, CHANNELS), filler)])
         decay = jnp.concatenate([p[1] for p in parts] + [jnp.full((pad, HEADS), filler)])
@@ -120,7 +123,7 @@ def serve(seqs, steps, weight, form, *, rows=None, bucket=None, filler=9.0, idle
         for i, n in enumerate(step):
             outs[i].append(out[int(cu[i]) : int(cu[i]) + n])
         pad_outs.append(out[int(cu[-1]) :])
-        done = [s + n for s, n in zip(done, step)]
+        done = [s + n for s, n in zip(done, step, strict=True)]
     return [jnp.concatenate(o) for o in outs], jnp.concatenate(pad_outs), conv, state
 
 
@@ -151,7 +154,7 @@ def test_padding_tokens_change_nothing_even_when_not_finite(weight, form):
     steps = [(1, 6, 1), (0, 5, 4)]  # a decode, a prefill over two 3-token chunks, a one-token prefill
     clean, _, conv, state = serve(seqs, steps, weight, form)
     dirty, pad_out, dirty_conv, dirty_state = serve(seqs, steps, weight, form, bucket=16, filler=jnp.nan)
-    for a, b in zip(clean, dirty):
+    for a, b in zip(clean, dirty, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(dirty_conv, conv, rtol=1e-6)
     np.testing.assert_allclose(dirty_state, state, rtol=1e-6, atol=1e-7)
@@ -185,7 +188,7 @@ def ragged_runs(draw):
     steps = [
         tuple(c[0] for c in cuts),
         tuple(c[1] - c[0] for c in cuts),
-        tuple(n - c[1] for n, c in zip(lengths, cuts)),
+        tuple(n - c[1] for n, c in zip(lengths, cuts, strict=True)),
     ]
     return lengths, steps, draw(st.sampled_from([("scan", 64), ("chunked", 1), ("chunked", 3), ("chunked", 8)]))
 

@@ -19,7 +19,7 @@ def test_llama3_scaling_keeps_short_wavelengths_divides_long_ones_and_blends_bet
     parameters = {"rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
     plain = Rope.from_config({"rope_type": "default", **parameters}, 16).inv_freq
     scaled = Rope.from_config({"rope_type": "llama3", "original_max_position_embeddings": 64, **parameters}, 16)
-    ratios = [s / p for s, p in zip(scaled.inv_freq, plain)]
+    ratios = [s / p for s, p in zip(scaled.inv_freq, plain, strict=True)]
     assert ratios[0] == 1.0 and ratios[-1] == pytest.approx(1 / 8)
     assert any(1 / 8 < r < 1 for r in ratios)
 

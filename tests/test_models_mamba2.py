@@ -65,7 +65,7 @@ def run_in_chunks(params: dict, xs: list[np.ndarray], cuts: list[list[int]], buc
     ssm = jnp.zeros((num_seqs, DIMS.num_heads, DIMS.head_dim, DIMS.state_size), jnp.float32)
     outs: list[list[np.ndarray]] = [[] for _ in xs]
     for step in range(len(cuts[0]) - 1):
-        pieces = [x[c[step] : c[step + 1]] for x, c in zip(xs, cuts)]
+        pieces = [x[c[step] : c[step + 1]] for x, c in zip(xs, cuts, strict=True)]
         lens = [len(p) for p in pieces]
         packed = np.concatenate([*pieces, np.full((bucket - sum(lens), HIDDEN), np.nan, np.float32)])
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
@@ -83,7 +83,7 @@ def test_ragged_steps_in_any_chunks_give_the_dense_outputs(params):
     xs = [rng.standard_normal((length, HIDDEN)).astype(np.float32) for length in (9, 1, 6)]
     cuts = [[0, 4, 5, 9], [0, 1, 1, 1], [0, 0, 2, 6]]  # prefill chunks, decodes, a late start
     got = run_in_chunks(params, xs, cuts, bucket=12)
-    for x, out in zip(xs, got):
+    for x, out in zip(xs, got, strict=True):
         want = dense_mixer(params, jnp.asarray(x[None]), DIMS)[0][0]
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 

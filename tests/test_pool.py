@@ -304,7 +304,7 @@ def test_random_operations_with_units_account_for_every_block(ops):
     for op, k in ops:
         if op == "take" and k <= pool.num_free_blocks:
             held += pool.get_new_blocks(k)
-        elif op == "unit" and 3 <= pool.num_free_blocks:
+        elif op == "unit" and pool.num_free_blocks >= 3:
             held.append(pool.get_new_unit(3))
         elif op == "free" and held:
             pool.free_blocks([held.pop(k % len(held))])

@@ -84,7 +84,7 @@ def test_a_plan_for_other_specs_is_refused(model):
         1 << 20,
         max_model_len=64,
     )
-    with pytest.raises(RunnerError, match="layer 'layers.0' needs FullAttentionSpec.*planned for SlidingWindowSpec"):
+    with pytest.raises(RunnerError, match=r"layer 'layers.0' needs FullAttentionSpec.*planned for SlidingWindowSpec"):
         ModelRunner(other, plan, BUCKETS)
 
 
@@ -95,7 +95,7 @@ def test_a_plan_may_pad_heads_up_but_never_down():
     assert ModelRunner(llama, tiled, BUCKETS).cache.head_dim == 128
     narrow = {name: dataclasses.replace(spec, head_size=32) for name, spec in specs.items()}
     plan = plan_kv_cache(narrow, 1 << 20, max_model_len=64, head_dim_multiple=16)
-    with pytest.raises(RunnerError, match="head_size=64.*planned for .*head_size=32"):
+    with pytest.raises(RunnerError, match=r"head_size=64.*planned for .*head_size=32"):
         ModelRunner(llama, plan, BUCKETS)
 
 
@@ -114,7 +114,7 @@ def test_a_model_must_be_served_and_planned_layer_for_layer(model):
         ModelRunner({"params": 1}, plan, BUCKETS)
     llama = TinyLM(get_model_config("tiny-llama"), seed=0, name="tiny-llama")
     fewer = plan_kv_cache(dict(list(llama.layer_specs().items())[:3]), 1 << 20, max_model_len=64)
-    with pytest.raises(RunnerError, match="layer 'layers.3' of tiny-llama is in no KV cache group"):
+    with pytest.raises(RunnerError, match=r"layer 'layers.3' of tiny-llama is in no KV cache group"):
         ModelRunner(llama, fewer, BUCKETS)
     more = plan_kv_cache({**llama.layer_specs(), "extra": llama.layer_specs()["layers.0"]}, 1 << 20, max_model_len=64)
     with pytest.raises(RunnerError, match=r"the plan holds layers \['extra'\] that tiny-llama does not have"):

@@ -56,7 +56,9 @@ class LockstepMismatchError(LockstepError):
         self.digests = tuple(digests)
         self.summaries = tuple(summaries)
         self.differing = tuple(differing)
-        decided = "; ".join(f"process {p}: {s} [{d[:8]}]" for p, (d, s) in enumerate(zip(digests, summaries)))
+        decided = "; ".join(
+            f"process {p}: {s} [{d[:8]}]" for p, (d, s) in enumerate(zip(digests, summaries, strict=True))
+        )
         super().__init__(
             f"lockstep {name!r} step {step}: processes {list(differing)} decided differently from process 0 ({decided})"
         )
@@ -157,7 +159,7 @@ class LockstepCheck:
         missing = [p for p, v in enumerate(values) if v is None]
         if missing:
             raise LockstepTimeoutError(self.name, step, missing, self.timeout_s)
-        digests, summaries = zip(*(v.split(" ", 1) for v in values))
+        digests, summaries = zip(*(v.split(" ", 1) for v in values), strict=True)
         differing = [p for p, d in enumerate(digests) if d != digests[0]]
         if differing:
             raise LockstepMismatchError(self.name, step, digests, summaries, differing)

@@ -387,9 +387,9 @@ class Router:
         for name, link in self._links.items():
             if not link.live:
                 continue
-            if now - link.last_heard > 2 * self.heartbeat_interval_s:
-                self.drop(name)
-            elif link.busy and link.in_flight and now - link.last_progress > self.hang_timeout_s:
+            if now - link.last_heard > 2 * self.heartbeat_interval_s or (
+                link.busy and link.in_flight and now - link.last_progress > self.hang_timeout_s
+            ):
                 self.drop(name)
         for pending in [p for p in self._in_flight.values() if p.deadline < now]:
             self._cancel_on(pending)

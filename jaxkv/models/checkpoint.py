@@ -114,7 +114,7 @@ def build_model(config: Mapping[str, Any], dtype: Any) -> Any:
 
 def _check_split(name: str, shape: tuple[int, ...], spec: PartitionSpec, devices: int) -> None:
     """Refuse a weight whose split dimension does not divide over ``devices``."""
-    for size, axis in zip(shape, spec):
+    for size, axis in zip(shape, spec, strict=False):  # a spec may name fewer dims
         if axis is not None and size % devices:
             raise ShapeMismatchError(f"{name} {shape}: dimension {size} does not split over {devices} devices")
 

@@ -135,7 +135,7 @@ class ModelConfig:
         if self.recurrent and (
             len(self.recurrent) != len(self.windows)
             or any(r not in (True, False) for r in self.recurrent)
-            or any(r and w is not None for r, w in zip(self.recurrent, self.windows))
+            or any(r and w is not None for r, w in zip(self.recurrent, self.windows, strict=True))
         ):
             raise ModelConfigError(
                 f"recurrent must be empty or one bool per layer, windows None where True; got "
@@ -176,7 +176,7 @@ class ModelConfig:
             else FullAttentionSpec(**kw)
             if window is None
             else SlidingWindowSpec(**kw, sliding_window=window)
-            for i, (name, window) in enumerate(zip(self.layer_names, self.windows))
+            for i, (name, window) in enumerate(zip(self.layer_names, self.windows, strict=True))
         }
 
 
@@ -574,7 +574,7 @@ def dense_greedy_generate(model: ServedModel, prompts: Sequence[Sequence[int]], 
     lengths = np.array([len(p) for p in prompts])
     width = -(-int(lengths.max() + max_new_tokens) // 64) * 64
     tokens = np.zeros((len(prompts), width), np.int32)
-    for row, prompt in zip(tokens, prompts):
+    for row, prompt in zip(tokens, prompts, strict=True):
         row[: len(prompt)] = prompt
 
     @jax.jit

@@ -421,7 +421,8 @@ class Engine:
         compilations = self.runner.num_compilations
         start = time.perf_counter()
         ids = [
-            self._add(prompt, limit, salt, None, return_logits) for prompt, limit, salt in zip(prompts, limits, salts)
+            self._add(prompt, limit, salt, None, return_logits)
+            for prompt, limit, salt in zip(prompts, limits, salts, strict=True)
         ]
         outputs: dict[str, RequestOutput] = {}
         steps: list[EngineStep] = []
@@ -515,7 +516,7 @@ class Engine:
                     tokens = self.runner.execute(output.chunks)
                 else:
                     tokens, rows = self.runner.execute_with_logits(output.chunks)
-                    for chunk, row, request in zip(output.chunks, rows, live):
+                    for chunk, row, request in zip(output.chunks, rows, live, strict=True):
                         if chunk.samples and request.logits is not None:
                             request.logits.append(row)
                 if self.connector is not None:
@@ -526,7 +527,7 @@ class Engine:
             self._abort()
             raise
         now = time.perf_counter()
-        for chunk, request in zip(output.chunks, live):
+        for chunk, request in zip(output.chunks, live, strict=True):
             if chunk.samples and request.first_token is None:
                 request.first_token = now
         finished = tuple(self._output(self._live.pop(seq.request_id), now) for seq in done)
@@ -554,6 +555,7 @@ class Engine:
             self._release(())
         self._publish_events()
         return True
+
     def add_step_observer(self, observer: Callable[[EngineStats], None]) -> None:
         """Call ``observer`` with :meth:`stats` after every step (a metrics exporter:
         :class:`jaxkv.serving.metrics.PrometheusMetrics`)."""
@@ -667,7 +669,7 @@ class Engine:
         vocab = self.model.vocab_size
         max_len = self.manager.max_model_len
         out = []
-        for i, (prompt, limit, salt) in enumerate(zip(prompts, limits, salts)):
+        for i, (prompt, limit, salt) in enumerate(zip(prompts, limits, salts, strict=True)):
             if not is_int(limit) or limit <= 0:
                 raise EngineError(f"prompt {i}: max_new_tokens must be a positive int, got {limit!r}")
             if salt is not None and not isinstance(salt, str):
