@@ -227,28 +227,32 @@ def underscored(arg: str, flag_values: flags.FlagValues) -> str:
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
-def print_help(flag_values: flags.FlagValues, *, full: bool = False) -> None:
-    """The ``__main__`` module's docstring, then its flags (``full``, or when ``__main__``
-    defines none of them: every flag defined)."""
-    doc = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip()
-    listing = "" if full else flag_values.main_module_help().strip()
+def print_help(flag_values: flags.FlagValues, *, full: bool = False, module: str | None = None) -> None:
+    """The program module's docstring (``module``, default ``__main__``), then its flags
+    (``full``, or when it defines none of them: every flag defined)."""
+    doc = (getattr(sys.modules.get(module or "__main__"), "__doc__", None) or "").strip()
+    own = flag_values.module_help(module) if module else flag_values.main_module_help()
+    listing = "" if full else own.strip()
     listing = listing or flag_values.get_help()
     print(f"{doc}\n\nflags:\n{listing}" if doc else listing)
 
 
-def flags_parser(prog: str, flag_values: flags.FlagValues = flags.FLAGS) -> Callable[[list[str]], list[str]]:
+def flags_parser(
+    prog: str, flag_values: flags.FlagValues = flags.FLAGS, *, module: str | None = None
+) -> Callable[[list[str]], list[str]]:
     """A ``flags_parser`` for ``absl.app.run``: a bad flag is one line on stderr, exit status 2.
 
     (absl's own parser prints two lines and exits with 1.) Positional arguments are refused.
     ``--help`` (``-h``, ``--helpshort``) prints the main module's docstring and its flags,
     ``--helpfull`` every flag, on stdout, and exits with 0 (absl's help exits with 1).
+    ``module`` names the program's module when it is not ``__main__`` (a console script).
     Every flag takes dashes for underscores too (``--max-model-len``, ``--no-prefix-caching``).
     """
 
     def parse(argv: list[str]) -> list[str]:
         asked = [arg for arg in argv[1:] if arg in HELP_FLAGS]
         if asked:
-            print_help(flag_values, full=asked[0] == "--helpfull")
+            print_help(flag_values, full=asked[0] == "--helpfull", module=module)
             sys.exit(0)
         quiet_backend_probe()
         end = argv.index("--") if "--" in argv else len(argv)

@@ -16,10 +16,13 @@ library) is saved beside the weights, so prompts may be text.
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 from typing import Any
+
+from absl import app, flags
+
+from jaxkv.cli import exit_error, flags_parser
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -170,23 +173,28 @@ def save_byte_tokenizer(directory: str | Path) -> None:
     tokenizer.save(str(Path(directory) / "tokenizer.json"))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="save_tiny_checkpoint.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=FAMILIES, required=True)
-    parser.add_argument("--out", required=True, help="directory to write (created)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max_shard_size", default=None, help="e.g. 100KB: several *.safetensors and an index")
-    args = parser.parse_args(argv)
+PROG = "save_tiny_checkpoint.py"
+flags.DEFINE_enum("family", None, list(FAMILIES), "the architecture family")
+flags.DEFINE_string("out", None, "directory to write (created)")
+flags.DEFINE_integer("seed", 0, "seed of the random weights", lower_bound=0)
+flags.DEFINE_string("max_shard_size", None, "e.g. 100KB: several *.safetensors and an index")
+FLAGS = flags.FLAGS
+
+
+def main(argv: list[str]) -> None:
+    for name in ("family", "out"):
+        if FLAGS[name].value is None:
+            exit_error(PROG, f"--{name} is required")
     try:
         import tokenizers  # noqa: F401
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as err:
-        parser.error(f"needs transformers, torch and tokenizers (pip install .[oracle,tokenizers]): {err}")
-    save_tiny_checkpoint(args.family, args.out, seed=args.seed, max_shard_size=args.max_shard_size)
-    save_byte_tokenizer(args.out)
-    print(f"saved a tiny random {args.family} checkpoint to {args.out}")
+        exit_error(PROG, f"needs transformers, torch and tokenizers (pip install '.[oracle,tokenizers]'): {err}")
+    save_tiny_checkpoint(FLAGS.family, FLAGS.out, seed=FLAGS.seed, max_shard_size=FLAGS.max_shard_size)
+    save_byte_tokenizer(FLAGS.out)
+    print(f"saved a tiny random {FLAGS.family} checkpoint to {FLAGS.out}")
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main, flags_parser=flags_parser(PROG))

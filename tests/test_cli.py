@@ -2,6 +2,8 @@
 when matplotlib is missing."""
 
 import logging
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -86,3 +88,16 @@ def test_parsing_flags_quiets_jaxs_backend_probe():
     logger.setLevel(logging.NOTSET)
     cli.flags_parser("tool", private_flags())(["tool"])
     assert not logger.isEnabledFor(logging.INFO) and logger.isEnabledFor(logging.WARNING)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("command", ["jaxkv-plan", "jaxkv-serve", "jaxkv-simulate"])
+def test_the_installed_console_scripts_answer_help_and_refuse_in_one_line(command):
+    path = shutil.which(command)
+    if path is None:
+        pytest.skip(f"{command} is not installed (pip install -e . puts it on PATH)")
+    helped = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--memory" in helped.stdout, helped.stderr[-2000:]
+    refused = subprocess.run([path, "--memory=x"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[-1].startswith(("jaxkv.plan: error: ", f"{command}: error: "))

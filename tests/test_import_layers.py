@@ -38,6 +38,7 @@ LAYERS = {
     "cluster": 5,
     "fleet": 5,
     "benchmarks": 6,
+    "commands": 6,
 }
 
 HOST_MODULES = [
