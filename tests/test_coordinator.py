@@ -108,7 +108,7 @@ def test_a_window_group_caches_only_the_blocks_a_hit_can_end_on(tokens):
     admit(mgr, req)
     _, swa = mgr.get_block_ids("a")
     swa_hashes = mgr.coordinator.hashes_per_group(req.block_hashes)[1]
-    cached = [i for i, (b, h) in enumerate(zip(swa, swa_hashes, strict=True)) if mgr.coordinator.is_cached_as(1, b, h)]
+    cached = [i for i, (b, h) in enumerate(zip(swa, swa_hashes, strict=False)) if mgr.coordinator.is_cached_as(1, b, h)]
     assert cached == [3, 7]  # the one block before each 32-token boundary
 
 
@@ -123,7 +123,7 @@ def test_blocks_past_the_last_lcm_boundary_wait_for_the_next_one(tokens):
         swa = mgr.get_block_ids("a")[1]
         return [
             i
-            for i, (b, h) in enumerate(zip(swa, swa_hashes, strict=True))
+            for i, (b, h) in enumerate(zip(swa, swa_hashes, strict=False))  # a partial last block has no hash
             if b and mgr.coordinator.is_cached_as(1, b, h)
         ]
 
