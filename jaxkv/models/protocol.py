@@ -49,6 +49,10 @@ class ServedModel(Protocol):
         the cache and the metadata."""
         ...
 
+    def __hash__(self) -> int:
+        """Compiled steps are cached per model (identity, unless the model defines equality)."""
+        ...
+
     def layer_specs(self) -> dict[str, KVCacheSpec]:
         """Every layer that holds cache, in model order: an attention spec
         (:class:`~jaxkv.specs.FullAttentionSpec`, :class:`~jaxkv.specs.SlidingWindowSpec`...)
