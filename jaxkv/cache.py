@@ -39,8 +39,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxkv.jax_support  # noqa: F401 - refuses a jax outside the tested range
 from jaxkv.errors import JaxkvError
-from jaxkv.planner import LAYOUTS, KVCacheConfig
+from jaxkv.planner import LAYOUTS, KVCacheConfig, KVCacheGroup
 from jaxkv.specs import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
@@ -147,7 +148,7 @@ class KVCache:
         return sum(b.nbytes for b in self.buffers)
 
 
-def _device_spec(config: KVCacheConfig) -> KVCacheSpec:
+def _device_spec(config: KVCacheConfig) -> AttentionSpec:
     """The one attention spec shape every group shares; raise naming the odd one out.
 
     Recurrent groups are skipped: their state lives in a :class:`~jaxkv.state_cache.StateCache`
@@ -160,15 +161,11 @@ def _device_spec(config: KVCacheConfig) -> KVCacheSpec:
             f"(first layer {config.groups[0].layer_names[0]!r}): no attention pages to allocate"
         )
     first = groups[0]
+    first_spec = _attention_spec(first)
     for group in groups:
-        spec = group.spec
-        if type(spec) not in SUPPORTED_SPECS:
-            raise UnsupportedLayoutError(
-                f"group of {group.layer_names[0]!r} has spec {spec!r}; the device cache holds "
-                f"only {', '.join(c.__name__ for c in SUPPORTED_SPECS)}"
-            )
+        spec = _attention_spec(group)
         shape = (spec.num_kv_heads, spec.head_size, spec.dtype)
-        head = (first.spec.num_kv_heads, first.spec.head_size, first.spec.dtype)
+        head = (first_spec.num_kv_heads, first_spec.head_size, first_spec.dtype)
         if shape != head:
             raise UnsupportedLayoutError(
                 f"group of {group.layer_names[0]!r} has spec {spec!r} with (num_kv_heads, "
@@ -181,7 +178,18 @@ def _device_spec(config: KVCacheConfig) -> KVCacheSpec:
                 f"{group.block_size}, but group of {first.layer_names[0]!r} has "
                 f"{first.block_size}; all device groups must share one block size"
             )
-    return first.spec
+    return first_spec
+
+
+def _attention_spec(group: KVCacheGroup) -> AttentionSpec:
+    """``group``'s spec when the device cache holds its kind; raise naming it otherwise."""
+    spec = group.spec
+    if type(spec) not in SUPPORTED_SPECS or not isinstance(spec, AttentionSpec):
+        raise UnsupportedLayoutError(
+            f"group of {group.layer_names[0]!r} has spec {spec!r}; the device cache holds "
+            f"only {', '.join(c.__name__ for c in SUPPORTED_SPECS)}"
+        )
+    return spec
 
 
 def _layer_indices(config: KVCacheConfig) -> tuple[tuple[str, int], ...]:
@@ -207,7 +215,7 @@ def _sharding(mesh: Mesh | None, kv_axis: str, ndim: int, num_kv_heads: int) -> 
             f"num_kv_heads={num_kv_heads} is not a multiple of mesh axis {kv_axis!r} of size "
             f"{devices}; every device must hold whole KV heads"
         )
-    axes = [None] * ndim
+    axes: list[str | None] = [None] * ndim
     axes[-2] = kv_axis
     return NamedSharding(mesh, PartitionSpec(*axes))
 
@@ -241,6 +249,7 @@ def allocate_kv_cache(
     block_size = config.groups[0].block_size
     dtype = jnp.dtype(canonical_dtype(spec.dtype if dtype is None else dtype))
     page = (block_size, 2 * spec.num_kv_heads, spec.head_size)
+    shape: tuple[int, ...]
     if kind == "per_layer":
         shape, count = (config.num_blocks, *page), num_layers_per_block
     else:

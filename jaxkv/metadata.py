@@ -55,6 +55,11 @@ class BucketOverflowError(MetadataError):
     """A batch dimension is larger than the largest bucket."""
 
 
+class GroupKindError(UnknownLayerError):
+    """A layer's KV cache group is of the other kind: state rows asked of an attention
+    layer's group, or a block table of a recurrent layer's group."""
+
+
 class BlockIdError(MetadataError):
     """A block id (or the slot it gives) is out of range, not an int, missing, or the
     null block where data must go."""
@@ -192,7 +197,7 @@ class _Packing:
     def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         """Field -> (start, shape) in the packed buffer; groups as ``tables{g}``/``slots{g}``."""
         t, s = self.num_tokens, self.max_seqs
-        fields = [
+        fields: list[tuple[str, tuple[int, ...]]] = [
             ("input_ids", (t,)),
             ("positions", (t,)),
             ("kv_lens", (s,)),
@@ -205,7 +210,8 @@ class _Packing:
                 fields += [(f"read{g}", (s,)), (f"write{g}", (s,)), (f"fresh{g}", (s,))]
             else:
                 fields += [(f"tables{g}", (s, width)), (f"slots{g}", (t,))]
-        out, start = {}, 0
+        out: dict[str, tuple[int, tuple[int, ...]]] = {}
+        start = 0
         for name, shape in fields:
             out[name] = (start, shape)
             start += int(np.prod(shape))
@@ -281,6 +287,24 @@ class StepMetadata:
             f"layer {layer!r} is in no KV cache group of this step's metadata; "
             f"groups: {[list(n) for n in self.group_layers]}"
         )
+
+    def attention_of(self, layer: str) -> AttentionMetadata:
+        """``layer``'s block table and slot mapping; :class:`GroupKindError` when its group
+        holds state rows (a recurrent layer has no pages)."""
+        group = self.group_of(layer)
+        if not isinstance(group, AttentionMetadata):
+            raise GroupKindError(f"layer {layer!r} is a recurrent layer in this step's metadata: it has no KV pages")
+        return group
+
+    def states_of(self, layer: str) -> StateMetadata:
+        """``layer``'s state rows; :class:`GroupKindError` when its group holds a block
+        table (an attention layer has no state rows)."""
+        group = self.group_of(layer)
+        if not isinstance(group, StateMetadata):
+            raise GroupKindError(
+                f"layer {layer!r} has a KV cache group of pages in this step's metadata: no state rows"
+            )
+        return group
 
     @property
     def num_tokens(self) -> int:
@@ -404,15 +428,15 @@ def build_step_metadata(
     num_tokens = bucket(total, buckets.tokens, "tokens")
     max_seqs = bucket(len(seqs), buckets.seqs, "seqs")
 
-    state_groups = frozenset(state_groups)
-    if not state_groups <= set(range(num_groups)):
-        raise MetadataError(f"state_groups {sorted(state_groups)} are not all groups of {num_groups}")
+    state_group_set = frozenset(state_groups)
+    if not state_group_set <= set(range(num_groups)):
+        raise MetadataError(f"state_groups {sorted(state_group_set)} are not all groups of {num_groups}")
     if num_states is not None:
         check_int("num_states", num_states, error=MetadataError)
     tables: list[np.ndarray | None] = []
     states: dict[int, np.ndarray] = {}
     for g, block_size in enumerate(block_sizes):
-        if g in state_groups:
+        if g in state_group_set:
             limit = num_states if num_states is not None else num_blocks
             rows = [_block_table(seq, ids[g], block_size, g, limit) for seq, ids in zip(seqs, block_ids, strict=True)]
             states[g] = _state_rows(seqs, rows, block_size, g, max_seqs)
@@ -420,10 +444,10 @@ def build_step_metadata(
             continue
         rows = [_block_table(seq, ids[g], block_size, g, num_blocks) for seq, ids in zip(seqs, block_ids, strict=True)]
         width = bucket(max(len(r) for r in rows), buckets.blocks, f"blocks of group {g}")
-        table = np.zeros((max_seqs, width), dtype=np.int64)
+        padded = np.zeros((max_seqs, width), dtype=np.int64)
         for i, row in enumerate(rows):
-            table[i, : len(row)] = row
-        tables.append(table)
+            padded[i, : len(row)] = row
+        tables.append(padded)
 
     packing = _Packing(num_tokens, max_seqs, tuple(None if t is None else t.shape[1] for t in tables))
     offsets = packing.offsets

@@ -13,6 +13,7 @@ from jaxkv.metadata import (
     BlockIdError,
     BucketOverflowError,
     Buckets,
+    GroupKindError,
     MetadataError,
     ScheduledSeq,
     StepMetadata,
@@ -305,6 +306,26 @@ def test_recurrent_group_gets_state_rows_instead_of_a_table():
     assert np.asarray(state.read_rows).tolist() == [3, 0]
     assert np.asarray(state.write_rows).tolist() == [7, 6]
     assert np.asarray(state.fresh).tolist() == [0, 1]
+
+
+def test_a_layer_gets_its_own_kind_of_metadata_and_is_refused_the_other():
+    md = build_step_metadata(
+        [ScheduledSeq("a", 0, 3)],
+        [[1, 2, 3]],
+        [([1], [2])],
+        (16, 16),
+        BUCKETS,
+        state_groups=(1,),
+        group_layers=[("attn.0",), ("delta.0",)],
+    )
+    np.testing.assert_array_equal(md.attention_of("attn.0").block_tables, md.groups[0].block_tables)
+    np.testing.assert_array_equal(md.states_of("delta.0").write_rows, md.groups[1].write_rows)
+    with pytest.raises(GroupKindError, match=r"'delta\.0' is a recurrent layer"):
+        md.attention_of("delta.0")
+    with pytest.raises(GroupKindError, match=r"'attn\.0' has a KV cache group of pages"):
+        md.states_of("attn.0")
+    with pytest.raises(UnknownLayerError, match=r"'attn\.1' is in no KV cache group"):
+        md.states_of("attn.1")
 
 
 def test_padded_sequences_read_and_write_the_null_row_from_zeros():

@@ -168,7 +168,7 @@ def load_pretrained(
                 _check_split(name, shape, specs[name], devices)
             shardings = weight_shardings(specs, mesh, model_axis)  # type: ignore[assignment]
         model.params = {
-            name: _read(tensor(name), shape, model.dtype, shardings and shardings[name])
+            name: _read(tensor(name), shape, model.dtype, None if shardings is None else shardings[name])
             for name, shape in shapes.items()
         }
     return model
@@ -184,4 +184,6 @@ def _read(source: Any, shape: tuple[int, ...], dtype: Any, sharding: NamedShardi
     full = tuple(slice(None) for _ in shape)
     if sharding is None:
         return jnp.asarray(host_slice(full))
-    return jax.make_array_from_callback(tuple(shape), sharding, lambda index: host_slice(tuple(index) or full))
+    return jax.make_array_from_callback(
+        tuple(shape), sharding, lambda index: host_slice(tuple(index) if index else full)
+    )

@@ -215,7 +215,7 @@ def _prepare_chunks(
 
 
 def _run_piece(
-    chunks: _Chunks, index: jax.Array, row: jax.Array, rows: jax.Array, state: jax.Array
+    chunks: _Chunks, index: int | jax.Array, row: int | jax.Array, rows: jax.Array, state: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Piece on ``rows`` (mask, first row ``row``) of chunk ``index`` from ``state (H, dk, dv)``:
     the state after it and the chunk's outputs ``(C, H, dv)`` (valid on ``rows``)."""
@@ -241,9 +241,8 @@ def delta_rule_chunk(
     ever formed, so no decay overflows.
     """
     size = decay.shape[0]
-    chunks = _prepare_chunks(
-        *(x[None].astype(jnp.float32) for x in (q, k, v, decay, beta)), jnp.zeros((1, size), jnp.int32)
-    )
+    q1, k1, v1, decay1, beta1 = (x[None].astype(jnp.float32) for x in (q, k, v, decay, beta))
+    chunks = _prepare_chunks(q1, k1, v1, decay1, beta1, jnp.zeros((1, size), jnp.int32))
     return _run_piece(chunks, 0, 0, jnp.ones(size, bool), state.astype(jnp.float32))
 
 

@@ -277,7 +277,7 @@ class NemotronH:
     ) -> tuple[jax.Array, HybridCache]:
         """Float32 logits ``(S, vocab)`` at ``meta.logits_indices`` of a ragged batch and the
         updated cache: attention through the paged KV cache, each Mamba-2 block resuming
-        every sequence from its state rows (``meta.group_of(layer)``)."""
+        every sequence from its state rows (``meta.states_of(layer)``)."""
         state: dict[str, Any] = {"kv": cache.kv, "states": cache.states}
         owner = seq_of_token(meta.cu_q_lens, meta.num_seqs, meta.input_ids.shape[0])
 
@@ -291,7 +291,7 @@ class NemotronH:
 
         def recur(index: int, x: jax.Array) -> jax.Array:
             name = self.layer_name(index)
-            rows = meta.group_of(name)
+            rows = meta.states_of(name)
             conv, ssm = read_states(state["states"], name, rows.read_rows)
             fresh = rows.fresh.astype(bool)
             conv = jnp.where(fresh[:, None, None], 0, conv.swapaxes(1, 2))

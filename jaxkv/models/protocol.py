@@ -11,9 +11,9 @@ Inside ``forward`` an attention layer calls :func:`jaxkv.ops.write_kv` and
 :func:`jaxkv.ops.paged_attention` with its own name: the cache supplies its window and
 the metadata its block table. A recurrent layer reads and writes its state rows with
 :func:`jaxkv.state_cache.read_states` / :func:`~jaxkv.state_cache.write_states` at the
-rows of ``meta.group_of(layer)`` (a :class:`~jaxkv.metadata.StateMetadata`).
+rows of ``meta.states_of(layer)`` (a :class:`~jaxkv.metadata.StateMetadata`).
 
-Optional, duck-typed: ``dense(params, tokens (B, L)) -> logits (B, L, vocab)``, a forward
+Optional (a :class:`DenseModel`): ``dense(params, tokens (B, L)) -> logits (B, L, vocab)``, a forward
 without a cache that scripts use as an oracle when a model has it.
 """
 
@@ -33,13 +33,25 @@ from jaxkv.state_cache import HybridCache
 class ServedModel(Protocol):
     """What an :class:`~jaxkv.serving.engine.Engine` needs of a model."""
 
-    name: str
-    """For printing ("tiny-hybrid", "LlamaForCausalLM ...")."""
-    vocab_size: int
-    """Token ids are in ``[0, vocab_size)``; logits have this last dim."""
-    params: Any
-    """Pytree of ``jax.Array`` weights: the only traced input of :meth:`forward` besides
-    the cache and the metadata."""
+    @property
+    def name(self) -> str:
+        """For printing ("tiny-hybrid", "LlamaForCausalLM ...")."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are in ``[0, vocab_size)``; logits have this last dim."""
+        ...
+
+    @property
+    def params(self) -> Any:
+        """Pytree of ``jax.Array`` weights: the only traced input of :meth:`forward` besides
+        the cache and the metadata."""
+        ...
+
+    def __hash__(self) -> int:
+        """Compiled steps are cached per model (identity, unless the model defines equality)."""
+        ...
 
     def layer_specs(self) -> dict[str, KVCacheSpec]:
         """Every layer that holds cache, in model order: an attention spec
@@ -61,4 +73,12 @@ class ServedModel(Protocol):
         logits ``(S, vocab)`` at ``meta.logits_indices`` and the updated cache (a
         :class:`~jaxkv.state_cache.HybridCache` when the model has recurrent layers).
         Pure: weights come only from ``params``; ``impl`` goes to :mod:`jaxkv.ops`."""
+        ...
+
+
+class DenseModel(ServedModel, Protocol):
+    """A :class:`ServedModel` with the optional dense forward, the oracle of scripts and tests."""
+
+    def dense(self, params: Any, tokens: jax.Array) -> jax.Array:
+        """Logits ``(B, L, vocab)`` of whole sequences ``tokens (B, L)`` over ``params``, without a cache."""
         ...

@@ -314,7 +314,7 @@ class Qwen3Next:
     ) -> tuple[jax.Array, HybridCache]:
         """Float32 logits ``(S, vocab)`` at ``meta.logits_indices`` of a ragged batch and the
         updated cache: attention through the paged KV cache, each Gated DeltaNet resuming
-        every sequence from its state rows (``meta.group_of(layer)``)."""
+        every sequence from its state rows (``meta.states_of(layer)``)."""
         state: dict[str, Any] = {"kv": cache.kv, "states": cache.states}
         owner = seq_of_token(meta.cu_q_lens, meta.num_seqs, meta.input_ids.shape[0])
 
@@ -328,7 +328,7 @@ class Qwen3Next:
 
         def recur(index: int, x: jax.Array) -> jax.Array:
             name, p = self.layer_name(index), f"{self.layer_name(index)}.linear_attn"
-            rows = meta.group_of(name)
+            rows = meta.states_of(name)
             conv, recurrent = read_states(state["states"], name, rows.read_rows)
             fresh = rows.fresh.astype(bool)
             conv = jnp.where(fresh[:, None, None], 0, conv.swapaxes(1, 2))

@@ -42,7 +42,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -54,9 +54,9 @@ from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 from jaxkv.mesh import MODEL_AXIS
-from jaxkv.metadata import StateMetadata, StepMetadata
+from jaxkv.metadata import StepMetadata
 from jaxkv.models.delta_net import dense_delta_net, ragged_delta_net, seq_of_token
-from jaxkv.models.protocol import ServedModel
+from jaxkv.models.protocol import DenseModel
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from jaxkv.state_cache import HybridCache, StateCache, read_states, write_states
 
@@ -161,7 +161,6 @@ class ModelConfig:
     def layer_specs(self) -> dict[str, KVCacheSpec]:
         """The KV cache spec of every layer, in model order (input of ``plan_kv_cache``);
         a recurrent layer's state is its conv window (model dtype) and its float32 delta-rule state."""
-        kw = {"num_kv_heads": self.num_kv_heads, "head_size": self.head_dim, "dtype": self.dtype}
         state = MambaSpec(
             shapes=(
                 (self.conv_kernel - 1, self.conv_dim),
@@ -170,17 +169,32 @@ class ModelConfig:
             dtypes=(self.dtype, "float32"),
             mamba_type="gated_delta_net",
         )
+
+        def attention(window: int | None) -> KVCacheSpec:
+            if window is None:
+                return FullAttentionSpec(num_kv_heads=self.num_kv_heads, head_size=self.head_dim, dtype=self.dtype)
+            return SlidingWindowSpec(
+                num_kv_heads=self.num_kv_heads, head_size=self.head_dim, dtype=self.dtype, sliding_window=window
+            )
+
         return {
-            name: state
-            if self.is_recurrent(i)
-            else FullAttentionSpec(**kw)
-            if window is None
-            else SlidingWindowSpec(**kw, sliding_window=window)
+            name: state if self.is_recurrent(i) else attention(window)
             for i, (name, window) in enumerate(zip(self.layer_names, self.windows, strict=True))
         }
 
 
-_TINY_SIZES = {
+class _Sizes(TypedDict):
+    """The size fields of a :class:`ModelConfig`."""
+
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+
+
+_TINY_SIZES: _Sizes = {
     "vocab_size": 512,
     "hidden_size": 128,
     "num_heads": 4,
@@ -330,7 +344,7 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return rope(q, positions, self.theta), rope(k, positions, self.theta), v
 
@@ -395,9 +409,7 @@ class GatedDeltaNet(nnx.Module):
     def paged(self, x: jax.Array, states: StateCache, meta: StepMetadata) -> tuple[jax.Array, StateCache]:
         """``x (T, hidden)`` of a ragged batch: each sequence resumes from its state row
         (zeros when fresh) and its state after the step goes to its write row."""
-        group = meta.group_of(self.name)
-        if not isinstance(group, StateMetadata):
-            raise ModelConfigError(f"recurrent layer {self.name!r} has a KV cache group of pages in the step metadata")
+        group = meta.states_of(self.name)
         conv, state = read_states(states, self.name, group.read_rows)
         fresh = group.fresh.astype(bool)
         conv = jnp.where(fresh[:, None, None], 0, conv)
@@ -449,11 +461,24 @@ class DecoderLayer(nnx.Module):
     def _residual(self, x: jax.Array, out: jax.Array, post_norm: nnx.RMSNorm | None) -> jax.Array:
         return x + (out if post_norm is None else post_norm(out))
 
+    @property
+    def mixer(self) -> Attention | GatedDeltaNet:
+        """The layer's token mixer: its delta net when recurrent, else its attention."""
+        if self.delta is not None:
+            return self.delta
+        if self.attn is None:
+            raise ModelConfigError("a decoder layer has neither attention nor a delta net")
+        return self.attn
+
     def paged(self, x: jax.Array, cache: KVCache, meta: StepMetadata, impl: str | None) -> tuple[jax.Array, KVCache]:
+        if self.attn is None:
+            raise ModelConfigError(f"recurrent layer {self.mixer.name!r} has no KV cache pages")
         out, cache = self.attn.paged(self.attn_norm(x), cache, meta, impl)
         return self._mlp_block(self._residual(x, out, self.post_attn_norm)), cache
 
     def recurrent(self, x: jax.Array, states: StateCache, meta: StepMetadata) -> tuple[jax.Array, StateCache]:
+        if self.delta is None:
+            raise ModelConfigError(f"attention layer {self.mixer.name!r} has no state rows")
         out, states = self.delta.paged(self.attn_norm(x), states, meta)
         return self._mlp_block(self._residual(x, out, self.post_attn_norm)), states
 
@@ -461,8 +486,7 @@ class DecoderLayer(nnx.Module):
         return self._residual(x, self.mlp(self.mlp_norm(x)), self.post_mlp_norm)
 
     def dense(self, x: jax.Array) -> jax.Array:
-        mixer = self.attn if self.delta is None else self.delta
-        return self._mlp_block(self._residual(x, mixer.dense(self.attn_norm(x)), self.post_attn_norm))
+        return self._mlp_block(self._residual(x, self.mixer.dense(self.attn_norm(x)), self.post_attn_norm))
 
 
 class TinyLM(nnx.Module):
@@ -538,19 +562,18 @@ class TinyLM(nnx.Module):
         :mod:`jaxkv.ops` implementation (None: the current setting). A model with
         recurrent layers takes a :class:`HybridCache`.
         """
-        hybrid = isinstance(cache, HybridCache)
-        if hybrid != bool(self.config.recurrent and any(self.config.recurrent)):
-            raise ModelConfigError(
-                f"a model {'with' if not hybrid else 'without'} recurrent layers got a {type(cache).__name__}"
-            )
-        kv, states = (cache.kv, cache.states) if hybrid else (cache, None)
+        if isinstance(cache, HybridCache) and not (self.config.recurrent and any(self.config.recurrent)):
+            raise ModelConfigError(f"a model without recurrent layers got a {type(cache).__name__}")
+        kv, states = (cache.kv, cache.states) if isinstance(cache, HybridCache) else (cache, None)
         x = self._embed(meta.input_ids)
         for layer in self.layers:
             if layer.delta is None:
                 x, kv = layer.paged(x, kv, meta, impl)
+            elif states is None:
+                raise ModelConfigError(f"a model with recurrent layers got a {type(cache).__name__}")
             else:
                 x, states = layer.recurrent(x, states, meta)
-        return self._logits(x[meta.logits_indices]), HybridCache(kv, states) if hybrid else kv
+        return self._logits(x[meta.logits_indices]), kv if states is None else HybridCache(kv, states)
 
     def dense_forward(self, tokens: jax.Array) -> jax.Array:
         """Logits ``(B, L, vocab)`` of whole sequences ``tokens (B, L)`` by this module's weights."""
@@ -560,9 +583,9 @@ class TinyLM(nnx.Module):
         return self._logits(x)
 
 
-def dense_greedy_generate(model: ServedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of ``prompts`` by ``model.dense`` (the optional dense forward
-    of a :class:`~jaxkv.models.protocol.ServedModel`): the oracle of the engine.
+def dense_greedy_generate(model: DenseModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` by ``model.dense`` (a
+    :class:`~jaxkv.models.protocol.DenseModel`): the oracle of the engine.
 
     Recomputes every sequence in full each step, padded to one length (a multiple of
     64), so it compiles once per call.

@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
 
 import jax
 import numpy as np
@@ -31,7 +31,7 @@ from jaxkv.mesh import MODEL_AXIS, mesh_axis_size
 from jaxkv.metadata import Buckets
 from jaxkv.models.protocol import ServedModel
 from jaxkv.models.tiny import TinyLM, get_model_config
-from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, plan_kv_cache
+from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, Layout, StateLayout, plan_kv_cache
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
 from jaxkv.serving.scheduler import Scheduler, SchedulerOutput, SeqState, check_positive_int
@@ -57,13 +57,21 @@ class CacheAudit:
     host_blocks_leaked: int
 
 
+class StatePlan(TypedDict):
+    """The planner's recurrent-state keyword arguments (see :func:`state_plan`)."""
+
+    state_layout: StateLayout
+    max_num_seqs: NotRequired[int]
+    checkpoint_bytes: NotRequired[int]
+
+
 def state_plan(
     layer_specs: Mapping[str, KVCacheSpec],
-    state_layout: str,
+    state_layout: StateLayout | Literal["auto"],
     memory_bytes: int,
     checkpoint_share: float,
     max_num_seqs: int,
-) -> dict[str, object]:
+) -> StatePlan:
     """The planner's recurrent-state arguments for a model of ``layer_specs`` (keyword
     arguments of :func:`~jaxkv.planner.plan_kv_cache`). ``state_layout`` "auto" is the
     state pool for a model with recurrent layers, else vLLM's ``attention_pages``; the
@@ -103,10 +111,10 @@ def plan_for_model(
     *,
     max_model_len: int,
     block_size: int = 16,
-    layout: str = "cross_layer",
+    layout: Layout = "cross_layer",
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     head_dim_multiple: int | None = None,
-    state_layout: str = "auto",
+    state_layout: StateLayout | Literal["auto"] = "auto",
     checkpoint_share: float = 0.1,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     tensor_parallel: int = 1,
@@ -341,10 +349,10 @@ class Engine:
         memory_bytes: int,
         max_model_len: int,
         block_size: int = 16,
-        layout: str = "cross_layer",
+        layout: Layout = "cross_layer",
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         head_dim_multiple: int | None = None,
-        state_layout: str = "auto",
+        state_layout: StateLayout | Literal["auto"] = "auto",
         checkpoint_share: float = 0.1,
         **kwargs: Any,
     ) -> Engine:
@@ -705,6 +713,8 @@ class Engine:
     def _output(request: _LiveRequest, now: float) -> RequestOutput:
         seq = request.seq
         req = seq.request
+        # A finished request was admitted (its prefix hit counted) and sampled at least once.
+        assert seq.num_cached_tokens is not None and request.first_token is not None
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=tuple(req.prompt_token_ids),

@@ -47,7 +47,7 @@ from jaxkv.offload.transfer import Transfer, TransferEngine
 from jaxkv.planner import KVCacheConfig, pad_head_size
 from jaxkv.serving.scheduler import ScheduledChunk
 from jaxkv.specs import KVCacheSpec, MambaSpec
-from jaxkv.state_cache import HybridCache, allocate_state_cache, num_state_rows
+from jaxkv.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
 
 
 class RunnerError(JaxkvError, ValueError):
@@ -166,9 +166,10 @@ def allocate_cache(
     Without a mesh the cache is committed to the default device, as the host tier's
     loads leave it (their staged blocks are placed on it): the step and the transfers
     then see one placement and compile once, not again after the first load."""
-    cache = allocate_kv_cache(config, mesh=mesh, kv_axis=model_axis)
+    kv = allocate_kv_cache(config, mesh=mesh, kv_axis=model_axis)
+    cache: KVCache | HybridCache = kv
     if any(isinstance(g.spec, MambaSpec) for g in config.groups):
-        cache = HybridCache(cache, allocate_state_cache(config, mesh=mesh))
+        cache = HybridCache(kv, allocate_state_cache(config, mesh=mesh))
     return cache if mesh is not None else jax.device_put(cache, jax.devices()[0], donate=True)
 
 
@@ -298,21 +299,32 @@ class ModelRunner:
     def load_blocks(self, transfers: TransferEngine, block_ids: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
         """Issue a copy of host blocks into device blocks of the (donated) KV cache."""
         kv, transfer = transfers.load(self.kv_cache, block_ids, host_blocks)
+        assert isinstance(kv, KVCache)  # load returns the kind of cache it is given
         self.cache = dataclasses.replace(self.cache, kv=kv) if isinstance(self.cache, HybridCache) else kv
         return transfer
 
+    @property
+    def hybrid_cache(self) -> HybridCache:
+        """The KV pages and recurrent state rows of a model with recurrent layers;
+        :class:`RunnerError` for a model without (it has no state rows)."""
+        if not isinstance(self.cache, HybridCache):
+            raise RunnerError(f"model {self.model.name} has no recurrent layers: its cache holds no state rows")
+        return self.cache
+
     def state_host_pool(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVPool:
         """A host pool of whole state slots of this runner's recurrent state rows."""
-        return HostKVPool.for_cache(self.cache.states, host_bytes, memory_kind=memory_kind)
+        return HostKVPool.for_cache(self.hybrid_cache.states, host_bytes, memory_kind=memory_kind)
 
     def store_states(self, transfers: TransferEngine, rows: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
         """Issue a copy of state rows into host blocks (the state rows are only read)."""
-        return transfers.store(self.cache.states, rows, host_blocks)
+        return transfers.store(self.hybrid_cache.states, rows, host_blocks)
 
     def load_states(self, transfers: TransferEngine, rows: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
         """Issue a copy of host blocks into state rows (donated)."""
-        states, transfer = transfers.load(self.cache.states, rows, host_blocks)
-        self.cache = dataclasses.replace(self.cache, states=states)
+        cache = self.hybrid_cache
+        states, transfer = transfers.load(cache.states, rows, host_blocks)
+        assert isinstance(states, StateCache)  # load returns the kind of cache it is given
+        self.cache = dataclasses.replace(cache, states=states)
         return transfer
 
     def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
