@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from jaxkv.errors import JaxkvError
-from jaxkv.planner import KVCacheConfig
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, SharedStates
 from jaxkv.pool import NULL_BLOCK, AllBlocksCleared, BlockPool, KVCacheEvent, ReuseListener
 from jaxkv.single_type import (
     NEVER,
@@ -109,11 +109,7 @@ class KVCacheCoordinator:
         state_groups = set(config.state_group_ids)
         shared = config.shared_states
         self.managers: list[SingleTypeManager] = [
-            (
-                StatePoolManager(self.pool, i, g.block_size, g.spec, shared.pages_per_state)
-                if shared is not None
-                else StatePoolManager(self.state_pool, i, g.block_size, g.spec)
-            )
+            self._state_manager(i, g, shared)
             if i in state_groups
             else manager_class_for(g.spec)(self.pool, i, g.block_size, g.spec)
             for i, g in enumerate(groups)
@@ -145,6 +141,13 @@ class KVCacheCoordinator:
         types.sort(key=lambda t: t.manager_cls is not FullAttentionManager)
         self.types = types
         self._maps = [self.managers[t.group_ids[0]].pool.hash_maps(t.group_ids) for t in types]
+
+    def _state_manager(self, group_id: int, group: KVCacheGroup, shared: SharedStates | None) -> StatePoolManager:
+        """The manager of a state group: its states are pages of the shared pool, or slots of the state pool."""
+        if shared is not None:
+            return StatePoolManager(self.pool, group_id, group.block_size, group.spec, shared.pages_per_state)
+        assert self.state_pool is not None  # a plan's state groups without shared states have a state pool
+        return StatePoolManager(self.state_pool, group_id, group.block_size, group.spec)
 
     @property
     def num_groups(self) -> int:

@@ -64,6 +64,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import SupportsIndex
 
 import numpy as np
 import xxhash
@@ -196,7 +197,7 @@ def cbor(value: object) -> bytes:
 def _check_algo(algo: object) -> str:
     if algo not in _DIGEST_SIZES:
         raise UnknownHashAlgorithmError(f"unknown hash algorithm {algo!r}; valid ones: {', '.join(_DIGEST_SIZES)}")
-    return algo  # type: ignore[return-value]
+    return algo
 
 
 def digest_size(algo: str) -> int:
@@ -241,7 +242,7 @@ def _utf8(value: str, what: str) -> bytes:
 
 
 def _index(value: object, what: str) -> int:
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
         raise InvalidExtraKeysError(f"{what} must be an int, got {value!r}")
     try:
         return operator.index(value)

@@ -136,8 +136,8 @@ def token_id_list(values: object, what: str) -> list[int]:
             raise KVCacheManagerError(f"{what}: {bad[0]!r} is not a token id (an int)")
         ids = [int(t) for t in ids]
     if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
-        bad = next(t for t in ids if not 0 <= t <= MAX_TOKEN_ID)
-        raise KVCacheManagerError(f"{what}: token id {bad} is outside [0, {MAX_TOKEN_ID}]")
+        outside = next(t for t in ids if not 0 <= t <= MAX_TOKEN_ID)
+        raise KVCacheManagerError(f"{what}: token id {outside} is outside [0, {MAX_TOKEN_ID}]")
     return ids
 
 

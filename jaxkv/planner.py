@@ -330,6 +330,7 @@ class KVCacheConfig:
         if self.pages is None and self.state_pool is None:
             return None
         if self.shared_states is not None:
+            assert self.pages is not None  # shared states have no state pool: the pages are there
             return self.num_blocks * self.pages.block_bytes // self.tensor_parallel
         states = 0 if self.state_pool is None else self.state_pool.total_bytes
         if states is None:
@@ -415,6 +416,8 @@ class KVCacheConfig:
         for i, g in enumerate(self.groups):
             if i in states and self.shared_states is not None:
                 shared = self.shared_states
+                # shared states have no state pool (so the pages are there); state groups are Mamba's
+                assert self.pages is not None and isinstance(g.spec, MambaSpec)
                 padding.append(
                     shared.pages_per_state * self.pages.block_bytes - len(g.layer_names) * g.spec.state_bytes
                 )
@@ -499,6 +502,7 @@ class KVCacheConfig:
                 line += f" (its {len(states)} live state(s) included)"
             lines.append(f"{line}; max concurrency {self.max_concurrency:,}")
             if self.pages is not None:
+                assert padding is not None  # a plan with pages has its padding
                 wasted = sum(
                     (n if i not in states else 1) * p
                     for i, (n, p) in enumerate(zip(per_request, padding, strict=True))
@@ -540,6 +544,7 @@ def _state_pool_lines(config: KVCacheConfig) -> list[str]:
 def _shared_pages_lines(config: KVCacheConfig) -> list[str]:
     """The summary's account of the one memory: what a state weighs in pages, what the pool holds."""
     shared = config.shared_states
+    assert shared is not None and config.pages is not None  # called for shared-pages plans: states are pages
     k = shared.pages_per_state
     block = config.pages.block_bytes
     usable = config.num_usable_blocks
@@ -1011,7 +1016,7 @@ def _plan_shared_pages(
     *,
     max_model_len: int,
     block_size: int,
-    layout: str,
+    layout: Layout,
     max_num_batched_tokens: int,
     head_dim_multiple: int,
 ) -> KVCacheConfig:
@@ -1030,7 +1035,7 @@ def _plan_shared_pages(
             "state_layout='shared_pages' needs recurrent (MambaSpec) and attention layers, got "
             f"{', '.join(sorted({t.spec.label for t in types}))} (recurrent layers alone: use 'state_pool')"
         )
-    slot = max(len(t.layer_names) * t.spec.state_bytes for t in recurrent)
+    slot = max(len(t.layer_names) * _state_bytes(t.spec) for t in recurrent)
     sizes, page = _unify_pages([t.spec for t in attention], block_size)
     attention_groups, pages = _group_and_page(
         attention, sizes, page, original, padded, max_model_len, max_num_batched_tokens, layout

@@ -303,7 +303,14 @@ class SlidingWindowManager(SingleTypeManager):
     def min_computed_to_skip(self, num_blocks: int) -> int:
         return num_blocks * self.block_size + self.spec.sliding_window - 1
 
-    def cache_blocks(self, request_id, hashes, num_tokens, token_ids, lora_name):
+    def cache_blocks(
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        num_tokens: int,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+    ) -> None:
         """Cache only the blocks a hit can end on (vLLM's rule when block sizes differ).
 
         A hit's length is a multiple of :attr:`hit_alignment`, so of each aligned
@@ -482,7 +489,7 @@ class StatePoolManager(MambaManager):
         self._continuations: dict[int, bytes] = {}
         self.resumed: dict[str, tuple[int, bytes]] = {}
 
-    def add_hit_blocks(self, request_id: str, block_ids: list[int]) -> None:
+    def add_hit_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Adopt a hit; remember the checkpoint it resumes from if that is another request's continuation."""
         super().add_hit_blocks(request_id, block_ids)
         state = block_ids[-1] if block_ids else NULL_BLOCK

@@ -111,9 +111,9 @@ def _wait(procs: Sequence[subprocess.Popen], logs: str) -> int:
     """Poll until all exit 0 (0) or one fails (its status, its log's end on stderr)."""
     while True:
         codes = [p.poll() for p in procs]
-        failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
-        if failed is not None:
-            code = codes[failed]
+        failures = [(i, c) for i, c in enumerate(codes) if c is not None and c != 0]
+        if failures:
+            failed, code = failures[0]
             if failed:
                 with open(os.path.join(logs, f"process-{failed}.log")) as f:
                     tail = f.read()[-LOG_TAIL_CHARS:]

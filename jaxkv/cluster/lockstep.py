@@ -159,7 +159,8 @@ class LockstepCheck:
         missing = [p for p, v in enumerate(values) if v is None]
         if missing:
             raise LockstepTimeoutError(self.name, step, missing, self.timeout_s)
-        digests, summaries = zip(*(v.split(" ", 1) for v in values), strict=True)
+        answered = [v for v in values if v is not None]  # all of them: none is missing
+        digests, summaries = zip(*(v.split(" ", 1) for v in answered), strict=True)
         differing = [p for p, d in enumerate(digests) if d != digests[0]]
         if differing:
             raise LockstepMismatchError(self.name, step, digests, summaries, differing)

@@ -233,12 +233,13 @@ class KVEventSubscriber:
     def poll(self, timeout_s: float = 0.0) -> int:
         """Apply the batches that arrived (waiting up to ``timeout_s`` for the first);
         how many were applied, replayed ones included."""
-        if not self.connected:
+        sub = self._sub
+        if sub is None:
             raise KVEventsError(f"subscriber of replica {self.replica!r} is disconnected")
         applied = 0
         wait_ms = int(timeout_s * 1000)
-        while self._sub.poll(wait_ms):
-            frames = self._sub.recv_multipart()
+        while sub.poll(wait_ms):
+            frames = sub.recv_multipart()
             wait_ms = 0
             if len(frames) != 3 or len(frames[1]) != 8:
                 self.num_bad_batches += 1

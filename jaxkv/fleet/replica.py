@@ -40,6 +40,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -74,7 +75,7 @@ class ReplicaSpec:
 
     name: str
     address: ReplicaAddress
-    engine: Mapping[str, object]
+    engine: Mapping[str, Any]  # JSON values that Engine.build checks itself
     heartbeat_interval_s: float = 1.0
 
     def __post_init__(self) -> None:

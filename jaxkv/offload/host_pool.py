@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.typing import DTypeLike
 
 from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
@@ -195,6 +196,16 @@ class _Shard:
         return [rows] + [jax.device_put(rows, d) for d in self.devices[1:]]
 
 
+def array_is_ready(array: jax.Array) -> bool:
+    """Whether ``array``'s computation or copy has finished, without blocking."""
+    return bool(array.is_ready())  # type: ignore[attr-defined]  # jax.Array's stub omits is_ready
+
+
+def _device_id(device: jax.Device) -> int:
+    """A device's id: the order devices are sorted in."""
+    return device.id
+
+
 def _shard_on(rows: jax.Array, device: jax.Device) -> jax.Array:
     return next(s.data for s in rows.addressable_shards if s.device == device)
 
@@ -208,7 +219,7 @@ class HostKVPool:
         self,
         num_blocks: int,
         shape: tuple[int, ...],
-        dtype: object,
+        dtype: DTypeLike,
         *,
         memory_kind: str | None = None,
         device: jax.Device | None = None,
@@ -216,7 +227,7 @@ class HostKVPool:
     ) -> None:
         check_int("num_blocks", num_blocks, minimum=1, error=HostPoolError)
         self.sharding = sharding or SingleDeviceSharding(device or jax.devices()[0])
-        self.device = min(self.sharding.addressable_devices, key=lambda d: d.id)
+        self.device = min(self.sharding.addressable_devices, key=_device_id)
         if memory_kind is None:
             memory_kind = "pinned_host" if pinned_host_supported(self.device) else "numpy"
         if memory_kind not in MEMORY_KINDS:
@@ -230,8 +241,9 @@ class HostKVPool:
         full = (num_blocks + 1, *self.block_shape)
         shards: dict[tuple, list[jax.Device]] = {}
         indices = self.sharding.addressable_devices_indices_map(full)
-        for device in sorted(indices, key=lambda d: d.id):
+        for device in sorted(indices, key=_device_id):
             index = indices[device]
+            assert index is not None  # jax gives every addressable device an index (its typing allows None)
             shards.setdefault(tuple((i.start, i.stop) for i in index), []).append(device)
         shard_shape = self.sharding.shard_shape(full)
         self._shards = []
@@ -257,7 +269,7 @@ class HostKVPool:
 
     def is_ready(self) -> bool:
         """Whether every write issued into the pinned_host buffers has landed."""
-        return all(buffer.is_ready() for buffer in self.buffers)
+        return all(array_is_ready(buffer) for buffer in self.buffers if isinstance(buffer, jax.Array))
 
     def block_until_ready(self) -> None:
         """Wait for every write issued into the pinned_host buffers."""

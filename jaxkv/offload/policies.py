@@ -38,7 +38,7 @@ class EvictionPolicy(ABC, Generic[Key]):
         self.capacity = check_int("capacity", capacity, error=PolicyError)
 
     @abstractmethod
-    def touch(self, keys: Iterable[Key], ready: Ready) -> None:
+    def touch(self, keys: Iterable[Key], ready: Ready[Key]) -> None:
         """Record an access of each resident key, in order (the last ends most recent).
 
         A key whose store is still in flight (not ``ready``) becomes recent too, but a
@@ -75,7 +75,7 @@ class LRUPolicy(EvictionPolicy[Key]):
         super().__init__(capacity)
         self._order: OrderedDict[Key, None] = OrderedDict()
 
-    def touch(self, keys: Iterable[Key], ready: Ready) -> None:
+    def touch(self, keys: Iterable[Key], ready: Ready[Key]) -> None:
         for key in keys:
             if key in self._order:
                 self._order.move_to_end(key)
@@ -122,7 +122,7 @@ class ARCPolicy(EvictionPolicy[Key]):
         self.b1: OrderedDict[Key, None] = OrderedDict()
         self.b2: OrderedDict[Key, None] = OrderedDict()
 
-    def touch(self, keys: Iterable[Key], ready: Ready) -> None:
+    def touch(self, keys: Iterable[Key], ready: Ready[Key]) -> None:
         """A ready key in T1 moves to T2 (its second use); one still being stored stays in
         T1, at its recent end: a scan looked up while storing is not frequent."""
         for key in keys:

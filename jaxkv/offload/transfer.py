@@ -38,7 +38,7 @@ from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import check_int
 from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
-from jaxkv.offload.host_pool import HostKVPool, HostPoolError, row_format
+from jaxkv.offload.host_pool import HostKVPool, HostPoolError, array_is_ready, row_format
 from jaxkv.pool import NULL_BLOCK
 from jaxkv.state_cache import StateCache, gather_slots, scatter_slots
 
@@ -236,7 +236,7 @@ class TransferEngine:
         """Whether the transfer's data arrived (for a store: left its source, so a stored
         device block may be reused)."""
         if transfer.staged is not None:
-            return transfer.staged.is_ready()
+            return array_is_ready(transfer.staged)
         return transfer.result is not None or not len(transfer) or self.pool.is_ready()
 
     def poll(self, transfer: Transfer) -> TransferResult | None:
@@ -255,6 +255,7 @@ class TransferEngine:
         if transfer.result is None:
             ok = ~transfer.injected
             if len(transfer):
+                assert transfer.generations is not None  # a store: a load's result is set at issue
                 ok &= self.pool.current(transfer.host_blocks, transfer.generations)
                 if transfer.staged is not None:  # a numpy store: its rows land now
                     self.pool.commit(transfer.host_blocks[ok], transfer.staged, np.flatnonzero(ok))

@@ -118,11 +118,15 @@ class WireAllBlocksCleared(WireEvent, tag="AllBlocksCleared"):
     pass
 
 
+AnyWireEvent = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
+"""One event of a batch: the tagged union a batch is decoded into."""
+
+
 class WireEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One published batch: the events of one engine step."""
 
     ts: float
-    events: list[WireBlockStored | WireBlockRemoved | WireAllBlocksCleared]
+    events: list[AnyWireEvent]
     data_parallel_rank: int | None = None
 
 
@@ -139,7 +143,7 @@ def wire_events(
     *,
     int_hashes: bool = True,
     include_token_ids: bool = True,
-) -> list[WireEvent]:
+) -> list[AnyWireEvent]:
     """The wire form of one step's events: the device pools' (medium ``"GPU"``), then the
     host tier's (``"CPU"``, one event per run of keys of one group; ``block_sizes`` gives
     each group's block size). ``include_token_ids=False`` leaves stored blocks' token ids
@@ -148,7 +152,7 @@ def wire_events(
     def ext(h: bytes) -> ExternalBlockHash:
         return external_hash(h, as_int=int_hashes)
 
-    out: list[WireEvent] = []
+    out: list[AnyWireEvent] = []
     for e in device:
         if isinstance(e, BlockStored):
             out.append(
@@ -167,14 +171,17 @@ def wire_events(
             out.append(WireBlockRemoved([ext(h) for h in e.block_hashes], MEDIUM_DEVICE, group_idx=e.group))
         elif isinstance(e, AllBlocksCleared):
             out.append(WireAllBlocksCleared())
-    for e in host:
-        for group, keys in itertools.groupby(e.keys, key=lambda k: k[1]):
-            hashes = [ext(h) for h, _ in keys]
-            if isinstance(e, KeysStored):
+    for change in host:
+        for group, keys in itertools.groupby(change.keys, key=lambda k: k[1]):
+            hashes = []
+            for h, _ in keys:
+                assert isinstance(h, bytes)  # the offload connector keys its host tier by block hash
+                hashes.append(ext(h))
+            if isinstance(change, KeysStored):
                 out.append(
                     WireBlockStored(hashes, None, [], block_sizes[group], None, MEDIUM_HOST, None, group_idx=group)
                 )
-            elif isinstance(e, KeysRemoved):
+            elif isinstance(change, KeysRemoved):
                 out.append(WireBlockRemoved(hashes, MEDIUM_HOST, group_idx=group))
     return out
 
@@ -220,10 +227,13 @@ class KVEventPublisher:
         self.int_block_hashes = int_block_hashes
         self.include_token_ids = include_token_ids
         self._secure = SecureContext(curve, plaintext_tcp=plaintext_tcp)
-        self._pub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
         try:
-            self._pub = self._secure.bind(zmq.PUB, "endpoint", endpoint)
+            self._pub: zmq.Socket = self._secure.bind(zmq.PUB, "endpoint", endpoint)
+        except BaseException:
+            self._secure.term()
+            raise
+        try:
             self._pub.set_hwm(hwm)
             if replay_endpoint is not None:
                 # a whole buffer and its end marker queue up; past that a send waits (up to
@@ -251,7 +261,9 @@ class KVEventPublisher:
         self._stop = threading.Event()
         self._thread = None
         if self._replay is not None:
-            self._thread = threading.Thread(target=self._serve_replays, name="kv-events-replay", daemon=True)
+            self._thread = threading.Thread(
+                target=self._serve_replays, args=(self._replay,), name="kv-events-replay", daemon=True
+            )
             self._thread.start()
 
     # ------------------------------------------------------------- queries
@@ -277,10 +289,10 @@ class KVEventPublisher:
 
     @property
     def closed(self) -> bool:
-        return self._pub is None or self._pub.closed
+        return self._pub.closed
 
     # ---------------------------------------------------------- publishing
-    def publish(self, events: Sequence[WireEvent]) -> int:
+    def publish(self, events: Sequence[AnyWireEvent]) -> int:
         """Publish ``events`` as one batch; its sequence number."""
         if self.closed:
             raise KVEventsError("the publisher is closed")
@@ -312,12 +324,12 @@ class KVEventPublisher:
         return self.publish(events) if events else None
 
     # -------------------------------------------------------------- replay
-    def _serve_replays(self) -> None:
+    def _serve_replays(self, replay: zmq.Socket) -> None:
         while not self._stop.is_set():
-            if self._replay.poll(50):
-                self._answer(self._replay.recv_multipart())
+            if replay.poll(50):
+                self._answer(replay, replay.recv_multipart())
 
-    def _answer(self, frames: list[bytes]) -> None:
+    def _answer(self, replay: zmq.Socket, frames: list[bytes]) -> None:
         """Stream the buffered batches from the requested sequence number, then the end
         marker (with the epoch); a request of another shape is counted and ignored."""
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
@@ -329,8 +341,8 @@ class KVEventPublisher:
             batches = list(itertools.islice(self._buffer, max(0, first - oldest), None))
         try:
             for seq, payload in batches:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((client, b"", b"", END_SEQ, self.epoch.to_bytes(8, "big")))
+                replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+            replay.send_multipart((client, b"", b"", END_SEQ, self.epoch.to_bytes(8, "big")))
         except zmq.ZMQError:  # the client left or stopped reading: it sees no end marker and asks again
             self.num_failed_replays += 1
 
@@ -346,8 +358,7 @@ class KVEventPublisher:
         self._close_sockets(linger_s)
 
     def _close_sockets(self, linger_s: float = 0.0) -> None:
-        if self._pub is not None:
-            self._pub.close(linger=int(linger_s * 1000))
+        self._pub.close(linger=int(linger_s * 1000))
         if self._replay is not None:
             self._replay.close(linger=0)
         self._secure.term()

@@ -192,7 +192,7 @@ class SecureContext:
                 raise SocketSecurityError(f"{name} {endpoint!r}: a live socket already holds this path")
         return endpoint
 
-    def bind(self, socket_type: int, name: str, endpoint: str, **options: int) -> zmq.Socket:
+    def bind(self, socket_type: int, name: str, endpoint: str, **options: int | bytes) -> zmq.Socket:
         """A socket of ``socket_type`` bound to ``endpoint`` (the CURVE server side),
         ``options`` set (``zmq`` option name -> value) before binding."""
         self.check(name, endpoint, bind=True)
@@ -201,7 +201,7 @@ class SecureContext:
             for option, value in options.items():
                 sock.setsockopt(getattr(zmq, option), value)
             if self.keys is not None:
-                self._start_auth()
+                self._start_auth(self.keys)
                 sock.curve_secretkey = self.keys.server_secret
                 sock.curve_publickey = self.keys.server_public
                 sock.curve_server = True
@@ -211,7 +211,7 @@ class SecureContext:
             raise SocketSecurityError(f"cannot bind {name} {endpoint!r}: {err}") from None
         return sock
 
-    def connect(self, socket_type: int, name: str, endpoint: str, **options: int) -> zmq.Socket:
+    def connect(self, socket_type: int, name: str, endpoint: str, **options: int | bytes) -> zmq.Socket:
         """A socket of ``socket_type`` connected to ``endpoint`` (the CURVE client side),
         ``options`` set (``zmq`` option name -> value) before connecting."""
         self.check(name, endpoint, bind=False)
@@ -232,11 +232,11 @@ class SecureContext:
             self._auth = None
         self.context.term()
 
-    def _start_auth(self) -> None:
+    def _start_auth(self, keys: CurveKeys) -> None:
         if self._auth is None:
             self._auth = ThreadAuthenticator(self.context)
             self._auth.start()
-            self._auth.configure_curve_callback("*", credentials_provider=_ClientKeyCheck(self.keys.client_public))
+            self._auth.configure_curve_callback("*", credentials_provider=_ClientKeyCheck(keys.client_public))
 
 
 @contextlib.contextmanager

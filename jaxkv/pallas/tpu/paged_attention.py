@@ -105,7 +105,7 @@ class _Span(NamedTuple):
     q_start: jax.Array  # its first query token in the batch
     q_end: jax.Array  # one past its last
     kv_len: jax.Array
-    kv_lo: jax.Array  # first kv position any of its rows in the tile sees
+    kv_lo: jax.Array | int  # first kv position any of its rows in the tile sees (0 without a window)
     kv_hi: jax.Array  # one past the last
     page_lo: jax.Array  # pages [page_lo, page_hi) of its table hold [kv_lo, kv_hi)
     page_hi: jax.Array
@@ -125,7 +125,7 @@ def _seq_span(r: _Refs, d: _Dims, t, s) -> _Span:
     row_lo = jnp.maximum(q_start, t * d.tq)
     row_hi = jnp.minimum(q_end, t * d.tq + d.tq)
     kv_hi = kv_len - q_end + row_hi  # one past the last row's position
-    kv_lo = 0
+    kv_lo: jax.Array | int = 0
     if d.sliding_window is not None:
         kv_lo = jnp.maximum(kv_len - q_end + row_lo - d.sliding_window + 1, 0)
     page_lo = lax.div(kv_lo, d.block_size)
@@ -284,7 +284,7 @@ def _process_tile(r: _Refs, d: _Dims, tile) -> None:
         has_next = jnp.logical_and(nt < pl.num_programs(0), nt * d.tq < r.cu_q_lens[r.num_seqs[0]])
 
         @pl.when(has_next)
-        def _():
+        def _prefetch_next() -> None:
             _start_chunk_fetch(r, d, nt, ns, nc, nbuf)
 
         _wait_chunk_fetch(r, d, tile, s, c, buf)
