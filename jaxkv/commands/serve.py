@@ -332,9 +332,12 @@ def serve() -> dict:
         if tokenizer is not None:
             print(f"{'':>7}  decoded: {tokenizer.decode(list(out.output_token_ids))!r}")
     print(_report(result, engine))
-    report = {
+    report: dict[str, Any] = {
         "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])},
-        "plan": {"num_blocks": config.num_blocks, "block_bytes": config.pages.block_bytes},
+        "plan": {
+            "num_blocks": config.num_blocks,
+            "block_bytes": None if config.pages is None else config.pages.block_bytes,
+        },
         "result": result.to_dict(),
     }
     if FLAGS.verify_uncached:

@@ -265,7 +265,10 @@ def simulate() -> dict:
         plot_timeline(timeline.points, FLAGS.plot, f"{FLAGS.preset}, {memory}: {len(trace):,} requests")
     return {
         "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])},
-        "plan": {"num_blocks": config.num_blocks, "block_bytes": config.pages.block_bytes},
+        "plan": {
+            "num_blocks": config.num_blocks,
+            "block_bytes": None if config.pages is None else config.pages.block_bytes,
+        },
         "result": result.to_dict(),
         "wall_s": wall_s,
     }
