@@ -462,44 +462,59 @@ COLUMNS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
 }
 
 
-PLOTS: dict[str, tuple[str, str, tuple[tuple[str, str], ...], bool]] = {
+PLOTS: dict[str, tuple[str, tuple[str, ...], tuple[tuple[str, str], ...], bool]] = {
     "granularity": (
         "hash block size (tokens)",
-        "preset",
-        (("state_pool", "state pool"), ("attention_pages", "vLLM's rule")),
+        ("preset",),
+        (("default", "default (shared pages)"), ("attention_pages", "vLLM's rule")),
         True,
     ),
     "concurrency": (
         "max_model_len requests at once",
-        "preset",
-        (("state_pool", "state pool"), ("attention_pages", "vLLM's rule"), ("exact_bound", "exact bound")),
+        ("preset",),
+        (("default", "default (shared pages)"), ("attention_pages", "vLLM's rule"), ("exact_bound", "exact bound")),
+        False,
+    ),
+    "capacity": (
+        "requests admitted at once",
+        ("memory", "prompt_len"),
+        (("default", "default (shared pages)"), ("vllm_rule", "vLLM's rule"), ("state_pool", "static state pool")),
+        False,
+    ),
+    "chat": (
+        "prompt hit rate",
+        ("memory",),
+        (
+            ("attention_only_hit_rate", "attention only"),
+            ("vllm_rule_hit_rate", "vLLM's rule"),
+            ("default_hit_rate", "default (shared pages)"),
+        ),
         False,
     ),
     "multiturn": (
         "prompt hit rate",
-        "case",
+        ("preset", "memory"),
         (
             ("attention_only_hit_rate", "attention only"),
             ("attention_pages_hit_rate", "vLLM's rule"),
-            ("state_pool_hit_rate", "state pool"),
-            ("best_hit_rate", "state pool, best share"),
+            ("default_hit_rate", "default (shared pages)"),
         ),
         False,
     ),
     "ttft": (
         "time to first token (ms)",
-        "model",
+        ("model",),
         (("uncached_ttft_ms", "no caching"), ("cached_ttft_ms", "cached")),
         True,
     ),
     "retention": (
         "prompt hit rate",
-        "memory",
+        ("memory",),
         (("vllm_hit_rate", "vLLM's eviction"), ("group_aware_hit_rate", "group-aware")),
         False,
     ),
 }
-"""Per section: y label, the row field naming each group, (field, legend) of its bars, log scale."""
+"""Per section: y label, the row fields naming each group, (field, legend) of its bars, log scale."""
 
 
 def plot_report(report: dict, path: str) -> None:
@@ -511,10 +526,10 @@ def plot_report(report: dict, path: str) -> None:
     fig, axes = plt.subplots(rows_, cols, figsize=(5.2 * cols, 4.4 * rows_), squeeze=False)
     for ax in axes.flat[len(sections) :]:
         ax.set_visible(False)
-    for ax, section in zip(axes.flat, sections, strict=True):
-        ylabel, group_key, bars, log = PLOTS[section]
+    for ax, section in zip(axes.flat, sections, strict=False):  # the grid may have spare panels
+        ylabel, group_keys, bars, log = PLOTS[section]
         rows = report[section]["rows"]
-        labels = [f"{r['preset']}\n{r['memory']}" if group_key == "case" else str(r[group_key]) for r in rows]
+        labels = ["\n".join(str(r[key]) for key in group_keys) for r in rows]
         width = 0.8 / len(bars)
         for i, (key, legend) in enumerate(bars):
             xs = [g + (i - (len(bars) - 1) / 2) * width for g in range(len(rows))]

@@ -1,5 +1,6 @@
 """The hybrid benchmark runs every section end to end and its plan targets hold."""
 
+import importlib.util
 import json
 
 import pytest
@@ -10,7 +11,8 @@ pytestmark = pytest.mark.subprocess  # runs scripts as a user would
 
 def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
     out = tmp_path / "bench.json"
-    done = run_script("bench_hybrid.py", "--quick", "--out", str(out))
+    plot = [] if importlib.util.find_spec("matplotlib") is None else [f"--plot={tmp_path / 'all.png'}"]
+    done = run_script("bench_hybrid.py", "--quick", "--out", str(out), *plot)  # every section drawn, too
     assert done.returncode == 0, done.stderr
     for section in ("[granularity]", "[concurrency]", "[capacity]", "[chat]", "[multiturn]", "[ttft]", "[retention]"):
         assert section in done.stdout

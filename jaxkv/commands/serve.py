@@ -244,14 +244,19 @@ def _check_heads_split() -> None:
     launching it."""
     devices = FLAGS.num_processes * FLAGS.num_devices
     if FLAGS.checkpoint:
-        config = read_config(Path(FLAGS.checkpoint))
+        try:
+            config = read_config(Path(FLAGS.checkpoint))
+        except (JaxkvError, OSError) as err:
+            exit_error(PROG, err)
         heads = config.get("num_key_value_heads") or config.get("num_attention_heads", 1)
+        model = f"--checkpoint={FLAGS.checkpoint}"
     else:
         heads = get_model_config(FLAGS.model).num_kv_heads
+        model = f"--model={FLAGS.model}"
     if heads % devices:
         exit_error(
             PROG,
-            f"--model={FLAGS.model} has {heads} KV heads, not a multiple of the {devices} devices of "
+            f"{model} has {heads} KV heads, not a multiple of the {devices} devices of "
             f"--num_processes={FLAGS.num_processes} x --num_devices={FLAGS.num_devices} "
             "(try --model=tiny-llama-kv8)",
         )
