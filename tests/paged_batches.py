@@ -9,7 +9,7 @@ replaced by finite noise.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -221,7 +221,8 @@ class AttentionCase:
     window: int | None = None
     soft_cap: float | None = None
     layer_index: int | None = None
-    tuning: dict[str, int] = field(default_factory=dict)
+    tuning: Any = None
+    """The kernel's tuning object (None: its defaults)."""
 
     def batch(self, rng: SeededRng, **kwargs: Any) -> Batch:
         """A fresh random batch of this case (``kwargs`` go to :func:`random_batch`)."""

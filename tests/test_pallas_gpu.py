@@ -17,6 +17,7 @@ import pytest
 from paged_batches import AttentionCase, compare_attention, make_batch, random_batch
 
 from jaxkv.pallas import gpu as kernels
+from jaxkv.pallas.gpu.paged_attention import AttentionTuning
 from jaxkv.pallas.reference import KVShapeError
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -45,7 +46,7 @@ CASES = {
         window=40,
         soft_cap=5.0,
         layer_index=1,
-        tuning={"num_kv_splits": 3},
+        tuning=AttentionTuning(num_kv_splits=3),
     ),
     "fp16-mha-big-pages-window": AttentionCase(
         jnp.float16,
@@ -57,7 +58,7 @@ CASES = {
         num_prefills=1,
         max_len=300,
         window=70,
-        tuning={"num_slots": 2},
+        tuning=AttentionTuning(num_slots=2),
     ),
     "bf16-gqa2-chunk128": AttentionCase(
         jnp.bfloat16,
@@ -68,7 +69,7 @@ CASES = {
         num_decodes=1,
         num_prefills=2,
         max_len=260,
-        tuning={"kv_tokens_per_chunk": 128},
+        tuning=AttentionTuning(kv_tokens_per_chunk=128),
     ),
 }
 
@@ -86,7 +87,7 @@ def test_kernel_matches_the_reference(rng, case):
         sm_scale=c.head_dim**-0.5,
         window=c.window,
         soft_cap=c.soft_cap,
-        **c.tuning,
+        tuning=c.tuning or AttentionTuning(),
     )
 
 
@@ -105,7 +106,7 @@ def test_kv_splits_do_not_change_the_result(rng):
     )
     outs = [
         compare_attention(
-            functools.partial(kernels.paged_attention, interpret=INTERPRET, num_kv_splits=n),
+            functools.partial(kernels.paged_attention, interpret=INTERPRET, tuning=AttentionTuning(num_kv_splits=n)),
             rng,
             batch,
             sm_scale=0.125,
@@ -145,3 +146,14 @@ def test_shapes_the_tiles_do_not_fit_are_refused_by_name(rng, dtype, g, d, bs, m
     batch = random_batch(rng, dtype, 1, g, d, bs, 1, 0, 20)
     with pytest.raises(KVShapeError, match=match):
         kernels.paged_attention(*batch.args(batch.kv_clean), sm_scale=0.1, interpret=True)
+
+
+@pytest.mark.parametrize("knob", ["num_kv_splits", "kv_tokens_per_chunk", "num_slots"])
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_a_bad_tuning_knob_is_refused_when_the_tuning_is_built(knob, bad):
+    with pytest.raises(KVShapeError, match=f"AttentionTuning.{knob}"):
+        AttentionTuning(**{knob: bad})
+
+
+def test_the_tuning_defaults_leave_the_splits_to_the_kernel():
+    assert AttentionTuning().num_kv_splits is None and hash(AttentionTuning()) == hash(AttentionTuning())

@@ -30,6 +30,7 @@ from paged_batches import (
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import tpu as kernels
 from jaxkv.pallas.reference import KVShapeError
+from jaxkv.pallas.tpu.paged_attention import AttentionTuning
 from jaxkv.pallas.tpu.write_kv import _full_block_runs
 
 INTERPRET = pltpu.InterpretParams()
@@ -71,7 +72,7 @@ ATTENTION_CASES = {
         num_prefills=2,
         max_len=14,
         layer_index=1,
-        tuning={"pages_per_chunk": 2},
+        tuning=AttentionTuning(pages_per_chunk=2),
     ),
     "fp32-gqa4-window-cap": AttentionCase(
         jnp.float32,
@@ -84,7 +85,7 @@ ATTENTION_CASES = {
         max_len=17,
         window=5,
         soft_cap=4.0,
-        tuning={"pages_per_chunk": 1},
+        tuning=AttentionTuning(pages_per_chunk=1),
     ),
     "fp32-window-eq-block": AttentionCase(
         jnp.float32,
@@ -97,7 +98,7 @@ ATTENTION_CASES = {
         max_len=15,
         window=4,
         layer_index=0,
-        tuning={"queries_per_tile": 8},
+        tuning=AttentionTuning(queries_per_tile=8),
     ),
     "fp32-window-1": AttentionCase(
         jnp.float32,
@@ -109,7 +110,7 @@ ATTENTION_CASES = {
         num_prefills=1,
         max_len=9,
         window=1,
-        tuning={"pages_per_chunk": 3},
+        tuning=AttentionTuning(pages_per_chunk=3),
     ),
     "fp32-prefill-only-tiles": AttentionCase(
         jnp.float32,
@@ -123,7 +124,7 @@ ATTENTION_CASES = {
         window=6,
         soft_cap=2.5,
         layer_index=2,
-        tuning={"queries_per_tile": 8, "pages_per_chunk": 2},
+        tuning=AttentionTuning(queries_per_tile=8, pages_per_chunk=2),
     ),
     "bf16-gqa4": AttentionCase(
         jnp.bfloat16,
@@ -147,7 +148,7 @@ ATTENTION_CASES = {
         window=7,
         soft_cap=3.0,
         layer_index=1,
-        tuning={"pages_per_chunk": 1},
+        tuning=AttentionTuning(pages_per_chunk=1),
     ),
 }
 
@@ -156,7 +157,14 @@ ATTENTION_CASES = {
 def test_paged_attention_matches_reference(rng, case):
     c = ATTENTION_CASES[case]
     batch = c.batch(rng)
-    check_attention(rng, batch, layer_index=c.layer_index, window=c.window, soft_cap=c.soft_cap, **c.tuning)
+    check_attention(
+        rng,
+        batch,
+        layer_index=c.layer_index,
+        window=c.window,
+        soft_cap=c.soft_cap,
+        tuning=c.tuning or AttentionTuning(),
+    )
 
 
 def test_paged_attention_full_batch_and_empty_sequences(rng):
@@ -174,7 +182,7 @@ def test_paged_attention_full_batch_and_empty_sequences(rng):
         dtype=jnp.float32,
         extra_tokens=0,
     )
-    check_attention(rng, batch, queries_per_tile=8)
+    check_attention(rng, batch, tuning=AttentionTuning(queries_per_tile=8))
 
 
 def test_paged_attention_no_sequences_gives_zeros(rng):
@@ -245,7 +253,9 @@ def test_paged_attention_never_fetches_pages_outside_the_span(rng):
     out_of_range = batch.kv_poisoned.shape[0] + 7
     tables = jnp.where(batch.tables == 0, out_of_range, batch.tables)
     args = (batch.q, batch.kv_poisoned, batch.kv_lens, tables, batch.cu_q_lens, batch.num_seqs)
-    out = kernels.paged_attention(*args, sm_scale=0.35, sliding_window=5, interpret=INTERPRET, pages_per_chunk=2)
+    out = kernels.paged_attention(
+        *args, sm_scale=0.35, sliding_window=5, interpret=INTERPRET, tuning=AttentionTuning(pages_per_chunk=2)
+    )
     want = ref.paged_attention(*batch.args(batch.kv_clean), sm_scale=0.35, sliding_window=5)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5, equal_nan=False)
 
@@ -267,7 +277,14 @@ def test_paged_attention_no_races_eager_dmas(rng):
         layer_index=1,
     )
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
-    check_attention(rng, batch, layer_index=1, window=7, interpret=params, queries_per_tile=8, pages_per_chunk=2)
+    check_attention(
+        rng,
+        batch,
+        layer_index=1,
+        window=7,
+        interpret=params,
+        tuning=AttentionTuning(queries_per_tile=8, pages_per_chunk=2),
+    )
     assert not mosaic_interpret.races.races_found
 
 
@@ -485,3 +502,10 @@ def test_kernels_lower_to_mosaic_with_aliased_cache(dtype):
         assert "tpu_custom_call" in text and "output_operand_alias" in text
     text = lower(kernels.copy_blocks, (cross,), s((5,), jnp.int32), s((5,), jnp.int32))
     assert "tpu_custom_call" in text and "output_operand_alias" in text
+
+
+@pytest.mark.parametrize("knob", ["queries_per_tile", "pages_per_chunk", "vmem_limit_bytes"])
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_a_bad_tuning_knob_is_refused_when_the_tuning_is_built(knob, bad):
+    with pytest.raises(KVShapeError, match=f"AttentionTuning.{knob}"):
+        AttentionTuning(**{knob: bad})

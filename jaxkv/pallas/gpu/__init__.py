@@ -9,6 +9,6 @@ KV writes and block copies on a GPU are XLA's (:mod:`jaxkv.pallas.xla`): single
 in-bounds scatters of whole rows and blocks.
 """
 
-from jaxkv.pallas.gpu.paged_attention import check_supported, paged_attention
+from jaxkv.pallas.gpu.paged_attention import AttentionTuning, check_supported, paged_attention
 
-__all__ = ["check_supported", "paged_attention"]
+__all__ = ["AttentionTuning", "check_supported", "paged_attention"]

@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkv.ints import cdiv
+from jaxkv.ints import cdiv, is_int
 from jaxkv.pallas.gpu._interpret import interpret_params
 from jaxkv.pallas.reference import KVShapeError, check_paged_attention_args, page_dims
 
@@ -59,6 +59,29 @@ ROWS_PER_TILE = 64
 """Query rows of one KV head per work item: the M of one warpgroup matmul."""
 DEFAULT_KV_TOKENS_PER_CHUNK = 64
 DEFAULT_NUM_SLOTS = 3
+
+
+@dataclass(frozen=True)
+class AttentionTuning:
+    """The Hopper kernel's knobs in one object, checked when built.
+
+    ``num_kv_splits``: CTAs one item's kv range is split over (None:
+    :func:`default_num_splits`). ``kv_tokens_per_chunk``: kv tokens per TMA copy and
+    softmax step (a multiple of the 64-row tile; one of it and the block size divides
+    the other). ``num_slots``: shared-memory slots in the copy ring (copies in flight).
+    """
+
+    num_kv_splits: int | None = None
+    kv_tokens_per_chunk: int = DEFAULT_KV_TOKENS_PER_CHUNK
+    num_slots: int = DEFAULT_NUM_SLOTS
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_splits", "kv_tokens_per_chunk", "num_slots"):
+            value = getattr(self, name)
+            if (value is not None or name != "num_kv_splits") and not (is_int(value) and value >= 1):
+                raise KVShapeError(f"AttentionTuning.{name} must be a positive int, got {value!r}")
+
+
 TARGET_CTAS = 2 * 132
 """CTAs the kv split aims for: two waves of an H100's 132 SMs."""
 _SWIZZLE_BYTES = 128
@@ -411,9 +434,7 @@ def default_num_splits(num_kv_heads: int, max_items: int, max_chunks: int) -> in
         "sm_scale",
         "sliding_window",
         "soft_cap",
-        "num_kv_splits",
-        "kv_tokens_per_chunk",
-        "num_slots",
+        "tuning",
         "interpret",
     ),
 )
@@ -429,17 +450,14 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    num_kv_splits: int | None = None,
-    kv_tokens_per_chunk: int = DEFAULT_KV_TOKENS_PER_CHUNK,
-    num_slots: int = DEFAULT_NUM_SLOTS,
+    tuning: AttentionTuning = AttentionTuning(),
     interpret: Any = None,
 ) -> jax.Array:
     """Causal paged attention over a ragged batch; the contract of
     :func:`jaxkv.pallas.reference.paged_attention`, on a Hopper GPU.
 
-    ``num_kv_splits`` (default: :func:`default_num_splits`) splits each item's kv range
-    across CTAs; ``interpret`` (True or ``InterpretGPUParams``) runs the Mosaic GPU
-    interpreter instead of compiling (CPU tests).
+    ``tuning`` holds the kernel's knobs (:class:`AttentionTuning`); ``interpret`` (True or
+    ``InterpretGPUParams``) runs the Mosaic GPU interpreter instead of compiling (CPU tests).
     """
     check_paged_attention_args(
         q,
@@ -452,6 +470,7 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
+    kv_tokens_per_chunk, num_slots = tuning.kv_tokens_per_chunk, tuning.num_slots
     check_supported(q, kv_buffer, kv_tokens_per_chunk=kv_tokens_per_chunk)
     params = interpret_params(interpret)
     block_size, num_kv_heads, head_dim = page_dims(kv_buffer)
@@ -461,7 +480,7 @@ def paged_attention(
     tokens_per_tile = ROWS_PER_TILE // num_queries_per_kv
     max_items = cdiv(num_tokens, tokens_per_tile) + max_seqs
     max_chunks = cdiv(table_width * block_size, kv_tokens_per_chunk)
-    num_splits = num_kv_splits or default_num_splits(num_kv_heads, max_items, max_chunks)
+    num_splits = tuning.num_kv_splits or default_num_splits(num_kv_heads, max_items, max_chunks)
     d = _Dims(
         num_queries_per_kv=num_queries_per_kv,
         chunk=kv_tokens_per_chunk,

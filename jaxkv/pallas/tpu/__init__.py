@@ -10,7 +10,7 @@ Each mirrors its plain-jnp oracle in :mod:`jaxkv.pallas.reference`:
 """
 
 from jaxkv.pallas.tpu.copy_blocks import copy_blocks, copy_states
-from jaxkv.pallas.tpu.paged_attention import paged_attention
+from jaxkv.pallas.tpu.paged_attention import AttentionTuning, paged_attention
 from jaxkv.pallas.tpu.write_kv import write_kv
 
-__all__ = ["copy_blocks", "copy_states", "paged_attention", "write_kv"]
+__all__ = ["AttentionTuning", "copy_blocks", "copy_states", "paged_attention", "write_kv"]

@@ -48,12 +48,35 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxkv.ints import cdiv
+from jaxkv.ints import cdiv, is_int
 from jaxkv.pallas.reference import KVShapeError, check_paged_attention_args
 from jaxkv.pallas.tpu._common import Interpret, check_int32, interpret_params, page_ref
 
 DEFAULT_MAX_QUERIES_PER_TILE = 32
 DEFAULT_KV_TOKENS_PER_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class AttentionTuning:
+    """The TPU kernel's knobs in one object, checked when built (None: derived from the batch).
+
+    ``queries_per_tile``: rows of the ragged batch per grid step (default up to 32,
+    rounded to the dtype's sublane tile; must be a multiple of it). ``pages_per_chunk``:
+    pages per DMA batch and softmax step (default ~256 kv tokens). ``vmem_limit_bytes``:
+    Mosaic's scoped VMEM limit (default: the compiler's).
+    """
+
+    queries_per_tile: int | None = None
+    pages_per_chunk: int | None = None
+    vmem_limit_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("queries_per_tile", "pages_per_chunk", "vmem_limit_bytes"):
+            value = getattr(self, name)
+            if value is not None and not (is_int(value) and value >= 1):
+                raise KVShapeError(f"AttentionTuning.{name} must be None or a positive int, got {value!r}")
+
+
 _LANES = 128
 
 
@@ -338,9 +361,7 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    queries_per_tile: int | None = None,
-    pages_per_chunk: int | None = None,
-    vmem_limit_bytes: int | None = None,
+    tuning: AttentionTuning = AttentionTuning(),
     interpret: Interpret = False,
 ) -> jax.Array:
     """Causal paged attention over a ragged batch, reading pages straight from the cache.
@@ -352,10 +373,8 @@ def paged_attention(
     ``(N, L, bs, 2H, D)`` read at ``layer_index``. Block tables and lengths are trusted
     (checked where the metadata is built): the kernel DMAs whatever block ids it gets.
 
-    Tuning: ``queries_per_tile`` (rows of the ragged batch per grid step, default up to
-    32, rounded to the dtype's sublane tile) and ``pages_per_chunk`` (pages per DMA
-    batch / softmax step, default ~256 kv tokens). ``interpret`` runs the kernel in the
-    TPU interpreter (``True`` or a :class:`pltpu.InterpretParams`).
+    ``tuning`` holds the kernel's knobs (:class:`AttentionTuning`). ``interpret`` runs the
+    kernel in the TPU interpreter (``True`` or a :class:`pltpu.InterpretParams`).
     """
     check_paged_attention_args(
         q,
@@ -376,12 +395,10 @@ def paged_attention(
     table_width = block_tables.shape[1]
 
     sub = max(_sublane_multiple(q.dtype), _sublane_multiple(kv_buffer.dtype))
-    tq = queries_per_tile or min(DEFAULT_MAX_QUERIES_PER_TILE, cdiv(num_tokens, sub) * sub)
-    ppc = pages_per_chunk or max(1, min(table_width, DEFAULT_KV_TOKENS_PER_CHUNK // block_size))
-    if tq <= 0 or tq % sub or ppc <= 0:
-        raise KVShapeError(
-            f"queries_per_tile={tq} must be a positive multiple of {sub} and pages_per_chunk={ppc} positive"
-        )
+    tq = tuning.queries_per_tile or min(DEFAULT_MAX_QUERIES_PER_TILE, cdiv(num_tokens, sub) * sub)
+    ppc = tuning.pages_per_chunk or max(1, min(table_width, DEFAULT_KV_TOKENS_PER_CHUNK // block_size))
+    if tq % sub:
+        raise KVShapeError(f"queries_per_tile={tq} must be a multiple of {sub} (the sublane tile of {q.dtype})")
     num_tiles = cdiv(num_tokens, tq)
     padded = num_tiles * tq
 
@@ -428,7 +445,9 @@ def paged_attention(
             scratch_shapes=scratch_shapes,
         ),
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=tuning.vmem_limit_bytes
+        ),
         interpret=interpret_params(interpret),
         name="jaxkv_paged_attention",
     )(*scalar_prefetches, qt, kv_buffer)
