@@ -11,6 +11,8 @@ from script_runs import run_script
 pytest.importorskip("msgspec")
 pytest.importorskip("zmq")
 
+pytestmark = pytest.mark.subprocess  # replica processes and the script, as a user runs them
+
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return run_script("bench_route.py", *args)

@@ -196,6 +196,7 @@ def test_sharding_errors_name_the_problem():
         allocate_kv_cache(hand_config(), mesh=mesh)
 
 
+@pytest.mark.subprocess
 def test_heads_are_split_whole_across_devices():
     # The multi-device rule, on 4 forced CPU devices in a child process: 2 KV heads
     # shard over 2 devices (one K/V pair each) but not over 4 (K and V would split);

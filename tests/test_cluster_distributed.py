@@ -23,6 +23,8 @@ from jaxkv.cli import with_cpu_device_count
 
 TIMEOUT_S = 240
 
+pytestmark = pytest.mark.subprocess  # clusters of processes
+
 
 def start(*args: str) -> subprocess.Popen:
     """A Python subprocess of this repository, in a session of its own (killed whole on timeout),

@@ -2,7 +2,10 @@
 
 import re
 
+import pytest
 from script_runs import run_script
+
+pytestmark = pytest.mark.subprocess  # the examples run as scripts
 
 
 def test_own_model_is_served_with_prefix_hits_preemption_and_the_host_tier_and_matches_its_dense_forward():

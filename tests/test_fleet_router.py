@@ -304,6 +304,7 @@ def test_a_silent_replay_socket_does_not_escape_the_router(tmp_path):
 
 
 # --- a short soak (scripts/soak_route.py runs the long one over processes) -----------------
+@pytest.mark.slow
 def test_a_short_soak_answers_every_request_once_and_leaks_nothing(tmp_path):
     """Two routers over three replicas, 240 requests: one replica killed and restarted on
     its addresses (a new publisher), one hung then recovered, hostile frames throughout."""

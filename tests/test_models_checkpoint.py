@@ -100,6 +100,7 @@ def test_a_missing_directory_is_refused_without_downloading(tmp_path):
         load_pretrained(tmp_path / "meta-llama/Llama-3.2-1B")
 
 
+@pytest.mark.subprocess
 def test_serve_script_serves_a_saved_checkpoint_from_text_prompts(tmp_path):
     saved = run_script("save_tiny_checkpoint.py", "--family", "qwen3", "--out", str(tmp_path))
     assert saved.returncode == 0, saved.stderr
@@ -123,6 +124,7 @@ def test_serve_script_serves_a_saved_checkpoint_from_text_prompts(tmp_path):
     assert "tokens identical to the dense (unpaged) forward: yes" in served.stdout
 
 
+@pytest.mark.subprocess
 def test_bench_serve_script_benchmarks_a_saved_checkpoint_with_caching_on_and_off(llama_dir, tmp_path):
     bench = run_script(
         "bench_serve.py",
@@ -135,6 +137,7 @@ def test_bench_serve_script_benchmarks_a_saved_checkpoint_with_caching_on_and_of
     assert set(report["results"]) == {"no prefix caching", "prefix caching"} and report["token_check"]["passed"]
 
 
+@pytest.mark.subprocess
 def test_serve_script_refuses_a_missing_checkpoint_in_one_line(tmp_path):
     served = run_script("serve.py", "--checkpoint", str(tmp_path / "absent"))
     assert served.returncode == 2

@@ -51,6 +51,7 @@ def test_a_layer_type_without_rope_parameters_is_refused():
         model.rope(0)
 
 
+@pytest.mark.slow
 def test_engine_matches_transformers_through_prefix_hits_preemption_and_the_host_tier(tmp_path):
     seen = serve_against_transformers("gemma3", tmp_path, memory_bytes=205_000, offload=host_tier())
     assert seen["max_abs_diff"] < ENGINE_ATOL
@@ -58,6 +59,7 @@ def test_engine_matches_transformers_through_prefix_hits_preemption_and_the_host
     assert seen["preemptions"] > 0 and seen["host_loaded_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_engine_on_a_two_device_mesh_matches_transformers(tmp_path):
     seen = serve_against_transformers("gemma3", tmp_path, memory_bytes=1 << 20, mesh=model_mesh(2))
     assert seen["max_abs_diff"] < ENGINE_ATOL

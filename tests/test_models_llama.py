@@ -43,6 +43,7 @@ def test_layer_types_mark_sliding_layers_in_the_cache_specs():
     assert [getattr(s, "sliding_window", None) for s in specs.values()] == [None, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "memory_bytes"), [("llama", 112_000), ("qwen3", 75_000)])
 def test_engine_matches_transformers_through_prefix_hits_preemption_and_the_host_tier(family, memory_bytes, tmp_path):
     seen = serve_against_transformers(family, tmp_path, memory_bytes=memory_bytes, offload=host_tier())
@@ -51,6 +52,7 @@ def test_engine_matches_transformers_through_prefix_hits_preemption_and_the_host
     assert seen["preemptions"] > 0 and seen["host_loaded_tokens"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_engine_on_a_two_device_mesh_matches_transformers(family, tmp_path):
     seen = serve_against_transformers(family, tmp_path, memory_bytes=1 << 20, mesh=model_mesh(2))

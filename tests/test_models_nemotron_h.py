@@ -43,17 +43,20 @@ def test_dense_logits_match_transformers_with_the_experts_stacked_on_load(tmp_pa
     assert model.partition_specs().keys() == model.params.keys()
 
 
+@pytest.mark.slow
 def test_served_logits_match_transformers_and_a_second_pass_hits_on_a_2_device_mesh(tmp_path):
     run = serve_against_transformers("nemotron_h", tmp_path, memory_bytes=8 << 20, mesh=model_mesh(2))
     assert run["max_abs_diff"] < ENGINE_ATOL
     assert run["cached"][0] < run["cached"][1]  # the second pass resumes from 16-token state checkpoints
 
 
+@pytest.mark.slow
 def test_served_logits_match_transformers_under_preemption(tmp_path):
     run = serve_against_transformers("nemotron_h", tmp_path, memory_bytes=96 << 10)
     assert run["preemptions"] > 0 and run["max_abs_diff"] < ENGINE_ATOL
 
 
+@pytest.mark.slow
 def test_served_logits_match_transformers_through_the_host_tier(tmp_path):
     run = serve_through_host("nemotron_h", tmp_path, memory_bytes=100 << 10, checkpoint_share=0.4)
     assert run["max_abs_diff"] < ENGINE_ATOL

@@ -251,6 +251,7 @@ def test_a_closed_publisher_refuses_to_publish():
         pub.publish([])
 
 
+@pytest.mark.subprocess
 def test_jaxkv_imports_without_the_events_extra():
     code = (
         "import sys, jaxkv, jaxkv.manager, jaxkv.serving.engine\n"
