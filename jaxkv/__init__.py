@@ -27,6 +27,7 @@ _HOME = {
     "plan_kv_cache": "jaxkv.planner",
     "KVCacheConfig": "jaxkv.planner",
     "KVCacheGroup": "jaxkv.planner",
+    "StatePoolOptions": "jaxkv.planner",
     "KVCacheManager": "jaxkv.manager",
     "Request": "jaxkv.manager",
     # device side, models, serving (JAX)
@@ -65,6 +66,7 @@ __all__ = [
     "ScheduledSeq",
     "ServedModel",
     "SlidingWindowSpec",
+    "StatePoolOptions",
     "StepMetadata",
     "UnknownLayerError",
     "allocate_kv_cache",
@@ -82,7 +84,7 @@ if TYPE_CHECKING:
     from jaxkv.manager import KVCacheManager, Request
     from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
     from jaxkv.models.protocol import ServedModel
-    from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
+    from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePoolOptions, plan_kv_cache
     from jaxkv.presets import get_preset, list_presets
     from jaxkv.serving.engine import Engine
     from jaxkv.serving.offload_connector import OffloadConfig

@@ -78,6 +78,23 @@ def default_state_layout(layer_specs: Mapping[str, KVCacheSpec]) -> StateLayout:
     return DEFAULT_STATE_LAYOUT if any(recurrent) else "attention_pages"
 
 
+@dataclass(frozen=True)
+class StatePoolOptions:
+    """``state_layout="state_pool"`` with its sizes, in one object checked when built:
+    ``max_num_seqs`` live states (None: balanced against the attention blocks) and
+    ``checkpoint_bytes`` of the budget kept for prefix-cache state checkpoints. Only
+    this layout takes them, so they travel with it rather than as loose keywords that
+    the other layouts must refuse."""
+
+    max_num_seqs: int | None = None
+    checkpoint_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs is not None:
+            _positive_int("max_num_seqs", self.max_num_seqs)
+        check_int("checkpoint_bytes", self.checkpoint_bytes, minimum=0, error=PlanError)
+
+
 TPU_HEAD_DIM_MULTIPLE = 128
 """``head_dim_multiple`` for TPUs: a vreg is 8 sublanes x 128 lanes and Mosaic kernels
 want the minor dim a multiple of 128, so a head of 64 is padded to 128 (2x the bytes)."""
@@ -756,7 +773,7 @@ def plan_kv_cache(
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     num_blocks_override: int | None = None,
     head_dim_multiple: int = 1,
-    state_layout: StateLayout | None = "attention_pages",
+    state_layout: StateLayout | StatePoolOptions | None = "attention_pages",
     max_num_seqs: int | None = None,
     checkpoint_bytes: int = 0,
     tensor_parallel: int = 1,
@@ -771,9 +788,11 @@ def plan_kv_cache(
     q/k/v up to.
 
     ``state_layout`` (:data:`STATE_LAYOUTS`, or None for :func:`default_state_layout`)
-    says where Mamba states live; see :func:`_plan_state_pool` for ``"state_pool"`` and
-    its ``max_num_seqs`` and ``checkpoint_bytes``, which the other layouts refuse, and
-    :func:`_plan_shared_pages` for ``"shared_pages"``.
+    says where Mamba states live; see :func:`_plan_state_pool` for the state pool, whose
+    sizes come as a :class:`StatePoolOptions` (``state_layout=StatePoolOptions(...)``; the
+    keywords ``max_num_seqs`` and ``checkpoint_bytes`` with ``state_layout="state_pool"``
+    say the same and the other layouts refuse them), and :func:`_plan_shared_pages` for
+    ``"shared_pages"``.
 
     ``tensor_parallel`` splits every attention block's KV heads over that many devices
     (a mesh's model axis; :attr:`KVCacheConfig.device_bytes`). ``memory_bytes`` stays the
@@ -798,18 +817,25 @@ def plan_kv_cache(
     if num_blocks_override is not None:
         _positive_int("num_blocks_override", num_blocks_override)
     _positive_int("head_dim_multiple", head_dim_multiple)
-    if state_layout is None and isinstance(layer_specs, Mapping):
-        state_layout = default_state_layout(layer_specs)
-    if state_layout not in STATE_LAYOUTS:
-        raise PlanError(f"unknown state_layout {state_layout!r}; valid state layouts: {', '.join(STATE_LAYOUTS)}")
-    if max_num_seqs is not None:
-        _positive_int("max_num_seqs", max_num_seqs)
-    check_int("checkpoint_bytes", checkpoint_bytes, minimum=0, error=PlanError)
-    if state_layout != "state_pool" and (max_num_seqs is not None or checkpoint_bytes):
-        raise PlanError(
-            f"max_num_seqs={max_num_seqs} and checkpoint_bytes={checkpoint_bytes} size a state pool; "
-            f"state_layout={state_layout!r} has none (use state_layout='state_pool')"
-        )
+    if isinstance(state_layout, StatePoolOptions):
+        if max_num_seqs is not None or checkpoint_bytes:
+            raise PlanError(
+                f"max_num_seqs={max_num_seqs} and checkpoint_bytes={checkpoint_bytes} beside {state_layout!r}: "
+                "give the state pool's sizes once, in the StatePoolOptions"
+            )
+        pool = state_layout
+        state_layout = "state_pool"
+    else:
+        if state_layout is None:
+            state_layout = default_state_layout(layer_specs)
+        if state_layout not in STATE_LAYOUTS:
+            raise PlanError(f"unknown state_layout {state_layout!r}; valid state layouts: {', '.join(STATE_LAYOUTS)}")
+        if state_layout != "state_pool" and (max_num_seqs is not None or checkpoint_bytes):
+            raise PlanError(
+                f"max_num_seqs={max_num_seqs} and checkpoint_bytes={checkpoint_bytes} size a state pool; "
+                f"state_layout={state_layout!r} has none (use state_layout='state_pool')"
+            )
+        pool = StatePoolOptions(max_num_seqs, checkpoint_bytes)
     if state_layout in ("state_pool", "shared_pages") and num_blocks_override is not None:
         raise PlanError(
             f"num_blocks_override={num_blocks_override} cannot be combined with state_layout={state_layout!r}, "
@@ -830,8 +856,8 @@ def plan_kv_cache(
             layout=layout,
             max_num_batched_tokens=max_num_batched_tokens,
             head_dim_multiple=head_dim_multiple,
-            max_num_seqs=max_num_seqs,
-            checkpoint_bytes=checkpoint_bytes,
+            max_num_seqs=pool.max_num_seqs,
+            checkpoint_bytes=pool.checkpoint_bytes,
         )
         return dataclasses.replace(config, tensor_parallel=tensor_parallel)
     if state_layout == "shared_pages":

@@ -21,6 +21,7 @@ from jaxkv.planner import (
     KVCacheGroup,
     PlanError,
     StatePool,
+    StatePoolOptions,
     choose_layers_per_group,
     exact_concurrency_bound,
     pad_head_size,
@@ -757,3 +758,29 @@ def test_recurrent_hybrids_default_to_one_memory_that_reaches_the_exact_concurre
     assert config.max_concurrency == exact_concurrency_bound(specs, 16 * GiB, 32768)
     assert config.num_blocks * config.pages.block_bytes <= 16 * GiB
     assert "one memory: a state" in config.summary()
+
+
+def test_a_state_pool_options_object_plans_what_the_keywords_plan():
+    specs = get_preset("nemotron-h-8b")
+    by_keywords = plan_kv_cache(
+        specs, 16 * GiB, max_model_len=32768, state_layout="state_pool", max_num_seqs=8, checkpoint_bytes=GiB
+    )
+    by_options = plan_kv_cache(
+        specs, 16 * GiB, max_model_len=32768, state_layout=StatePoolOptions(max_num_seqs=8, checkpoint_bytes=GiB)
+    )
+    assert by_options == by_keywords and by_options.state_pool is not None
+
+
+def test_the_state_pool_sizes_are_given_once_and_checked_when_built():
+    with pytest.raises(PlanError, match="once"):
+        plan_kv_cache(
+            get_preset("nemotron-h-8b"),
+            16 * GiB,
+            max_model_len=32768,
+            state_layout=StatePoolOptions(max_num_seqs=8),
+            checkpoint_bytes=GiB,
+        )
+    with pytest.raises(PlanError, match="max_num_seqs"):
+        StatePoolOptions(max_num_seqs=0)
+    with pytest.raises(PlanError, match="checkpoint_bytes"):
+        StatePoolOptions(checkpoint_bytes=-1)
