@@ -11,7 +11,7 @@ block is ``k`` times larger uses every ``k``-th hash (a chained hash names the w
 prefix up to its block's end): :meth:`KVCacheCoordinator.typed_hashes`.
 
 The coordinator owns the :class:`~jaxkv.pool.BlockPool` (and, with the planner's
-``state_pool`` layout, a second one whose blocks are recurrent state slots: block ids
+``state_pool`` layout, a second one whose blocks are recurrent state rows: block ids
 of the two pools are separate namespaces); the façade
 (:class:`~jaxkv.manager.KVCacheManager`) talks to it only.
 """
@@ -92,7 +92,7 @@ def _split_at_resets(events: list[KVCacheEvent]) -> list[list[KVCacheEvent]]:
 class KVCacheCoordinator:
     """Runs each operation over every group of a config, on the block pool(s) it owns:
     ``pool`` for attention blocks and ``state_pool`` (None without the state-pool
-    layout) for the recurrent groups' state slots."""
+    layout) for the recurrent groups' state rows."""
 
     def __init__(self, config: KVCacheConfig, *, enable_events: bool = False, retention: str = "vllm") -> None:
         if retention not in RETENTION_RULES:
@@ -143,7 +143,7 @@ class KVCacheCoordinator:
         self._maps = [self.managers[t.group_ids[0]].pool.hash_maps(t.group_ids) for t in types]
 
     def _state_manager(self, group_id: int, group: KVCacheGroup, shared: SharedStates | None) -> StatePoolManager:
-        """The manager of a state group: its states are pages of the shared pool, or slots of the state pool."""
+        """The manager of a state group: its states are pages of the shared pool, or rows of the state pool."""
         if shared is not None:
             return StatePoolManager(self.pool, group_id, group.block_size, group.spec, shared.pages_per_state)
         assert self.state_pool is not None  # a plan's state groups without shared states have a state pool
@@ -156,12 +156,12 @@ class KVCacheCoordinator:
     # ------------------------------------------------------------- the pool
     @property
     def num_free_blocks(self) -> int:
-        """Free attention blocks (state slots: :attr:`num_free_states`)."""
+        """Free attention blocks (state rows: :attr:`num_free_states`)."""
         return self.pool.num_free_blocks
 
     @property
     def num_free_states(self) -> int | None:
-        """Free state slots of the state pool (None without one)."""
+        """Free state rows of the state pool (None without one)."""
         return None if self.state_pool is None else self.state_pool.num_free_blocks
 
     @property
@@ -186,13 +186,13 @@ class KVCacheCoordinator:
         return events
 
     def evict_blocks(self, block_ids: Sequence[int], group: int | None = None) -> int:
-        """Drop the cached hashes of these blocks: attention blocks, or ``group``'s (state slots
+        """Drop the cached hashes of these blocks: attention blocks, or ``group``'s (state rows
         for a state-pool group)."""
         pool = self.pool if group is None else self.managers[group].pool
         return pool.evict_blocks(block_ids)
 
     def is_cached_as(self, group: int, block_id: int, block_hash: bytes) -> bool:
-        """Whether ``group``'s block (or state slot) is cached under ``block_hash``."""
+        """Whether ``group``'s block (or state row) is cached under ``block_hash``."""
         return self.managers[group].pool.is_cached_as(block_id, group, block_hash)
 
     def reset_prefix_cache(self) -> bool:

@@ -337,7 +337,7 @@ class KVCacheManager:
 
     @property
     def state_pool(self) -> BlockPool | None:
-        """The coordinator's state-slot pool (None without a state pool), read only."""
+        """The coordinator's state-row pool (None without a state pool), read only."""
         return self.coordinator.state_pool
 
     @property
@@ -351,7 +351,7 @@ class KVCacheManager:
 
     @property
     def num_free_states(self) -> int | None:
-        """Free state slots of the state pool (None without the state-pool layout)."""
+        """Free state rows of the state pool (None without the state-pool layout)."""
         return self.coordinator.num_free_states
 
     @property
@@ -577,12 +577,12 @@ class KVCacheManager:
 
     def evict_group_blocks(self, group: int, block_ids: Sequence[int]) -> int:
         """:meth:`evict_blocks` for one group's blocks, wherever they come from (a
-        state-pool group's are state slots)."""
+        state-pool group's are state rows)."""
         self._owner.check()
         return self.coordinator.evict_blocks(block_ids, group)
 
     def is_cached_as(self, group: int, block_id: int, block_hash: bytes) -> bool:
-        """Whether ``group``'s block (a state slot for a state-pool group) is cached as ``block_hash``."""
+        """Whether ``group``'s block (a state row for a state-pool group) is cached as ``block_hash``."""
         return self.coordinator.is_cached_as(group, block_id, block_hash)
 
     def reset_prefix_cache(self) -> bool:

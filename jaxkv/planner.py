@@ -24,7 +24,7 @@ specs -> (tile alignment) -> groups -> block size per group -> layout -> num_blo
 Steps 2-3 are vLLM's rule (``state_layout="attention_pages"``, the default). With
 ``state_layout="state_pool"`` the recurrent layers leave the pages: attention types
 are planned as if they were alone (blocks stay ``block_size`` tokens), each Mamba type
-becomes one group whose blocks are slots of a separate pool of states, and the budget
+becomes one group whose blocks are rows of a separate pool of states, and the budget
 is split between the two pools (see :func:`plan_kv_cache`). Prefix caching then works
 at the attention block size instead of the 100s-1000s of tokens a page needs to hold
 a state.
@@ -59,7 +59,7 @@ StateLayout = Literal["attention_pages", "state_pool", "shared_pages"]
 STATE_LAYOUTS: tuple[StateLayout, ...] = get_args(StateLayout)
 """Where recurrent states live. ``attention_pages``: vLLM's rule, one attention page
 holds one state (the attention block size grows until it does). ``state_pool``: a pool
-of state slots apart from the attention pages (:class:`StatePool`), split at plan
+of state rows apart from the attention pages (:class:`StatePool`), split at plan
 time. ``shared_pages``: one memory: a state is ``k`` pages of the attention block pool
 (:class:`SharedStates`), taken and evicted as a unit, so KV blocks, live states and
 state checkpoints share one pool and one eviction order decided at run time."""
@@ -216,7 +216,7 @@ class StatePool:
     checkpoints sit at attention-block granularity whatever a state weighs. Without
     one (vLLM's rule), one attention page holds one state.
 
-    One slot of ``state_bytes`` holds the states of all layers of one recurrent group,
+    One row of ``state_bytes`` holds the states of all layers of one recurrent group,
     for one request at one token position. ``num_live_states`` slots are sized for the
     running requests (one per request and recurrent group, updated in place); the other
     usable slots are budgeted for prefix-cache checkpoints. Hand-built pools may leave
@@ -424,8 +424,8 @@ class KVCacheConfig:
     @property
     def padding_bytes_per_block(self) -> tuple[int, ...] | None:
         """Bytes of a block that hold no data, per group: empty layer pages, state padding and
-        head padding (tile alignment). A state-pool group's block is a state slot: its
-        padding is what the slot holds beyond the group's states (0 if the slot size is unknown)."""
+        head padding (tile alignment). A state-pool group's block is a state row: its
+        padding is what the row holds beyond the group's states (0 if the row size is unknown)."""
         if self.pages is None and self.state_pool is None:
             return None
         states = set(self.state_group_ids)
@@ -441,8 +441,8 @@ class KVCacheConfig:
                 continue
             if i in states:
                 assert self.state_pool is not None and isinstance(g.spec, MambaSpec)  # state groups: a pool's
-                slot = self.state_pool.state_bytes
-                padding.append(0 if slot is None else slot - len(g.layer_names) * g.spec.state_bytes)
+                row_bytes = self.state_pool.state_bytes
+                padding.append(0 if row_bytes is None else row_bytes - len(g.layer_names) * g.spec.state_bytes)
                 continue
             assert self.pages is not None  # attention groups live on the pages
             page = self.pages.page_size_bytes
@@ -539,14 +539,17 @@ def _state_pool_lines(config: KVCacheConfig) -> list[str]:
     assert pool is not None  # called for plans with a state pool
     if pool.state_bytes is None:
         return [f"state pool: {pool.num_states:,} states (state 0 is the null state)"]
-    slot = pool.state_bytes
-    total_bytes = pool.num_states * slot
-    lines = [f"state slot {slot:,} B ({_human(slot)}): the states of one recurrent group's layers for one request"]
+    row_bytes = pool.state_bytes
+    total_bytes = pool.num_states * row_bytes
+    lines = [
+        f"state row {row_bytes:,} B ({_human(row_bytes)}): the states of one recurrent group's layers for one request"
+    ]
     if pool.num_live_states is not None:
         checkpoints = pool.num_states - 1 - pool.num_live_states
         lines.append(
-            f"state pool: {pool.num_live_states:,} live x {_human(slot)} = {_human(pool.num_live_states * slot)}"
-            f" + {checkpoints:,} checkpoint(s) = {_human(checkpoints * slot)} + the null state"
+            f"state pool: {pool.num_live_states:,} live x {_human(row_bytes)} = "
+            f"{_human(pool.num_live_states * row_bytes)}"
+            f" + {checkpoints:,} checkpoint(s) = {_human(checkpoints * row_bytes)} + the null state"
             f" = {pool.num_states:,} states = {_human(total_bytes)}"
         )
     attention = config.num_blocks * config.pages.block_bytes if config.pages is not None else 0
@@ -955,18 +958,18 @@ def _plan_state_pool(
     max_num_seqs: int | None,
     checkpoint_bytes: int,
 ) -> KVCacheConfig:
-    """The ``state_layout="state_pool"`` plan: attention pages without the states, states in slots.
+    """The ``state_layout="state_pool"`` plan: attention pages without the states, states in rows.
 
     Attention types are planned as if the Mamba layers were absent (their block sizes
     stay near ``block_size``). Each Mamba type is one group at the hash block size;
-    its blocks are slots of a :class:`StatePool` whose slot holds all the group's
-    layers' states for one request (the largest group sets the slot size).
+    its blocks are rows of a :class:`StatePool`; a row holds all the group's layers'
+    states for one request (the largest group sets the row size).
 
     Live states are one per running request and recurrent group: ``max_num_seqs``
     requests' worth when given, else the most requests n for which n live states plus
     the attention blocks of n max_model_len requests (plus the null block and null
     state) fit in ``memory_bytes - checkpoint_bytes``, which balances the two pools.
-    ``checkpoint_bytes // slot`` more states hold prefix-cache checkpoints; the
+    ``checkpoint_bytes // row_bytes`` more states hold prefix-cache checkpoints; the
     attention pool gets every byte left. A model with no attention layers gets no
     pages and ``num_blocks=1`` (the null block alone).
     """
@@ -999,27 +1002,27 @@ def _plan_state_pool(
             else [g for g in attention_groups if g.spec.type_key == t.spec.type_key]
         )
     )
-    slot = max(len(t.layer_names) * _state_bytes(t.spec) for t in recurrent)
+    row_bytes = max(len(t.layer_names) * _state_bytes(t.spec) for t in recurrent)
     states_per_request = len(recurrent)
-    per_request = need * block_bytes + states_per_request * slot
-    fixed = block_bytes + slot  # the null block and the null state
+    per_request = need * block_bytes + states_per_request * row_bytes
+    fixed = block_bytes + row_bytes  # the null block and the null state
     budget = memory_bytes - checkpoint_bytes
     num_seqs = (budget - fixed) // per_request if max_num_seqs is None else max_num_seqs
     live = num_seqs * states_per_request
-    num_states = 1 + live + checkpoint_bytes // slot
-    num_blocks = (memory_bytes - num_states * slot) // block_bytes if attention else 1
-    fits = num_states * slot + num_blocks * block_bytes <= memory_bytes
+    num_states = 1 + live + checkpoint_bytes // row_bytes
+    num_blocks = (memory_bytes - num_states * row_bytes) // block_bytes if attention else 1
+    fits = num_states * row_bytes + num_blocks * block_bytes <= memory_bytes
     if num_seqs < 1 or num_blocks < need + 1 or not fits:
         if max_num_seqs is None:  # one request, the checkpoint bytes, the null block and state
             smallest = checkpoint_bytes + fixed + per_request
         else:
-            states = 1 + max_num_seqs * states_per_request + checkpoint_bytes // slot
-            smallest = states * slot + ((need + 1) * block_bytes if attention else 0)
+            states = 1 + max_num_seqs * states_per_request + checkpoint_bytes // row_bytes
+            smallest = states * row_bytes + ((need + 1) * block_bytes if attention else 0)
         raise InsufficientMemoryError(
             f"memory_bytes={memory_bytes} with checkpoint_bytes={checkpoint_bytes} and "
             f"max_num_seqs={max_num_seqs} cannot hold {max(num_seqs, 1)} request(s) of "
             f"max_model_len={max_model_len}: each needs {need} attention blocks of {block_bytes} B and "
-            f"{states_per_request} state slot(s) of {slot} B, plus the null block and null state; "
+            f"{states_per_request} state row(s) of {row_bytes} B, plus the null block and null state; "
             f"the smallest budget that fits is {_bytes(smallest)}"
         )
     return KVCacheConfig(
@@ -1030,7 +1033,7 @@ def _plan_state_pool(
         memory_bytes=memory_bytes,
         max_num_batched_tokens=max_num_batched_tokens,
         head_dim_multiple=head_dim_multiple,
-        state_pool=StatePool(num_states=num_states, state_bytes=slot, num_live_states=live),
+        state_pool=StatePool(num_states=num_states, state_bytes=row_bytes, num_live_states=live),
     )
 
 
@@ -1061,7 +1064,7 @@ def _plan_shared_pages(
             "state_layout='shared_pages' needs recurrent (MambaSpec) and attention layers, got "
             f"{', '.join(sorted({t.spec.label for t in types}))} (recurrent layers alone: use 'state_pool')"
         )
-    slot = max(len(t.layer_names) * _state_bytes(t.spec) for t in recurrent)
+    row_bytes = max(len(t.layer_names) * _state_bytes(t.spec) for t in recurrent)
     sizes, page = _unify_pages([t.spec for t in attention], block_size)
     attention_groups, pages = _group_and_page(
         attention, sizes, page, original, padded, max_model_len, max_num_batched_tokens, layout
@@ -1069,7 +1072,7 @@ def _plan_shared_pages(
     hash_block_size = min(sizes)
     need = sum(g.spec.blocks_per_request(max_model_len, g.block_size, max_num_batched_tokens) for g in attention_groups)
     block_bytes = pages.block_bytes
-    pages_per_state = cdiv(slot, block_bytes)
+    pages_per_state = cdiv(row_bytes, block_bytes)
     state_groups = {t.spec.type_key: KVCacheGroup(t.layer_names, t.spec, hash_block_size) for t in recurrent}
     groups = tuple(
         g
@@ -1096,7 +1099,7 @@ def _plan_shared_pages(
         memory_bytes=memory_bytes,
         max_num_batched_tokens=max_num_batched_tokens,
         head_dim_multiple=head_dim_multiple,
-        shared_states=SharedStates(pages_per_state=pages_per_state, state_bytes=slot),
+        shared_states=SharedStates(pages_per_state=pages_per_state, state_bytes=row_bytes),
     )
 
 

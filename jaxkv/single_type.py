@@ -464,11 +464,11 @@ class StatePoolManager(MambaManager):
     or as units of ``pages_per_block`` blocks of the attention pool (``shared_pages``).
 
     Its block size is the hash block size, so a checkpoint can sit at any attention
-    block boundary. A request holds one running state slot, updated in place: as the
+    block boundary. A request holds one running state row, updated in place: as the
     request grows the slot moves to the newest block index. The slot becomes a
     *checkpoint* when the step ending at one of the request's checkpoint positions
     (see :meth:`set_checkpoints`) writes it; then it is cached under the chained hash of
-    that position and the request takes a fresh slot for its next state (copy-on-write:
+    that position and the request takes a fresh row for its next state (copy-on-write:
     the checkpoint stays intact). Shared checkpoints (where other requests are expected
     to hit) stay in queue order; of the request's own continuation checkpoints (its
     prompt's end, then each block boundary it decodes through) only the newest does: an

@@ -4,8 +4,8 @@ Every layer of a recurrent group (``MambaSpec``: Mamba-1/2, Gated DeltaNet...) g
 buffer per state tensor, ``(num_rows, *shape)`` in the tensor's dtype. Row ``r`` holds
 the state the host's block ``r`` of that group names:
 
-- with the planner's ``state_pool`` layout, the rows are the state pool's slots
-  (``config.state_pool.num_states``; slot 0 is the null state);
+- with the planner's ``state_pool`` layout, the rows are the state pool's
+  (``config.state_pool.num_states``; row 0 is the null state);
 - with vLLM's rule (``attention_pages``), the rows are the block ids of the attention
   pool (``config.num_blocks``), kept in buffers of their own rather than inside the
   attention pages, so the attention buffers stay one (block, 2H, D) shape.
@@ -92,7 +92,7 @@ class HybridCache:
 
 
 def num_state_rows(config: KVCacheConfig) -> int:
-    """Rows per state buffer: the state pool's slots, or the attention pool's blocks."""
+    """Rows per state buffer: the state pool's, or one per block of the attention pool."""
     return config.state_pool.num_states if config.state_pool is not None else config.num_blocks
 
 
@@ -155,8 +155,8 @@ def write_states(cache: StateCache, layer: str, rows: jax.Array, values: Sequenc
     return cache.with_layer_states(layer, [b.at[rows].set(v) for b, v in zip(buffers, values, strict=True)])
 
 
-def slot_nbytes(cache: StateCache) -> int:
-    """Bytes of one state row across every layer and tensor (one host-tier slot)."""
+def row_nbytes(cache: StateCache) -> int:
+    """Bytes of one state row across every layer and tensor (one host block of the host tier)."""
     return sum(b.nbytes // b.shape[0] for b in cache.flat_buffers)
 
 
@@ -175,14 +175,14 @@ def _from_bytes(data: jax.Array, like: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(rows, like.dtype).reshape((data.shape[0], *like.shape[1:]))
 
 
-def gather_slots(cache: StateCache, ids: jax.Array) -> jax.Array:
-    """State rows ``ids`` of every layer as bytes, ``(n, slot_nbytes)`` uint8: the staging
-    format of the host tier (one row per slot, whatever the tensors' shapes and dtypes)."""
+def gather_rows(cache: StateCache, ids: jax.Array) -> jax.Array:
+    """State rows ``ids`` of every layer as bytes, ``(n, row_nbytes)`` uint8: the staging
+    format of the host tier (one row per host block, whatever the tensors' shapes and dtypes)."""
     return jnp.concatenate([_as_bytes(b[ids]) for b in cache.flat_buffers], axis=1)
 
 
-def scatter_slots(cache: StateCache, ids: jax.Array, data: jax.Array) -> StateCache:
-    """Inverse of :func:`gather_slots`: rows ``ids`` := ``data`` (trusted ids; donate the cache)."""
+def scatter_rows(cache: StateCache, ids: jax.Array, data: jax.Array) -> StateCache:
+    """Inverse of :func:`gather_rows`: rows ``ids`` := ``data`` (trusted ids; donate the cache)."""
     flat = []
     start = 0
     for b in cache.flat_buffers:

@@ -19,7 +19,7 @@ from jaxkv.offload.transfer import (
 )
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePool
 from jaxkv.specs import FullAttentionSpec, MambaSpec
-from jaxkv.state_cache import allocate_state_cache, gather_slots, scatter_slots, slot_nbytes, write_states
+from jaxkv.state_cache import allocate_state_cache, gather_rows, row_nbytes, scatter_rows, write_states
 
 NUM_BLOCKS = 12
 HOST_BLOCKS = 10
@@ -253,15 +253,15 @@ def test_state_slots_round_trip_through_the_host_as_bytes(memory):
             jnp.asarray(rng.standard_normal((5, 2, 4, 4))),
         )
         states = write_states(states, layer, jnp.arange(1, 6), values)
-    before = gather_slots(states, jnp.arange(6))
-    pool = HostKVPool.for_cache(states, 3 * slot_nbytes(states), memory_kind=memory)
+    before = gather_rows(states, jnp.arange(6))
+    pool = HostKVPool.for_cache(states, 3 * row_nbytes(states), memory_kind=memory)
     engine = TransferEngine(pool)
-    assert pool.num_blocks == 3 and pool.block_shape == (slot_nbytes(states),)
+    assert pool.num_blocks == 3 and pool.block_shape == (row_nbytes(states),)
     assert engine.wait(engine.store(states, [2, 5], [1, 2])).failed == ()
-    states = scatter_slots(states, jnp.array([2, 5]), jnp.zeros((2, slot_nbytes(states)), jnp.uint8))
+    states = scatter_rows(states, jnp.array([2, 5]), jnp.zeros((2, row_nbytes(states)), jnp.uint8))
     engine.fail_load = lambda ids, host: ids == 5
     states, transfer = engine.load(states, [2, 5], [1, 2])
     assert engine.wait(transfer).failed == (1,)
-    after = np.asarray(gather_slots(states, jnp.arange(6)))
+    after = np.asarray(gather_rows(states, jnp.arange(6)))
     np.testing.assert_array_equal(after[2], np.asarray(before)[2])
     assert not after[5].any(), "the failed row kept what the device held"

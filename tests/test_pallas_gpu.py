@@ -58,7 +58,7 @@ CASES = {
         num_prefills=1,
         max_len=300,
         window=70,
-        tuning=AttentionTuning(num_slots=2),
+        tuning=AttentionTuning(num_stages=2),
     ),
     "bf16-gqa2-chunk128": AttentionCase(
         jnp.bfloat16,
@@ -148,7 +148,7 @@ def test_shapes_the_tiles_do_not_fit_are_refused_by_name(rng, dtype, g, d, bs, m
         kernels.paged_attention(*batch.args(batch.kv_clean), sm_scale=0.1, interpret=True)
 
 
-@pytest.mark.parametrize("knob", ["num_kv_splits", "kv_tokens_per_chunk", "num_slots"])
+@pytest.mark.parametrize("knob", ["num_kv_splits", "kv_tokens_per_chunk", "num_stages"])
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True])
 def test_a_bad_tuning_knob_is_refused_when_the_tuning_is_built(knob, bad):
     with pytest.raises(KVShapeError, match=f"AttentionTuning.{knob}"):

@@ -664,7 +664,7 @@ def test_a_mamba_only_model_on_a_state_pool_has_no_attention_pages():
     assert config.pages is None and config.num_blocks == 1 and config.attention_groups == ()
     assert config.state_pool.state_bytes == 3 * 128 and config.state_pool.num_states == 10
     assert config.max_concurrency == 9 and config.hash_block_size == 16
-    assert "state slot 384 B" in config.summary()
+    assert "state row 384 B" in config.summary()
 
 
 def test_each_mamba_type_is_one_group_and_each_request_holds_one_slot_per_group():

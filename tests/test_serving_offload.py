@@ -179,7 +179,7 @@ def recurrent_engine(
     model: TinyLM, state_layout: str, store: str = "on_eviction", layout: str = "cross_layer", **offload
 ) -> Engine:
     """A device pool that four ~250-token prompts served one at a time overflow, so blocks
-    and checkpoints go out to an 8 MiB host tier: 32 attention blocks and 4 state slots
+    and checkpoints go out to an 8 MiB host tier: 32 attention blocks and 4 state rows
     (2 live) with a state pool, 1.5 MiB of 32-token pages holding states under vLLM's rule."""
     pooled = state_layout == "state_pool"
     plan = plan_kv_cache(

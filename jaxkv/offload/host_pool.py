@@ -2,8 +2,8 @@
 
 One host block holds one whole cross-layer block ``(num_layers_per_block, block_size,
 2*H, D)``, the staging format of :func:`jaxkv.ops.gather_blocks` in either device
-layout; a host pool of recurrent states holds one state slot per host block, as bytes
-(:func:`jaxkv.state_cache.gather_slots`). Host block 0 is a scratch block: padded rows of bucketed transfers read and
+layout; a host pool of recurrent states holds one state row per host block, as bytes
+(:func:`jaxkv.state_cache.gather_rows`). Host block 0 is a scratch block: padded rows of bucketed transfers read and
 write it, it is never handed out (the allocator is :mod:`jaxkv.offload.host_blocks`).
 The buffer lives in ``pinned_host`` memory when the backend supports the writes and
 reads the transfer engine compiles (probed once per backend), else in a numpy array.
@@ -42,7 +42,7 @@ from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
-from jaxkv.state_cache import StateCache, slot_nbytes
+from jaxkv.state_cache import StateCache, row_nbytes
 
 MEMORY_KINDS = ("pinned_host", "numpy")
 
@@ -64,9 +64,9 @@ def block_shape(cache: KVCache) -> tuple[int, ...]:
 
 
 def row_format(cache: KVCache | StateCache) -> tuple[tuple[int, ...], jnp.dtype]:
-    """Shape and dtype of one host block of ``cache``: a whole KV block, or a state slot's bytes."""
+    """Shape and dtype of one host block of ``cache``: a whole KV block, or a state row's bytes."""
     if isinstance(cache, StateCache):
-        return (slot_nbytes(cache),), jnp.dtype(jnp.uint8)
+        return (row_nbytes(cache),), jnp.dtype(jnp.uint8)
     return block_shape(cache), cache.dtype
 
 
@@ -77,7 +77,7 @@ def block_nbytes(cache: KVCache) -> int:
 
 def row_sharding(cache: KVCache | StateCache) -> Sharding:
     """How staged rows of ``cache`` ``(n, *row shape)`` are split: a KV block's head axis as
-    the cache's is, state slots replicated over the cache's mesh; a cache on one device
+    the cache's is, state rows replicated over the cache's mesh; a cache on one device
     stages on that device."""
     buffer = jax.tree.leaves(cache)[0]
     sharding = buffer.sharding
@@ -256,7 +256,7 @@ class HostKVPool:
 
     @classmethod
     def for_cache(cls, cache: KVCache | StateCache, byte_budget: int, *, memory_kind: str | None = None) -> HostKVPool:
-        """A pool of as many whole blocks (or state slots) of ``cache`` as fit in ``byte_budget``
+        """A pool of as many whole blocks (or state rows) of ``cache`` as fit in ``byte_budget``
         bytes (counting whole blocks: a process holding some of the shards uses less)."""
         shape, dtype = row_format(cache)
         num_blocks = blocks_in_budget(byte_budget, int(np.prod(shape)) * dtype.itemsize)

@@ -6,8 +6,8 @@ DMAs of its rows into the host blocks (:meth:`~jaxkv.offload.host_pool.HostKVPoo
 Load: host->device DMAs of the host blocks' rows, then one jitted scatter into the
 donated cache. With the cross-layer layout a block is one contiguous region (one copy); with
 the per-layer layout it is one region per layer buffer. A
-:class:`~jaxkv.state_cache.StateCache` moves the same way, one state slot per host
-block (its rows as bytes: :func:`~jaxkv.state_cache.gather_slots`).
+:class:`~jaxkv.state_cache.StateCache` moves the same way, one state row per host
+block (its rows as bytes: :func:`~jaxkv.state_cache.gather_rows`).
 
 Block counts are padded to powers of two with the null block 0 and the scratch host
 host block 0, so a handful of shapes compile once. Every transfer records the generations
@@ -40,7 +40,7 @@ from jaxkv.ints import check_int
 from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
 from jaxkv.offload.host_pool import HostKVPool, HostPoolError, array_is_ready, row_format
 from jaxkv.pool import NULL_BLOCK
-from jaxkv.state_cache import StateCache, gather_slots, scatter_slots
+from jaxkv.state_cache import StateCache, gather_rows, scatter_rows
 
 FailureHook = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """``(device_block_ids, host_blocks) -> bool mask`` of the rows to fail (injection)."""
@@ -111,12 +111,12 @@ class TransferEngine:
 
     def _gather_fn(self, cache: KVCache | StateCache, ids: jax.Array) -> jax.Array:
         self.num_traces += 1
-        return gather_slots(cache, ids) if isinstance(cache, StateCache) else ops.gather_blocks(cache, ids)
+        return gather_rows(cache, ids) if isinstance(cache, StateCache) else ops.gather_blocks(cache, ids)
 
     def _scatter_fn(self, cache: KVCache | StateCache, ids: jax.Array, data: jax.Array) -> KVCache | StateCache:
         self.num_traces += 1
         if isinstance(cache, StateCache):
-            return scatter_slots(cache, ids, data)
+            return scatter_rows(cache, ids, data)
         return ops.scatter_blocks(cache, ids, data)
 
     def _scatter(self, cache: KVCache | StateCache, ids: jax.Array, data: jax.Array) -> KVCache | StateCache:

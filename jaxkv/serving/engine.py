@@ -50,7 +50,7 @@ class EngineError(JaxkvError, ValueError):
 
 @dataclass(frozen=True)
 class CacheAudit:
-    """Blocks (device: attention blocks and state slots) held by nobody, found between
+    """Blocks (device: attention blocks and state rows) held by nobody, found between
     ``generate`` calls (both must be 0)."""
 
     device_blocks_leaked: int

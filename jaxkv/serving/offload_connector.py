@@ -37,7 +37,7 @@ block leaving the window stays cached in the free queue until it is reused.
 Recurrent state has a tier of its own: state checkpoints are keyed like attention
 blocks (chained hash, group) in a second catalog and host pool of state rows, stored
 as their blocks are reused (or once cached, write-through) and loaded on admission
-into the request's running slot: a host hit needs, at its end, a state checkpoint on
+into the request's running row: a host hit needs, at its end, a state checkpoint on
 host as well as every attention block before it. Both state layouts: the rows are
 state-pool slots, or (vLLM's rule) the recurrent group's block ids.
 
@@ -130,7 +130,7 @@ class ConnectorStats:
 @dataclass
 class _Tier:
     """A catalog, its transfer engine and where its keys sit on host, for one kind of
-    device rows: attention blocks, or recurrent state slots (``states``)."""
+    device rows: attention blocks, or recurrent state rows (``states``)."""
 
     offload: OffloadingManager
     transfers: TransferEngine
@@ -352,7 +352,7 @@ class OffloadConnector:
                 hashes = self.manager.hashes_per_group(chunk.seq.request)
                 start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
                 for g, (blocks, bs) in enumerate(zip(chunk.block_ids, self.manager.block_sizes, strict=True)):
-                    states = self._tier_of[g].states  # a state slot holds a checkpoint only once cached
+                    states = self._tier_of[g].states  # a state row holds a checkpoint only once cached
                     for i in range(start // bs, end // bs):
                         if blocks[i] and (not states or self.manager.is_cached_as(g, blocks[i], hashes[g][i])):
                             block_of.setdefault((hashes[g][i], g), blocks[i])

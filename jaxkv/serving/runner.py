@@ -312,7 +312,7 @@ class ModelRunner:
         return self.cache
 
     def state_host_pool(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVPool:
-        """A host pool of whole state slots of this runner's recurrent state rows."""
+        """A host pool of whole state rows of this runner's recurrent state rows."""
         return HostKVPool.for_cache(self.hybrid_cache.states, host_bytes, memory_kind=memory_kind)
 
     def store_states(self, transfers: TransferEngine, rows: Sequence[int], host_blocks: Sequence[int]) -> Transfer:

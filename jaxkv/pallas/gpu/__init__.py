@@ -2,7 +2,7 @@
 
 - :func:`paged_attention`: ragged prefill+decode batch, causal, GQA, sliding window,
   soft-cap; pages copied by TMA from either cache layout into a ring of shared-memory
-  slots, wgmma matmuls, kv splits merged by log-sum-exp. Mirrors
+  stages, wgmma matmuls, kv splits merged by log-sum-exp. Mirrors
   :func:`jaxkv.pallas.reference.paged_attention`.
 
 KV writes and block copies on a GPU are XLA's (:mod:`jaxkv.pallas.xla`): single

@@ -16,9 +16,9 @@ Design
 - A kv chunk is 64 positions: ``64 / block_size`` pages (or a slice of one larger
   page). Each page's K and V rows of this KV head are copied by TMA straight from the
   cache in either layout (``kv[block, :, 2h]`` and ``kv[block, :, 2h + 1]``, or
-  ``kv[block, layer, ...]``) into a ring of ``num_slots`` shared-memory slots; one
-  barrier per slot counts the slot's copies, and chunk ``i + num_slots`` is issued as
-  soon as chunk ``i``'s matmuls are done with its slot.
+  ``kv[block, layer, ...]``) into a ring of ``num_stages`` shared-memory stages; one
+  barrier per stage counts the stage's copies, and chunk ``i + num_stages`` is issued as
+  soon as chunk ``i``'s matmuls are done with its stage.
 - Per chunk: scores ``q k^T`` by wgmma in float32, scale, soft-cap, mask (selection,
   never multiplication), online softmax in registers, ``p v`` by wgmma. V rows a
   query may not see but a chunk holds (before the window's start, past the kv length:
@@ -58,7 +58,7 @@ from jaxkv.pallas.reference import KVShapeError, check_paged_attention_args, pag
 ROWS_PER_TILE = 64
 """Query rows of one KV head per work item: the M of one warpgroup matmul."""
 DEFAULT_KV_TOKENS_PER_CHUNK = 64
-DEFAULT_NUM_SLOTS = 3
+DEFAULT_NUM_STAGES = 3
 
 
 @dataclass(frozen=True)
@@ -68,15 +68,15 @@ class AttentionTuning:
     ``num_kv_splits``: CTAs one item's kv range is split over (None:
     :func:`default_num_splits`). ``kv_tokens_per_chunk``: kv tokens per TMA copy and
     softmax step (a multiple of the 64-row tile; one of it and the block size divides
-    the other). ``num_slots``: shared-memory slots in the copy ring (copies in flight).
+    the other). ``num_stages``: shared-memory stages in the copy ring (copies in flight).
     """
 
     num_kv_splits: int | None = None
     kv_tokens_per_chunk: int = DEFAULT_KV_TOKENS_PER_CHUNK
-    num_slots: int = DEFAULT_NUM_SLOTS
+    num_stages: int = DEFAULT_NUM_STAGES
 
     def __post_init__(self) -> None:
-        for name in ("num_kv_splits", "kv_tokens_per_chunk", "num_slots"):
+        for name in ("num_kv_splits", "kv_tokens_per_chunk", "num_stages"):
             value = getattr(self, name)
             if (value is not None or name != "num_kv_splits") and not (is_int(value) and value >= 1):
                 raise KVShapeError(f"AttentionTuning.{name} must be a positive int, got {value!r}")
@@ -97,7 +97,7 @@ class _Dims:
     block_size: int
     head_dim: int
     table_width: int
-    num_slots: int
+    num_stages: int
     num_splits: int
     layer_index: int | None
     sm_scale: float
@@ -134,12 +134,12 @@ class _Refs(NamedTuple):
     out: Any  # (H, M, NS, R, D) float32, GMEM: normalised partial outputs
     lse: Any  # (H, M, NS, R) float32, GMEM: their log-sum-exps (-inf: saw nothing)
     q_tile: Any  # (R, D), SMEM
-    k_slots: Any  # (num_slots, C, D), SMEM
-    v_slots: Any  # (num_slots, C, D), SMEM
+    k_stages: Any  # (num_stages, C, D), SMEM
+    v_stages: Any  # (num_stages, C, D), SMEM
     out_tile: Any  # (R, D) float32, SMEM
     lse_tile: Any  # (R,) float32, SMEM
     q_barrier: Any  # 1 barrier
-    slot_barriers: Any  # num_slots barriers, 2 * copies_per_chunk arrivals each
+    stage_barriers: Any  # num_stages barriers, 2 * copies_per_chunk arrivals each
 
 
 class _Span(NamedTuple):
@@ -195,29 +195,29 @@ def _page_rows(d: _Dims, kv_ref: Any, block: jax.Array, offset: jax.Array, row: 
     return kv_ref.at[block, d.layer_index, rows, row]
 
 
-def _fetch_chunk(d: _Dims, refs: _Refs, span: _Span, head: jax.Array, chunk: jax.Array, slot: jax.Array) -> None:
-    """Issue the TMA copies of one chunk's K and V rows of ``head`` into ``slot``."""
-    barrier = refs.slot_barriers.at[slot]
+def _fetch_chunk(d: _Dims, refs: _Refs, span: _Span, head: jax.Array, chunk: jax.Array, stage: jax.Array) -> None:
+    """Issue the TMA copies of one chunk's K and V rows of ``head`` into ``stage``."""
+    barrier = refs.stage_barriers.at[stage]
     for i in range(d.copies_per_chunk):
         position = chunk * d.chunk + i * d.rows_per_copy
         page = jnp.minimum(lax.div(position, jnp.int32(d.block_size)), d.table_width - 1)
         block = refs.tables[span.seq * d.table_width + page]
         offset = lax.rem(position, jnp.int32(d.block_size))
         into = pl.ds(i * d.rows_per_copy, d.rows_per_copy)
-        plgpu.copy_gmem_to_smem(_page_rows(d, refs.kv, block, offset, 2 * head), refs.k_slots.at[slot, into], barrier)
+        plgpu.copy_gmem_to_smem(_page_rows(d, refs.kv, block, offset, 2 * head), refs.k_stages.at[stage, into], barrier)
         plgpu.copy_gmem_to_smem(
-            _page_rows(d, refs.kv, block, offset, 2 * head + 1), refs.v_slots.at[slot, into], barrier
+            _page_rows(d, refs.kv, block, offset, 2 * head + 1), refs.v_stages.at[stage, into], barrier
         )
 
 
-def _zero_unseen_values(d: _Dims, refs: _Refs, span: _Span, chunk: jax.Array, slot: jax.Array) -> None:
-    """Zero V rows of the slot outside ``[lowest, kv_len)`` (end chunks only): stale pages
+def _zero_unseen_values(d: _Dims, refs: _Refs, span: _Span, chunk: jax.Array, stage: jax.Array) -> None:
+    """Zero V rows of the stage outside ``[lowest, kv_len)`` (end chunks only): stale pages
     may hold NaN, and a zero probability times NaN is NaN."""
     start = chunk * d.chunk
 
     @pl.when((start < span.lowest) | (start + d.chunk > span.kv_len))
     def _zero() -> None:
-        values = refs.v_slots.at[slot]
+        values = refs.v_stages.at[stage]
         position = start + _iota(d, (d.chunk, d.head_dim), 0)
         seen = (position >= span.lowest) & (position < span.kv_len)
         rows = values[...] if d.interpret else plgpu.load(values, (), layout=plgpu.Layout.WGMMA)
@@ -225,9 +225,9 @@ def _zero_unseen_values(d: _Dims, refs: _Refs, span: _Span, chunk: jax.Array, sl
         plgpu.commit_smem()
 
 
-def _scores(d: _Dims, refs: _Refs, slot: jax.Array) -> jax.Array:
+def _scores(d: _Dims, refs: _Refs, stage: jax.Array) -> jax.Array:
     """``q k^T`` of the tile against one chunk, float32 ``(R, C)``."""
-    keys = refs.k_slots.at[slot]
+    keys = refs.k_stages.at[stage]
     if d.interpret:
         return lax.dot_general(
             refs.q_tile[...], keys[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -240,9 +240,9 @@ def _scores(d: _Dims, refs: _Refs, slot: jax.Array) -> jax.Array:
     return pl.run_scoped(product, plgpu.ACC((ROWS_PER_TILE, d.chunk), jnp.float32))
 
 
-def _weighted_values(d: _Dims, refs: _Refs, probs: jax.Array, slot: jax.Array) -> jax.Array:
+def _weighted_values(d: _Dims, refs: _Refs, probs: jax.Array, stage: jax.Array) -> jax.Array:
     """``p v`` of one chunk, float32 ``(R, D)`` (``probs`` in the cache's dtype)."""
-    values = refs.v_slots.at[slot]
+    values = refs.v_stages.at[stage]
     if d.interpret:
         return lax.dot_general(probs, values[...], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -274,7 +274,7 @@ class _Softmax(NamedTuple):
 
 
 def _online_softmax_step(
-    d: _Dims, refs: _Refs, state: _Softmax, scores: jax.Array, seen: jax.Array, slot: jax.Array
+    d: _Dims, refs: _Refs, state: _Softmax, scores: jax.Array, seen: jax.Array, stage: jax.Array
 ) -> _Softmax:
     """Fold one chunk's scores into the running softmax and add its weighted values."""
     logits = scores * d.sm_scale
@@ -286,7 +286,7 @@ def _online_softmax_step(
     rescale = jnp.exp(state.row_max - safe_max)
     probs = jnp.exp(logits - lax.broadcast_in_dim(safe_max, logits.shape, [0]))
     denom = state.denom * rescale + probs.sum(axis=1)
-    values = _weighted_values(d, refs, probs.astype(refs.q_tile.dtype), slot)
+    values = _weighted_values(d, refs, probs.astype(refs.q_tile.dtype), stage)
     acc = state.acc * lax.broadcast_in_dim(rescale, state.acc.shape, [0]) + values
     return _Softmax(row_max, denom, acc)
 
@@ -311,7 +311,7 @@ def _kernel(d: _Dims, *refs: Any) -> None:
     plgpu.copy_gmem_to_smem(
         r.q.at[head, pl.ds(first_token * d.num_queries_per_kv, ROWS_PER_TILE)], r.q_tile, r.q_barrier.at[0]
     )
-    for i in range(d.num_slots):
+    for i in range(d.num_stages):
 
         @pl.when(i < span.num_chunks)
         def _prefetch(i: int = i) -> None:
@@ -321,14 +321,14 @@ def _kernel(d: _Dims, *refs: Any) -> None:
 
     def step(i: jax.Array, state: _Softmax) -> _Softmax:
         chunk = span.first_chunk + i
-        slot = lax.rem(i, jnp.int32(d.num_slots))
-        plgpu.barrier_wait(r.slot_barriers.at[slot])
-        _zero_unseen_values(d, r, span, chunk, slot)
-        state = _online_softmax_step(d, r, state, _scores(d, r, slot), _visible(d, span, chunk), slot)
+        stage = lax.rem(i, jnp.int32(d.num_stages))
+        plgpu.barrier_wait(r.stage_barriers.at[stage])
+        _zero_unseen_values(d, r, span, chunk, stage)
+        state = _online_softmax_step(d, r, state, _scores(d, r, stage), _visible(d, span, chunk), stage)
 
-        @pl.when(i + d.num_slots < span.num_chunks)
+        @pl.when(i + d.num_stages < span.num_chunks)
         def _refill() -> None:
-            _fetch_chunk(d, r, span, head, chunk + d.num_slots, slot)
+            _fetch_chunk(d, r, span, head, chunk + d.num_stages, stage)
 
         return state
 
@@ -470,7 +470,7 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    kv_tokens_per_chunk, num_slots = tuning.kv_tokens_per_chunk, tuning.num_slots
+    kv_tokens_per_chunk, num_stages = tuning.kv_tokens_per_chunk, tuning.num_stages
     check_supported(q, kv_buffer, kv_tokens_per_chunk=kv_tokens_per_chunk)
     params = interpret_params(interpret)
     block_size, num_kv_heads, head_dim = page_dims(kv_buffer)
@@ -487,7 +487,7 @@ def paged_attention(
         block_size=block_size,
         head_dim=head_dim,
         table_width=table_width,
-        num_slots=num_slots,
+        num_stages=num_stages,
         num_splits=num_splits,
         layer_index=layer_index,
         sm_scale=sm_scale,
@@ -511,12 +511,12 @@ def paged_attention(
         ),
         scratch_types=[
             plgpu.SMEM((ROWS_PER_TILE, head_dim), q.dtype, transforms=tiles),
-            plgpu.SMEM((num_slots, kv_tokens_per_chunk, head_dim), q.dtype, transforms=tiles),
-            plgpu.SMEM((num_slots, kv_tokens_per_chunk, head_dim), q.dtype, transforms=tiles),
+            plgpu.SMEM((num_stages, kv_tokens_per_chunk, head_dim), q.dtype, transforms=tiles),
+            plgpu.SMEM((num_stages, kv_tokens_per_chunk, head_dim), q.dtype, transforms=tiles),
             plgpu.SMEM((ROWS_PER_TILE, head_dim), jnp.float32),
             plgpu.SMEM((ROWS_PER_TILE,), jnp.float32),
             plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_arrivals=2 * d.copies_per_chunk, num_barriers=num_slots),
+            plgpu.Barrier(num_arrivals=2 * d.copies_per_chunk, num_barriers=num_stages),
         ],
         grid=(num_kv_heads, max_items, num_splits),
         grid_names=("head", "item", "split"),
