@@ -9,7 +9,7 @@ Two layouts (``BlockPages.layout``):
 
 Layer index i (the page at position i of a block) holds the i-th layer of every group,
 so a block id means the same bytes in every group and blocks are interchangeable
-between groups, as the host pool assumes. K and V
+between groups, as the host buffers assumes. K and V
 are interleaved per KV head on the ``2*H`` axis (``2*h`` = K, ``2*h + 1`` = V).
 
 Tile alignment: ``D`` is the planned head size, rounded up to ``head_dim_multiple``

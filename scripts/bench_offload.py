@@ -1,7 +1,7 @@
 """Host offload tier: transfer throughput by layout, and prefix hit rate by policy.
 
 (a) Transfers: a batch of 64 block stores (device gather + one DMA per block into the
-    pinned_host pool) and loads (one DMA per block out of it + scatter into the donated
+    pinned_host buffers) and loads (one DMA per block out of it + scatter into the donated
     cache) through the transfer engine, for cross-layer blocks of 16 KiB, 128 KiB and
     2 MiB (fp32, 16 layers), cross-layer vs per-layer layout, same data, same run; and
     the per-layer cache moved one layer buffer at a time (a gather and a host write per
@@ -51,7 +51,7 @@ from jaxkv.metadata import Buckets
 from jaxkv.models.tiny import MODEL_CONFIGS, TinyLM, get_model_config
 from jaxkv.offload.catalog import PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
-from jaxkv.offload.host_pool import HostKVPool, block_nbytes, block_shape
+from jaxkv.offload.host_buffers import HostKVBuffers, block_nbytes, block_shape
 from jaxkv.offload.transfer import TransferEngine, copies_per_block
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
 from jaxkv.serving.engine import Engine
@@ -153,7 +153,7 @@ def time_layout(layout: str, block_bytes: int) -> dict:
     n = FLAGS.batch_blocks
     src, dst, slots = list(range(1, n + 1)), list(range(n + 1, 2 * n + 1)), list(range(1, n + 1))
     cache = make_cache(layout, block_bytes)
-    pool = HostKVPool(n, block_shape(cache), cache.dtype)
+    pool = HostKVBuffers(n, block_shape(cache), cache.dtype)
     engine = TransferEngine(pool)
 
     def store() -> None:
@@ -172,13 +172,13 @@ def time_layer_by_layer(block_bytes: int) -> dict:
     """A per-layer cache stored and loaded one layer buffer at a time (the way each
     layer's pages travel when layers are separate arrays and are not staged together).
 
-    One host pool per layer (the same pool code), one gather + host write per layer to
+    One host buffers per layer (the same pool code), one gather + host write per layer to
     store, one host read + scatter per layer to load.
     """
     n = FLAGS.batch_blocks
     src, dst, slots = jnp.arange(1, n + 1), jnp.arange(n + 1, 2 * n + 1), np.arange(1, n + 1)
     cache = make_cache("per_layer", block_bytes)
-    pools = [HostKVPool(n, b.shape[1:], b.dtype) for b in cache.buffers]
+    pools = [HostKVBuffers(n, b.shape[1:], b.dtype) for b in cache.buffers]
     gather = jax.jit(lambda buffer, ids: buffer[ids])
     scatter = jax.jit(lambda buffer, ids, rows: buffer.at[ids].set(rows), donate_argnums=0)
     buffers = list(cache.buffers)

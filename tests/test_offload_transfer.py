@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from jaxkv import ops
 from jaxkv.cache import allocate_kv_cache
 from jaxkv.errors import WrongThreadError
-from jaxkv.offload.host_pool import ROWS_PER_CALL, HostKVPool, block_nbytes, block_shape
+from jaxkv.offload.host_buffers import ROWS_PER_CALL, HostKVBuffers, block_nbytes, block_shape
 from jaxkv.offload.transfer import (
     TransferEngine,
     TransferError,
@@ -46,7 +46,7 @@ def engine_for(layout: str, memory: str) -> TransferEngine:
     """One engine (and its compiled functions) per layout and memory kind, reused by tests."""
     if (layout, memory) not in _ENGINES:
         cache = random_cache(layout)
-        pool = HostKVPool(HOST_BLOCKS, block_shape(cache), cache.dtype, memory_kind=memory)
+        pool = HostKVBuffers(HOST_BLOCKS, block_shape(cache), cache.dtype, memory_kind=memory)
         _ENGINES[layout, memory] = TransferEngine(pool)
     engine = _ENGINES[layout, memory]
     engine.fail_store = engine.fail_load = None
@@ -79,7 +79,7 @@ def test_random_round_trip_is_bit_exact(layout, memory, data):
     store = engine.store(cache, src, slots)
     assert engine.wait(store).ok == tuple(range(n))
     np.testing.assert_array_equal(blocks(cache), before)  # sources unchanged
-    np.testing.assert_array_equal(engine.pool.rows(slots), before[src])
+    np.testing.assert_array_equal(engine.buffers.rows(slots), before[src])
     cache, load = engine.load(cache, dst, slots)
     assert engine.wait(load).ok == tuple(range(n))
     expected = before.copy()
@@ -92,7 +92,7 @@ def test_random_round_trip_is_bit_exact(layout, memory, data):
 def test_warm_up_compiles_every_bucket_and_changes_no_block(memory):
     cache = random_cache("per_layer")
     before = blocks(cache)
-    engine = TransferEngine(HostKVPool(HOST_BLOCKS, block_shape(cache), cache.dtype, memory_kind=memory))
+    engine = TransferEngine(HostKVBuffers(HOST_BLOCKS, block_shape(cache), cache.dtype, memory_kind=memory))
     cache = engine.warm_up(cache, 5)  # buckets 1, 2, 4, 8
     np.testing.assert_array_equal(blocks(cache)[1:], before[1:])
     traces = engine.num_traces
@@ -125,11 +125,11 @@ def test_late_store_never_lands_in_reused_slot(memory):
     engine = engine_for("cross_layer", memory)
     cache = random_cache("cross_layer")
     old = engine.store(cache, [1], [4])
-    engine.pool.release([4])  # the manager freed slot 4 and handed it out again
+    engine.buffers.release([4])  # the manager freed slot 4 and handed it out again
     new = engine.store(cache, [2], [4])
     assert engine.wait(new).ok == (0,)
     assert engine.wait(old).failed == (0,)
-    np.testing.assert_array_equal(engine.pool.rows([4])[0], blocks(cache)[2])
+    np.testing.assert_array_equal(engine.buffers.rows([4])[0], blocks(cache)[2])
 
 
 @pytest.mark.parametrize("memory", MEMORY)
@@ -137,12 +137,12 @@ def test_injected_store_failure_leaves_slots_unwritten(memory):
     engine = engine_for("cross_layer", memory)
     cache = random_cache("cross_layer", seed=1)
     engine.wait(engine.store(random_cache("cross_layer", seed=2), [1, 2, 3], [1, 2, 3]))
-    host_before = engine.pool.rows([1, 2, 3])
+    host_before = engine.buffers.rows([1, 2, 3])
     engine.fail_store = lambda ids, slots: ids == 2
     result = engine.wait(engine.store(cache, [1, 2, 3], [1, 2, 3]))
     assert result == type(result)(ok=(0, 2), failed=(1,))
-    np.testing.assert_array_equal(engine.pool.rows([2])[0], host_before[1])
-    np.testing.assert_array_equal(engine.pool.rows([1, 3]), blocks(cache)[[1, 3]])
+    np.testing.assert_array_equal(engine.buffers.rows([2])[0], host_before[1])
+    np.testing.assert_array_equal(engine.buffers.rows([1, 3]), blocks(cache)[[1, 3]])
 
 
 @pytest.mark.parametrize("memory", MEMORY)
@@ -156,7 +156,7 @@ def test_injected_load_failure_leaves_device_blocks_untouched(memory):
     assert engine.wait(load).failed == (1,)
     after = blocks(cache)
     np.testing.assert_array_equal(after[8], before[8])  # the caller recomputes block 8
-    np.testing.assert_array_equal(after[7], engine.pool.rows([5])[0])
+    np.testing.assert_array_equal(after[7], engine.buffers.rows([5])[0])
 
 
 @pytest.mark.parametrize("memory", MEMORY)
@@ -185,10 +185,10 @@ def test_transfers_larger_than_one_call_round_trip(memory):
     n = ROWS_PER_CALL + 9  # bucket 2 * ROWS_PER_CALL
     cache = random_cache("cross_layer", seed=6, num_blocks=2 * n + 1)
     before = blocks(cache)
-    engine = TransferEngine(HostKVPool(n, block_shape(cache), cache.dtype, memory_kind=memory))
+    engine = TransferEngine(HostKVBuffers(n, block_shape(cache), cache.dtype, memory_kind=memory))
     src, dst, host = list(range(1, n + 1)), list(range(n + 1, 2 * n + 1)), list(range(n, 0, -1))
     assert engine.wait(engine.store(cache, src, host)).failed == ()
-    np.testing.assert_array_equal(engine.pool.rows(host), before[src])
+    np.testing.assert_array_equal(engine.buffers.rows(host), before[src])
     cache, load = engine.load(cache, dst, host)
     assert engine.poll(load).failed == ()
     np.testing.assert_array_equal(blocks(cache)[dst], before[src])
@@ -197,7 +197,7 @@ def test_transfers_larger_than_one_call_round_trip(memory):
 def test_bad_requests_raise_and_issue_nothing():
     engine = engine_for("cross_layer", "numpy")
     cache = random_cache("cross_layer")
-    generations = engine.pool.generation.copy()
+    generations = engine.buffers.generation.copy()
     for ids, slots in (
         ([0], [1]),
         ([NUM_BLOCKS], [1]),
@@ -208,7 +208,7 @@ def test_bad_requests_raise_and_issue_nothing():
     ):
         with pytest.raises(TransferError):
             engine.store(cache, ids, slots)
-    np.testing.assert_array_equal(engine.pool.generation, generations)
+    np.testing.assert_array_equal(engine.buffers.generation, generations)
 
 
 def test_transfers_only_from_the_owning_thread():
@@ -232,7 +232,7 @@ def test_transfers_only_from_the_owning_thread():
 
 def test_pool_for_cache_sizes_from_byte_budget():
     cache = random_cache("cross_layer")
-    pool = HostKVPool.for_cache(cache, 5 * block_nbytes(cache) + 7, memory_kind="numpy")
+    pool = HostKVBuffers.for_cache(cache, 5 * block_nbytes(cache) + 7, memory_kind="numpy")
     assert pool.num_blocks == 5 and pool.block_bytes == block_nbytes(cache)
 
 
@@ -254,7 +254,7 @@ def test_state_slots_round_trip_through_the_host_as_bytes(memory):
         )
         states = write_states(states, layer, jnp.arange(1, 6), values)
     before = gather_rows(states, jnp.arange(6))
-    pool = HostKVPool.for_cache(states, 3 * row_nbytes(states), memory_kind=memory)
+    pool = HostKVBuffers.for_cache(states, 3 * row_nbytes(states), memory_kind=memory)
     engine = TransferEngine(pool)
     assert pool.num_blocks == 3 and pool.block_shape == (row_nbytes(states),)
     assert engine.wait(engine.store(states, [2, 5], [1, 2])).failed == ()

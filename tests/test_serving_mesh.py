@@ -93,15 +93,15 @@ def test_host_tier_on_a_mesh_serves_prefix_hits_with_the_same_tokens(prompts, nu
     assert sharded == single and loaded == single_loaded > 0
 
 
-def test_host_pool_of_a_sharded_cache_round_trips_each_shard():
+def test_host_buffers_of_a_sharded_cache_round_trips_each_shard():
     runner = build("tiny-qwen3-next-kv8", 4).runner
     sharding = runner.kv_cache.buffers[0].sharding
     data = jax.random.normal(jax.random.key(0), runner.kv_cache.buffers[0].shape, runner.kv_cache.dtype)
     kv = runner.kv_cache.replace([jax.device_put(data, sharding)])
     runner.cache = dataclasses.replace(runner.cache, kv=kv)
-    pool = runner.host_pool(8 << 16, memory_kind="numpy")
+    pool = runner.host_buffers(8 << 16, memory_kind="numpy")
     assert len(pool.buffers) == 4 and pool.buffers[0].shape[-2] == 2 * 8 // 4  # one host buffer per device
-    assert len(runner.state_host_pool(1 << 20).buffers) == 1  # states are replicated: one host copy
+    assert len(runner.state_host_buffers(1 << 20).buffers) == 1  # states are replicated: one host copy
     transfers = TransferEngine(pool)
     transfers.wait(runner.store_blocks(transfers, [3, 5], [1, 2]))
     np.testing.assert_array_equal(pool.rows([1, 2]), np.asarray(data)[[3, 5]])

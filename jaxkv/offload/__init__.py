@@ -4,7 +4,7 @@
   (the offloading manager; host only, no JAX);
 - :mod:`jaxkv.offload.policies`: LRU and ARC eviction (host only);
 - :mod:`jaxkv.offload.host_blocks`: the places a backend hands out (host only);
-- :mod:`jaxkv.offload.host_pool`: the pinned-host buffer holding the bytes (JAX);
+- :mod:`jaxkv.offload.host_buffers`: the pinned-host buffer holding the bytes (JAX);
 - :mod:`jaxkv.offload.transfer`: bucketed device<->host block copies (JAX).
 
 Import the submodules directly; this package imports nothing, so the host-side

@@ -1,7 +1,7 @@
 """Where offloaded blocks live: the places a backend hands out (host blocks, disk pages...).
 
 Host-only bookkeeping (no JAX): the offloading catalog allocates places here, the
-host pool (:mod:`jaxkv.offload.host_pool`) holds the bytes.
+host buffers (:mod:`jaxkv.offload.host_buffers`) hold the bytes.
 """
 
 from __future__ import annotations

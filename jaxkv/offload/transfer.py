@@ -1,8 +1,8 @@
-"""Block transfers between the device KV cache (or the recurrent state rows) and the host pool.
+"""Block transfers between the device KV cache (or the recurrent state rows) and the host buffers.
 
 Store: one jitted gather of the blocks (:func:`jaxkv.ops.gather_blocks`, the cache is
 read, not donated) into one contiguous staging array, then asynchronous device->host
-DMAs of its rows into the host blocks (:meth:`~jaxkv.offload.host_pool.HostKVPool.write`).
+DMAs of its rows into the host blocks (:meth:`~jaxkv.offload.host_buffers.HostKVBuffers.write`).
 Load: host->device DMAs of the host blocks' rows, then one jitted scatter into the
 donated cache. With the cross-layer layout a block is one contiguous region (one copy); with
 the per-layer layout it is one region per layer buffer. A
@@ -38,7 +38,7 @@ from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import check_int
 from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
-from jaxkv.offload.host_pool import HostKVPool, HostPoolError, array_is_ready, row_format
+from jaxkv.offload.host_buffers import HostBuffersError, HostKVBuffers, array_is_ready, row_format
 from jaxkv.pool import NULL_BLOCK
 from jaxkv.state_cache import StateCache, gather_rows, scatter_rows
 
@@ -92,21 +92,21 @@ def _pad(values: np.ndarray, size: int, fill: int) -> np.ndarray:
 
 
 class TransferEngine:
-    """Issues stores and loads between one device cache (KV blocks or state rows) and one host pool."""
+    """Issues stores and loads between one device cache (KV blocks or state rows) and one set of host buffers."""
 
     def __init__(
         self,
-        pool: HostKVPool,
+        buffers: HostKVBuffers,
         *,
         fail_store: FailureHook | None = None,
         fail_load: FailureHook | None = None,
     ) -> None:
-        self.pool = pool
+        self.buffers = buffers
         self.fail_store = fail_store
         self.fail_load = fail_load
         self.num_traces = 0
         self._owner = OwnerThread("TransferEngine")
-        self._gather = jax.jit(self._gather_fn, out_shardings=pool.sharding)
+        self._gather = jax.jit(self._gather_fn, out_shardings=buffers.sharding)
         self._scatters: dict[object, jax.stages.Wrapped] = {}
 
     def _gather_fn(self, cache: KVCache | StateCache, ids: jax.Array) -> jax.Array:
@@ -135,9 +135,10 @@ class TransferEngine:
     ) -> tuple[np.ndarray, np.ndarray]:
         self._owner.check()
         shape, dtype = row_format(cache)
-        if shape != self.pool.block_shape or dtype != self.pool.dtype:
+        if shape != self.buffers.block_shape or dtype != self.buffers.dtype:
             raise TransferError(
-                f"cache blocks {shape} {dtype} do not match the host pool's {self.pool.block_shape} {self.pool.dtype}"
+                f"cache blocks {shape} {dtype} do not match the host buffers' "
+                f"{self.buffers.block_shape} {self.buffers.dtype}"
             )
         ids = np.asarray(block_ids, np.int64).reshape(-1)
         hosts = np.asarray(host_blocks, np.int64).reshape(-1)
@@ -148,8 +149,8 @@ class TransferEngine:
         if bad.size:
             raise TransferError(f"device block ids out of range [1, {num_rows}): {bad.tolist()}")
         try:
-            self.pool.check_host_blocks(hosts.tolist())
-        except HostPoolError as err:
+            self.buffers.check_host_blocks(hosts.tolist())
+        except HostBuffersError as err:
             raise TransferError(str(err)) from None
         if (hosts == SCRATCH_HOST_BLOCK).any():
             raise TransferError(f"host block {SCRATCH_HOST_BLOCK} is the scratch host block: {hosts.tolist()}")
@@ -174,9 +175,9 @@ class TransferEngine:
         while True:
             ids = jnp.zeros(size, jnp.int32)
             staged = self._gather(cache, ids)
-            if self.pool.memory_kind == "pinned_host":
-                self.pool.write(np.zeros(size, np.int32), staged)
-            staged = self.pool.read(np.zeros(size, np.int32))
+            if self.buffers.memory_kind == "pinned_host":
+                self.buffers.write(np.zeros(size, np.int32), staged)
+            staged = self.buffers.read(np.zeros(size, np.int32))
             cache = self._scatter(cache, ids, staged)
             if size >= max_blocks:
                 return cache
@@ -192,13 +193,13 @@ class TransferEngine:
         ids, hosts = self._check(cache, block_ids, host_blocks)
         injected = self._injected(self.fail_store, ids, hosts)
         targets = np.where(injected, SCRATCH_HOST_BLOCK, hosts)
-        generations = self.pool.bump(targets)
+        generations = self.buffers.bump(targets)
         size = bucket_size(len(ids))
         staged = None
         if len(ids):
             staged = self._gather(cache, jnp.asarray(_pad(ids, size, NULL_BLOCK)))
-            if self.pool.memory_kind == "pinned_host":
-                self.pool.write(_pad(targets, size, SCRATCH_HOST_BLOCK), staged)
+            if self.buffers.memory_kind == "pinned_host":
+                self.buffers.write(_pad(targets, size, SCRATCH_HOST_BLOCK), staged)
                 staged = None
             else:
                 staged.copy_to_host_async()
@@ -221,7 +222,7 @@ class TransferEngine:
         staged = None
         if len(ids):
             size = bucket_size(len(ids))
-            staged = self.pool.read(_pad(hosts, size, SCRATCH_HOST_BLOCK))
+            staged = self.buffers.read(_pad(hosts, size, SCRATCH_HOST_BLOCK))
             cache = self._scatter(cache, jnp.asarray(_pad(ids, size, NULL_BLOCK)), staged)
         transfer = Transfer("load", hosts, None, injected, staged)
         transfer.result = _result(~injected)
@@ -230,14 +231,14 @@ class TransferEngine:
     def release(self, host_blocks: Sequence[int]) -> None:
         """The caller freed these host blocks: a transfer still in flight into them is stale."""
         self._owner.check()
-        self.pool.release(host_blocks)
+        self.buffers.release(host_blocks)
 
     def is_done(self, transfer: Transfer) -> bool:
         """Whether the transfer's data arrived (for a store: left its source, so a stored
         device block may be reused)."""
         if transfer.staged is not None:
             return array_is_ready(transfer.staged)
-        return transfer.result is not None or not len(transfer) or self.pool.is_ready()
+        return transfer.result is not None or not len(transfer) or self.buffers.is_ready()
 
     def poll(self, transfer: Transfer) -> TransferResult | None:
         """Which rows succeeded, without blocking: a load's from its issue on, a store's
@@ -251,14 +252,14 @@ class TransferEngine:
         if transfer.staged is not None:
             transfer.staged.block_until_ready()
         elif transfer.result is None and len(transfer):
-            self.pool.block_until_ready()
+            self.buffers.block_until_ready()
         if transfer.result is None:
             ok = ~transfer.injected
             if len(transfer):
                 assert transfer.generations is not None  # a store: a load's result is set at issue
-                ok &= self.pool.current(transfer.host_blocks, transfer.generations)
+                ok &= self.buffers.current(transfer.host_blocks, transfer.generations)
                 if transfer.staged is not None:  # a numpy store: its rows land now
-                    self.pool.commit(transfer.host_blocks[ok], transfer.staged, np.flatnonzero(ok))
+                    self.buffers.commit(transfer.host_blocks[ok], transfer.staged, np.flatnonzero(ok))
             transfer.result = _result(ok)
         transfer.staged = None
         return transfer.result

@@ -35,7 +35,7 @@ moves fewer bytes, hence the default. Sliding-window blocks are stored either wa
 block leaving the window stays cached in the free queue until it is reused.
 
 Recurrent state has a tier of its own: state checkpoints are keyed like attention
-blocks (chained hash, group) in a second catalog and host pool of state rows, stored
+blocks (chained hash, group) in a second catalog and host buffers of state rows, stored
 as their blocks are reused (or once cached, write-through) and loaded on admission
 into the request's running row: a host hit needs, at its end, a state checkpoint on
 host as well as every attention block before it. Both state layouts: the rows are
@@ -61,7 +61,7 @@ from jaxkv.ints import is_int
 from jaxkv.manager import KVCacheBlocks, KVCacheManager, Request
 from jaxkv.offload.catalog import OffloadEvent, OffloadingManager, OffloadKey, PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
-from jaxkv.offload.host_pool import HostKVPool
+from jaxkv.offload.host_buffers import HostKVBuffers
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
 from jaxkv.serving.runner import ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
@@ -191,7 +191,7 @@ class OffloadConnector:
 
     @classmethod
     def create(cls, manager: KVCacheManager, runner: ModelRunner, config: OffloadConfig) -> OffloadConnector:
-        """A host pool of ``config.host_bytes``, its block backend, catalog and transfer
+        """A set of host buffers of ``config.host_bytes``, its block backend, catalog and transfer
         engine (and the same for state rows, out of the same bytes, for a recurrent model);
         the catalogs record events (:meth:`take_events`) when the manager does."""
         host_bytes, states = config.host_bytes, None
@@ -200,16 +200,16 @@ class OffloadConnector:
             if state_bytes is None:
                 device_states = runner.cache.states.nbytes  # type: ignore[union-attr]  # recurrent: a HybridCache
                 state_bytes = host_bytes * device_states // (device_states + runner.kv_cache.nbytes)
-            pool = runner.state_host_pool(state_bytes, memory_kind=config.memory_kind)
+            pool = runner.state_host_buffers(state_bytes, memory_kind=config.memory_kind)
             states = cls._tier_parts(pool, config, manager.enable_events)
             host_bytes -= state_bytes
-        host_pool = runner.host_pool(host_bytes, memory_kind=config.memory_kind)
-        offload, transfers = cls._tier_parts(host_pool, config, manager.enable_events)
+        host_buffers = runner.host_buffers(host_bytes, memory_kind=config.memory_kind)
+        offload, transfers = cls._tier_parts(host_buffers, config, manager.enable_events)
         return cls(manager, runner, offload, transfers, config.store, states=states)
 
     @staticmethod
     def _tier_parts(
-        pool: HostKVPool, config: OffloadConfig, enable_events: bool
+        pool: HostKVBuffers, config: OffloadConfig, enable_events: bool
     ) -> tuple[OffloadingManager, TransferEngine]:
         offload = PolicyOffloadingManager(HostBlockBackend(pool.num_blocks), config.policy, enable_events=enable_events)
         return offload, TransferEngine(pool, fail_store=config.fail_store, fail_load=config.fail_load)
@@ -321,7 +321,7 @@ class OffloadConnector:
             return False
         self.stats.num_loaded_tokens += host.end - host.start
         self.stats.num_loaded_blocks += len(host.keys)
-        self.stats.num_loaded_bytes += sum(self._tier_of[g].transfers.pool.block_bytes for _, g in host.keys)
+        self.stats.num_loaded_bytes += sum(self._tier_of[g].transfers.buffers.block_bytes for _, g in host.keys)
         self.stats.num_loaded_states += sum(self._tier_of[g].states for _, g in host.keys)
         return True
 
@@ -412,7 +412,7 @@ class OffloadConnector:
             tier.offload.complete_store(failed, success=False)
             tier.transfers.release([tier.host_blocks.pop(k) for k in failed])
         self.stats.num_stored_blocks += len(ok)
-        self.stats.num_stored_bytes += len(ok) * tier.transfers.pool.block_bytes
+        self.stats.num_stored_bytes += len(ok) * tier.transfers.buffers.block_bytes
         self.stats.num_failed_stores += len(failed)
         if failed:
             _log.warning("%d host-tier store(s) failed; those blocks are not kept on host", len(failed))

@@ -42,7 +42,7 @@ from jaxkv.ints import cdiv
 from jaxkv.mesh import MODEL_AXIS, auto_axes, place, replicated, weight_shardings
 from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
 from jaxkv.models.protocol import ServedModel
-from jaxkv.offload.host_pool import HostKVPool
+from jaxkv.offload.host_buffers import HostKVBuffers
 from jaxkv.offload.transfer import Transfer, TransferEngine
 from jaxkv.planner import KVCacheConfig, pad_head_size
 from jaxkv.serving.scheduler import ScheduledChunk
@@ -288,9 +288,9 @@ class ModelRunner:
         """The attention KV pages (what the host tier moves)."""
         return self.cache.kv if isinstance(self.cache, HybridCache) else self.cache
 
-    def host_pool(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVPool:
-        """A host pool of whole blocks of this runner's KV cache, as many as fit in ``host_bytes``."""
-        return HostKVPool.for_cache(self.kv_cache, host_bytes, memory_kind=memory_kind)
+    def host_buffers(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVBuffers:
+        """A set of host buffers of whole blocks of this runner's KV cache, as many as fit in ``host_bytes``."""
+        return HostKVBuffers.for_cache(self.kv_cache, host_bytes, memory_kind=memory_kind)
 
     def store_blocks(self, transfers: TransferEngine, block_ids: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
         """Issue a copy of device blocks into host blocks (the cache is only read)."""
@@ -311,9 +311,9 @@ class ModelRunner:
             raise RunnerError(f"model {self.model.name} has no recurrent layers: its cache holds no state rows")
         return self.cache
 
-    def state_host_pool(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVPool:
-        """A host pool of whole state rows of this runner's recurrent state rows."""
-        return HostKVPool.for_cache(self.hybrid_cache.states, host_bytes, memory_kind=memory_kind)
+    def state_host_buffers(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVBuffers:
+        """A set of host buffers of whole state rows of this runner's recurrent state rows."""
+        return HostKVBuffers.for_cache(self.hybrid_cache.states, host_bytes, memory_kind=memory_kind)
 
     def store_states(self, transfers: TransferEngine, rows: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
         """Issue a copy of state rows into host blocks (the state rows are only read)."""

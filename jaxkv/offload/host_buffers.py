@@ -2,7 +2,7 @@
 
 One host block holds one whole cross-layer block ``(num_layers_per_block, block_size,
 2*H, D)``, the staging format of :func:`jaxkv.ops.gather_blocks` in either device
-layout; a host pool of recurrent states holds one state row per host block, as bytes
+layout; a set of host buffers of recurrent states holds one state row per host block, as bytes
 (:func:`jaxkv.state_cache.gather_rows`). Host block 0 is a scratch block: padded rows of bucketed transfers read and
 write it, it is never handed out (the allocator is :mod:`jaxkv.offload.host_blocks`).
 The buffer lives in ``pinned_host`` memory when the backend supports the writes and
@@ -22,7 +22,7 @@ like the rows would need no assembly, but its row writes read back wrong on the 
 backend of jax 0.10.2, so each shard gets a single-device buffer.
 
 Each host block has a generation counter, bumped by every store issued into it and by
-:meth:`HostKVPool.release`; a transfer records the generations it was issued with, so
+:meth:`HostKVBuffers.release`; a transfer records the generations it was issued with, so
 one that completes after its host block was reused is recognised as stale.
 """
 
@@ -47,14 +47,14 @@ from jaxkv.state_cache import StateCache, row_nbytes
 MEMORY_KINDS = ("pinned_host", "numpy")
 
 
-class HostPoolError(JaxkvError, ValueError):
+class HostBuffersError(JaxkvError, ValueError):
     """A host block, count or budget the host tier cannot act on; nothing was changed."""
 
 
 def blocks_in_budget(byte_budget: int, block_bytes: int) -> int:
     """How many whole blocks of ``block_bytes`` fit in ``byte_budget`` (at least one)."""
     if block_bytes < 1 or byte_budget < block_bytes:
-        raise HostPoolError(f"byte_budget {byte_budget!r} holds no block of {block_bytes!r} bytes")
+        raise HostBuffersError(f"byte_budget {byte_budget!r} holds no block of {block_bytes!r} bytes")
     return byte_budget // block_bytes
 
 
@@ -210,7 +210,7 @@ def _shard_on(rows: jax.Array, device: jax.Device) -> jax.Array:
     return next(s.data for s in rows.addressable_shards if s.device == device)
 
 
-class HostKVPool:
+class HostKVBuffers:
     """Host buffers of ``num_blocks`` host blocks (+ the scratch host block 0), one per
     distinct shard of ``sharding`` (the staged rows', see :func:`row_sharding`; default:
     all on ``device``), and the host blocks' generations."""
@@ -225,15 +225,15 @@ class HostKVPool:
         device: jax.Device | None = None,
         sharding: Sharding | None = None,
     ) -> None:
-        check_int("num_blocks", num_blocks, minimum=1, error=HostPoolError)
+        check_int("num_blocks", num_blocks, minimum=1, error=HostBuffersError)
         self.sharding = sharding or SingleDeviceSharding(device or jax.devices()[0])
         self.device = min(self.sharding.addressable_devices, key=_device_id)
         if memory_kind is None:
             memory_kind = "pinned_host" if pinned_host_supported(self.device) else "numpy"
         if memory_kind not in MEMORY_KINDS:
-            raise HostPoolError(f"unknown memory_kind {memory_kind!r}; valid: {MEMORY_KINDS}")
+            raise HostBuffersError(f"unknown memory_kind {memory_kind!r}; valid: {MEMORY_KINDS}")
         if memory_kind == "pinned_host" and not pinned_host_supported(self.device):
-            raise HostPoolError(f"device {self.device} does not support pinned_host buffers")
+            raise HostBuffersError(f"device {self.device} does not support pinned_host buffers")
         self.memory_kind = memory_kind
         self.num_blocks = num_blocks
         self.block_shape = tuple(shape)
@@ -255,7 +255,9 @@ class HostKVPool:
         self.generation = np.zeros(num_blocks + 1, np.int64)
 
     @classmethod
-    def for_cache(cls, cache: KVCache | StateCache, byte_budget: int, *, memory_kind: str | None = None) -> HostKVPool:
+    def for_cache(
+        cls, cache: KVCache | StateCache, byte_budget: int, *, memory_kind: str | None = None
+    ) -> HostKVBuffers:
         """A pool of as many whole blocks (or state rows) of ``cache`` as fit in ``byte_budget``
         bytes (counting whole blocks: a process holding some of the shards uses less)."""
         shape, dtype = row_format(cache)
@@ -283,7 +285,7 @@ class HostKVPool:
         """Raise naming the first host block outside ``0..num_blocks``."""
         bad = [s for s in host_blocks if not 0 <= s <= self.num_blocks]
         if bad:
-            raise HostPoolError(f"host blocks out of range [0, {self.num_blocks}]: {bad}")
+            raise HostBuffersError(f"host blocks out of range [0, {self.num_blocks}]: {bad}")
 
     def bump(self, host_blocks: Sequence[int] | np.ndarray) -> np.ndarray:
         """A new generation for each host block (a new writer owns it); returns them."""

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.offload.host_pool import (
-    HostKVPool,
-    HostPoolError,
+from jaxkv.offload.host_buffers import (
+    HostBuffersError,
+    HostKVBuffers,
     blocks_in_budget,
     pinned_host_supported,
     pinned_ops,
@@ -20,31 +20,31 @@ from jaxkv.offload.host_pool import (
 
 def test_blocks_in_budget():
     assert blocks_in_budget(1000, 300) == 3
-    with pytest.raises(HostPoolError, match="299"):
+    with pytest.raises(HostBuffersError, match="299"):
         blocks_in_budget(299, 300)
 
 
 def test_cpu_jax_has_pinned_host():
     """CPU jax 0.10 exposes pinned_host memory and computes on it."""
     assert pinned_host_supported(jax.devices("cpu")[0])
-    pool = HostKVPool(2, (1, 2), np.float32)
+    pool = HostKVBuffers(2, (1, 2), np.float32)
     assert pool.memory_kind == "pinned_host"
     assert pool.buffers[0].sharding.memory_kind == "pinned_host"
 
 
 def test_unknown_memory_kind_raises():
-    with pytest.raises(HostPoolError, match="'unpinned_host'"):
-        HostKVPool(2, (1, 2), np.float32, memory_kind="unpinned_host")
+    with pytest.raises(HostBuffersError, match="'unpinned_host'"):
+        HostKVBuffers(2, (1, 2), np.float32, memory_kind="unpinned_host")
 
 
 def test_generations_bump_per_writer_and_release():
-    pool = HostKVPool(3, (1,), np.float32, memory_kind="numpy")
+    pool = HostKVBuffers(3, (1,), np.float32, memory_kind="numpy")
     first = pool.bump([1, 2, 0])
     assert first.tolist() == [1, 1, 0]  # the scratch host block stays at 0
     assert pool.current([1, 2], first[:2]).all()
     pool.release([2])
     assert pool.current([1, 2], first[:2]).tolist() == [True, False]
-    with pytest.raises(HostPoolError, match="4"):
+    with pytest.raises(HostBuffersError, match="4"):
         pool.release([4])
 
 
@@ -53,7 +53,7 @@ def test_generations_bump_per_writer_and_release():
 def test_rows_are_copies_so_a_later_store_still_writes(dtype, memory_kind):
     """Reading rows must hold no reference to the buffer a later write donates (on a GPU a
     zero-copy view of a bf16 pinned_host buffer made that write fail)."""
-    pool = HostKVPool(3, (2, 4), dtype, memory_kind=memory_kind)
+    pool = HostKVBuffers(3, (2, 4), dtype, memory_kind=memory_kind)
     ones = jnp.ones((1, 2, 4), dtype)
     if memory_kind == "pinned_host":
         pool.write(np.array([1]), ones)
@@ -131,7 +131,7 @@ def old_gather_scatter_ops(device):
 
 
 def pinned_args(rows: int):
-    pool = HostKVPool(9, (2, 3, 4), jnp.bfloat16, memory_kind="pinned_host")
+    pool = HostKVBuffers(9, (2, 3, 4), jnp.bfloat16, memory_kind="pinned_host")
     return pool.buffers[0], jnp.arange(1, rows + 1, dtype=jnp.int32), jnp.ones((rows, 2, 3, 4), jnp.bfloat16)
 
 
