@@ -174,11 +174,15 @@ def save_byte_tokenizer(directory: str | Path) -> None:
 
 
 PROG = "save_tiny_checkpoint.py"
-flags.DEFINE_enum("family", None, list(FAMILIES), "the architecture family")
-flags.DEFINE_string("out", None, "directory to write (created)")
-flags.DEFINE_integer("seed", 0, "seed of the random weights", lower_bound=0)
-flags.DEFINE_string("max_shard_size", None, "e.g. 100KB: several *.safetensors and an index")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The script's flags, defined only when it runs (the tests import its functions)."""
+    flags.DEFINE_enum("family", None, list(FAMILIES), "the architecture family")
+    flags.DEFINE_string("out", None, "directory to write (created)")
+    flags.DEFINE_integer("seed", 0, "seed of the random weights", lower_bound=0)
+    flags.DEFINE_string("max_shard_size", None, "e.g. 100KB: several *.safetensors and an index")
 
 
 def main(argv: list[str]) -> None:
@@ -197,4 +201,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main, flags_parser=flags_parser(PROG))
