@@ -59,9 +59,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv.cache import KVCache, UnknownLayerError
+from jaxkv.cache import KVCache
 from jaxkv.errors import JaxkvError
-from jaxkv.metadata import AttentionMetadata, StepMetadata
+from jaxkv.metadata import StepMetadata
 from jaxkv.pallas import reference, xla
 from jaxkv.pallas.reference import KVShapeError
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
@@ -248,15 +248,6 @@ def _shard_heads_like(q: jax.Array, buffer: jax.Array) -> jax.Array:
     return jax.sharding.reshard(q, NamedSharding(sharding.mesh, spec))
 
 
-def _attention_group(meta: StepMetadata, layer: str) -> AttentionMetadata:
-    """``layer``'s block table and slot mapping; :class:`UnknownLayerError` when the
-    step's metadata holds state rows for it (a recurrent layer has no pages)."""
-    group = meta.group_of(layer)
-    if not isinstance(group, AttentionMetadata):
-        raise UnknownLayerError(f"layer {layer!r} is a recurrent layer in this step's metadata: it has no KV pages")
-    return group
-
-
 def _window(cache: KVCache, layer: str) -> int | None:
     """The sliding window of ``layer``'s planned spec (None: full attention);
     :class:`UnsupportedAttentionError` for a spec no implementation masks."""
@@ -288,7 +279,7 @@ def write_kv(
     checked them (a slot of -1 would wrap into the last block).
     """
     buffer, layer_index = cache.layer_buffer(layer)
-    slot_mapping = _attention_group(meta, layer).slot_mapping
+    slot_mapping = meta.attention_of(layer).slot_mapping
     if k.shape != v.shape:
         raise KVShapeError(f"k {k.shape} and v {v.shape} must have the same shape")
     k, v = (_pad_head_dim(name, x, buffer.shape[-1]) for name, x in (("k", k), ("v", v)))
@@ -319,7 +310,7 @@ def paged_attention(
     """
     buffer, layer_index = cache.layer_buffer(layer)
     window = _window(cache, layer)
-    block_tables = _attention_group(meta, layer).block_tables
+    block_tables = meta.attention_of(layer).block_tables
     padded = _pad_head_dim("q", q, buffer.shape[-1])
     args = (_shard_heads_like(padded, buffer), buffer, meta.kv_lens, block_tables, meta.cu_q_lens, meta.num_seqs)
     kwargs = {"layer_index": layer_index, "sm_scale": sm_scale, "sliding_window": window, "soft_cap": soft_cap}
