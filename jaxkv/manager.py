@@ -205,6 +205,8 @@ class KVCacheManager:
         """``num_new_tokens`` cut so a chunk starting at ``start`` ends at the request's
         next checkpoint position, if one falls inside it (a state exists only where a
         step ends); unchanged without a state pool."""
+        if not self._checkpoints.block_size:  # no checkpoints: skip the call (once per prefill chunk)
+            return num_new_tokens
         return self._checkpoints.chunk_limit(request.num_prompt_tokens, request._reach, start, num_new_tokens)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:

@@ -61,7 +61,7 @@ class CheckpointPolicy:
     def chunk_limit(self, num_prompt_tokens: int, reach: int, start: int, num_new_tokens: int) -> int:
         """``num_new_tokens`` cut so a chunk starting at ``start`` ends at the next
         checkpoint position, if one falls inside it; unchanged without state groups."""
-        if self.block_size and num_new_tokens > 1:
+        if num_new_tokens > 1:
             positions = self.positions(num_prompt_tokens, reach, start)
             if positions and positions[0] < start + num_new_tokens:
                 return positions[0] - start
