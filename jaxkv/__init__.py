@@ -29,7 +29,7 @@ _HOME = {
     "KVCacheGroup": "jaxkv.planner",
     "StatePoolOptions": "jaxkv.planner",
     "KVCacheManager": "jaxkv.manager",
-    "Request": "jaxkv.manager",
+    "Request": "jaxkv.request",
     # device side, models, serving (JAX)
     "KVCache": "jaxkv.cache",
     "UnknownLayerError": "jaxkv.cache",
@@ -81,11 +81,12 @@ if TYPE_CHECKING:
     from jaxkv import ops
     from jaxkv.cache import KVCache, UnknownLayerError, allocate_kv_cache
     from jaxkv.errors import JaxkvError
-    from jaxkv.manager import KVCacheManager, Request
+    from jaxkv.manager import KVCacheManager
     from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
     from jaxkv.models.protocol import ServedModel
     from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePoolOptions, plan_kv_cache
     from jaxkv.presets import get_preset, list_presets
+    from jaxkv.request import Request
     from jaxkv.serving.engine import Engine
     from jaxkv.serving.offload_connector import OffloadConfig
     from jaxkv.specs import (

@@ -1,251 +1,59 @@
-"""The scheduler-facing KV cache manager and the request it tracks.
+"""The scheduler-facing KV cache manager.
 
 ``KVCacheManager`` is the one object a serving loop's scheduler talks to: look up a
 request's cached prefix, allocate slots for the tokens it schedules (two-phase: adopt
 the hit blocks, then take fresh ones, after checking that everything fits), free a
 finished or preempted request, and read the block ids per KV cache group that the
 device step needs. The vocabulary follows vLLM's scheduler side on purpose.
+
+What it takes and gives back lives beside it (:mod:`jaxkv.request`,
+:mod:`jaxkv.kv_cache_blocks`, :mod:`jaxkv.manager_errors`), as do the checks of its
+calls' arguments (:mod:`jaxkv.request_checks`) and the recurrent checkpoint policy
+(:mod:`jaxkv.state_checkpoints`); the names users import come from here too.
 """
 
 from __future__ import annotations
 
 import contextlib
-from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from threading import get_ident as _get_ident
-from typing import NamedTuple, cast, overload
-
-import numpy as np
+from typing import cast
 
 from jaxkv.coordinator import KVCacheCoordinator
-from jaxkv.errors import JaxkvError, OwnerThread
-from jaxkv.hashing import MAX_TOKEN_ID, BlockHasher, ExtraKeys, MultiModalItem
+from jaxkv.errors import OwnerThread
+from jaxkv.hashing import BlockHasher
 from jaxkv.ints import is_int
+from jaxkv.kv_cache_blocks import KVCacheBlocks
+from jaxkv.manager_errors import (
+    DuplicateRequestError,
+    InvalidCacheHitError,
+    KVCacheManagerError,
+    MaxModelLenExceededError,
+    StaleCacheHitError,
+    UnknownRequestError,
+)
 from jaxkv.planner import KVCacheConfig
 from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
+from jaxkv.request import ReadOnlyTokenIds, Request, token_id_list
+from jaxkv.request_checks import check_counts, check_external, check_hit, check_new_request, check_request
 from jaxkv.single_type import NEVER, MambaManager
+from jaxkv.state_checkpoints import CheckpointPolicy
 
-
-class KVCacheManagerError(JaxkvError, ValueError):
-    """A call named something the manager cannot act on; nothing was changed."""
-
-
-class UnknownRequestError(KVCacheManagerError, KeyError):
-    """The request id holds no blocks in this manager."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class DuplicateRequestError(KVCacheManagerError):
-    """Another live request already uses this request id."""
-
-
-class MaxModelLenExceededError(KVCacheManagerError):
-    """An allocation would give a request more tokens than ``max_model_len``."""
-
-
-class InvalidCacheHitError(KVCacheManagerError):
-    """A cache hit handed to ``allocate_slots`` was not computed for this request."""
-
-
-class StaleCacheHitError(InvalidCacheHitError):
-    """Blocks from ``get_computed_blocks`` were evicted before ``allocate_slots``."""
-
-
-class ReadOnlyTokenIds(Sequence[int]):
-    """A read-only view of a request's token ids (slices come back as lists).
-
-    The manager hashes full blocks once and caches them under those hashes, so a token
-    edited in place afterwards would cache KV under the hash of tokens never computed;
-    tokens only grow through :meth:`Request.append_output_token_ids`.
-    """
-
-    __slots__ = ("_ids",)
-
-    def __init__(self, ids: list[int]) -> None:
-        self._ids = ids
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        return self._ids[index]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ids)
-
-    def __add__(self, other: Sequence[int]) -> list[int]:
-        return self._ids + list(other)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, ReadOnlyTokenIds):
-            other = other._ids
-        return isinstance(other, (list, tuple)) and self._ids == list(other)
-
-    def __hash__(self) -> int:
-        raise TypeError("ReadOnlyTokenIds is unhashable: it grows as tokens are appended")
-
-    def __repr__(self) -> str:
-        return repr(self._ids)
-
-
-def _plain_token_ids(values: Sequence[int]) -> list[int] | None:
-    """``values`` as a list when every one is a plain int in ``[2, MAX_TOKEN_ID]``, checked
-    in bulk (~4x faster than per item for a long prompt); None: take the checking path.
-
-    Packing as uint32 refuses non-ints, negatives and ids >= 2**32; read back as int32,
-    ids >= 2**31 turn negative; an int sum means no numpy ints (they would make it a
-    numpy scalar); 0 and 1 go the long way, since they may be bools.
-    """
-    try:
-        packed = array("I", values)
-    except (TypeError, OverflowError, ValueError):
-        return None
-    if not packed or type(sum(values)) is not int or np.frombuffer(packed, np.int32).min() <= 1:
-        return None
-    return list(values)
-
-
-def token_id_list(values: object, what: str) -> list[int]:
-    """``values`` as a list of token ids; :class:`KVCacheManagerError` naming the first bad one.
-
-    A 1-D sequence or array of ints (numpy ints too) in ``[0, MAX_TOKEN_ID]``; bools,
-    floats, strings, nested lists and 2-D arrays are refused.
-    """
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise KVCacheManagerError(f"{what} must be a sequence of token ids, got {values!r:.80}")
-    if isinstance(values, (list, tuple)):
-        plain = _plain_token_ids(values)
-        if plain is not None:
-            return plain
-    ndim = getattr(values, "ndim", 1)
-    if ndim != 1:
-        raise KVCacheManagerError(f"{what} must be 1-D, got an array of shape {getattr(values, 'shape', None)}")
-    ids: list[int] = list(values)  # type: ignore[call-overload]
-    if set(map(type, ids)) - {int}:
-        bad = [t for t in ids if not is_int(t)][:1]  # is_int refuses bools
-        if bad:
-            raise KVCacheManagerError(f"{what}: {bad[0]!r} is not a token id (an int)")
-        ids = [int(t) for t in ids]
-    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
-        outside = next(t for t in ids if not 0 <= t <= MAX_TOKEN_ID)
-        raise KVCacheManagerError(f"{what}: token id {outside} is outside [0, {MAX_TOKEN_ID}]")
-    return ids
-
-
-class Request:
-    """A request's tokens and scheduling progress, as the KV cache manager sees them.
-
-    ``num_computed_tokens`` is advanced by the caller's scheduler, as in vLLM. Block
-    hashes are filled in lazily by the manager, only for full blocks. Token ids are
-    checked on the way in and read-only afterwards (``all_token_ids`` is a view).
-    """
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-        mm_items: Sequence[MultiModalItem] = (),
-    ) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise KVCacheManagerError(f"request_id must be a non-empty str, got {request_id!r}")
-        ids = token_id_list(prompt_token_ids, f"request {request_id!r}: prompt_token_ids")
-        if not ids:
-            raise KVCacheManagerError(f"request {request_id!r} has an empty prompt")
-        self.request_id = request_id
-        self.prompt_token_ids: tuple[int, ...] = tuple(ids)
-        self._token_ids = ids
-        self._token_view = ReadOnlyTokenIds(ids)
-        self.num_prompt_tokens = len(ids)
-        self.extra_keys = ExtraKeys(cache_salt=cache_salt, lora_name=lora_name, mm_items=tuple(mm_items))
-        self.num_computed_tokens = 0
-        self.block_hashes: list[bytes] = []
-        # (block size, algorithm) of the hasher that filled block_hashes.
-        self.block_hash_key: tuple[int, str] | None = None
-        # Set by the manager holding the request's blocks: the manager, and the event
-        # thresholds below which its next allocation changes nothing.
-        self._holder: object | None = None
-        self._thresholds = (0, 0, 0)
-        # How far full attention alone matched at the last lookup (an anchor for retention).
-        self._reach = 0
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
-        return len(self._token_ids)
-
-    @property
-    def all_token_ids(self) -> ReadOnlyTokenIds:
-        """Prompt plus generated tokens (a read-only view)."""
-        return self._token_view
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self._token_ids[self.num_prompt_tokens :]
-
-    @property
-    def cache_salt(self) -> str | None:
-        return self.extra_keys.cache_salt
-
-    @property
-    def lora_name(self) -> str | None:
-        return self.extra_keys.lora_name
-
-    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        """Record generated tokens (one id or several); a bad id changes nothing."""
-        if type(token_ids) is int and 0 <= token_ids <= MAX_TOKEN_ID:
-            self._token_ids.append(token_ids)
-        elif (
-            type(token_ids) is list
-            and len(token_ids) == 1
-            and type(t := token_ids[0]) is int
-            and 0 <= t <= MAX_TOKEN_ID
-        ):
-            self._token_ids.append(t)
-        elif is_int(token_ids):
-            self._token_ids.extend(token_id_list([token_ids], f"request {self.request_id!r}: output token"))
-        else:
-            self._token_ids.extend(token_id_list(token_ids, f"request {self.request_id!r}: output tokens"))
-
-    def __repr__(self) -> str:
-        return (
-            f"Request({self.request_id!r}, num_tokens={self.num_tokens}, "
-            f"num_computed_tokens={self.num_computed_tokens})"
-        )
-
-
-class KVCacheBlocks(NamedTuple):
-    """Block ids per KV cache group (one list each), as handed to the scheduler.
-
-    A cache hit from ``get_computed_blocks`` also records whom it was found for: the
-    request id, the chained hash of its last block and the pool's eviction count then.
-    ``allocate_slots`` trusts it in O(1) while all three still hold, and otherwise
-    checks every block against the request's own hashes. (A NamedTuple: immutable, and
-    cheap to build on every allocation.)
-    """
-
-    blocks: tuple[Sequence[int], ...]
-    eviction_stamp: int = -1
-    request_id: str | None = None
-    prefix_hash: bytes | None = None
-
-    def get_block_ids(self) -> tuple[Sequence[int], ...]:
-        return self.blocks
-
-    def num_blocks(self) -> int:
-        """Blocks in the longest group list."""
-        return max((len(b) for b in self.blocks), default=0)
+__all__ = [
+    "DuplicateRequestError",
+    "InvalidCacheHitError",
+    "KVCacheBlocks",
+    "KVCacheManager",
+    "KVCacheManagerError",
+    "MaxModelLenExceededError",
+    "PrefixCacheStats",
+    "ReadOnlyTokenIds",
+    "Request",
+    "StaleCacheHitError",
+    "UnknownRequestError",
+    "token_id_list",
+]
 
 
 @dataclass(frozen=True)
@@ -301,18 +109,11 @@ class KVCacheManager:
             raise KVCacheManagerError(
                 f"max_model_len must be a positive int (here or in the config), got {max_model_len!r}"
             )
-        if checkpoint_interval is not None and (
-            not is_int(checkpoint_interval) or checkpoint_interval <= 0 or checkpoint_interval % config.hash_block_size
-        ):
-            raise KVCacheManagerError(
-                f"checkpoint_interval must be a positive multiple of the hash block size "
-                f"{config.hash_block_size}, got {checkpoint_interval!r}"
-            )
+        self._checkpoints = CheckpointPolicy(config, checkpoint_interval, enable_caching=enable_caching)
         self.config = config
+        self._block_sizes = tuple(g.block_size for g in config.groups)
         self.max_model_len = int(max_model_len)
         self.checkpoint_interval = checkpoint_interval
-        # Block size of the state groups (the hash block size; state pool or shared pages), 0 without.
-        self._state_block_size = config.hash_block_size if config.state_group_ids else 0
         self.enable_caching = enable_caching
         self.enable_events = enable_events
         self.coordinator = KVCacheCoordinator(config, enable_events=enable_events, retention=retention)
@@ -356,7 +157,7 @@ class KVCacheManager:
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
-        return tuple(g.block_size for g in self.config.groups)
+        return self._block_sizes
 
     @property
     def lcm_block_size(self) -> int:
@@ -392,39 +193,21 @@ class KVCacheManager:
         read once ``end`` tokens are computed (what an offload tier must load)."""
         return self.coordinator.needed_blocks(group, start, end)
 
-    def _shared_checkpoints(self, request: Request, num_computed_tokens: int) -> set[int]:
-        """Checkpoint positions other requests are expected to hit: where full attention
-        alone matched (when that ran ahead of the hit) and every ``checkpoint_interval``."""
-        bs = self._state_block_size
-        prompt_end = request.num_prompt_tokens // bs * bs
-        positions = {request._reach // bs * bs}
-        if self.checkpoint_interval:
-            positions.update(range(self.checkpoint_interval, prompt_end, self.checkpoint_interval))
-        return {p for p in positions if num_computed_tokens < p <= prompt_end}
-
     def checkpoint_positions(self, request: Request, num_computed_tokens: int) -> tuple[int, ...]:
         """Positions past ``num_computed_tokens``, in order, where the request's prefill
         caches its recurrent state (empty without a state pool or without caching):
         the last block boundary of the prompt, the boundary where full attention alone
-        matched (when that ran ahead of the hit) and every ``checkpoint_interval``."""
-        bs = self._state_block_size
-        if not bs or not self.enable_caching:
-            return ()
-        positions = self._shared_checkpoints(request, num_computed_tokens)
-        prompt_end = request.num_prompt_tokens // bs * bs
-        if prompt_end > num_computed_tokens:
-            positions.add(prompt_end)
-        return tuple(sorted(positions))
+        matched (when that ran ahead of the hit) and every ``checkpoint_interval``
+        (:class:`~jaxkv.state_checkpoints.CheckpointPolicy`)."""
+        return self._checkpoints.positions(request.num_prompt_tokens, request._reach, num_computed_tokens)
 
     def chunk_limit(self, request: Request, start: int, num_new_tokens: int) -> int:
         """``num_new_tokens`` cut so a chunk starting at ``start`` ends at the request's
         next checkpoint position, if one falls inside it (a state exists only where a
         step ends); unchanged without a state pool."""
-        if self._state_block_size and num_new_tokens > 1:
-            positions = self.checkpoint_positions(request, start)
-            if positions and positions[0] < start + num_new_tokens:
-                return positions[0] - start
-        return num_new_tokens
+        if not self._checkpoints.block_size:  # no checkpoints: skip the call (once per prefill chunk)
+            return num_new_tokens
+        return self._checkpoints.chunk_limit(request.num_prompt_tokens, request._reach, start, num_new_tokens)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self._num_requests, self._num_queried, self._num_hits, self._num_resets)
@@ -452,7 +235,7 @@ class KVCacheManager:
         is always computed (its logits are needed).
         """
         self._owner.check()
-        self._check_request(request)
+        check_request(request)
         if not self.enable_caching:
             return self._no_blocks, 0
         self.hash_request(request)
@@ -508,7 +291,7 @@ class KVCacheManager:
             end = computed + num_new_tokens
             if end + num_lookahead_tokens <= capacity and end < next_full and computed < next_skip:
                 return self._no_blocks
-        self._check_request(request)
+        check_request(request)
         rid = request.request_id
         if (
             type(num_new_tokens) is not int
@@ -517,7 +300,7 @@ class KVCacheManager:
             or type(num_external_computed_tokens) is not int
             or min(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens) < 0
         ):
-            self._raise_bad_counts(
+            check_counts(
                 rid, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens
             )
         if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
@@ -535,18 +318,34 @@ class KVCacheManager:
         coord = self.coordinator
         held = self._requests.get(rid) is request
         if not held:
-            self._check_new_request(request)
+            check_new_request(request, rid in self._requests)
         if self.enable_caching:
             self.hash_request(request)
-        hits = self._check_hit(request, num_new_computed_tokens, new_computed_blocks)
+        hits = check_hit(
+            request,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            held=held,
+            enable_caching=self.enable_caching,
+            block_sizes=self._block_sizes,
+            coordinator=coord,
+        )
         if num_external_computed_tokens:
-            hits = self._external_hits(request, hits, num_external_computed_tokens, total_computed)
+            check_external(
+                rid,
+                num_external_computed_tokens,
+                held=held,
+                lcm_block_size=coord.lcm_block_size,
+                enable_caching=self.enable_caching,
+            )
+            hits = self._external_hits(hits, total_computed)
         if not coord.can_allocate(rid, num_slots, hits, num_computed):
             return None
         if not held:
             coord.set_anchors(rid, (total_computed, request._reach))
-            if self._state_block_size:
-                coord.set_checkpoints(rid, self._shared_checkpoints(request, total_computed), request.num_prompt_tokens)
+            if self._checkpoints.block_size:
+                shared = self._checkpoints.shared(request.num_prompt_tokens, request._reach, total_computed)
+                coord.set_checkpoints(rid, shared, request.num_prompt_tokens)
         new_blocks = coord.allocate(rid, num_slots, hits, num_computed)
         self._requests[rid] = request
         if self.enable_caching:
@@ -625,100 +424,10 @@ class KVCacheManager:
         if len(tokens) >= (len(request.block_hashes) + 1) * self._hash_block_size:  # a new full block
             self.hasher.extend(request.block_hashes, tokens, request.extra_keys)
 
-    # ------------------------------------------------------------------ checks
-    @staticmethod
-    def _check_request(request: object) -> None:
-        if not isinstance(request, Request):
-            raise KVCacheManagerError(f"expected a jaxkv.manager.Request, got {request!r:.80}")
-
-    def _check_new_request(self, request: Request) -> None:
-        """A request about to get its first blocks: its id is free and nothing counts as computed."""
-        rid = request.request_id
-        if rid in self._requests:
-            raise DuplicateRequestError(f"request id {rid!r} is already used by another live request")
-        if request.num_computed_tokens:
-            raise KVCacheManagerError(
-                f"request {rid!r} holds no blocks but has num_computed_tokens={request.num_computed_tokens} "
-                "(stale after free or preemption?): a request starts from 0 computed tokens"
-            )
-
-    @staticmethod
-    def _raise_bad_counts(rid: str, *counts: object) -> None:
-        names = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens", "num_external_computed_tokens")
-        for name, value in zip(names, counts, strict=True):
-            if type(value) is not int or value < 0:
-                raise KVCacheManagerError(f"{name} must be an int >= 0, got {value!r} (request {rid!r})")
-
-    def _check_hit(
-        self, request: Request, num_new_computed_tokens: int, hit: KVCacheBlocks | None
-    ) -> tuple[Sequence[int], ...] | None:
-        """Validate a cache hit handed back by the caller; return its blocks per group."""
-        rid = request.request_id
-        if hit is not None and not isinstance(hit, KVCacheBlocks):
-            raise KVCacheManagerError(f"request {rid!r}: new_computed_blocks must be KVCacheBlocks, got {hit!r:.80}")
-        if hit is None or not any(hit.blocks):
-            if num_new_computed_tokens:
-                raise KVCacheManagerError(
-                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} without new_computed_blocks"
-                )
-            return None
-        coord = self.coordinator
-        if rid in self._requests:
-            raise KVCacheManagerError(
-                f"request {rid!r} already holds blocks; a cache hit applies only to a new request"
-            )
-        if not self.enable_caching:
-            raise InvalidCacheHitError(f"request {rid!r}: a cache hit was given to a manager without prefix caching")
-        if len(hit.blocks) != coord.num_groups:
-            raise KVCacheManagerError(
-                f"request {rid!r}: new_computed_blocks has {len(hit.blocks)} groups, config has {coord.num_groups}"
-            )
-        for blocks, bs in zip(hit.blocks, self.block_sizes, strict=True):
-            if len(blocks) * bs != num_new_computed_tokens:
-                raise KVCacheManagerError(
-                    f"request {rid!r}: {len(blocks)} hit blocks of {bs} tokens do not cover "
-                    f"num_new_computed_tokens={num_new_computed_tokens}"
-                )
-        hashes = request.block_hashes
-        n = num_new_computed_tokens // coord.hash_block_size
-        if n > len(hashes) or num_new_computed_tokens >= request.num_tokens:
-            raise InvalidCacheHitError(
-                f"request {rid!r}: a hit of {num_new_computed_tokens} tokens does not fit its "
-                f"{request.num_tokens}-token prompt"
-            )
-        mine = hit.request_id == rid and hit.prefix_hash == hashes[n - 1]
-        if not mine or hit.eviction_stamp != coord.num_evictions:
-            bad = coord.invalid_hit_block(hashes, hit.blocks)
-            if bad is not None:
-                error = StaleCacheHitError if mine else InvalidCacheHitError
-                raise error(
-                    f"request {rid!r}: hit block {bad[1]!r} of group {bad[0]} is not cached for this request's "
-                    + (
-                        "prefix (evicted since get_computed_blocks)"
-                        if mine
-                        else "prefix (another request's or forged hit)"
-                    )
-                )
-        return hit.blocks
-
-    def _external_hits(
-        self, request: Request, hits: tuple[Sequence[int], ...] | None, num_external: int, total_computed: int
-    ) -> tuple[list[int], ...]:
+    def _external_hits(self, hits: tuple[Sequence[int], ...] | None, total_computed: int) -> tuple[list[int], ...]:
         """The hit blocks per group, null wherever a group's span no longer reaches at the
         end of the external tokens: such device-hit blocks are not taken at all."""
-        rid = request.request_id
         coord = self.coordinator
-        if rid in self._requests:
-            raise KVCacheManagerError(
-                f"request {rid!r} already holds blocks; external tokens apply only to a new request"
-            )
-        if num_external % coord.lcm_block_size:
-            raise KVCacheManagerError(
-                f"request {rid!r}: num_external_computed_tokens={num_external} is not a multiple of "
-                f"the block sizes' lcm {coord.lcm_block_size}"
-            )
-        if not self.enable_caching:
-            raise KVCacheManagerError(f"request {rid!r}: external tokens are keyed by block hashes (caching is off)")
         out = []
         for g in range(coord.num_groups):
             blocks = list(hits[g]) if hits else []

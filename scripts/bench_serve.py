@@ -50,13 +50,13 @@ from jaxkv import ops
 from jaxkv.cli import check_fits_device, define_state_flags, exit_error, flags_parser, parse_size, write_json
 from jaxkv.errors import JaxkvError
 from jaxkv.metadata import Buckets
-from jaxkv.models.checkpoint import load_pretrained
-from jaxkv.models.tiny import DTYPES, TinyLM, get_model_config, model_names
+from jaxkv.models.loading import load_model
+from jaxkv.models.tiny import DTYPES, model_names
 from jaxkv.planner import LAYOUTS, plan_kv_cache
 from jaxkv.serving.engine import Engine, GenerationResult, state_plan
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, LogitCheck, compare_outputs
 from jaxkv.serving.workloads import shared_prefix_prompts
-from jaxkv.specs import AttentionSpec, cdiv
+from jaxkv.specs import cdiv
 
 PROG = "bench_serve.py"
 FLAGS = flags.FLAGS
@@ -198,14 +198,8 @@ def main(argv: Sequence[str]) -> None:
         memory = parse_size(FLAGS.memory)
         check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
         dtype = None if FLAGS.dtype == "auto" else FLAGS.dtype
-        if FLAGS.checkpoint:
-            model = load_pretrained(FLAGS.checkpoint, dtype=dtype)
-            name = f"{FLAGS.checkpoint}: {model.name}"
-        else:
-            model = TinyLM(get_model_config(FLAGS.model, dtype=dtype), seed=FLAGS.seed)
-            name = FLAGS.model
+        model, name, model_dtype = load_model(FLAGS.checkpoint, FLAGS.model, dtype=dtype, seed=FLAGS.seed)
         specs = model.layer_specs()
-        model_dtype = next(s.dtype for s in specs.values() if isinstance(s, AttentionSpec))  # states may be float32
         config = plan_kv_cache(
             specs,
             memory,

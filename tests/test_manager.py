@@ -3,7 +3,6 @@
 import dataclasses
 import threading
 
-import numpy as np
 import pytest
 from kv_configs import FULL, admit, make_config, make_manager, window
 
@@ -230,15 +229,7 @@ def test_hit_blocks_for_a_running_request_are_refused(tokens):
         mgr.allocate_slots(req, 1, n, hit)
 
 
-def test_bad_requests_and_configs_are_named():
-    with pytest.raises(KVCacheManagerError, match="empty prompt"):
-        Request("x", [])
-    with pytest.raises(KVCacheManagerError, match="request_id"):
-        Request(7, [1])
-    from kv_configs import make_config
-
-    from jaxkv.manager import KVCacheManager
-
+def test_a_config_without_max_model_len_is_refused():
     with pytest.raises(KVCacheManagerError, match="max_model_len"):
         KVCacheManager(make_config(10, FULL))
 
@@ -367,12 +358,6 @@ def test_calls_from_another_thread_are_refused(tokens):
         lambda mgr: mgr.allocate_slots(Request("x", [1, 2]), 2, 0, [[1]]),
         lambda mgr: mgr.free(None),
         lambda mgr: mgr.evict_blocks([None]),
-        lambda mgr: Request("x", None),
-        lambda mgr: Request("x", [[1, 2]]),
-        lambda mgr: Request("x", [True, 2]),
-        lambda mgr: Request("x", "abc"),
-        lambda mgr: Request("x", (t for t in [1, 2])),
-        lambda mgr: Request("x", np.zeros((2, 3), np.int32)),
     ],
 )
 def test_wrong_types_get_a_typed_error(call):
@@ -380,37 +365,6 @@ def test_wrong_types_get_a_typed_error(call):
     with pytest.raises(JaxkvError):
         call(mgr)
     assert mgr.num_free_blocks == 10
-
-
-def test_numpy_prompts_become_plain_ints():
-    req = Request("x", np.arange(5, dtype=np.int64))
-    assert req.all_token_ids == [0, 1, 2, 3, 4] and all(type(t) is int for t in req.all_token_ids)
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [2**31, 2**32, -1, True, False, 7.0, "7", None, [7]],
-    ids=["2**31", "2**32", "-1", "True", "False", "7.0", "'7'", "None", "[7]"],
-)
-def test_long_prompts_take_the_bulk_check_and_still_refuse_every_bad_id(bad):
-    prompt = list(range(100, 2700))
-    assert Request("ok", prompt).all_token_ids == prompt
-    prompt[1234] = bad
-    with pytest.raises(KVCacheManagerError, match="token id"):
-        Request("x", prompt)
-
-
-def test_numpy_ints_inside_a_list_become_plain_ints():
-    req = Request("x", [np.int64(5), 6, np.int32(7)])
-    assert req.all_token_ids == [5, 6, 7] and all(type(t) is int for t in req.all_token_ids)
-
-
-def test_a_one_token_list_is_appended_like_an_int():
-    req = Request("x", [5, 6])
-    req.append_output_token_ids([7])
-    with pytest.raises(KVCacheManagerError):
-        req.append_output_token_ids([2**31])
-    assert req.all_token_ids == [5, 6, 7]
 
 
 def test_the_window_search_finds_the_rightmost_full_window_after_the_newest_blocks_go(tokens):
@@ -589,16 +543,6 @@ def test_state_pool_reset_clears_both_pools_or_neither(tokens):
     mgr.free(req)
     assert mgr.state_pool.num_cached_blocks() and mgr.reset_prefix_cache()
     assert mgr.state_pool.num_cached_blocks() == 0 and mgr.pool.num_cached_blocks() == 0
-
-
-def test_checkpoint_interval_cuts_prefill_chunks(tokens):
-    mgr = state_pool_manager(64, 8, checkpoint_interval=32)
-    req = Request("r", tokens(0, 100))
-    assert mgr.checkpoint_positions(req, 0) == (32, 64, 96)
-    assert mgr.chunk_limit(req, 40, 60) == 24
-    with pytest.raises(KVCacheManagerError, match="checkpoint_interval"):
-        state_pool_manager(64, 8, checkpoint_interval=20)
-    assert make_manager(11, FULL).chunk_limit(req, 0, 100) == 100, "no state pool, no cut"
 
 
 def test_state_pool_request_whose_hit_holds_no_state_takes_a_fresh_slot(tokens):

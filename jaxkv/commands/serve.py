@@ -82,10 +82,10 @@ from jaxkv.cluster.launcher import ProcessRole, launch  # noqa: E402
 from jaxkv.cluster.lockstep import LockstepCheck  # noqa: E402
 from jaxkv.errors import JaxkvError  # noqa: E402
 from jaxkv.mesh import model_mesh  # noqa: E402
-from jaxkv.models.checkpoint import load_pretrained, read_config  # noqa: E402
+from jaxkv.models.checkpoint import read_config  # noqa: E402
+from jaxkv.models.loading import load_model  # noqa: E402
 from jaxkv.models.tiny import (  # noqa: E402
     DTYPES,
-    TinyLM,
     dense_greedy_generate,
     get_model_config,
     model_names,
@@ -100,7 +100,6 @@ from jaxkv.serving.engine import (  # noqa: E402
 )
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs  # noqa: E402
 from jaxkv.serving.workloads import shared_prefix_prompts  # noqa: E402
-from jaxkv.specs import AttentionSpec  # noqa: E402
 
 PROG = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "jaxkv-serve"
 """The program's name in its messages: ``serve.py`` from a checkout, ``jaxkv-serve`` installed."""
@@ -276,14 +275,8 @@ def serve() -> dict:
     dtype = None if FLAGS.dtype == "auto" else FLAGS.dtype
     num_devices = FLAGS.num_devices * jax.process_count()
     mesh = model_mesh(num_devices) if num_devices > 1 else None
-    if FLAGS.checkpoint:
-        model = load_pretrained(FLAGS.checkpoint, dtype=dtype, mesh=mesh)
-        model_name = f"{FLAGS.checkpoint}: {model.name}"
-    else:
-        model = TinyLM(get_model_config(FLAGS.model, dtype=dtype), seed=FLAGS.seed)
-        model_name = FLAGS.model
+    model, model_name, model_dtype = load_model(FLAGS.checkpoint, FLAGS.model, dtype=dtype, seed=FLAGS.seed, mesh=mesh)
     specs = model.layer_specs()
-    model_dtype = next(s.dtype for s in specs.values() if isinstance(s, AttentionSpec))  # states may be float32
     config = plan_kv_cache(
         specs,
         memory,
