@@ -48,6 +48,7 @@ from jaxkv.planner import KVCacheConfig, pad_head_size
 from jaxkv.serving.scheduler import ScheduledChunk
 from jaxkv.specs import KVCacheSpec, MambaSpec
 from jaxkv.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
+from jaxkv.state_pages import check_mesh, state_pages
 
 
 class RunnerError(JaxkvError, ValueError):
@@ -161,14 +162,18 @@ def allocate_cache(
 ) -> KVCache | HybridCache:
     """The device cache a model planned by ``config`` reads: its KV pages (KV heads split
     over ``model_axis`` of ``mesh``), plus state rows (replicated) when the plan has
-    recurrent groups.
+    recurrent groups, or, with ``shared_pages``, the layout of the states kept in the KV
+    pages (refused on a mesh splitting them: :func:`jaxkv.state_pages.check_mesh`).
 
     Without a mesh the cache is committed to the default device, as the host tier's
     loads leave it (their staged blocks are placed on it): the step and the transfers
     then see one placement and compile once, not again after the first load."""
+    check_mesh(config, mesh, model_axis)
     kv = allocate_kv_cache(config, mesh=mesh, kv_axis=model_axis)
     cache: KVCache | HybridCache = kv
-    if any(isinstance(g.spec, MambaSpec) for g in config.groups):
+    if config.shared_states is not None:
+        cache = HybridCache(kv, state_pages(config, kv))
+    elif any(isinstance(g.spec, MambaSpec) for g in config.groups):
         cache = HybridCache(kv, allocate_state_cache(config, mesh=mesh))
     return cache if mesh is not None else jax.device_put(cache, jax.devices()[0], donate=True)
 
@@ -180,7 +185,9 @@ class ModelRunner:
     docstring); the model's ``num_kv_heads`` must be a multiple of the axis size
     (:class:`~jaxkv.cache.KVCacheShardingError` otherwise). ``num_compilations`` counts
     the step shapes this runner had to compile (shapes another runner of the same
-    architecture and shardings compiled before are reused).
+    architecture and shardings compiled before are reused). A ``shared_pages`` plan needs
+    ``unit_blocks``, the owner's map from a state's head block to all its blocks
+    (:meth:`jaxkv.manager.KVCacheManager.state_blocks`), to read states from the pages.
     """
 
     def __init__(
@@ -191,8 +198,15 @@ class ModelRunner:
         *,
         mesh: Mesh | None = None,
         model_axis: str = MODEL_AXIS,
+        unit_blocks: Callable[[int], Sequence[int]] | None = None,
     ) -> None:
         check_plan(model, config)
+        if (config.shared_states is not None) != (unit_blocks is not None):
+            raise RunnerError(
+                "unit_blocks (the blocks of a state's unit) is needed exactly when states live in the KV pages "
+                f"(state_layout='shared_pages'); shared_states={config.shared_states!r}, unit_blocks={unit_blocks!r}"
+            )
+        self.unit_blocks = unit_blocks
         self.model = model
         self.config = config
         self.buckets = buckets
@@ -224,6 +238,7 @@ class ModelRunner:
     def metadata(self, chunks: Sequence[ScheduledChunk]) -> StepMetadata:
         """The device metadata of one step's chunks (decodes first, as the scheduler orders them)."""
         seqs = [ScheduledSeq(c.seq.request_id, c.num_computed_tokens, c.num_new_tokens) for c in chunks]
+        shared = self.config.shared_states
         return build_step_metadata(
             seqs,
             [c.token_ids for c in chunks],
@@ -234,6 +249,8 @@ class ModelRunner:
             state_groups=self.state_groups,
             num_states=num_state_rows(self.config) if self.state_groups else None,
             group_layers=self.group_layers,
+            unit_blocks=self.unit_blocks,
+            pages_per_state=0 if shared is None else shared.pages_per_state,
             device=self._meta_sharding,
         )
 

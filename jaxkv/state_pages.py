@@ -1,0 +1,213 @@
+"""Recurrent states stored in the pages of the KV cache (``state_layout="shared_pages"``).
+
+With one memory (:class:`~jaxkv.planner.SharedStates`) a state, all layers of one
+recurrent group for one request at one position, is a *unit* of ``pages_per_state``
+blocks of the attention pool (:meth:`jaxkv.pool.BlockPool.get_new_unit`). On device
+its bytes are those blocks in the unit's order, each block its pages in layer-index
+order (in both cache layouts: unit page ``j`` is page ``j % L`` of block ``j // L``).
+Each layer's state tensors sit at static byte ranges of the unit
+(:class:`StatePages`: the group's layers in order, each tensor in order, packed).
+
+A step reads a tensor the way attention reads KV, through a table: each sequence's
+unit blocks ``(S, pages_per_state)`` (:class:`jaxkv.metadata.StateMetadata`); only the
+blocks covering a layer's byte range are gathered, flattened to bytes, sliced and
+bitcast to the tensor's dtype and shape. A write is the inverse: read, modify the
+layer's bytes, scatter those blocks back. Padded sequences read and write the null
+block 0, whose content nothing uses. Tensor-parallel meshes are refused
+(:func:`check_mesh`): the KV buffers are split over heads, a state is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxkv.cache import KVCache, UnknownLayerError
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import cdiv
+from jaxkv.planner import KVCacheConfig
+from jaxkv.specs import MambaSpec, canonical_dtype
+
+
+class SharedPagesError(JaxkvError, ValueError):
+    """States cannot live in this cache's pages: no ``shared_pages`` plan, states larger
+    than their units, or a mesh splitting the pages over heads."""
+
+
+@dataclass(frozen=True)
+class TensorPlace:
+    """Where one state tensor of one layer sits in its unit: ``offset`` bytes in, packed."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StatePages:
+    """The static layout of states stored in KV pages; it holds no buffer (the states
+    are in :class:`~jaxkv.cache.KVCache`'s), so it is a pytree without leaves."""
+
+    layers: tuple[tuple[str, tuple[TensorPlace, ...]], ...] = dataclasses.field(metadata={"static": True})
+    pages_per_state: int = dataclasses.field(metadata={"static": True})
+    state_bytes: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.layers)
+
+    def places(self, layer: str) -> tuple[TensorPlace, ...]:
+        """``layer``'s tensors in its unit."""
+        for name, places in self.layers:
+            if name == layer:
+                return places
+        raise UnknownLayerError(
+            f"layer {layer!r} has no recurrent state in this cache; layers: {list(self.layer_names)}"
+        )
+
+
+def state_pages(config: KVCacheConfig, kv: KVCache) -> StatePages:
+    """The layout of ``config``'s recurrent states in the pages of ``kv`` (its allocation).
+
+    :class:`SharedPagesError` when the plan is not ``shared_pages`` or a group's states
+    do not fit ``pages_per_state`` of ``kv``'s blocks."""
+    shared = config.shared_states
+    if shared is None:
+        raise SharedPagesError("the KV cache config keeps no states in its pages (state_layout is not 'shared_pages')")
+    capacity = shared.pages_per_state * block_nbytes(kv)
+    layers: list[tuple[str, tuple[TensorPlace, ...]]] = []
+    for group in config.groups:
+        if not isinstance(group.spec, MambaSpec):
+            continue
+        offset = 0
+        for name in group.layer_names:
+            places = []
+            for shape, dtype in zip(group.spec.shapes, group.spec.dtypes, strict=True):
+                place = TensorPlace(offset, tuple(shape), canonical_dtype(dtype))
+                places.append(place)
+                offset += place.nbytes
+            layers.append((name, tuple(places)))
+        if offset > capacity:
+            raise SharedPagesError(
+                f"the states of group {list(group.layer_names)} take {offset} B, more than "
+                f"pages_per_state={shared.pages_per_state} blocks of {block_nbytes(kv)} B"
+            )
+    return StatePages(tuple(layers), shared.pages_per_state, shared.state_bytes)
+
+
+def check_mesh(config: KVCacheConfig, mesh: Mesh | None, model_axis: str) -> None:
+    """:class:`SharedPagesError` for a ``shared_pages`` plan on a mesh splitting ``model_axis``:
+    its KV pages are sharded over heads while a state must be whole on every device."""
+    if config.shared_states is None or mesh is None:
+        return
+    devices = mesh.shape.get(model_axis, 1)
+    if devices > 1 or config.tensor_parallel > 1:
+        raise SharedPagesError(
+            f"state_layout='shared_pages' keeps states in the KV pages, which a mesh axis {model_axis!r} of "
+            f"{devices} devices splits over heads; plan with state_layout='state_pool' for tensor parallel"
+        )
+
+
+def block_nbytes(kv: KVCache) -> int:
+    """Bytes of one block of ``kv``, all its pages (one device's, without a mesh the whole)."""
+    return sum(b.nbytes for b in kv.buffers) // kv.num_blocks
+
+
+def to_bytes(x: jax.Array) -> jax.Array:
+    """``(n, ...)`` of any dtype -> ``(n, bytes)`` uint8, the same bits."""
+    flat = x.reshape(x.shape[0], -1)
+    if flat.dtype.itemsize > 1:
+        flat = jax.lax.bitcast_convert_type(flat, jnp.uint8)
+    return flat.reshape(x.shape[0], -1)
+
+
+def from_bytes(data: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.Array:
+    """Inverse of :func:`to_bytes`: ``(n, bytes)`` uint8 -> ``(n, *shape)`` of ``dtype``."""
+    itemsize = jnp.dtype(dtype).itemsize
+    rows = data.reshape(data.shape[0], -1, itemsize) if itemsize > 1 else data
+    return jax.lax.bitcast_convert_type(rows, dtype).reshape((data.shape[0], *shape))
+
+
+def _gather(kv: KVCache, blocks: jax.Array) -> jax.Array:
+    """Blocks ``(S, n)`` of every sequence as bytes ``(S, n * block bytes)``, pages in layer-index order."""
+    if kv.layout == "cross_layer":
+        return to_bytes(kv.buffers[0][blocks])
+    return to_bytes(jnp.stack([b[blocks] for b in kv.buffers], axis=2))
+
+
+def _scatter(kv: KVCache, blocks: jax.Array, data: jax.Array) -> KVCache:
+    """Inverse of :func:`_gather`: blocks ``(S, n)`` := ``data`` (padding may repeat the null block)."""
+    page = kv.buffers[0].shape[-3:]
+    pages = from_bytes(data, (blocks.shape[1], kv.num_layers_per_block, *page), kv.dtype)
+    if kv.layout == "cross_layer":
+        return kv.replace((kv.buffers[0].at[blocks].set(pages),))
+    return kv.replace(tuple(b.at[blocks].set(pages[:, :, i]) for i, b in enumerate(kv.buffers)))
+
+
+def _span(places: Sequence[TensorPlace], block_bytes: int) -> tuple[int, int]:
+    """The unit's blocks ``[first, last)`` covering ``places``' bytes."""
+    start = places[0].offset
+    end = places[-1].offset + places[-1].nbytes
+    return start // block_bytes, cdiv(end, block_bytes)
+
+
+def read_unit_states(kv: KVCache, pages: StatePages, layer: str, blocks: jax.Array) -> tuple[jax.Array, ...]:
+    """``layer``'s state tensors of the units whose blocks are ``blocks (S, pages_per_state)``:
+    one ``(S, *shape)`` array per tensor."""
+    places = pages.places(layer)
+    block_bytes = block_nbytes(kv)
+    first, last = _span(places, block_bytes)
+    data = _gather(kv, blocks[:, first:last])
+    base = first * block_bytes
+    return tuple(
+        from_bytes(data[:, p.offset - base : p.offset - base + p.nbytes], p.shape, jnp.dtype(p.dtype)) for p in places
+    )
+
+
+def write_unit_states(
+    kv: KVCache, pages: StatePages, layer: str, blocks: jax.Array, values: Sequence[jax.Array]
+) -> KVCache:
+    """``kv`` with ``layer``'s state tensors of units ``blocks (S, pages_per_state)`` set to
+    ``values`` (one ``(S, *shape)`` per tensor, in its dtype); the unit's other bytes kept."""
+    places = pages.places(layer)
+    values = tuple(values)
+    if len(values) != len(places):
+        raise SharedPagesError(f"layer {layer!r} holds {len(places)} state tensors, got {len(values)} values")
+    for p, v in zip(places, values, strict=True):
+        if v.shape != (blocks.shape[0], *p.shape) or v.dtype != jnp.dtype(p.dtype):
+            raise SharedPagesError(
+                f"layer {layer!r}: values {v.shape} {v.dtype} do not match {blocks.shape[0]} states of "
+                f"{p.shape} {p.dtype}"
+            )
+    block_bytes = block_nbytes(kv)
+    first, last = _span(places, block_bytes)
+    span = blocks[:, first:last]
+    data = _gather(kv, span)
+    base = first * block_bytes
+    for p, v in zip(places, values, strict=True):
+        data = data.at[:, p.offset - base : p.offset - base + p.nbytes].set(to_bytes(v))
+    return _scatter(kv, span, data)
+
+
+def gather_units(kv: KVCache, pages: StatePages, blocks: jax.Array) -> jax.Array:
+    """Whole states of units ``blocks (n, pages_per_state)`` as bytes ``(n, state_bytes)``: the
+    host tier's row of a state checkpoint (the same bytes as on device, padding dropped)."""
+    return _gather(kv, blocks)[:, : pages.state_bytes]
+
+
+def scatter_units(kv: KVCache, pages: StatePages, blocks: jax.Array, data: jax.Array) -> KVCache:
+    """Inverse of :func:`gather_units`: units ``blocks (n, pages_per_state)`` := ``data``
+    ``(n, state_bytes)`` (trusted ids; the units' padding bytes are left as they were)."""
+    current = _gather(kv, blocks)
+    return _scatter(kv, blocks, current.at[:, : pages.state_bytes].set(data))
