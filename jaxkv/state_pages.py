@@ -200,14 +200,29 @@ def write_unit_states(
     return _scatter(kv, span, data)
 
 
-def gather_units(kv: KVCache, pages: StatePages, blocks: jax.Array) -> jax.Array:
-    """Whole states of units ``blocks (n, pages_per_state)`` as bytes ``(n, state_bytes)``: the
-    host tier's row of a state checkpoint (the same bytes as on device, padding dropped)."""
-    return _gather(kv, blocks)[:, : pages.state_bytes]
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StateUnits:
+    """The KV cache seen as whole states, what the host tier moves: one state per host
+    block, ``state_bytes`` of bytes, addressed by its unit's blocks ``(pages_per_state,)``."""
+
+    kv: KVCache
+    pages: StatePages
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
 
 
-def scatter_units(kv: KVCache, pages: StatePages, blocks: jax.Array, data: jax.Array) -> KVCache:
+def gather_units(units: StateUnits, blocks: jax.Array) -> jax.Array:
+    """Whole states of units ``blocks (n, pages_per_state)`` as bytes ``(n, state_bytes)``:
+    the host tier's row of a state checkpoint (the bytes on device, the unit's padding dropped)."""
+    return _gather(units.kv, blocks)[:, : units.pages.state_bytes]
+
+
+def scatter_units(units: StateUnits, blocks: jax.Array, data: jax.Array) -> StateUnits:
     """Inverse of :func:`gather_units`: units ``blocks (n, pages_per_state)`` := ``data``
     ``(n, state_bytes)`` (trusted ids; the units' padding bytes are left as they were)."""
-    current = _gather(kv, blocks)
-    return _scatter(kv, blocks, current.at[:, : pages.state_bytes].set(data))
+    current = _gather(units.kv, blocks)
+    kv = _scatter(units.kv, blocks, current.at[:, : units.pages.state_bytes].set(data))
+    return dataclasses.replace(units, kv=kv)

@@ -48,7 +48,10 @@ from jaxkv.planner import KVCacheConfig, pad_head_size
 from jaxkv.serving.scheduler import ScheduledChunk
 from jaxkv.specs import KVCacheSpec, MambaSpec
 from jaxkv.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
-from jaxkv.state_pages import check_mesh, state_pages
+from jaxkv.state_pages import StatePages, StateUnits, check_mesh, state_pages
+
+StatePlace = int | tuple[int, ...]
+"""Where the host tier finds one recurrent state on device: a state row, or a unit's blocks (shared pages)."""
 
 
 class RunnerError(JaxkvError, ValueError):
@@ -322,26 +325,59 @@ class ModelRunner:
 
     @property
     def hybrid_cache(self) -> HybridCache:
-        """The KV pages and recurrent state rows of a model with recurrent layers;
-        :class:`RunnerError` for a model without (it has no state rows)."""
+        """The KV pages and recurrent states of a model with recurrent layers;
+        :class:`RunnerError` for a model without (it has no state)."""
         if not isinstance(self.cache, HybridCache):
-            raise RunnerError(f"model {self.model.name} has no recurrent layers: its cache holds no state rows")
+            raise RunnerError(f"model {self.model.name} has no recurrent layers: its cache holds no state")
         return self.cache
 
-    def state_host_buffers(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVBuffers:
-        """A set of host buffers of whole state rows of this runner's recurrent state rows."""
-        return HostKVBuffers.for_cache(self.hybrid_cache.states, host_bytes, memory_kind=memory_kind)
-
-    def store_states(self, transfers: TransferEngine, rows: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
-        """Issue a copy of state rows into host blocks (the state rows are only read)."""
-        return transfers.store(self.hybrid_cache.states, rows, host_blocks)
-
-    def load_states(self, transfers: TransferEngine, rows: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
-        """Issue a copy of host blocks into state rows (donated)."""
+    @property
+    def state_rows(self) -> StateCache | StateUnits:
+        """The recurrent states as the host tier moves them: the state rows, or with shared
+        pages the KV pages seen as whole states (one row: a unit's blocks)."""
         cache = self.hybrid_cache
-        states, transfer = transfers.load(cache.states, rows, host_blocks)
-        assert isinstance(states, StateCache)  # load returns the kind of cache it is given
-        self.cache = dataclasses.replace(cache, states=states)
+        return StateUnits(cache.kv, cache.states) if isinstance(cache.states, StatePages) else cache.states
+
+    def state_nbytes(self) -> int:
+        """Device bytes of recurrent states: the state rows', or with shared pages what the
+        live states of ``max_num_seqs`` max_model_len requests would take (the share a plan
+        gives states in one memory is decided at run time, not here)."""
+        cache = self.hybrid_cache
+        if isinstance(cache.states, StateCache):
+            return cache.states.nbytes
+        per_request = self.config.blocks_per_request()
+        states = sum(per_request[g] for g in self.state_groups)
+        return cache.kv.nbytes * states // sum(per_request)
+
+    def state_host_buffers(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVBuffers:
+        """A set of host buffers of whole states of this runner's recurrent layers (one per host block)."""
+        return HostKVBuffers.for_cache(self.state_rows, host_bytes, memory_kind=memory_kind)
+
+    def state_places(self, state_ids: Sequence[int]) -> list[StatePlace]:
+        """Where the host tier finds states the manager names by ``state_ids`` (a recurrent
+        group's block ids): the ids themselves for state rows, each unit's blocks with shared
+        pages (read them while the units stand: a reused unit dissolves)."""
+        if self.unit_blocks is None:
+            return list(state_ids)
+        return [tuple(self.unit_blocks(i)) for i in state_ids]
+
+    def store_states(
+        self, transfers: TransferEngine, places: Sequence[StatePlace], host_blocks: Sequence[int]
+    ) -> Transfer:
+        """Issue a copy of states (at :meth:`state_places`) into host blocks (the states are only read)."""
+        return transfers.store(self.state_rows, places, host_blocks)
+
+    def load_states(
+        self, transfers: TransferEngine, places: Sequence[StatePlace], host_blocks: Sequence[int]
+    ) -> Transfer:
+        """Issue a copy of host blocks into states (at :meth:`state_places`; the cache is donated)."""
+        cache = self.hybrid_cache
+        states, transfer = transfers.load(self.state_rows, places, host_blocks)
+        if isinstance(states, StateUnits):
+            self.cache = dataclasses.replace(cache, kv=states.kv)
+        else:
+            assert isinstance(states, StateCache)  # load returns the kind of cache it is given
+            self.cache = dataclasses.replace(cache, states=states)
         return transfer
 
     def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
