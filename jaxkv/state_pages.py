@@ -139,20 +139,32 @@ def from_bytes(data: jax.Array, shape: Sequence[int], dtype: jnp.dtype) -> jax.A
     return jax.lax.bitcast_convert_type(rows, dtype).reshape((data.shape[0], *shape))
 
 
+def _bits(buffer: jax.Array) -> jax.Array:
+    """``buffer`` viewed as unsigned ints of its width: a state's bytes in a float buffer
+    are arbitrary bits (NaNs, subnormals), which float copies may canonicalise or flush
+    (XLA:CPU computes bf16 through float32); integer copies keep every bit."""
+    return jax.lax.bitcast_convert_type(buffer, jnp.dtype(f"uint{8 * buffer.dtype.itemsize}"))
+
+
 def _gather(kv: KVCache, blocks: jax.Array) -> jax.Array:
     """Blocks ``(S, n)`` of every sequence as bytes ``(S, n * block bytes)``, pages in layer-index order."""
     if kv.layout == "cross_layer":
-        return to_bytes(kv.buffers[0][blocks])
-    return to_bytes(jnp.stack([b[blocks] for b in kv.buffers], axis=2))
+        return to_bytes(_bits(kv.buffers[0])[blocks])
+    return to_bytes(jnp.stack([_bits(b)[blocks] for b in kv.buffers], axis=2))
 
 
 def _scatter(kv: KVCache, blocks: jax.Array, data: jax.Array) -> KVCache:
     """Inverse of :func:`_gather`: blocks ``(S, n)`` := ``data`` (padding may repeat the null block)."""
     page = kv.buffers[0].shape[-3:]
-    pages = from_bytes(data, (blocks.shape[1], kv.num_layers_per_block, *page), kv.dtype)
+    words = jnp.dtype(f"uint{8 * kv.dtype.itemsize}")
+    pages = from_bytes(data, (blocks.shape[1], kv.num_layers_per_block, *page), words)
+
+    def put(buffer: jax.Array, values: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(_bits(buffer).at[blocks].set(values), buffer.dtype)
+
     if kv.layout == "cross_layer":
-        return kv.replace((kv.buffers[0].at[blocks].set(pages),))
-    return kv.replace(tuple(b.at[blocks].set(pages[:, :, i]) for i, b in enumerate(kv.buffers)))
+        return kv.replace((put(kv.buffers[0], pages),))
+    return kv.replace(tuple(put(b, pages[:, :, i]) for i, b in enumerate(kv.buffers)))
 
 
 def _span(places: Sequence[TensorPlace], block_bytes: int) -> tuple[int, int]:
