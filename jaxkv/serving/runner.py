@@ -339,9 +339,9 @@ class ModelRunner:
         return StateUnits(cache.kv, cache.states) if isinstance(cache.states, StatePages) else cache.states
 
     def state_nbytes(self) -> int:
-        """Device bytes of recurrent states: the state rows', or with shared pages what the
-        live states of ``max_num_seqs`` max_model_len requests would take (the share a plan
-        gives states in one memory is decided at run time, not here)."""
+        """Device bytes of recurrent states (what the host tier splits its bytes by): the state
+        rows', or with shared pages, where the split is decided at run time, the pool's bytes
+        times the share of states in a max_model_len request's blocks."""
         cache = self.hybrid_cache
         if isinstance(cache.states, StateCache):
             return cache.states.nbytes
