@@ -201,12 +201,13 @@ def recurrent_engine(
     "state_layout, store, fail_rate, layout",
     [
         (state_layout, store, fail_rate, "cross_layer")
-        for state_layout in ("shared_pages", "state_pool", "attention_pages")
+        for state_layout in ("state_pool", "attention_pages")
         for store in STORE_POLICIES
         for fail_rate in (0.0, 0.5)
     ]
+    + [("shared_pages", store, 0.0, "cross_layer") for store in STORE_POLICIES]
     + [
-        ("shared_pages", "on_eviction", 0.5, "per_layer"),
+        ("shared_pages", "on_eviction", 0.5, "cross_layer"),
         ("state_pool", "on_eviction", 0.5, "per_layer"),
         ("attention_pages", STORE_POLICIES[0], 0.0, "per_layer"),
     ],
