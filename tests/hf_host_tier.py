@@ -35,7 +35,7 @@ def serve_through_host(
         memory_bytes,
         max_model_len=128,
         max_num_seqs=2,
-        state_layout=state_layout,  # type: ignore[arg-type]  # a test's parameter
+        state_layout=state_layout,
         checkpoint_share=checkpoint_share,
     )
     engine = Engine(model, plan, max_num_seqs=2, offload=OffloadConfig(HOST_BYTES))
