@@ -3,7 +3,9 @@
 :class:`ModelRunner` runs any :class:`~jaxkv.models.protocol.ServedModel`: it owns the
 model's params and the device :class:`~jaxkv.cache.KVCache` (with a
 :class:`~jaxkv.state_cache.StateCache` beside it, as one
-:class:`~jaxkv.state_cache.HybridCache`, when the model has recurrent layers).
+:class:`~jaxkv.state_cache.HybridCache`, when the model has recurrent layers; with
+``shared_pages`` the states live in the KV pages and the HybridCache holds their layout,
+:mod:`jaxkv.state_pages`).
 Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.metadata`: one
 host-to-device transfer, shapes padded to :class:`~jaxkv.metadata.Buckets`) and calls
 one jitted step function ``(params, cache, metadata) -> (next_token_ids, cache)`` with
