@@ -10,10 +10,11 @@ Each layer's state tensors sit at static byte ranges of the unit
 
 A step reads a tensor the way attention reads KV, through a table: each sequence's
 unit blocks ``(S, pages_per_state)`` (:class:`jaxkv.metadata.StateMetadata`); only the
-blocks covering a layer's byte range are gathered, flattened to bytes, sliced and
-bitcast to the tensor's dtype and shape. A write is the inverse: read, modify the
-layer's bytes, scatter those blocks back. Padded sequences read and write the null
-block 0, whose content nothing uses. Tensor-parallel meshes are refused
+pages covering a layer's byte range are gathered, flattened to bytes, sliced and
+bitcast to the tensor's dtype and shape. A write is the inverse: the layer's bytes,
+completed at both ends by the edge pages' other bytes (read back), are scattered into
+those pages. Pages move as unsigned words, never as floats (:func:`_bits`). Padded
+sequences read and write the null block 0, whose content nothing uses. Tensor-parallel meshes are refused
 (:func:`check_mesh`): the KV buffers are split over heads, a state is not.
 """
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxkv.cache import KVCache, UnknownLayerError
@@ -146,44 +148,72 @@ def _bits(buffer: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(buffer, jnp.dtype(f"uint{8 * buffer.dtype.itemsize}"))
 
 
-def _gather(kv: KVCache, blocks: jax.Array) -> jax.Array:
-    """Blocks ``(S, n)`` of every sequence as bytes ``(S, n * block bytes)``, pages in layer-index order."""
+def _page_nbytes(kv: KVCache) -> int:
+    return block_nbytes(kv) // kv.num_layers_per_block
+
+
+def _gather(kv: KVCache, blocks: jax.Array, pages: np.ndarray) -> jax.Array:
+    """Unit pages ``pages`` (static, ascending) of every sequence's unit ``blocks (S, k)``,
+    as bytes ``(S, len(pages) * page bytes)``."""
+    width = kv.num_layers_per_block
+    rows = blocks[:, pages // width]
     if kv.layout == "cross_layer":
-        return to_bytes(_bits(kv.buffers[0])[blocks])
-    return to_bytes(jnp.stack([_bits(b)[blocks] for b in kv.buffers], axis=2))
+        return to_bytes(_bits(kv.buffers[0])[rows, pages % width])
+    parts = [(np.flatnonzero(pages % width == i), b) for i, b in enumerate(kv.buffers)]
+    parts = [(where, b) for where, b in parts if where.size]
+    gathered = jnp.concatenate([_bits(b)[rows[:, where]] for where, b in parts], axis=1)
+    return to_bytes(gathered[:, np.argsort(np.concatenate([where for where, _ in parts]))])
 
 
-def _scatter(kv: KVCache, blocks: jax.Array, data: jax.Array) -> KVCache:
-    """Inverse of :func:`_gather`: blocks ``(S, n)`` := ``data`` (padding may repeat the null block)."""
-    page = kv.buffers[0].shape[-3:]
+def _scatter(kv: KVCache, blocks: jax.Array, pages: np.ndarray, data: jax.Array) -> KVCache:
+    """Inverse of :func:`_gather`: unit pages ``pages`` := ``data`` (padding may repeat the null block)."""
+    width = kv.num_layers_per_block
     words = jnp.dtype(f"uint{8 * kv.dtype.itemsize}")
-    pages = from_bytes(data, (blocks.shape[1], kv.num_layers_per_block, *page), words)
+    values = from_bytes(data, (len(pages), *kv.buffers[0].shape[-3:]), words)
+    rows = blocks[:, pages // width]
 
-    def put(buffer: jax.Array, values: jax.Array) -> jax.Array:
-        return jax.lax.bitcast_convert_type(_bits(buffer).at[blocks].set(values), buffer.dtype)
+    def put(buffer: jax.Array, index: tuple[jax.Array | np.ndarray, ...], update: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(_bits(buffer).at[index].set(update), buffer.dtype)
 
     if kv.layout == "cross_layer":
-        return kv.replace((put(kv.buffers[0], pages),))
-    return kv.replace(tuple(put(b, pages[:, :, i]) for i, b in enumerate(kv.buffers)))
+        return kv.replace((put(kv.buffers[0], (rows, pages % width), values),))
+    buffers = list(kv.buffers)
+    for i in range(width):
+        where = np.flatnonzero(pages % width == i)
+        if where.size:
+            buffers[i] = put(buffers[i], (rows[:, where],), values[:, where])
+    return kv.replace(tuple(buffers))
 
 
-def _span(places: Sequence[TensorPlace], block_bytes: int) -> tuple[int, int]:
-    """The unit's blocks ``[first, last)`` covering ``places``' bytes."""
-    start = places[0].offset
-    end = places[-1].offset + places[-1].nbytes
-    return start // block_bytes, cdiv(end, block_bytes)
+def _read_bytes(kv: KVCache, blocks: jax.Array, start: int, end: int) -> jax.Array:
+    """Bytes ``[start, end)`` of every sequence's unit: only the pages holding them are read."""
+    size = _page_nbytes(kv)
+    pages = np.arange(start // size, cdiv(end, size))
+    base = int(pages[0]) * size
+    return _gather(kv, blocks, pages)[:, start - base : end - base]
+
+
+def _write_bytes(kv: KVCache, blocks: jax.Array, start: int, data: jax.Array) -> KVCache:
+    """``kv`` with bytes ``[start, start + width)`` of every sequence's unit set to ``data``
+    ``(S, width)``: the pages holding them are written, the edge pages' other bytes kept."""
+    size = _page_nbytes(kv)
+    end = start + data.shape[1]
+    pages = np.arange(start // size, cdiv(end, size))
+    head, tail = start - int(pages[0]) * size, int(pages[-1] + 1) * size - end
+    if head or tail:
+        edges = _gather(kv, blocks, np.unique(pages[[0, -1]]))
+        data = jnp.concatenate([edges[:, :head], data, edges[:, edges.shape[1] - tail :]], axis=1)
+    return _scatter(kv, blocks, pages, data)
 
 
 def read_unit_states(kv: KVCache, pages: StatePages, layer: str, blocks: jax.Array) -> tuple[jax.Array, ...]:
     """``layer``'s state tensors of the units whose blocks are ``blocks (S, pages_per_state)``:
     one ``(S, *shape)`` array per tensor."""
     places = pages.places(layer)
-    block_bytes = block_nbytes(kv)
-    first, last = _span(places, block_bytes)
-    data = _gather(kv, blocks[:, first:last])
-    base = first * block_bytes
+    start = places[0].offset
+    data = _read_bytes(kv, blocks, start, places[-1].offset + places[-1].nbytes)
     return tuple(
-        from_bytes(data[:, p.offset - base : p.offset - base + p.nbytes], p.shape, jnp.dtype(p.dtype)) for p in places
+        from_bytes(data[:, p.offset - start : p.offset - start + p.nbytes], p.shape, jnp.dtype(p.dtype)) for p in places
     )
 
 
@@ -202,14 +232,8 @@ def write_unit_states(
                 f"layer {layer!r}: values {v.shape} {v.dtype} do not match {blocks.shape[0]} states of "
                 f"{p.shape} {p.dtype}"
             )
-    block_bytes = block_nbytes(kv)
-    first, last = _span(places, block_bytes)
-    span = blocks[:, first:last]
-    data = _gather(kv, span)
-    base = first * block_bytes
-    for p, v in zip(places, values, strict=True):
-        data = data.at[:, p.offset - base : p.offset - base + p.nbytes].set(to_bytes(v))
-    return _scatter(kv, span, data)
+    data = jnp.concatenate([to_bytes(v) for v in values], axis=1)  # the places are packed in order
+    return _write_bytes(kv, blocks, places[0].offset, data)
 
 
 @jax.tree_util.register_dataclass
@@ -229,12 +253,10 @@ class StateUnits:
 def gather_units(units: StateUnits, blocks: jax.Array) -> jax.Array:
     """Whole states of units ``blocks (n, pages_per_state)`` as bytes ``(n, state_bytes)``:
     the host tier's row of a state checkpoint (the bytes on device, the unit's padding dropped)."""
-    return _gather(units.kv, blocks)[:, : units.pages.state_bytes]
+    return _read_bytes(units.kv, blocks, 0, units.pages.state_bytes)
 
 
 def scatter_units(units: StateUnits, blocks: jax.Array, data: jax.Array) -> StateUnits:
     """Inverse of :func:`gather_units`: units ``blocks (n, pages_per_state)`` := ``data``
     ``(n, state_bytes)`` (trusted ids; the units' padding bytes are left as they were)."""
-    current = _gather(units.kv, blocks)
-    kv = _scatter(units.kv, blocks, current.at[:, : units.pages.state_bytes].set(data))
-    return dataclasses.replace(units, kv=kv)
+    return dataclasses.replace(units, kv=_write_bytes(units.kv, blocks, 0, data))
