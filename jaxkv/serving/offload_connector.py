@@ -66,7 +66,7 @@ from jaxkv.offload.catalog import OffloadEvent, OffloadingManager, OffloadKey, P
 from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.host_buffers import HostKVBuffers
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
-from jaxkv.serving.runner import ModelRunner, StatePlace
+from jaxkv.serving.runner import DevicePlace, ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
 
 _log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class OffloadConnector:
         self._tiers = [attention] if states is None else [attention, _Tier(*states, states=True)]
         self._tier_of = [self._tiers[-1] if g in recurrent else attention for g in range(len(manager.block_sizes))]
         self._pending: list[_PendingStore] = []
-        self._reused: dict[OffloadKey, StatePlace] = {}
+        self._reused: dict[OffloadKey, DevicePlace] = {}
         if store == "on_eviction":
             manager.add_reuse_listener(self._on_reuse)
 
@@ -302,7 +302,7 @@ class OffloadConnector:
         try:
             self._store_reused()  # the fresh blocks may be reused ones: read them before the load
             table = self.manager.get_block_ids(request.request_id)
-            device: dict[OffloadKey, StatePlace] = {}
+            device: dict[OffloadKey, DevicePlace] = {}
             for g, blocks in enumerate(table):
                 for i in self.manager.needed_blocks(g, host.start, host.end):
                     device[host.keys[len(device)]] = self._place(
@@ -343,7 +343,7 @@ class OffloadConnector:
         mgr.free(request)
 
     # -------------------------------------------------------------- stores
-    def _place(self, group: int, block_id: int) -> StatePlace:
+    def _place(self, group: int, block_id: int) -> DevicePlace:
         """Where a group's block is on device for a transfer: the block (or state row) itself,
         or all blocks of a state's unit with shared pages (read while the unit stands)."""
         return self.runner.state_places([block_id])[0] if self._tier_of[group].states else block_id
@@ -362,7 +362,7 @@ class OffloadConnector:
         """Write-through: store the full blocks the step's chunks completed; settle done stores."""
         self._owner.check()
         if self.store_policy == "write_through":
-            block_of: dict[OffloadKey, StatePlace] = {}
+            block_of: dict[OffloadKey, DevicePlace] = {}
             for chunk in chunks:
                 hashes = self.manager.hashes_per_group(chunk.seq.request)
                 start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
@@ -382,13 +382,13 @@ class OffloadConnector:
         block_of, self._reused = self._reused, {}
         self._store(block_of)
 
-    def _store(self, block_of: dict[OffloadKey, StatePlace]) -> None:
+    def _store(self, block_of: dict[OffloadKey, DevicePlace]) -> None:
         """Issue one store per tier of device rows ``block_of[key]`` for the keys host lacks."""
         for tier, keys in self._split(list(block_of)):
             if keys:
                 self._store_tier(tier, keys, block_of)
 
-    def _store_tier(self, tier: _Tier, keys: list[OffloadKey], block_of: dict[OffloadKey, StatePlace]) -> None:
+    def _store_tier(self, tier: _Tier, keys: list[OffloadKey], block_of: dict[OffloadKey, DevicePlace]) -> None:
         plan = tier.offload.prepare_store(keys)
         if plan is None:
             self.stats.num_skipped_stores += len(keys)

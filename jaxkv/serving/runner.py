@@ -52,8 +52,9 @@ from jaxkv.specs import KVCacheSpec, MambaSpec
 from jaxkv.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
 from jaxkv.state_pages import StatePages, StateUnits, check_mesh, state_pages
 
-StatePlace = int | tuple[int, ...]
-"""Where the host tier finds one recurrent state on device: a state row, or a unit's blocks (shared pages)."""
+DevicePlace = int | tuple[int, ...]
+"""Where the host tier finds a block on device: its id (a KV block or a state row), or for a
+state kept in the KV pages (shared pages) all blocks of its unit."""
 
 
 class RunnerError(JaxkvError, ValueError):
@@ -355,7 +356,7 @@ class ModelRunner:
         """A set of host buffers of whole states of this runner's recurrent layers (one per host block)."""
         return HostKVBuffers.for_cache(self.state_rows, host_bytes, memory_kind=memory_kind)
 
-    def state_places(self, state_ids: Sequence[int]) -> list[StatePlace]:
+    def state_places(self, state_ids: Sequence[int]) -> list[DevicePlace]:
         """Where the host tier finds states the manager names by ``state_ids`` (a recurrent
         group's block ids): the ids themselves for state rows, each unit's blocks with shared
         pages (read them while the units stand: a reused unit dissolves)."""
@@ -364,13 +365,13 @@ class ModelRunner:
         return [tuple(self.unit_blocks(i)) for i in state_ids]
 
     def store_states(
-        self, transfers: TransferEngine, places: Sequence[StatePlace], host_blocks: Sequence[int]
+        self, transfers: TransferEngine, places: Sequence[DevicePlace], host_blocks: Sequence[int]
     ) -> Transfer:
         """Issue a copy of states (at :meth:`state_places`) into host blocks (the states are only read)."""
         return transfers.store(self.state_rows, places, host_blocks)
 
     def load_states(
-        self, transfers: TransferEngine, places: Sequence[StatePlace], host_blocks: Sequence[int]
+        self, transfers: TransferEngine, places: Sequence[DevicePlace], host_blocks: Sequence[int]
     ) -> Transfer:
         """Issue a copy of host blocks into states (at :meth:`state_places`; the cache is donated)."""
         cache = self.hybrid_cache
