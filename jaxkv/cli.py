@@ -275,8 +275,9 @@ def define_state_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "state_layout",
         "auto",
         ["auto", *STATE_LAYOUTS],
-        "recurrent state: a pool of its own (state_pool) or one attention page per state (attention_pages, "
-        "vLLM's rule); auto: state_pool for models with recurrent layers",
+        "recurrent state: pages of the one KV block pool (shared_pages), a pool of its own (state_pool) or one "
+        "attention page per state (attention_pages, vLLM's rule); auto: shared_pages for models with recurrent and "
+        "attention layers, state_pool for recurrent layers alone or a tensor-parallel mesh",
         flag_values=flag_values,
     )
     flags.DEFINE_float(

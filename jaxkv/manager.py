@@ -177,6 +177,12 @@ class KVCacheManager:
         """Groups holding recurrent (Mamba / linear-attention) state, not token KV."""
         return self.coordinator.group_ids_of(MambaManager)
 
+    def state_blocks(self, block_id: int) -> list[int]:
+        """The blocks of the pool one recurrent state occupies, given the block id a
+        recurrent group lists for it: with ``shared_pages`` all blocks of its unit, head
+        first (what the device reads the state's pages from); otherwise just ``[block_id]``."""
+        return self.coordinator.pool.unit_blocks(block_id)
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids, one list per group (nulls for skipped blocks)."""
         if request_id not in self._requests:

@@ -8,7 +8,9 @@ From the scheduled sequences (decodes first, then prefills) and the manager's bl
 - ``logits_indices`` (S,): the last new token of each sequence;
 - per KV cache group, a block table (S, W_g) and a slot mapping (T,); per recurrent
   (state) group instead, the state row each sequence reads, the row it writes and
-  whether it starts from a zero state (S,) each.
+  whether it starts from a zero state (S,) each; with states in the KV pages
+  (``shared_pages``), also the blocks of the unit it reads and of the one it writes
+  (S, pages_per_state) each.
 
 Shapes are padded up to :class:`Buckets` so a step function compiles once per bucket
 combination. Padding is always the null block 0 (never -1): padded table entries are
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -159,12 +161,17 @@ class StateMetadata:
     A step reads the state after the sequence's computed tokens from ``read_rows`` and
     writes the state after its new tokens to ``write_rows`` (the same row when the
     running state is updated in place). ``fresh`` sequences start from a zero state
-    (nothing computed yet); padded sequences read and write the null row 0.
+    (nothing computed yet); padded sequences read and write the null row 0. With states
+    in the KV pages a row is a unit's head block and ``read_blocks`` / ``write_blocks``
+    list all the unit's blocks (null blocks for padding and fresh reads); with state
+    rows they are empty, ``(S, 0)``.
     """
 
     read_rows: jax.Array  # (S,) int32
     write_rows: jax.Array  # (S,) int32
     fresh: jax.Array  # (S,) int32, 1 = start from zeros
+    read_blocks: jax.Array  # (S, pages_per_state) int32
+    write_blocks: jax.Array  # (S, pages_per_state) int32
 
 
 def state_rows(
@@ -187,11 +194,12 @@ def state_rows(
 @dataclass(frozen=True)
 class _Packing:
     """Static shape of a packed :class:`StepMetadata`: tokens, seqs, table widths
-    (None for a recurrent group)."""
+    (None for a recurrent group), blocks per state (0: state rows)."""
 
     num_tokens: int
     max_seqs: int
     widths: tuple[int | None, ...]
+    pages_per_state: int = 0
 
     @functools.cached_property
     def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -207,7 +215,9 @@ class _Packing:
         ]
         for g, width in enumerate(self.widths):
             if width is None:
+                k = self.pages_per_state
                 fields += [(f"read{g}", (s,)), (f"write{g}", (s,)), (f"fresh{g}", (s,))]
+                fields += [(f"read_blocks{g}", (s, k)), (f"write_blocks{g}", (s, k))]
             else:
                 fields += [(f"tables{g}", (s, width)), (f"slots{g}", (t,))]
         out: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -274,7 +284,13 @@ class StepMetadata:
 
     def _group(self, g: int) -> AttentionMetadata | StateMetadata:
         if self.packing.widths[g] is None:
-            return StateMetadata(self._field(f"read{g}"), self._field(f"write{g}"), self._field(f"fresh{g}"))
+            return StateMetadata(
+                self._field(f"read{g}"),
+                self._field(f"write{g}"),
+                self._field(f"fresh{g}"),
+                self._field(f"read_blocks{g}"),
+                self._field(f"write_blocks{g}"),
+            )
         return AttentionMetadata(self._field(f"tables{g}"), self._field(f"slots{g}"))
 
     def group_of(self, layer: str) -> AttentionMetadata | StateMetadata:
@@ -369,6 +385,34 @@ def _state_rows(
     return out
 
 
+def _unit_blocks(
+    seqs: Sequence[ScheduledSeq],
+    heads: np.ndarray,
+    unit_blocks: Callable[[int], Sequence[int]],
+    pages_per_state: int,
+    num_blocks: int | None,
+    group: int,
+    max_seqs: int,
+) -> np.ndarray:
+    """(2, max_seqs, pages_per_state): the blocks of each sequence's read and write units,
+    checked like a block table (the null unit of a fresh read and padding: all null)."""
+    out = np.zeros((2, max_seqs, pages_per_state), dtype=np.int64)
+    limit = num_blocks if num_blocks is not None else _MAX_BLOCKS
+    for which in range(2):
+        for i, seq in enumerate(seqs):
+            head = int(heads[which, i])
+            if not head:
+                continue
+            blocks = np.asarray(unit_blocks(head), dtype=np.int64).reshape(-1)
+            if len(blocks) != pages_per_state or ((blocks <= 0) | (blocks >= limit)).any():
+                raise BlockIdError(
+                    f"request {seq.request_id!r}, group {group}: the state unit of head {head} has blocks "
+                    f"{blocks.tolist()}, expected {pages_per_state} real blocks in [1, {limit})"
+                )
+            out[which, i] = blocks
+    return out
+
+
 def build_step_metadata(
     seqs: Sequence[ScheduledSeq],
     token_ids: Sequence[Sequence[int]],
@@ -380,6 +424,8 @@ def build_step_metadata(
     state_groups: Sequence[int] = (),
     num_states: int | None = None,
     group_layers: Sequence[Sequence[str]] = (),
+    unit_blocks: Callable[[int], Sequence[int]] | None = None,
+    pages_per_state: int = 0,
     device: jax.Device | jax.sharding.Sharding | None = None,
 ) -> StepMetadata:
     """Build one step's metadata in numpy and send it to ``device`` in one transfer.
@@ -400,6 +446,9 @@ def build_step_metadata(
     step), also one spanning processes: every process then passes the same steps.
     ``group_layers`` names each group's layers (``[g.layer_names for g in config.groups]``),
     which :meth:`StepMetadata.group_of` looks layers up in; empty: no layer map.
+    With states in the KV pages (``shared_pages``), ``pages_per_state`` > 0 and
+    ``unit_blocks`` maps a state's head block to all its blocks
+    (:meth:`jaxkv.manager.KVCacheManager.state_blocks`); each is checked against ``num_blocks``.
     """
     if not seqs:
         raise MetadataError("no sequences scheduled")
@@ -433,13 +482,21 @@ def build_step_metadata(
         raise MetadataError(f"state_groups {sorted(state_group_set)} are not all groups of {num_groups}")
     if num_states is not None:
         check_int("num_states", num_states, error=MetadataError)
+    if not is_int(pages_per_state) or pages_per_state < 0 or (pages_per_state > 0) != (unit_blocks is not None):
+        raise MetadataError(
+            f"pages_per_state={pages_per_state!r} must be an int >= 0, > 0 exactly when unit_blocks is given "
+            f"(got {unit_blocks!r})"
+        )
     tables: list[np.ndarray | None] = []
     states: dict[int, np.ndarray] = {}
+    units: dict[int, np.ndarray] = {}
     for g, block_size in enumerate(block_sizes):
         if g in state_group_set:
             limit = num_states if num_states is not None else num_blocks
             rows = [_block_table(seq, ids[g], block_size, g, limit) for seq, ids in zip(seqs, block_ids, strict=True)]
             states[g] = _state_rows(seqs, rows, block_size, g, max_seqs)
+            if unit_blocks is not None:
+                units[g] = _unit_blocks(seqs, states[g], unit_blocks, pages_per_state, num_blocks, g, max_seqs)
             tables.append(None)
             continue
         rows = [_block_table(seq, ids[g], block_size, g, num_blocks) for seq, ids in zip(seqs, block_ids, strict=True)]
@@ -449,7 +506,7 @@ def build_step_metadata(
             padded[i, : len(row)] = row
         tables.append(padded)
 
-    packing = _Packing(num_tokens, max_seqs, tuple(None if t is None else t.shape[1] for t in tables))
+    packing = _Packing(num_tokens, max_seqs, tuple(None if t is None else t.shape[1] for t in tables), pages_per_state)
     offsets = packing.offsets
     packed = np.zeros(offsets["_end"][0], dtype=np.int64)
 
@@ -472,6 +529,9 @@ def build_step_metadata(
             put(f"read{g}", read)
             put(f"write{g}", write)
             put(f"fresh{g}", fresh)
+            if g in units:
+                put(f"read_blocks{g}", units[g][0])
+                put(f"write_blocks{g}", units[g][1])
             continue
         block = table[seq_of_token, positions // block_size]
         null = block == 0

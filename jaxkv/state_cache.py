@@ -14,6 +14,11 @@ A step reads each sequence's state from one row and writes it to another
 (:class:`jaxkv.metadata.StateMetadata`): padding reads and writes row 0, whose content
 is never used. Reads and writes are pure functions; donate the cache to update it in
 place. Rows are checked on the host (:func:`jaxkv.metadata.build_step_metadata`).
+
+With the ``shared_pages`` layout the states have no rows of their own: they live in the
+KV pages (:mod:`jaxkv.state_pages`) and :class:`HybridCache` holds their layout instead.
+A model reads and writes a layer's state through :func:`read_layer_state` and
+:func:`write_layer_state`, which serve both places.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv.cache import KVCache, UnknownLayerError
 from jaxkv.errors import JaxkvError
+from jaxkv.metadata import StateMetadata
 from jaxkv.planner import KVCacheConfig
 from jaxkv.specs import MambaSpec, canonical_dtype
+from jaxkv.state_pages import StatePages, from_bytes, read_unit_states, to_bytes, write_unit_states
 
 
 class StateCacheError(JaxkvError, ValueError):
@@ -85,10 +92,11 @@ class StateCache:
 @dataclass(frozen=True)
 class HybridCache:
     """Everything a hybrid model's step reads and writes: the paged attention KV and the
-    recurrent state rows (one pytree, donated into the step as a whole)."""
+    recurrent state rows (one pytree, donated into the step as a whole); with shared
+    pages, the states' layout in the KV pages instead of rows."""
 
     kv: KVCache
-    states: StateCache
+    states: StateCache | StatePages
 
 
 def num_state_rows(config: KVCacheConfig) -> int:
@@ -111,14 +119,13 @@ def allocate_state_cache(config: KVCacheConfig, *, mesh: Mesh | None = None) -> 
     """Zero-filled state rows for every recurrent layer of ``config``, created on device.
 
     With a ``mesh`` the buffers are replicated over it (state is small next to the
-    attention KV; sharding it over heads is not done here). A ``shared_pages`` plan is
-    refused: its states live in the attention pages, which this device side does not
-    read yet (plan with ``state_layout="state_pool"`` to serve).
+    attention KV; sharding it over heads is not done here). A ``shared_pages`` plan has
+    no rows and is refused: its states live in the KV pages (:func:`jaxkv.state_pages.state_pages`).
     """
     if config.shared_states is not None:
         raise StateCacheError(
-            "state_layout='shared_pages' keeps states in the attention pages, which the device side does not "
-            "implement yet; plan with state_layout='state_pool' to serve this model"
+            "state_layout='shared_pages' keeps states in the KV pages, not in state rows: "
+            "lay them out with jaxkv.state_pages.state_pages"
         )
     layers = _recurrent_layers(config)
     rows = num_state_rows(config)
@@ -160,25 +167,10 @@ def row_nbytes(cache: StateCache) -> int:
     return sum(b.nbytes // b.shape[0] for b in cache.flat_buffers)
 
 
-def _as_bytes(x: jax.Array) -> jax.Array:
-    """``(n, ...)`` of any dtype -> ``(n, bytes)`` uint8, the same bits."""
-    flat = x.reshape(x.shape[0], -1)
-    if flat.dtype.itemsize > 1:
-        flat = jax.lax.bitcast_convert_type(flat, jnp.uint8)
-    return flat.reshape(x.shape[0], -1)
-
-
-def _from_bytes(data: jax.Array, like: jax.Array) -> jax.Array:
-    """Inverse of :func:`_as_bytes` for rows shaped and typed as ``like``'s."""
-    itemsize = like.dtype.itemsize
-    rows = data.reshape(data.shape[0], -1, itemsize) if itemsize > 1 else data
-    return jax.lax.bitcast_convert_type(rows, like.dtype).reshape((data.shape[0], *like.shape[1:]))
-
-
 def gather_rows(cache: StateCache, ids: jax.Array) -> jax.Array:
     """State rows ``ids`` of every layer as bytes, ``(n, row_nbytes)`` uint8: the staging
     format of the host tier (one row per host block, whatever the tensors' shapes and dtypes)."""
-    return jnp.concatenate([_as_bytes(b[ids]) for b in cache.flat_buffers], axis=1)
+    return jnp.concatenate([to_bytes(b[ids]) for b in cache.flat_buffers], axis=1)
 
 
 def scatter_rows(cache: StateCache, ids: jax.Array, data: jax.Array) -> StateCache:
@@ -187,7 +179,28 @@ def scatter_rows(cache: StateCache, ids: jax.Array, data: jax.Array) -> StateCac
     start = 0
     for b in cache.flat_buffers:
         width = b.nbytes // b.shape[0]
-        flat.append(b.at[ids].set(_from_bytes(data[:, start : start + width], b)))
+        flat.append(b.at[ids].set(from_bytes(data[:, start : start + width], b.shape[1:], b.dtype)))
         start += width
     rows = iter(flat)
     return cache.replace([[next(rows) for _ in layer] for layer in cache.buffers])
+
+
+def read_layer_state(cache: HybridCache, layer: str, meta: StateMetadata) -> tuple[jax.Array, ...]:
+    """``layer``'s state tensors each sequence of a step resumes from, ``(S, *shape)`` per
+    tensor: from its read row, or from the KV pages of its read unit with shared pages.
+    Fresh sequences (and padding) get zeros, whatever the row or unit holds."""
+    if isinstance(cache.states, StatePages):
+        values = read_unit_states(cache.kv, cache.states, layer, meta.read_blocks)
+    else:
+        values = read_states(cache.states, layer, meta.read_rows)
+    fresh = meta.fresh.astype(bool)
+    return tuple(jnp.where(fresh.reshape((-1,) + (1,) * (v.ndim - 1)), jnp.zeros((), v.dtype), v) for v in values)
+
+
+def write_layer_state(cache: HybridCache, layer: str, meta: StateMetadata, values: Sequence[jax.Array]) -> HybridCache:
+    """``cache`` with ``layer``'s state after the step, ``values`` (one ``(S, *shape)`` per
+    tensor), written to each sequence's write row, or its write unit's KV pages."""
+    if isinstance(cache.states, StatePages):
+        kv = write_unit_states(cache.kv, cache.states, layer, meta.write_blocks, values)
+        return dataclasses.replace(cache, kv=kv)
+    return dataclasses.replace(cache, states=write_states(cache.states, layer, meta.write_rows, values))

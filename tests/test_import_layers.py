@@ -31,7 +31,7 @@ HOST_CORE = [
     "cli",
     "plan",
 ]
-DEVICE_SIDE = ["jax_support", "cache", "state_cache", "metadata", "ops", "mesh", "pallas"]
+DEVICE_SIDE = ["jax_support", "cache", "state_pages", "state_cache", "metadata", "ops", "mesh", "pallas"]
 
 # The layer of each top-level name under jaxkv; a module may import its own layer and below.
 LAYERS = {

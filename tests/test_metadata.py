@@ -347,6 +347,62 @@ def test_state_rows_out_of_range_or_null_are_refused():
         build_step_metadata(seq, [[1]], [([1, 2], [4, 5])], (16, 16), BUCKETS, state_groups=(2,))
 
 
+UNITS = {3: [3, 9, 10], 6: [6, 11, 12], 7: [7, 13, 14]}
+"""Heads of state units of 3 blocks -> all their blocks (what KVCacheManager.state_blocks gives)."""
+
+
+def test_states_in_kv_pages_get_the_blocks_of_their_read_and_write_units():
+    seqs = [ScheduledSeq("dec", 48, 1), ScheduledSeq("new", 0, 5)]
+    block_ids = [([1, 2, 3, 4], [0, 0, 3, 7]), ([5], [6])]
+    md = build_step_metadata(
+        seqs,
+        [[1], [1, 2, 3, 4, 5]],
+        block_ids,
+        (16, 16),
+        BUCKETS,
+        num_blocks=16,
+        state_groups=(1,),
+        unit_blocks=UNITS.__getitem__,
+        pages_per_state=3,
+    )
+    state = md.groups[1]
+    assert np.asarray(state.read_rows).tolist() == [3, 0]
+    assert np.asarray(state.read_blocks).tolist() == [[3, 9, 10], [0, 0, 0]]  # a fresh read: the null unit
+    assert np.asarray(state.write_blocks).tolist() == [[7, 13, 14], [6, 11, 12]]
+    rows = build_step_metadata(seqs, [[1], [1, 2, 3, 4, 5]], block_ids, (16, 16), BUCKETS, state_groups=(1,))
+    assert np.asarray(rows.groups[1].read_blocks).shape == (2, 0)  # state rows: no unit
+
+
+@pytest.mark.parametrize(
+    ("units", "pages", "match"),
+    [
+        ({6: [6, 11]}, 3, r"head 6 has blocks \[6, 11\], expected 3 real blocks in \[1, 16\)"),
+        ({6: [6, 0, 12]}, 3, "expected 3 real blocks"),
+        ({6: [6, 11, 16]}, 3, "expected 3 real blocks"),
+    ],
+)
+def test_units_of_the_wrong_size_or_with_bad_blocks_are_refused(units, pages, match):
+    seq = [ScheduledSeq("new", 0, 5)]
+    with pytest.raises(BlockIdError, match=match):
+        build_step_metadata(
+            seq,
+            [[1] * 5],
+            [([5], [6])],
+            (16, 16),
+            BUCKETS,
+            num_blocks=16,
+            state_groups=(1,),
+            unit_blocks=units.__getitem__,
+            pages_per_state=pages,
+        )
+
+
+def test_units_and_their_size_come_together():
+    seq = [ScheduledSeq("new", 0, 5)]
+    with pytest.raises(MetadataError, match="pages_per_state=0 must be an int >= 0, > 0 exactly when unit_blocks"):
+        build_step_metadata(seq, [[1] * 5], [([5], [6])], (16, 16), BUCKETS, state_groups=(1,), unit_blocks=print)
+
+
 def test_each_layer_finds_its_own_group():
     seqs, tokens, block_ids = example()
     layers = [("local.0", "local.1"), ("global.0",)]

@@ -52,14 +52,18 @@ def test_served_logits_match_transformers_and_a_second_pass_hits_on_a_2_device_m
 
 
 @pytest.mark.slow
-def test_served_logits_match_transformers_under_preemption(tmp_path):
-    run = serve_against_transformers("qwen3_next", tmp_path, memory_bytes=1 << 18)
+@pytest.mark.parametrize(("state_layout", "memory_bytes"), [("shared_pages", 128 << 10), ("state_pool", 1 << 18)])
+def test_served_logits_match_transformers_under_preemption(tmp_path, state_layout, memory_bytes):
+    run = serve_against_transformers("qwen3_next", tmp_path, memory_bytes=memory_bytes, state_layout=state_layout)
     assert run["preemptions"] > 0 and run["max_abs_diff"] < ENGINE_ATOL
 
 
 @pytest.mark.slow
-def test_served_logits_match_transformers_through_the_host_tier(tmp_path):
-    run = serve_through_host("qwen3_next", tmp_path, memory_bytes=168 << 10, checkpoint_share=0.4)
+@pytest.mark.parametrize("state_layout", ["shared_pages", "state_pool"])
+def test_served_logits_match_transformers_through_the_host_tier(tmp_path, state_layout):
+    run = serve_through_host(
+        "qwen3_next", tmp_path, memory_bytes=168 << 10, state_layout=state_layout, checkpoint_share=0.4
+    )
     assert run["max_abs_diff"] < ENGINE_ATOL
     assert run["stats"].num_loaded_states > 0 and sum(run["cached"][4:]) > 0
 

@@ -7,7 +7,14 @@ from jaxkv import ops
 from jaxkv.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, plan_kv_cache
-from jaxkv.serving.engine import CacheAudit, Engine, EngineError, GenerationResult, resolve_head_dim_multiple
+from jaxkv.serving.engine import (
+    CacheAudit,
+    Engine,
+    EngineError,
+    GenerationResult,
+    resolve_head_dim_multiple,
+    state_plan,
+)
 
 MAX_MODEL_LEN = 256
 NEW_TOKENS = 10
@@ -217,11 +224,12 @@ def qwen3_next() -> tuple[TinyLM, list[list[int]]]:
 def recurrent_engine(
     model: TinyLM, state_layout: str, *, max_num_seqs: int = 4, layout: str = "cross_layer", **kwargs
 ) -> Engine:
-    """A 64-token step budget; the state pool sized for ``max_num_seqs`` live states + 1 MiB of checkpoints."""
+    """A 64-token step budget in 8 MiB (or ``memory_bytes``); the state pool sized for
+    ``max_num_seqs`` live states + 1 MiB of checkpoints."""
     pooled = state_layout == "state_pool"
     plan = plan_kv_cache(
         model.config.layer_specs(),
-        8 << 20,
+        kwargs.pop("memory_bytes", 8 << 20),
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=64,
         layout=layout,
@@ -233,7 +241,7 @@ def recurrent_engine(
 
 
 @pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
-@pytest.mark.parametrize("state_layout", ["state_pool", "attention_pages"])
+@pytest.mark.parametrize("state_layout", ["shared_pages", "state_pool", "attention_pages"])
 def test_a_recurrent_hybrid_gives_the_dense_tokens_with_caching_on_and_off(qwen3_next, state_layout, layout):
     model, dense = qwen3_next
     eng = recurrent_engine(model, state_layout, layout=layout)
@@ -244,7 +252,7 @@ def test_a_recurrent_hybrid_gives_the_dense_tokens_with_caching_on_and_off(qwen3
     )
     assert tokens(cached) == tokens(again) == tokens(uncached) == dense
     assert uncached.num_cached_prompt_tokens == 0
-    if state_layout == "state_pool":  # 16-token checkpoints: the duplicate prompt and the reruns hit
+    if state_layout != "attention_pages":  # 16-token checkpoints: the duplicate prompt and the reruns hit
         assert cached.num_cached_prompt_tokens >= 32 and again.prefix_hit_rate > 0.6
     assert eng.audit().device_blocks_leaked == 0
 
@@ -258,9 +266,22 @@ def test_a_recurrent_hybrid_short_of_state_slots_preempts_and_keeps_the_tokens(q
     assert eng.audit().device_blocks_leaked == 0
 
 
-def test_a_recurrent_hybrid_compiles_once_per_step_shape(qwen3_next):
+def test_a_recurrent_hybrid_short_of_shared_pages_preempts_and_keeps_the_tokens(qwen3_next):
+    """One memory of 24 blocks: a max_model_len request's 16 KV blocks and its 4-block state
+    fit, four running requests with their states and checkpoints do not."""
+    model, dense = qwen3_next
+    eng = recurrent_engine(model, "shared_pages", memory_bytes=24 * 32 << 10)
+    assert eng.manager.config.num_blocks == 24 and eng.manager.config.shared_states.pages_per_state == 4
+    result = eng.generate(workload(), NEW_TOKENS)
+    again = eng.generate(workload(), NEW_TOKENS)
+    assert result.num_preemptions > 0 and tokens(result) == tokens(again) == dense
+    assert eng.audit().device_blocks_leaked == 0
+
+
+@pytest.mark.parametrize("state_layout", ["shared_pages", "state_pool"])
+def test_a_recurrent_hybrid_compiles_once_per_step_shape(qwen3_next, state_layout):
     model, _ = qwen3_next
-    eng = recurrent_engine(model, "state_pool")
+    eng = recurrent_engine(model, state_layout)
     eng.generate(workload()[:2], 2)
     run = eng.generate(workload()[2:], 30)
     assert run.num_steps >= 30 and run.num_compilations == 0
@@ -332,6 +353,15 @@ def test_a_made_request_id_never_takes_a_callers(models):
 def test_hooks_that_are_not_hooks_are_refused(models, kwargs, match):
     with pytest.raises(EngineError, match=match):
         engine(models["tiny-llama"], **kwargs)
+
+
+def test_auto_keeps_a_hybrids_states_in_the_kv_pages_and_a_tensor_parallel_ones_in_a_pool():
+    specs = get_model_config("tiny-qwen3-next").layer_specs()
+    assert Engine.build("tiny-qwen3-next", memory_bytes=4 << 20, max_model_len=256).manager.config.shared_states
+    assert state_plan(specs, "auto", 4 << 20, 0.1, 4)["state_layout"] == "shared_pages"
+    assert state_plan(specs, "auto", 4 << 20, 0.1, 4, tensor_parallel=2)["state_layout"] == "state_pool"
+    llama = get_model_config("tiny-llama").layer_specs()
+    assert state_plan(llama, "auto", 4 << 20, 0.1, 4)["state_layout"] == "attention_pages"
 
 
 @pytest.mark.parametrize("share", [float("nan"), -0.1, 1.0, "0.1"])

@@ -180,7 +180,8 @@ def recurrent_engine(
 ) -> Engine:
     """A device pool that four ~250-token prompts served one at a time overflow, so blocks
     and checkpoints go out to an 8 MiB host tier: 32 attention blocks and 4 state rows
-    (2 live) with a state pool, 1.5 MiB of 32-token pages holding states under vLLM's rule."""
+    (2 live) with a state pool, 1.5 MiB of 32-token pages holding states under vLLM's rule,
+    1.5 MiB of 16-token blocks with states of 4 blocks each in one memory (shared pages)."""
     pooled = state_layout == "state_pool"
     plan = plan_kv_cache(
         model.config.layer_specs(),
@@ -204,7 +205,12 @@ def recurrent_engine(
         for store in STORE_POLICIES
         for fail_rate in (0.0, 0.5)
     ]
-    + [("state_pool", "on_eviction", 0.5, "per_layer"), ("attention_pages", STORE_POLICIES[0], 0.0, "per_layer")],
+    + [("shared_pages", store, 0.0, "cross_layer") for store in STORE_POLICIES]
+    + [
+        ("shared_pages", "on_eviction", 0.5, "cross_layer"),
+        ("state_pool", "on_eviction", 0.5, "per_layer"),
+        ("attention_pages", STORE_POLICIES[0], 0.0, "per_layer"),
+    ],
 )
 def test_recurrent_checkpoints_go_to_host_and_come_back_with_the_cold_tokens(
     qwen3_next, state_layout, store, fail_rate, layout

@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 from jaxkv.manager import KVCacheManager, Request
+from jaxkv.mesh import model_mesh
 from jaxkv.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.runner import ModelRunner, RunnerError, default_buckets
 from jaxkv.serving.scheduler import Scheduler
+from jaxkv.state_pages import SharedPagesError
 
 BUCKETS = Buckets((4, 64), (4,), (16,))
 
@@ -119,3 +121,15 @@ def test_a_model_must_be_served_and_planned_layer_for_layer(model):
     more = plan_kv_cache({**llama.layer_specs(), "extra": llama.layer_specs()["layers.0"]}, 1 << 20, max_model_len=64)
     with pytest.raises(RunnerError, match=r"the plan holds layers \['extra'\] that tiny-llama does not have"):
         ModelRunner(llama, more, BUCKETS)
+
+
+def test_states_in_kv_pages_need_the_owners_unit_blocks_and_a_mesh_that_keeps_pages_whole():
+    qwen = TinyLM(get_model_config("tiny-qwen3-next"), seed=0)
+    plan = plan_kv_cache(qwen.layer_specs(), 4 << 20, max_model_len=64, state_layout="shared_pages")
+    with pytest.raises(RunnerError, match=r"unit_blocks .* is needed exactly when states live in the KV pages"):
+        ModelRunner(qwen, plan, BUCKETS)
+    manager = KVCacheManager(plan)
+    runner = ModelRunner(qwen, plan, BUCKETS, unit_blocks=manager.state_blocks)
+    assert runner.state_places([0]) == [(0,)]  # a plain block is a unit of one
+    with pytest.raises(SharedPagesError, match="'model' of 2 devices"):
+        ModelRunner(qwen, plan, BUCKETS, mesh=model_mesh(2), unit_blocks=manager.state_blocks)

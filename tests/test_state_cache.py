@@ -70,7 +70,7 @@ def test_copy_states_copies_a_checkpoint_row_in_every_layer(impl):
         assert float(jnp.abs(state[1]).sum()) == 0
 
 
-def test_a_shared_pages_plan_is_refused_by_name_until_the_device_side_reads_it():
+def test_a_shared_pages_plan_has_no_state_rows_to_allocate():
     specs = {
         "attn": FullAttentionSpec(num_kv_heads=1, head_size=8),
         "m0": MambaSpec(shapes=((4,),), dtypes=("float32",)),

@@ -286,7 +286,7 @@ def serve() -> dict:
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         head_dim_multiple=resolve_head_dim_multiple(FLAGS.head_dim_multiple),
         tensor_parallel=num_devices,
-        **state_plan(specs, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs),
+        **state_plan(specs, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs, num_devices),
     )
     backend = jax.default_backend()
     devices = f" x {num_devices} devices" if mesh is not None else ""

@@ -24,6 +24,7 @@ transformers skips them too).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,7 +40,7 @@ from jaxkv.models.delta_net import seq_of_token
 from jaxkv.models.layers import AttentionShape, UnsupportedConfigError
 from jaxkv.models.llama import COLUMN, REPLICATED, ROW, Params
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
-from jaxkv.state_cache import HybridCache, read_states, write_states
+from jaxkv.state_cache import HybridCache, read_layer_state, write_layer_state
 
 Mixer = Callable[[int, jax.Array], jax.Array]
 """``mix(block_index, normed_x) -> out``: a block's Mamba-2 or attention mixer, dense or against the cache."""
@@ -278,30 +279,29 @@ class NemotronH:
         """Float32 logits ``(S, vocab)`` at ``meta.logits_indices`` of a ragged batch and the
         updated cache: attention through the paged KV cache, each Mamba-2 block resuming
         every sequence from its state rows (``meta.states_of(layer)``)."""
-        state: dict[str, Any] = {"kv": cache.kv, "states": cache.states}
+        state = {"cache": cache}
         owner = seq_of_token(meta.cu_q_lens, meta.num_seqs, meta.input_ids.shape[0])
 
         def attend(index: int, x: jax.Array) -> jax.Array:
             name = self.layer_name(index)
             q, k, v = self._attention_inputs(params, index, x)
-            kv: KVCache = ops.write_kv(state["kv"], name, k, v, meta, impl=impl)
-            state["kv"] = kv
+            kv: KVCache = ops.write_kv(state["cache"].kv, name, k, v, meta, impl=impl)
+            state["cache"] = dataclasses.replace(state["cache"], kv=kv)
             out = ops.paged_attention(q, kv, name, meta, sm_scale=self.attention.sm_scale, impl=impl)
             return layers.output(out, params, f"{name}.mixer")
 
         def recur(index: int, x: jax.Array) -> jax.Array:
             name = self.layer_name(index)
             rows = meta.states_of(name)
-            conv, ssm = read_states(state["states"], name, rows.read_rows)
-            fresh = rows.fresh.astype(bool)
-            conv = jnp.where(fresh[:, None, None], 0, conv.swapaxes(1, 2))
-            ssm = jnp.where(fresh[:, None, None, None], 0, ssm)
-            out, conv, ssm = mamba2.ragged_mixer(self._mamba_params(params, index), x, owner, conv, ssm, self.mamba)
-            state["states"] = write_states(state["states"], name, rows.write_rows, (conv.swapaxes(1, 2), ssm))
+            conv, ssm = read_layer_state(state["cache"], name, rows)
+            out, conv, ssm = mamba2.ragged_mixer(
+                self._mamba_params(params, index), x, owner, conv.swapaxes(1, 2), ssm, self.mamba
+            )
+            state["cache"] = write_layer_state(state["cache"], name, rows, (conv.swapaxes(1, 2), ssm))
             return out
 
         x = self._blocks(params, params["backbone.embeddings.weight"][meta.input_ids], attend, recur)
-        return self.logits(params, x[meta.logits_indices]), HybridCache(state["kv"], state["states"])
+        return self.logits(params, x[meta.logits_indices]), state["cache"]
 
 
 def _mlp_shapes(prefix: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:

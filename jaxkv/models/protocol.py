@@ -9,9 +9,10 @@ device, builds each step's :class:`~jaxkv.metadata.StepMetadata` and jits
 
 Inside ``forward`` an attention layer calls :func:`jaxkv.ops.write_kv` and
 :func:`jaxkv.ops.paged_attention` with its own name: the cache supplies its window and
-the metadata its block table. A recurrent layer reads and writes its state rows with
-:func:`jaxkv.state_cache.read_states` / :func:`~jaxkv.state_cache.write_states` at the
-rows of ``meta.states_of(layer)`` (a :class:`~jaxkv.metadata.StateMetadata`).
+the metadata its block table. A recurrent layer reads and writes its state with
+:func:`jaxkv.state_cache.read_layer_state` / :func:`~jaxkv.state_cache.write_layer_state`
+over the cache and ``meta.states_of(layer)`` (a :class:`~jaxkv.metadata.StateMetadata`),
+whichever place the plan gave the states (state rows or KV pages).
 
 Optional (a :class:`DenseModel`): ``dense(params, tokens (B, L)) -> logits (B, L, vocab)``, a forward
 without a cache that scripts use as an oracle when a model has it.

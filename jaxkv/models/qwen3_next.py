@@ -25,6 +25,7 @@ Not built: the multi-token-prediction head (``mtp.*`` tensors; transformers skip
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -41,7 +42,7 @@ from jaxkv.models.delta_net import dense_delta_net, ragged_delta_net, seq_of_tok
 from jaxkv.models.layers import AttentionShape, Rope, UnsupportedConfigError
 from jaxkv.models.llama import COLUMN, REPLICATED, ROW, Params
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
-from jaxkv.state_cache import HybridCache, read_states, write_states
+from jaxkv.state_cache import HybridCache, read_layer_state, write_layer_state
 
 Mixer = Callable[[int, jax.Array], jax.Array]
 """``mix(layer_index, normed_x) -> out``: a layer's token mixer, dense or against the cache."""
@@ -315,24 +316,21 @@ class Qwen3Next:
         """Float32 logits ``(S, vocab)`` at ``meta.logits_indices`` of a ragged batch and the
         updated cache: attention through the paged KV cache, each Gated DeltaNet resuming
         every sequence from its state rows (``meta.states_of(layer)``)."""
-        state: dict[str, Any] = {"kv": cache.kv, "states": cache.states}
+        state = {"cache": cache}
         owner = seq_of_token(meta.cu_q_lens, meta.num_seqs, meta.input_ids.shape[0])
 
         def attend(index: int, x: jax.Array) -> jax.Array:
             name, p = self.layer_name(index), f"{self.layer_name(index)}.self_attn"
             q, k, v, gate = self._attention_inputs(params, p, x, meta.positions)
-            kv: KVCache = ops.write_kv(state["kv"], name, k, v, meta, impl=impl)
-            state["kv"] = kv
+            kv: KVCache = ops.write_kv(state["cache"].kv, name, k, v, meta, impl=impl)
+            state["cache"] = dataclasses.replace(state["cache"], kv=kv)
             out = ops.paged_attention(q, kv, name, meta, sm_scale=self.attention.sm_scale, impl=impl)
             return self._attention_output(params, p, out, gate)
 
         def recur(index: int, x: jax.Array) -> jax.Array:
             name, p = self.layer_name(index), f"{self.layer_name(index)}.linear_attn"
             rows = meta.states_of(name)
-            conv, recurrent = read_states(state["states"], name, rows.read_rows)
-            fresh = rows.fresh.astype(bool)
-            conv = jnp.where(fresh[:, None, None], 0, conv.swapaxes(1, 2))
-            recurrent = jnp.where(fresh[:, None, None, None], 0, recurrent)
+            conv, recurrent = read_layer_state(state["cache"], name, rows)
             mixed, decay, beta, z, conv_weight = self._delta_inputs(params, p, x)
             out, conv, recurrent = ragged_delta_net(
                 mixed,
@@ -340,17 +338,17 @@ class Qwen3Next:
                 beta,
                 conv_weight,
                 owner,
-                conv,
+                conv.swapaxes(1, 2),
                 recurrent,
                 self.key_heads,
                 self.key_dim,
                 num_value_heads=self.value_heads,
             )
-            state["states"] = write_states(state["states"], name, rows.write_rows, (conv.swapaxes(1, 2), recurrent))
+            state["cache"] = write_layer_state(state["cache"], name, rows, (conv.swapaxes(1, 2), recurrent))
             return self._delta_output(params, p, out, z)
 
         x = self._layers(params, params["model.embed_tokens.weight"][meta.input_ids], attend, recur)
-        return self.logits(params, x[meta.logits_indices]), HybridCache(state["kv"], state["states"])
+        return self.logits(params, x[meta.logits_indices]), state["cache"]
 
 
 def _mlp_shapes(prefix: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:

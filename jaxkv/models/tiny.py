@@ -9,9 +9,9 @@ Three architectures, all small enough to serve on a CPU in seconds:
   are exactly the ``tiny-hybrid`` preset.
 - ``tiny-qwen3-next``: Qwen3-Next-like: Gated DeltaNet (linear attention,
   :mod:`jaxkv.models.delta_net`) : full attention = 3 : 1, QK-norm. Its recurrent
-  layers keep their state in a :class:`~jaxkv.state_cache.StateCache`; the step reads
-  and writes the rows :class:`~jaxkv.metadata.StateMetadata` names, the cache being a
-  :class:`~jaxkv.state_cache.HybridCache`.
+  layers keep their state in a :class:`~jaxkv.state_cache.HybridCache` (state rows, or
+  units of KV pages with ``shared_pages``); the step reads and writes where
+  :class:`~jaxkv.metadata.StateMetadata` says.
 
 Every model has two forwards over the same weights:
 
@@ -58,7 +58,7 @@ from jaxkv.metadata import StepMetadata
 from jaxkv.models.delta_net import dense_delta_net, ragged_delta_net, seq_of_token
 from jaxkv.models.protocol import DenseModel
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
-from jaxkv.state_cache import HybridCache, StateCache, read_states, write_states
+from jaxkv.state_cache import HybridCache, read_layer_state, write_layer_state
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 """The mesh axis name in the weights' sharding annotations (a runner maps it to its mesh's axis)."""
@@ -406,21 +406,18 @@ class GatedDeltaNet(nnx.Module):
         out = self.out_norm(out.astype(x.dtype)) * jax.nn.silu(gate)
         return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
-    def paged(self, x: jax.Array, states: StateCache, meta: StepMetadata) -> tuple[jax.Array, StateCache]:
-        """``x (T, hidden)`` of a ragged batch: each sequence resumes from its state row
-        (zeros when fresh) and its state after the step goes to its write row."""
+    def paged(self, x: jax.Array, cache: HybridCache, meta: StepMetadata) -> tuple[jax.Array, HybridCache]:
+        """``x (T, hidden)`` of a ragged batch: each sequence resumes from its state (zeros
+        when fresh) and its state after the step is written where it goes (a row or a unit)."""
         group = meta.states_of(self.name)
-        conv, state = read_states(states, self.name, group.read_rows)
-        fresh = group.fresh.astype(bool)
-        conv = jnp.where(fresh[:, None, None], 0, conv)
-        state = jnp.where(fresh[:, None, None, None], 0, state)
+        conv, state = read_layer_state(cache, self.name, group)
         decay, beta = self._gates(x)
         owner = seq_of_token(meta.cu_q_lens, meta.num_seqs, x.shape[0])
         out, conv, state = ragged_delta_net(
             self.qkv_proj(x), decay, beta, self.conv_weight[...], owner, conv, state, self.num_heads, self.key_dim
         )
-        states = write_states(states, self.name, group.write_rows, (conv, state))
-        return self._output(x, out), states
+        cache = write_layer_state(cache, self.name, group, (conv, state))
+        return self._output(x, out), cache
 
     def dense(self, x: jax.Array) -> jax.Array:
         """``x (B, L, hidden)`` of whole sequences from zero state."""
@@ -476,11 +473,11 @@ class DecoderLayer(nnx.Module):
         out, cache = self.attn.paged(self.attn_norm(x), cache, meta, impl)
         return self._mlp_block(self._residual(x, out, self.post_attn_norm)), cache
 
-    def recurrent(self, x: jax.Array, states: StateCache, meta: StepMetadata) -> tuple[jax.Array, StateCache]:
+    def recurrent(self, x: jax.Array, cache: HybridCache, meta: StepMetadata) -> tuple[jax.Array, HybridCache]:
         if self.delta is None:
-            raise ModelConfigError(f"attention layer {self.mixer.name!r} has no state rows")
-        out, states = self.delta.paged(self.attn_norm(x), states, meta)
-        return self._mlp_block(self._residual(x, out, self.post_attn_norm)), states
+            raise ModelConfigError(f"attention layer {self.mixer.name!r} has no recurrent state")
+        out, cache = self.delta.paged(self.attn_norm(x), cache, meta)
+        return self._mlp_block(self._residual(x, out, self.post_attn_norm)), cache
 
     def _mlp_block(self, x: jax.Array) -> jax.Array:
         return self._residual(x, self.mlp(self.mlp_norm(x)), self.post_mlp_norm)
@@ -564,16 +561,17 @@ class TinyLM(nnx.Module):
         """
         if isinstance(cache, HybridCache) and not (self.config.recurrent and any(self.config.recurrent)):
             raise ModelConfigError(f"a model without recurrent layers got a {type(cache).__name__}")
-        kv, states = (cache.kv, cache.states) if isinstance(cache, HybridCache) else (cache, None)
         x = self._embed(meta.input_ids)
         for layer in self.layers:
             if layer.delta is None:
+                kv = cache.kv if isinstance(cache, HybridCache) else cache
                 x, kv = layer.paged(x, kv, meta, impl)
-            elif states is None:
+                cache = dataclasses.replace(cache, kv=kv) if isinstance(cache, HybridCache) else kv
+            elif not isinstance(cache, HybridCache):
                 raise ModelConfigError(f"a model with recurrent layers got a {type(cache).__name__}")
             else:
-                x, states = layer.recurrent(x, states, meta)
-        return self._logits(x[meta.logits_indices]), kv if states is None else HybridCache(kv, states)
+                x, cache = layer.recurrent(x, cache, meta)
+        return self._logits(x[meta.logits_indices]), cache
 
     def dense_forward(self, tokens: jax.Array) -> jax.Array:
         """Logits ``(B, L, vocab)`` of whole sequences ``tokens (B, L)`` by this module's weights."""

@@ -43,6 +43,7 @@ from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
 from jaxkv.state_cache import StateCache, row_nbytes
+from jaxkv.state_pages import StateUnits
 
 MEMORY_KINDS = ("pinned_host", "numpy")
 
@@ -63,10 +64,13 @@ def block_shape(cache: KVCache) -> tuple[int, ...]:
     return (cache.num_layers_per_block, cache.block_size, 2 * cache.num_kv_heads, cache.head_dim)
 
 
-def row_format(cache: KVCache | StateCache) -> tuple[tuple[int, ...], jnp.dtype]:
-    """Shape and dtype of one host block of ``cache``: a whole KV block, or a state row's bytes."""
+def row_format(cache: KVCache | StateCache | StateUnits) -> tuple[tuple[int, ...], jnp.dtype]:
+    """Shape and dtype of one host block of ``cache``: a whole KV block, or a state's bytes
+    (a state row's, or a state kept in KV pages)."""
     if isinstance(cache, StateCache):
         return (row_nbytes(cache),), jnp.dtype(jnp.uint8)
+    if isinstance(cache, StateUnits):
+        return (cache.pages.state_bytes,), jnp.dtype(jnp.uint8)
     return block_shape(cache), cache.dtype
 
 
@@ -75,7 +79,7 @@ def block_nbytes(cache: KVCache) -> int:
     return int(np.prod(block_shape(cache))) * cache.dtype.itemsize
 
 
-def row_sharding(cache: KVCache | StateCache) -> Sharding:
+def row_sharding(cache: KVCache | StateCache | StateUnits) -> Sharding:
     """How staged rows of ``cache`` ``(n, *row shape)`` are split: a KV block's head axis as
     the cache's is, state rows replicated over the cache's mesh; a cache on one device
     stages on that device."""
@@ -83,7 +87,7 @@ def row_sharding(cache: KVCache | StateCache) -> Sharding:
     sharding = buffer.sharding
     if not isinstance(sharding, NamedSharding):
         return SingleDeviceSharding(next(iter(buffer.devices())))
-    if isinstance(cache, StateCache):
+    if isinstance(cache, (StateCache, StateUnits)):
         return NamedSharding(sharding.mesh, PartitionSpec())
     spec = tuple(sharding.spec) + (None,) * (buffer.ndim - len(sharding.spec))
     ndim = 1 + len(block_shape(cache))
@@ -256,7 +260,7 @@ class HostKVBuffers:
 
     @classmethod
     def for_cache(
-        cls, cache: KVCache | StateCache, byte_budget: int, *, memory_kind: str | None = None
+        cls, cache: KVCache | StateCache | StateUnits, byte_budget: int, *, memory_kind: str | None = None
     ) -> HostKVBuffers:
         """A pool of as many whole blocks (or state rows) of ``cache`` as fit in ``byte_budget``
         bytes (counting whole blocks: a process holding some of the shards uses less)."""

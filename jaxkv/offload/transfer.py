@@ -41,6 +41,10 @@ from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
 from jaxkv.offload.host_buffers import HostBuffersError, HostKVBuffers, array_is_ready, row_format
 from jaxkv.pool import NULL_BLOCK
 from jaxkv.state_cache import StateCache, gather_rows, scatter_rows
+from jaxkv.state_pages import StateUnits, gather_units, scatter_units
+
+DeviceCache = KVCache | StateCache | StateUnits
+"""What a transfer engine moves rows of: KV blocks, state rows, or states in KV pages."""
 
 FailureHook = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """``(device_block_ids, host_blocks) -> bool mask`` of the rows to fail (injection)."""
@@ -86,7 +90,8 @@ class TransferResult:
 
 
 def _pad(values: np.ndarray, size: int, fill: int) -> np.ndarray:
-    out = np.full(size, fill, np.int32)
+    """``values`` padded to ``size`` rows of ``fill`` (rows: ints, or a unit's blocks)."""
+    out = np.full((size, *values.shape[1:]), fill, np.int32)
     out[: len(values)] = values
     return out
 
@@ -109,17 +114,21 @@ class TransferEngine:
         self._gather = jax.jit(self._gather_fn, out_shardings=buffers.sharding)
         self._scatters: dict[object, jax.stages.Wrapped] = {}
 
-    def _gather_fn(self, cache: KVCache | StateCache, ids: jax.Array) -> jax.Array:
+    def _gather_fn(self, cache: DeviceCache, ids: jax.Array) -> jax.Array:
         self.num_traces += 1
+        if isinstance(cache, StateUnits):
+            return gather_units(cache, ids)
         return gather_rows(cache, ids) if isinstance(cache, StateCache) else ops.gather_blocks(cache, ids)
 
-    def _scatter_fn(self, cache: KVCache | StateCache, ids: jax.Array, data: jax.Array) -> KVCache | StateCache:
+    def _scatter_fn(self, cache: DeviceCache, ids: jax.Array, data: jax.Array) -> DeviceCache:
         self.num_traces += 1
+        if isinstance(cache, StateUnits):
+            return scatter_units(cache, ids, data)
         if isinstance(cache, StateCache):
             return scatter_rows(cache, ids, data)
         return ops.scatter_blocks(cache, ids, data)
 
-    def _scatter(self, cache: KVCache | StateCache, ids: jax.Array, data: jax.Array) -> KVCache | StateCache:
+    def _scatter(self, cache: DeviceCache, ids: jax.Array, data: jax.Array) -> DeviceCache:
         """The jitted scatter, its output sharded as ``cache`` is (a tensor-parallel step
         takes the cache with exactly the shardings it was compiled for)."""
         shardings = jax.tree.map(lambda buffer: buffer.sharding, cache)
@@ -131,7 +140,7 @@ class TransferEngine:
 
     # -------------------------------------------------------------- checks
     def _check(
-        self, cache: KVCache | StateCache, block_ids: Sequence[int], host_blocks: Sequence[int]
+        self, cache: DeviceCache, block_ids: Sequence[int | Sequence[int]], host_blocks: Sequence[int]
     ) -> tuple[np.ndarray, np.ndarray]:
         self._owner.check()
         shape, dtype = row_format(cache)
@@ -140,7 +149,11 @@ class TransferEngine:
                 f"cache blocks {shape} {dtype} do not match the host buffers' "
                 f"{self.buffers.block_shape} {self.buffers.dtype}"
             )
-        ids = np.asarray(block_ids, np.int64).reshape(-1)
+        width = cache.pages.pages_per_state if isinstance(cache, StateUnits) else None
+        ids = np.asarray(block_ids, np.int64).reshape(-1) if width is None else np.asarray(block_ids, np.int64)
+        if width is not None and (ids.ndim != 2 or ids.shape[1] != width) and ids.size:
+            raise TransferError(f"a state in KV pages is addressed by its unit's {width} blocks, got {block_ids!r}")
+        ids = ids.reshape(-1) if width is None else ids.reshape(-1, width)
         hosts = np.asarray(host_blocks, np.int64).reshape(-1)
         if len(ids) != len(hosts):
             raise TransferError(f"{len(ids)} block ids but {len(hosts)} host blocks")
@@ -160,11 +173,12 @@ class TransferEngine:
 
     @staticmethod
     def _injected(hook: FailureHook | None, ids: np.ndarray, host_blocks: np.ndarray) -> np.ndarray:
+        """The hook's mask; it sees one id per row (a unit's head block for states in KV pages)."""
         if hook is None or not len(ids):
             return np.zeros(len(ids), bool)
-        return np.asarray(hook(ids, host_blocks), bool).reshape(len(ids))
+        return np.asarray(hook(ids.reshape(len(ids), -1)[:, 0], host_blocks), bool).reshape(len(ids))
 
-    def warm_up(self, cache: KVCache | StateCache, max_blocks: int) -> KVCache | StateCache:
+    def warm_up(self, cache: DeviceCache, max_blocks: int) -> DeviceCache:
         """Compile every bucket up to ``max_blocks`` rows now, not during serving; returns the cache.
 
         Each bucket moves the null block through the scratch host block and back: only
@@ -173,7 +187,7 @@ class TransferEngine:
         check_int("max_blocks", max_blocks, minimum=1, error=TransferError)
         size = 1
         while True:
-            ids = jnp.zeros(size, jnp.int32)
+            ids = jnp.zeros((size, cache.pages.pages_per_state) if isinstance(cache, StateUnits) else size, jnp.int32)
             staged = self._gather(cache, ids)
             if self.buffers.memory_kind == "pinned_host":
                 self.buffers.write(np.zeros(size, np.int32), staged)
@@ -184,7 +198,9 @@ class TransferEngine:
             size *= 2
 
     # ------------------------------------------------------------ transfers
-    def store(self, cache: KVCache | StateCache, block_ids: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
+    def store(
+        self, cache: DeviceCache, block_ids: Sequence[int | Sequence[int]], host_blocks: Sequence[int]
+    ) -> Transfer:
         """Copy device blocks ``block_ids[i]`` into host blocks ``host_blocks[i]``.
 
         The cache is only read. Reuse a source device block only once
@@ -206,8 +222,8 @@ class TransferEngine:
         return Transfer("store", targets, generations, injected, staged)
 
     def load(
-        self, cache: KVCache | StateCache, block_ids: Sequence[int], host_blocks: Sequence[int]
-    ) -> tuple[KVCache | StateCache, Transfer]:
+        self, cache: DeviceCache, block_ids: Sequence[int | Sequence[int]], host_blocks: Sequence[int]
+    ) -> tuple[DeviceCache, Transfer]:
         """Copy host blocks ``host_blocks[i]`` into device blocks ``block_ids[i]``.
 
         The cache is donated; use the returned one. Rows that fail (injected) are not
@@ -217,7 +233,7 @@ class TransferEngine:
         """
         ids, hosts = self._check(cache, block_ids, host_blocks)
         injected = self._injected(self.fail_load, ids, hosts)
-        ids = np.where(injected, NULL_BLOCK, ids)
+        ids = np.where(injected.reshape(-1, *(1,) * (ids.ndim - 1)), NULL_BLOCK, ids)
         hosts = np.where(injected, SCRATCH_HOST_BLOCK, hosts)
         staged = None
         if len(ids):

@@ -31,12 +31,19 @@ from jaxkv.mesh import MODEL_AXIS, mesh_axis_size
 from jaxkv.metadata import Buckets
 from jaxkv.models.protocol import ServedModel
 from jaxkv.models.tiny import TinyLM, get_model_config
-from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, Layout, StateLayout, plan_kv_cache
+from jaxkv.planner import (
+    TPU_HEAD_DIM_MULTIPLE,
+    KVCacheConfig,
+    Layout,
+    StateLayout,
+    default_state_layout,
+    plan_kv_cache,
+)
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
 from jaxkv.serving.scheduler import Scheduler, SchedulerOutput, SeqState, check_positive_int
 from jaxkv.serving.stats import EngineStats
-from jaxkv.specs import KVCacheSpec, MambaSpec
+from jaxkv.specs import KVCacheSpec
 
 if TYPE_CHECKING:
     from jaxkv.serving.kv_events import KVEventPublisher
@@ -71,18 +78,23 @@ def state_plan(
     memory_bytes: int,
     checkpoint_share: float,
     max_num_seqs: int,
+    tensor_parallel: int = 1,
 ) -> StatePlan:
     """The planner's recurrent-state arguments for a model of ``layer_specs`` (keyword
-    arguments of :func:`~jaxkv.planner.plan_kv_cache`). ``state_layout`` "auto" is the
-    state pool for a model with recurrent layers, else vLLM's ``attention_pages``; the
-    state pool gets ``max_num_seqs`` live states and ``checkpoint_share`` of the memory
-    for checkpoints."""
+    arguments of :func:`~jaxkv.planner.plan_kv_cache`). ``state_layout`` "auto" is one
+    memory (``shared_pages``: states are pages of the KV block pool) for a model with
+    recurrent and attention layers, the state pool for one with recurrent layers alone or
+    split over ``tensor_parallel`` > 1 devices (its KV pages are split over heads, a
+    state is not), else vLLM's ``attention_pages``. Only the state pool has a static
+    split: ``max_num_seqs`` live states and ``checkpoint_share`` of the memory for
+    checkpoints (other layouts ignore the share)."""
     share = checkpoint_share
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:  # NaN fails too
         raise EngineError(f"checkpoint_share must be a number in [0, 1), got {checkpoint_share!r}")
     if state_layout == "auto":
-        recurrent = any(isinstance(spec, MambaSpec) for spec in layer_specs.values())
-        state_layout = "state_pool" if recurrent else "attention_pages"
+        state_layout = default_state_layout(layer_specs)
+        if state_layout == "shared_pages" and tensor_parallel > 1:
+            state_layout = "state_pool"
     if state_layout != "state_pool":
         return {"state_layout": state_layout}
     return {
@@ -133,7 +145,7 @@ def plan_for_model(
         max_num_batched_tokens=max_num_batched_tokens,
         head_dim_multiple=resolve_head_dim_multiple(head_dim_multiple),
         tensor_parallel=tensor_parallel,
-        **state_plan(specs, state_layout, memory_bytes, checkpoint_share, max_num_seqs),
+        **state_plan(specs, state_layout, memory_bytes, checkpoint_share, max_num_seqs, tensor_parallel),
     )
 
 
@@ -325,7 +337,8 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = budget
         buckets = buckets if buckets is not None else default_buckets(kv_config, max_num_seqs, budget)
-        self.runner = ModelRunner(model, kv_config, buckets, mesh=mesh, model_axis=model_axis)
+        unit_blocks = self.manager.state_blocks if kv_config.shared_states is not None else None
+        self.runner = ModelRunner(model, kv_config, buckets, mesh=mesh, model_axis=model_axis, unit_blocks=unit_blocks)
         self.connector = OffloadConnector.create(self.manager, self.runner, offload) if offload else None
         self._ids = itertools.count()
         self._owner = OwnerThread("Engine")

@@ -38,8 +38,10 @@ Recurrent state has a tier of its own: state checkpoints are keyed like attentio
 blocks (chained hash, group) in a second catalog and host buffers of state rows, stored
 as their blocks are reused (or once cached, write-through) and loaded on admission
 into the request's running row: a host hit needs, at its end, a state checkpoint on
-host as well as every attention block before it. Both state layouts: the rows are
-state-pool slots, or (vLLM's rule) the recurrent group's block ids.
+host as well as every attention block before it. Every state layout: the rows are
+state-pool slots, (vLLM's rule) the recurrent group's block ids, or, with shared pages,
+a state's unit of KV blocks (host rows of ``state_bytes``; a reused unit's blocks are
+read in the reuse listener, while the unit stands).
 
 Device order makes the early gather enough: it reads the blocks before any later
 write to the (donated) cache, so a device block can be reused as soon as its store is
@@ -53,6 +55,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -63,7 +66,7 @@ from jaxkv.offload.catalog import OffloadEvent, OffloadingManager, OffloadKey, P
 from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.host_buffers import HostKVBuffers
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
-from jaxkv.serving.runner import ModelRunner
+from jaxkv.serving.runner import DevicePlace, ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
 
 _log = logging.getLogger(__name__)
@@ -185,7 +188,7 @@ class OffloadConnector:
         self._tiers = [attention] if states is None else [attention, _Tier(*states, states=True)]
         self._tier_of = [self._tiers[-1] if g in recurrent else attention for g in range(len(manager.block_sizes))]
         self._pending: list[_PendingStore] = []
-        self._reused: dict[OffloadKey, int] = {}
+        self._reused: dict[OffloadKey, DevicePlace] = {}
         if store == "on_eviction":
             manager.add_reuse_listener(self._on_reuse)
 
@@ -198,7 +201,7 @@ class OffloadConnector:
         if manager.recurrent_group_ids():
             state_bytes = config.state_host_bytes
             if state_bytes is None:
-                device_states = runner.cache.states.nbytes  # type: ignore[union-attr]  # recurrent: a HybridCache
+                device_states = runner.state_nbytes()
                 state_bytes = host_bytes * device_states // (device_states + runner.kv_cache.nbytes)
             pool = runner.state_host_buffers(state_bytes, memory_kind=config.memory_kind)
             states = cls._tier_parts(pool, config, manager.enable_events)
@@ -299,15 +302,20 @@ class OffloadConnector:
         try:
             self._store_reused()  # the fresh blocks may be reused ones: read them before the load
             table = self.manager.get_block_ids(request.request_id)
-            device: dict[OffloadKey, int] = {}
+            device: dict[OffloadKey, DevicePlace] = {}
             for g, blocks in enumerate(table):
                 for i in self.manager.needed_blocks(g, host.start, host.end):
-                    device[host.keys[len(device)]] = blocks[-1] if self._tier_of[g].states else blocks[i]
+                    device[host.keys[len(device)]] = self._place(
+                        g, blocks[-1] if self._tier_of[g].states else blocks[i]
+                    )
             failed = False
             for tier, keys in self._split(host.keys):
                 if keys:
-                    load = self.runner.load_states if tier.states else self.runner.load_blocks
-                    transfer = load(tier.transfers, [device[k] for k in keys], [host_blocks[k] for k in keys])
+                    places, hosts = [device[k] for k in keys], [host_blocks[k] for k in keys]
+                    if tier.states:
+                        transfer = self.runner.load_states(tier.transfers, places, hosts)
+                    else:
+                        transfer = self.runner.load_blocks(tier.transfers, cast(list[int], places), hosts)
                     result = tier.transfers.poll(transfer)
                     assert result is not None  # a load's result is known at issue
                     failed |= bool(result.failed)
@@ -335,8 +343,15 @@ class OffloadConnector:
         mgr.free(request)
 
     # -------------------------------------------------------------- stores
+    def _place(self, group: int, block_id: int) -> DevicePlace:
+        """Where a group's block is on device for a transfer: the block (or state row) itself,
+        or all blocks of a state's unit with shared pages (read while the unit stands)."""
+        return self.runner.state_places([block_id])[0] if self._tier_of[group].states else block_id
+
     def _on_reuse(self, block_id: int, block_hash: bytes, group: int) -> None:
-        self._reused.setdefault((block_hash, group), block_id)  # the first block holds computed KV
+        key = (block_hash, group)
+        if key not in self._reused:  # the first block holds computed KV
+            self._reused[key] = self._place(group, block_id)
 
     def before_step(self) -> None:
         """Store the blocks the schedule took back from the prefix cache (call before the step)."""
@@ -347,7 +362,7 @@ class OffloadConnector:
         """Write-through: store the full blocks the step's chunks completed; settle done stores."""
         self._owner.check()
         if self.store_policy == "write_through":
-            block_of: dict[OffloadKey, int] = {}
+            block_of: dict[OffloadKey, DevicePlace] = {}
             for chunk in chunks:
                 hashes = self.manager.hashes_per_group(chunk.seq.request)
                 start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
@@ -355,7 +370,7 @@ class OffloadConnector:
                     states = self._tier_of[g].states  # a state row holds a checkpoint only once cached
                     for i in range(start // bs, end // bs):
                         if blocks[i] and (not states or self.manager.is_cached_as(g, blocks[i], hashes[g][i])):
-                            block_of.setdefault((hashes[g][i], g), blocks[i])
+                            block_of.setdefault((hashes[g][i], g), self._place(g, blocks[i]))
             self._store(block_of)
         self.finish_stores(wait=False)
 
@@ -367,13 +382,13 @@ class OffloadConnector:
         block_of, self._reused = self._reused, {}
         self._store(block_of)
 
-    def _store(self, block_of: dict[OffloadKey, int]) -> None:
+    def _store(self, block_of: dict[OffloadKey, DevicePlace]) -> None:
         """Issue one store per tier of device rows ``block_of[key]`` for the keys host lacks."""
         for tier, keys in self._split(list(block_of)):
             if keys:
                 self._store_tier(tier, keys, block_of)
 
-    def _store_tier(self, tier: _Tier, keys: list[OffloadKey], block_of: dict[OffloadKey, int]) -> None:
+    def _store_tier(self, tier: _Tier, keys: list[OffloadKey], block_of: dict[OffloadKey, DevicePlace]) -> None:
         plan = tier.offload.prepare_store(keys)
         if plan is None:
             self.stats.num_skipped_stores += len(keys)
@@ -383,9 +398,12 @@ class OffloadConnector:
         if not plan.keys_to_store:
             return
         tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
-        store = self.runner.store_states if tier.states else self.runner.store_blocks
+        places = [block_of[k] for k in plan.keys_to_store]
         try:
-            transfer = store(tier.transfers, [block_of[k] for k in plan.keys_to_store], plan.where)
+            if tier.states:
+                transfer = self.runner.store_states(tier.transfers, places, plan.where)
+            else:
+                transfer = self.runner.store_blocks(tier.transfers, cast(list[int], places), plan.where)
         except BaseException:
             self._settle(tier, plan.keys_to_store, (), plan.keys_to_store)
             raise

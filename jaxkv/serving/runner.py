@@ -3,7 +3,9 @@
 :class:`ModelRunner` runs any :class:`~jaxkv.models.protocol.ServedModel`: it owns the
 model's params and the device :class:`~jaxkv.cache.KVCache` (with a
 :class:`~jaxkv.state_cache.StateCache` beside it, as one
-:class:`~jaxkv.state_cache.HybridCache`, when the model has recurrent layers).
+:class:`~jaxkv.state_cache.HybridCache`, when the model has recurrent layers; with
+``shared_pages`` the states live in the KV pages and the HybridCache holds their layout,
+:mod:`jaxkv.state_pages`).
 Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.metadata`: one
 host-to-device transfer, shapes padded to :class:`~jaxkv.metadata.Buckets`) and calls
 one jitted step function ``(params, cache, metadata) -> (next_token_ids, cache)`` with
@@ -48,6 +50,11 @@ from jaxkv.planner import KVCacheConfig, pad_head_size
 from jaxkv.serving.scheduler import ScheduledChunk
 from jaxkv.specs import KVCacheSpec, MambaSpec
 from jaxkv.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
+from jaxkv.state_pages import StatePages, StateUnits, check_mesh, state_pages
+
+DevicePlace = int | tuple[int, ...]
+"""Where the host tier finds a block on device: its id (a KV block or a state row), or for a
+state kept in the KV pages (shared pages) all blocks of its unit."""
 
 
 class RunnerError(JaxkvError, ValueError):
@@ -161,14 +168,18 @@ def allocate_cache(
 ) -> KVCache | HybridCache:
     """The device cache a model planned by ``config`` reads: its KV pages (KV heads split
     over ``model_axis`` of ``mesh``), plus state rows (replicated) when the plan has
-    recurrent groups.
+    recurrent groups, or, with ``shared_pages``, the layout of the states kept in the KV
+    pages (refused on a mesh splitting them: :func:`jaxkv.state_pages.check_mesh`).
 
     Without a mesh the cache is committed to the default device, as the host tier's
     loads leave it (their staged blocks are placed on it): the step and the transfers
     then see one placement and compile once, not again after the first load."""
+    check_mesh(config, mesh, model_axis)
     kv = allocate_kv_cache(config, mesh=mesh, kv_axis=model_axis)
     cache: KVCache | HybridCache = kv
-    if any(isinstance(g.spec, MambaSpec) for g in config.groups):
+    if config.shared_states is not None:
+        cache = HybridCache(kv, state_pages(config, kv))
+    elif any(isinstance(g.spec, MambaSpec) for g in config.groups):
         cache = HybridCache(kv, allocate_state_cache(config, mesh=mesh))
     return cache if mesh is not None else jax.device_put(cache, jax.devices()[0], donate=True)
 
@@ -180,7 +191,9 @@ class ModelRunner:
     docstring); the model's ``num_kv_heads`` must be a multiple of the axis size
     (:class:`~jaxkv.cache.KVCacheShardingError` otherwise). ``num_compilations`` counts
     the step shapes this runner had to compile (shapes another runner of the same
-    architecture and shardings compiled before are reused).
+    architecture and shardings compiled before are reused). A ``shared_pages`` plan needs
+    ``unit_blocks``, the owner's map from a state's head block to all its blocks
+    (:meth:`jaxkv.manager.KVCacheManager.state_blocks`), to read states from the pages.
     """
 
     def __init__(
@@ -191,8 +204,15 @@ class ModelRunner:
         *,
         mesh: Mesh | None = None,
         model_axis: str = MODEL_AXIS,
+        unit_blocks: Callable[[int], Sequence[int]] | None = None,
     ) -> None:
         check_plan(model, config)
+        if (config.shared_states is not None) != (unit_blocks is not None):
+            raise RunnerError(
+                "unit_blocks (the blocks of a state's unit) is needed exactly when states live in the KV pages "
+                f"(state_layout='shared_pages'); shared_states={config.shared_states!r}, unit_blocks={unit_blocks!r}"
+            )
+        self.unit_blocks = unit_blocks
         self.model = model
         self.config = config
         self.buckets = buckets
@@ -224,6 +244,7 @@ class ModelRunner:
     def metadata(self, chunks: Sequence[ScheduledChunk]) -> StepMetadata:
         """The device metadata of one step's chunks (decodes first, as the scheduler orders them)."""
         seqs = [ScheduledSeq(c.seq.request_id, c.num_computed_tokens, c.num_new_tokens) for c in chunks]
+        shared = self.config.shared_states
         return build_step_metadata(
             seqs,
             [c.token_ids for c in chunks],
@@ -234,6 +255,8 @@ class ModelRunner:
             state_groups=self.state_groups,
             num_states=num_state_rows(self.config) if self.state_groups else None,
             group_layers=self.group_layers,
+            unit_blocks=self.unit_blocks,
+            pages_per_state=0 if shared is None else shared.pages_per_state,
             device=self._meta_sharding,
         )
 
@@ -305,26 +328,59 @@ class ModelRunner:
 
     @property
     def hybrid_cache(self) -> HybridCache:
-        """The KV pages and recurrent state rows of a model with recurrent layers;
-        :class:`RunnerError` for a model without (it has no state rows)."""
+        """The KV pages and recurrent states of a model with recurrent layers;
+        :class:`RunnerError` for a model without (it has no state)."""
         if not isinstance(self.cache, HybridCache):
-            raise RunnerError(f"model {self.model.name} has no recurrent layers: its cache holds no state rows")
+            raise RunnerError(f"model {self.model.name} has no recurrent layers: its cache holds no state")
         return self.cache
 
-    def state_host_buffers(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVBuffers:
-        """A set of host buffers of whole state rows of this runner's recurrent state rows."""
-        return HostKVBuffers.for_cache(self.hybrid_cache.states, host_bytes, memory_kind=memory_kind)
-
-    def store_states(self, transfers: TransferEngine, rows: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
-        """Issue a copy of state rows into host blocks (the state rows are only read)."""
-        return transfers.store(self.hybrid_cache.states, rows, host_blocks)
-
-    def load_states(self, transfers: TransferEngine, rows: Sequence[int], host_blocks: Sequence[int]) -> Transfer:
-        """Issue a copy of host blocks into state rows (donated)."""
+    @property
+    def state_rows(self) -> StateCache | StateUnits:
+        """The recurrent states as the host tier moves them: the state rows, or with shared
+        pages the KV pages seen as whole states (one row: a unit's blocks)."""
         cache = self.hybrid_cache
-        states, transfer = transfers.load(cache.states, rows, host_blocks)
-        assert isinstance(states, StateCache)  # load returns the kind of cache it is given
-        self.cache = dataclasses.replace(cache, states=states)
+        return StateUnits(cache.kv, cache.states) if isinstance(cache.states, StatePages) else cache.states
+
+    def state_nbytes(self) -> int:
+        """Device bytes of recurrent states (what the host tier splits its bytes by): the state
+        rows', or with shared pages, where the split is decided at run time, the pool's bytes
+        times the share of states in a max_model_len request's blocks."""
+        cache = self.hybrid_cache
+        if isinstance(cache.states, StateCache):
+            return cache.states.nbytes
+        per_request = self.config.blocks_per_request()
+        states = sum(per_request[g] for g in self.state_groups)
+        return cache.kv.nbytes * states // sum(per_request)
+
+    def state_host_buffers(self, host_bytes: int, *, memory_kind: str | None = None) -> HostKVBuffers:
+        """A set of host buffers of whole states of this runner's recurrent layers (one per host block)."""
+        return HostKVBuffers.for_cache(self.state_rows, host_bytes, memory_kind=memory_kind)
+
+    def state_places(self, state_ids: Sequence[int]) -> list[DevicePlace]:
+        """Where the host tier finds states the manager names by ``state_ids`` (a recurrent
+        group's block ids): the ids themselves for state rows, each unit's blocks with shared
+        pages (read them while the units stand: a reused unit dissolves)."""
+        if self.unit_blocks is None:
+            return list(state_ids)
+        return [tuple(self.unit_blocks(i)) for i in state_ids]
+
+    def store_states(
+        self, transfers: TransferEngine, places: Sequence[DevicePlace], host_blocks: Sequence[int]
+    ) -> Transfer:
+        """Issue a copy of states (at :meth:`state_places`) into host blocks (the states are only read)."""
+        return transfers.store(self.state_rows, places, host_blocks)
+
+    def load_states(
+        self, transfers: TransferEngine, places: Sequence[DevicePlace], host_blocks: Sequence[int]
+    ) -> Transfer:
+        """Issue a copy of host blocks into states (at :meth:`state_places`; the cache is donated)."""
+        cache = self.hybrid_cache
+        states, transfer = transfers.load(self.state_rows, places, host_blocks)
+        if isinstance(states, StateUnits):
+            self.cache = dataclasses.replace(cache, kv=states.kv)
+        else:
+            assert isinstance(states, StateCache)  # load returns the kind of cache it is given
+            self.cache = dataclasses.replace(cache, states=states)
         return transfer
 
     def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
