@@ -38,9 +38,11 @@ it got nothing after the drop.
 
 Authentication is on: every socket (requests, heartbeats, KV events and replay) uses
 CURVE with keys made for the run (:mod:`jaxkv.serving.zmq_security`). Its cost per
-request is measured apart, on this machine, before the replicas start: round trips of
-a 300-token request and its answer between a DEALER and a ROUTER over ``ipc://``,
-with and without CURVE (``auth_cost``).
+request is measured apart, on this machine, before the replicas start: a 300-token
+request and its answer between a DEALER and a ROUTER over ``ipc://``, with and
+without CURVE, in turn, best of 5 each (``auth_cost``): the CPU time per request of a
+burst (the cost: encryption is CPU work) and the wall time of a round trip (which a
+loaded host's scheduling moves by more than that).
 
 Every replica process is killed on any exit (and exits by itself if this script
 dies). Bad input prints one line ``bench_route.py: error: ...`` and exits with
@@ -191,17 +193,20 @@ def run_trace(router: Router, trace: Sequence[Conversation], kill: Kill | None =
     return TraceRun(tuple(outputs), time.monotonic() - start)
 
 
-def round_trips_us(directory: str, keys: CurveKeys | None, n: int = 2000) -> float:
-    """Mean microseconds of a request / answer round trip over ``ipc://`` (``keys``: CURVE)."""
+def exchange_us(directory: str, keys: CurveKeys | None, n: int = 2000) -> tuple[float, float]:
+    """Microseconds per request over ``ipc://`` (``keys``: CURVE): the wall time of a
+    request / answer round trip, and the CPU time of a request and its answer sent in
+    a burst of ``n`` (both ends and ZeroMQ's I/O threads, all in this process: what
+    encryption costs, without the waits a loaded host adds to a round trip)."""
     request = msgspec.msgpack.encode(GenerateRequest("route-0", list(range(300)), 16))
     answer = msgspec.msgpack.encode(GenerateResult("route-0", "r", list(range(16)), 0.1, 256))
     server_side, client_side = SecureContext(keys), SecureContext(keys)
     endpoint = f"ipc://{directory}/auth-{'curve' if keys else 'plain'}"
-    server = server_side.bind(zmq.ROUTER, "server", endpoint)
-    client = client_side.connect(zmq.DEALER, "client", endpoint)
+    server = server_side.bind(zmq.ROUTER, "server", endpoint, SNDHWM=0, RCVHWM=0)
+    client = client_side.connect(zmq.DEALER, "client", endpoint, SNDHWM=0, RCVHWM=0)
 
     def echo() -> None:
-        for _ in range(n + 1):
+        for _ in range(2 * n + 1):
             identity, _ = server.recv_multipart()
             server.send_multipart((identity, answer))
 
@@ -213,20 +218,38 @@ def round_trips_us(directory: str, keys: CurveKeys | None, n: int = 2000) -> flo
     for _ in range(n):
         client.send(request)
         client.recv()
-    elapsed = time.perf_counter() - start
+    round_trip = time.perf_counter() - start
+    cpu = time.process_time()
+    for _ in range(n):
+        client.send(request)
+    for _ in range(n):
+        client.recv()
+    cpu = time.process_time() - cpu
     thread.join()
     client.close(linger=0)
     server.close(linger=0)
     client_side.term()
     server_side.term()
-    return elapsed / n * 1e6
+    return round_trip / n * 1e6, cpu / n * 1e6
 
 
-def auth_cost(directory: str, keys: CurveKeys) -> dict[str, float]:
-    """CURVE's cost per request: round trips with and without it (best of 3 each)."""
-    plain = min(round_trips_us(directory, None) for _ in range(3))
-    curve = min(round_trips_us(directory, keys) for _ in range(3))
-    return {"plain_round_trip_us": plain, "curve_round_trip_us": curve, "curve_cost_per_request_us": curve - plain}
+def auth_cost(directory: str, keys: CurveKeys, repeats: int = 5) -> dict[str, float]:
+    """CURVE's cost per request: :func:`exchange_us` with and without it, the two
+    measured in turn ``repeats`` times (a change of the host's load falls on both),
+    best of each."""
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for _ in range(repeats):
+        for curve_on in (False, True):
+            runs[curve_on].append(exchange_us(directory, keys if curve_on else None))
+    plain = [min(r[i] for r in runs[False]) for i in (0, 1)]
+    curve = [min(r[i] for r in runs[True]) for i in (0, 1)]
+    return {
+        "plain_round_trip_us": plain[0],
+        "curve_round_trip_us": curve[0],
+        "plain_cpu_per_request_us": plain[1],
+        "curve_cpu_per_request_us": curve[1],
+        "curve_cost_per_request_us": curve[1] - plain[1],
+    }
 
 
 def engine_args(memory: int, max_num_seqs: int) -> dict[str, object]:
@@ -413,8 +436,9 @@ def main(argv: Sequence[str]) -> None:
         keys.write(f"{tmp}/keys")
         auth = auth_cost(tmp, keys)
         print(
-            f"CURVE authentication: {auth['curve_cost_per_request_us']:.0f} us per request "
-            f"(round trip {auth['plain_round_trip_us']:.0f} -> {auth['curve_round_trip_us']:.0f} us)"
+            f"CURVE authentication: {auth['curve_cost_per_request_us']:.1f} us of CPU per request "
+            f"({auth['plain_cpu_per_request_us']:.1f} -> {auth['curve_cpu_per_request_us']:.1f} us; "
+            f"round trip {auth['plain_round_trip_us']:.0f} -> {auth['curve_round_trip_us']:.0f} us)"
         )
         names = [f"replica-{i}" for i in range(n)]
         specs = {

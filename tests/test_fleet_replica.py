@@ -2,6 +2,8 @@
 gives, takes requests while others run, refuses bad ones without stopping, and
 publishes the KV events and heartbeats a router follows."""
 
+import time
+
 import msgspec
 import pytest
 
@@ -19,9 +21,9 @@ from jaxkv.fleet.protocol import (  # noqa: E402
     ReplicaAddress,
     max_request_bytes,
 )
-from jaxkv.fleet.replica import ReplicaError, ReplicaSpec  # noqa: E402
+from jaxkv.fleet.replica import Replica, ReplicaError, ReplicaSpec  # noqa: E402
 from jaxkv.fleet.router import Router  # noqa: E402
-from jaxkv.serving.engine import Engine  # noqa: E402
+from jaxkv.serving.engine import CacheAudit, Engine  # noqa: E402
 from jaxkv.serving.kv_events import KVEventPublisher  # noqa: E402
 from jaxkv.serving.zmq_security import SocketSecurityError  # noqa: E402
 
@@ -129,6 +131,22 @@ def test_multi_frame_and_oversized_messages_are_skipped_and_the_replica_goes_on(
         client.close()
 
 
+def test_a_request_over_the_size_limit_is_dropped_before_it_is_decoded(replica):
+    """A well-formed request of 10x max_request_bytes: never decoded, so never answered
+    (decoding one of 140 MiB held the serving thread past two heartbeat intervals)."""
+    hostile, client = Client(replica.address), Client(replica.address)
+    try:
+        prompt = [1] * (10 * max_request_bytes(ENGINE["max_model_len"]))
+        hostile.send(GenerateRequest("huge", prompt, 2))
+        client.send(GenerateRequest("after", [1, 2, 3], 2))
+        [answer] = client.answers(1)
+        assert isinstance(answer, GenerateResult) and answer.request_id == "after"
+        assert hostile.answers(1, wait_ms=500) == [], "the replica never read it"
+    finally:
+        hostile.close()
+        client.close()
+
+
 def test_two_clients_may_use_the_same_request_id(replica):
     one, two = Client(replica.address), Client(replica.address)
     try:
@@ -197,3 +215,136 @@ def test_binding_an_ipc_path_a_live_socket_holds_is_refused(replica):
     spec = ReplicaSpec("r1", replica.address, ENGINE)
     with pytest.raises(SocketSecurityError, match="a live socket already holds this path"):
         KVEventPublisher(spec.address.events)
+
+
+# --- a refusal leaves nothing behind ----------------------------------------------------
+class InThisThread:
+    """A replica (waiting bound 2) served in the test's own thread until a condition
+    holds, so the test reads its engine between refusals."""
+
+    def __init__(self, directory) -> None:
+        self.engine = Engine.build(**ENGINE)
+        self.address = ReplicaAddress.ipc(directory, "local")
+        self.replica = Replica("local", self.engine, self.address, heartbeat_interval_s=60, max_waiting=2)
+        self.client = Client(self.address)
+
+    def serve_until(self, condition, timeout_s: float = 60.0) -> list:
+        """Serve until ``condition(answers)`` holds; the answers that came back meanwhile."""
+        answers: list = []
+        deadline = time.monotonic() + timeout_s
+
+        def done() -> bool:
+            answers.extend(self.client.answers(100, wait_ms=0))
+            assert time.monotonic() < deadline, f"not reached in {timeout_s} s; answers {answers}"
+            return condition(answers)
+
+        self.replica.serve(done)
+        return answers
+
+    def serve(self, num_answers: int) -> list:
+        """Serve until ``num_answers`` answers came back and the engine is idle."""
+        return self.serve_until(lambda answers: len(answers) >= num_answers and not self.engine.has_unfinished)
+
+    def close(self) -> None:
+        self.client.close()
+        self.replica.close()
+
+
+PROBE = [(13 * t) % 512 for t in range(70)]
+"""A prompt whose 64 leading tokens every refused request shares (4 cached blocks)."""
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    local = InThisThread(tmp_path_factory.mktemp("local"))
+    local.client.send(GenerateRequest("probe", PROBE, 6))
+    [first] = local.serve(1)
+    local.probe_tokens = first.output_token_ids
+    yield local
+    local.close()
+
+
+def refuse_over_the_waiting_bound(local: InThisThread) -> None:
+    for i in range(6):  # taken in one receive: 2 wait, the others are refused
+        local.client.send(GenerateRequest(f"w{i}", [*PROBE[:64], i], 8))
+    answers = local.serve(6)
+    refused = [a for a in answers if isinstance(a, GenerateFailure)]
+    assert refused and all("already waiting" in a.message for a in refused)
+
+
+def refuse_bad_input(local: InThisThread) -> None:
+    local.client.send(GenerateRequest("bad-token", [*PROBE[:64], 600], 4))
+    local.client.send(GenerateRequest("too-long", PROBE * 4, 4))
+    local.client.send(GenerateRequest("no-tokens", [*PROBE[:64], 1], 0))
+    answers = local.serve(3)
+    assert len(answers) == 3 and all(isinstance(a, GenerateFailure) for a in answers), answers
+
+
+def refuse_a_duplicate_id(local: InThisThread) -> None:
+    local.client.send(GenerateRequest("twice", [*PROBE[:64], 1, 2], 4))
+    local.client.send(GenerateRequest("twice", [*PROBE[:64], 3, 4], 4))
+    answers = local.serve(2)
+    assert any(isinstance(a, GenerateFailure) and "already in flight" in a.message for a in answers)
+
+
+def refuse_frames_it_cannot_read(local: InThisThread) -> None:
+    hostile = Client(local.address)
+    try:
+        bad = local.replica.num_bad_messages
+        hostile.sock.send_multipart([b"hello", b"world"])
+        hostile.sock.send(b"not msgpack")
+        huge = [*PROBE, *range(max_request_bytes(ENGINE["max_model_len"]))]
+        hostile.send(GenerateRequest("huge", huge, 4))  # never read: over MAXMSGSIZE
+        local.serve_until(lambda _: local.replica.num_bad_messages >= bad + 2)
+        assert local.serve_until(lambda _: True) == [] and not local.engine.has_unfinished
+    finally:
+        hostile.close()
+
+
+def cancel_while_waiting(local: InThisThread) -> None:
+    for i in range(5):
+        local.client.send(GenerateRequest(f"c{i}", [*PROBE[:64], 7, i], 30))
+        local.serve_until(lambda _, n=i + 1: local.engine.num_running + local.engine.num_waiting == n)
+    assert local.engine.num_waiting == 1, "4 running slots"
+    local.client.send(CancelRequest("c4"))
+    answers = local.serve(4)
+    assert sorted(a.request_id for a in answers) == ["c0", "c1", "c2", "c3"]
+
+
+def computed(local: InThisThread, request_id: str) -> int:
+    """Tokens the engine computed of a client's request (its id is kept per client)."""
+    [seq] = [r.seq for key, r in local.engine._live.items() if key.endswith(f":{request_id}")]
+    return seq.request.num_computed_tokens
+
+
+def cancel_mid_prefill_and_mid_decode(local: InThisThread) -> None:
+    local.client.send(GenerateRequest("long-output", [*PROBE[:64], 9], 100))
+    local.client.send(GenerateRequest("long-prompt", [*PROBE[:64], *range(150)], 4))
+    local.serve_until(lambda _: local.engine.num_running == 2 and computed(local, "long-prompt") > 128)
+    assert computed(local, "long-prompt") < 214 and computed(local, "long-output") > 65, "mid-prefill, mid-decode"
+    local.client.send(CancelRequest("long-prompt"))
+    local.client.send(CancelRequest("long-output"))
+    assert local.serve_until(lambda _: not local.engine.has_unfinished) == []
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        refuse_over_the_waiting_bound,
+        refuse_bad_input,
+        refuse_a_duplicate_id,
+        refuse_frames_it_cannot_read,
+        cancel_while_waiting,
+        cancel_mid_prefill_and_mid_decode,
+    ],
+)
+def test_a_refused_or_cancelled_request_leaves_every_block_free_and_the_prefix_cache_exact(local, refusal):
+    """A router cancels a request past its deadline or moved elsewhere (CancelRequest):
+    the cancels stand for those too."""
+    free = local.engine.manager.num_free_blocks
+    refusal(local)
+    assert local.engine.manager.num_requests == 0
+    assert local.engine.audit() == CacheAudit(0, 0) and local.engine.manager.num_free_blocks == free
+    local.client.send(GenerateRequest("probe", PROBE, 6))
+    [again] = local.serve(1)
+    assert again.output_token_ids == local.probe_tokens and again.num_cached_tokens == 64
