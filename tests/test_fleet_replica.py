@@ -348,3 +348,19 @@ def test_a_refused_or_cancelled_request_leaves_every_block_free_and_the_prefix_c
     local.client.send(GenerateRequest("probe", PROBE, 6))
     [again] = local.serve(1)
     assert again.output_token_ids == local.probe_tokens and again.num_cached_tokens == 64
+
+
+def test_a_flood_is_taken_a_bounded_number_of_messages_between_two_steps(local):
+    """30,000 sends used to be drained in one go (29,648 waiting) and starved stepping."""
+    for i in range(30):
+        local.client.send(GenerateRequest(f"f{i}", [*PROBE[:64], i], 2))
+    time.sleep(0.3)  # all of them arrived
+    loops = []
+    answers = local.serve_until(lambda _: loops.append(0) or len(loops) > 1)  # one loop: a receive, a step
+    time.sleep(0.1)
+    answers += local.client.answers(30, wait_ms=0)
+    taken = len(answers) + local.engine.num_running + local.engine.num_waiting
+    assert taken == local.replica.max_receive == 2 * ENGINE["max_num_seqs"]
+    answers += local.serve(30 - len(answers))
+    assert sorted(a.request_id for a in answers) == sorted(f"f{i}" for i in range(30))
+    assert local.engine.audit() == CacheAudit(0, 0)
