@@ -150,14 +150,14 @@ def test_a_request_over_the_size_limit_is_dropped_before_it_is_decoded(replica):
 def test_two_clients_may_use_the_same_request_id(replica):
     one, two = Client(replica.address), Client(replica.address)
     try:
-        one.send(GenerateRequest("route-0", [1, 2, 3], 3))
+        one.send(GenerateRequest("route-0", [1, 2, 3], 40))  # still running when the other arrives
         two.send(GenerateRequest("route-0", [4, 5, 6, 7], 2))
-        [a], [b] = one.answers(1), two.answers(1)
+        [b], [a] = two.answers(1), one.answers(1)
     finally:
         one.close()
         two.close()
-    assert isinstance(a, GenerateResult) and len(a.output_token_ids) == 3
-    assert isinstance(b, GenerateResult) and len(b.output_token_ids) == 2
+    assert isinstance(b, GenerateResult) and len(b.output_token_ids) == 2, b
+    assert isinstance(a, GenerateResult) and len(a.output_token_ids) == 40, a
 
 
 def test_a_cancelled_request_is_not_answered_and_the_next_one_is(replica):
