@@ -117,11 +117,10 @@ class Client:
         self.ctx.term()
 
 
-def test_multi_frame_and_oversized_messages_are_skipped_and_the_replica_goes_on(replica):
+def test_a_multi_frame_message_is_skipped_and_the_replica_goes_on(replica):
     hostile, client = Client(replica.address), Client(replica.address)
     try:
-        hostile.sock.send_multipart([b"hello", b"world"])
-        hostile.sock.send(b"x" * (max_request_bytes(ENGINE["max_model_len"]) + 1))  # dropped before decoding
+        hostile.sock.send_multipart([b"hello", b"world"])  # raised out of the serving loop, ending the replica
         client.send(GenerateRequest("after", [1, 2, 3], 2))
         [answer] = client.answers(1)
         assert isinstance(answer, GenerateResult) and answer.request_id == "after"
@@ -132,12 +131,14 @@ def test_multi_frame_and_oversized_messages_are_skipped_and_the_replica_goes_on(
 
 
 def test_a_request_over_the_size_limit_is_dropped_before_it_is_decoded(replica):
-    """A well-formed request of 10x max_request_bytes: never decoded, so never answered
-    (decoding one of 140 MiB held the serving thread past two heartbeat intervals)."""
+    """A well-formed request of 10x max_request_bytes, and junk one byte over it: never
+    decoded, so never answered (decoding 140 MiB held the serving thread past two
+    heartbeat intervals)."""
     hostile, client = Client(replica.address), Client(replica.address)
     try:
-        prompt = [1] * (10 * max_request_bytes(ENGINE["max_model_len"]))
-        hostile.send(GenerateRequest("huge", prompt, 2))
+        limit = max_request_bytes(ENGINE["max_model_len"])
+        hostile.send(GenerateRequest("huge", [1] * (10 * limit), 2))
+        hostile.sock.send(b"x" * (limit + 1))
         client.send(GenerateRequest("after", [1, 2, 3], 2))
         [answer] = client.answers(1)
         assert isinstance(answer, GenerateResult) and answer.request_id == "after"
@@ -150,6 +151,9 @@ def test_a_request_over_the_size_limit_is_dropped_before_it_is_decoded(replica):
 def test_two_clients_may_use_the_same_request_id(replica):
     one, two = Client(replica.address), Client(replica.address)
     try:
+        for client, rid in ((one, "hello-1"), (two, "hello-2")):  # both connected and served
+            client.send(GenerateRequest(rid, [1, 2], 1))
+            assert [a.request_id for a in client.answers(1)] == [rid]
         one.send(GenerateRequest("route-0", [1, 2, 3], 40))  # still running when the other arrives
         two.send(GenerateRequest("route-0", [4, 5, 6, 7], 2))
         [b], [a] = two.answers(1), one.answers(1)
