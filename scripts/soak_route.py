@@ -23,8 +23,8 @@ every replica still running, no unfinished request and no block or state leaked
 run stops by itself after ``--time_limit`` seconds at most, and every replica process
 is killed on any exit.
 
-    python scripts/soak_route.py                  # 2,000 requests: about 5 minutes on a 2-core host
-    python scripts/soak_route.py --requests 5000  # the size: about 10 minutes there
+    python scripts/soak_route.py                  # 5,000 requests: 4 to 10 minutes on a shared 2-core host
+    python scripts/soak_route.py --requests 2000  # a shorter run
     python scripts/soak_route.py --quick          # 300 requests over 2 replicas
 
 Exits 0 when every check passes, 1 otherwise (the failed checks printed), 2 on bad
@@ -66,7 +66,7 @@ from jaxkv.serving.zmq_security import ENV_CURVE_DIR, CurveKeys, SecureContext, 
 
 PROG = "soak_route.py"
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("requests", 2000, "requests sent in all (over every router)", lower_bound=1)
+flags.DEFINE_integer("requests", 5000, "requests sent in all (over every router)", lower_bound=1)
 flags.DEFINE_integer("num_replicas", 4, "replica processes", lower_bound=2)
 flags.DEFINE_integer("num_routers", 2, "routers (in this process)", lower_bound=1)
 flags.DEFINE_integer("concurrency", 12, "requests in flight per router", lower_bound=1)

@@ -278,8 +278,8 @@ def test_a_restarted_publisher_resyncs_the_index_instead_of_keeping_the_dead_cac
         assert set(index.snapshot()) == set(range(last))
         with KVEventPublisher(events, replay_endpoint=replay) as second:
             publish_until_heard(second, sub, 100)
-            assert sub.num_resyncs == 1 and sub.epoch == second.epoch
             assert set(index.snapshot()) == set(range(100, 100 + second.num_published)), "the dead cache is gone"
+            assert sub.num_resyncs == 1 and sub.epoch == second.epoch
 
 
 def test_undecodable_batches_are_counted_and_skipped(tmp_path):

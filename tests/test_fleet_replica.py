@@ -2,6 +2,8 @@
 gives, takes requests while others run, refuses bad ones without stopping, and
 publishes the KV events and heartbeats a router follows."""
 
+import time
+
 import msgspec
 import pytest
 
@@ -19,9 +21,9 @@ from jaxkv.fleet.protocol import (  # noqa: E402
     ReplicaAddress,
     max_request_bytes,
 )
-from jaxkv.fleet.replica import ReplicaError, ReplicaSpec  # noqa: E402
+from jaxkv.fleet.replica import Replica, ReplicaError, ReplicaSpec  # noqa: E402
 from jaxkv.fleet.router import Router  # noqa: E402
-from jaxkv.serving.engine import Engine  # noqa: E402
+from jaxkv.serving.engine import CacheAudit, Engine  # noqa: E402
 from jaxkv.serving.kv_events import KVEventPublisher  # noqa: E402
 from jaxkv.serving.zmq_security import SocketSecurityError  # noqa: E402
 
@@ -115,11 +117,10 @@ class Client:
         self.ctx.term()
 
 
-def test_multi_frame_and_oversized_messages_are_skipped_and_the_replica_goes_on(replica):
+def test_a_multi_frame_message_is_skipped_and_the_replica_goes_on(replica):
     hostile, client = Client(replica.address), Client(replica.address)
     try:
-        hostile.sock.send_multipart([b"hello", b"world"])
-        hostile.sock.send(b"x" * (max_request_bytes(ENGINE["max_model_len"]) + 1))  # dropped before decoding
+        hostile.sock.send_multipart([b"hello", b"world"])  # raised out of the serving loop, ending the replica
         client.send(GenerateRequest("after", [1, 2, 3], 2))
         [answer] = client.answers(1)
         assert isinstance(answer, GenerateResult) and answer.request_id == "after"
@@ -129,17 +130,38 @@ def test_multi_frame_and_oversized_messages_are_skipped_and_the_replica_goes_on(
         client.close()
 
 
+def test_a_request_over_the_size_limit_is_dropped_before_it_is_decoded(replica):
+    """A well-formed request of 10x max_request_bytes, and junk one byte over it: never
+    decoded, so never answered (decoding 140 MiB held the serving thread past two
+    heartbeat intervals)."""
+    hostile, client = Client(replica.address), Client(replica.address)
+    try:
+        limit = max_request_bytes(ENGINE["max_model_len"])
+        hostile.send(GenerateRequest("huge", [1] * (10 * limit), 2))
+        hostile.sock.send(b"x" * (limit + 1))
+        client.send(GenerateRequest("after", [1, 2, 3], 2))
+        [answer] = client.answers(1)
+        assert isinstance(answer, GenerateResult) and answer.request_id == "after"
+        assert hostile.answers(1, wait_ms=500) == [], "the replica never read it"
+    finally:
+        hostile.close()
+        client.close()
+
+
 def test_two_clients_may_use_the_same_request_id(replica):
     one, two = Client(replica.address), Client(replica.address)
     try:
-        one.send(GenerateRequest("route-0", [1, 2, 3], 3))
+        for client, rid in ((one, "hello-1"), (two, "hello-2")):  # both connected and served
+            client.send(GenerateRequest(rid, [1, 2], 1))
+            assert [a.request_id for a in client.answers(1)] == [rid]
+        one.send(GenerateRequest("route-0", [1, 2, 3], 40))  # still running when the other arrives
         two.send(GenerateRequest("route-0", [4, 5, 6, 7], 2))
-        [a], [b] = one.answers(1), two.answers(1)
+        [b], [a] = two.answers(1), one.answers(1)
     finally:
         one.close()
         two.close()
-    assert isinstance(a, GenerateResult) and len(a.output_token_ids) == 3
-    assert isinstance(b, GenerateResult) and len(b.output_token_ids) == 2
+    assert isinstance(b, GenerateResult) and len(b.output_token_ids) == 2, b
+    assert isinstance(a, GenerateResult) and len(a.output_token_ids) == 40, a
 
 
 def test_a_cancelled_request_is_not_answered_and_the_next_one_is(replica):
@@ -197,3 +219,152 @@ def test_binding_an_ipc_path_a_live_socket_holds_is_refused(replica):
     spec = ReplicaSpec("r1", replica.address, ENGINE)
     with pytest.raises(SocketSecurityError, match="a live socket already holds this path"):
         KVEventPublisher(spec.address.events)
+
+
+# --- a refusal leaves nothing behind ----------------------------------------------------
+class InThisThread:
+    """A replica (waiting bound 2) served in the test's own thread until a condition
+    holds, so the test reads its engine between refusals."""
+
+    def __init__(self, directory) -> None:
+        self.engine = Engine.build(**ENGINE)
+        self.address = ReplicaAddress.ipc(directory, "local")
+        self.replica = Replica("local", self.engine, self.address, heartbeat_interval_s=60, max_waiting=2)
+        self.client = Client(self.address)
+
+    def serve_until(self, condition, timeout_s: float = 60.0) -> list:
+        """Serve until ``condition(answers)`` holds; the answers that came back meanwhile."""
+        answers: list = []
+        deadline = time.monotonic() + timeout_s
+
+        def done() -> bool:
+            answers.extend(self.client.answers(100, wait_ms=0))
+            assert time.monotonic() < deadline, f"not reached in {timeout_s} s; answers {answers}"
+            return condition(answers)
+
+        self.replica.serve(done)
+        return answers
+
+    def serve(self, num_answers: int) -> list:
+        """Serve until ``num_answers`` answers came back and the engine is idle."""
+        return self.serve_until(lambda answers: len(answers) >= num_answers and not self.engine.has_unfinished)
+
+    def close(self) -> None:
+        self.client.close()
+        self.replica.close()
+
+
+PROBE = [(13 * t) % 512 for t in range(70)]
+"""A prompt whose 64 leading tokens every refused request shares (4 cached blocks)."""
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    local = InThisThread(tmp_path_factory.mktemp("local"))
+    local.client.send(GenerateRequest("probe", PROBE, 6))
+    [first] = local.serve(1)
+    local.probe_tokens = first.output_token_ids
+    yield local
+    local.close()
+
+
+def refuse_over_the_waiting_bound(local: InThisThread) -> None:
+    for i in range(6):  # taken in one receive: 2 wait, the others are refused
+        local.client.send(GenerateRequest(f"w{i}", [*PROBE[:64], i], 8))
+    answers = local.serve(6)
+    refused = [a for a in answers if isinstance(a, GenerateFailure)]
+    assert refused and all("already waiting" in a.message for a in refused)
+
+
+def refuse_bad_input(local: InThisThread) -> None:
+    local.client.send(GenerateRequest("bad-token", [*PROBE[:64], 600], 4))
+    local.client.send(GenerateRequest("too-long", PROBE * 4, 4))
+    local.client.send(GenerateRequest("no-tokens", [*PROBE[:64], 1], 0))
+    answers = local.serve(3)
+    assert len(answers) == 3 and all(isinstance(a, GenerateFailure) for a in answers), answers
+
+
+def refuse_a_duplicate_id(local: InThisThread) -> None:
+    local.client.send(GenerateRequest("twice", [*PROBE[:64], 1, 2], 4))
+    local.client.send(GenerateRequest("twice", [*PROBE[:64], 3, 4], 4))
+    answers = local.serve(2)
+    assert any(isinstance(a, GenerateFailure) and "already in flight" in a.message for a in answers)
+
+
+def refuse_frames_it_cannot_read(local: InThisThread) -> None:
+    hostile = Client(local.address)
+    try:
+        bad = local.replica.num_bad_messages
+        hostile.sock.send_multipart([b"hello", b"world"])
+        hostile.sock.send(b"not msgpack")
+        huge = [*PROBE, *range(max_request_bytes(ENGINE["max_model_len"]))]
+        hostile.send(GenerateRequest("huge", huge, 4))  # never read: over MAXMSGSIZE
+        local.serve_until(lambda _: local.replica.num_bad_messages >= bad + 2)
+        assert local.serve_until(lambda _: True) == [] and not local.engine.has_unfinished
+    finally:
+        hostile.close()
+
+
+def cancel_while_waiting(local: InThisThread) -> None:
+    for i in range(5):
+        local.client.send(GenerateRequest(f"c{i}", [*PROBE[:64], 7, i], 30))
+        local.serve_until(lambda _, n=i + 1: local.engine.num_running + local.engine.num_waiting == n)
+    assert local.engine.num_waiting == 1, "4 running slots"
+    local.client.send(CancelRequest("c4"))
+    answers = local.serve(4)
+    assert sorted(a.request_id for a in answers) == ["c0", "c1", "c2", "c3"]
+
+
+def computed(local: InThisThread, request_id: str) -> int:
+    """Tokens the engine computed of a client's request (its id is kept per client)."""
+    [seq] = [r.seq for key, r in local.engine._live.items() if key.endswith(f":{request_id}")]
+    return seq.request.num_computed_tokens
+
+
+def cancel_mid_prefill_and_mid_decode(local: InThisThread) -> None:
+    local.client.send(GenerateRequest("long-output", [*PROBE[:64], 9], 100))
+    local.client.send(GenerateRequest("long-prompt", [*PROBE[:64], *range(150)], 4))
+    local.serve_until(lambda _: local.engine.num_running == 2 and computed(local, "long-prompt") > 128)
+    assert computed(local, "long-prompt") < 214 and computed(local, "long-output") > 65, "mid-prefill, mid-decode"
+    local.client.send(CancelRequest("long-prompt"))
+    local.client.send(CancelRequest("long-output"))
+    assert local.serve_until(lambda _: not local.engine.has_unfinished) == []
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        refuse_over_the_waiting_bound,
+        refuse_bad_input,
+        refuse_a_duplicate_id,
+        refuse_frames_it_cannot_read,
+        cancel_while_waiting,
+        cancel_mid_prefill_and_mid_decode,
+    ],
+)
+def test_a_refused_or_cancelled_request_leaves_every_block_free_and_the_prefix_cache_exact(local, refusal):
+    """A router cancels a request past its deadline or moved elsewhere (CancelRequest):
+    the cancels stand for those too."""
+    free = local.engine.manager.num_free_blocks
+    refusal(local)
+    assert local.engine.manager.num_requests == 0
+    assert local.engine.audit() == CacheAudit(0, 0) and local.engine.manager.num_free_blocks == free
+    local.client.send(GenerateRequest("probe", PROBE, 6))
+    [again] = local.serve(1)
+    assert again.output_token_ids == local.probe_tokens and again.num_cached_tokens == 64
+
+
+def test_a_flood_is_taken_a_bounded_number_of_messages_between_two_steps(local):
+    """30,000 sends used to be drained in one go (29,648 waiting) and starved stepping."""
+    for i in range(30):
+        local.client.send(GenerateRequest(f"f{i}", [*PROBE[:64], i], 2))
+    time.sleep(0.3)  # all of them arrived
+    loops = []
+    answers = local.serve_until(lambda _: loops.append(0) or len(loops) > 1)  # one loop: a receive, a step
+    time.sleep(0.1)
+    answers += local.client.answers(30, wait_ms=0)
+    taken = len(answers) + local.engine.num_running + local.engine.num_waiting
+    assert taken == local.replica.max_receive == 2 * ENGINE["max_num_seqs"]
+    answers += local.serve(30 - len(answers))
+    assert sorted(a.request_id for a in answers) == sorted(f"f{i}" for i in range(30))
+    assert local.engine.audit() == CacheAudit(0, 0)

@@ -12,7 +12,14 @@ zmq = pytest.importorskip("zmq")
 
 from thread_replicas import ThreadReplica  # noqa: E402
 
-from jaxkv.fleet.protocol import GenerateResult, Heartbeat, ReplicaAddress, max_request_bytes  # noqa: E402
+from jaxkv.fleet.protocol import (  # noqa: E402
+    CancelRequest,
+    GenerateResult,
+    Heartbeat,
+    ReplicaAddress,
+    ToReplica,
+    max_request_bytes,
+)
 from jaxkv.fleet.router import NoLiveReplicaError, Router, RouterError, pick_replica, queue_tokens  # noqa: E402
 from jaxkv.hashing import BlockHasher, ExtraKeys  # noqa: E402
 from jaxkv.serving.engine import CacheAudit  # noqa: E402
@@ -301,6 +308,96 @@ def test_a_silent_replay_socket_does_not_escape_the_router(tmp_path):
         for sock in sockets.values():
             sock.close(linger=0)
         ctx.term()
+
+
+# --- replicas driven by hand --------------------------------------------------------------
+class FakeReplicas:
+    """A request ROUTER and a heartbeat PUB bound at each replica's address, driven by
+    the test (no engine, no events): what the router sends, and answers it gets."""
+
+    def __init__(self, tmp_path, *names: str) -> None:
+        self.ctx = zmq.Context()
+        self.addresses = addresses(tmp_path, *names)
+        self.requests, self.heartbeats, self.monitors, self.clients = {}, {}, {}, {}
+        for name, address in self.addresses.items():
+            self.requests[name] = self.ctx.socket(zmq.ROUTER)
+            self.monitors[name] = self.requests[name].get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self.requests[name].bind(address.requests)
+            self.heartbeats[name] = self.ctx.socket(zmq.PUB)
+            self.heartbeats[name].bind(address.heartbeats)
+        self.decode = msgspec.msgpack.Decoder(ToReplica).decode
+
+    def router(self, **kwargs) -> Router:
+        """A router over these replicas, once every link is up and its heartbeats heard."""
+        router = Router(self.addresses, heartbeat_interval_s=60, **kwargs)
+        deadline = time.monotonic() + 30
+        for name in self.addresses:
+            assert self.monitors[name].poll(30_000), f"{name}: the router's link never came up"
+            while not router._links[name].heard:
+                assert time.monotonic() < deadline, f"{name}: the router hears no heartbeat"
+                self.heartbeats[name].send(msgspec.msgpack.encode(Heartbeat(name, 0, 0)))
+                router.poll(0.01)
+        return router
+
+    def received(self, name: str) -> list:
+        """The messages ``name`` got since the last call (waiting up to 2 s for the first)."""
+        out, wait_ms = [], 2000
+        while self.requests[name].poll(wait_ms):
+            self.clients[name], payload = self.requests[name].recv_multipart()
+            out.append(self.decode(payload))
+            wait_ms = 100
+        return out
+
+    def answer(self, name: str, message) -> None:
+        """Send ``message`` to the client ``name`` last received from."""
+        self.requests[name].send_multipart([self.clients[name], msgspec.msgpack.encode(message)])
+
+    def close(self) -> None:
+        for name in self.addresses:
+            self.requests[name].disable_monitor()
+        for sock in [*self.monitors.values(), *self.requests.values(), *self.heartbeats.values()]:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    fakes = FakeReplicas(tmp_path, "a", "b")
+    yield fakes
+    fakes.close()
+
+
+def test_a_prompt_follows_a_request_in_flight_that_computes_its_prefix_before_any_event_says_so(fakes):
+    system = list(range(1, 65))
+    with fakes.router() as router:
+        first = router.submit([*system, 1, 2], 4)
+        second = router.submit([*system, 3, 4], 4)
+        other = router.submit(list(range(100, 170)), 4)
+        on_a = [m.request_id for m in fakes.received("a")]
+        on_b = [m.request_id for m in fakes.received("b")]
+    assert sorted([on_a, on_b]) == sorted([[first, second], [other]]), "the system prompt is computed once"
+
+
+def test_a_request_taken_from_a_replica_is_cancelled_on_it(fakes):
+    with fakes.router(policy="round_robin") as router:
+        rid = router.submit([1, 2, 3], 4)
+        assert [m.request_id for m in fakes.received("a")] == [rid]
+        router.drop("a")
+        assert fakes.received("a") == [CancelRequest(rid)], "a stops computing what b now serves"
+        assert [m.request_id for m in fakes.received("b")] == [rid]
+
+
+def test_a_malformed_heartbeat_is_skipped_and_an_answer_of_the_same_poll_kept(fakes):
+    with fakes.router(policy="round_robin") as router:
+        rid = router.submit([1, 2, 3], 2)
+        fakes.received("a")
+        fakes.heartbeats["a"].send(b"\xc1")
+        fakes.heartbeats["a"].send(msgspec.msgpack.encode(Heartbeat("b", 0, 0)))  # another replica's name
+        fakes.answer("a", GenerateResult(rid, "a", [5, 6], 0.01, 0))
+        time.sleep(0.2)
+        answers = router.poll(1.0)
+        assert [(a.request_id, a.output_token_ids) for a in answers] == [(rid, (5, 6))]
+        assert router.num_bad_messages == 2 and router.live_replicas == ("a", "b")
 
 
 # --- a short soak (scripts/soak_route.py runs the long one over processes) -----------------

@@ -3,6 +3,7 @@ against vLLM's schema, frames and replay answer as vLLM's publisher does."""
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -60,13 +61,15 @@ def prompt_rounds(seed: int = 0) -> list[list[list[int]]]:
     return [first, *([rng.integers(0, 512, 60).tolist() for _ in range(4)] for _ in range(2))]
 
 
-def replay(endpoint: str, start: int, topic: bytes = b"") -> list[tuple[bytes, bytes]]:
-    """vLLM's replay protocol from a plain DEALER: every (seq, payload) answered, end marker included."""
+def replay(endpoint: str, start: int, topic: bytes = b"", read_after_s: float = 0.0) -> list[tuple[bytes, bytes]]:
+    """vLLM's replay protocol from a plain DEALER: every (seq, payload) answered, end marker
+    included; reading starts ``read_after_s`` after the request (a slow client)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     try:
         sock.connect(endpoint)
         sock.send_multipart([b"", start.to_bytes(8, "big")])
+        time.sleep(read_after_s)
         frames = []
         while True:
             assert sock.poll(WAIT_MS), "no replay answer"
@@ -262,11 +265,11 @@ def test_jaxkv_imports_without_the_events_extra():
 
 
 # --- the whole buffer, epochs, token ids, authentication ------------------------------
-def test_a_replay_brings_back_all_of_a_large_buffer():
+def test_a_replay_brings_back_all_of_a_large_buffer_to_a_client_that_reads_late():
     with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, buffer_steps=5000) as pub:
-        for i in range(5000):
-            pub.publish(wire_events([stored(0, (h(i),))]))
-        frames = replay(pub.replay_endpoint, pub.epoch)
+        for i in range(5000):  # ~2 KiB a batch: 10 MiB, more than the kernel's socket buffers hold
+            pub.publish(wire_events([stored(0, tuple(h(64 * i + j) for j in range(64)))]))
+        frames = replay(pub.replay_endpoint, pub.epoch, read_after_s=0.5)
     assert len(frames) == 5001, "every buffered batch and the end marker (the send queue dropped none)"
 
 

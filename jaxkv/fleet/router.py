@@ -14,7 +14,9 @@ Policies (:func:`pick_replica`), over the live replicas:
 - ``round_robin``: the next replica in turn.
 - ``least_loaded``: the fewest requests in flight.
 - ``prefix``: the highest score ``cached_tokens - load_penalty * in_flight - queued``:
-  a replica's cached prefix of the prompt, in tokens (the prefill it saves), less
+  a replica's cached prefix of the prompt, in tokens (the prefill it saves: what its
+  KV events say it caches, or what a request in flight on it shares with the prompt,
+  which it is computing before any event can say so), less
   ``load_penalty`` tokens per request it is serving (they share its steps), less the
   expected wait for a running slot (:func:`queue_tokens`: zero while the replica has
   a free slot, then about a step's worth of tokens per decode step until one frees).
@@ -56,6 +58,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -185,6 +188,30 @@ class _Link:
         self.slots = 0
         self.step_tokens = 0
         self.in_flight: set[str] = set()
+        self.routed: Counter[ExternalBlockHash] = Counter()
+        """The block hashes of the prompts in flight on the replica: blocks it is
+        computing, or will compute, before their KV events can say so."""
+
+    def take(self, pending: _InFlight) -> None:
+        """Count ``pending`` as in flight here."""
+        self.in_flight.add(pending.request.request_id)
+        self.routed.update(pending.hashes)
+
+    def release(self, pending: _InFlight) -> None:
+        """Stop counting ``pending`` here (answered, or taken away)."""
+        if pending.request.request_id in self.in_flight:
+            self.in_flight.discard(pending.request.request_id)
+            for h in pending.hashes:
+                self.routed[h] -= 1
+                if not self.routed[h]:
+                    del self.routed[h]
+
+    def routed_blocks(self, hashes: Sequence[ExternalBlockHash]) -> int:
+        """How many leading ``hashes`` a prompt in flight here shares."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self.routed:
+            n += 1
+        return n
 
     def close(self) -> None:
         self.requests.close(linger=0)
@@ -410,7 +437,7 @@ class Router:
         moved = [self._in_flight[rid] for rid in sorted(link.in_flight)]
         for pending in moved:
             self._cancel_on(pending)
-            link.in_flight.discard(pending.request.request_id)
+            link.release(pending)
         for pending in moved:
             self.num_retries += 1
             self._route(pending)
@@ -462,6 +489,15 @@ class Router:
         blocks = self.index.longest_prefix(hashes)
         return {name: blocks.get(name, 0) * self.hasher.block_size for name in self.live_replicas}
 
+    def _expected(self, hashes: list[ExternalBlockHash]) -> dict[str, int]:
+        """Per live replica, the tokens of the prompt's longest prefix it caches or is
+        computing for a request in flight (whose KV events are yet to come)."""
+        blocks = self.index.longest_prefix(hashes)
+        return {
+            name: max(blocks.get(name, 0), self._links[name].routed_blocks(hashes)) * self.hasher.block_size
+            for name in self.live_replicas
+        }
+
     def _catch_up(self, link: _Link) -> None:
         try:
             link.events.catch_up()
@@ -490,7 +526,7 @@ class Router:
             return
         self._apply_events()
         candidates = list(self.live_replicas)
-        cached = self._cached(pending.hashes) if self.policy == "prefix" else {}
+        cached = self._expected(pending.hashes) if self.policy == "prefix" else {}
         turn = next(self._turns)
         while candidates:
             loads = {name: len(self._links[name].in_flight) for name in candidates}
@@ -503,7 +539,7 @@ class Router:
                 self.num_send_failures += 1
                 candidates.remove(name)
                 continue
-            link.in_flight.add(pending.request.request_id)
+            link.take(pending)
             pending.replica, pending.sent = name, time.monotonic()
             pending.attempts += 1
             self._sends[name] += 1
@@ -543,7 +579,7 @@ class Router:
         request = pending.request
         del self._in_flight[request.request_id]
         if pending.replica:
-            self._links[pending.replica].in_flight.discard(request.request_id)
+            self._links[pending.replica].release(pending)
         self._ready.append(
             RoutedOutput(
                 request.request_id,
