@@ -117,14 +117,20 @@ class Client:
         self.ctx.term()
 
 
+def assert_served_after(client: Client, hostile: Client, *, wait_ms: int) -> None:
+    """The replica goes on: it answers the next client's request, and nothing to the
+    hostile one (it cannot name, or never read, what that one sent)."""
+    client.send(GenerateRequest("after", [1, 2, 3], 2))
+    [answer] = client.answers(1)
+    assert isinstance(answer, GenerateResult) and answer.request_id == "after"
+    assert hostile.answers(1, wait_ms=wait_ms) == []
+
+
 def test_a_multi_frame_message_is_skipped_and_the_replica_goes_on(replica):
     hostile, client = Client(replica.address), Client(replica.address)
     try:
         hostile.sock.send_multipart([b"hello", b"world"])  # raised out of the serving loop, ending the replica
-        client.send(GenerateRequest("after", [1, 2, 3], 2))
-        [answer] = client.answers(1)
-        assert isinstance(answer, GenerateResult) and answer.request_id == "after"
-        assert hostile.answers(1, wait_ms=300) == [], "nothing answers a message it cannot name"
+        assert_served_after(client, hostile, wait_ms=300)
     finally:
         hostile.close()
         client.close()
@@ -139,10 +145,7 @@ def test_a_request_over_the_size_limit_is_dropped_before_it_is_decoded(replica):
         limit = max_request_bytes(ENGINE["max_model_len"])
         hostile.send(GenerateRequest("huge", [1] * (10 * limit), 2))
         hostile.sock.send(b"x" * (limit + 1))
-        client.send(GenerateRequest("after", [1, 2, 3], 2))
-        [answer] = client.answers(1)
-        assert isinstance(answer, GenerateResult) and answer.request_id == "after"
-        assert hostile.answers(1, wait_ms=500) == [], "the replica never read it"
+        assert_served_after(client, hostile, wait_ms=500)
     finally:
         hostile.close()
         client.close()
