@@ -42,10 +42,7 @@ from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 PROG = "soak.py"
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_requests", 1000, "requests in total, split over the configurations", lower_bound=1)
-OFFLOAD_MODELS = [name for name, config in MODEL_CONFIGS.items() if not any(config.recurrent)]
-"""The attention-only tiny models: the soak sizes pools in attention blocks, and a recurrent
-model's host tier needs a state-pool plan (tests/test_serving_offload.py covers it)."""
-flags.DEFINE_list("models", OFFLOAD_MODELS, "models to soak (attention-only: see OFFLOAD_MODELS)")
+flags.DEFINE_list("models", list(MODEL_CONFIGS), "models to soak (a recurrent one in the engine's default layout)")
 flags.DEFINE_list("stores", list(STORE_POLICIES), "store policies to soak")
 flags.DEFINE_list("policies", ["lru", "arc"], "host eviction policies, used by the configurations in turn")
 flags.DEFINE_integer("seed", 0, "workload and failure seed")
@@ -195,7 +192,11 @@ def plan_memory(model: str) -> tuple[int, int]:
     max_model_len requests' worth of blocks (plus the null block on device)."""
     specs = get_model_config(model).layer_specs()
     big = plan_kv_cache(
-        specs, 1 << 30, max_model_len=FLAGS.max_model_len, max_num_batched_tokens=FLAGS.max_num_batched_tokens
+        specs,
+        1 << 30,
+        max_model_len=FLAGS.max_model_len,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        state_layout=None,
     )
     per_request = sum(big.blocks_per_request())
     block_bytes = big.pages.block_bytes

@@ -1,6 +1,7 @@
-"""A reduced soak (scripts/soak.py): both tiny models, both store policies, LRU and ARC, a
-small device pool and host tier, random store and load failures; no leaks, and every
-request's tokens equal those of an engine without offload."""
+"""A reduced soak (scripts/soak.py): the tiny models (a recurrent one with its states in the
+KV pages), both store policies, LRU and ARC, a small device pool and host tier, random
+store and load failures; no leaks, and every request's tokens equal those of an engine
+without offload."""
 
 import json
 
@@ -10,7 +11,7 @@ from script_runs import run_script
 pytestmark = pytest.mark.subprocess  # runs scripts as a user would
 
 REDUCED = (
-    "--num_requests=40",
+    "--num_requests=48",
     "--batch_size=4",
     "--num_conversations=5",
     "--num_system_prompts=2",
@@ -45,11 +46,11 @@ def test_reduced_soak_leaks_nothing_and_keeps_the_tokens(tmp_path):
     report = json.loads(out.read_text())
     totals = report["totals"]
     assert report["ok"] and totals["errors"] == 0
-    assert totals["requests"] == 40 and totals["tokens_equal"] == 40
+    assert totals["requests"] == 48 and totals["tokens_equal"] == 48
     assert totals["device_blocks_leaked"] == 0 and totals["host_blocks_leaked"] == 0
     configs = report["configs"]
     assert {(c["model"], c["store"]) for c in configs} == {
-        (m, s) for m in ("tiny-llama", "tiny-hybrid") for s in ("on_eviction", "write_through")
+        (m, s) for m in ("tiny-llama", "tiny-hybrid", "tiny-qwen3-next") for s in ("on_eviction", "write_through")
     }
     assert {c["policy"] for c in configs} == {"lru", "arc"}
     # The reduced run still exercises what the soak is for: preemption, host hits and both kinds of fault.
