@@ -52,8 +52,8 @@ from jaxkv.errors import JaxkvError
 from jaxkv.metadata import Buckets
 from jaxkv.models.loading import load_model
 from jaxkv.models.tiny import DTYPES, model_names
-from jaxkv.planner import LAYOUTS, plan_kv_cache
-from jaxkv.serving.engine import Engine, GenerationResult, state_plan
+from jaxkv.planner import LAYOUTS
+from jaxkv.serving.engine import Engine, GenerationResult, plan_for_model
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, LogitCheck, compare_outputs
 from jaxkv.serving.workloads import shared_prefix_prompts
 from jaxkv.specs import cdiv
@@ -199,14 +199,16 @@ def main(argv: Sequence[str]) -> None:
         check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
         dtype = None if FLAGS.dtype == "auto" else FLAGS.dtype
         model, name, model_dtype = load_model(FLAGS.checkpoint, FLAGS.model, dtype=dtype, seed=FLAGS.seed)
-        specs = model.layer_specs()
-        config = plan_kv_cache(
-            specs,
+        config = plan_for_model(
+            model,
             memory,
             max_model_len=FLAGS.max_model_len,
             layout=FLAGS.layout,
             max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-            **state_plan(specs, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs),
+            head_dim_multiple=1,
+            state_layout=FLAGS.state_layout,
+            checkpoint_share=FLAGS.checkpoint_share,
+            max_num_seqs=FLAGS.max_num_seqs,
         )
     # PlanError, EngineError, ModelConfigError: listed until they subclass JaxkvError too.
     except JaxkvError as err:

@@ -90,13 +90,12 @@ from jaxkv.models.tiny import (  # noqa: E402
     get_model_config,
     model_names,
 )
-from jaxkv.planner import LAYOUTS, plan_kv_cache  # noqa: E402
+from jaxkv.planner import LAYOUTS  # noqa: E402
 from jaxkv.serving.engine import (  # noqa: E402
     Engine,
     GenerationResult,
     StepProgress,
-    resolve_head_dim_multiple,
-    state_plan,
+    plan_for_model,
 )
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, EXACT_DTYPES, compare_outputs  # noqa: E402
 from jaxkv.serving.workloads import shared_prefix_prompts  # noqa: E402
@@ -276,17 +275,18 @@ def serve() -> dict:
     num_devices = FLAGS.num_devices * jax.process_count()
     mesh = model_mesh(num_devices) if num_devices > 1 else None
     model, model_name, model_dtype = load_model(FLAGS.checkpoint, FLAGS.model, dtype=dtype, seed=FLAGS.seed, mesh=mesh)
-    specs = model.layer_specs()
-    config = plan_kv_cache(
-        specs,
+    config = plan_for_model(
+        model,
         memory,
         max_model_len=FLAGS.max_model_len,
         block_size=FLAGS.block_size,
         layout=FLAGS.layout,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-        head_dim_multiple=resolve_head_dim_multiple(FLAGS.head_dim_multiple),
+        head_dim_multiple=FLAGS.head_dim_multiple,
+        state_layout=FLAGS.state_layout,
+        checkpoint_share=FLAGS.checkpoint_share,
+        max_num_seqs=FLAGS.max_num_seqs,
         tensor_parallel=num_devices,
-        **state_plan(specs, FLAGS.state_layout, memory, FLAGS.checkpoint_share, FLAGS.max_num_seqs, num_devices),
     )
     backend = jax.default_backend()
     devices = f" x {num_devices} devices" if mesh is not None else ""
