@@ -403,6 +403,9 @@ def _unit_blocks(
             head = int(heads[which, i])
             if not head:
                 continue
+            if which and head == heads[0, i]:  # updated in place: the unit it read, already checked
+                out[1, i] = out[0, i]
+                continue
             blocks = np.asarray(unit_blocks(head), dtype=np.int64).reshape(-1)
             if len(blocks) != pages_per_state or ((blocks <= 0) | (blocks >= limit)).any():
                 raise BlockIdError(
