@@ -365,6 +365,55 @@ class KVCacheManager:
         request._holder = self
         return KVCacheBlocks(new_blocks)
 
+    def allocate_decode_slots(self, requests: Sequence[Request], num_lookahead_tokens: int = 0) -> int:
+        """One more slot (a decode step's token, plus lookahead) for each request, in order.
+
+        A decode batch in one call: what ``allocate_slots(request, 1, ...)`` does for each
+        held request, at a fraction of the per-call cost. Returns how many requests got
+        their slot: it stops at the first the pool cannot serve, which changes nothing,
+        so the caller preempts (e.g. the newest running request) and calls again from it.
+        """
+        self._owner.check()
+        if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
+            raise KVCacheManagerError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}")
+        for i, request in enumerate(requests):
+            if type(request) is Request and request._holder is self:
+                capacity, next_full, next_skip = request._thresholds
+                computed = request.num_computed_tokens
+                end = computed + 1
+                if end + num_lookahead_tokens <= capacity and end < next_full and computed < next_skip:
+                    continue
+            if self.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead_tokens) is None:
+                return i
+        return len(requests)
+
+    def append_token_ids(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None:
+        """Append one generated token to each request (``token_ids[i]`` to ``requests[i]``)
+        and hash the blocks that fill: a decode step's outputs in one call.
+
+        Checks everything first: a bad id or request raises a typed error naming it and
+        appends nothing. ``token_ids``: a list or 1-D array of ints.
+        """
+        self._owner.check()
+        ids = token_id_list(token_ids, "append_token_ids: token_ids")
+        if len(ids) != len(requests):
+            raise KVCacheManagerError(f"append_token_ids: {len(ids)} token ids for {len(requests)} requests")
+        key = self._hasher_key
+        caching = self.enable_caching
+        for request in requests:
+            if type(request) is not Request:
+                check_request(request)
+            if caching and request.block_hash_key is not key:
+                self.hash_request(request)  # claims it for this hasher, or refuses another's
+        size = self._hash_block_size
+        hasher = self.hasher
+        for request, token in zip(requests, ids, strict=True):
+            tokens = request._token_ids
+            tokens.append(token)
+            hashes = request.block_hashes
+            if caching and len(tokens) >= (len(hashes) + 1) * size:
+                hasher.extend(hashes, tokens, request.extra_keys)
+
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted)."""
         self._owner.check()

@@ -2,15 +2,19 @@
 
 One request stream drives jaxkv's :class:`~jaxkv.manager.KVCacheManager` and, when vLLM
 is importable, vLLM v1's ``KVCacheManager`` (same groups, block size and pool size)
-through the same small scheduler loop: FCFS admission up to ``max_running`` (a prefix
-lookup, then the rest of the prompt; admission stops at the first request that does not
-fit), one decode token per running request per step, and preemption of the newest
-running request when a decode cannot get its block (freed, reset to 0 computed tokens,
-back to the head of the queue). Timed per call: ``request`` (building the ``Request``
-and hashing its prompt: vLLM's hashes itself when built), ``lookup`` (``get_computed_blocks``),
-``alloc_prefill``, ``alloc_decode``, ``free``, and ``hash`` (appending a token, which
-hashes a newly full block: vLLM's ``Request`` does it inside
-``append_output_token_ids``, ours through ``manager.hash_request``). Garbage
+through the same small scheduler loop. Each step, the tokens the last step sampled are
+appended to every running request (those that reach their decode steps finish and are
+freed); then every running request gets one decode slot, in order, and when the pool
+cannot serve one the newest running request is preempted (freed, reset to 0 computed
+tokens, back to the head of the queue); then FCFS admission up to ``max_running`` (a
+prefix lookup, then the rest of the prompt; admission stops at the first request that
+does not fit). Each side makes the calls its own serving loop makes. Timed: ``request``
+(building the ``Request`` and hashing its prompt: vLLM's hashes itself when built),
+``lookup`` (``get_computed_blocks``), ``alloc_prefill``, ``alloc_decode`` (a step's decode
+slots: jaxkv's ``allocate_decode_slots``, one call per batch, vLLM's ``allocate_slots``
+per request, as its scheduler calls it), ``free``, and ``hash`` (a step's sampled tokens:
+jaxkv's ``append_token_ids``, one call per batch, vLLM's ``append_output_token_ids`` per
+request; both hash the blocks that fill). Garbage
 collection stays on for both. The two run alternately, ``--pairs`` times each, and every
 figure is the median over the pairs; the ratio is jaxkv / vLLM in this run.
 
@@ -149,9 +153,11 @@ class JaxkvSide:
     def allocate(self, req: Request, num_new: int, num_hit: int = 0, hit: object = None) -> object:
         return self.manager.allocate_slots(req, num_new, num_hit, hit)
 
-    def append(self, req: Request, token: int) -> None:
-        req.append_output_token_ids(token)
-        self.manager.hash_request(req)
+    def append(self, reqs: list[Request]) -> None:
+        self.manager.append_token_ids(reqs, [7] * len(reqs))
+
+    def allocate_decodes(self, reqs: list[Request], start: int) -> int:
+        return self.manager.allocate_decode_slots(reqs[start:] if start else reqs)
 
     def free(self, req: Request) -> None:
         self.manager.free(req)
@@ -214,8 +220,16 @@ class VllmSide:
     def allocate(self, req: object, num_new: int, num_hit: int = 0, hit: object = None) -> object:
         return self.manager.allocate_slots(req, num_new, num_hit, hit)
 
-    def append(self, req: object, token: int) -> None:
-        req.append_output_token_ids(token)
+    def append(self, reqs: list) -> None:
+        for req in reqs:
+            req.append_output_token_ids(7)
+
+    def allocate_decodes(self, reqs: list, start: int) -> int:
+        allocate = self.manager.allocate_slots
+        for k in range(start, len(reqs)):
+            if allocate(reqs[k], 1) is None:
+                return k - start
+        return len(reqs) - start
 
     def free(self, req: object) -> None:
         self.manager.free(req)
@@ -287,30 +301,26 @@ def run_loop(sides: Sequence, workload: Workload, times: list[dict[str, float]] 
     while waiting or running:
         step += 1
         preempted = False
+        if running:
+            # The last step's sampled tokens: one for every running request.
+            call("hash", lambda s, rs: s.append(rs), *[([reqs[i][k] for i in running],) for k in range(len(sides))])
+            for i in running:
+                generated[i] += 1
+            for i in [i for i in running if generated[i] >= workload.decode_steps]:
+                call("free", lambda s, r: s.free(r), *[(r,) for r in reqs[i]])
+            running = [i for i in running if generated[i] < workload.decode_steps]
         pos = 0
         while pos < len(running):
-            i = running[pos]
-            call("hash", lambda s, r: s.append(r, 7), *[(r,) for r in reqs[i]])
-            while True:
-                got = call("alloc_decode", lambda s, r: s.allocate(r, 1), *[(r,) for r in reqs[i]])
-                agree(f"decode of r{i}", [g is None for g in got])
-                if got[0] is not None:
-                    break
-                victim = running.pop()
-                preempt(victim)
+            batch = [[reqs[i][k] for i in running] for k in range(len(sides))]
+            served = call("alloc_decode", lambda s, rs, p: s.allocate_decodes(rs, p), *[(b, pos) for b in batch])
+            agree(f"decodes from r{running[pos]}", served)
+            for i in running[pos : pos + served[0]]:
+                for r in reqs[i]:
+                    r.num_computed_tokens += 1
+            pos += served[0]
+            if pos < len(running):
+                preempt(running.pop())
                 preempted = True
-                if victim == i:
-                    break
-            if got[0] is None:
-                continue
-            for r in reqs[i]:
-                r.num_computed_tokens += 1
-            generated[i] += 1
-            if generated[i] >= workload.decode_steps:
-                call("free", lambda s, r: s.free(r), *[(r,) for r in reqs[i]])
-                running.pop(pos)
-            else:
-                pos += 1
         while waiting and not preempted and len(running) < workload.max_running:
             i = waiting[0]
             found = call("lookup", lambda s, r: s.lookup(r), *[(r,) for r in reqs[i]])

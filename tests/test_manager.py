@@ -3,7 +3,10 @@
 import dataclasses
 import threading
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kv_configs import FULL, admit, make_config, make_manager, window
 
 from jaxkv.errors import JaxkvError, WrongThreadError
@@ -560,3 +563,107 @@ def test_a_state_checkpoint_of_the_open_step_is_not_a_hit_until_the_step_ends(to
         serve_prompt(mgr, Request("writer", tokens(0, 40)))  # caches its state at 32 in this step
         assert mgr.get_computed_blocks(Request("same-step", tokens(0, 40)))[1] == 0
     assert mgr.get_computed_blocks(Request("next-step", tokens(0, 40)))[1] == 32
+
+
+# ------------------------------------------------------------- decode batches
+def _decode_step_one_by_one(mgr: KVCacheManager, running: list[Request], token: int) -> list[Request]:
+    """A decode step through the per-request calls; returns the requests preempted."""
+    for req in running:
+        req.append_output_token_ids(token)
+    preempted = []
+    pos = 0
+    while pos < len(running):
+        if mgr.allocate_slots(running[pos], 1) is None:
+            victim = running.pop()
+            mgr.free(victim)
+            victim.num_computed_tokens = 0
+            preempted.append(victim)
+            continue
+        running[pos].num_computed_tokens += 1
+        pos += 1
+    return preempted
+
+
+def _decode_step_batched(mgr: KVCacheManager, running: list[Request], token: int) -> list[Request]:
+    """The same step through append_token_ids and allocate_decode_slots."""
+    mgr.append_token_ids(running, [token] * len(running))
+    preempted = []
+    pos = 0
+    while pos < len(running):
+        served = mgr.allocate_decode_slots(running[pos:])
+        for req in running[pos : pos + served]:
+            req.num_computed_tokens += 1
+        pos += served
+        if pos < len(running):
+            victim = running.pop()
+            mgr.free(victim)
+            victim.num_computed_tokens = 0
+            preempted.append(victim)
+    return preempted
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    model=st.sampled_from(["full", "full+window", "windows+full", "full+state pool"]),
+    num_blocks=st.integers(12, 60),
+    prompt_lens=st.lists(st.integers(1, 70), min_size=1, max_size=8),
+    steps=st.integers(1, 40),
+)
+def test_a_decode_batch_decides_exactly_like_one_call_per_request(model, num_blocks, prompt_lens, steps):
+    """Same blocks, same cache, same preemptions, step by step, under memory pressure too."""
+    models = {
+        "full": lambda: make_manager(num_blocks, FULL),
+        "full+window": lambda: make_manager(num_blocks, FULL, window(32)),
+        "windows+full": lambda: make_manager(num_blocks, window(48), window(48), FULL),
+        "full+state pool": lambda: state_pool_manager(num_blocks, 6),
+    }
+    sides = []
+    for step_fn in (_decode_step_one_by_one, _decode_step_batched):
+        mgr = models[model]()
+        reqs = [Request(f"r{i}", [1000 + i % 2] * 20 + list(range(n))) for i, n in enumerate(prompt_lens)]
+        sides.append((mgr, reqs, [r for r in reqs if admit(mgr, r)[2] is not None], step_fn))
+    for step in range(steps):
+        seen = []
+        for mgr, reqs, running, step_fn in sides:
+            preempted = [r.request_id for r in step_fn(mgr, running, 7 + step)]
+            blocks = {r.request_id: mgr.get_block_ids(r.request_id) for r in running}
+            seen.append((preempted, blocks, [r.all_token_ids[:] for r in reqs], pool_state(mgr)))
+        assert seen[0] == seen[1]
+
+
+def test_a_decode_batch_stops_at_the_first_request_the_pool_cannot_serve(tokens):
+    mgr = make_manager(4, FULL)
+    a, b = Request("a", tokens(0, 16)), Request("b", tokens(100, 16))
+    admit(mgr, a)
+    admit(mgr, b)
+    mgr.append_token_ids([a, b], [5, 6])
+    assert a.all_token_ids[-1] == 5 and b.all_token_ids[-1] == 6
+    assert mgr.allocate_decode_slots([a, b]) == 1  # a takes the last free block
+    before = pool_state(mgr)
+    assert mgr.allocate_decode_slots([b]) == 0
+    assert pool_state(mgr) == before and mgr.get_block_ids("b") == ([2],)
+
+
+def test_a_bad_token_in_a_batch_appends_nothing_to_any_request(tokens):
+    mgr = make_manager(11, FULL)
+    a, b = Request("a", tokens(0, 15)), Request("b", tokens(100, 15))
+    admit(mgr, a)
+    admit(mgr, b)
+    for bad, match in ((-1, "token id -1"), (2**31, "outside"), (1.5, "1.5"), (True, "True")):
+        with pytest.raises(KVCacheManagerError, match=match):
+            mgr.append_token_ids([a, b], [3, bad])
+    with pytest.raises(KVCacheManagerError, match="1 token ids for 2 requests"):
+        mgr.append_token_ids([a, b], [3])
+    with pytest.raises(KVCacheManagerError, match="expected a jaxkv.manager.Request"):
+        mgr.append_token_ids([a, "b"], [3, 4])
+    assert a.num_tokens == b.num_tokens == 15 and a.block_hashes == b.block_hashes == []
+    mgr.append_token_ids([a, b], np.array([3, 4]))
+    assert a.all_token_ids[-1] == 3 and len(a.block_hashes) == 1
+
+
+def test_a_decode_batch_refuses_a_bad_lookahead(tokens):
+    mgr = make_manager(11, FULL)
+    a = Request("a", tokens(0, 15))
+    admit(mgr, a)
+    with pytest.raises(KVCacheManagerError, match="num_lookahead_tokens must be an int >= 0, got -1"):
+        mgr.allocate_decode_slots([a], -1)
