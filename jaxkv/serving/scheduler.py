@@ -21,6 +21,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import NamedTuple, Protocol
 
 from jaxkv.errors import JaxkvError
@@ -196,6 +197,15 @@ class Scheduler:
         preempted: list[SeqState] = []
         i = 0
         while i < len(self.running) and budget > 0:
+            decoding = self._decode_run(i, budget)
+            if decoding:  # one call for the run of decodes; a request it cannot serve goes below
+                served = self.manager.allocate_decode_slots(decoding)
+                for seq in self.running[i : i + served]:
+                    self._add_chunk(seq, 1, decodes, prefills)
+                budget -= served
+                i += served
+                if served == len(decoding):
+                    continue
             seq = self.running[i]
             req = seq.request
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -218,6 +228,17 @@ class Scheduler:
             raise PoolTooSmallError(message)
         self.num_scheduled_tokens += self.max_num_batched_tokens - budget
         return SchedulerOutput(tuple(decodes + prefills), tuple(preempted))
+
+    def _decode_run(self, start: int, budget: int) -> list[Request]:
+        """The requests of the running ones from ``start`` on that each decode one token
+        this step, up to the first that does not (or ``budget`` of them)."""
+        run = []
+        for seq in islice(self.running, start, start + budget):
+            req = seq.request
+            if req.num_tokens - req.num_computed_tokens != 1:
+                break
+            run.append(req)
+        return run
 
     def _add_chunk(self, seq: SeqState, n: int, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> None:
         """Record ``n`` tokens of ``seq`` as a decode (one token) or a prefill chunk."""
@@ -294,16 +315,17 @@ class Scheduler:
         if len(sampled) < len(output.chunks):
             raise SchedulerError(f"got {len(sampled)} sampled tokens for {len(output.chunks)} scheduled chunks")
         limit = self.manager.max_model_len
-        done = []
+        sampling: list[SeqState] = []
+        tokens = []
         for chunk, token in zip(output.chunks, sampled, strict=True):
-            seq = chunk.seq
-            req = seq.request
-            req.num_computed_tokens += chunk.num_new_tokens
-            if not chunk.samples:
-                continue
-            req.append_output_token_ids(int(token))
-            if seq.num_output_tokens >= seq.max_new_tokens or req.num_tokens >= limit:
-                done.append(seq)
+            chunk.seq.request.num_computed_tokens += chunk.num_new_tokens
+            if chunk.samples:
+                sampling.append(chunk.seq)
+                tokens.append(token)
+        self.manager.append_token_ids([seq.request for seq in sampling], tokens)
+        done = [
+            seq for seq in sampling if seq.num_output_tokens >= seq.max_new_tokens or seq.request.num_tokens >= limit
+        ]
         if done:
             for seq in done:
                 self.manager.free(seq.request)
