@@ -561,25 +561,27 @@ class BlockHasher:
         """Hash `count` consecutive blocks held in `data` (int32 bytes) from byte `start`
         on, block `first` on."""
         step = self._step
-        offsets = range(start, start + count * step, step)
         p = parent
         if self._cbor:
             sha256 = hashlib.sha256
+            offsets = range(start, start + count * step, step)
             return [
                 p := sha256(self._cbor_message(p, data, i, first + k, extra)).digest() for k, i in enumerate(offsets)
             ]
+        # One unpack cuts every block's bytes (~60 ns a block cheaper than slicing each).
+        blocks = struct.unpack_from(f"{step}s" * count, data, start)
         if extra._empty:  # type: ignore[attr-defined]
             if self._is_sha256:
                 sha256 = hashlib.sha256
-                return [p := sha256(p + data[i : i + step]).digest() for i in offsets]
+                return [p := sha256(p + b).digest() for b in blocks]
             xxh3 = _xxh3
-            return [p := xxh3(p + data[i : i + step]) for i in offsets]
+            return [p := xxh3(p + b) for b in blocks]
         suffixes = extra.block_extras(self._block_size, first, count)
         if self._is_sha256:
             sha256 = hashlib.sha256
-            return [p := sha256(p + data[i : i + step] + s).digest() for i, s in zip(offsets, suffixes, strict=True)]
+            return [p := sha256(p + b + s).digest() for b, s in zip(blocks, suffixes, strict=True)]
         xxh3 = _xxh3
-        return [p := xxh3(p + data[i : i + step] + s) for i, s in zip(offsets, suffixes, strict=True)]
+        return [p := xxh3(p + b + s) for b, s in zip(blocks, suffixes, strict=True)]
 
     def _cbor_message(self, parent: bytes, data: bytes, offset: int, index: int, extra: ExtraKeys) -> bytes:
         """sha256_cbor's message for block ``index``, its ids at ``data[offset:]``."""
