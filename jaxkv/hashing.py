@@ -394,13 +394,17 @@ def _pack_list(chunk: Sequence[int], lo: int, packer: struct.Struct) -> bytes:
         data = packer.pack(*chunk) if packer.size == 4 * n else struct.pack(f"<{n}I", *chunk)
     except struct.error:
         raise _bad_token(chunk, lo) from None
-    if n <= _ASCII_SIGN_CHECK_MAX:
-        too_big = not data[3::4].isascii()
-    else:
-        too_big = bool(np.frombuffer(data, dtype="<i4").min() < 0)
-    if too_big:
+    if _top_bit_set(data, 0, len(data)):
         raise _bad_token(chunk, lo)
     return data
+
+
+def _top_bit_set(data: bytes, lo: int, hi: int) -> bool:
+    """Whether an id in ``data[lo:hi]`` (little-endian 32-bit) is >= 2**31: the high bit of
+    every 4th byte, so int32 and uint32 bytes agree."""
+    if hi - lo <= 4 * _ASCII_SIGN_CHECK_MAX:
+        return not data[lo + 3 : hi : 4].isascii()
+    return bool(np.frombuffer(data, dtype="<i4", count=(hi - lo) // 4, offset=lo).min() < 0)
 
 
 class BlockHasher:
@@ -459,16 +463,7 @@ class BlockHasher:
         count = len(token_ids) // self._block_size - first
         if count <= 0:
             return 0
-        if type(extra) is not ExtraKeys:
-            raise InvalidExtraKeysError(f"extra must be an ExtraKeys, got {extra!r}")
-        if first:
-            parent = hashes[-1]
-            if type(parent) is not bytes or len(parent) != self._digest_size:
-                raise InvalidBlockError(
-                    f"hashes[-1] must be a {self._digest_size}-byte {self._algo} digest, got {parent!r}"
-                )
-        else:
-            parent = self._root
+        parent = self._parent(hashes, extra)
         bs = self._block_size
         lo = first * bs
         if count == 1 and type(token_ids) is list and not self._cbor:  # the decode path: one new block
@@ -478,8 +473,40 @@ class BlockHasher:
             hashes.append(hashlib.sha256(message).digest() if self._is_sha256 else _xxh3(message))
             return 1
         data = _token_bytes(token_ids, lo, lo + count * bs, self._packer)
-        hashes.extend(self._chain(parent, data, first, count, extra))
+        hashes.extend(self._chain(parent, data, 0, first, count, extra))
         return count
+
+    def extend_bytes(self, hashes: list[bytes], token_bytes: bytes, extra: ExtraKeys = NO_EXTRA_KEYS) -> int:
+        """:meth:`extend` for token ids already packed as little-endian int32 (4 bytes an
+        id, as the hash serializes them): a prompt packed once when it was checked is
+        hashed without packing it again. Ids >= 2**31 raise InvalidTokenIdError."""
+        if type(token_bytes) is not bytes or len(token_bytes) % 4:
+            raise InvalidTokenIdError(f"token_bytes must be bytes of 4 per id, got {token_bytes!r:.80}")
+        first = len(hashes)
+        step = self._step
+        count = len(token_bytes) // step - first
+        if count <= 0:
+            return 0
+        parent = self._parent(hashes, extra)
+        lo = first * step
+        hi = lo + count * step
+        if _top_bit_set(token_bytes, lo, hi):
+            raise _bad_token(struct.unpack_from(f"<{(hi - lo) // 4}I", token_bytes, lo), lo // 4)
+        hashes.extend(self._chain(parent, token_bytes, lo, first, count, extra))
+        return count
+
+    def _parent(self, hashes: list[bytes], extra: ExtraKeys) -> bytes:
+        """The parent of the next block of ``hashes``, once ``extra`` and the last hash are checked."""
+        if type(extra) is not ExtraKeys:
+            raise InvalidExtraKeysError(f"extra must be an ExtraKeys, got {extra!r}")
+        if not hashes:
+            return self._root
+        parent = hashes[-1]
+        if type(parent) is not bytes or len(parent) != self._digest_size:
+            raise InvalidBlockError(
+                f"hashes[-1] must be a {self._digest_size}-byte {self._algo} digest, got {parent!r}"
+            )
+        return parent
 
     def hash_block(
         self,
@@ -491,7 +518,7 @@ class BlockHasher:
         """Hash one full block: `parent` is the previous block's hash, None for block 0
         (then block_index must be 0, and only then)."""
         parent, data = self._check_block(parent, block_token_ids, block_index, extra)
-        return self._chain(parent, data, block_index, 1, extra)[0]
+        return self._chain(parent, data, 0, block_index, 1, extra)[0]
 
     def serialize_block(
         self,
@@ -530,28 +557,31 @@ class BlockHasher:
             raise InvalidBlockError(f"a block has {self._block_size} tokens, got {len(block_token_ids)}")
         return parent, _token_bytes(block_token_ids, 0, self._block_size, self._packer)
 
-    def _chain(self, parent: bytes, data: bytes, first: int, count: int, extra: ExtraKeys) -> list[bytes]:
-        """Hash `count` consecutive blocks held in `data` (int32 bytes), block `first` on."""
+    def _chain(self, parent: bytes, data: bytes, start: int, first: int, count: int, extra: ExtraKeys) -> list[bytes]:
+        """Hash `count` consecutive blocks held in `data` (int32 bytes) from byte `start`
+        on, block `first` on."""
         step = self._step
-        offsets = range(0, count * step, step)
         p = parent
         if self._cbor:
             sha256 = hashlib.sha256
+            offsets = range(start, start + count * step, step)
             return [
                 p := sha256(self._cbor_message(p, data, i, first + k, extra)).digest() for k, i in enumerate(offsets)
             ]
+        # One unpack cuts every block's bytes (~60 ns a block cheaper than slicing each).
+        blocks = struct.unpack_from(f"{step}s" * count, data, start)
         if extra._empty:  # type: ignore[attr-defined]
             if self._is_sha256:
                 sha256 = hashlib.sha256
-                return [p := sha256(p + data[i : i + step]).digest() for i in offsets]
+                return [p := sha256(p + b).digest() for b in blocks]
             xxh3 = _xxh3
-            return [p := xxh3(p + data[i : i + step]) for i in offsets]
+            return [p := xxh3(p + b) for b in blocks]
         suffixes = extra.block_extras(self._block_size, first, count)
         if self._is_sha256:
             sha256 = hashlib.sha256
-            return [p := sha256(p + data[i : i + step] + s).digest() for i, s in zip(offsets, suffixes, strict=True)]
+            return [p := sha256(p + b + s).digest() for b, s in zip(blocks, suffixes, strict=True)]
         xxh3 = _xxh3
-        return [p := xxh3(p + data[i : i + step] + s) for i, s in zip(offsets, suffixes, strict=True)]
+        return [p := xxh3(p + b + s) for b, s in zip(blocks, suffixes, strict=True)]
 
     def _cbor_message(self, parent: bytes, data: bytes, offset: int, index: int, extra: ExtraKeys) -> bytes:
         """sha256_cbor's message for block ``index``, its ids at ``data[offset:]``."""

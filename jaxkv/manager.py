@@ -477,6 +477,8 @@ class KVCacheManager:
                 )
         tokens = request._token_ids
         if len(tokens) >= (len(request.block_hashes) + 1) * self._hash_block_size:  # a new full block
+            # The prompt's blocks from the bytes its check packed, then any later ones.
+            self.hasher.extend_bytes(request.block_hashes, request._prompt_bytes, request.extra_keys)
             self.hasher.extend(request.block_hashes, tokens, request.extra_keys)
 
     def _external_hits(self, hits: tuple[Sequence[int], ...] | None, total_computed: int) -> tuple[list[int], ...]:

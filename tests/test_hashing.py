@@ -249,6 +249,43 @@ def test_decode_one_token_at_a_time(algo):
     assert hashes == hashes_of(hasher, stream, extra) and len(hashes) == 12
 
 
+@given(
+    algo=st.sampled_from([*HASH_ALGORITHMS, "sha256_cbor"]),
+    block_size=st.integers(1, 8),
+    tokens=st.lists(small_tokens, max_size=80),
+    cut=st.integers(0, 80),
+    salt=st.sampled_from([None, "", "s"]),
+)
+def test_packed_ids_hash_like_the_list_and_the_list_goes_on_from_them(algo, block_size, tokens, cut, salt):
+    hasher = BlockHasher(block_size, algo, seed="k")
+    extra = ExtraKeys(cache_salt=salt)
+    hashes: list[bytes] = []
+    packed = np.asarray(tokens[:cut], "<i4").tobytes()
+    assert hasher.extend_bytes(hashes, packed, extra) == min(cut, len(tokens)) // block_size
+    assert hasher.extend_bytes(hashes, packed, extra) == 0
+    hasher.extend(hashes, tokens, extra)
+    assert hashes == hashes_of(hasher, tokens, extra)
+
+
+def test_packed_ids_are_checked_and_a_refusal_changes_nothing():
+    hasher = BlockHasher(4)
+    hashes = hashes_of(hasher, list(range(8)))
+    before = list(hashes)
+    packed = struct.pack("<12I", *range(10), 2**31, 11)
+    with pytest.raises(InvalidTokenIdError, match=r"2147483648 at position 10 ") as info:
+        hasher.extend_bytes(hashes, packed)
+    assert info.value.position == 10
+    for bad in (packed[:-1], bytearray(packed), list(range(12))):
+        with pytest.raises(InvalidTokenIdError, match="4 per id"):
+            hasher.extend_bytes(hashes, bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidExtraKeysError):
+        hasher.extend_bytes(hashes, struct.pack("<12I", *range(12)), "salt")  # type: ignore[arg-type]
+    assert hashes == before
+    big = struct.pack("<5000I", *range(4999), 2**32 - 1)
+    with pytest.raises(InvalidTokenIdError, match="4294967295 at position 4999 "):
+        hasher.extend_bytes([], big)
+
+
 # --- extra keys -----------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jaxkv.hashing import BlockHasher, ExtraKeys
 from jaxkv.manager_errors import KVCacheManagerError
 from jaxkv.request import Request, token_id_list
 
@@ -70,3 +71,24 @@ def test_the_token_view_reads_like_a_list_but_cannot_be_edited_or_hashed():
         view[0] = 1
     with pytest.raises(TypeError, match="unhashable"):
         hash(view)
+
+
+def test_a_prompt_hashes_the_same_whichever_way_its_ids_were_checked():
+    prompt = list(range(100, 2700))
+    bulk, one_by_one = Request("a", prompt), Request("b", [np.int64(t) for t in prompt])
+    assert bulk._prompt_bytes == np.asarray(prompt, "<i4").tobytes() and one_by_one._prompt_bytes == b""
+    hasher = BlockHasher(16)
+    for req in (bulk, one_by_one):
+        req.append_output_token_ids(list(range(30)))
+        hasher.extend_bytes(req.block_hashes, req._prompt_bytes)
+        hasher.extend(req.block_hashes, req._token_ids)
+    expected: list[bytes] = []
+    hasher.extend(expected, prompt + list(range(30)))
+    assert bulk.block_hashes == one_by_one.block_hashes == expected and len(expected) == 164
+
+
+def test_the_prompt_stays_a_tuple_as_outputs_arrive():
+    req = Request("x", (5, 6, 7), cache_salt="s")
+    req.append_output_token_ids([8, 9])
+    assert req.prompt_token_ids == (5, 6, 7) and req.extra_keys.cache_salt == "s"
+    assert Request("y", [5]).extra_keys == ExtraKeys()
