@@ -6,7 +6,7 @@ import logging
 import pytest
 from kv_configs import FULL, make_config, make_manager, window
 
-from jaxkv.manager import KVCacheManager, Request
+from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request
 from jaxkv.planner import StatePool
 from jaxkv.serving.scheduler import (
     DuplicateRequestIdError,
@@ -211,3 +211,18 @@ def test_prefill_chunks_end_at_recurrent_state_checkpoints(tokens):
     assert shape(step(sched)) == [("a", 96, 4)]
     sched.add_request(Request("b", tokens(0, 96) + tokens(900, 20)), 2)
     assert shape(step(sched)) == [("a", 100, 1), ("b", 96, 16)], "b starts from a's checkpoint"
+
+
+def test_a_bad_sampled_token_is_refused_and_changes_nothing():
+    mgr = make_manager(20, FULL)
+    sched = Scheduler(mgr, max_num_batched_tokens=512)
+    a = sched.add_request(Request("a", range(40)), 5)
+    b = sched.add_request(Request("b", range(100, 120)), 5)
+    out = sched.schedule()
+    with pytest.raises(KVCacheManagerError, match="token id -3"):
+        sched.update(out, [7, -3])
+    assert [s.request.num_tokens for s in (a, b)] == [40, 20]
+    assert [s.request.num_computed_tokens for s in (a, b)] == [0, 0]
+    sched.update(out, [7, 8])
+    assert a.request.all_token_ids[-1] == 7 and b.request.all_token_ids[-1] == 8
+    assert [s.request.num_computed_tokens for s in (a, b)] == [40, 20]

@@ -318,11 +318,12 @@ class Scheduler:
         sampling: list[SeqState] = []
         tokens = []
         for chunk, token in zip(output.chunks, sampled, strict=True):
-            chunk.seq.request.num_computed_tokens += chunk.num_new_tokens
             if chunk.samples:
                 sampling.append(chunk.seq)
                 tokens.append(token)
-        self.manager.append_token_ids([seq.request for seq in sampling], tokens)
+        self.manager.append_token_ids([seq.request for seq in sampling], tokens)  # a bad token: nothing changes
+        for chunk in output.chunks:
+            chunk.seq.request.num_computed_tokens += chunk.num_new_tokens
         done = [
             seq for seq in sampling if seq.num_output_tokens >= seq.max_new_tokens or seq.request.num_tokens >= limit
         ]
