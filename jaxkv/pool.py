@@ -376,6 +376,15 @@ class BlockPool:
             free.remove(b)
         free.prepend(moved)
 
+    def promote(self, block_ids: Iterable[int]) -> None:
+        """Move the unreferenced ones among these blocks to the free queue's tail: still
+        cached, and the last to be handed out (a shared state checkpoint a hit passed through)."""
+        free = self._free
+        moved = [b for b in block_ids if b in free]
+        for b in moved:
+            free.remove(b)
+        free.append(moved)
+
     def count_newly_freed(self, block_ids: Iterable[int]) -> int:
         """How many of these (distinct) blocks one ``free_blocks`` call would return to the queue."""
         ref_cnt = self.ref_cnt

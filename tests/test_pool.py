@@ -257,6 +257,20 @@ def test_demoted_free_blocks_go_first_and_stay_cached():
     assert pool.get_new_blocks(1) == [3] and not pool.is_cached(3)
 
 
+def test_promoted_free_blocks_go_last_and_held_ones_stay_held():
+    pool = BlockPool(6)
+    ids = pool.get_new_blocks(3)
+    pool.cache_blocks(0, ids, [h(1), h(2), h(3)], 0, 3)
+    pool.free_blocks(ids[:2])
+    pool.promote([1, 3])  # block 1 is free; block 3 is held and is left alone
+    assert pool.free_block_ids() == [4, 5, 2, 1] and pool.ref_cnt[3] == 1
+    head = pool.get_new_unit(2)
+    pool.cache_blocks(0, [head], [h(9)], 0, 1)
+    pool.free_blocks([head])
+    pool.promote([2])
+    assert pool.free_block_ids() == [1, head, 2] and pool.num_free_blocks == 4, "a unit keeps its blocks counted"
+
+
 def test_a_freed_cached_unit_queues_by_its_head_and_leaves_whole():
     pool = BlockPool(10)
     head = pool.get_new_unit(3)
@@ -295,7 +309,11 @@ def test_a_reset_dissolves_free_units_and_keeps_every_block():
 @settings(max_examples=80, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["take", "unit", "free", "cache", "touch", "evict"]), st.integers(0, 5)), max_size=60
+        st.tuples(
+            st.sampled_from(["take", "unit", "free", "cache", "touch", "evict", "demote", "promote"]),
+            st.integers(0, 5),
+        ),
+        max_size=60,
     )
 )
 def test_random_operations_with_units_account_for_every_block(ops):
@@ -317,6 +335,8 @@ def test_random_operations_with_units_account_for_every_block(ops):
             held.append(b)
         elif op == "evict" and pool.cached[0]:
             pool.evict_blocks([sorted(pool.cached[0].values())[k % len(pool.cached[0])]])
+        elif op in ("demote", "promote"):
+            getattr(pool, op)([k + 1, k + 2])
         in_use = {m for b in set(held) for m in pool.unit_blocks(b)}
         assert pool.num_free_blocks + len(in_use) == 15
         free = pool.free_block_ids()
