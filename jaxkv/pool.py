@@ -223,19 +223,21 @@ class BlockPool:
 
     def _take_dissolving(self, n: int) -> list[int]:
         """:meth:`_take` where popped heads of free units bring their other blocks along
-        (the unit dissolves); blocks beyond ``n`` go back to the queue's head."""
+        (the unit dissolves); blocks beyond ``n`` go back to the queue's head. Entries are
+        popped one by one: a unit head covers many blocks, so popping ``n`` entries at once
+        would evict every state among them to hand out ``n`` blocks."""
         out: list[int] = []
         units = self._units
         ref_cnt = self.ref_cnt
         while len(out) < n:
-            for b in self._take(min(n - len(out), len(self._free) + len(self._retained))):
-                out.append(b)
-                members = units.pop(b, None)
-                if members:
-                    self._unit_free -= len(members)
-                    for m in members:
-                        ref_cnt[m] = 1
-                    out.extend(members)
+            (b,) = self._take(1)
+            out.append(b)
+            members = units.pop(b, None)
+            if members:
+                self._unit_free -= len(members)
+                for m in members:
+                    ref_cnt[m] = 1
+                out.extend(members)
         if len(out) > n:
             extra = out[n:]
             del out[n:]

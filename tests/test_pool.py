@@ -284,6 +284,17 @@ def test_a_freed_cached_unit_queues_by_its_head_and_leaves_whole():
     assert pool.cached[0] == {} and pool.free_block_ids() == [3] and pool.num_free_blocks == 1
 
 
+def test_taking_blocks_dissolves_only_the_units_it_needs():
+    pool = BlockPool(8)
+    first, second = pool.get_new_unit(3), pool.get_new_unit(3)
+    pool.cache_blocks(0, [first, second], [h(1), h(2)], 0, 2)
+    pool.free_blocks([first, second])
+    pool.demote([first, second])  # both states at the head, the first in front
+    assert pool.get_new_blocks(2) == [first, first + 1]
+    assert pool.cached[0] == {h(2): second}, "the second state is not evicted for blocks the first covers"
+    assert pool.free_block_ids()[:2] == [first + 2, second] and pool.num_free_blocks == 5
+
+
 def test_a_freed_uncached_unit_dissolves_to_the_head_and_a_hit_on_a_free_unit_takes_all_its_blocks():
     pool = BlockPool(8)
     live = pool.get_new_unit(3)
