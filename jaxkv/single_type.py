@@ -490,7 +490,7 @@ class StatePoolManager(MambaManager):
         # hit resumed from: superseded once the request caches its own.
         self._continuations: dict[int, bytes] = {}
         self.resumed: dict[str, tuple[int, bytes]] = {}
-        # Per request that adopted a hit and has not cached since: the hit's blocks.
+        # Per request that adopted a hit and has not cached since: the hit's length in blocks.
         self._hit_blocks: dict[str, int] = {}
 
     def add_hit_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:

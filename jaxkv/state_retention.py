@@ -12,7 +12,10 @@ longer complete any hit, and it should be evicted before data that can:
 The attention pool's LRU evicts a chain's last blocks first, so a partly evicted chain
 is cut back to a checkpoint at once instead of lingering as blocks no hit can use.
 Chains are followed through each cached block's predecessor (recorded when the block
-is cached, checked against the pool before use, since blocks are reused).
+is cached, checked against the pool before use, since blocks are reused). The same
+records answer whether a cached chain goes on after a prefix (:meth:`branches_after`):
+only there does a request whose attention matched further than its hit checkpoint
+that junction for later requests (a request extending a chain at its end does not).
 """
 
 from __future__ import annotations
