@@ -59,7 +59,11 @@ class CoordinatorError(JaxkvError, ValueError):
 
 class PrefixHit(NamedTuple):
     """A prefix-cache lookup: blocks per group, the hit length in tokens, and ``reach``:
-    how many tokens full attention alone matched (at least ``length``)."""
+    how many tokens full attention alone matched (at least ``length``). With state
+    checkpoints, ``reach`` counts past ``length`` only at a *branch point*: where a cached
+    chain goes on with other tokens, so later requests are expected to share the prefix
+    up to there. A request that extends a cached chain at its end (a chat turn whose
+    previous turn's state was evicted) gets ``reach == length``."""
 
     blocks: tuple[list[int], ...]
     length: int
@@ -287,7 +291,13 @@ class KVCacheCoordinator:
             for t, hit in zip(self.types, found, strict=True):
                 for g, ids in zip(t.group_ids, hit.block_ids, strict=True):
                     blocks[g] = [0] * hit.first_real + ids
-        return PrefixHit(tuple(blocks), length, length if reach is None else reach)
+        if reach is None or (
+            reach > length
+            and self._retention is not None
+            and not self._retention.branches_after(block_hashes[reach // self.hash_block_size - 1])
+        ):
+            reach = length
+        return PrefixHit(tuple(blocks), length, reach)
 
     def _unwritten_state(self, found: Sequence[CacheHit]) -> bool:
         """Whether a recurrent group's hit ends on a state the open step has yet to write."""

@@ -223,19 +223,21 @@ class BlockPool:
 
     def _take_dissolving(self, n: int) -> list[int]:
         """:meth:`_take` where popped heads of free units bring their other blocks along
-        (the unit dissolves); blocks beyond ``n`` go back to the queue's head."""
+        (the unit dissolves); blocks beyond ``n`` go back to the queue's head. Entries are
+        popped one by one: a unit head covers many blocks, so popping ``n`` entries at once
+        would evict every state among them to hand out ``n`` blocks."""
         out: list[int] = []
         units = self._units
         ref_cnt = self.ref_cnt
         while len(out) < n:
-            for b in self._take(min(n - len(out), len(self._free) + len(self._retained))):
-                out.append(b)
-                members = units.pop(b, None)
-                if members:
-                    self._unit_free -= len(members)
-                    for m in members:
-                        ref_cnt[m] = 1
-                    out.extend(members)
+            (b,) = self._take(1)
+            out.append(b)
+            members = units.pop(b, None)
+            if members:
+                self._unit_free -= len(members)
+                for m in members:
+                    ref_cnt[m] = 1
+                out.extend(members)
         if len(out) > n:
             extra = out[n:]
             del out[n:]
@@ -375,6 +377,15 @@ class BlockPool:
         for b in moved:
             free.remove(b)
         free.prepend(moved)
+
+    def promote(self, block_ids: Iterable[int]) -> None:
+        """Move the unreferenced ones among these blocks to the free queue's tail: still
+        cached, and the last to be handed out (a shared state checkpoint a hit passed through)."""
+        free = self._free
+        moved = [b for b in block_ids if b in free]
+        for b in moved:
+            free.remove(b)
+        free.append(moved)
 
     def count_newly_freed(self, block_ids: Iterable[int]) -> int:
         """How many of these (distinct) blocks one ``free_blocks`` call would return to the queue."""

@@ -473,7 +473,9 @@ class StatePoolManager(MambaManager):
     to hit) stay in queue order; of the request's own continuation checkpoints (its
     prompt's end, then each block boundary it decodes through) only the newest does: an
     older one is superseded (the next turn of a chat resumes from the newest) and is
-    demoted to be evicted first.
+    demoted to be evicted first. A hit that resumes past a shared checkpoint passes
+    through it: that checkpoint is requeued as recently used, as the hit's attention
+    blocks are (the system prompt's state stays as warm as the system prompt's KV).
     """
 
     def __init__(
@@ -488,6 +490,8 @@ class StatePoolManager(MambaManager):
         # hit resumed from: superseded once the request caches its own.
         self._continuations: dict[int, bytes] = {}
         self.resumed: dict[str, tuple[int, bytes]] = {}
+        # Per request that adopted a hit and has not cached since: the hit's length in blocks.
+        self._hit_blocks: dict[str, int] = {}
 
     def add_hit_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Adopt a hit; remember the checkpoint it resumes from if that is another request's continuation."""
@@ -496,6 +500,21 @@ class StatePoolManager(MambaManager):
         h = self._continuations.get(state)
         if h is not None and self.pool.is_cached_as(state, self.group_id, h):
             self.resumed[request_id] = (state, h)
+        if len(block_ids) > 1:
+            self._hit_blocks[request_id] = len(block_ids)
+
+    def _promote_passed_checkpoints(self, hashes: Sequence[bytes], num_blocks: int) -> None:
+        """Requeue as recently used the shared checkpoints cached before block ``num_blocks - 1``
+        of the chain ``hashes`` (those a hit ending there passed through)."""
+        (cached,) = self.pool.hash_maps((self.group_id,))
+        continuations = self._continuations
+        passed = []
+        for h in hashes[: num_blocks - 1]:
+            b = cached.get(h)
+            if b is not None and continuations.get(b) != h:
+                passed.append(b)
+        if passed:
+            self.pool.promote(passed)
 
     def set_checkpoints(self, request_id: str, shared: Iterable[int], num_prompt_tokens: int) -> None:
         """The request's checkpoint positions (block multiples): ``shared`` ones, and its
@@ -546,7 +565,11 @@ class StatePoolManager(MambaManager):
         lora_name: str | None,
     ) -> None:
         """Cache the newest state when it sits on one of the request's checkpoint positions;
-        a new continuation checkpoint demotes the previous one."""
+        a new continuation checkpoint demotes the previous one. The first call after a hit
+        requeues the shared checkpoints the hit passed through."""
+        num_hit_blocks = self._hit_blocks.pop(request_id, 0)
+        if num_hit_blocks:
+            self._promote_passed_checkpoints(hashes, num_hit_blocks)
         end = num_tokens // self.block_size
         if end <= self.num_cached.get(request_id, 0):
             return
@@ -580,6 +603,7 @@ class StatePoolManager(MambaManager):
         self.checkpoints.pop(request_id, None)
         self.continuation.pop(request_id, None)
         self.resumed.pop(request_id, None)
+        self._hit_blocks.pop(request_id, None)
         return super().release(request_id)
 
 

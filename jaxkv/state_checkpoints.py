@@ -17,9 +17,10 @@ class CheckpointPolicy:
     """The checkpoint positions of a request's prompt, for one manager's config.
 
     A prompt of ``num_prompt_tokens`` tokens, found cached by full attention alone up
-    to ``reach`` tokens (further than the whole hit when a state was missing there),
-    checkpoints its last block boundary, the boundary at ``reach`` (so the next request
-    sharing that prefix finds a state there) and every ``interval`` tokens if set.
+    to ``reach`` tokens (further than the whole hit when a state was missing there and
+    a cached chain branches there: :class:`~jaxkv.coordinator.PrefixHit`), checkpoints
+    its last block boundary, the boundary at ``reach`` (so the next request sharing
+    that prefix finds a state there) and every ``interval`` tokens if set.
     """
 
     __slots__ = ("block_size", "enable_caching", "interval")

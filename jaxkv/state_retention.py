@@ -12,7 +12,10 @@ longer complete any hit, and it should be evicted before data that can:
 The attention pool's LRU evicts a chain's last blocks first, so a partly evicted chain
 is cut back to a checkpoint at once instead of lingering as blocks no hit can use.
 Chains are followed through each cached block's predecessor (recorded when the block
-is cached, checked against the pool before use, since blocks are reused).
+is cached, checked against the pool before use, since blocks are reused). The same
+records answer whether a cached chain goes on after a prefix (:meth:`branches_after`):
+only there does a request whose attention matched further than its hit checkpoint
+that junction for later requests (a request extending a chain at its end does not).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class CheckpointRetention:
         self._pred_hash: list[bytes | None] = [None] * pool.num_blocks
         # Blocks already demoted since they were cached: a walk stops there.
         self._demoted = bytearray(pool.num_blocks)
+        # Per hash: the attention blocks recorded right after it (checked against the pool before use).
+        self._children: dict[bytes, set[int]] = {}
 
     def record(self, group: int, blocks: Sequence[int], hashes: Sequence[bytes], start: int, end: int) -> None:
         """Blocks ``blocks[start:end]`` of ``group`` were just offered to the cache."""
@@ -52,13 +57,40 @@ class CheckpointRetention:
         for i in range(max(start, 1), end):
             b = blocks[i]
             if b:
+                self._unlink(b)
                 self._pred_block[b] = blocks[i - 1]
                 self._pred_hash[b] = hashes[i - 1]
+                self._children.setdefault(hashes[i - 1], set()).add(b)
                 self._demoted[b] = 0
         if start == 0 and end > 0 and blocks[0]:
+            self._unlink(blocks[0])
             self._pred_block[blocks[0]] = 0
             self._pred_hash[blocks[0]] = None
             self._demoted[blocks[0]] = 0
+
+    def _unlink(self, block: int) -> None:
+        """Forget ``block`` as a child of its recorded predecessor."""
+        pred_hash = self._pred_hash[block]
+        if pred_hash is not None:
+            children = self._children.get(pred_hash)
+            if children is not None:
+                children.discard(block)
+                if not children:
+                    del self._children[pred_hash]
+
+    def branches_after(self, block_hash: bytes) -> bool:
+        """Whether a cached attention block continues the prefix that ends at ``block_hash``
+        (a later request diverging there branches off a cached chain, not extends one)."""
+        children = self._children.get(block_hash)
+        if not children:
+            return False
+        pool = self.pool
+        for b in list(children):
+            if pool.block_group[b] in self.attention_groups and self._pred_hash[b] == block_hash:
+                return True
+            children.discard(b)
+        del self._children[block_hash]
+        return False
 
     def _has_checkpoint(self, block_hash: bytes) -> bool:
         return any(block_hash in m for m in self._state_maps)
@@ -88,6 +120,7 @@ class CheckpointRetention:
             useless.append(pred)
             self._demoted[pred] = 1
             b = pred
+        self._unlink(block_id)
         self._pred_block[block_id] = 0
         self._pred_hash[block_id] = None
         if useless:

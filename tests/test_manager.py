@@ -495,6 +495,42 @@ def test_state_pool_checkpoints_where_attention_ran_ahead_of_the_state(tokens):
     assert serve_prompt(mgr, Request("c", tokens(0, 50) + tokens(900, 30))) == 48
 
 
+def test_state_pool_checkpoints_no_junction_where_a_request_extends_a_cached_chain_at_its_end(tokens):
+    """A chat turn whose previous turn's state was evicted finds that turn's KV to its end:
+    nothing branches there, so no later request is expected to resume there but its own
+    next turn, which resumes from this turn's newer checkpoint."""
+    mgr = state_pool_manager(64, 8)
+    turn = Request("turn-0", tokens(0, 100))
+    serve_prompt(mgr, turn)
+    mgr.free(turn)
+    assert mgr.evict_group_blocks(1, list(mgr.state_pool.cached[1].values())) == 1
+    follow = Request("turn-1", tokens(0, 100) + tokens(700, 30))
+    _hit, n = mgr.get_computed_blocks(follow)
+    assert n == 0 and mgr.checkpoint_positions(follow, 0) == (128,)
+
+
+def test_a_hit_through_a_shared_checkpoint_requeues_it_as_recently_used(tokens):
+    """A chat turn resuming from its previous turn's state passes through the system
+    prompt's checkpoint: it stays as warm as the system prompt's KV."""
+    mgr = state_pool_manager(64, 8)
+    system = tokens(0, 48)
+    first = Request("first", system + tokens(100, 52))
+    serve_prompt(mgr, first)
+    mgr.free(first)
+    second = Request("second", system + tokens(700, 30))
+    assert serve_prompt(mgr, second) == 0  # checkpoints 48 (the junction) and 64 (its prompt's end)
+    mgr.free(second)
+    other = Request("other", tokens(2000, 40))
+    serve_prompt(mgr, other)
+    mgr.free(other)
+    shared = mgr.state_pool.cached[1][second.block_hashes[2]]
+    assert mgr.state_pool.free_block_ids()[-1] != shared
+    follow = Request("second-turn-1", second.all_token_ids + tokens(900, 20))
+    hit, n = mgr.get_computed_blocks(follow)
+    assert n == 64 and mgr.allocate_slots(follow, 34, n, hit) is not None
+    assert mgr.state_pool.free_block_ids()[-1] == shared
+
+
 def test_state_pool_updates_the_running_state_in_place_and_copies_on_write(tokens):
     mgr = state_pool_manager(64, 8)
     req = Request("r", tokens(0, 100))

@@ -257,6 +257,20 @@ def test_demoted_free_blocks_go_first_and_stay_cached():
     assert pool.get_new_blocks(1) == [3] and not pool.is_cached(3)
 
 
+def test_promoted_free_blocks_go_last_and_held_ones_stay_held():
+    pool = BlockPool(6)
+    ids = pool.get_new_blocks(3)
+    pool.cache_blocks(0, ids, [h(1), h(2), h(3)], 0, 3)
+    pool.free_blocks(ids[:2])
+    pool.promote([1, 3])  # block 1 is free; block 3 is held and is left alone
+    assert pool.free_block_ids() == [4, 5, 2, 1] and pool.ref_cnt[3] == 1
+    head = pool.get_new_unit(2)
+    pool.cache_blocks(0, [head], [h(9)], 0, 1)
+    pool.free_blocks([head])
+    pool.promote([2])
+    assert pool.free_block_ids() == [1, head, 2] and pool.num_free_blocks == 4, "a unit keeps its blocks counted"
+
+
 def test_a_freed_cached_unit_queues_by_its_head_and_leaves_whole():
     pool = BlockPool(10)
     head = pool.get_new_unit(3)
@@ -268,6 +282,17 @@ def test_a_freed_cached_unit_queues_by_its_head_and_leaves_whole():
     assert pool.get_new_blocks(6) == [4, 5, 6, 7, 8, 9] and pool.cached[0] == {h(7): 1}
     assert pool.get_new_blocks(2) == [1, 2], "taking the head evicts the state and dissolves the unit"
     assert pool.cached[0] == {} and pool.free_block_ids() == [3] and pool.num_free_blocks == 1
+
+
+def test_taking_blocks_dissolves_only_the_units_it_needs():
+    pool = BlockPool(8)
+    first, second = pool.get_new_unit(3), pool.get_new_unit(3)
+    pool.cache_blocks(0, [first, second], [h(1), h(2)], 0, 2)
+    pool.free_blocks([first, second])
+    pool.demote([first, second])  # both states at the head, the first in front
+    assert pool.get_new_blocks(2) == [first, first + 1]
+    assert pool.cached[0] == {h(2): second}, "the second state is not evicted for blocks the first covers"
+    assert pool.free_block_ids()[:2] == [first + 2, second] and pool.num_free_blocks == 5
 
 
 def test_a_freed_uncached_unit_dissolves_to_the_head_and_a_hit_on_a_free_unit_takes_all_its_blocks():
@@ -295,7 +320,11 @@ def test_a_reset_dissolves_free_units_and_keeps_every_block():
 @settings(max_examples=80, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["take", "unit", "free", "cache", "touch", "evict"]), st.integers(0, 5)), max_size=60
+        st.tuples(
+            st.sampled_from(["take", "unit", "free", "cache", "touch", "evict", "demote", "promote"]),
+            st.integers(0, 5),
+        ),
+        max_size=60,
     )
 )
 def test_random_operations_with_units_account_for_every_block(ops):
@@ -317,6 +346,8 @@ def test_random_operations_with_units_account_for_every_block(ops):
             held.append(b)
         elif op == "evict" and pool.cached[0]:
             pool.evict_blocks([sorted(pool.cached[0].values())[k % len(pool.cached[0])]])
+        elif op in ("demote", "promote"):
+            getattr(pool, op)([k + 1, k + 2])
         in_use = {m for b in set(held) for m in pool.unit_blocks(b)}
         assert pool.num_free_blocks + len(in_use) == 15
         free = pool.free_block_ids()

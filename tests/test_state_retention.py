@@ -48,3 +48,20 @@ def test_a_block_with_another_cached_copy_demotes_nothing():
     pool.get_new_blocks(3)  # 6, 7, 8
     assert pool.get_new_blocks(1) == [4]
     assert pool.free_block_ids() == order[4:] and states.free_block_ids() == states_order
+
+
+def test_a_chain_branches_after_a_hash_only_while_a_cached_block_follows_it():
+    pool, states = BlockPool(9, 2), BlockPool(6, 2)
+    retention = CheckpointRetention(pool, states, [ATTENTION], [STATE])
+    pool.add_reuse_listener(retention.on_evict)
+    chain = pool.get_new_blocks(3)
+    hashes = [h(1), h(2), h(3)]
+    pool.cache_blocks(ATTENTION, chain, hashes, 0, 3)
+    retention.record(ATTENTION, chain, hashes, 0, 3)
+    assert retention.branches_after(h(1)) and retention.branches_after(h(2))
+    assert not retention.branches_after(h(3)), "the chain ends there: a request going on extends it"
+    pool.evict_blocks([chain[2]])
+    assert not retention.branches_after(h(2)), "the block after h2 is no longer cached"
+    pool.free_blocks(chain)
+    pool.get_new_blocks(8)  # every block reused: block 2's eviction is heard
+    assert not retention.branches_after(h(1))
