@@ -84,8 +84,8 @@ class KVCacheManager:
 
     With the planner's ``state_pool`` layout, recurrent state is cached at *checkpoint
     positions* (:meth:`checkpoint_positions`): where the request's prompt ends, where
-    full attention alone matched further than the whole hit (so the next request
-    sharing that prefix finds a state there), every ``checkpoint_interval`` tokens of
+    full attention alone matched further than the whole hit and a cached chain branches
+    off (so the next request sharing that prefix finds a state there), every ``checkpoint_interval`` tokens of
     the prompt if set, and every block boundary while it decodes, of which only the
     newest stays in queue order (the prompt's end is superseded too). A scheduler ends
     prefill chunks there (:meth:`chunk_limit`): a state exists only where a step ends.
@@ -203,7 +203,7 @@ class KVCacheManager:
         """Positions past ``num_computed_tokens``, in order, where the request's prefill
         caches its recurrent state (empty without a state pool or without caching):
         the last block boundary of the prompt, the boundary where full attention alone
-        matched (when that ran ahead of the hit) and every ``checkpoint_interval``
+        matched (when that ran ahead of the hit, at a branch of a cached chain) and every ``checkpoint_interval``
         (:class:`~jaxkv.state_checkpoints.CheckpointPolicy`)."""
         return self._checkpoints.positions(request.num_prompt_tokens, request._reach, num_computed_tokens)
 
