@@ -17,13 +17,19 @@ HOST_BYTES = 8 << 20
 
 
 def serve_through_host(
-    family: str, directory: Path, *, memory_bytes: int, state_layout: str, checkpoint_share: float = 0.1
+    family: str,
+    directory: Path,
+    *,
+    memory_bytes: int,
+    state_layout: str,
+    checkpoint_share: float = 0.1,
+    store: str = "on_eviction",
 ) -> dict[str, Any]:
     """Save a tiny ``family`` checkpoint, serve four prompts one at a time, twice, from a
     device pool of ``memory_bytes`` (states placed by ``state_layout``; with a state pool
-    ``checkpoint_share`` of it for state checkpoints) and an 8 MiB host tier; check every
-    output against transformers and return the largest logit difference, cached tokens
-    per run and the connector's stats."""
+    ``checkpoint_share`` of it for state checkpoints) and an 8 MiB host tier storing by
+    ``store``; check every output against transformers and return the largest logit
+    difference, cached tokens per run and the connector's stats."""
     from jaxkv.models.checkpoint import load_pretrained
     from jaxkv.serving.engine import Engine, plan_for_model
     from jaxkv.serving.offload_connector import OffloadConfig
@@ -38,7 +44,7 @@ def serve_through_host(
         state_layout=state_layout,
         checkpoint_share=checkpoint_share,
     )
-    engine = Engine(model, plan, max_num_seqs=2, offload=OffloadConfig(HOST_BYTES))
+    engine = Engine(model, plan, max_num_seqs=2, offload=OffloadConfig(HOST_BYTES, store=store))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.vocab_size, n).tolist() for n in (100, 90, 110, 95)]
     worst, cached = 0.0, []

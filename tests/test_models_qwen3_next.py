@@ -59,13 +59,21 @@ def test_served_logits_match_transformers_under_preemption(tmp_path, state_layou
 
 
 @pytest.mark.slow
-# Memories where the first round's chains leave the device whole: a host hit extends the
-# device hit, which needs a state, so a chain whose first block stayed on device while the
-# rest and its state went to host finds nothing (with shared pages, 168 KiB keeps it).
-@pytest.mark.parametrize(("state_layout", "memory_bytes"), [("shared_pages", 128 << 10), ("state_pool", 168 << 10)])
-def test_served_logits_match_transformers_through_the_host_tier(tmp_path, state_layout, memory_bytes):
+# Storing on eviction, memories where the first round's chains leave the device whole: a
+# host hit extends the device hit, which needs a state, so a chain whose first block stayed
+# on device while the rest and its state went to host finds nothing (with shared pages,
+# 168 KiB keeps it). Storing every block (write-through), the host holds whole chains.
+@pytest.mark.parametrize(
+    ("state_layout", "memory_bytes", "store"),
+    [
+        ("shared_pages", 128 << 10, "on_eviction"),
+        ("shared_pages", 168 << 10, "write_through"),
+        ("state_pool", 168 << 10, "on_eviction"),
+    ],
+)
+def test_served_logits_match_transformers_through_the_host_tier(tmp_path, state_layout, memory_bytes, store):
     run = serve_through_host(
-        "qwen3_next", tmp_path, memory_bytes=memory_bytes, state_layout=state_layout, checkpoint_share=0.4
+        "qwen3_next", tmp_path, memory_bytes=memory_bytes, state_layout=state_layout, checkpoint_share=0.4, store=store
     )
     assert run["max_abs_diff"] < ENGINE_ATOL
     assert run["stats"].num_loaded_states > 0 and sum(run["cached"][4:]) > 0
