@@ -372,20 +372,20 @@ class BlockPool:
     def demote(self, block_ids: Iterable[int]) -> None:
         """Move the unreferenced ones among these blocks to the free queue's head: still
         cached, but the first to be handed out (a state checkpoint a newer one supersedes)."""
-        free = self._free
-        moved = [b for b in block_ids if b in free]
-        for b in moved:
-            free.remove(b)
-        free.prepend(moved)
+        self._free.prepend(self._unqueue(block_ids))
 
     def promote(self, block_ids: Iterable[int]) -> None:
         """Move the unreferenced ones among these blocks to the free queue's tail: still
         cached, and the last to be handed out (a shared state checkpoint a hit passed through)."""
+        self._free.append(self._unqueue(block_ids))
+
+    def _unqueue(self, block_ids: Iterable[int]) -> list[int]:
+        """Take the queued ones among these blocks out of the free queue; return them in order."""
         free = self._free
         moved = [b for b in block_ids if b in free]
         for b in moved:
             free.remove(b)
-        free.append(moved)
+        return moved
 
     def count_newly_freed(self, block_ids: Iterable[int]) -> int:
         """How many of these (distinct) blocks one ``free_blocks`` call would return to the queue."""
