@@ -43,6 +43,15 @@ def test_long_prompts_take_the_bulk_check_and_still_refuse_every_bad_id(bad):
         Request("x", prompt)
 
 
+@pytest.mark.parametrize("low", [0, 1])
+def test_a_prompt_with_ids_0_and_1_is_checked_in_bulk_and_a_bool_beside_them_is_refused(low):
+    prompt = [1, *range(100, 2700), low]  # a BOS of 1, as Llama 2's
+    assert Request("ok", prompt)._prompt_bytes == np.asarray(prompt, "<i4").tobytes()
+    prompt[500] = bool(low)
+    with pytest.raises(KVCacheManagerError, match=f"{bool(low)} is not a token id"):
+        Request("x", prompt)
+
+
 def test_numpy_ints_inside_a_list_become_plain_ints():
     req = Request("x", [np.int64(5), 6, np.int32(7)])
     assert req.all_token_ids == [5, 6, 7] and all(type(t) is int for t in req.all_token_ids)
