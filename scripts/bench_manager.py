@@ -15,7 +15,8 @@ slots: jaxkv's ``allocate_decode_slots``, one call per batch, vLLM's ``allocate_
 per request, as its scheduler calls it), ``free``, and ``hash`` (a step's sampled tokens:
 jaxkv's ``append_token_ids``, one call per batch, vLLM's ``append_output_token_ids`` per
 request; both hash the blocks that fill). Garbage
-collection stays on for both. The two run alternately, ``--pairs`` times each, and every
+collection stays on for both; the heap is collected before each timed run, so neither
+side pays for the other's garbage. The two run alternately, ``--pairs`` times each, and every
 figure is the median over the pairs; the ratio is jaxkv / vLLM in this run.
 
 Workloads: ``base`` (64 requests, 4 shared 2048-token system prompts plus 256-1024-token
@@ -39,6 +40,7 @@ vLLM is a benchmark-only extra, never a dependency; BUILD.md says how to install
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import statistics
@@ -348,6 +350,11 @@ def run_loop(sides: Sequence, workload: Workload, times: list[dict[str, float]] 
 
 # ---------------------------------------------------------------------- reporting
 def time_side(cls: type, model: str, workload: Workload) -> tuple[dict[str, float], int]:
+    """One timed run of one side. The heap is collected first (untimed): the other side's
+    last manager is garbage with reference cycles (vLLM's free queue is a doubly linked
+    list of blocks), and collecting it inside this run would charge one side for the
+    other's garbage. Collection stays on during the run, each side paying for its own."""
+    gc.collect()
     times = [defaultdict(float)]
     side = cls(model, workload.num_blocks)
     preemptions, _ = run_loop([side], workload, times)
