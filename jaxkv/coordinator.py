@@ -269,19 +269,24 @@ class KVCacheCoordinator:
         typed = list(self.typed_hashes(block_hashes))
         found: list[CacheHit] = [CacheHit(0, 0, [])] * len(typed)
         reach = None
-        changed = True
+        first_pass = changed = True
         while changed:
             changed = False
             for t_idx, (t, hashes) in enumerate(typed):
-                hit = t.manager_cls.find_longest_cache_hit(
-                    self._maps[t_idx], hashes, length // t.block_size, t.spec, t.block_size
-                )
+                num_blocks = length // t.block_size
+                if not first_pass and t.manager_cls.hits_are_prefixes:  # length only shrinks
+                    hit = CacheHit(num_blocks, 0, [ids[:num_blocks] for ids in found[t_idx].block_ids])
+                else:
+                    hit = t.manager_cls.find_longest_cache_hit(
+                        self._maps[t_idx], hashes, num_blocks, t.spec, t.block_size
+                    )
                 found[t_idx] = hit
                 if reach is None and t.manager_cls is FullAttentionManager:
                     reach = hit.num_blocks * t.block_size
                 if hit.num_blocks * t.block_size < length:
                     length = hit.num_blocks * t.block_size // lcm * lcm
                     changed = len(typed) > 1
+            first_pass = False
             if not changed and length and self._unwritten_state(found):
                 length -= lcm
                 changed = True
