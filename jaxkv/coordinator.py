@@ -274,8 +274,11 @@ class KVCacheCoordinator:
             changed = False
             for t_idx, (t, hashes) in enumerate(typed):
                 num_blocks = length // t.block_size
-                if not first_pass and t.manager_cls.hits_are_prefixes:  # length only shrinks
-                    hit = CacheHit(num_blocks, 0, [ids[:num_blocks] for ids in found[t_idx].block_ids])
+                last = found[t_idx]
+                if not first_pass and last.num_blocks == num_blocks:  # still exact: a search would repeat it
+                    hit = last
+                elif not first_pass and t.manager_cls.hits_are_prefixes:  # length only shrinks
+                    hit = CacheHit(num_blocks, 0, [ids[:num_blocks] for ids in last.block_ids])
                 else:
                     hit = t.manager_cls.find_longest_cache_hit(
                         self._maps[t_idx], hashes, num_blocks, t.spec, t.block_size
