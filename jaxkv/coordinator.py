@@ -269,19 +269,27 @@ class KVCacheCoordinator:
         typed = list(self.typed_hashes(block_hashes))
         found: list[CacheHit] = [CacheHit(0, 0, [])] * len(typed)
         reach = None
-        changed = True
+        first_pass = changed = True
         while changed:
             changed = False
             for t_idx, (t, hashes) in enumerate(typed):
-                hit = t.manager_cls.find_longest_cache_hit(
-                    self._maps[t_idx], hashes, length // t.block_size, t.spec, t.block_size
-                )
+                num_blocks = length // t.block_size
+                last = found[t_idx]
+                if not first_pass and last.num_blocks == num_blocks:  # still exact: a search would repeat it
+                    hit = last
+                elif not first_pass and t.manager_cls.hits_are_prefixes:  # length only shrinks
+                    hit = CacheHit(num_blocks, 0, [ids[:num_blocks] for ids in last.block_ids])
+                else:
+                    hit = t.manager_cls.find_longest_cache_hit(
+                        self._maps[t_idx], hashes, num_blocks, t.spec, t.block_size
+                    )
                 found[t_idx] = hit
                 if reach is None and t.manager_cls is FullAttentionManager:
                     reach = hit.num_blocks * t.block_size
                 if hit.num_blocks * t.block_size < length:
                     length = hit.num_blocks * t.block_size // lcm * lcm
                     changed = len(typed) > 1
+            first_pass = False
             if not changed and length and self._unwritten_state(found):
                 length -= lcm
                 changed = True
@@ -398,16 +406,20 @@ class KVCacheCoordinator:
         capacity, the tokens at which a block becomes full, the computed tokens at which
         a block falls out of span. Below all three an allocation changes nothing, which
         is what most decode steps are."""
-        capacity = next_full = next_skip = NEVER
-        for m in self.managers:
-            bs = m.block_size
-            capacity = min(capacity, len(m.req_blocks[request_id]) * bs)
-            next_full = min(next_full, m.next_cache_tokens(request_id))
-            if m.skips_blocks:
-                next_skip = min(next_skip, m.next_skip_computed(request_id))
+        return self.capacity(request_id), self.next_full(request_id), self.next_skip(request_id)
+
+    def capacity(self, request_id: str) -> int:
+        """Tokens the request's blocks have slots for (the fewest over the groups)."""
+        return min(len(m.req_blocks[request_id]) * m.block_size for m in self.managers)
+
+    def next_skip(self, request_id: str) -> int:
+        """Computed tokens at which a block of some group falls out of span."""
+        return min((m.next_skip_computed(request_id) for m in self.managers if m.skips_blocks), default=NEVER)
+
+    def next_full(self, request_id: str) -> int:
+        """Tokens at which caching would offer another block (an lcm multiple)."""
         lcm = self.lcm_block_size
-        next_full = -(-next_full // lcm) * lcm
-        return capacity, next_full, next_skip
+        return -(-min(m.next_cache_tokens(request_id) for m in self.managers) // lcm) * lcm
 
     def set_anchors(self, request_id: str, anchors: Sequence[int]) -> None:
         """Under ``group_aware`` retention, the request's anchors (token positions) in

@@ -62,6 +62,8 @@ import itertools
 import operator
 import os
 import struct
+import sys
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import SupportsIndex
@@ -91,6 +93,8 @@ __all__ = [
     "resolve_seed",
     "root_hash",
 ]
+
+_BIG_ENDIAN = sys.byteorder == "big"  # arrays hold native-order ids; hashes read little-endian
 
 HASH_ALGORITHMS: tuple[str, ...] = ("sha256", "xxh3_128")
 """The algorithms over jaxkv's own serialization."""
@@ -370,11 +374,20 @@ def _bad_token(values: Iterable[object], base: int) -> InvalidTokenIdError:
 def _token_bytes(token_ids: Sequence[int], lo: int, hi: int, packer: struct.Struct) -> bytes:
     """token_ids[lo:hi] as little-endian int32 bytes, validated in bulk.
 
-    Lists are packed with struct as uint32 (faster than array or numpy for Python ints,
-    and strict: non-ints, negative ids and ids >= 2**32 fail); `packer` is the
-    precompiled format when hi - lo matches it. Ids in [2**31, 2**32) are then found by
-    their top bits, the high bit of every 4th byte (so int32 and uint32 bytes agree).
+    A 4-byte integer array (a request keeps its ids in one) is copied as it is. Lists
+    are packed with struct as uint32 (faster than array or numpy for Python ints, and
+    strict: non-ints, negative ids and ids >= 2**32 fail); `packer` is the precompiled
+    format when hi - lo matches it. Ids in [2**31, 2**32) (or negative in a signed
+    array) are then found by their top bits, the high bit of every 4th byte.
     """
+    if type(token_ids) is array and token_ids.itemsize == 4 and token_ids.typecode in "iIl":
+        chunk = token_ids[lo:hi]
+        if _BIG_ENDIAN:
+            chunk.byteswap()
+        data = chunk.tobytes()
+        if _top_bit_set(data, 0, len(data)):
+            raise _bad_token(token_ids[lo:hi].tolist(), lo)
+        return data
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             raise InvalidTokenIdError(
@@ -466,8 +479,8 @@ class BlockHasher:
         parent = self._parent(hashes, extra)
         bs = self._block_size
         lo = first * bs
-        if count == 1 and type(token_ids) is list and not self._cbor:  # the decode path: one new block
-            message = parent + _pack_list(token_ids[lo : lo + bs], lo, self._packer)
+        if count == 1 and not self._cbor:  # the decode path: one new block
+            message = parent + _token_bytes(token_ids, lo, lo + bs, self._packer)
             if not extra._empty:  # type: ignore[attr-defined]
                 message += extra.block_extras(bs, first, 1)[0]
             hashes.append(hashlib.sha256(message).digest() if self._is_sha256 else _xxh3(message))

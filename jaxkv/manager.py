@@ -297,6 +297,8 @@ class KVCacheManager:
             end = computed + num_new_tokens
             if end + num_lookahead_tokens <= capacity and end < next_full and computed < next_skip:
                 return self._no_blocks
+            if end <= self.max_model_len:
+                return self._grow_held(request, num_new_tokens, num_lookahead_tokens)
         check_request(request)
         rid = request.request_id
         if (
@@ -383,9 +385,44 @@ class KVCacheManager:
                 end = computed + 1
                 if end + num_lookahead_tokens <= capacity and end < next_full and computed < next_skip:
                     continue
+                if end <= self.max_model_len:
+                    if self._grow_held(request, 1, num_lookahead_tokens) is None:
+                        return i
+                    continue
             if self.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead_tokens) is None:
                 return i
         return len(requests)
+
+    def _grow_held(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int) -> KVCacheBlocks | None:
+        """``allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)`` for a
+        request this manager holds whose new tokens cross a threshold, within
+        ``max_model_len``: the checks it needs were done when it got its blocks. Only
+        the events that happen run (skipping, new blocks, caching), and only their
+        thresholds are recomputed. None, changing nothing, when the pool cannot serve it."""
+        coord = self.coordinator
+        rid = request.request_id
+        capacity, next_full, next_skip = request._thresholds
+        computed = request.num_computed_tokens
+        end = computed + num_new_tokens
+        grows = end + num_lookahead_tokens > capacity
+        skips = computed >= next_skip
+        new_blocks = self._no_blocks
+        if grows or skips:
+            num_slots = min(end + num_lookahead_tokens, self.max_model_len)
+            if grows and not coord.can_allocate(rid, num_slots, None, computed):
+                return None
+            new_blocks = KVCacheBlocks(coord.allocate(rid, num_slots, None, computed))
+        fills = end >= next_full
+        if fills:
+            self.hash_request(request)
+            tokens = request._token_ids
+            coord.cache_blocks(rid, request.block_hashes, min(end, len(tokens)), tokens, request.lora_name)
+        request._thresholds = (
+            min(coord.capacity(rid), self.max_model_len) if grows else capacity,
+            coord.next_full(rid) if fills else next_full,
+            coord.next_skip(rid) if skips else next_skip,
+        )
+        return new_blocks
 
     def append_token_ids(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None:
         """Append one generated token to each request (``token_ids[i]`` to ``requests[i]``)

@@ -9,7 +9,7 @@ import sys
 from array import array
 from collections.abc import Iterator, Sequence
 from functools import cached_property
-from typing import overload
+from typing import TypeGuard, overload
 
 import numpy as np
 
@@ -21,7 +21,7 @@ _BIG_ENDIAN = sys.byteorder == "big"  # array("I") packs in native order; hashes
 
 
 class ReadOnlyTokenIds(Sequence[int]):
-    """A read-only view of a request's token ids (slices come back as lists).
+    """A read-only view of a request's token ids (slices come back as lists, ids as ints).
 
     The manager hashes full blocks once and caches them under those hashes, so a token
     edited in place afterwards would cache KV under the hash of tokens never computed;
@@ -30,7 +30,7 @@ class ReadOnlyTokenIds(Sequence[int]):
 
     __slots__ = ("_ids",)
 
-    def __init__(self, ids: list[int]) -> None:
+    def __init__(self, ids: array[int]) -> None:
         self._ids = ids
 
     def __len__(self) -> int:
@@ -43,44 +43,67 @@ class ReadOnlyTokenIds(Sequence[int]):
     def __getitem__(self, index: slice) -> list[int]: ...
 
     def __getitem__(self, index: int | slice) -> int | list[int]:
+        if type(index) is slice:
+            return self._ids[index].tolist()
         return self._ids[index]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._ids)
 
     def __add__(self, other: Sequence[int]) -> list[int]:
-        return self._ids + list(other)
+        return self._ids.tolist() + list(other)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ReadOnlyTokenIds):
-            other = other._ids
-        return isinstance(other, (list, tuple)) and self._ids == list(other)
+            return self._ids == other._ids
+        return isinstance(other, (list, tuple)) and self._ids.tolist() == list(other)
 
     def __hash__(self) -> int:
         raise TypeError("ReadOnlyTokenIds is unhashable: it grows as tokens are appended")
 
     def __repr__(self) -> str:
-        return repr(self._ids)
+        return repr(self._ids.tolist())
 
 
-def _plain_token_ids(values: Sequence[int]) -> tuple[list[int], bytes] | None:
-    """``values`` as a list and as little-endian int32 bytes (what the prefix hash reads)
-    when every one is a plain int in ``[2, MAX_TOKEN_ID]``, checked in bulk (~4x faster
-    than per item for a long prompt); None: take the checking path.
+def _plain_token_ids(values: Sequence[int]) -> tuple[array[int], bytes] | None:
+    """``values`` as an ``array("I")`` and as little-endian int32 bytes (what the prefix hash reads)
+    when every one is an int in ``[0, MAX_TOKEN_ID]``, checked in bulk (~4x faster than
+    per item for a long prompt); None: take the checking path.
 
-    Packing as uint32 refuses non-ints, negatives and ids >= 2**32; read back as int32,
-    ids >= 2**31 turn negative; an int sum means no numpy ints (they would make it a
-    numpy scalar); 0 and 1 go the long way, since they may be bools.
+    Packing as uint32 refuses non-ints, negatives and ids >= 2**32 (numpy ints pack as
+    the ints they are, and the array keeps plain ints); read back as int32, ids >= 2**31
+    turn negative. Only the 0s and 1s are looked at one by one, since they may be bools
+    (a BOS id of 1 is common, so they must not send the whole prompt the long way).
     """
     try:
         packed = array("I", values)
     except (TypeError, OverflowError, ValueError):
         return None
-    if not packed or type(sum(values)) is not int or np.frombuffer(packed, np.int32).min() <= 1:
+    if not packed:
+        return None
+    as_int32 = np.frombuffer(packed, np.int32)
+    lowest = as_int32.min()
+    if lowest < 0:
+        return None
+    if lowest <= 1 and any(type(values[i]) is not int for i in np.flatnonzero(as_int32 <= 1).tolist()):
         return None
     if _BIG_ENDIAN:
-        packed.byteswap()
-    return list(values), packed.tobytes()
+        swapped = array("I", packed)
+        swapped.byteswap()
+        return packed, swapped.tobytes()
+    return packed, packed.tobytes()
+
+
+def _in_range_int_vector(values: object) -> TypeGuard[np.ndarray]:
+    """A non-empty 1-D integer array of ids in ``[0, MAX_TOKEN_ID]`` (packed in bulk)."""
+    return (
+        isinstance(values, np.ndarray)
+        and values.ndim == 1
+        and values.dtype.kind in "iu"
+        and values.size > 0
+        and values.min() >= 0
+        and values.max() <= MAX_TOKEN_ID
+    )
 
 
 def token_id_list(values: object, what: str) -> list[int]:
@@ -89,10 +112,11 @@ def token_id_list(values: object, what: str) -> list[int]:
     A 1-D sequence or array of ints (numpy ints too) in ``[0, MAX_TOKEN_ID]``; bools,
     floats, strings, nested lists and 2-D arrays are refused.
     """
-    return _checked_token_ids(values, what)[0]
+    ids = _checked_token_ids(values, what)[0]
+    return ids.tolist() if type(ids) is array else ids  # type: ignore[return-value]
 
 
-def _checked_token_ids(values: object, what: str) -> tuple[list[int], bytes]:
+def _checked_token_ids(values: object, what: str) -> tuple[array[int] | list[int], bytes]:
     """:func:`token_id_list`, with the ids as little-endian int32 bytes when the bulk check
     packed them (else ``b""``), so that a prompt is packed once for checking and hashing."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
@@ -101,6 +125,8 @@ def _checked_token_ids(values: object, what: str) -> tuple[list[int], bytes]:
         plain = _plain_token_ids(values)
         if plain is not None:
             return plain
+    elif _in_range_int_vector(values):
+        return array("I", values.astype(np.uint32).tobytes()), values.astype("<i4").tobytes()
     ndim = getattr(values, "ndim", 1)
     if ndim != 1:
         raise KVCacheManagerError(f"{what} must be 1-D, got an array of shape {getattr(values, 'shape', None)}")
@@ -139,11 +165,13 @@ class Request:
         if not ids:
             raise KVCacheManagerError(f"request {request_id!r} has an empty prompt")
         self.request_id = request_id
-        self._token_ids = ids
+        # The ids live in an array("I"): a long prompt as a list is thousands of
+        # references for every garbage collection to visit while the request lives.
+        self._token_ids: array[int] = ids if type(ids) is array else array("I", ids)
         # The prompt as little-endian int32 (b"" when it was checked one id at a time):
         # the manager hashes the prompt's blocks from these bytes, not by packing again.
         self._prompt_bytes = prompt_bytes
-        self._token_view = ReadOnlyTokenIds(ids)
+        self._token_view = ReadOnlyTokenIds(self._token_ids)
         self.num_prompt_tokens = len(ids)
         if cache_salt is None and lora_name is None and mm_items == ():
             self.extra_keys = NO_EXTRA_KEYS
@@ -177,7 +205,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self._token_ids[self.num_prompt_tokens :]
+        return self._token_ids[self.num_prompt_tokens :].tolist()
 
     @property
     def cache_salt(self) -> str | None:

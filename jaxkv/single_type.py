@@ -66,6 +66,10 @@ class SingleTypeManager:
     pages_per_block = 1
     """Pool blocks one of this group's blocks takes (a state on shared pages takes several)."""
 
+    hits_are_prefixes = False
+    """Whether the first ``k`` blocks of a hit are the hit at ``k`` blocks (full attention),
+    so a search at a shorter length can cut the last hit instead of searching again."""
+
     def __init__(self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec) -> None:
         self.pool = pool
         self.group_id = group_id
@@ -245,6 +249,8 @@ class SingleTypeManager:
 
 class FullAttentionManager(SingleTypeManager):
     """Full attention and MLA: every token's KV is kept; hits are prefixes."""
+
+    hits_are_prefixes = True
 
 
 class SlidingWindowManager(SingleTypeManager):

@@ -43,6 +43,15 @@ def test_long_prompts_take_the_bulk_check_and_still_refuse_every_bad_id(bad):
         Request("x", prompt)
 
 
+@pytest.mark.parametrize("low", [0, 1])
+def test_a_prompt_with_ids_0_and_1_is_checked_in_bulk_and_a_bool_beside_them_is_refused(low):
+    prompt = [1, *range(100, 2700), low]  # a BOS of 1, as Llama 2's
+    assert Request("ok", prompt)._prompt_bytes == np.asarray(prompt, "<i4").tobytes()
+    prompt[500] = bool(low)
+    with pytest.raises(KVCacheManagerError, match=f"{bool(low)} is not a token id"):
+        Request("x", prompt)
+
+
 def test_numpy_ints_inside_a_list_become_plain_ints():
     req = Request("x", [np.int64(5), 6, np.int32(7)])
     assert req.all_token_ids == [5, 6, 7] and all(type(t) is int for t in req.all_token_ids)
@@ -75,16 +84,18 @@ def test_the_token_view_reads_like_a_list_but_cannot_be_edited_or_hashed():
 
 def test_a_prompt_hashes_the_same_whichever_way_its_ids_were_checked():
     prompt = list(range(100, 2700))
-    bulk, one_by_one = Request("a", prompt), Request("b", [np.int64(t) for t in prompt])
-    assert bulk._prompt_bytes == np.asarray(prompt, "<i4").tobytes() and one_by_one._prompt_bytes == b""
+    bulk, from_numpy, one_by_one = Request("a", prompt), Request("b", np.array(prompt)), Request("c", range(100, 2700))
+    assert bulk._prompt_bytes == from_numpy._prompt_bytes == np.asarray(prompt, "<i4").tobytes()
+    assert one_by_one._prompt_bytes == b""
     hasher = BlockHasher(16)
-    for req in (bulk, one_by_one):
+    for req in (bulk, from_numpy, one_by_one):
         req.append_output_token_ids(list(range(30)))
         hasher.extend_bytes(req.block_hashes, req._prompt_bytes)
         hasher.extend(req.block_hashes, req._token_ids)
     expected: list[bytes] = []
     hasher.extend(expected, prompt + list(range(30)))
-    assert bulk.block_hashes == one_by_one.block_hashes == expected and len(expected) == 164
+    assert bulk.block_hashes == from_numpy.block_hashes == one_by_one.block_hashes == expected
+    assert len(expected) == 164
 
 
 def test_the_prompt_stays_a_tuple_as_outputs_arrive():
