@@ -2,9 +2,12 @@
 
 Design
 ------
-- Queries are regrouped head-major, ``(H, T * G, D)`` (G = query heads per KV head):
-  the G query heads of one token are consecutive rows, so one KV head's queries of
-  ``64 / G`` tokens fill one 64-row tile, the M dimension of a warpgroup matmul (wgmma).
+- Queries are regrouped head-major (G = query heads per KV head): the G query heads of
+  one token are consecutive rows, so one KV head's queries of ``64 / G`` tokens fill one
+  64-row tile, the M dimension of a warpgroup matmul (wgmma). The wrapper lays each work
+  item's tile out whole, ``(H, items * 64, D)`` (:func:`_item_query_rows`): Mosaic GPU
+  only copies by TMA from a dynamic row offset it can prove a multiple of the 8-row
+  shared-memory tile, and ``item * 64`` is one.
 - Work items: a tile of up to ``64 / G`` consecutive query tokens of one sequence.
   A ragged batch of T tokens over S sequences has at most ``cdiv(T, 64 / G) + S``
   items; the wrapper lays them out with plain jnp (:func:`_work_items`).
@@ -120,8 +123,7 @@ class _Dims:
 
 class _Refs(NamedTuple):
     """The kernel's operands by name (S sequences, W table width, M items, N blocks,
-    L layers per block, H KV heads, NS kv splits, R = 64 rows, C = chunk, Q = 64-row
-    padded query rows)."""
+    L layers per block, H KV heads, NS kv splits, R = 64 rows, C = chunk)."""
 
     item_seq: Any  # (M,) int32, GMEM: the item's sequence
     item_first: Any  # (M,) int32, GMEM: the item's first query token in the batch
@@ -129,7 +131,7 @@ class _Refs(NamedTuple):
     kv_lens: Any  # (S,) int32, GMEM
     cu_q_lens: Any  # (S + 1,) int32, GMEM
     tables: Any  # (S * W,) int32, GMEM: block tables, flattened
-    q: Any  # (H, Q, D), GMEM: query rows, token-major within a KV head (Q: whole 64-row tiles)
+    q: Any  # (H, M * R, D), GMEM: each item's query rows (token-major, G heads per token), 0-padded
     kv: Any  # (N, bs, 2H, D) or (N, L, bs, 2H, D), GMEM: the cache
     out: Any  # (H, M, NS, R, D) float32, GMEM: normalised partial outputs
     lse: Any  # (H, M, NS, R) float32, GMEM: their log-sum-exps (-inf: saw nothing)
@@ -307,10 +309,7 @@ def _kernel(d: _Dims, *refs: Any) -> None:
     r = _Refs(*refs)
     head, item, split = lax.axis_index("head"), lax.axis_index("item"), lax.axis_index("split")
     span = _span(d, r, item, split)
-    first_token = r.item_first[item]
-    plgpu.copy_gmem_to_smem(
-        r.q.at[head, pl.ds(first_token * d.num_queries_per_kv, ROWS_PER_TILE)], r.q_tile, r.q_barrier.at[0]
-    )
+    plgpu.copy_gmem_to_smem(r.q.at[head, pl.ds(item * ROWS_PER_TILE, ROWS_PER_TILE)], r.q_tile, r.q_barrier.at[0])
     for i in range(d.num_stages):
 
         @pl.when(i < span.num_chunks)
@@ -369,7 +368,7 @@ def _work_items(
     first = cu_q_lens[seq] + (item - tiles_start[seq]) * tokens_per_tile
     tokens = jnp.clip(cu_q_lens[seq] + q_lens[seq] - first, 0, tokens_per_tile)
     tokens = jnp.where(item < tiles_end[-1], tokens, 0).astype(jnp.int32)
-    first = jnp.where(tokens > 0, first, 0)  # a padding item reads the first tile's rows
+    first = jnp.where(tokens > 0, first, 0)  # a padding item: no rows, at token 0
 
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     token_seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), max_seqs - 1)
@@ -377,6 +376,21 @@ def _work_items(
     token_item = (tiles_start[token_seq] + within // tokens_per_tile).astype(jnp.int32)
     token_valid = token < cu_q_lens[num_seqs[0]]
     return _Items(seq, first.astype(jnp.int32), tokens, token_item, within % tokens_per_tile, token_valid)
+
+
+def _item_query_rows(q: jax.Array, items: _Items, num_kv_heads: int) -> jax.Array:
+    """``(T, H * G, D)`` queries -> ``(H, M * R, D)``: item m's rows at ``m * R`` (rows past
+    its tokens: 0), so the kernel's TMA copy of an item's tile starts at a multiple of
+    the 8-row shared-memory tile, which Mosaic GPU must prove for a dynamic offset."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_queries_per_kv = num_q_heads // num_kv_heads
+    q_rows = q.reshape(num_tokens, num_kv_heads, num_queries_per_kv, head_dim).transpose(1, 0, 2, 3)
+    q_rows = q_rows.reshape(num_kv_heads, num_tokens * num_queries_per_kv, head_dim)
+    row = jnp.arange(ROWS_PER_TILE, dtype=jnp.int32)
+    rows = items.first[:, None] * num_queries_per_kv + row  # (M, R)
+    valid = row < items.tokens[:, None] * num_queries_per_kv
+    tiles = jnp.where(valid[None, :, :, None], jnp.take(q_rows, rows, axis=1, mode="clip"), 0)
+    return tiles.reshape(num_kv_heads, -1, head_dim)
 
 
 def _merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
@@ -496,10 +510,7 @@ def paged_attention(
         interpret=params is not None,
     )
     items = _work_items(num_tokens, tokens_per_tile, cu_q_lens, num_seqs, max_items)
-    q_rows = q.reshape(num_tokens, num_kv_heads, num_queries_per_kv, head_dim).transpose(1, 0, 2, 3)
-    q_rows = q_rows.reshape(num_kv_heads, num_tokens * num_queries_per_kv, head_dim)
-    padded_rows = (cdiv(num_tokens * num_queries_per_kv, ROWS_PER_TILE) + 1) * ROWS_PER_TILE  # whole TMA tiles
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, padded_rows - q_rows.shape[1]), (0, 0)))
+    q_rows = _item_query_rows(q, items, num_kv_heads)
 
     elems_per_row = _SWIZZLE_BYTES // jnp.dtype(q.dtype).itemsize
     tiles = (plgpu.TilingTransform((8, elems_per_row)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
