@@ -45,6 +45,7 @@ on the host, where :func:`jaxkv.metadata.build_step_metadata` builds them.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -89,6 +90,9 @@ TARGET_CTAS = 2 * 132
 """CTAs the kv split aims for: two waves of an H100's 132 SMs."""
 _SWIZZLE_BYTES = 128
 _DTYPES = (jnp.bfloat16, jnp.float16)
+_SCHEDULE = ("item_seq", "item_first", "item_tokens", "kv_lens", "cu_q_lens", "tables")
+"""The int32 vectors packed, in this order, into the kernel's one schedule operand
+(:func:`_pack_schedule`)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class _Dims:
     sliding_window: int | None
     soft_cap: float | None
     interpret: bool
+    schedule_offsets: tuple[int, ...]  # where each of _SCHEDULE starts in the schedule
 
     @property
     def tokens_per_tile(self) -> int:
@@ -125,12 +130,7 @@ class _Refs(NamedTuple):
     """The kernel's operands by name (S sequences, W table width, M items, N blocks,
     L layers per block, H KV heads, NS kv splits, R = 64 rows, C = chunk)."""
 
-    item_seq: Any  # (M,) int32, GMEM: the item's sequence
-    item_first: Any  # (M,) int32, GMEM: the item's first query token in the batch
-    item_tokens: Any  # (M,) int32, GMEM: its query tokens (0 for a padding item)
-    kv_lens: Any  # (S,) int32, GMEM
-    cu_q_lens: Any  # (S + 1,) int32, GMEM
-    tables: Any  # (S * W,) int32, GMEM: block tables, flattened
+    schedule: Any  # (3M + 2S + 1 + S * W,) int32, GMEM: the vectors of _SCHEDULE, read by _scalar
     q: Any  # (H, M * R, D), GMEM: each item's query rows (token-major, G heads per token), 0-padded
     kv: Any  # (N, bs, 2H, D) or (N, L, bs, 2H, D), GMEM: the cache
     out: Any  # (H, M, NS, R, D) float32, GMEM: normalised partial outputs
@@ -168,14 +168,21 @@ def _iota(d: _Dims, shape: tuple[int, int], dimension: int) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
 
 
+def _scalar(d: _Dims, refs: _Refs, name: str, index: jax.Array) -> jax.Array:
+    """Element ``index`` of the schedule's vector ``name``: ``item_seq``, ``item_first``,
+    ``item_tokens`` (per item: its sequence, first query token in the batch, query tokens,
+    0 for a padding item), ``kv_lens``, ``cu_q_lens`` or ``tables`` (flattened)."""
+    return refs.schedule[d.schedule_offsets[_SCHEDULE.index(name)] + index]
+
+
 def _span(d: _Dims, refs: _Refs, item: jax.Array, split: jax.Array) -> _Span:
     """The item's sequence and positions, and the chunk range of this kv split."""
-    seq = refs.item_seq[item]
-    first_token = refs.item_first[item]
-    num_tokens = refs.item_tokens[item]
-    kv_len = refs.kv_lens[seq]
-    q_start = refs.cu_q_lens[seq]
-    q_len = refs.cu_q_lens[seq + 1] - q_start
+    seq = _scalar(d, refs, "item_seq", item)
+    first_token = _scalar(d, refs, "item_first", item)
+    num_tokens = _scalar(d, refs, "item_tokens", item)
+    kv_len = _scalar(d, refs, "kv_lens", seq)
+    q_start = _scalar(d, refs, "cu_q_lens", seq)
+    q_len = _scalar(d, refs, "cu_q_lens", seq + 1) - q_start
     first_position = kv_len - q_len + (first_token - q_start)
     lowest = jnp.int32(0)
     if d.sliding_window is not None:
@@ -203,7 +210,7 @@ def _fetch_chunk(d: _Dims, refs: _Refs, span: _Span, head: jax.Array, chunk: jax
     for i in range(d.copies_per_chunk):
         position = chunk * d.chunk + i * d.rows_per_copy
         page = jnp.minimum(lax.div(position, jnp.int32(d.block_size)), d.table_width - 1)
-        block = refs.tables[span.seq * d.table_width + page]
+        block = _scalar(d, refs, "tables", span.seq * d.table_width + page)
         offset = lax.rem(position, jnp.int32(d.block_size))
         into = pl.ds(i * d.rows_per_copy, d.rows_per_copy)
         plgpu.copy_gmem_to_smem(_page_rows(d, refs.kv, block, offset, 2 * head), refs.k_stages.at[stage, into], barrier)
@@ -236,7 +243,7 @@ def _scores(d: _Dims, refs: _Refs, stage: jax.Array) -> jax.Array:
         )
 
     def product(acc_ref: Any) -> jax.Array:
-        plgpu.wgmma(acc_ref, refs.q_tile, plgpu.transpose_ref(keys, (1, 0)))
+        plgpu.wgmma(acc_ref, refs.q_tile, keys.transpose((1, 0)))
         return acc_ref[...]
 
     return pl.run_scoped(product, plgpu.ACC((ROWS_PER_TILE, d.chunk), jnp.float32))
@@ -393,6 +400,20 @@ def _item_query_rows(q: jax.Array, items: _Items, num_kv_heads: int) -> jax.Arra
     return tiles.reshape(num_kv_heads, -1, head_dim)
 
 
+def _pack_schedule(
+    items: _Items, kv_lens: jax.Array, cu_q_lens: jax.Array, block_tables: jax.Array
+) -> tuple[jax.Array, tuple[int, ...]]:
+    """The small int32 operands as one fresh vector, and where each of :data:`_SCHEDULE` starts.
+
+    Mosaic GPU requires every operand 256-byte aligned; XLA may hand a custom call a
+    slice of a larger buffer at any offset (on an H200, an engine step's block tables came
+    as "Input buffer 5 is not 256-byte aligned"). A concatenation is a buffer of its own.
+    """
+    parts = (items.seq, items.first, items.tokens, kv_lens, cu_q_lens, block_tables.reshape(-1))
+    offsets = tuple(itertools.accumulate((p.shape[0] for p in parts[:-1]), initial=0))
+    return jnp.concatenate([p.astype(jnp.int32) for p in parts]), offsets
+
+
 def _merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
     """``(H, M, NS, R, D)`` partials and ``(H, M, NS, R)`` log-sum-exps -> ``(H, M, R, D)``."""
     top = jnp.max(lse, axis=2, keepdims=True)
@@ -495,6 +516,8 @@ def paged_attention(
     max_items = cdiv(num_tokens, tokens_per_tile) + max_seqs
     max_chunks = cdiv(table_width * block_size, kv_tokens_per_chunk)
     num_splits = tuning.num_kv_splits or default_num_splits(num_kv_heads, max_items, max_chunks)
+    items = _work_items(num_tokens, tokens_per_tile, cu_q_lens, num_seqs, max_items)
+    schedule, schedule_offsets = _pack_schedule(items, kv_lens, cu_q_lens, block_tables)
     d = _Dims(
         num_queries_per_kv=num_queries_per_kv,
         chunk=kv_tokens_per_chunk,
@@ -508,8 +531,8 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         interpret=params is not None,
+        schedule_offsets=schedule_offsets,
     )
-    items = _work_items(num_tokens, tokens_per_tile, cu_q_lens, num_seqs, max_items)
     q_rows = _item_query_rows(q, items, num_kv_heads)
 
     elems_per_row = _SWIZZLE_BYTES // jnp.dtype(q.dtype).itemsize
@@ -533,15 +556,6 @@ def paged_attention(
         grid_names=("head", "item", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=params,
-    )(
-        items.seq,
-        items.first,
-        items.tokens,
-        kv_lens,
-        cu_q_lens,
-        block_tables.reshape(-1),
-        q_rows,
-        kv_buffer,
-    )
+    )(schedule, q_rows, kv_buffer)
     merged = _merge_splits(out, lse)
     return _rows_to_tokens(merged, items, num_queries_per_kv).astype(q.dtype)
