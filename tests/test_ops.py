@@ -49,7 +49,7 @@ GROUP_OF = {"l0": ("l0", "l2"), "l2": ("l0", "l2"), "l1": ("l1", "l3"), "l3": ("
 """The layers of each layer's group in :func:`config`."""
 ONE_DECODE = ([[1, 2]], [5], [0, 1], [1])
 """Block table, kv lens, cu_q_lens and num_seqs of one decode."""
-BACKEND_DEFAULT = {"tpu": "pallas_tpu", "gpu": "xla_gpu"}.get(jax.default_backend(), "reference")
+BACKEND_DEFAULT = ops.get_implementation("auto")
 """What ``auto`` means on this backend: the setting the tests below come back to."""
 
 
