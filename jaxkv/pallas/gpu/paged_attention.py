@@ -2,9 +2,12 @@
 
 Design
 ------
-- Queries are regrouped head-major, ``(H, T * G, D)`` (G = query heads per KV head):
-  the G query heads of one token are consecutive rows, so one KV head's queries of
-  ``64 / G`` tokens fill one 64-row tile, the M dimension of a warpgroup matmul (wgmma).
+- Queries are regrouped head-major (G = query heads per KV head): the G query heads of
+  one token are consecutive rows, so one KV head's queries of ``64 / G`` tokens fill one
+  64-row tile, the M dimension of a warpgroup matmul (wgmma). The wrapper lays each work
+  item's tile out whole, ``(H, items * 64, D)`` (:func:`_item_query_rows`): Mosaic GPU
+  only copies by TMA from a dynamic row offset it can prove a multiple of the 8-row
+  shared-memory tile, and ``item * 64`` is one.
 - Work items: a tile of up to ``64 / G`` consecutive query tokens of one sequence.
   A ragged batch of T tokens over S sequences has at most ``cdiv(T, 64 / G) + S``
   items; the wrapper lays them out with plain jnp (:func:`_work_items`).
@@ -42,6 +45,7 @@ on the host, where :func:`jaxkv.metadata.build_step_metadata` builds them.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -86,6 +90,9 @@ TARGET_CTAS = 2 * 132
 """CTAs the kv split aims for: two waves of an H100's 132 SMs."""
 _SWIZZLE_BYTES = 128
 _DTYPES = (jnp.bfloat16, jnp.float16)
+_SCHEDULE = ("item_seq", "item_first", "item_tokens", "kv_lens", "cu_q_lens", "tables")
+"""The int32 vectors packed, in this order, into the kernel's one schedule operand
+(:func:`_pack_schedule`)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,7 @@ class _Dims:
     sliding_window: int | None
     soft_cap: float | None
     interpret: bool
+    schedule_offsets: tuple[int, ...]  # where each of _SCHEDULE starts in the schedule
 
     @property
     def tokens_per_tile(self) -> int:
@@ -120,16 +128,10 @@ class _Dims:
 
 class _Refs(NamedTuple):
     """The kernel's operands by name (S sequences, W table width, M items, N blocks,
-    L layers per block, H KV heads, NS kv splits, R = 64 rows, C = chunk, Q = 64-row
-    padded query rows)."""
+    L layers per block, H KV heads, NS kv splits, R = 64 rows, C = chunk)."""
 
-    item_seq: Any  # (M,) int32, GMEM: the item's sequence
-    item_first: Any  # (M,) int32, GMEM: the item's first query token in the batch
-    item_tokens: Any  # (M,) int32, GMEM: its query tokens (0 for a padding item)
-    kv_lens: Any  # (S,) int32, GMEM
-    cu_q_lens: Any  # (S + 1,) int32, GMEM
-    tables: Any  # (S * W,) int32, GMEM: block tables, flattened
-    q: Any  # (H, Q, D), GMEM: query rows, token-major within a KV head (Q: whole 64-row tiles)
+    schedule: Any  # (3M + 2S + 1 + S * W,) int32, GMEM: the vectors of _SCHEDULE, read by _scalar
+    q: Any  # (H, M * R, D), GMEM: each item's query rows (token-major, G heads per token), 0-padded
     kv: Any  # (N, bs, 2H, D) or (N, L, bs, 2H, D), GMEM: the cache
     out: Any  # (H, M, NS, R, D) float32, GMEM: normalised partial outputs
     lse: Any  # (H, M, NS, R) float32, GMEM: their log-sum-exps (-inf: saw nothing)
@@ -166,14 +168,21 @@ def _iota(d: _Dims, shape: tuple[int, int], dimension: int) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
 
 
+def _scalar(d: _Dims, refs: _Refs, name: str, index: jax.Array) -> jax.Array:
+    """Element ``index`` of the schedule's vector ``name``: ``item_seq``, ``item_first``,
+    ``item_tokens`` (per item: its sequence, first query token in the batch, query tokens,
+    0 for a padding item), ``kv_lens``, ``cu_q_lens`` or ``tables`` (flattened)."""
+    return refs.schedule[d.schedule_offsets[_SCHEDULE.index(name)] + index]
+
+
 def _span(d: _Dims, refs: _Refs, item: jax.Array, split: jax.Array) -> _Span:
     """The item's sequence and positions, and the chunk range of this kv split."""
-    seq = refs.item_seq[item]
-    first_token = refs.item_first[item]
-    num_tokens = refs.item_tokens[item]
-    kv_len = refs.kv_lens[seq]
-    q_start = refs.cu_q_lens[seq]
-    q_len = refs.cu_q_lens[seq + 1] - q_start
+    seq = _scalar(d, refs, "item_seq", item)
+    first_token = _scalar(d, refs, "item_first", item)
+    num_tokens = _scalar(d, refs, "item_tokens", item)
+    kv_len = _scalar(d, refs, "kv_lens", seq)
+    q_start = _scalar(d, refs, "cu_q_lens", seq)
+    q_len = _scalar(d, refs, "cu_q_lens", seq + 1) - q_start
     first_position = kv_len - q_len + (first_token - q_start)
     lowest = jnp.int32(0)
     if d.sliding_window is not None:
@@ -201,7 +210,7 @@ def _fetch_chunk(d: _Dims, refs: _Refs, span: _Span, head: jax.Array, chunk: jax
     for i in range(d.copies_per_chunk):
         position = chunk * d.chunk + i * d.rows_per_copy
         page = jnp.minimum(lax.div(position, jnp.int32(d.block_size)), d.table_width - 1)
-        block = refs.tables[span.seq * d.table_width + page]
+        block = _scalar(d, refs, "tables", span.seq * d.table_width + page)
         offset = lax.rem(position, jnp.int32(d.block_size))
         into = pl.ds(i * d.rows_per_copy, d.rows_per_copy)
         plgpu.copy_gmem_to_smem(_page_rows(d, refs.kv, block, offset, 2 * head), refs.k_stages.at[stage, into], barrier)
@@ -234,7 +243,7 @@ def _scores(d: _Dims, refs: _Refs, stage: jax.Array) -> jax.Array:
         )
 
     def product(acc_ref: Any) -> jax.Array:
-        plgpu.wgmma(acc_ref, refs.q_tile, plgpu.transpose_ref(keys, (1, 0)))
+        plgpu.wgmma(acc_ref, refs.q_tile, keys.transpose((1, 0)))
         return acc_ref[...]
 
     return pl.run_scoped(product, plgpu.ACC((ROWS_PER_TILE, d.chunk), jnp.float32))
@@ -307,10 +316,7 @@ def _kernel(d: _Dims, *refs: Any) -> None:
     r = _Refs(*refs)
     head, item, split = lax.axis_index("head"), lax.axis_index("item"), lax.axis_index("split")
     span = _span(d, r, item, split)
-    first_token = r.item_first[item]
-    plgpu.copy_gmem_to_smem(
-        r.q.at[head, pl.ds(first_token * d.num_queries_per_kv, ROWS_PER_TILE)], r.q_tile, r.q_barrier.at[0]
-    )
+    plgpu.copy_gmem_to_smem(r.q.at[head, pl.ds(item * ROWS_PER_TILE, ROWS_PER_TILE)], r.q_tile, r.q_barrier.at[0])
     for i in range(d.num_stages):
 
         @pl.when(i < span.num_chunks)
@@ -369,7 +375,7 @@ def _work_items(
     first = cu_q_lens[seq] + (item - tiles_start[seq]) * tokens_per_tile
     tokens = jnp.clip(cu_q_lens[seq] + q_lens[seq] - first, 0, tokens_per_tile)
     tokens = jnp.where(item < tiles_end[-1], tokens, 0).astype(jnp.int32)
-    first = jnp.where(tokens > 0, first, 0)  # a padding item reads the first tile's rows
+    first = jnp.where(tokens > 0, first, 0)  # a padding item: no rows, at token 0
 
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     token_seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), max_seqs - 1)
@@ -377,6 +383,35 @@ def _work_items(
     token_item = (tiles_start[token_seq] + within // tokens_per_tile).astype(jnp.int32)
     token_valid = token < cu_q_lens[num_seqs[0]]
     return _Items(seq, first.astype(jnp.int32), tokens, token_item, within % tokens_per_tile, token_valid)
+
+
+def _item_query_rows(q: jax.Array, items: _Items, num_kv_heads: int) -> jax.Array:
+    """``(T, H * G, D)`` queries -> ``(H, M * R, D)``: item m's rows at ``m * R`` (rows past
+    its tokens: 0), so the kernel's TMA copy of an item's tile starts at a multiple of
+    the 8-row shared-memory tile, which Mosaic GPU must prove for a dynamic offset."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_queries_per_kv = num_q_heads // num_kv_heads
+    q_rows = q.reshape(num_tokens, num_kv_heads, num_queries_per_kv, head_dim).transpose(1, 0, 2, 3)
+    q_rows = q_rows.reshape(num_kv_heads, num_tokens * num_queries_per_kv, head_dim)
+    row = jnp.arange(ROWS_PER_TILE, dtype=jnp.int32)
+    rows = items.first[:, None] * num_queries_per_kv + row  # (M, R)
+    valid = row < items.tokens[:, None] * num_queries_per_kv
+    tiles = jnp.where(valid[None, :, :, None], jnp.take(q_rows, rows, axis=1, mode="clip"), 0)
+    return tiles.reshape(num_kv_heads, -1, head_dim)
+
+
+def _pack_schedule(
+    items: _Items, kv_lens: jax.Array, cu_q_lens: jax.Array, block_tables: jax.Array
+) -> tuple[jax.Array, tuple[int, ...]]:
+    """The small int32 operands as one fresh vector, and where each of :data:`_SCHEDULE` starts.
+
+    Mosaic GPU requires every operand 256-byte aligned; XLA may hand a custom call a
+    slice of a larger buffer at any offset (on an H200, an engine step's block tables came
+    as "Input buffer 5 is not 256-byte aligned"). A concatenation is a buffer of its own.
+    """
+    parts = (items.seq, items.first, items.tokens, kv_lens, cu_q_lens, block_tables.reshape(-1))
+    offsets = tuple(itertools.accumulate((p.shape[0] for p in parts[:-1]), initial=0))
+    return jnp.concatenate([p.astype(jnp.int32) for p in parts]), offsets
 
 
 def _merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
@@ -481,6 +516,8 @@ def paged_attention(
     max_items = cdiv(num_tokens, tokens_per_tile) + max_seqs
     max_chunks = cdiv(table_width * block_size, kv_tokens_per_chunk)
     num_splits = tuning.num_kv_splits or default_num_splits(num_kv_heads, max_items, max_chunks)
+    items = _work_items(num_tokens, tokens_per_tile, cu_q_lens, num_seqs, max_items)
+    schedule, schedule_offsets = _pack_schedule(items, kv_lens, cu_q_lens, block_tables)
     d = _Dims(
         num_queries_per_kv=num_queries_per_kv,
         chunk=kv_tokens_per_chunk,
@@ -494,12 +531,9 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         interpret=params is not None,
+        schedule_offsets=schedule_offsets,
     )
-    items = _work_items(num_tokens, tokens_per_tile, cu_q_lens, num_seqs, max_items)
-    q_rows = q.reshape(num_tokens, num_kv_heads, num_queries_per_kv, head_dim).transpose(1, 0, 2, 3)
-    q_rows = q_rows.reshape(num_kv_heads, num_tokens * num_queries_per_kv, head_dim)
-    padded_rows = (cdiv(num_tokens * num_queries_per_kv, ROWS_PER_TILE) + 1) * ROWS_PER_TILE  # whole TMA tiles
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, padded_rows - q_rows.shape[1]), (0, 0)))
+    q_rows = _item_query_rows(q, items, num_kv_heads)
 
     elems_per_row = _SWIZZLE_BYTES // jnp.dtype(q.dtype).itemsize
     tiles = (plgpu.TilingTransform((8, elems_per_row)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
@@ -522,15 +556,6 @@ def paged_attention(
         grid_names=("head", "item", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=params,
-    )(
-        items.seq,
-        items.first,
-        items.tokens,
-        kv_lens,
-        cu_q_lens,
-        block_tables.reshape(-1),
-        q_rows,
-        kv_buffer,
-    )
+    )(schedule, q_rows, kv_buffer)
     merged = _merge_splits(out, lse)
     return _rows_to_tokens(merged, items, num_queries_per_kv).astype(q.dtype)
