@@ -425,8 +425,9 @@ class KVCacheManager:
         return new_blocks
 
     def append_token_ids(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None:
-        """Append one generated token to each request (``token_ids[i]`` to ``requests[i]``)
-        and hash the blocks that fill: a decode step's outputs in one call.
+        """Append one generated token to each request (``token_ids[i]`` to ``requests[i]``):
+        a decode step's outputs in one call. A block that fills is hashed when the manager
+        next needs its hash (the allocation that caches it, a lookup), as for any request.
 
         Checks everything first: a bad id or request raises a typed error naming it and
         appends nothing. ``token_ids``: a list or 1-D array of ints.
@@ -438,18 +439,12 @@ class KVCacheManager:
         key = self._hasher_key
         caching = self.enable_caching
         for request in requests:
-            if type(request) is not Request:
+            if type(request) is not Request or (caching and request.block_hash_key is not key):
                 check_request(request)
-            if caching and request.block_hash_key is not key:
-                self.hash_request(request)  # claims it for this hasher, or refuses another's
-        size = self._hash_block_size
-        hasher = self.hasher
+                if caching:
+                    self.hash_request(request)  # claims it for this hasher, or refuses another's
         for request, token in zip(requests, ids, strict=True):
-            tokens = request._token_ids
-            tokens.append(token)
-            hashes = request.block_hashes
-            if caching and len(tokens) >= (len(hashes) + 1) * size:
-                hasher.extend(hashes, tokens, request.extra_keys)
+            request._token_ids.append(token)
 
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted)."""

@@ -12,9 +12,10 @@ does not fit). Each side makes the calls its own serving loop makes. Timed: ``re
 (building the ``Request`` and hashing its prompt: vLLM's hashes itself when built),
 ``lookup`` (``get_computed_blocks``), ``alloc_prefill``, ``alloc_decode`` (a step's decode
 slots: jaxkv's ``allocate_decode_slots``, one call per batch, vLLM's ``allocate_slots``
-per request, as its scheduler calls it), ``free``, and ``hash`` (a step's sampled tokens:
+per request, as its scheduler calls it), ``free``, and ``append`` (a step's sampled tokens:
 jaxkv's ``append_token_ids``, one call per batch, vLLM's ``append_output_token_ids`` per
-request; both hash the blocks that fill). Garbage
+request; vLLM hashes a block that fills there, jaxkv in the decode allocation that caches
+it, inside ``alloc_decode``). Garbage
 collection stays on for both; the heap is collected before each timed run, so neither
 side pays for the other's garbage. The two run alternately, ``--pairs`` times each, and every
 figure is the median over the pairs; an op's ratio is jaxkv / vLLM of those medians. The
@@ -74,7 +75,7 @@ flags.DEFINE_boolean("peer", True, "time vLLM's manager too when it is importabl
 flags.DEFINE_integer("seed", 0, "workload seed")
 flags.DEFINE_string("out", None, "write the results as JSON here")
 
-OPS = ("request", "lookup", "alloc_prefill", "alloc_decode", "free", "hash")
+OPS = ("request", "lookup", "alloc_prefill", "alloc_decode", "free", "append")
 PRESSURE = 0.6
 """The pressure workload's pool, as a fraction of the blocks the stream holds at its peak."""
 MAX_MODEL_LEN = 8192
@@ -308,7 +309,7 @@ def run_loop(sides: Sequence, workload: Workload, times: list[dict[str, float]] 
         preempted = False
         if running:
             # The last step's sampled tokens: one for every running request.
-            call("hash", lambda s, rs: s.append(rs), *[([reqs[i][k] for i in running],) for k in range(len(sides))])
+            call("append", lambda s, rs: s.append(rs), *[([reqs[i][k] for i in running],) for k in range(len(sides))])
             for i in running:
                 generated[i] += 1
             for i in [i for i in running if generated[i] >= workload.decode_steps]:

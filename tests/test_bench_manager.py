@@ -18,5 +18,5 @@ def test_a_tiny_run_reports_every_op_of_every_workload(tmp_path):
         (m, w) for m in ("full", "gemma3-like", "mixed-blocks", "recurrent") for w in ("base", "pressure", "running512")
     }
     for r in results:
-        assert set(r["jaxkv"]) == {"request", "lookup", "alloc_prefill", "alloc_decode", "free", "hash"}
+        assert set(r["jaxkv"]) == {"request", "lookup", "alloc_prefill", "alloc_decode", "free", "append"}
         assert r["jaxkv_total"] > 0

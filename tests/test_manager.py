@@ -700,7 +700,9 @@ def test_a_bad_token_in_a_batch_appends_nothing_to_any_request(tokens):
         mgr.append_token_ids([a, "b"], [3, 4])
     assert a.num_tokens == b.num_tokens == 15 and a.block_hashes == b.block_hashes == []
     mgr.append_token_ids([a, b], np.array([3, 4]))
-    assert a.all_token_ids[-1] == 3 and len(a.block_hashes) == 1
+    assert a.all_token_ids[-1] == 3 and b.all_token_ids[-1] == 4
+    assert mgr.allocate_decode_slots([a, b]) == 2  # the filled blocks are hashed and cached here
+    assert len(a.block_hashes) == len(b.block_hashes) == 1 and len(mgr.pool.cached[0]) == 2
 
 
 def test_a_decode_batch_refuses_a_bad_lookahead(tokens):
