@@ -393,9 +393,10 @@ class BlockPool:
         return sum(1 for b in block_ids if b and ref_cnt[b] == 1)
 
     def count_evictable(self, block_ids: Iterable[int]) -> int:
-        """How many of these blocks wait in the free queue (a hit on them uses up a free block)."""
-        ref_cnt = self.ref_cnt
-        return sum(1 for b in block_ids if b and ref_cnt[b] == 0)
+        """How many of these blocks wait in the free queue (a hit on them uses up a free block).
+        Counted in C: the null block also has no references, so its entries are taken off."""
+        ids = block_ids if type(block_ids) is list else list(block_ids)
+        return list(map(self.ref_cnt.__getitem__, ids)).count(0) - ids.count(NULL_BLOCK)
 
     # ----------------------------------------------------------------- caching
     def cache_blocks(
