@@ -35,7 +35,6 @@ from jaxkv.manager_errors import (
 )
 from jaxkv.planner import KVCacheConfig
 from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
-from jaxkv.prefix_digests import PrefixDigests
 from jaxkv.request import ReadOnlyTokenIds, Request, token_id_list
 from jaxkv.request_checks import check_counts, check_external, check_hit, check_new_request, check_request
 from jaxkv.single_type import NEVER, MambaManager
@@ -123,7 +122,6 @@ class KVCacheManager:
         self._no_blocks = KVCacheBlocks(tuple(() for _ in config.groups))
         self._hasher_key = (self.hasher.block_size, self.hasher.algo)
         self._hash_block_size = self.hasher.block_size
-        self._prefix_digests = PrefixDigests(4 * self._hash_block_size)
         self._owner = OwnerThread("KVCacheManager")
         # Requests holding blocks, by id: a second live request with the same id is refused.
         self._requests: dict[str, Request] = {}
@@ -255,9 +253,7 @@ class KVCacheManager:
         self._num_hits += n
         if n == 0:
             return self._no_blocks, 0
-        num_hashes = n // self._hash_block_size
-        self._prefix_digests.record(request._prompt_bytes, request.extra_keys, request.block_hashes[:num_hashes])
-        prefix_hash = request.block_hashes[num_hashes - 1]
+        prefix_hash = request.block_hashes[n // self.coordinator.hash_block_size - 1]
         return KVCacheBlocks(blocks, self.coordinator.num_evictions, request.request_id, prefix_hash), n
 
     def allocate_slots(
@@ -513,8 +509,6 @@ class KVCacheManager:
                 )
         tokens = request._token_ids
         if len(tokens) >= (len(request.block_hashes) + 1) * self._hash_block_size:  # a new full block
-            if not request.block_hashes and request._prompt_bytes:  # a prefix hit before: no need to hash it
-                request.block_hashes.extend(self._prefix_digests.take(request._prompt_bytes, request.extra_keys))
             # The prompt's blocks from the bytes its check packed, then any later ones.
             self.hasher.extend_bytes(request.block_hashes, request._prompt_bytes, request.extra_keys)
             self.hasher.extend(request.block_hashes, tokens, request.extra_keys)

@@ -17,7 +17,6 @@ HOST_CORE = [
     "presets",
     "planner",
     "hashing",
-    "prefix_digests",
     "free_queue",
     "pool",
     "single_type",
