@@ -371,6 +371,15 @@ def _bad_token(values: Iterable[object], base: int) -> InvalidTokenIdError:
     return InvalidTokenIdError(f"token ids from position {base} are invalid", None, base)
 
 
+def int32_le_bytes(ids: array[int]) -> bytes:
+    """A 4-byte integer array's ids as little-endian bytes, as the hash serializes them
+    (an array holds them in native order)."""
+    if _BIG_ENDIAN:
+        ids = array(ids.typecode, ids)
+        ids.byteswap()
+    return ids.tobytes()
+
+
 def _token_bytes(token_ids: Sequence[int], lo: int, hi: int, packer: struct.Struct) -> bytes:
     """token_ids[lo:hi] as little-endian int32 bytes, validated in bulk.
 
@@ -381,10 +390,7 @@ def _token_bytes(token_ids: Sequence[int], lo: int, hi: int, packer: struct.Stru
     array) are then found by their top bits, the high bit of every 4th byte.
     """
     if type(token_ids) is array and token_ids.itemsize == 4 and token_ids.typecode in "iIl":
-        chunk = token_ids[lo:hi]
-        if _BIG_ENDIAN:
-            chunk.byteswap()
-        data = chunk.tobytes()
+        data = int32_le_bytes(token_ids[lo:hi])
         if _top_bit_set(data, 0, len(data)):
             raise _bad_token(token_ids[lo:hi].tolist(), lo)
         return data

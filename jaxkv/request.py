@@ -5,7 +5,6 @@ turns what a caller passes into checked token ids.
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections.abc import Iterator, Sequence
 from functools import cached_property
@@ -13,11 +12,9 @@ from typing import TypeGuard, overload
 
 import numpy as np
 
-from jaxkv.hashing import MAX_TOKEN_ID, NO_EXTRA_KEYS, ExtraKeys, MultiModalItem
+from jaxkv.hashing import MAX_TOKEN_ID, NO_EXTRA_KEYS, ExtraKeys, MultiModalItem, int32_le_bytes
 from jaxkv.ints import is_int
 from jaxkv.manager_errors import KVCacheManagerError
-
-_BIG_ENDIAN = sys.byteorder == "big"  # array("I") packs in native order; hashes read little-endian
 
 
 class ReadOnlyTokenIds(Sequence[int]):
@@ -87,11 +84,7 @@ def _plain_token_ids(values: Sequence[int]) -> tuple[array[int], bytes] | None:
         return None
     if lowest <= 1 and any(type(values[i]) is not int for i in np.flatnonzero(as_int32 <= 1).tolist()):
         return None
-    if _BIG_ENDIAN:
-        swapped = array("I", packed)
-        swapped.byteswap()
-        return packed, swapped.tobytes()
-    return packed, packed.tobytes()
+    return packed, int32_le_bytes(packed)
 
 
 def _in_range_int_vector(values: object) -> TypeGuard[np.ndarray]:
@@ -126,7 +119,8 @@ def _checked_token_ids(values: object, what: str) -> tuple[array[int] | list[int
         if plain is not None:
             return plain
     elif _in_range_int_vector(values):
-        return array("I", values.astype(np.uint32).tobytes()), values.astype("<i4").tobytes()
+        packed = array("I", values.astype(np.uint32).tobytes())
+        return packed, int32_le_bytes(packed)
     ndim = getattr(values, "ndim", 1)
     if ndim != 1:
         raise KVCacheManagerError(f"{what} must be 1-D, got an array of shape {getattr(values, 'shape', None)}")
