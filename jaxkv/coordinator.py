@@ -81,6 +81,22 @@ class AttentionType:
     hash_stride: int
 
 
+def _take_runs(managers: Sequence[SingleTypeManager]) -> list[tuple[BlockPool | None, list[SingleTypeManager]]]:
+    """The managers in group order, cut into runs that take fresh blocks from one pool
+    the plain way (one take serves the whole run, handing each group its blocks in the
+    order separate takes would): ``(pool, run)``, or ``(None, [manager])`` for a manager
+    with an allocation rule of its own (a recurrent state)."""
+    runs: list[tuple[BlockPool | None, list[SingleTypeManager]]] = []
+    for m in managers:
+        if type(m).allocate_new_blocks is not SingleTypeManager.allocate_new_blocks:
+            runs.append((None, [m]))
+        elif runs and runs[-1][0] is m.pool:
+            runs[-1][1].append(m)
+        else:
+            runs.append((m.pool, [m]))
+    return runs
+
+
 def _split_at_resets(events: list[KVCacheEvent]) -> list[list[KVCacheEvent]]:
     """One pool's events cut at its :class:`AllBlocksCleared` markers (dropped): the runs
     before, between and after its resets."""
@@ -118,6 +134,8 @@ class KVCacheCoordinator:
             else manager_class_for(g.spec)(self.pool, i, g.block_size, g.spec)
             for i, g in enumerate(groups)
         ]
+        self._take_runs = _take_runs(self.managers)
+        self._skipping_managers = [m for m in self.managers if m.skips_blocks]
         self._state_managers = [m for m in self.managers if isinstance(m, StatePoolManager)]
         self._attention_managers = [m for m in self.managers if not isinstance(m, StatePoolManager)]
         self._retention: CheckpointRetention | None = None
@@ -369,14 +387,32 @@ class KVCacheCoordinator:
         num_computed_tokens: int,
     ) -> tuple[list[int], ...]:
         """Skip out-of-span blocks, adopt hit blocks, then take fresh ones; return the fresh ones."""
-        for m in self.managers:
-            if m.skips_blocks:
-                m.remove_skipped_blocks(request_id, num_computed_tokens)
+        self.remove_skipped_blocks(request_id, num_computed_tokens)
         if hit_blocks:
             for m, hits in zip(self.managers, hit_blocks, strict=True):
                 m.pool.touch(hits)
                 m.add_hit_blocks(request_id, hits)
-        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
+        new: list[list[int]] = []
+        for pool, run in self._take_runs:
+            if pool is None:
+                new.extend(m.allocate_new_blocks(request_id, num_tokens) for m in run)
+                continue
+            counts = [m.num_new_blocks(request_id, num_tokens, 0) for m in run]
+            total = sum(counts)
+            taken = pool.get_new_blocks(total) if total else []
+            start = 0
+            for m, n in zip(run, counts, strict=True):
+                blocks = taken[start : start + n]
+                start += n
+                m.add_new_blocks(request_id, blocks)
+                new.append(blocks)
+        return tuple(new)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the request's blocks that fell out of span in every group (an allocation
+        that needs no fresh block does only this)."""
+        for m in self._skipping_managers:
+            m.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def cache_blocks(
         self,

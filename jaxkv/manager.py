@@ -407,11 +407,13 @@ class KVCacheManager:
         grows = end + num_lookahead_tokens > capacity
         skips = computed >= next_skip
         new_blocks = self._no_blocks
-        if grows or skips:
+        if grows:
             num_slots = min(end + num_lookahead_tokens, self.max_model_len)
-            if grows and not coord.can_allocate(rid, num_slots, None, computed):
+            if not coord.can_allocate(rid, num_slots, None, computed):
                 return None
             new_blocks = KVCacheBlocks(coord.allocate(rid, num_slots, None, computed))
+        elif skips:  # every group has the slots already
+            coord.remove_skipped_blocks(rid, computed)
         fills = end >= next_full
         if fills:
             self.hash_request(request)

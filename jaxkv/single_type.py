@@ -193,6 +193,12 @@ class SingleTypeManager:
         blocks.extend(new)
         return new
 
+    def add_new_blocks(self, request_id: str, block_ids: list[int]) -> None:
+        """Append fresh blocks the caller took from the pool for this group (the
+        :meth:`num_new_blocks` it asked for): :meth:`allocate_new_blocks` with the take
+        done once for several groups."""
+        self.req_blocks.setdefault(request_id, []).extend(block_ids)
+
     def cache_blocks(
         self,
         request_id: str,
