@@ -367,17 +367,37 @@ class KVCacheCoordinator:
         blocks, plus hits on free (evictable) blocks, minus blocks that skipping
         out-of-span ones returns."""
         needed = {id(p): 0 for p in self.pools}
+        hit_lists = []
         for g, m in enumerate(self.managers):
             pool = m.pool
             if hit_blocks:
                 hits = hit_blocks[g]
-                n = m.num_new_blocks(request_id, num_tokens, len(hits)) + pool.count_evictable(hits)
+                n = m.num_new_blocks(request_id, num_tokens, len(hits))
+                if hits:
+                    hit_lists.append((m, hits))
             else:
                 n = m.num_new_blocks(request_id, num_tokens, 0)
             if m.skips_blocks:
                 n -= pool.count_newly_freed(m.skippable_blocks(request_id, num_computed_tokens))
             needed[id(pool)] += n * m.pages_per_block
-        return all(needed[id(p)] <= p.num_free_blocks for p in self.pools)
+
+        def fits(counts: dict[int, int]) -> bool:
+            return all(counts[id(p)] <= p.num_free_blocks for p in self.pools)
+
+        # Hits on free blocks use them up too: count those only when the bounds (none or
+        # all of them free) leave the answer open.
+        if not fits(needed):
+            return False
+        if not hit_lists:
+            return True
+        most = dict(needed)
+        for m, hits in hit_lists:
+            most[id(m.pool)] += len(hits) * m.pages_per_block
+        if fits(most):
+            return True
+        for m, hits in hit_lists:
+            needed[id(m.pool)] += m.pool.count_evictable(hits) * m.pages_per_block
+        return fits(needed)
 
     def allocate(
         self,
