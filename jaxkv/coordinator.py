@@ -162,6 +162,16 @@ class KVCacheCoordinator:
         # Full attention first: its hits are prefix-closed, so it bounds the rest early.
         types.sort(key=lambda t: t.manager_cls is not FullAttentionManager)
         self.types = types
+        self._typed_managers = [[self.managers[g] for g in t.group_ids] for t in types]
+        # The managers whose counts answer for the request in every group: one per type
+        # where the groups of a type hold alike counts, else each.
+        self._counts_for: dict[int, list[SingleTypeManager]] = {}
+        for ms in self._typed_managers:
+            if ms[0].counts_alike_within_type:
+                self._counts_for[ms[0].group_id] = ms
+            else:
+                self._counts_for.update((m.group_id, [m]) for m in ms)
+        self._counting_managers = [self.managers[g] for g in self._counts_for]
         self._maps = [self.managers[t.group_ids[0]].pool.hash_maps(t.group_ids) for t in types]
 
     def _state_manager(self, group_id: int, group: KVCacheGroup, shared: SharedStates | None) -> StatePoolManager:
@@ -367,18 +377,20 @@ class KVCacheCoordinator:
         blocks, plus hits on free (evictable) blocks, minus blocks that skipping
         out-of-span ones returns."""
         needed = {id(p): 0 for p in self.pools}
-        hit_lists = []
-        for g, m in enumerate(self.managers):
+        hit_lists: list[tuple[SingleTypeManager, Sequence[int]]] = []
+        for m in self._counting_managers:
             pool = m.pool
-            if hit_blocks:
-                hits = hit_blocks[g]
-                n = m.num_new_blocks(request_id, num_tokens, len(hits))
-                if hits:
-                    hit_lists.append((m, hits))
-            else:
-                n = m.num_new_blocks(request_id, num_tokens, 0)
+            alike = self._counts_for[m.group_id]
+            num_hits = len(hit_blocks[m.group_id]) if hit_blocks else 0
+            n = m.num_new_blocks(request_id, num_tokens, num_hits) * len(alike)
+            if num_hits:
+                hit_lists.extend((a, hit_blocks[a.group_id]) for a in alike)  # type: ignore[index]  # num_hits > 0
             if m.skips_blocks:
-                n -= pool.count_newly_freed(m.skippable_blocks(request_id, num_computed_tokens))
+                skippable = m.skippable_blocks(request_id, num_computed_tokens)
+                if skippable:  # then as many fell out of span in each alike group
+                    n -= pool.count_newly_freed(skippable) + sum(
+                        pool.count_newly_freed(a.skippable_blocks(request_id, num_computed_tokens)) for a in alike[1:]
+                    )
             needed[id(pool)] += n * m.pages_per_block
 
         def fits(counts: dict[int, int]) -> bool:
@@ -449,7 +461,10 @@ class KVCacheCoordinator:
         managers = self.managers
         num_tokens = num_tokens // self.lcm_block_size * self.lcm_block_size
         retention = self._retention
-        for t, hashes in self.typed_hashes(block_hashes):
+        for (t, hashes), typed in zip(self.typed_hashes(block_hashes), self._typed_managers, strict=True):
+            first = typed[0]
+            if first.counts_alike_within_type and num_tokens // t.block_size <= first.num_cached.get(request_id, 0):
+                continue  # no group of this type has a newly full block
             for g in t.group_ids:
                 m = managers[g]
                 start = m.num_cached.get(request_id, 0)
@@ -466,16 +481,16 @@ class KVCacheCoordinator:
 
     def capacity(self, request_id: str) -> int:
         """Tokens the request's blocks have slots for (the fewest over the groups)."""
-        return min(len(m.req_blocks[request_id]) * m.block_size for m in self.managers)
+        return min(len(m.req_blocks[request_id]) * m.block_size for m in self._counting_managers)
 
     def next_skip(self, request_id: str) -> int:
         """Computed tokens at which a block of some group falls out of span."""
-        return min((m.next_skip_computed(request_id) for m in self.managers if m.skips_blocks), default=NEVER)
+        return min((m.next_skip_computed(request_id) for m in self._counting_managers if m.skips_blocks), default=NEVER)
 
     def next_full(self, request_id: str) -> int:
         """Tokens at which caching would offer another block (an lcm multiple)."""
         lcm = self.lcm_block_size
-        return -(-min(m.next_cache_tokens(request_id) for m in self.managers) // lcm) * lcm
+        return -(-min(m.next_cache_tokens(request_id) for m in self._counting_managers) // lcm) * lcm
 
     def set_anchors(self, request_id: str, anchors: Sequence[int]) -> None:
         """Under ``group_aware`` retention, the request's anchors (token positions) in

@@ -452,8 +452,8 @@ class KVCacheManager:
                 check_request(request)
                 if self.enable_caching:
                     self.hash_request(request)  # claims it for this hasher, or refuses another's
-        for token_ids, token in zip(map(_token_ids_of, requests), ids, strict=True):
-            token_ids.append(token)
+        for request_ids, token in zip(map(_token_ids_of, requests), ids, strict=True):
+            request_ids.append(token)
 
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted)."""

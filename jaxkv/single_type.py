@@ -70,6 +70,11 @@ class SingleTypeManager:
     """Whether the first ``k`` blocks of a hit are the hit at ``k`` blocks (full attention),
     so a search at a shorter length can cut the last hit instead of searching again."""
 
+    counts_alike_within_type = True
+    """Whether every group of one attention type holds the same counts for a request (blocks,
+    skip frontier, cached blocks: the coordinator hands them the same hits and token counts,
+    and these rules read nothing else), so one group's counts answer for all of them."""
+
     def __init__(self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec) -> None:
         self.pool = pool
         self.group_id = group_id
@@ -489,6 +494,8 @@ class StatePoolManager(MambaManager):
     through it: that checkpoint is requeued as recently used, as the hit's attention
     blocks are (the system prompt's state stays as warm as the system prompt's KV).
     """
+
+    counts_alike_within_type = False  # whether a fresh row is needed depends on the group's own slot
 
     def __init__(
         self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec, pages_per_block: int = 1
