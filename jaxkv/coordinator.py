@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -172,6 +173,7 @@ class KVCacheCoordinator:
             else:
                 self._counts_for.update((m.group_id, [m]) for m in ms)
         self._counting_managers = [self.managers[g] for g in self._counts_for]
+        self._counting = [(m, self._counts_for[m.group_id], self.pools.index(m.pool)) for m in self._counting_managers]
         self._maps = [self.managers[t.group_ids[0]].pool.hash_maps(t.group_ids) for t in types]
 
     def _state_manager(self, group_id: int, group: KVCacheGroup, shared: SharedStates | None) -> StatePoolManager:
@@ -376,40 +378,36 @@ class KVCacheCoordinator:
         """Whether every pool has the net free blocks the allocation consumes: new
         blocks, plus hits on free (evictable) blocks, minus blocks that skipping
         out-of-span ones returns."""
-        needed = {id(p): 0 for p in self.pools}
-        hit_lists: list[tuple[SingleTypeManager, Sequence[int]]] = []
-        for m in self._counting_managers:
-            pool = m.pool
-            alike = self._counts_for[m.group_id]
+        needed = [0] * len(self.pools)
+        hit_lists: list[tuple[SingleTypeManager, Sequence[int], int]] = []
+        for m, alike, k in self._counting:
             num_hits = len(hit_blocks[m.group_id]) if hit_blocks else 0
             n = m.num_new_blocks(request_id, num_tokens, num_hits) * len(alike)
             if num_hits:
-                hit_lists.extend((a, hit_blocks[a.group_id]) for a in alike)  # type: ignore[index]  # num_hits > 0
+                hit_lists.extend((a, hit_blocks[a.group_id], k) for a in alike)  # type: ignore[index]  # num_hits > 0
             if m.skips_blocks:
                 skippable = m.skippable_blocks(request_id, num_computed_tokens)
                 if skippable:  # then as many fell out of span in each alike group
+                    pool = m.pool
                     n -= pool.count_newly_freed(skippable) + sum(
                         pool.count_newly_freed(a.skippable_blocks(request_id, num_computed_tokens)) for a in alike[1:]
                     )
-            needed[id(pool)] += n * m.pages_per_block
-
-        def fits(counts: dict[int, int]) -> bool:
-            return all(counts[id(p)] <= p.num_free_blocks for p in self.pools)
-
-        # Hits on free blocks use them up too: count those only when the bounds (none or
-        # all of them free) leave the answer open.
-        if not fits(needed):
+            needed[k] += n * m.pages_per_block
+        free = [p.num_free_blocks for p in self.pools]
+        if any(map(operator.gt, needed, free)):
             return False
         if not hit_lists:
             return True
-        most = dict(needed)
-        for m, hits in hit_lists:
-            most[id(m.pool)] += len(hits) * m.pages_per_block
-        if fits(most):
+        # Hits on free blocks use them up too: count those only when the bounds (none or
+        # all of them free) leave the answer open.
+        most = needed.copy()
+        for m, hits, k in hit_lists:
+            most[k] += len(hits) * m.pages_per_block
+        if not any(map(operator.gt, most, free)):
             return True
-        for m, hits in hit_lists:
-            needed[id(m.pool)] += m.pool.count_evictable(hits) * m.pages_per_block
-        return fits(needed)
+        for m, hits, k in hit_lists:
+            needed[k] += m.pool.count_evictable(hits) * m.pages_per_block
+        return not any(map(operator.gt, needed, free))
 
     def allocate(
         self,
@@ -426,7 +424,7 @@ class KVCacheCoordinator:
                 m.add_hit_blocks(request_id, hits)
         new: list[list[int]] = []
         for pool, run in self._take_runs:
-            if pool is None:
+            if pool is None or len(run) == 1:
                 new.extend(m.allocate_new_blocks(request_id, num_tokens) for m in run)
                 continue
             counts = [m.num_new_blocks(request_id, num_tokens, 0) for m in run]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 from threading import get_ident as _get_ident
 from typing import cast
 
@@ -55,11 +54,6 @@ __all__ = [
     "UnknownRequestError",
     "token_id_list",
 ]
-
-
-_hash_key_of = attrgetter("block_hash_key")
-_token_ids_of = attrgetter("_token_ids")
-"""Read in C over a decode batch (``append_token_ids``)."""
 
 
 @dataclass(frozen=True)
@@ -444,16 +438,15 @@ class KVCacheManager:
         ids = token_id_list(token_ids, "append_token_ids: token_ids")
         if len(ids) != len(requests):
             raise KVCacheManagerError(f"append_token_ids: {len(ids)} token ids for {len(requests)} requests")
-        n = len(requests)
-        if list(map(type, requests)).count(Request) != n or (
-            self.enable_caching and list(map(_hash_key_of, requests)).count(self._hasher_key) != n
-        ):
-            for request in requests:
+        key = self._hasher_key
+        caching = self.enable_caching
+        for request in requests:
+            if type(request) is not Request or (caching and request.block_hash_key is not key):
                 check_request(request)
-                if self.enable_caching:
+                if caching:
                     self.hash_request(request)  # claims it for this hasher, or refuses another's
-        for request_ids, token in zip(map(_token_ids_of, requests), ids, strict=True):
-            request_ids.append(token)
+        for request, token in zip(requests, ids, strict=True):
+            request._token_ids.append(token)
 
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted)."""
