@@ -82,6 +82,14 @@ class AttentionType:
     hash_stride: int
 
 
+def _hashes_of_type(t: AttentionType, block_hashes: Sequence[bytes]) -> Sequence[bytes]:
+    """The chained hashes at ``t``'s block granularity. The one place that knows a group
+    whose block is ``k`` hash blocks long uses every ``k``-th hash (a chained hash names
+    the whole prefix up to its end)."""
+    stride = t.hash_stride
+    return block_hashes if stride == 1 else block_hashes[stride - 1 :: stride]
+
+
 def _take_runs(managers: Sequence[SingleTypeManager]) -> list[tuple[BlockPool | None, list[SingleTypeManager]]]:
     """The managers in group order, cut into runs that take fresh blocks from one pool
     the plain way (one take serves the whole run, handing each group its blocks in the
@@ -263,13 +271,9 @@ class KVCacheCoordinator:
         return [m.group_id for m in self.managers if isinstance(m, manager_cls)]
 
     def typed_hashes(self, block_hashes: Sequence[bytes]) -> Iterator[tuple[AttentionType, Sequence[bytes]]]:
-        """Each attention type with the chained hashes at its block granularity.
-
-        The one place that knows a group whose block is ``k`` hash blocks long uses
-        every ``k``-th hash (a chained hash names the whole prefix up to its end)."""
+        """Each attention type with the chained hashes at its block granularity."""
         for t in self.types:
-            stride = t.hash_stride
-            yield t, (block_hashes if stride == 1 else block_hashes[stride - 1 :: stride])
+            yield t, _hashes_of_type(t, block_hashes)
 
     def hashes_per_group(self, block_hashes: Sequence[bytes]) -> list[Sequence[bytes]]:
         """The chained hashes at each group's block granularity, indexed by group id."""
@@ -456,19 +460,19 @@ class KVCacheCoordinator:
         recording the attention chains that its retention follows). With groups of
         different block sizes only blocks up to the last lcm boundary are offered (as
         vLLM does): a hit ends on one, so a block past it would serve none yet."""
-        managers = self.managers
         num_tokens = num_tokens // self.lcm_block_size * self.lcm_block_size
         retention = self._retention
-        for (t, hashes), typed in zip(self.typed_hashes(block_hashes), self._typed_managers, strict=True):
+        for t, typed in zip(self.types, self._typed_managers, strict=True):
             first = typed[0]
             if first.counts_alike_within_type and num_tokens // t.block_size <= first.num_cached.get(request_id, 0):
                 continue  # no group of this type has a newly full block
-            for g in t.group_ids:
-                m = managers[g]
+            hashes = _hashes_of_type(t, block_hashes)
+            for m in typed:
                 start = m.num_cached.get(request_id, 0)
                 m.cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
                 if retention is not None:
-                    retention.record(g, m.req_blocks[request_id], hashes, start, m.num_cached.get(request_id, 0))
+                    end = m.num_cached.get(request_id, 0)
+                    retention.record(m.group_id, m.req_blocks[request_id], hashes, start, end)
 
     def thresholds(self, request_id: str) -> tuple[int, int, int]:
         """The request's next event thresholds (after a real allocation): its slot

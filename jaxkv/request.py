@@ -197,6 +197,7 @@ class Request:
         # thresholds below which its next allocation changes nothing.
         self._holder: object | None = None
         self._thresholds = (0, 0, 0)
+        self._quiet_below = 0
         # How far full attention alone matched at the last lookup (an anchor for retention).
         self._reach = 0
 
