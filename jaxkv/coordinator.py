@@ -183,6 +183,7 @@ class KVCacheCoordinator:
         self._counting_managers = [self.managers[g] for g in self._counts_for]
         self._counting = [(m, self._counts_for[m.group_id], self.pools.index(m.pool)) for m in self._counting_managers]
         self._maps = [self.managers[t.group_ids[0]].pool.hash_maps(t.group_ids) for t in types]
+        self._has_state_types = any(issubclass(t.manager_cls, MambaManager) for t in types)
 
     def _state_manager(self, group_id: int, group: KVCacheGroup, shared: SharedStates | None) -> StatePoolManager:
         """The manager of a state group: its states are pages of the shared pool, or rows of the state pool."""
@@ -213,7 +214,9 @@ class KVCacheCoordinator:
     @property
     def num_evictions(self) -> int:
         """The pools' eviction count: a hit found at count N is intact while it is N."""
-        return sum(p.num_evictions for p in self.pools)
+        if self.state_pool is None:
+            return self.pool.num_evictions
+        return self.pool.num_evictions + self.state_pool.num_evictions
 
     def take_events(self) -> list[KVCacheEvent]:
         """Events of every pool (each names its group), in order around resets: a reset
@@ -300,13 +303,14 @@ class KVCacheCoordinator:
         writes the step's KV before it attends)."""
         lcm = self.lcm_block_size
         length = max_length // lcm * lcm
-        typed = list(self.typed_hashes(block_hashes))
+        typed = [_hashes_of_type(t, block_hashes) for t in self.types]
         found: list[CacheHit] = [CacheHit(0, 0, [])] * len(typed)
         reach = None
         first_pass = changed = True
         while changed:
             changed = False
-            for t_idx, (t, hashes) in enumerate(typed):
+            for t_idx, t in enumerate(self.types):
+                hashes = typed[t_idx]
                 num_blocks = length // t.block_size
                 last = found[t_idx]
                 if not first_pass and last.num_blocks == num_blocks:  # still exact: a search would repeat it
@@ -324,7 +328,7 @@ class KVCacheCoordinator:
                     length = hit.num_blocks * t.block_size // lcm * lcm
                     changed = len(typed) > 1
             first_pass = False
-            if not changed and length and self._unwritten_state(found):
+            if not changed and length and self._has_state_types and self._unwritten_state(found):
                 length -= lcm
                 changed = True
         # The last pass ran every search at the final length, so each hit is exact.
@@ -332,7 +336,7 @@ class KVCacheCoordinator:
         if length:
             for t, hit in zip(self.types, found, strict=True):
                 for g, ids in zip(t.group_ids, hit.block_ids, strict=True):
-                    blocks[g] = [0] * hit.first_real + ids
+                    blocks[g] = [0] * hit.first_real + ids if hit.first_real else ids
         if reach is None or (
             reach > length
             and self._retention is not None
