@@ -35,6 +35,7 @@ from jaxkv.manager_errors import (
 )
 from jaxkv.planner import KVCacheConfig
 from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
+from jaxkv.prompt_digests import PromptDigests
 from jaxkv.request import ReadOnlyTokenIds, Request, token_id_list
 from jaxkv.request_checks import check_counts, check_external, check_hit, check_new_request, check_request
 from jaxkv.single_type import NEVER, MambaManager
@@ -130,6 +131,7 @@ class KVCacheManager:
         self._hasher_key = (self.hasher.block_size, self.hasher.algo)
         self._hash_block_size = self.hasher.block_size
         self._hash_block_bytes = 4 * self.hasher.block_size  # a block's ids as the hash reads them
+        self._prompt_digests = PromptDigests(self._hash_block_bytes)
         self._owner = OwnerThread("KVCacheManager")
         # Requests holding blocks, by id: a second live request with the same id is refused.
         self._requests: dict[str, Request] = {}
@@ -522,8 +524,15 @@ class KVCacheManager:
         hashes = request.block_hashes
         if len(tokens) >= (len(hashes) + 1) * self._hash_block_size:  # a new full block
             # The prompt's blocks from the bytes its check packed, then any later ones.
-            if len(hashes) < len(request._prompt_bytes) // self._hash_block_bytes:
-                self.hasher.extend_bytes(hashes, request._prompt_bytes, request.extra_keys)
+            prompt = request._prompt_bytes
+            if not hashes and len(prompt) >= self._hash_block_bytes:
+                # The blocks a recently hashed prompt shares are taken, not hashed again.
+                shared = self._prompt_digests.shared(prompt, request.extra_keys)
+                self.hasher.extend_bytes(shared, prompt, request.extra_keys)
+                hashes.extend(shared)
+                self._prompt_digests.remember(prompt, request.extra_keys, hashes)
+            elif len(hashes) < len(prompt) // self._hash_block_bytes:
+                self.hasher.extend_bytes(hashes, prompt, request.extra_keys)
             self.hasher.extend(hashes, tokens, request.extra_keys)
 
     def _external_hits(self, hits: tuple[Sequence[int], ...] | None, total_computed: int) -> tuple[list[int], ...]:

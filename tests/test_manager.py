@@ -73,6 +73,19 @@ def test_a_hit_on_free_cached_blocks_uses_up_free_blocks(tokens):
     assert mgr.pool.free_block_ids() == before
 
 
+def test_prompts_sharing_a_system_prompt_hash_as_if_each_were_alone(tokens):
+    mgr = make_manager(11, FULL)
+    system = tokens(1000, 40)
+    prompts = [system + tokens(0, 9), system[:37] + tokens(100, 30), system + tokens(200, 3), system[:20]]
+    for i, prompt in enumerate(prompts):
+        for salt in (None, "tenant"):
+            req = Request(f"r{i}{salt}", prompt, cache_salt=salt)
+            mgr.hash_request(req)
+            alone: list[bytes] = []
+            mgr.hasher.extend(alone, prompt, req.extra_keys)
+            assert req.block_hashes == alone
+
+
 def test_hit_is_capped_below_the_last_token(tokens):
     mgr = make_manager(11, FULL)
     admit(mgr, Request("a", tokens(0, 32)))
