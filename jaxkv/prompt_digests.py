@@ -41,17 +41,7 @@ class PromptDigests:
         other, other_extra, digests = entry
         if other_extra is not extra and other_extra != extra:
             return []
-        hi = min(len(prompt), len(other)) // bb
-        if prompt[: hi * bb] != other[: hi * bb]:
-            lo = 1  # the first block matched; find the last block up to which both agree
-            while lo < hi - 1:
-                mid = (lo + hi) // 2
-                if prompt[: mid * bb] == other[: mid * bb]:
-                    lo = mid
-                else:
-                    hi = mid
-            hi = lo
-        return digests[:hi]
+        return digests[: _common_blocks(prompt, other, bb)]
 
     def remember(self, prompt: bytes, extra: ExtraKeys, digests: list[bytes]) -> None:
         """Keep ``prompt`` (whose full blocks ``digests`` holds) as the newest prompt
@@ -68,3 +58,24 @@ class PromptDigests:
         while self._size > self._budget and len(self._entries) > 1:
             oldest = next(iter(self._entries))
             self._size -= len(self._entries.pop(oldest)[0])
+
+
+def _common_blocks(a: bytes, b: bytes, block_bytes: int) -> int:
+    """How many leading blocks ``a`` and ``b`` share, given that the first one is shared:
+    galloping, then bisecting, comparing only the blocks not yet known to agree (a prompt
+    that leaves a shared template early costs one short comparison)."""
+    most = min(len(a), len(b)) // block_bytes
+    agree = 1
+    probe = 2
+    while (
+        probe <= most and a[agree * block_bytes : probe * block_bytes] == b[agree * block_bytes : probe * block_bytes]
+    ):
+        agree, probe = probe, 2 * probe
+    differ = min(probe, most + 1)  # the first block count known not to agree (or past the end)
+    while differ - agree > 1:
+        mid = (agree + differ) // 2
+        if a[agree * block_bytes : mid * block_bytes] == b[agree * block_bytes : mid * block_bytes]:
+            agree = mid
+        else:
+            differ = mid
+    return agree
