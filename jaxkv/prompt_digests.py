@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from jaxkv.hashing import ExtraKeys
 
-DEFAULT_BUDGET_BYTES = 8 << 20
-"""Prompt bytes the memo keeps alive at most (their digests add about a third)."""
+DEFAULT_BUDGET_BYTES = 256 << 10
+"""Prompt bytes the memo keeps alive at most (their digests add about as much again).
+One entry per first block: a few system prompts or chat templates fill it; beyond that,
+what it keeps alive costs every prompt more in memory traffic than it saves."""
 
 
 class PromptDigests:
