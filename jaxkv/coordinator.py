@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -81,6 +82,30 @@ class AttentionType:
     hash_stride: int
 
 
+def _hashes_of_type(t: AttentionType, block_hashes: Sequence[bytes]) -> Sequence[bytes]:
+    """The chained hashes at ``t``'s block granularity. The one place that knows a group
+    whose block is ``k`` hash blocks long uses every ``k``-th hash (a chained hash names
+    the whole prefix up to its end)."""
+    stride = t.hash_stride
+    return block_hashes if stride == 1 else block_hashes[stride - 1 :: stride]
+
+
+def _take_runs(managers: Sequence[SingleTypeManager]) -> list[tuple[BlockPool | None, list[SingleTypeManager]]]:
+    """The managers in group order, cut into runs that take fresh blocks from one pool
+    the plain way (one take serves the whole run, handing each group its blocks in the
+    order separate takes would): ``(pool, run)``, or ``(None, [manager])`` for a manager
+    with an allocation rule of its own (a recurrent state)."""
+    runs: list[tuple[BlockPool | None, list[SingleTypeManager]]] = []
+    for m in managers:
+        if type(m).allocate_new_blocks is not SingleTypeManager.allocate_new_blocks:
+            runs.append((None, [m]))
+        elif runs and runs[-1][0] is m.pool:
+            runs[-1][1].append(m)
+        else:
+            runs.append((m.pool, [m]))
+    return runs
+
+
 def _split_at_resets(events: list[KVCacheEvent]) -> list[list[KVCacheEvent]]:
     """One pool's events cut at its :class:`AllBlocksCleared` markers (dropped): the runs
     before, between and after its resets."""
@@ -118,6 +143,8 @@ class KVCacheCoordinator:
             else manager_class_for(g.spec)(self.pool, i, g.block_size, g.spec)
             for i, g in enumerate(groups)
         ]
+        self._take_runs = _take_runs(self.managers)
+        self._skipping_managers = [m for m in self.managers if m.skips_blocks]
         self._state_managers = [m for m in self.managers if isinstance(m, StatePoolManager)]
         self._attention_managers = [m for m in self.managers if not isinstance(m, StatePoolManager)]
         self._retention: CheckpointRetention | None = None
@@ -144,7 +171,19 @@ class KVCacheCoordinator:
         # Full attention first: its hits are prefix-closed, so it bounds the rest early.
         types.sort(key=lambda t: t.manager_cls is not FullAttentionManager)
         self.types = types
+        self._typed_managers = [[self.managers[g] for g in t.group_ids] for t in types]
+        # The managers whose counts answer for the request in every group: one per type
+        # where the groups of a type hold alike counts, else each.
+        self._counts_for: dict[int, list[SingleTypeManager]] = {}
+        for ms in self._typed_managers:
+            if ms[0].counts_alike_within_type:
+                self._counts_for[ms[0].group_id] = ms
+            else:
+                self._counts_for.update((m.group_id, [m]) for m in ms)
+        self._counting_managers = [self.managers[g] for g in self._counts_for]
+        self._counting = [(m, self._counts_for[m.group_id], self.pools.index(m.pool)) for m in self._counting_managers]
         self._maps = [self.managers[t.group_ids[0]].pool.hash_maps(t.group_ids) for t in types]
+        self._has_state_types = any(issubclass(t.manager_cls, MambaManager) for t in types)
 
     def _state_manager(self, group_id: int, group: KVCacheGroup, shared: SharedStates | None) -> StatePoolManager:
         """The manager of a state group: its states are pages of the shared pool, or rows of the state pool."""
@@ -175,7 +214,9 @@ class KVCacheCoordinator:
     @property
     def num_evictions(self) -> int:
         """The pools' eviction count: a hit found at count N is intact while it is N."""
-        return sum(p.num_evictions for p in self.pools)
+        if self.state_pool is None:
+            return self.pool.num_evictions
+        return self.pool.num_evictions + self.state_pool.num_evictions
 
     def take_events(self) -> list[KVCacheEvent]:
         """Events of every pool (each names its group), in order around resets: a reset
@@ -233,13 +274,9 @@ class KVCacheCoordinator:
         return [m.group_id for m in self.managers if isinstance(m, manager_cls)]
 
     def typed_hashes(self, block_hashes: Sequence[bytes]) -> Iterator[tuple[AttentionType, Sequence[bytes]]]:
-        """Each attention type with the chained hashes at its block granularity.
-
-        The one place that knows a group whose block is ``k`` hash blocks long uses
-        every ``k``-th hash (a chained hash names the whole prefix up to its end)."""
+        """Each attention type with the chained hashes at its block granularity."""
         for t in self.types:
-            stride = t.hash_stride
-            yield t, (block_hashes if stride == 1 else block_hashes[stride - 1 :: stride])
+            yield t, _hashes_of_type(t, block_hashes)
 
     def hashes_per_group(self, block_hashes: Sequence[bytes]) -> list[Sequence[bytes]]:
         """The chained hashes at each group's block granularity, indexed by group id."""
@@ -266,13 +303,14 @@ class KVCacheCoordinator:
         writes the step's KV before it attends)."""
         lcm = self.lcm_block_size
         length = max_length // lcm * lcm
-        typed = list(self.typed_hashes(block_hashes))
+        typed = [_hashes_of_type(t, block_hashes) for t in self.types]
         found: list[CacheHit] = [CacheHit(0, 0, [])] * len(typed)
         reach = None
         first_pass = changed = True
         while changed:
             changed = False
-            for t_idx, (t, hashes) in enumerate(typed):
+            for t_idx, t in enumerate(self.types):
+                hashes = typed[t_idx]
                 num_blocks = length // t.block_size
                 last = found[t_idx]
                 if not first_pass and last.num_blocks == num_blocks:  # still exact: a search would repeat it
@@ -290,7 +328,7 @@ class KVCacheCoordinator:
                     length = hit.num_blocks * t.block_size // lcm * lcm
                     changed = len(typed) > 1
             first_pass = False
-            if not changed and length and self._unwritten_state(found):
+            if not changed and length and self._has_state_types and self._unwritten_state(found):
                 length -= lcm
                 changed = True
         # The last pass ran every search at the final length, so each hit is exact.
@@ -298,7 +336,7 @@ class KVCacheCoordinator:
         if length:
             for t, hit in zip(self.types, found, strict=True):
                 for g, ids in zip(t.group_ids, hit.block_ids, strict=True):
-                    blocks[g] = [0] * hit.first_real + ids
+                    blocks[g] = [0] * hit.first_real + ids if hit.first_real else ids
         if reach is None or (
             reach > length
             and self._retention is not None
@@ -348,18 +386,36 @@ class KVCacheCoordinator:
         """Whether every pool has the net free blocks the allocation consumes: new
         blocks, plus hits on free (evictable) blocks, minus blocks that skipping
         out-of-span ones returns."""
-        needed = {id(p): 0 for p in self.pools}
-        for g, m in enumerate(self.managers):
-            pool = m.pool
-            if hit_blocks:
-                hits = hit_blocks[g]
-                n = m.num_new_blocks(request_id, num_tokens, len(hits)) + pool.count_evictable(hits)
-            else:
-                n = m.num_new_blocks(request_id, num_tokens, 0)
+        needed = [0] * len(self.pools)
+        hit_lists: list[tuple[SingleTypeManager, Sequence[int], int]] = []
+        for m, alike, k in self._counting:
+            num_hits = len(hit_blocks[m.group_id]) if hit_blocks else 0
+            n = m.num_new_blocks(request_id, num_tokens, num_hits) * len(alike)
+            if num_hits:
+                hit_lists.extend((a, hit_blocks[a.group_id], k) for a in alike)  # type: ignore[index]  # num_hits > 0
             if m.skips_blocks:
-                n -= pool.count_newly_freed(m.skippable_blocks(request_id, num_computed_tokens))
-            needed[id(pool)] += n * m.pages_per_block
-        return all(needed[id(p)] <= p.num_free_blocks for p in self.pools)
+                skippable = m.skippable_blocks(request_id, num_computed_tokens)
+                if skippable:  # then as many fell out of span in each alike group
+                    pool = m.pool
+                    n -= pool.count_newly_freed(skippable) + sum(
+                        pool.count_newly_freed(a.skippable_blocks(request_id, num_computed_tokens)) for a in alike[1:]
+                    )
+            needed[k] += n * m.pages_per_block
+        free = [p.num_free_blocks for p in self.pools]
+        if any(map(operator.gt, needed, free)):
+            return False
+        if not hit_lists:
+            return True
+        # Hits on free blocks use them up too: count those only when the bounds (none or
+        # all of them free) leave the answer open.
+        most = needed.copy()
+        for m, hits, k in hit_lists:
+            most[k] += len(hits) * m.pages_per_block
+        if not any(map(operator.gt, most, free)):
+            return True
+        for m, hits, k in hit_lists:
+            needed[k] += m.pool.count_evictable(hits) * m.pages_per_block
+        return not any(map(operator.gt, needed, free))
 
     def allocate(
         self,
@@ -369,14 +425,32 @@ class KVCacheCoordinator:
         num_computed_tokens: int,
     ) -> tuple[list[int], ...]:
         """Skip out-of-span blocks, adopt hit blocks, then take fresh ones; return the fresh ones."""
-        for m in self.managers:
-            if m.skips_blocks:
-                m.remove_skipped_blocks(request_id, num_computed_tokens)
+        self.remove_skipped_blocks(request_id, num_computed_tokens)
         if hit_blocks:
             for m, hits in zip(self.managers, hit_blocks, strict=True):
                 m.pool.touch(hits)
                 m.add_hit_blocks(request_id, hits)
-        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
+        new: list[list[int]] = []
+        for pool, run in self._take_runs:
+            if pool is None or len(run) == 1:
+                new.extend(m.allocate_new_blocks(request_id, num_tokens) for m in run)
+                continue
+            counts = [m.num_new_blocks(request_id, num_tokens, 0) for m in run]
+            total = sum(counts)
+            taken = pool.get_new_blocks(total) if total else []
+            start = 0
+            for m, n in zip(run, counts, strict=True):
+                blocks = taken[start : start + n]
+                start += n
+                m.add_new_blocks(request_id, blocks)
+                new.append(blocks)
+        return tuple(new)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the request's blocks that fell out of span in every group (an allocation
+        that needs no fresh block does only this)."""
+        for m in self._skipping_managers:
+            m.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def cache_blocks(
         self,
@@ -390,16 +464,19 @@ class KVCacheCoordinator:
         recording the attention chains that its retention follows). With groups of
         different block sizes only blocks up to the last lcm boundary are offered (as
         vLLM does): a hit ends on one, so a block past it would serve none yet."""
-        managers = self.managers
         num_tokens = num_tokens // self.lcm_block_size * self.lcm_block_size
         retention = self._retention
-        for t, hashes in self.typed_hashes(block_hashes):
-            for g in t.group_ids:
-                m = managers[g]
+        for t, typed in zip(self.types, self._typed_managers, strict=True):
+            first = typed[0]
+            if first.counts_alike_within_type and num_tokens // t.block_size <= first.num_cached.get(request_id, 0):
+                continue  # no group of this type has a newly full block
+            hashes = _hashes_of_type(t, block_hashes)
+            for m in typed:
                 start = m.num_cached.get(request_id, 0)
                 m.cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
                 if retention is not None:
-                    retention.record(g, m.req_blocks[request_id], hashes, start, m.num_cached.get(request_id, 0))
+                    end = m.num_cached.get(request_id, 0)
+                    retention.record(m.group_id, m.req_blocks[request_id], hashes, start, end)
 
     def thresholds(self, request_id: str) -> tuple[int, int, int]:
         """The request's next event thresholds (after a real allocation): its slot
@@ -410,16 +487,16 @@ class KVCacheCoordinator:
 
     def capacity(self, request_id: str) -> int:
         """Tokens the request's blocks have slots for (the fewest over the groups)."""
-        return min(len(m.req_blocks[request_id]) * m.block_size for m in self.managers)
+        return min(len(m.req_blocks[request_id]) * m.block_size for m in self._counting_managers)
 
     def next_skip(self, request_id: str) -> int:
         """Computed tokens at which a block of some group falls out of span."""
-        return min((m.next_skip_computed(request_id) for m in self.managers if m.skips_blocks), default=NEVER)
+        return min((m.next_skip_computed(request_id) for m in self._counting_managers if m.skips_blocks), default=NEVER)
 
     def next_full(self, request_id: str) -> int:
         """Tokens at which caching would offer another block (an lcm multiple)."""
         lcm = self.lcm_block_size
-        return -(-min(m.next_cache_tokens(request_id) for m in self.managers) // lcm) * lcm
+        return -(-min(m.next_cache_tokens(request_id) for m in self._counting_managers) // lcm) * lcm
 
     def set_anchors(self, request_id: str, anchors: Sequence[int]) -> None:
         """Under ``group_aware`` retention, the request's anchors (token positions) in

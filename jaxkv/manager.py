@@ -35,6 +35,7 @@ from jaxkv.manager_errors import (
 )
 from jaxkv.planner import KVCacheConfig
 from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
+from jaxkv.prompt_digests import PromptDigests
 from jaxkv.request import ReadOnlyTokenIds, Request, token_id_list
 from jaxkv.request_checks import check_counts, check_external, check_hit, check_new_request, check_request
 from jaxkv.single_type import NEVER, MambaManager
@@ -54,6 +55,13 @@ __all__ = [
     "UnknownRequestError",
     "token_id_list",
 ]
+
+
+def _set_thresholds(request: Request, capacity: int, next_full: int, next_skip: int) -> None:
+    """Record a held request's event thresholds (see :meth:`KVCacheManager._grow_held`),
+    and the computed tokens below which a one-token step without lookahead crosses none."""
+    request._thresholds = (capacity, next_full, next_skip)
+    request._quiet_below = min(capacity, next_full - 1, next_skip)
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,8 @@ class KVCacheManager:
         self._no_blocks = KVCacheBlocks(tuple(() for _ in config.groups))
         self._hasher_key = (self.hasher.block_size, self.hasher.algo)
         self._hash_block_size = self.hasher.block_size
+        self._hash_block_bytes = 4 * self.hasher.block_size  # a block's ids as the hash reads them
+        self._prompt_digests = PromptDigests(self._hash_block_bytes)
         self._owner = OwnerThread("KVCacheManager")
         # Requests holding blocks, by id: a second live request with the same id is refused.
         self._requests: dict[str, Request] = {}
@@ -298,7 +308,8 @@ class KVCacheManager:
             if end + num_lookahead_tokens <= capacity and end < next_full and computed < next_skip:
                 return self._no_blocks
             if end <= self.max_model_len:
-                return self._grow_held(request, num_new_tokens, num_lookahead_tokens)
+                new = self._grow_held(request, num_new_tokens, num_lookahead_tokens)
+                return None if new is None else KVCacheBlocks(new)
         check_request(request)
         rid = request.request_id
         if (
@@ -359,10 +370,8 @@ class KVCacheManager:
         if self.enable_caching:
             coord.cache_blocks(rid, request.block_hashes, num_cacheable, request._token_ids, request.lora_name)
         capacity, next_full, next_skip = coord.thresholds(rid)
-        request._thresholds = (
-            min(capacity, self.max_model_len),
-            next_full if self.enable_caching else NEVER,
-            next_skip,
+        _set_thresholds(
+            request, min(capacity, self.max_model_len), next_full if self.enable_caching else NEVER, next_skip
         )
         request._holder = self
         return KVCacheBlocks(new_blocks)
@@ -380,12 +389,10 @@ class KVCacheManager:
             raise KVCacheManagerError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}")
         for i, request in enumerate(requests):
             if type(request) is Request and request._holder is self:
-                capacity, next_full, next_skip = request._thresholds
                 computed = request.num_computed_tokens
-                end = computed + 1
-                if end + num_lookahead_tokens <= capacity and end < next_full and computed < next_skip:
+                if computed < request._quiet_below - num_lookahead_tokens:
                     continue
-                if end <= self.max_model_len:
+                if computed < self.max_model_len:
                     if self._grow_held(request, 1, num_lookahead_tokens) is None:
                         return i
                     continue
@@ -393,12 +400,15 @@ class KVCacheManager:
                 return i
         return len(requests)
 
-    def _grow_held(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int) -> KVCacheBlocks | None:
+    def _grow_held(
+        self, request: Request, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> tuple[Sequence[int], ...] | None:
         """``allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)`` for a
         request this manager holds whose new tokens cross a threshold, within
         ``max_model_len``: the checks it needs were done when it got its blocks. Only
         the events that happen run (skipping, new blocks, caching), and only their
-        thresholds are recomputed. None, changing nothing, when the pool cannot serve it."""
+        thresholds are recomputed. Returns the new blocks per group, or None, changing
+        nothing, when the pool cannot serve it."""
         coord = self.coordinator
         rid = request.request_id
         capacity, next_full, next_skip = request._thresholds
@@ -406,18 +416,21 @@ class KVCacheManager:
         end = computed + num_new_tokens
         grows = end + num_lookahead_tokens > capacity
         skips = computed >= next_skip
-        new_blocks = self._no_blocks
-        if grows or skips:
+        new_blocks: tuple[Sequence[int], ...] = self._no_blocks.blocks
+        if grows:
             num_slots = min(end + num_lookahead_tokens, self.max_model_len)
-            if grows and not coord.can_allocate(rid, num_slots, None, computed):
+            if not coord.can_allocate(rid, num_slots, None, computed):
                 return None
-            new_blocks = KVCacheBlocks(coord.allocate(rid, num_slots, None, computed))
+            new_blocks = coord.allocate(rid, num_slots, None, computed)
+        elif skips:  # every group has the slots already
+            coord.remove_skipped_blocks(rid, computed)
         fills = end >= next_full
         if fills:
             self.hash_request(request)
             tokens = request._token_ids
             coord.cache_blocks(rid, request.block_hashes, min(end, len(tokens)), tokens, request.lora_name)
-        request._thresholds = (
+        _set_thresholds(
+            request,
             min(coord.capacity(rid), self.max_model_len) if grows else capacity,
             coord.next_full(rid) if fills else next_full,
             coord.next_skip(rid) if skips else next_skip,
@@ -508,10 +521,19 @@ class KVCacheManager:
                     f"{request.block_hash_key}, this manager uses {self._hasher_key}"
                 )
         tokens = request._token_ids
-        if len(tokens) >= (len(request.block_hashes) + 1) * self._hash_block_size:  # a new full block
+        hashes = request.block_hashes
+        if len(tokens) >= (len(hashes) + 1) * self._hash_block_size:  # a new full block
             # The prompt's blocks from the bytes its check packed, then any later ones.
-            self.hasher.extend_bytes(request.block_hashes, request._prompt_bytes, request.extra_keys)
-            self.hasher.extend(request.block_hashes, tokens, request.extra_keys)
+            prompt = request._prompt_bytes
+            if not hashes and len(prompt) >= self._hash_block_bytes:
+                # The blocks a recently hashed prompt shares are taken, not hashed again.
+                shared = self._prompt_digests.shared(prompt, request.extra_keys)
+                self.hasher.extend_bytes(shared, prompt, request.extra_keys)
+                hashes.extend(shared)
+                self._prompt_digests.remember(prompt, request.extra_keys, hashes)
+            elif len(hashes) < len(prompt) // self._hash_block_bytes:
+                self.hasher.extend_bytes(hashes, prompt, request.extra_keys)
+            self.hasher.extend(hashes, tokens, request.extra_keys)
 
     def _external_hits(self, hits: tuple[Sequence[int], ...] | None, total_computed: int) -> tuple[list[int], ...]:
         """The hit blocks per group, null wherever a group's span no longer reaches at the

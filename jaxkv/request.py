@@ -105,8 +105,26 @@ def token_id_list(values: object, what: str) -> list[int]:
     A 1-D sequence or array of ints (numpy ints too) in ``[0, MAX_TOKEN_ID]``; bools,
     floats, strings, nested lists and 2-D arrays are refused.
     """
+    if (
+        type(values) is list
+        and 0 < len(values) <= _SHORT
+        and _only_plain_ints(values)
+        and min(values) >= 0
+        and max(values) <= MAX_TOKEN_ID
+    ):
+        return values.copy()
     ids = _checked_token_ids(values, what)[0]
     return ids.tolist() if type(ids) is array else ids  # type: ignore[return-value]
+
+
+_SHORT = 64
+"""Lists up to this long (a decode step's tokens) are checked item by item in C: below
+it, packing them for the bulk check costs more than it saves."""
+
+
+def _only_plain_ints(values: list[object]) -> bool:
+    """Every item is an ``int`` proper (no bool, no numpy int)."""
+    return list(map(type, values)).count(int) == len(values)
 
 
 def _checked_token_ids(values: object, what: str) -> tuple[array[int] | list[int], bytes]:
@@ -179,6 +197,7 @@ class Request:
         # thresholds below which its next allocation changes nothing.
         self._holder: object | None = None
         self._thresholds = (0, 0, 0)
+        self._quiet_below = 0
         # How far full attention alone matched at the last lookup (an anchor for retention).
         self._reach = 0
 

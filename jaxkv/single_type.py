@@ -70,6 +70,11 @@ class SingleTypeManager:
     """Whether the first ``k`` blocks of a hit are the hit at ``k`` blocks (full attention),
     so a search at a shorter length can cut the last hit instead of searching again."""
 
+    counts_alike_within_type = True
+    """Whether every group of one attention type holds the same counts for a request (blocks,
+    skip frontier, cached blocks: the coordinator hands them the same hits and token counts,
+    and these rules read nothing else), so one group's counts answer for all of them."""
+
     def __init__(self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec) -> None:
         self.pool = pool
         self.group_id = group_id
@@ -192,6 +197,12 @@ class SingleTypeManager:
         new = self.pool.get_new_blocks(n)
         blocks.extend(new)
         return new
+
+    def add_new_blocks(self, request_id: str, block_ids: list[int]) -> None:
+        """Append fresh blocks the caller took from the pool for this group (the
+        :meth:`num_new_blocks` it asked for): :meth:`allocate_new_blocks` with the take
+        done once for several groups."""
+        self.req_blocks.setdefault(request_id, []).extend(block_ids)
 
     def cache_blocks(
         self,
@@ -483,6 +494,8 @@ class StatePoolManager(MambaManager):
     through it: that checkpoint is requeued as recently used, as the hit's attention
     blocks are (the system prompt's state stays as warm as the system prompt's KV).
     """
+
+    counts_alike_within_type = False  # whether a fresh row is needed depends on the group's own slot
 
     def __init__(
         self, pool: BlockPool, group_id: int, block_size: int, spec: KVCacheSpec, pages_per_block: int = 1

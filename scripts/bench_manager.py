@@ -354,13 +354,16 @@ def run_loop(sides: Sequence, workload: Workload, times: list[dict[str, float]] 
 
 # ---------------------------------------------------------------------- reporting
 def time_side(cls: type, model: str, workload: Workload) -> tuple[dict[str, float], int]:
-    """One timed run of one side. The heap is collected first (untimed): the other side's
-    last manager is garbage with reference cycles (vLLM's free queue is a doubly linked
-    list of blocks), and collecting it inside this run would charge one side for the
-    other's garbage. Collection stays on during the run, each side paying for its own."""
+    """One timed run of one side. The heap is collected once its manager is built, just
+    before the timed calls (untimed): the other side's last manager is garbage with
+    reference cycles (vLLM's free queue is a doubly linked list of blocks), and the new
+    manager's pool (vLLM's block objects, jaxkv's per-block lists) is young, so the run's
+    first collections would charge one side for the other's garbage and for building its
+    own manager (a serving loop builds it once, at startup). Collection stays on during
+    the run, each side paying for its own."""
+    side = cls(model, workload.num_blocks)
     gc.collect()
     times = [defaultdict(float)]
-    side = cls(model, workload.num_blocks)
     preemptions, _ = run_loop([side], workload, times)
     return dict(times[0]), preemptions
 

@@ -17,6 +17,7 @@ HOST_CORE = [
     "presets",
     "planner",
     "hashing",
+    "prompt_digests",
     "free_queue",
     "pool",
     "single_type",

@@ -48,6 +48,44 @@ def test_shared_prefix_hits_full_blocks_and_frees_in_lru_order(tokens):
     assert n == 0 and new.get_block_ids() == ([5, 4, 6, 7, 8, 9, 10, 3, 2, 1],)
 
 
+def test_a_hit_on_free_cached_blocks_uses_up_free_blocks(tokens):
+    mgr = make_manager(11, FULL)  # 10 usable blocks
+    shared = tokens(1000, 64)
+    a = Request("a", shared + tokens(0, 1))
+    admit(mgr, a)  # 5 blocks, 4 of them cached
+    mgr.free(a)
+    held = Request("held", shared[:32] + tokens(200, 1))
+    admit(mgr, held)  # hits 2 of them and holds them again, plus one fresh block
+    assert mgr.num_free_blocks == 7
+    # 4 hit blocks (2 of them free) + 4 fresh: 6 free blocks used, 7 are free
+    b = Request("b", shared + tokens(300, 64))
+    hit, n = mgr.get_computed_blocks(b)
+    assert n == 64 and mgr.allocate_slots(b, b.num_tokens - n, n, hit) is not None
+    mgr.free(b)
+    # the same, with one free block fewer than 4 fresh + 2 free hits need
+    hog = Request("hog", tokens(5000, 32))
+    admit(mgr, hog)  # 2 blocks
+    c = Request("c", shared + tokens(600, 64))
+    hit, n = mgr.get_computed_blocks(c)
+    assert n == 64 and mgr.num_free_blocks == 5
+    before = mgr.pool.free_block_ids()
+    assert mgr.allocate_slots(c, c.num_tokens - n, n, hit) is None
+    assert mgr.pool.free_block_ids() == before
+
+
+def test_prompts_sharing_a_system_prompt_hash_as_if_each_were_alone(tokens):
+    mgr = make_manager(11, FULL)
+    system = tokens(1000, 40)
+    prompts = [system + tokens(0, 9), system[:37] + tokens(100, 30), system + tokens(200, 3), system[:20]]
+    for i, prompt in enumerate(prompts):
+        for salt in (None, "tenant"):
+            req = Request(f"r{i}{salt}", prompt, cache_salt=salt)
+            mgr.hash_request(req)
+            alone: list[bytes] = []
+            mgr.hasher.extend(alone, prompt, req.extra_keys)
+            assert req.block_hashes == alone
+
+
 def test_hit_is_capped_below_the_last_token(tokens):
     mgr = make_manager(11, FULL)
     admit(mgr, Request("a", tokens(0, 32)))

@@ -15,6 +15,7 @@ from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePool
 from jaxkv.specs import ChunkedLocalAttentionSpec, MambaSpec
 
 BS = 4
+MAMBA = MambaSpec(shapes=((2, 2),), dtypes=("float32",))
 PREFIXES = [list(range(1000 * k, 1000 * k + 4 * BS + k)) for k in range(3)]
 CONFIGS = {
     "full": (FULL,),
@@ -22,6 +23,8 @@ CONFIGS = {
     "full+chunked": (FULL, ChunkedLocalAttentionSpec(num_kv_heads=1, head_size=1, attention_chunk_size=8)),
     "full+mamba": (FULL, MambaSpec(shapes=((2, 2),), dtypes=("float32",))),
     "full+mamba state pool": (FULL, MambaSpec(shapes=((2, 2),), dtypes=("float32",))),
+    "full+2 mamba": (FULL, MAMBA, MAMBA),
+    "full+2 mamba state pool": (FULL, MAMBA, MAMBA),
 }
 
 
@@ -159,6 +162,21 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert pool.is_free(b) == (holders[b] == 0)
             used = sum(1 for b in range(1, pool.num_blocks) if holders[b])
             assert pool.num_free_blocks + used == pool.num_blocks - 1
+
+    @invariant()
+    def groups_of_one_type_hold_alike_counts_where_their_rules_say_so(self):
+        """The coordinator lets one group's counts answer for its whole type."""
+        if not hasattr(self, "mgr"):
+            return
+        coordinator = self.mgr.coordinator
+        for t in coordinator.types:
+            managers = [coordinator.managers[g] for g in t.group_ids]
+            if not managers[0].counts_alike_within_type:
+                continue
+            for req in self.running:
+                rid = req.request_id
+                counts = {(len(m.req_blocks[rid]), m.num_cached.get(rid), m.skip_frontier.get(rid)) for m in managers}
+                assert len(counts) == 1, f"groups {t.group_ids} of one type differ for {rid}: {counts}"
 
     @invariant()
     def retained_blocks_belong_to_running_requests(self):

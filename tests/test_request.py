@@ -65,6 +65,17 @@ def test_a_one_token_list_is_appended_like_an_int():
     assert req.all_token_ids == [5, 6, 7]
 
 
+def test_a_short_list_is_checked_like_a_long_one():
+    ids = [3, 4]
+    out = token_id_list(ids, "step tokens")
+    assert out == ids and out is not ids
+    assert token_id_list([np.int64(5), 6], "step tokens") == [5, 6]
+    assert all(type(t) is int for t in token_id_list([np.int64(5), 6], "step tokens"))
+    for bad in ([3, True], [3, -1], [3, 2**31], [3, 1.0]):
+        with pytest.raises(KVCacheManagerError, match="step tokens"):
+            token_id_list(bad, "step tokens")
+
+
 def test_the_error_names_what_was_checked_and_the_first_bad_id():
     with pytest.raises(KVCacheManagerError, match=r"^output tokens: token id -3 is outside"):
         token_id_list([4, -3, -5], "output tokens")
