@@ -172,16 +172,13 @@ class KVCacheCoordinator:
         types.sort(key=lambda t: t.manager_cls is not FullAttentionManager)
         self.types = types
         self._typed_managers = [[self.managers[g] for g in t.group_ids] for t in types]
-        # The managers whose counts answer for the request in every group: one per type
-        # where the groups of a type hold alike counts, else each.
-        self._counts_for: dict[int, list[SingleTypeManager]] = {}
+        # (manager, the groups its counts answer for, its pool's index): one per type where
+        # the groups of a type hold alike counts, else one per group.
+        self._counting: list[tuple[SingleTypeManager, list[SingleTypeManager], int]] = []
         for ms in self._typed_managers:
-            if ms[0].counts_alike_within_type:
-                self._counts_for[ms[0].group_id] = ms
-            else:
-                self._counts_for.update((m.group_id, [m]) for m in ms)
-        self._counting_managers = [self.managers[g] for g in self._counts_for]
-        self._counting = [(m, self._counts_for[m.group_id], self.pools.index(m.pool)) for m in self._counting_managers]
+            for alike in [ms] if ms[0].counts_alike_within_type else [[m] for m in ms]:
+                self._counting.append((alike[0], alike, self.pools.index(alike[0].pool)))
+        self._counting_managers = [m for m, _, _ in self._counting]
         self._maps = [self.managers[t.group_ids[0]].pool.hash_maps(t.group_ids) for t in types]
         self._has_state_types = any(issubclass(t.manager_cls, MambaManager) for t in types)
 
@@ -389,10 +386,11 @@ class KVCacheCoordinator:
         needed = [0] * len(self.pools)
         hit_lists: list[tuple[SingleTypeManager, Sequence[int], int]] = []
         for m, alike, k in self._counting:
-            num_hits = len(hit_blocks[m.group_id]) if hit_blocks else 0
+            num_hits = 0
+            if hit_blocks and hit_blocks[m.group_id]:
+                num_hits = len(hit_blocks[m.group_id])
+                hit_lists.extend((a, hit_blocks[a.group_id], k) for a in alike)
             n = m.num_new_blocks(request_id, num_tokens, num_hits) * len(alike)
-            if num_hits:
-                hit_lists.extend((a, hit_blocks[a.group_id], k) for a in alike)  # type: ignore[index]  # num_hits > 0
             if m.skips_blocks:
                 skippable = m.skippable_blocks(request_id, num_computed_tokens)
                 if skippable:  # then as many fell out of span in each alike group

@@ -99,6 +99,16 @@ def _in_range_int_vector(values: object) -> TypeGuard[np.ndarray]:
     )
 
 
+_SHORT = 64
+"""Lists up to this long (a decode step's tokens) are checked item by item in C: below
+it, packing them for the bulk check costs more than it saves."""
+
+
+def _only_plain_ints(values: list[object]) -> bool:
+    """Every item is an ``int`` proper (no bool, no numpy int)."""
+    return list(map(type, values)).count(int) == len(values)
+
+
 def token_id_list(values: object, what: str) -> list[int]:
     """``values`` as a list of token ids; :class:`KVCacheManagerError` naming the first bad one.
 
@@ -115,16 +125,6 @@ def token_id_list(values: object, what: str) -> list[int]:
         return values.copy()
     ids = _checked_token_ids(values, what)[0]
     return ids.tolist() if type(ids) is array else ids  # type: ignore[return-value]
-
-
-_SHORT = 64
-"""Lists up to this long (a decode step's tokens) are checked item by item in C: below
-it, packing them for the bulk check costs more than it saves."""
-
-
-def _only_plain_ints(values: list[object]) -> bool:
-    """Every item is an ``int`` proper (no bool, no numpy int)."""
-    return list(map(type, values)).count(int) == len(values)
 
 
 def _checked_token_ids(values: object, what: str) -> tuple[array[int] | list[int], bytes]:
