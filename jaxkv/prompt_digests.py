@@ -11,6 +11,8 @@ Host-only: no JAX.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from jaxkv.hashing import ExtraKeys
 
 DEFAULT_BUDGET_BYTES = 256 << 10
@@ -26,8 +28,7 @@ class PromptDigests:
         self._block_bytes = block_bytes
         self._budget = budget_bytes
         self._size = 0
-        # first block's bytes -> (prompt bytes, extra keys, the prompt's digests: a
-        # request's own list, append-only; only the prompt's full blocks are read)
+        # first block's bytes -> (prompt bytes, extra keys, the digests of its full blocks)
         self._entries: dict[bytes, tuple[bytes, ExtraKeys, list[bytes]]] = {}
 
     def __len__(self) -> int:
@@ -45,9 +46,10 @@ class PromptDigests:
             return []
         return digests[: _common_blocks(prompt, other, bb)]
 
-    def remember(self, prompt: bytes, extra: ExtraKeys, digests: list[bytes]) -> None:
-        """Keep ``prompt`` (whose full blocks ``digests`` holds) as the newest prompt
-        starting with its first block; the oldest go once the budget is spent."""
+    def remember(self, prompt: bytes, extra: ExtraKeys, digests: Sequence[bytes]) -> None:
+        """Keep ``prompt`` as the newest prompt starting with its first block, with the
+        digests of its full blocks (the first of ``digests``, which may go on past the
+        prompt); the oldest go once the budget is spent."""
         bb = self._block_bytes
         if len(prompt) < bb:
             return
@@ -55,7 +57,7 @@ class PromptDigests:
         old = self._entries.pop(key, None)
         if old is not None:
             self._size -= len(old[0])
-        self._entries[key] = (prompt, extra, digests)
+        self._entries[key] = (prompt, extra, list(digests[: len(prompt) // bb]))
         self._size += len(prompt)
         while self._size > self._budget and len(self._entries) > 1:
             oldest = next(iter(self._entries))

@@ -59,6 +59,16 @@ def test_a_prompt_shorter_than_a_block_is_not_remembered():
     assert len(memo) == 0
 
 
+def test_only_the_prompts_own_digests_are_kept_not_the_requests_list():
+    hasher, memo = BlockHasher(BS), PromptDigests(BLOCK_BYTES)
+    prompt, decoded = list(range(8)), list(range(8, 16))
+    digests = fresh(hasher, prompt + decoded)  # the prompt's 2 blocks, then 2 decoded ones
+    memo.remember(packed(prompt), NO_EXTRA_KEYS, digests)
+    expected = digests[:2]
+    digests[:] = [b"x" * 32] * 4  # the request's list is its own business afterwards
+    assert memo.shared(packed(prompt + decoded), NO_EXTRA_KEYS) == expected
+
+
 def test_the_oldest_prompts_go_once_the_budget_is_spent():
     hasher, memo = BlockHasher(BS), PromptDigests(BLOCK_BYTES, budget_bytes=3 * 8 * 4)
     for k in range(4):
