@@ -21,8 +21,8 @@ CONFIGS = {
     "full": (FULL,),
     "full+2 windows": (FULL, window(6), window(6)),
     "full+chunked": (FULL, ChunkedLocalAttentionSpec(num_kv_heads=1, head_size=1, attention_chunk_size=8)),
-    "full+mamba": (FULL, MambaSpec(shapes=((2, 2),), dtypes=("float32",))),
-    "full+mamba state pool": (FULL, MambaSpec(shapes=((2, 2),), dtypes=("float32",))),
+    "full+mamba": (FULL, MAMBA),
+    "full+mamba state pool": (FULL, MAMBA),
     "full+2 mamba": (FULL, MAMBA, MAMBA),
     "full+2 mamba state pool": (FULL, MAMBA, MAMBA),
 }
