@@ -452,6 +452,11 @@ class BlockHasher:
         return self._block_size
 
     @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's ids as the hash reads them (little-endian int32)."""
+        return self._step
+
+    @property
     def algo(self) -> str:
         """Hash algorithm name, one of HASH_ALGORITHMS."""
         return self._algo

@@ -130,7 +130,7 @@ class KVCacheManager:
         self._no_blocks = KVCacheBlocks(tuple(() for _ in config.groups))
         self._hasher_key = (self.hasher.block_size, self.hasher.algo)
         self._hash_block_size = self.hasher.block_size
-        self._hash_block_bytes = 4 * self.hasher.block_size  # a block's ids as the hash reads them
+        self._hash_block_bytes = self.hasher.block_bytes
         self._prompt_digests = PromptDigests(self._hash_block_bytes)
         self._owner = OwnerThread("KVCacheManager")
         # Requests holding blocks, by id: a second live request with the same id is refused.

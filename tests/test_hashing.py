@@ -127,6 +127,7 @@ def test_algorithms_and_digest_sizes():
     for algo in HASH_ALGORITHMS:
         h = BlockHasher(16, algo)
         assert (h.block_size, h.algo, h.digest_size) == (16, algo, digest_size(algo))
+        assert h.block_bytes == len(h.serialize_block(None, list(range(16)), 0)) - h.digest_size == 64
         assert h.root == root_hash(algo, 16) and len(h.root) == h.digest_size
         assert all(type(x) is bytes and len(x) == h.digest_size for x in hashes_of(h, range(40)))
 
