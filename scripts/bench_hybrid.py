@@ -1,10 +1,13 @@
 """What jaxkv's hybrid-model options buy over vLLM's rules (issues 9 and 19, group-aware retention).
 
-"vLLM's rule" below is jaxkv's implementation of vLLM 0.33's layout and decisions for
-recurrent hybrids (``state_layout="attention_pages"``: one attention page holds one
-state, align mode: a state cached at block boundaries); vLLM's own manager is not
-driven by the simulator. jaxkv's default for hybrids is ``shared_pages`` (one memory:
-a state is pages of the block pool; :mod:`jaxkv.planner`).
+Three ways to hold a recurrent hybrid's cache, in the same bytes: jaxkv's default
+(``shared_pages``: one memory, a state is pages of the block pool; :mod:`jaxkv.planner`);
+"attention_pages", jaxkv's manager in vLLM's layout (one attention page holds one state,
+a state cached at block boundaries); and "vLLM", vLLM 0.33's own ``KVCacheManager`` in align
+mode on the blocks of that layout, with its scheduler's chunk rule
+(:mod:`jaxkv.benchmarks.vllm_manager`), driven by the same scheduler and trace as jaxkv's.
+The vLLM columns need the ``vllm`` benchmark extra (BUILD.md); without it, or with
+``--nopeer``, they read n/a.
 
 Sections (``--sections``, comma list, default all), one table each:
 
@@ -16,20 +19,20 @@ Sections (``--sections``, comma list, default all), one table each:
   Target: >= 98 % of the bound.
 * ``capacity``: requests of each of :data:`CAPACITY_PROMPTS` tokens admitted at once into
   an idle manager (prefix lookup, then the whole prompt), Qwen3-Next-80B at each chat
-  memory and at 8 and 16 GiB: the default against vLLM's rule and the static state pool
-  (10 % checkpoints). Target: >= vLLM's rule everywhere.
+  memory and at 8 and 16 GiB: the default against vLLM, attention_pages and the static
+  state pool (10 % checkpoints). Target: >= vLLM everywhere.
 * ``chat``: prompt hit rate of Qwen3-Next-80B on a chat trace (6 system prompts of 512
   tokens, 3 turns per conversation: 2 in 3 requests are follow-ups, <= 32 running) at
   vLLM's minimum memory (what its layout needs to run 32 requests, one of
-  ``max_model_len``) and 2x and 4x it: the default, vLLM's rule and attention alone in
-  the same memory. Targets: >= vLLM's rule at every memory, >= 0.9 of attention alone
+  ``max_model_len``) and 2x and 4x it: the default, vLLM, attention_pages and attention
+  alone in the same memory. Targets: >= vLLM at every memory, >= 0.9 of attention alone
   where live states leave at least half the memory to caching.
 * ``multiturn``: prompt hit rate of recurrent hybrids replaying a multi-turn chat trace
   (a 512-token system prompt, 12 turns per conversation) in the simulator under
   memory pressure: the default (checkpoints at prompt ends, where attention ran ahead
-  and at the newest decode boundary), vLLM's rule and the same model's attention
+  and at the newest decode boundary), vLLM, attention_pages and the same model's attention
   layers alone in the same memory, for the tiny hybrid and the three presets at 8 and
-  16 GiB. Targets: >= 0.9 of attention-only and above vLLM's rule.
+  16 GiB. Targets: >= 0.9 of attention-only and above vLLM.
 * ``ttft``: time to first token of the tiny recurrent hybrid (``tiny-qwen3-next``, state
   pool) with and without prefix caching on prompts 90 % shared, measured by
   ``scripts/bench_serve.py`` (run as a subprocess, its JSON read back). Target: >= 5x on CPU.
@@ -56,12 +59,14 @@ from pathlib import Path
 
 from absl import app, flags
 
+from jaxkv.benchmarks.vllm_manager import VllmManager, vllm_available
 from jaxkv.cli import exit_error, flags_parser, parse_size, pyplot, save_figure
 from jaxkv.errors import JaxkvError
 from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, exact_concurrency_bound, plan_kv_cache
 from jaxkv.presets import get_preset
-from jaxkv.serving.simulator import Simulator, synthetic_trace
+from jaxkv.serving.scheduler import ScheduledManager
+from jaxkv.serving.simulator import Simulator, TraceRequest, synthetic_trace
 from jaxkv.specs import MambaSpec
 
 PROG = "bench_hybrid.py"
@@ -78,6 +83,7 @@ state weighs ~55 tokens of its attention KV, under strong and mild pressure, and
 presets (Qwen3-Next-80B's state weighs ~3,150 tokens of its KV, Nemotron-H-8B's ~6,240,
 Jamba-1.5-Mini's ~990)."""
 MULTITURN_MAX_NUM_SEQS = 32
+MAX_NUM_BATCHED_TOKENS = 2048
 CHAT_PRESET = "qwen3-next-80b"
 CHAT_MAX_MODEL_LEN = 8192
 CHAT_MEMORY_FACTORS = (1, 2, 4)
@@ -105,6 +111,7 @@ flags.DEFINE_integer("seed", 0, "retention: trace seed", lower_bound=0)
 flags.DEFINE_boolean("quick", False, "retention, multiturn: 20- and 12-conversation traces (smoke runs)")
 flags.DEFINE_string("out", None, "write the results as JSON here")
 flags.DEFINE_string("plot", None, "draw each section run as grouped bars to this PNG (matplotlib)")
+flags.DEFINE_boolean("peer", True, "capacity, chat, multiturn: drive vLLM's own manager too when vLLM is importable")
 
 
 def _both_layouts(name: str) -> tuple[dict, KVCacheConfig, KVCacheConfig]:
@@ -152,11 +159,24 @@ def concurrency() -> list[dict]:
     return rows
 
 
-def _hit_rate(config, trace) -> tuple[float, int]:
-    """Prompt hit rate and preemptions of ``trace`` replayed on ``config``."""
-    sim = Simulator(KVCacheManager(config), max_num_seqs=MULTITURN_MAX_NUM_SEQS, max_num_batched_tokens=2048)
+def _peer() -> bool:
+    return FLAGS.peer and vllm_available()
+
+
+def _vllm(config: KVCacheConfig, max_model_len: int) -> VllmManager:
+    """vLLM's manager on the blocks of ``config`` (a plan in vLLM's layout)."""
+    return VllmManager(config, max_model_len, MAX_NUM_BATCHED_TOKENS)
+
+
+def _hit_rate(manager: ScheduledManager, trace: Sequence[TraceRequest]) -> tuple[float, int]:
+    """Prompt hit rate and preemptions of ``trace`` replayed on ``manager``."""
+    sim = Simulator(manager, max_num_seqs=MULTITURN_MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     result = sim.run(trace)
     return result.prompt_hit_rate, result.num_preemptions
+
+
+def _points(ours: float, theirs: float | None) -> float | None:
+    return None if theirs is None else 100 * (ours - theirs)
 
 
 def vllm_minimum_memory(specs: dict, max_model_len: int) -> int:
@@ -170,9 +190,8 @@ def vllm_minimum_memory(specs: dict, max_model_len: int) -> int:
     return (MULTITURN_MAX_NUM_SEQS * sum(recurrent) + attention + 1) * config.pages.block_bytes
 
 
-def admitted_at_once(config: KVCacheConfig, prompt_len: int) -> int:
+def admitted_at_once(manager: ScheduledManager, prompt_len: int) -> int:
     """Requests of ``prompt_len`` distinct tokens an idle manager admits whole before one does not fit."""
-    manager = KVCacheManager(config)
     n = 0
     while True:
         request = Request(f"r{n}", list(range(n * prompt_len, (n + 1) * prompt_len)))
@@ -183,16 +202,18 @@ def admitted_at_once(config: KVCacheConfig, prompt_len: int) -> int:
 
 
 def capacity() -> list[dict]:
-    """Requests admitted at once, per prompt length and memory: the default against vLLM's rule and the state pool."""
+    """Requests admitted at once, per prompt length and memory: the default against vLLM, attention_pages and the
+    state pool."""
     specs = get_preset(CHAT_PRESET)
     low = vllm_minimum_memory(specs, CHAT_MAX_MODEL_LEN)
     memories = [(f"{f}x vLLM min", f * low) for f in CHAT_MEMORY_FACTORS] + [("8GiB", 8 * GiB), ("16GiB", 16 * GiB)]
     prompts = CAPACITY_PROMPTS[:1] if FLAGS.quick else CAPACITY_PROMPTS
     rows = []
     for label, memory in memories:
+        paged = plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN)
         plans = {
             "default": plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN, state_layout=None),
-            "vllm_rule": plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN),
+            "attention_pages": paged,
             "state_pool": plan_kv_cache(
                 specs,
                 memory,
@@ -203,13 +224,15 @@ def capacity() -> list[dict]:
         }
         for prompt_len in prompts:
             row: dict = {"memory": label, "gib": memory / GiB, "prompt_len": prompt_len}
-            row.update({key: admitted_at_once(config, prompt_len) for key, config in plans.items()})
+            row.update({key: admitted_at_once(KVCacheManager(config), prompt_len) for key, config in plans.items()})
+            row["vllm"] = admitted_at_once(_vllm(paged, CHAT_MAX_MODEL_LEN), prompt_len) if _peer() else None
             rows.append(row)
     return rows
 
 
 def chat() -> list[dict]:
-    """Hit rate of the default, vLLM's rule and attention alone on a chat trace, from vLLM's minimum memory to 4x it."""
+    """Hit rate of the default, vLLM, attention_pages and attention alone on a chat trace, from vLLM's minimum
+    memory to 4x it."""
     trace = synthetic_trace(
         num_conversations=30 if FLAGS.quick else 100,
         turns_per_conversation=3,
@@ -229,9 +252,11 @@ def chat() -> list[dict]:
         memory = factor * low
         start = time.perf_counter()
         config = plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN, state_layout=None)
-        ours, preempted = _hit_rate(config, trace)
-        paged, _ = _hit_rate(plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN), trace)
-        only, _ = _hit_rate(plan_kv_cache(attention, memory, max_model_len=CHAT_MAX_MODEL_LEN), trace)
+        ours, preempted = _hit_rate(KVCacheManager(config), trace)
+        paged_config = plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN)
+        paged, _ = _hit_rate(KVCacheManager(paged_config), trace)
+        theirs = _hit_rate(_vllm(paged_config, CHAT_MAX_MODEL_LEN), trace)[0] if _peer() else None
+        only, _ = _hit_rate(KVCacheManager(plan_kv_cache(attention, memory, max_model_len=CHAT_MAX_MODEL_LEN)), trace)
         live = MULTITURN_MAX_NUM_SEQS * config.shared_states.pages_per_state / config.num_usable_blocks
         rows.append(
             {
@@ -239,10 +264,11 @@ def chat() -> list[dict]:
                 "gib": memory / GiB,
                 "requests": len(trace),
                 "attention_only_hit_rate": only,
-                "vllm_rule_hit_rate": paged,
+                "vllm_hit_rate": theirs,
+                "attention_pages_hit_rate": paged,
                 "default_hit_rate": ours,
                 "over_attention_only": ours / only if only else 0.0,
-                "minus_vllm_points": 100 * (ours - paged),
+                "minus_vllm_points": _points(ours, theirs),
                 "live_state_share": live,
                 "preemptions": preempted,
                 "wall_s": time.perf_counter() - start,
@@ -252,7 +278,7 @@ def chat() -> list[dict]:
 
 
 def multiturn() -> list[dict]:
-    """Prompt hit rate of the state pool, vLLM's rule and attention alone on one chat trace, per case."""
+    """Prompt hit rate of the default, vLLM, attention_pages and attention alone on one chat trace, per case."""
     trace = synthetic_trace(
         num_conversations=12 if FLAGS.quick else 60,
         turns_per_conversation=12,
@@ -270,18 +296,23 @@ def multiturn() -> list[dict]:
         memory = parse_size(text)
         attention = {n: s for n, s in specs.items() if not isinstance(s, MambaSpec)}
         start = time.perf_counter()
-        only, _ = _hit_rate(plan_kv_cache(attention, memory, max_model_len=max_model_len), trace)
-        paged, _ = _hit_rate(plan_kv_cache(specs, memory, max_model_len=max_model_len), trace)
-        ours, preempted = _hit_rate(plan_kv_cache(specs, memory, max_model_len=max_model_len, state_layout=None), trace)
+        only, _ = _hit_rate(KVCacheManager(plan_kv_cache(attention, memory, max_model_len=max_model_len)), trace)
+        paged_config = plan_kv_cache(specs, memory, max_model_len=max_model_len)
+        paged, _ = _hit_rate(KVCacheManager(paged_config), trace)
+        theirs = _hit_rate(_vllm(paged_config, max_model_len), trace)[0] if _peer() else None
+        config = plan_kv_cache(specs, memory, max_model_len=max_model_len, state_layout=None)
+        ours, preempted = _hit_rate(KVCacheManager(config), trace)
         rows.append(
             {
                 "preset": name,
                 "memory": text,
                 "requests": len(trace),
                 "attention_only_hit_rate": only,
+                "vllm_hit_rate": theirs,
                 "attention_pages_hit_rate": paged,
                 "default_hit_rate": ours,
                 "over_attention_only": ours / only if only else 0.0,
+                "minus_vllm_points": _points(ours, theirs),
                 "minus_pages_points": 100 * (ours - paged),
                 "preemptions": preempted,
                 "wall_s": time.perf_counter() - start,
@@ -392,44 +423,48 @@ COLUMNS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
     ),
     "capacity": (
         f"{CHAT_PRESET} requests admitted at once into an idle manager (max_model_len {CHAT_MAX_MODEL_LEN}): "
-        f"default vs vLLM's rule vs the static state pool ({STATE_POOL_SHARE:.0%} checkpoints)",
+        f"default vs vLLM vs attention_pages vs the static state pool ({STATE_POOL_SHARE:.0%} checkpoints)",
         (
             ("memory", "memory", "s"),
             ("gib", "GiB", ".2f"),
             ("prompt_len", "prompt", "d"),
             ("default", "default", "d"),
-            ("vllm_rule", "vllm rule", "d"),
+            ("vllm", "vLLM", "d"),
+            ("attention_pages", "attn pages", "d"),
             ("state_pool", "state pool", "d"),
         ),
     ),
     "chat": (
         f"{CHAT_PRESET} chat trace prompt hit rate (6 x 512-token system prompts, 3 turns, <= 32 running): "
-        "default vs vLLM's rule vs attention alone, same memory",
+        "default vs vLLM vs attention_pages vs attention alone, same memory",
         (
             ("memory", "memory", "s"),
             ("gib", "GiB", ".2f"),
             ("requests", "requests", "d"),
             ("attention_only_hit_rate", "attn only", ".3f"),
-            ("vllm_rule_hit_rate", "vllm rule", ".3f"),
+            ("vllm_hit_rate", "vLLM", ".3f"),
+            ("attention_pages_hit_rate", "attn pages", ".3f"),
             ("default_hit_rate", "default", ".3f"),
             ("over_attention_only", "default/attn", ".3f"),
-            ("minus_vllm_points", "default-vllm pts", "+.1f"),
+            ("minus_vllm_points", "default-vLLM pts", "+.1f"),
             ("live_state_share", "32 live states", ".2f"),
             ("preemptions", "preempt", "d"),
         ),
     ),
     "multiturn": (
-        "multi-turn chat (512-token system prompt, 12 turns) prompt hit rate: default vs vLLM's rule vs "
-        "attention alone, same memory",
+        "multi-turn chat (512-token system prompt, 12 turns) prompt hit rate: default vs vLLM vs attention_pages "
+        "vs attention alone, same memory",
         (
             ("preset", "preset", "s"),
             ("memory", "memory", "s"),
             ("requests", "requests", "d"),
             ("attention_only_hit_rate", "attn only", ".3f"),
-            ("attention_pages_hit_rate", "vllm rule", ".3f"),
+            ("vllm_hit_rate", "vLLM", ".3f"),
+            ("attention_pages_hit_rate", "attn pages", ".3f"),
             ("default_hit_rate", "default", ".3f"),
             ("over_attention_only", "default/attn", ".3f"),
-            ("minus_pages_points", "default-vllm pts", "+.1f"),
+            ("minus_vllm_points", "default-vLLM pts", "+.1f"),
+            ("minus_pages_points", "default-pages pts", "+.1f"),
             ("preemptions", "preempt", "d"),
         ),
     ),
@@ -478,7 +513,12 @@ PLOTS: dict[str, tuple[str, tuple[str, ...], tuple[tuple[str, str], ...], bool]]
     "capacity": (
         "requests admitted at once",
         ("memory", "prompt_len"),
-        (("default", "default (shared pages)"), ("vllm_rule", "vLLM's rule"), ("state_pool", "static state pool")),
+        (
+            ("default", "default (shared pages)"),
+            ("vllm", "vLLM"),
+            ("attention_pages", "attention_pages"),
+            ("state_pool", "static state pool"),
+        ),
         False,
     ),
     "chat": (
@@ -486,7 +526,8 @@ PLOTS: dict[str, tuple[str, tuple[str, ...], tuple[tuple[str, str], ...], bool]]
         ("memory",),
         (
             ("attention_only_hit_rate", "attention only"),
-            ("vllm_rule_hit_rate", "vLLM's rule"),
+            ("vllm_hit_rate", "vLLM"),
+            ("attention_pages_hit_rate", "attention_pages"),
             ("default_hit_rate", "default (shared pages)"),
         ),
         False,
@@ -496,7 +537,8 @@ PLOTS: dict[str, tuple[str, tuple[str, ...], tuple[tuple[str, str], ...], bool]]
         ("preset", "memory"),
         (
             ("attention_only_hit_rate", "attention only"),
-            ("attention_pages_hit_rate", "vLLM's rule"),
+            ("vllm_hit_rate", "vLLM"),
+            ("attention_pages_hit_rate", "attention_pages"),
             ("default_hit_rate", "default (shared pages)"),
         ),
         False,
@@ -527,8 +569,9 @@ def plot_report(report: dict, path: str) -> None:
     for ax in axes.flat[len(sections) :]:
         ax.set_visible(False)
     for ax, section in zip(axes.flat, sections, strict=False):  # the grid may have spare panels
-        ylabel, group_keys, bars, log = PLOTS[section]
+        ylabel, group_keys, every_bar, log = PLOTS[section]
         rows = report[section]["rows"]
+        bars = [(key, legend) for key, legend in every_bar if all(r[key] is not None for r in rows)]  # no vLLM: none
         labels = ["\n".join(str(r[key]) for key in group_keys) for r in rows]
         width = 0.8 / len(bars)
         for i, (key, legend) in enumerate(bars):
@@ -551,7 +594,7 @@ def print_table(section: str, rows: list[dict]) -> None:
     """One section's rows as an aligned table under its title."""
     title, columns = COLUMNS[section]
     cells = [[header for _, header, _ in columns]]
-    cells += [[format(row[key], fmt) for key, _, fmt in columns] for row in rows]
+    cells += [["n/a" if row[key] is None else format(row[key], fmt) for key, _, fmt in columns] for row in rows]
     widths = [max(len(line[c]) for line in cells) for c in range(len(columns))]
     print(f"\n[{section}] {title}")
     for line in cells:

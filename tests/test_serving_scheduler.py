@@ -12,6 +12,7 @@ from jaxkv.serving.scheduler import (
     DuplicateRequestIdError,
     PoolTooSmallError,
     RequestTooLongError,
+    ScheduledManager,
     Scheduler,
     SchedulerError,
     SchedulerOutput,
@@ -226,3 +227,38 @@ def test_a_bad_sampled_token_is_refused_and_changes_nothing():
     sched.update(out, [7, 8])
     assert a.request.all_token_ids[-1] == 7 and b.request.all_token_ids[-1] == 8
     assert [s.request.num_computed_tokens for s in (a, b)] == [40, 20]
+
+
+class HoldingBack:
+    """jaxkv's manager behind the scheduler's calls, but with no chunk for the requests in
+    ``held`` (``chunk_limit`` 0, as vLLM's align mode answers when no chunk within the
+    budget ends on a block boundary): another project's manager, seen by the scheduler."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._manager = manager
+        self.held: set[str] = set()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._manager, name)
+
+    def chunk_limit(self, request: Request, start: int, num_new_tokens: int) -> int:
+        return 0 if request.request_id in self.held else num_new_tokens
+
+
+def test_a_chunk_limit_of_0_skips_a_running_request_and_stops_admission():
+    mgr = HoldingBack(make_manager(40, FULL))
+    assert not isinstance(mgr, KVCacheManager) and isinstance(mgr, ScheduledManager)
+    sched = Scheduler(mgr, max_num_batched_tokens=64)
+    for rid, start in (("a", 100), ("b", 200)):
+        sched.add_request(Request(rid, range(start, start + 40)), 3)
+    assert shape(step(sched)) == [("a", 0, 40), ("b", 0, 24)]
+    mgr.held = {"b"}
+    sched.add_request(Request("c", range(300, 303)), 3)
+    assert shape(step(sched)) == [("a", 40, 1), ("c", 0, 3)]  # b waits; c, behind it, still runs
+    mgr.held = {"d"}
+    sched.add_request(Request("d", range(400, 410)), 3)
+    sched.add_request(Request("e", range(500, 503)), 3)
+    assert shape(step(sched)) == [("a", 41, 1), ("c", 3, 1), ("b", 24, 16)]  # d holds the queue: e waits
+    assert [s.request_id for s in sched.waiting] == ["d", "e"] and not mgr.has_request("d")
+    mgr.held = set()
+    assert shape(step(sched)) == [("b", 40, 1), ("c", 4, 1), ("d", 0, 10), ("e", 0, 3)]

@@ -1,4 +1,4 @@
-"""Continuous batching over a KVCacheManager: which requests run this step, and how far.
+"""Continuous batching over a KV cache manager: which requests run this step, and how far.
 
 vLLM v1's policy, re-stated. Every step has a budget of ``max_num_batched_tokens``.
 Running requests come first, in admission order: one decode token each, or the next
@@ -12,7 +12,9 @@ blocks are freed, its progress reset, and it goes back to the head of the queue)
 no request is admitted in a step that preempted.
 
 The scheduler is host-only (no JAX): :mod:`jaxkv.serving.simulator` replays traces with it and
-:mod:`jaxkv.serving.engine` drives a model with it.
+:mod:`jaxkv.serving.engine` drives a model with it. It asks of its manager only the calls of
+:class:`ScheduledManager`: jaxkv's :class:`~jaxkv.manager.KVCacheManager`, or an adapter over a peer's
+manager, so that a benchmark can replay one trace through both under the same policy.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
-from jaxkv.manager import KVCacheBlocks, KVCacheManager, Request
+from jaxkv.manager import KVCacheBlocks, PrefixCacheStats, Request
+from jaxkv.planner import KVCacheConfig
 
 _log = logging.getLogger(__name__)
 
@@ -59,6 +62,45 @@ def check_prompt_fits(request_id: str, num_prompt_tokens: int, max_model_len: in
             f"request {request_id!r} has a {num_prompt_tokens}-token prompt; "
             f"max_model_len={max_model_len} leaves no room for an output token"
         )
+
+
+@runtime_checkable
+class ScheduledManager(Protocol):
+    """The calls the scheduler and the trace simulator make of a KV cache manager.
+
+    :class:`~jaxkv.manager.KVCacheManager` is one. A prefix hit is whatever the manager's
+    ``get_computed_blocks`` returns; the scheduler only hands it back to ``allocate_slots``.
+    ``chunk_limit`` may return 0 (no chunk within the budget ends where the manager needs
+    it to, as in vLLM's align mode): a running request then waits a step and admission stops.
+    """
+
+    max_model_len: int
+
+    @property
+    def config(self) -> KVCacheConfig: ...
+
+    @property
+    def usage(self) -> float: ...
+
+    def has_request(self, request_id: str) -> bool: ...
+
+    def get_computed_blocks(self, request: Request) -> tuple[Any, int]: ...
+
+    def chunk_limit(self, request: Request, start: int, num_new_tokens: int) -> int: ...
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0, new_computed_blocks: Any = None
+    ) -> Any: ...
+
+    def allocate_decode_slots(self, requests: Sequence[Request]) -> int: ...
+
+    def append_token_ids(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None: ...
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]: ...
+
+    def free(self, request: Request) -> None: ...
+
+    def prefix_cache_stats(self) -> PrefixCacheStats: ...
 
 
 class AdmissionAllocator(Protocol):
@@ -125,7 +167,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Continuous batching of requests over one :class:`KVCacheManager`.
+    """Continuous batching of requests over one KV cache manager (:class:`ScheduledManager`).
 
     ``record_block_ids=False`` leaves ``ScheduledChunk.block_ids`` empty, for callers
     that run no device step (the trace simulator) and should not pay for the copies.
@@ -135,15 +177,15 @@ class Scheduler:
 
     def __init__(
         self,
-        manager: KVCacheManager,
+        manager: ScheduledManager,
         *,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         record_block_ids: bool = True,
         admission: AdmissionAllocator | None = None,
     ) -> None:
-        if not isinstance(manager, KVCacheManager):
-            raise SchedulerError(f"manager must be a KVCacheManager, got {manager!r}")
+        if not isinstance(manager, ScheduledManager):
+            raise SchedulerError(f"manager must be a KVCacheManager (or a ScheduledManager), got {manager!r}")
         check_positive_int("max_num_seqs", max_num_seqs)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         self.manager = manager
@@ -211,6 +253,9 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n > 1:
                 n = self.manager.chunk_limit(req, req.num_computed_tokens, n)
+                if not n:  # no chunk within the budget ends where the manager needs: next step
+                    i += 1
+                    continue
             if not self._allocate_running(seq, n, preempted, alone=i == 0):
                 break
             self._add_chunk(seq, n, decodes, prefills)
@@ -293,7 +338,7 @@ class Scheduler:
                 n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget))
             else:
                 n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget))
-                if mgr.allocate_slots(req, n, num_hit, hit) is None:
+                if not n or mgr.allocate_slots(req, n, num_hit, hit) is None:
                     break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit

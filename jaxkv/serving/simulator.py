@@ -1,4 +1,4 @@
-"""Replay a request trace through a KVCacheManager with the serving loop's scheduler.
+"""Replay a request trace through a KV cache manager with the serving loop's scheduler.
 
 The scheduling decisions are :class:`jaxkv.serving.scheduler.Scheduler`'s (vLLM v1
 style), exactly those the device engine makes. No device work happens: "computing"
@@ -51,10 +51,11 @@ import numpy as np
 from jaxkv.errors import JaxkvError
 from jaxkv.hashing import MAX_TOKEN_ID
 from jaxkv.ints import check_int, check_int_range, is_int
-from jaxkv.manager import KVCacheManager, Request
+from jaxkv.manager import Request
 from jaxkv.serving.scheduler import (
     PoolTooSmallError,
     RequestTooLongError,
+    ScheduledManager,
     Scheduler,
     SchedulerError,
     SeqState,
@@ -341,7 +342,7 @@ class SimulationResult:
 
     ``num_prompt_hit_tokens`` counts each request's prefix hit at its first admission
     (over ``num_prompt_tokens``). The ``cache_*`` counters are the manager's own
-    (:meth:`KVCacheManager.prefix_cache_stats`, this run only): they also count the
+    (:meth:`~jaxkv.manager.KVCacheManager.prefix_cache_stats`, this run only): they also count the
     re-queries of a preempted request and of a waiting request retried while blocked.
     Host times cover the scheduler and every manager call of a step.
     """
@@ -405,14 +406,14 @@ class Simulator:
 
     def __init__(
         self,
-        manager: KVCacheManager,
+        manager: ScheduledManager,
         *,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         step_duration_s: float = 0.02,
     ) -> None:
-        if not isinstance(manager, KVCacheManager):
-            raise SimulationError(f"manager must be a KVCacheManager, got {manager!r}")
+        if not isinstance(manager, ScheduledManager):
+            raise SimulationError(f"manager must be a KVCacheManager (or a ScheduledManager), got {manager!r}")
         check_positive_int("max_num_seqs", max_num_seqs)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if (
