@@ -33,7 +33,10 @@ preempted, window blocks are evicted) and ``running512`` (512 requests running a
 window groups of 2 blocks' window at ``--block_size``: groups of different block sizes, where
 a window group caches only the blocks a hit can end on) and ``recurrent`` (3 Mamba groups of a
 Gated-DeltaNet-like state + 1 full, vLLM's align mode on its side; timed only: jaxkv keeps one
-live state block a request where align mode keeps up to two). With ``--check_decisions`` (on when
+live state block a request where align mode keeps up to two) in vLLM's layout on both sides, and
+``recurrent-shared``, the same model in jaxkv's default layout for it (``shared_pages``: a state is
+:data:`STATE_PAGES` blocks of the pool, checkpoints where the prompt ends and the newest decode
+boundary) against the same vLLM side. With ``--check_decisions`` (on when
 vLLM is importable) the stream first runs through both managers in lockstep, untimed, and
 every hit, block id list, allocation failure and the free queue after every scheduler step must agree.
 
@@ -58,12 +61,12 @@ from absl import app, flags
 
 from jaxkv.cli import flags_parser
 from jaxkv.manager import KVCacheManager, Request
-from jaxkv.planner import KVCacheConfig, KVCacheGroup
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, SharedStates
 from jaxkv.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 PROG = "bench_manager.py"
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["full", "gemma3-like", "mixed-blocks", "recurrent"], "models to run")
+flags.DEFINE_list("models", ["full", "gemma3-like", "mixed-blocks", "recurrent", "recurrent-shared"], "models to run")
 flags.DEFINE_list("workloads", ["base", "pressure", "running512"], "workloads to run")
 flags.DEFINE_integer("pairs", 5, "alternating jaxkv / vLLM runs per workload; medians are reported", lower_bound=1)
 flags.DEFINE_integer("block_size", 16, "tokens per block", lower_bound=1)
@@ -81,6 +84,8 @@ PRESSURE = 0.6
 MAX_MODEL_LEN = 8192
 MAMBA_SHAPES = ((3, 1024), (8, 64, 64))
 """A Gated-DeltaNet-like state (conv, recurrent) of the ``recurrent`` model's groups (vLLM's align mode)."""
+STATE_BYTES = sum(2 * math.prod(shape) for shape in MAMBA_SHAPES)
+"""One layer's state in bfloat16: 70 KiB."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ def group_specs(model: str) -> list[tuple[str, int | None, int]]:
         return [("full", None, bs)]
     if model == "mixed-blocks":
         return [("full", None, 4 * bs)] + [("window", 2 * bs, bs)] * 2
-    if model == "recurrent":
+    if model.startswith("recurrent"):
         return [("mamba", None, bs)] * 3 + [("full", None, bs)]
     return [("window", FLAGS.sliding_window, bs)] * 5 + [("full", None, bs)]
 
@@ -144,9 +149,11 @@ class JaxkvSide:
         specs = [made[kind](window) for kind, window, _ in group_specs(model)]
         sizes = [bs for _, _, bs in group_specs(model)]
         groups = tuple(KVCacheGroup((f"layer{i}",), s, bs) for i, (s, bs) in enumerate(zip(specs, sizes, strict=True)))
-        self.manager = KVCacheManager(
-            KVCacheConfig(num_blocks=num_blocks, groups=groups), max_model_len=MAX_MODEL_LEN, hash_algo=FLAGS.hash_algo
-        )
+        shared = None
+        if model == "recurrent-shared":  # a state is pages of the pool, as many as its bytes fill
+            shared = SharedStates(-(-STATE_BYTES // specs[-1].page_size_bytes(FLAGS.block_size)), STATE_BYTES)
+        config = KVCacheConfig(num_blocks=num_blocks, groups=groups, shared_states=shared)
+        self.manager = KVCacheManager(config, max_model_len=MAX_MODEL_LEN, hash_algo=FLAGS.hash_algo)
 
     def request(self, rid: str, tokens: Sequence[int]) -> Request:
         req = Request(rid, tokens)
@@ -376,7 +383,7 @@ def bench(model: str, name: str, peer: bool, check: bool) -> dict:
     workload = make_workload(name, model, FLAGS.seed, FLAGS.scale)
     result: dict = {"model": model, "workload": name, "num_requests": len(workload.prompts)}
     result["num_blocks"] = workload.num_blocks
-    if check and model == "recurrent":
+    if check and model.startswith("recurrent"):
         result["decisions"] = "not compared (vLLM's align mode holds up to 2 state blocks a request, jaxkv 1)"
     elif check:
         try:
