@@ -15,7 +15,7 @@ long request on a pool of tens of thousands of blocks.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
 NOT_QUEUED = 0
@@ -88,6 +88,37 @@ class FreeBlockQueue:
                 chunk[1] = pos
         self._len -= n
         return out
+
+    def popleft_covering(self, n: int, units: Mapping[int, Sized]) -> tuple[list[int], int]:
+        """Take blocks at the head until they cover ``n`` blocks, each covering itself and,
+        if it heads a unit (a key of ``units``), the unit's other blocks: the fewest head
+        entries that do, or the whole queue if it covers fewer. Returns them and what they cover."""
+        where = self._where
+        chunks = self._chunks
+        out: list[int] = []
+        covered = 0
+        queued = self._len
+        while covered < n and len(out) < queued:
+            chunk = chunks[0]
+            cid, pos, ids = chunk
+            end = len(ids)
+            while pos < end:
+                b = ids[pos]
+                pos += 1
+                if where[b] == cid:
+                    where[b] = NOT_QUEUED
+                    out.append(b)
+                    members = units.get(b)
+                    covered += 1 + len(members) if members else 1
+                    if covered >= n:
+                        break
+            self._entries -= pos - chunk[1]
+            if pos == end:
+                chunks.popleft()
+            else:
+                chunk[1] = pos
+        self._len -= len(out)
+        return out, covered
 
     def _new_chunk(self, block_ids: list[int]) -> list[Any]:
         cid = self._next_chunk

@@ -200,16 +200,21 @@ class BlockPool:
     def _take(self, n: int) -> list[int]:
         """Pop ``n`` queued blocks (then retained ones), evicting their hashes; the caller checked there are."""
         free = self._free
-        ref_cnt = self.ref_cnt
-        block_hash = self.block_hash
         num_queued = len(free)
         if n <= num_queued:
             out = free.popleft_n(n)
         else:
             out = free.popleft_n(num_queued) + self._retained.popleft_n(n - num_queued)
+        self._claim(out)
+        return out
+
+    def _claim(self, popped: list[int]) -> None:
+        """Hand out blocks just popped from a queue: evict their hashes, one reference each."""
+        ref_cnt = self.ref_cnt
+        block_hash = self.block_hash
         journal = self._journal
         evictions = self.num_evictions
-        for b in out:
+        for b in popped:
             h = block_hash[b]
             if h is not None:
                 if journal is None or b not in journal:  # a journaled block's KV is not written yet
@@ -218,19 +223,21 @@ class BlockPool:
                 self._evict(b)
             ref_cnt[b] = 1
         if self.num_evictions != evictions:  # one record per call: this is the allocation hot path
-            _log.debug("evicted %d cached block(s) to hand out %d", self.num_evictions - evictions, n)
-        return out
+            _log.debug("evicted %d cached block(s) to hand out %d", self.num_evictions - evictions, len(popped))
 
     def _take_dissolving(self, n: int) -> list[int]:
         """:meth:`_take` where popped heads of free units bring their other blocks along
-        (the unit dissolves); blocks beyond ``n`` go back to the queue's head. Entries are
-        popped one by one: a unit head covers many blocks, so popping ``n`` entries at once
-        would evict every state among them to hand out ``n`` blocks."""
-        out: list[int] = []
+        (the unit dissolves); blocks beyond ``n`` go back to the queue's head. Only the
+        head entries needed to cover ``n`` blocks are popped: a unit head covers many
+        blocks, so popping ``n`` entries would evict every state among them."""
         units = self._units
+        heads, covered = self._free.popleft_covering(n, units)
+        if covered < n:
+            heads += self._retained.popleft_covering(n - covered, units)[0]
+        self._claim(heads)
         ref_cnt = self.ref_cnt
-        while len(out) < n:
-            (b,) = self._take(1)
+        out: list[int] = []
+        for b in heads:
             out.append(b)
             members = units.pop(b, None)
             if members:
