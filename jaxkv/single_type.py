@@ -418,9 +418,10 @@ class MambaManager(SingleTypeManager):
         block_size: int,
     ) -> CacheHit:
         """The last block boundary whose state is cached in every group."""
+        first, *rest = maps  # a miss is nearly always a miss in the first group: test the rest only on its hits
         for i in range(min(max_blocks, len(hashes)) - 1, -1, -1):
             h = hashes[i]
-            if all(h in m for m in maps):
+            if h in first and all(h in m for m in rest):
                 return CacheHit(i + 1, i, [[m[h]] for m in maps])
         return CacheHit(0, 0, [[] for _ in maps])
 
