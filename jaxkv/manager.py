@@ -39,7 +39,7 @@ from jaxkv.prompt_digests import PromptDigests
 from jaxkv.request import ReadOnlyTokenIds, Request, token_id_list
 from jaxkv.request_checks import check_counts, check_external, check_hit, check_new_request, check_request
 from jaxkv.single_type import NEVER, MambaManager
-from jaxkv.state_checkpoints import CheckpointPolicy
+from jaxkv.state_checkpoints import AlignedChunks, CheckpointPolicy
 
 __all__ = [
     "DuplicateRequestError",
@@ -118,6 +118,7 @@ class KVCacheManager:
                 f"max_model_len must be a positive int (here or in the config), got {max_model_len!r}"
             )
         self._checkpoints = CheckpointPolicy(config, checkpoint_interval, enable_caching=enable_caching)
+        self._aligned_chunks = AlignedChunks(config)
         self.config = config
         self._block_sizes = tuple(g.block_size for g in config.groups)
         self.max_model_len = int(max_model_len)
@@ -220,10 +221,17 @@ class KVCacheManager:
     def chunk_limit(self, request: Request, start: int, num_new_tokens: int) -> int:
         """``num_new_tokens`` cut so a chunk starting at ``start`` ends at the request's
         next checkpoint position, if one falls inside it (a state exists only where a
-        step ends); unchanged without a state pool."""
-        if not self._checkpoints.block_size:  # no checkpoints: skip the call (once per prefill chunk)
-            return num_new_tokens
-        return self._checkpoints.chunk_limit(request.num_prompt_tokens, request._reach, start, num_new_tokens)
+        step ends). A recurrent model in vLLM's layout has its chunks cut as vLLM's
+        scheduler cuts them in align mode (:class:`~jaxkv.state_checkpoints.AlignedChunks`;
+        0 when no chunk within the budget ends on a block boundary: the request waits a
+        step). Unchanged without recurrent groups or without caching."""
+        if self._checkpoints.block_size:
+            return self._checkpoints.chunk_limit(request.num_prompt_tokens, request._reach, start, num_new_tokens)
+        if self._aligned_chunks.block_size and self.enable_caching:
+            return self._aligned_chunks.chunk_limit(
+                request.num_prompt_tokens, request.num_tokens, request._reach, start, num_new_tokens
+            )
+        return num_new_tokens
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self._num_requests, self._num_queried, self._num_hits, self._num_resets)

@@ -1,16 +1,21 @@
 """Where a recurrent request's prefill caches its state, and how a chunk ends on one.
 
-With state groups (the planner's ``state_pool`` layout or shared pages), a recurrent
-state exists only where a step ends, so it can be cached only there: at *checkpoint
+A recurrent state exists only where a step ends, so it can be cached only there. With
+state groups (the planner's ``state_pool`` layout or shared pages) that is at *checkpoint
 positions* of the prompt (a block boundary each), where a scheduler ends its prefill
-chunks. Pure integer arithmetic: the manager passes each request's numbers in.
+chunks (:class:`CheckpointPolicy`). In vLLM's layout (``attention_pages``) every block
+boundary can hold a state, and chunks end as vLLM's scheduler ends them in align mode
+(:class:`AlignedChunks`). Pure integer arithmetic: the manager passes each request's numbers in.
 """
 
 from __future__ import annotations
 
+import math
+
 from jaxkv.ints import is_int
 from jaxkv.manager_errors import KVCacheManagerError
 from jaxkv.planner import KVCacheConfig
+from jaxkv.specs import MambaSpec
 
 
 class CheckpointPolicy:
@@ -67,3 +72,42 @@ class CheckpointPolicy:
             if positions and positions[0] < start + num_new_tokens:
                 return positions[0] - start
         return num_new_tokens
+
+
+class AlignedChunks:
+    """Prefill chunk ends of a recurrent model in vLLM's layout, as vLLM's scheduler cuts
+    them in align mode (so the states the manager caches sit where vLLM's do).
+
+    A chunk that does not finish the prefill ends on a block boundary (or schedules
+    nothing, unless a block is wider than ``max_num_batched_tokens``), and no chunk runs
+    past the last boundary before the request's last token, past the next boundary when
+    it starts mid-block, or past the boundary below ``reach`` when full attention alone
+    matched further than the hit (the junction another request shares).
+    """
+
+    __slots__ = ("block_size", "max_chunk")
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        recurrent = any(isinstance(g.spec, MambaSpec) for g in config.groups) and not config.state_group_ids
+        # 0: no recurrent group in vLLM's layout, chunks are not cut
+        self.block_size = math.lcm(*(g.block_size for g in config.groups)) if recurrent else 0
+        self.max_chunk = config.max_num_batched_tokens
+
+    def chunk_limit(self, num_prompt_tokens: int, num_tokens: int, reach: int, start: int, num_new_tokens: int) -> int:
+        """``num_new_tokens`` cut as vLLM cuts a chunk starting at ``start``; 0: none this step."""
+        bs = self.block_size
+        prefill_end = max(num_prompt_tokens, num_tokens - 1)
+        if start >= prefill_end:
+            return num_new_tokens
+        end = start + num_new_tokens
+        if end < prefill_end:
+            aligned = end // bs * bs
+            if aligned > start or bs <= self.max_chunk:
+                end = aligned
+        stops = [(num_tokens - 1) // bs * bs]
+        if start % bs:
+            stops.append((start // bs + 1) * bs)
+        if start < reach < end:
+            stops.append(start + (reach - start) // bs * bs)
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)

@@ -1,4 +1,5 @@
-"""Where a recurrent request's prefill caches its state, and how its chunks end there."""
+"""Where a recurrent request's prefill caches its state, and how its chunks end there
+(checkpoints of the state groups; vLLM's align mode in its layout)."""
 
 import dataclasses
 
@@ -8,7 +9,7 @@ from kv_configs import FULL, make_config
 from jaxkv.manager_errors import KVCacheManagerError
 from jaxkv.planner import StatePool
 from jaxkv.specs import MambaSpec
-from jaxkv.state_checkpoints import CheckpointPolicy
+from jaxkv.state_checkpoints import AlignedChunks, CheckpointPolicy
 
 STATE = MambaSpec(shapes=((2, 2),), dtypes=("float32",))
 WITH_STATES = dataclasses.replace(make_config(64, FULL, STATE), state_pool=StatePool(num_states=8))
@@ -45,3 +46,38 @@ def test_no_state_groups_or_no_caching_no_checkpoints():
 
 def test_a_one_token_step_is_never_cut():
     assert policy().chunk_limit(100, 0, 95, 1) == 1 and policy().chunk_limit(100, 0, 95, 2) == 1
+
+
+VLLM_LAYOUT = make_config(64, FULL, STATE)  # a state per attention page, blocks of 16
+
+
+def aligned(max_num_batched_tokens=2048):
+    return AlignedChunks(dataclasses.replace(VLLM_LAYOUT, max_num_batched_tokens=max_num_batched_tokens))
+
+
+def test_vllms_layout_ends_a_prefill_chunk_on_a_block_boundary_or_not_at_all():
+    # a 100-token prompt from 0, 60 tokens of budget: 48 (the boundary below 60)
+    assert aligned().chunk_limit(100, 100, 0, 0, 60) == 48
+    assert aligned().chunk_limit(100, 100, 48, 48, 10) == 0, "no boundary within 10 tokens of 48: wait a step"
+    assert aligned(8).chunk_limit(100, 100, 48, 48, 8) == 8, "a block wider than any chunk: run sub-block"
+    assert aligned().chunk_limit(100, 100, 48, 48, 52) == 48, "the last boundary before the last token: 96"
+    assert aligned().chunk_limit(100, 100, 96, 96, 4) == 4, "the prompt's tail runs to its end"
+
+
+def test_vllms_layout_stops_a_chunk_at_the_next_boundary_and_at_the_junction():
+    assert aligned().chunk_limit(100, 100, 40, 40, 60) == 8, "a chunk starting mid-block ends at its boundary"
+    assert aligned().chunk_limit(100, 100, 70, 16, 84) == 48, "attention alone matched 70: stop at 64"
+    assert aligned().chunk_limit(100, 100, 16, 16, 84) == 80, "no junction: the last boundary, 96"
+
+
+def test_vllms_layout_cuts_a_resumed_request_up_to_its_last_output_and_never_decodes():
+    # preempted after 30 outputs: 130 tokens to recompute, the prefill ends at 129
+    assert aligned().chunk_limit(100, 130, 0, 0, 129) == 128
+    assert aligned().chunk_limit(100, 130, 129, 129, 1) == 1
+    assert aligned().chunk_limit(100, 101, 100, 100, 1) == 1, "a decode step is never cut"
+
+
+def test_only_recurrent_groups_in_vllms_layout_cut_chunks():
+    assert aligned().block_size == 16
+    assert AlignedChunks(make_config(64, FULL)).block_size == 0, "attention alone"
+    assert AlignedChunks(WITH_STATES).block_size == 0, "a state pool: CheckpointPolicy's positions"
