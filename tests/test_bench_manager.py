@@ -15,7 +15,9 @@ def test_a_tiny_run_reports_every_op_of_every_workload(tmp_path):
     assert done.returncode == 0, done.stderr
     results = json.loads(out.read_text())["results"]
     assert {(r["model"], r["workload"]) for r in results} == {
-        (m, w) for m in ("full", "gemma3-like", "mixed-blocks", "recurrent") for w in ("base", "pressure", "running512")
+        (m, w)
+        for m in ("full", "gemma3-like", "mixed-blocks", "recurrent", "recurrent-shared")
+        for w in ("base", "pressure", "running512")
     }
     for r in results:
         assert set(r["jaxkv"]) == {"request", "lookup", "alloc_prefill", "alloc_decode", "free", "append"}
