@@ -54,14 +54,21 @@ class CheckpointRetention:
         """Blocks ``blocks[start:end]`` of ``group`` were just offered to the cache."""
         if group not in self.attention_groups:
             return
+        pred_block, pred_hash, children, demoted = self._pred_block, self._pred_hash, self._children, self._demoted
         for i in range(max(start, 1), end):
             b = blocks[i]
             if b:
-                self._unlink(b)
-                self._pred_block[b] = blocks[i - 1]
-                self._pred_hash[b] = hashes[i - 1]
-                self._children.setdefault(hashes[i - 1], set()).add(b)
-                self._demoted[b] = 0
+                if pred_hash[b] is not None:
+                    self._unlink(b)
+                h = hashes[i - 1]
+                pred_block[b] = blocks[i - 1]
+                pred_hash[b] = h
+                kids = children.get(h)
+                if kids is None:
+                    children[h] = {b}
+                else:
+                    kids.add(b)
+                demoted[b] = 0
         if start == 0 and end > 0 and blocks[0]:
             self._unlink(blocks[0])
             self._pred_block[blocks[0]] = 0
