@@ -86,7 +86,7 @@ class ManagerMachine(RuleBasedStateMachine):
         hit, n = self.mgr.get_computed_blocks(req)
         assert n % BS == 0 and n < req.num_tokens
         num_new = self.mgr.chunk_limit(req, n, min(chunk, req.num_tokens - n))
-        if self._try(req, num_new, n, hit) is not None:
+        if num_new and self._try(req, num_new, n, hit) is not None:  # 0: no chunk ends where it must, wait
             req.num_computed_tokens = n + num_new
             self.waiting.remove(req)
             self.running.append(req)
@@ -103,6 +103,8 @@ class ManagerMachine(RuleBasedStateMachine):
         num_new = self.mgr.chunk_limit(
             req, req.num_computed_tokens, min(chunk, req.num_tokens - req.num_computed_tokens)
         )
+        if not num_new:  # vLLM's layout: no chunk this short ends on a block boundary, the request waits
+            return
         if self._try(req, num_new, lookahead=lookahead) is None:
             self.mgr.free(req)
             req.num_computed_tokens = 0
