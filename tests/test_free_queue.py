@@ -24,6 +24,16 @@ def test_a_removed_block_is_skipped_and_can_come_back_at_the_tail():
     assert len(q) == 0 and list(q) == []
 
 
+def test_a_take_over_units_pops_only_the_heads_that_cover_it():
+    q = FreeBlockQueue([1, 2, 5, 6, 9], 12)
+    q.remove(2)
+    units = {5: [3, 4], 9: [7, 8, 10]}  # 5 covers 3 blocks, 9 covers 4
+    assert q.popleft_covering(2, units) == ([1, 5], 4), "1 covers one block; 5 brings the rest and more"
+    assert list(q) == [6, 9] and len(q) == 2
+    assert q.popleft_covering(10, units) == ([6, 9], 5), "the whole queue when it covers fewer"
+    assert len(q) == 0 and list(q) == []
+
+
 def test_many_removals_compact_without_changing_the_order():
     q = FreeBlockQueue(range(1, 1001), 1001)
     for b in range(1, 1001, 2):
