@@ -102,6 +102,8 @@ class VllmManager:
         (None without recurrent groups: vLLM then does not cut chunks)."""
         if not any(isinstance(g.spec, MambaSpec) for g in config.groups):
             return None
+        if len({g.block_size for g in config.groups}) > 1:  # vLLM would take sub-block hits: another rule
+            raise PeerError("recurrent groups beside groups of other block sizes are not wired to vLLM's side here")
         scheduler = _vllm("vllm.v1.core.sched.scheduler").Scheduler
         block_size = math.lcm(*(g.block_size for g in config.groups))
         settings = types.SimpleNamespace(
