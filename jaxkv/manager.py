@@ -218,18 +218,22 @@ class KVCacheManager:
         (:class:`~jaxkv.state_checkpoints.CheckpointPolicy`)."""
         return self._checkpoints.positions(request.num_prompt_tokens, request._reach, num_computed_tokens)
 
-    def chunk_limit(self, request: Request, start: int, num_new_tokens: int) -> int:
+    def chunk_limit(
+        self, request: Request, start: int, num_new_tokens: int, max_chunk_tokens: int | None = None
+    ) -> int:
         """``num_new_tokens`` cut so a chunk starting at ``start`` ends at the request's
         next checkpoint position, if one falls inside it (a state exists only where a
         step ends). A recurrent model in vLLM's layout has its chunks cut as vLLM's
         scheduler cuts them in align mode (:class:`~jaxkv.state_checkpoints.AlignedChunks`;
         0 when no chunk within the budget ends on a block boundary: the request waits a
-        step). Unchanged without recurrent groups or without caching."""
+        step; ``max_chunk_tokens``, the scheduler's step budget, says whether one ever can,
+        default the plan's ``max_num_batched_tokens``). Unchanged without recurrent groups
+        or without caching."""
         if self._checkpoints.block_size:
             return self._checkpoints.chunk_limit(request.num_prompt_tokens, request._reach, start, num_new_tokens)
         if self._aligned_chunks.block_size and self.enable_caching:
             return self._aligned_chunks.chunk_limit(
-                request.num_prompt_tokens, request.num_tokens, request._reach, start, num_new_tokens
+                request.num_prompt_tokens, request.num_tokens, request._reach, start, num_new_tokens, max_chunk_tokens
             )
         return num_new_tokens
 

@@ -93,16 +93,26 @@ class AlignedChunks:
         self.block_size = math.lcm(*(g.block_size for g in config.groups)) if recurrent else 0
         self.max_chunk = config.max_num_batched_tokens
 
-    def chunk_limit(self, num_prompt_tokens: int, num_tokens: int, reach: int, start: int, num_new_tokens: int) -> int:
-        """``num_new_tokens`` cut as vLLM cuts a chunk starting at ``start``; 0: none this step."""
+    def chunk_limit(
+        self,
+        num_prompt_tokens: int,
+        num_tokens: int,
+        reach: int,
+        start: int,
+        num_new_tokens: int,
+        max_chunk_tokens: int | None = None,
+    ) -> int:
+        """``num_new_tokens`` cut as vLLM cuts a chunk starting at ``start``; 0: none this step.
+        ``max_chunk_tokens``: the most a step schedules (the scheduler's budget; default the plan's)."""
         bs = self.block_size
+        max_chunk = self.max_chunk if max_chunk_tokens is None else max_chunk_tokens
         prefill_end = max(num_prompt_tokens, num_tokens - 1)
         if start >= prefill_end:
             return num_new_tokens
         end = start + num_new_tokens
         if end < prefill_end:
             aligned = end // bs * bs
-            if aligned > start or bs <= self.max_chunk:
+            if aligned > start or bs <= max_chunk:
                 end = aligned
         stops = [(num_tokens - 1) // bs * bs]
         if start % bs:

@@ -241,7 +241,7 @@ class HoldingBack:
     def __getattr__(self, name: str) -> object:
         return getattr(self._manager, name)
 
-    def chunk_limit(self, request: Request, start: int, num_new_tokens: int) -> int:
+    def chunk_limit(self, request: Request, start: int, num_new_tokens: int, max_chunk_tokens=None) -> int:
         return 0 if request.request_id in self.held else num_new_tokens
 
 
@@ -262,3 +262,16 @@ def test_a_chunk_limit_of_0_skips_a_running_request_and_stops_admission():
     assert [s.request_id for s in sched.waiting] == ["d", "e"] and not mgr.has_request("d")
     mgr.held = set()
     assert shape(step(sched)) == [("b", 40, 1), ("c", 4, 1), ("d", 0, 10), ("e", 0, 3)]
+
+
+@pytest.mark.parametrize(
+    ("budget", "chunks"),
+    [(20, [16, 16, 8]), (8, [8, 8, 8, 8, 8])],
+    ids=["chunks end on blocks", "blocks wider than the budget run sub-block"],
+)
+def test_a_recurrent_model_in_vllms_layout_is_chunked_as_vllm_chunks_it(budget, chunks):
+    state = MambaSpec(shapes=((2, 2),), dtypes=("float32",))
+    sched = Scheduler(make_manager(40, FULL, state), max_num_batched_tokens=budget)  # blocks of 16
+    sched.add_request(Request("a", range(40)), 1)
+    assert [n for _, _, n in (shape(step(sched))[0] for _ in chunks)] == chunks
+    assert not sched.has_unfinished

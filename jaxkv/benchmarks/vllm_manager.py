@@ -20,10 +20,11 @@ nothing under ``jaxkv/`` imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxkv.errors import JaxkvError
@@ -92,21 +93,23 @@ class VllmManager:
         self._hasher = utils.get_request_block_hasher(math.gcd(*sizes), sha256)
         self._params = _vllm("vllm.sampling_params").SamplingParams(max_tokens=max_model_len)
         self._request_type = _vllm("vllm.v1.request").Request
-        self._split = self._align_split(config, max_num_batched_tokens)
+        self._scheduler = self._align_mode_scheduler(config, max_num_batched_tokens)
         self._peers: dict[str, Any] = {}
         self._held: set[str] = set()
         self._num_lookups = self._num_queried = self._num_hits = 0
 
-    def _align_split(self, config: KVCacheConfig, max_num_batched_tokens: int) -> Any:
-        """vLLM's scheduler's chunk rule for align mode, bound to a default engine's settings
-        (None without recurrent groups: vLLM then does not cut chunks)."""
+    def _align_mode_scheduler(self, config: KVCacheConfig, max_num_batched_tokens: int) -> Any:
+        """A stand-in for vLLM's scheduler that has just what its chunk rule for align mode
+        reads, a default engine's settings (None without recurrent groups: vLLM then does
+        not cut chunks)."""
         if not any(isinstance(g.spec, MambaSpec) for g in config.groups):
             return None
         if len({g.block_size for g in config.groups}) > 1:  # vLLM would take sub-block hits: another rule
             raise PeerError("recurrent groups beside groups of other block sizes are not wired to vLLM's side here")
         scheduler = _vllm("vllm.v1.core.sched.scheduler").Scheduler
         block_size = math.lcm(*(g.block_size for g in config.groups))
-        settings = types.SimpleNamespace(
+        return types.SimpleNamespace(
+            split=scheduler._mamba_block_aligned_split,
             cache_config=types.SimpleNamespace(block_size=block_size),
             block_size=block_size,
             scheduler_config=types.SimpleNamespace(long_prefill_token_threshold=0),
@@ -119,7 +122,6 @@ class VllmManager:
             use_eagle_block_drop=False,
             num_hash_lookahead_tokens=0,
         )
-        return types.MethodType(scheduler._mamba_block_aligned_split, settings)
 
     def _peer(self, request: Request) -> Any:
         """vLLM's request for ``request``, its computed tokens copied over."""
@@ -162,11 +164,16 @@ class VllmManager:
         self._num_hits += num_hit
         return blocks, num_hit
 
-    def chunk_limit(self, request: Request, start: int, num_new_tokens: int) -> int:
-        if self._split is None:
+    def chunk_limit(
+        self, request: Request, start: int, num_new_tokens: int, max_chunk_tokens: int | None = None
+    ) -> int:
+        scheduler = self._scheduler
+        if scheduler is None:
             return num_new_tokens
+        if max_chunk_tokens is not None:
+            scheduler.max_num_scheduled_tokens = max_chunk_tokens
         peer = self._peer(request)
-        return int(self._split(peer, num_new_tokens, start - peer.num_computed_tokens))
+        return int(scheduler.split(scheduler, peer, num_new_tokens, start - peer.num_computed_tokens))
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0, new_computed_blocks: Any = None
@@ -185,15 +192,17 @@ class VllmManager:
         return len(requests)
 
     def append_token_ids(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None:
-        """The sampled tokens, to both requests: jaxkv's (the scheduler reads it) and vLLM's.
-
-        jaxkv's scheduler makes this call once at the end of every step, so vLLM's manager
-        is told here that the next step starts (vLLM's scheduler tells it as a step begins:
-        a state cached in one step is not a hit before the next)."""
+        """The sampled tokens, to both requests: jaxkv's (the scheduler reads it) and vLLM's."""
         for request, token in zip(requests, token_ids, strict=True):
             request.append_output_token_ids(token)
             self._peer(request).append_output_token_ids(token)
+
+    @contextlib.contextmanager
+    def step_transaction(self) -> Iterator[None]:
+        """A step: vLLM's manager is told it starts, as vLLM's scheduler tells it (a state
+        cached in one step is no hit before the next)."""
         self._manager.new_step_starts()
+        yield
 
     def free(self, request: Request) -> None:
         self._manager.free(self._peer(request))

@@ -279,7 +279,7 @@ class OffloadConnector:
                     pinned.append((tier, keys))
                 num_ext = host.end - host.start
                 n = mgr.chunk_limit(request, host.end, min(request.num_tokens - host.end, budget))
-                if mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext) is not None:
+                if n and mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext) is not None:
                     if self._load(request, host, host_blocks):
                         self._touch_prefix(request, hashes)
                         self.stats.num_queried_tokens += request.num_tokens - num_hit
@@ -289,7 +289,7 @@ class OffloadConnector:
                 for tier, keys in pinned:
                     tier.offload.complete_load(keys)
         n = mgr.chunk_limit(request, num_hit, min(request.num_tokens - num_hit, budget))
-        if mgr.allocate_slots(request, n, num_hit, hit) is None:
+        if not n or mgr.allocate_slots(request, n, num_hit, hit) is None:  # 0: no chunk may end in the budget
             return None
         self._touch_prefix(request, hashes)
         self.stats.num_queried_tokens += request.num_tokens - num_hit

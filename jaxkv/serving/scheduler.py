@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -72,6 +73,10 @@ class ScheduledManager(Protocol):
     ``get_computed_blocks`` returns; the scheduler only hands it back to ``allocate_slots``.
     ``chunk_limit`` may return 0 (no chunk within the budget ends where the manager needs
     it to, as in vLLM's align mode): a running request then waits a step and admission stops.
+    The scheduler passes its ``max_num_batched_tokens`` as ``max_chunk_tokens``, so the
+    manager can tell a chunk that waits for a fuller step from one that never could end there.
+    A step is scheduled inside ``step_transaction()`` (the engine's and the simulator's):
+    a state cached in it is no hit before the next.
     """
 
     max_model_len: int
@@ -86,7 +91,9 @@ class ScheduledManager(Protocol):
 
     def get_computed_blocks(self, request: Request) -> tuple[Any, int]: ...
 
-    def chunk_limit(self, request: Request, start: int, num_new_tokens: int) -> int: ...
+    def chunk_limit(
+        self, request: Request, start: int, num_new_tokens: int, max_chunk_tokens: int | None = None
+    ) -> int: ...
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0, new_computed_blocks: Any = None
@@ -101,6 +108,8 @@ class ScheduledManager(Protocol):
     def free(self, request: Request) -> None: ...
 
     def prefix_cache_stats(self) -> PrefixCacheStats: ...
+
+    def step_transaction(self) -> AbstractContextManager[None]: ...
 
 
 class AdmissionAllocator(Protocol):
@@ -252,7 +261,7 @@ class Scheduler:
             req = seq.request
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n > 1:
-                n = self.manager.chunk_limit(req, req.num_computed_tokens, n)
+                n = self.manager.chunk_limit(req, req.num_computed_tokens, n, self.max_num_batched_tokens)
                 if not n:  # no chunk within the budget ends where the manager needs: next step
                     i += 1
                     continue
@@ -337,7 +346,7 @@ class Scheduler:
                 num_hit = admitted
                 n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget))
             else:
-                n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget))
+                n = mgr.chunk_limit(req, num_hit, min(req.num_tokens - num_hit, budget), self.max_num_batched_tokens)
                 if not n or mgr.allocate_slots(req, n, num_hit, hit) is None:
                     break
             self.waiting.popleft()

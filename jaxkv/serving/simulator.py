@@ -472,7 +472,8 @@ class _Replay:
         while self.pending or scheduler.has_unfinished:
             self._arrive()
             start = time.perf_counter()
-            output = scheduler.schedule()
+            with self.manager.step_transaction():  # as the engine schedules a step
+                output = scheduler.schedule()
             usage = self.manager.usage
             sampled = [
                 self.outputs[c.seq.request_id][c.seq.num_output_tokens] if c.samples else 0 for c in output.chunks
