@@ -35,9 +35,9 @@ a window group caches only the blocks a hit can end on) and ``recurrent`` (3 Mam
 Gated-DeltaNet-like state + 1 full, vLLM's align mode on its side; timed only: jaxkv keeps one
 live state block a request where align mode keeps up to two) in vLLM's layout on both sides, and
 ``recurrent-shared``, the same model in jaxkv's default layout for it (``shared_pages``: a state is
-:data:`STATE_PAGES` blocks of the pool, checkpoints where the prompt ends and the newest decode
-boundary) against the same vLLM side. With ``--check_decisions`` (on when
-vLLM is importable) the stream first runs through both managers in lockstep, untimed, and
+as many blocks of the pool as its :data:`STATE_BYTES` fill, checkpoints where the prompt ends and
+the newest decode boundary) against the same vLLM side (timed only: the layouts differ). With
+``--check_decisions`` (on when vLLM is importable) the stream first runs through both managers in lockstep, untimed, and
 every hit, block id list, allocation failure and the free queue after every scheduler step must agree.
 
     python scripts/bench_manager.py --out bench_manager.json
@@ -383,8 +383,10 @@ def bench(model: str, name: str, peer: bool, check: bool) -> dict:
     workload = make_workload(name, model, FLAGS.seed, FLAGS.scale)
     result: dict = {"model": model, "workload": name, "num_requests": len(workload.prompts)}
     result["num_blocks"] = workload.num_blocks
-    if check and model.startswith("recurrent"):
+    if check and model == "recurrent":
         result["decisions"] = "not compared (vLLM's align mode holds up to 2 state blocks a request, jaxkv 1)"
+    elif check and model == "recurrent-shared":
+        result["decisions"] = "not compared (jaxkv's shared pages against vLLM's layout)"
     elif check:
         try:
             run_loop([JaxkvSide(model, workload.num_blocks), VllmSide(model, workload.num_blocks)], workload, None)
