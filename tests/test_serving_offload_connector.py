@@ -144,6 +144,23 @@ def test_a_recurrent_model_needs_a_state_tier_and_its_hit_needs_a_checkpoint_on_
     assert (hit.start, hit.end) == (0, 64), "attention reaches 96, the only checkpoint on host sits at 64"
 
 
+def test_no_chunk_ending_on_a_block_in_the_budget_admits_nothing_and_unpins_the_host_hit():
+    state = MambaSpec(shapes=((2, 2),), dtypes=("float32",))
+    mgr = make_manager(30, FULL, state)  # vLLM's layout: chunks end on blocks of 16, as vLLM cuts them
+    req = Request("r", list(range(100)))
+    mgr.hash_request(req)
+    offload, states = PolicyOffloadingManager(HostBlockBackend(64)), PolicyOffloadingManager(HostBlockBackend(8))
+    connector = OffloadConnector(mgr, runner=None, offload=offload, transfers=None, states=(states, None))
+    for catalog, keys in ((offload, [(h, 0) for h in req.block_hashes[:4]]), (states, [(req.block_hashes[3], 1)])):
+        catalog.prepare_store(keys)
+        catalog.complete_store(keys)
+    free = mgr.num_free_blocks
+    hit, n = mgr.get_computed_blocks(req)
+    assert connector.allocate_admitted(req, hit, n, budget=8) is None  # 64 + 8 and 0 + 8 end on no block
+    assert not mgr.has_request("r") and mgr.num_free_blocks == free
+    assert offload.num_keys_by_state()["pinned"] == 0 == states.num_keys_by_state()["pinned"]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
