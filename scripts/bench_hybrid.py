@@ -175,6 +175,15 @@ def _hit_rate(manager: ScheduledManager, trace: Sequence[TraceRequest]) -> tuple
     return result.prompt_hit_rate, result.num_preemptions
 
 
+def _in_vllms_layout(
+    specs: dict, memory: int, max_model_len: int, trace: Sequence[TraceRequest]
+) -> tuple[float, float | None]:
+    """Hit rates in vLLM's layout: jaxkv's manager, and vLLM's own (None without vLLM)."""
+    config = plan_kv_cache(specs, memory, max_model_len=max_model_len)
+    theirs = _hit_rate(_vllm(config, max_model_len), trace)[0] if _peer() else None
+    return _hit_rate(KVCacheManager(config), trace)[0], theirs
+
+
 def _points(ours: float, theirs: float | None) -> float | None:
     return None if theirs is None else 100 * (ours - theirs)
 
@@ -253,9 +262,7 @@ def chat() -> list[dict]:
         start = time.perf_counter()
         config = plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN, state_layout=None)
         ours, preempted = _hit_rate(KVCacheManager(config), trace)
-        paged_config = plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN)
-        paged, _ = _hit_rate(KVCacheManager(paged_config), trace)
-        theirs = _hit_rate(_vllm(paged_config, CHAT_MAX_MODEL_LEN), trace)[0] if _peer() else None
+        paged, theirs = _in_vllms_layout(specs, memory, CHAT_MAX_MODEL_LEN, trace)
         only, _ = _hit_rate(KVCacheManager(plan_kv_cache(attention, memory, max_model_len=CHAT_MAX_MODEL_LEN)), trace)
         live = MULTITURN_MAX_NUM_SEQS * config.shared_states.pages_per_state / config.num_usable_blocks
         rows.append(
@@ -297,9 +304,7 @@ def multiturn() -> list[dict]:
         attention = {n: s for n, s in specs.items() if not isinstance(s, MambaSpec)}
         start = time.perf_counter()
         only, _ = _hit_rate(KVCacheManager(plan_kv_cache(attention, memory, max_model_len=max_model_len)), trace)
-        paged_config = plan_kv_cache(specs, memory, max_model_len=max_model_len)
-        paged, _ = _hit_rate(KVCacheManager(paged_config), trace)
-        theirs = _hit_rate(_vllm(paged_config, max_model_len), trace)[0] if _peer() else None
+        paged, theirs = _in_vllms_layout(specs, memory, max_model_len, trace)
         config = plan_kv_cache(specs, memory, max_model_len=max_model_len, state_layout=None)
         ours, preempted = _hit_rate(KVCacheManager(config), trace)
         rows.append(
