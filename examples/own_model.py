@@ -45,7 +45,7 @@ class OwnModel:
     def layer_specs(self):
         return dict(LAYERS)
 
-    def partition_specs(self):  # replicated; put jaxkv.mesh.MODEL_AXIS on split dims for tensor parallelism
+    def partition_specs(self):  # replicated; put jaxkv.device.mesh.MODEL_AXIS on split dims for tensor parallelism
         return jax.tree.map(lambda _: PartitionSpec(), self.params)
 
     def forward(self, params, cache, meta, *, impl=None):

@@ -28,22 +28,22 @@ _HOME = {
     "KVCacheConfig": "jaxkv.planner",
     "KVCacheGroup": "jaxkv.planner",
     "StatePoolOptions": "jaxkv.planner",
-    "KVCacheManager": "jaxkv.manager",
-    "Request": "jaxkv.request",
+    "KVCacheManager": "jaxkv.core.manager",
+    "Request": "jaxkv.core.request",
     # device side, models, serving (JAX)
-    "KVCache": "jaxkv.cache",
-    "UnknownLayerError": "jaxkv.cache",
-    "allocate_kv_cache": "jaxkv.cache",
-    "HybridCache": "jaxkv.state_cache",
-    "StepMetadata": "jaxkv.metadata",
-    "Buckets": "jaxkv.metadata",
-    "ScheduledSeq": "jaxkv.metadata",
-    "build_step_metadata": "jaxkv.metadata",
+    "KVCache": "jaxkv.device.cache",
+    "UnknownLayerError": "jaxkv.device.cache",
+    "allocate_kv_cache": "jaxkv.device.cache",
+    "HybridCache": "jaxkv.device.state_cache",
+    "StepMetadata": "jaxkv.device.metadata",
+    "Buckets": "jaxkv.device.metadata",
+    "ScheduledSeq": "jaxkv.device.metadata",
+    "build_step_metadata": "jaxkv.device.metadata",
     "ServedModel": "jaxkv.models.protocol",
     "Engine": "jaxkv.serving.engine",
     "OffloadConfig": "jaxkv.serving.offload_connector",
 }
-_MODULES = ("ops",)
+_MODULES = {"ops": "jaxkv.device.ops"}
 """Submodules exported by name (``jaxkv.ops.paged_attention``)."""
 
 __all__ = [
@@ -78,15 +78,16 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from jaxkv import ops
-    from jaxkv.cache import KVCache, UnknownLayerError, allocate_kv_cache
+    from jaxkv.core.manager import KVCacheManager
+    from jaxkv.core.request import Request
+    from jaxkv.device import ops
+    from jaxkv.device.cache import KVCache, UnknownLayerError, allocate_kv_cache
+    from jaxkv.device.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
+    from jaxkv.device.state_cache import HybridCache
     from jaxkv.errors import JaxkvError
-    from jaxkv.manager import KVCacheManager
-    from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
     from jaxkv.models.protocol import ServedModel
     from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePoolOptions, plan_kv_cache
     from jaxkv.presets import get_preset, list_presets
-    from jaxkv.request import Request
     from jaxkv.serving.engine import Engine
     from jaxkv.serving.offload_connector import OffloadConfig
     from jaxkv.specs import (
@@ -98,13 +99,12 @@ if TYPE_CHECKING:
         MLASpec,
         SlidingWindowSpec,
     )
-    from jaxkv.state_cache import HybridCache
 
 
 def __getattr__(name: str) -> Any:
     """Import an exported name from its module on first use."""
     if name in _MODULES:
-        return importlib.import_module(f"jaxkv.{name}")
+        return importlib.import_module(_MODULES[name])
     if name not in _HOME:
         raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
     value = getattr(importlib.import_module(_HOME[name]), name)

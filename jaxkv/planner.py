@@ -787,7 +787,7 @@ def plan_kv_cache(
     chunked-local attention specs up to a multiple of it before planning (TPU:
     :data:`TPU_HEAD_DIM_MULTIPLE`), so the plan counts the padded bytes; MLA and Mamba
     specs are planned unchanged. The group specs carry the padded head size, which
-    is what :func:`jaxkv.cache.allocate_kv_cache` allocates and :mod:`jaxkv.ops` pads
+    is what :func:`jaxkv.device.cache.allocate_kv_cache` allocates and :mod:`jaxkv.device.ops` pads
     q/k/v up to.
 
     ``state_layout`` (:data:`STATE_LAYOUTS`, or None for :func:`default_state_layout`)

@@ -30,7 +30,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxkv.benchmarks.timing import best_seconds
-from jaxkv.cli import flags_parser
+from jaxkv.commands.cli import flags_parser
 from jaxkv.models.delta_net import default_form, ragged_delta_net, seq_of_token
 
 PROG = "bench_delta_net.py"

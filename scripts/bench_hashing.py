@@ -33,8 +33,8 @@ import numpy as np
 import xxhash
 from absl import app, flags
 
-from jaxkv.cli import flags_parser
-from jaxkv.hashing import HASH_ALGORITHMS, NO_EXTRA_KEYS, BlockHasher, ExtraKeys
+from jaxkv.commands.cli import flags_parser
+from jaxkv.core.hashing import HASH_ALGORITHMS, NO_EXTRA_KEYS, BlockHasher, ExtraKeys
 
 PROG = "bench_hashing.py"
 FLAGS = flags.FLAGS

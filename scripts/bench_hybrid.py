@@ -60,9 +60,9 @@ from pathlib import Path
 from absl import app, flags
 
 from jaxkv.benchmarks.vllm_manager import VllmManager, vllm_available
-from jaxkv.cli import exit_error, flags_parser, parse_size, pyplot, save_figure
+from jaxkv.commands.cli import exit_error, flags_parser, parse_size, pyplot, save_figure
+from jaxkv.core.manager import KVCacheManager, Request
 from jaxkv.errors import JaxkvError
-from jaxkv.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, exact_concurrency_bound, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.scheduler import ScheduledManager

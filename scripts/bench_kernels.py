@@ -1,8 +1,8 @@
 """Benchmark jaxkv's device ops per implementation, beside peer kernels on the same inputs.
 
 Per case (decode / windowed decode / prefill / mixed paged attention, write_kv,
-copy_blocks) one column per jaxkv implementation (``jaxkv.ops.IMPLEMENTATIONS`` but
-``auto``, called through ``jaxkv.ops`` with ``impl=``: a new implementation gets a
+copy_blocks) one column per jaxkv implementation (``jaxkv.device.ops.IMPLEMENTATIONS`` but
+``auto``, called through ``jaxkv.device.ops`` with ``impl=``: a new implementation gets a
 column without editing this script) and, for paged attention, one per peer
 (``jaxkv/benchmarks/kernel_peers.py``), timed in the same run (best of --repeats, after a warm-up
 call that compiles):
@@ -53,9 +53,9 @@ from absl import app, flags
 from jaxkv import ops
 from jaxkv.benchmarks.kernel_peers import PEERS, NotApplicable, PagedBatch
 from jaxkv.benchmarks.timing import best_seconds
-from jaxkv.cache import KVCache
-from jaxkv.cli import flags_parser
-from jaxkv.metadata import attention_metadata
+from jaxkv.commands.cli import flags_parser
+from jaxkv.device.cache import KVCache
+from jaxkv.device.metadata import attention_metadata
 from jaxkv.pallas.reference import KVShapeError
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 
@@ -254,7 +254,7 @@ def attention_batch(w: Attn, dtype: jnp.dtype, rng: np.random.Generator) -> Page
 def attention_case(
     w: Attn, dtype: jnp.dtype, rng: np.random.Generator, modes: dict[str, str], backend: str, ref_budget: float
 ) -> Case:
-    """jaxkv's implementations through ``jaxkv.ops`` and every peer, on one random batch."""
+    """jaxkv's implementations through ``jaxkv.device.ops`` and every peer, on one random batch."""
     batch = attention_batch(w, dtype, rng)
     q, bs, h, d = batch.q, w.block_size, w.num_kv_heads, w.head_dim
     width = batch.block_tables.shape[1]

@@ -1,6 +1,6 @@
 """Host time of the KV cache manager, side by side with vLLM's own manager.
 
-One request stream drives jaxkv's :class:`~jaxkv.manager.KVCacheManager` and, when vLLM
+One request stream drives jaxkv's :class:`~jaxkv.core.manager.KVCacheManager` and, when vLLM
 is importable, vLLM v1's ``KVCacheManager`` (same groups, block size and pool size)
 through the same small scheduler loop. Each step, the tokens the last step sampled are
 appended to every running request (those that reach their decode steps finish and are
@@ -59,8 +59,8 @@ from dataclasses import dataclass
 import numpy as np
 from absl import app, flags
 
-from jaxkv.cli import flags_parser
-from jaxkv.manager import KVCacheManager, Request
+from jaxkv.commands.cli import flags_parser
+from jaxkv.core.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, SharedStates
 from jaxkv.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 

@@ -1,7 +1,7 @@
 """Host time per serving step on a tensor-parallel mesh of 1, 2, 4 and 8 devices, in one run.
 
 The same model, plan and prompts are served on meshes of each ``--devices`` count
-(:mod:`jaxkv.mesh`). A step's wall time splits into jaxkv's host time
+(:mod:`jaxkv.device.mesh`). A step's wall time splits into jaxkv's host time
 (scheduling, the KV cache manager, building and placing the step metadata), JAX's call of
 the jitted step (:attr:`~jaxkv.serving.runner.ModelRunner.dispatch_s`: argument handling
 and dispatch to every device) and the wait for the device's tokens
@@ -26,7 +26,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from jaxkv.cli import request_cpu_devices
+from jaxkv.commands.cli import request_cpu_devices
 
 DEFAULT_DEVICES = ["1", "2", "4", "8"]
 request_cpu_devices([f"--cpu_devices={DEFAULT_DEVICES[-1]}"], flag="cpu_devices")  # 8 host devices, before JAX starts
@@ -34,9 +34,9 @@ request_cpu_devices([f"--cpu_devices={DEFAULT_DEVICES[-1]}"], flag="cpu_devices"
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from jaxkv.cli import exit_error, flags_parser  # noqa: E402
+from jaxkv.commands.cli import exit_error, flags_parser  # noqa: E402
+from jaxkv.device.mesh import model_mesh  # noqa: E402
 from jaxkv.errors import JaxkvError  # noqa: E402
-from jaxkv.mesh import model_mesh  # noqa: E402
 from jaxkv.models.tiny import model_names  # noqa: E402
 from jaxkv.serving.engine import Engine  # noqa: E402
 from jaxkv.serving.workloads import shared_prefix_prompts  # noqa: E402

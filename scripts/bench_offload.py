@@ -45,9 +45,9 @@ from absl import app, flags
 
 from jaxkv import ops
 from jaxkv.benchmarks.timing import best_seconds
-from jaxkv.cache import KVCache, allocate_kv_cache
-from jaxkv.cli import exit_error, flags_parser, pyplot, save_figure
-from jaxkv.metadata import Buckets
+from jaxkv.commands.cli import exit_error, flags_parser, pyplot, save_figure
+from jaxkv.device.cache import KVCache, allocate_kv_cache
+from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import MODEL_CONFIGS, TinyLM, get_model_config
 from jaxkv.offload.catalog import PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend

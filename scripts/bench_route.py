@@ -69,7 +69,7 @@ import numpy as np
 import zmq
 from absl import app, flags, logging
 
-from jaxkv.cli import exit_error, flags_parser, parse_size, pyplot, save_figure, write_json
+from jaxkv.commands.cli import exit_error, flags_parser, parse_size, pyplot, save_figure, write_json
 from jaxkv.errors import JaxkvError
 from jaxkv.fleet.protocol import GenerateRequest, GenerateResult, ReplicaAddress
 from jaxkv.fleet.replica import ReplicaSpec, running_replicas

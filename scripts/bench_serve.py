@@ -47,9 +47,9 @@ import jax
 from absl import app, flags, logging
 
 from jaxkv import ops
-from jaxkv.cli import check_fits_device, define_state_flags, exit_error, flags_parser, parse_size, write_json
+from jaxkv.commands.cli import check_fits_device, define_state_flags, exit_error, flags_parser, parse_size, write_json
+from jaxkv.device.metadata import Buckets
 from jaxkv.errors import JaxkvError
-from jaxkv.metadata import Buckets
 from jaxkv.models.loading import load_model
 from jaxkv.models.tiny import DTYPES, model_names
 from jaxkv.planner import LAYOUTS
@@ -86,7 +86,7 @@ flags.DEFINE_enum("layout", "cross_layer", LAYOUTS, "KV cache buffer layout")
 define_state_flags()
 flags.DEFINE_integer("max_num_seqs", 8, "most requests running at once", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 1024, "token budget of one step", lower_bound=1)
-flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.ops implementation")
+flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.device.ops implementation")
 flags.DEFINE_integer("seed", 0, "weights and prompts seed", lower_bound=0)
 flags.DEFINE_string("out", None, "write the results as JSON here")
 flags.DEFINE_string("profile_dir", None, "write a jax.profiler trace of the timed batch phase here")

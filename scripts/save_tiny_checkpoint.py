@@ -22,7 +22,7 @@ from typing import Any
 
 from absl import app, flags
 
-from jaxkv.cli import exit_error, flags_parser
+from jaxkv.commands.cli import exit_error, flags_parser
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

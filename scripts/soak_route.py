@@ -49,7 +49,7 @@ import msgspec
 import zmq
 from absl import app, flags, logging
 
-from jaxkv.cli import exit_error, flags_parser, write_json
+from jaxkv.commands.cli import exit_error, flags_parser, write_json
 from jaxkv.fleet.protocol import (
     CancelRequest,
     GenerateRequest,

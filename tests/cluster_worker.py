@@ -25,7 +25,7 @@ import jax
 from jaxkv.cluster import distributed
 from jaxkv.cluster.launcher import ProcessRole, launch
 from jaxkv.cluster.lockstep import LockstepError
-from jaxkv.mesh import model_mesh
+from jaxkv.device.mesh import model_mesh
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.offload_connector import OffloadConfig
 from jaxkv.serving.workloads import shared_prefix_prompts

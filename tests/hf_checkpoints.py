@@ -102,7 +102,7 @@ def serve_against_transformers(family: str, directory: Path, *, memory_bytes: in
     engine (the second pass hits the prefix cache), check both passes against transformers
     (:func:`check_against_transformers`) and return what happened: the largest logit
     difference, cached tokens of each pass, preemptions and host-tier loads."""
-    from jaxkv.metadata import Buckets
+    from jaxkv.device.metadata import Buckets
     from jaxkv.serving.engine import Engine
 
     hf = save_tiny_checkpoint(family, directory)

@@ -1,6 +1,6 @@
 """Hand-made KV cache configs and managers shared by the host-side tests."""
 
-from jaxkv.manager import KVCacheManager, Request
+from jaxkv.core.manager import KVCacheManager, Request
 from jaxkv.planner import KVCacheConfig, KVCacheGroup
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 

@@ -5,7 +5,7 @@ import pytest
 from kv_configs import FULL, make_config, window
 
 from jaxkv.benchmarks.vllm_manager import PeerError, VllmManager, vllm_available
-from jaxkv.manager import KVCacheManager
+from jaxkv.core.manager import KVCacheManager
 from jaxkv.planner import plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.simulator import Simulator, synthetic_trace

@@ -1,4 +1,4 @@
-"""jaxkv.cache: allocation in both layouts, the pytree, in-place donation, sharding."""
+"""jaxkv.device.cache: allocation in both layouts, the pytree, in-place donation, sharding."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from jaxkv import ops
-from jaxkv.cache import (
+from jaxkv.device.cache import (
     KVCache,
     KVCacheShardingError,
     UnknownLayerError,
     UnsupportedLayoutError,
     allocate_kv_cache,
 )
-from jaxkv.metadata import attention_metadata
+from jaxkv.device.metadata import attention_metadata
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, MLASpec, SlidingWindowSpec
@@ -205,8 +205,8 @@ def test_heads_are_split_whole_across_devices():
         """
         import jax, jax.numpy as jnp, numpy as np
         from jaxkv import ops
-        from jaxkv.cache import allocate_kv_cache, KVCacheShardingError
-        from jaxkv.metadata import attention_metadata
+        from jaxkv.device.cache import allocate_kv_cache, KVCacheShardingError
+        from jaxkv.device.metadata import attention_metadata
         from jaxkv.planner import KVCacheConfig, KVCacheGroup
         from jaxkv.specs import FullAttentionSpec
         spec = FullAttentionSpec(num_kv_heads=2, head_size=8, dtype="float32")

@@ -10,7 +10,7 @@ import pytest
 from absl import flags
 from script_runs import REPO, run_script
 
-from jaxkv import cli
+from jaxkv.commands import cli
 
 SCRIPTS = sorted(path.name for path in (REPO / "scripts").glob("*.py"))
 
@@ -100,4 +100,4 @@ def test_the_installed_console_scripts_answer_help_and_refuse_in_one_line(comman
     assert helped.returncode == 0 and "--memory" in helped.stdout, helped.stderr[-2000:]
     refused = subprocess.run([path, "--memory=x"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2
-    assert refused.stderr.splitlines()[-1].startswith(("jaxkv.plan: error: ", f"{command}: error: "))
+    assert refused.stderr.splitlines()[-1].startswith(("jaxkv.commands.plan: error: ", f"{command}: error: "))

@@ -19,7 +19,7 @@ import sys
 import pytest
 from script_runs import REPO, repo_env
 
-from jaxkv.cli import with_cpu_device_count
+from jaxkv.cluster.launcher import with_cpu_device_count
 
 TIMEOUT_S = 240
 

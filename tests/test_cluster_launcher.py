@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from jaxkv.cluster.launcher import LaunchError, ProcessRole, launch
+from jaxkv.cluster.launcher import LaunchError, ProcessRole, launch, with_cpu_device_count
 
 
 def python(code: str) -> list[str]:
@@ -73,3 +73,9 @@ def test_roles_come_only_from_a_launch_and_malformed_ones_are_refused():
 def test_a_bad_launch_is_refused_before_anything_starts(args, kwargs, needle):
     with pytest.raises(LaunchError, match=needle):
         launch(*args, **kwargs)
+
+
+def test_the_device_count_replaces_an_earlier_one_and_keeps_other_flags():
+    assert with_cpu_device_count("--a=1 --xla_force_host_platform_device_count=2 --b", 8) == (
+        "--a=1 --b --xla_force_host_platform_device_count=8"
+    )

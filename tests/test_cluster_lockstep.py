@@ -13,7 +13,7 @@ from jaxkv.cluster.lockstep import (
     LockstepTimeoutError,
     step_digest,
 )
-from jaxkv.manager import Request
+from jaxkv.core.manager import Request
 from jaxkv.serving.scheduler import ScheduledChunk, SchedulerOutput, SeqState
 
 

@@ -3,10 +3,10 @@
 import pytest
 from kv_configs import FULL, admit, make_config, window
 
-from jaxkv.coordinator import CoordinatorError, KVCacheCoordinator
-from jaxkv.manager import KVCacheManager, Request
+from jaxkv.core.coordinator import CoordinatorError, KVCacheCoordinator
+from jaxkv.core.manager import KVCacheManager, Request
+from jaxkv.core.pool import AllBlocksCleared, BlockStored
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanError, SharedStates, plan_kv_cache
-from jaxkv.pool import AllBlocksCleared, BlockStored
 from jaxkv.presets import get_preset
 from jaxkv.specs import MambaSpec
 

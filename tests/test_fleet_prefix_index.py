@@ -10,13 +10,13 @@ zmq = pytest.importorskip("zmq")
 
 from vllm_event_schema import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
+from jaxkv.device.metadata import Buckets  # noqa: E402
 from jaxkv.fleet.prefix_index import (  # noqa: E402
     EventGapError,
     KVEventSubscriber,
     PrefixIndex,
     ReplayTimeoutError,
 )
-from jaxkv.metadata import Buckets  # noqa: E402
 from jaxkv.serving.engine import Engine, StepProgress  # noqa: E402
 from jaxkv.serving.kv_events import (  # noqa: E402
     KVEventPublisher,

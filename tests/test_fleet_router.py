@@ -12,6 +12,7 @@ zmq = pytest.importorskip("zmq")
 
 from thread_replicas import ThreadReplica  # noqa: E402
 
+from jaxkv.core.hashing import BlockHasher, ExtraKeys  # noqa: E402
 from jaxkv.fleet.protocol import (  # noqa: E402
     CancelRequest,
     GenerateResult,
@@ -21,7 +22,6 @@ from jaxkv.fleet.protocol import (  # noqa: E402
     max_request_bytes,
 )
 from jaxkv.fleet.router import NoLiveReplicaError, Router, RouterError, pick_replica, queue_tokens  # noqa: E402
-from jaxkv.hashing import BlockHasher, ExtraKeys  # noqa: E402
 from jaxkv.serving.engine import CacheAudit  # noqa: E402
 from jaxkv.serving.kv_events import WireBlockStored, external_hash  # noqa: E402
 from jaxkv.serving.zmq_security import CurveKeys, SecureContext  # noqa: E402

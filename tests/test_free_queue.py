@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv.free_queue import FreeBlockQueue
+from jaxkv.core.free_queue import FreeBlockQueue
 
 
 def test_blocks_leave_in_the_order_they_came():

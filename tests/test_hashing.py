@@ -1,4 +1,4 @@
-"""Tests of jaxkv.hashing: chained block hashes, extra keys, serialization, errors."""
+"""Tests of jaxkv.core.hashing: chained block hashes, extra keys, serialization, errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv.hashing import (
+from jaxkv.core.hashing import (
     HASH_ALGORITHMS,
     NO_EXTRA_KEYS,
     ROOT_DOMAIN,

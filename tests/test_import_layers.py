@@ -1,5 +1,6 @@
-"""Imports run one way (DESIGN.md): host core -> device side -> offload -> models -> serving
--> cluster, fleet; ``cli`` beside the host core. The host core imports no JAX."""
+"""Imports run one way (DESIGN.md): shared (errors, specs, presets, planner) -> core (the
+host-side manager) -> device, pallas -> offload -> models -> serving -> cluster, fleet ->
+benchmarks, commands. The shared modules and the core import no JAX."""
 
 import ast
 import pathlib
@@ -10,45 +11,32 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxkv"
 
-HOST_CORE = [
-    "errors",
-    "ints",
-    "specs",
-    "presets",
-    "planner",
-    "hashing",
-    "prompt_digests",
-    "free_queue",
-    "pool",
-    "single_type",
-    "coordinator",
-    "manager_errors",
-    "request",
-    "kv_cache_blocks",
-    "request_checks",
-    "state_checkpoints",
-    "manager",
-    "state_retention",
-    "cli",
-    "plan",
-]
-DEVICE_SIDE = ["jax_support", "cache", "state_pages", "state_cache", "metadata", "ops", "mesh", "pallas"]
+SHARED = ["errors", "ints", "specs", "presets", "planner"]
+"""The modules the package root keeps: what the host core and the device side both use."""
 
 # The layer of each top-level name under jaxkv; a module may import its own layer and below.
 LAYERS = {
-    **dict.fromkeys(HOST_CORE, 0),
-    **dict.fromkeys(DEVICE_SIDE, 1),
-    "offload": 2,
-    "models": 3,
-    "serving": 4,
-    "cluster": 5,
-    "fleet": 5,
-    "benchmarks": 6,
-    "commands": 6,
+    **dict.fromkeys(SHARED, 0),
+    "core": 1,
+    "device": 2,
+    "pallas": 2,
+    "offload": 3,
+    "models": 4,
+    "serving": 5,
+    "cluster": 6,
+    "fleet": 6,
+    "benchmarks": 7,
+    "commands": 7,
 }
 
+HOST_CORE = [f"jaxkv.core.{path.stem}" for path in sorted((PACKAGE / "core").glob("*.py")) if path.stem != "__init__"]
+
 HOST_MODULES = [
-    *(f"jaxkv.{name}" for name in HOST_CORE),
+    *(f"jaxkv.{name}" for name in SHARED),
+    "jaxkv.core",
+    *HOST_CORE,
+    "jaxkv.commands.cli",
+    "jaxkv.commands.plan",
     "jaxkv.offload",
     "jaxkv.offload.catalog",
     "jaxkv.offload.policies",
@@ -102,6 +90,10 @@ def test_every_module_has_a_layer():
     assert {name for _, name in every_module()} <= set(LAYERS)
 
 
+def test_the_root_keeps_only_the_shared_modules():
+    assert sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__") == sorted(SHARED)
+
+
 @pytest.mark.parametrize("path,name", list(every_module()), ids=lambda v: str(v).split("jaxkv/")[-1])
 def test_imports_run_one_way(path, name):
     above = {m for m in imported_jaxkv_modules(path) if m != "jaxkv" and LAYERS[top_level(m)] > LAYERS[name]}
@@ -141,13 +133,13 @@ def test_the_public_names_come_from_jaxkv_and_only_the_device_ones_load_jax():
         "host = [jaxkv.KVCacheManager, jaxkv.Request, jaxkv.plan_kv_cache, jaxkv.get_preset, jaxkv.JaxkvError]\n"
         "print(jax() == [])\n"
         "print(all(getattr(jaxkv, name) is not None for name in jaxkv.__all__), 'jax' in jax())\n"
-        "print(jaxkv.ops.paged_attention.__module__, jaxkv.Engine.__module__)\n"
+        "print(jaxkv.device.ops.paged_attention.__module__, jaxkv.Engine.__module__)\n"
         "try:\n    jaxkv.Engin\nexcept AttributeError as err:\n    print(err)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == [
         "True",
         "True True",
-        "jaxkv.ops jaxkv.serving.engine",
+        "jaxkv.device.ops jaxkv.serving.engine",
         "module 'jaxkv' has no attribute 'Engin'",
     ]

@@ -5,9 +5,9 @@ import tomllib
 
 import pytest
 
-from jaxkv import jax_support
+from jaxkv.device import jax_support
+from jaxkv.device.jax_support import UnsupportedJaxError, check_jax_version, release
 from jaxkv.errors import JaxkvError
-from jaxkv.jax_support import UnsupportedJaxError, check_jax_version, release
 
 PYPROJECT = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
 

@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_configs import FULL, admit, make_config, make_manager, window
 
-from jaxkv.errors import JaxkvError, WrongThreadError
-from jaxkv.manager import (
+from jaxkv.core.manager import (
     DuplicateRequestError,
     InvalidCacheHitError,
     KVCacheBlocks,
@@ -21,8 +20,9 @@ from jaxkv.manager import (
     StaleCacheHitError,
     UnknownRequestError,
 )
+from jaxkv.core.pool import BlockRemoved, BlockStored
+from jaxkv.errors import JaxkvError, WrongThreadError
 from jaxkv.planner import StatePool
-from jaxkv.pool import BlockRemoved, BlockStored
 from jaxkv.specs import MambaSpec
 
 

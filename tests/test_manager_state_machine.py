@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kv_configs import FULL, window
 
-from jaxkv.coordinator import RETENTION_RULES
-from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request
+from jaxkv.core.coordinator import RETENTION_RULES
+from jaxkv.core.manager import KVCacheManager, KVCacheManagerError, Request
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePool
 from jaxkv.specs import ChunkedLocalAttentionSpec, MambaSpec
 

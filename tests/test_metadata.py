@@ -1,4 +1,4 @@
-"""jaxkv.metadata: step metadata from scheduled sequences and manager block ids."""
+"""jaxkv.device.metadata: step metadata from scheduled sequences and manager block ids."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxkv import ops
-from jaxkv.cache import UnknownLayerError, allocate_kv_cache
-from jaxkv.metadata import (
+from jaxkv.device.cache import UnknownLayerError, allocate_kv_cache
+from jaxkv.device.metadata import (
     BlockIdError,
     BucketOverflowError,
     Buckets,

@@ -11,7 +11,7 @@ from hf_checkpoints import save_tiny_checkpoint
 from jax.sharding import PartitionSpec
 from script_runs import run_script
 
-from jaxkv.mesh import MODEL_AXIS, model_mesh
+from jaxkv.device.mesh import MODEL_AXIS, model_mesh
 from jaxkv.models.checkpoint import (
     CheckpointError,
     MissingTensorError,

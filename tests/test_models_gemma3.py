@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hf_checkpoints import DENSE_ATOL, ENGINE_ATOL, WINDOW, dense_difference, host_tier, serve_against_transformers
 
-from jaxkv.mesh import model_mesh
+from jaxkv.device.mesh import model_mesh
 from jaxkv.models.gemma3 import Gemma3
 from jaxkv.models.layers import UnsupportedConfigError
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec

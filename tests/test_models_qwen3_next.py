@@ -7,7 +7,7 @@ import pytest
 from hf_checkpoints import ENGINE_ATOL, dense_difference, serve_against_transformers
 from hf_host_tier import serve_through_host
 
-from jaxkv.mesh import model_mesh
+from jaxkv.device.mesh import model_mesh
 from jaxkv.models.checkpoint import load_pretrained
 from jaxkv.models.layers import UnsupportedConfigError
 from jaxkv.models.qwen3_next import Qwen3Next

@@ -7,10 +7,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.cache import allocate_kv_cache
-from jaxkv.manager import KVCacheManager, Request
-from jaxkv.mesh import MODEL_AXIS
-from jaxkv.metadata import Buckets, ScheduledSeq, build_step_metadata
+from jaxkv.core.manager import KVCacheManager, Request
+from jaxkv.device.cache import allocate_kv_cache
+from jaxkv.device.mesh import MODEL_AXIS
+from jaxkv.device.metadata import Buckets, ScheduledSeq, build_step_metadata
 from jaxkv.models.protocol import ServedModel
 from jaxkv.models.tiny import (
     MODEL_CONFIGS,

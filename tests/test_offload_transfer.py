@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxkv import ops
-from jaxkv.cache import allocate_kv_cache
+from jaxkv.device.cache import allocate_kv_cache
+from jaxkv.device.state_cache import allocate_state_cache, gather_rows, row_nbytes, scatter_rows, write_states
 from jaxkv.errors import WrongThreadError
 from jaxkv.offload.host_buffers import ROWS_PER_CALL, HostKVBuffers, block_nbytes, block_shape
 from jaxkv.offload.transfer import (
@@ -19,7 +20,6 @@ from jaxkv.offload.transfer import (
 )
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePool
 from jaxkv.specs import FullAttentionSpec, MambaSpec
-from jaxkv.state_cache import allocate_state_cache, gather_rows, row_nbytes, scatter_rows, write_states
 
 NUM_BLOCKS = 12
 HOST_BLOCKS = 10

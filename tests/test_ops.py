@@ -1,4 +1,4 @@
-"""jaxkv.ops: dispatch by backend and override, ops on KVCache objects, the xla_gpu
+"""jaxkv.device.ops: dispatch by backend and override, ops on KVCache objects, the xla_gpu
 attention (jaxkv.pallas.xla) against the reference, NaN in unread cache positions for
 every implementation, and heads zero-padded to a tile-aligned cache."""
 
@@ -16,8 +16,8 @@ import pytest
 from paged_batches import ragged_metadata
 
 from jaxkv import ops
-from jaxkv.cache import KVCache, UnknownLayerError, allocate_kv_cache
-from jaxkv.metadata import attention_metadata
+from jaxkv.device.cache import KVCache, UnknownLayerError, allocate_kv_cache
+from jaxkv.device.metadata import attention_metadata
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import xla
 from jaxkv.pallas.reference import KVShapeError

@@ -289,7 +289,7 @@ def test_paged_attention_no_races_eager_dmas(rng):
 
 
 def test_paged_attention_under_jit(rng):
-    """Static args stay static under an outer jit (how jaxkv.ops calls it)."""
+    """Static args stay static under an outer jit (how jaxkv.device.ops calls it)."""
     seqs = random_seqs(rng, 2, 1, 10)
     batch = make_batch(
         rng, seqs, max_seqs=4, block_size=4, num_kv_heads=1, num_queries_per_kv=2, head_dim=8, dtype=jnp.float32

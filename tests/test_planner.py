@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv.cli import SizeError, parse_size
+from jaxkv.commands.cli import SizeError, parse_size
 from jaxkv.planner import (
     TPU_HEAD_DIM_MULTIPLE,
     BlockPages,
@@ -461,7 +461,7 @@ def test_parse_size_reads_binary_and_decimal_units():
 
 def run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "jaxkv.plan", *args],
+        [sys.executable, "-m", "jaxkv.commands.plan", *args],
         capture_output=True,
         text=True,
         timeout=60,

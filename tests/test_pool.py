@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv.pool import AllBlocksCleared, BlockPool, BlockPoolError, BlockRemoved, BlockStored
+from jaxkv.core.pool import AllBlocksCleared, BlockPool, BlockPoolError, BlockRemoved, BlockStored
 
 
 def h(i: int) -> bytes:

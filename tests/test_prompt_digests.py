@@ -7,8 +7,8 @@ from array import array
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv.hashing import NO_EXTRA_KEYS, BlockHasher, ExtraKeys, int32_le_bytes
-from jaxkv.prompt_digests import PromptDigests
+from jaxkv.core.hashing import NO_EXTRA_KEYS, BlockHasher, ExtraKeys, int32_le_bytes
+from jaxkv.core.prompt_digests import PromptDigests
 
 BS = 4
 BLOCK_BYTES = 4 * BS

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from jaxkv.hashing import BlockHasher, ExtraKeys
-from jaxkv.manager_errors import KVCacheManagerError
-from jaxkv.request import Request, token_id_list
+from jaxkv.core.hashing import BlockHasher, ExtraKeys
+from jaxkv.core.manager_errors import KVCacheManagerError
+from jaxkv.core.request import Request, token_id_list
 
 
 def test_bad_requests_are_named():

@@ -4,20 +4,20 @@ the offending value."""
 import pytest
 from kv_configs import FULL, make_manager, window
 
-from jaxkv.kv_cache_blocks import KVCacheBlocks
-from jaxkv.manager_errors import (
+from jaxkv.core.kv_cache_blocks import KVCacheBlocks
+from jaxkv.core.manager_errors import (
     DuplicateRequestError,
     InvalidCacheHitError,
     KVCacheManagerError,
     StaleCacheHitError,
 )
-from jaxkv.request import Request
-from jaxkv.request_checks import check_counts, check_external, check_hit, check_new_request, check_request
+from jaxkv.core.request import Request
+from jaxkv.core.request_checks import check_counts, check_external, check_hit, check_new_request, check_request
 
 
 def test_only_a_request_passes():
     check_request(Request("a", [5, 6]))
-    with pytest.raises(KVCacheManagerError, match=r"expected a jaxkv.manager.Request, got \('a', \[5, 6\]\)"):
+    with pytest.raises(KVCacheManagerError, match=r"expected a jaxkv.core.manager.Request, got \('a', \[5, 6\]\)"):
         check_request(("a", [5, 6]))
 
 

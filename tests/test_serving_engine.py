@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxkv import ops
-from jaxkv.metadata import Buckets
+from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, plan_kv_cache
 from jaxkv.serving.engine import (

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import pytest
 
+from jaxkv.device.metadata import Buckets
 from jaxkv.errors import WrongThreadError
-from jaxkv.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
 from jaxkv.planner import KVCacheConfig, plan_kv_cache
 from jaxkv.serving.engine import Engine, EngineError

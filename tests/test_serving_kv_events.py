@@ -13,9 +13,9 @@ zmq = pytest.importorskip("zmq")
 
 from vllm_event_schema import BlockStored, KVEventBatch  # noqa: E402
 
-from jaxkv import pool  # noqa: E402
-from jaxkv.manager import Request  # noqa: E402
-from jaxkv.metadata import Buckets  # noqa: E402
+from jaxkv.core import pool  # noqa: E402
+from jaxkv.core.manager import Request  # noqa: E402
+from jaxkv.device.metadata import Buckets  # noqa: E402
 from jaxkv.offload.catalog import KeysRemoved, KeysStored  # noqa: E402
 from jaxkv.serving.engine import Engine  # noqa: E402
 from jaxkv.serving.kv_events import (  # noqa: E402
@@ -257,7 +257,7 @@ def test_a_closed_publisher_refuses_to_publish():
 @pytest.mark.subprocess
 def test_jaxkv_imports_without_the_events_extra():
     code = (
-        "import sys, jaxkv, jaxkv.manager, jaxkv.serving.engine\n"
+        "import sys, jaxkv, jaxkv.core.manager, jaxkv.serving.engine\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('zmq', 'msgspec')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -4,7 +4,7 @@ tolerance up to each request's first divergence; runs that cannot be compared re
 import numpy as np
 import pytest
 
-from jaxkv.metadata import Buckets
+from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.engine import Engine, RequestOutput

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxkv.cache import KVCacheShardingError
-from jaxkv.mesh import MeshError, model_mesh
-from jaxkv.metadata import Buckets
+from jaxkv.device.cache import KVCacheShardingError
+from jaxkv.device.mesh import MeshError, model_mesh
+from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.offload.transfer import TransferEngine
 from jaxkv.planner import TensorParallelError, plan_kv_cache

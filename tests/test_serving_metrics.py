@@ -7,8 +7,8 @@ import numpy as np
 import prometheus_client
 import pytest
 
+from jaxkv.device.metadata import Buckets
 from jaxkv.errors import JaxkvError
-from jaxkv.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.engine import Engine

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.manager import Request
-from jaxkv.metadata import Buckets
+from jaxkv.core.manager import Request
+from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
 from jaxkv.offload.transfer import TransferEngine
 from jaxkv.planner import plan_kv_cache

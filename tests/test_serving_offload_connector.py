@@ -3,7 +3,7 @@
 import pytest
 from kv_configs import FULL, make_manager, window
 
-from jaxkv.manager import KVCacheManagerError, Request
+from jaxkv.core.manager import KVCacheManagerError, Request
 from jaxkv.offload.catalog import PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.serving.offload_connector import ConnectorError, OffloadConfig, OffloadConnector

@@ -6,14 +6,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkv.manager import KVCacheManager, Request
-from jaxkv.mesh import model_mesh
-from jaxkv.metadata import Buckets
+from jaxkv.core.manager import KVCacheManager, Request
+from jaxkv.device.mesh import model_mesh
+from jaxkv.device.metadata import Buckets
+from jaxkv.device.state_pages import SharedPagesError
 from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.planner import plan_kv_cache
 from jaxkv.serving.runner import ModelRunner, RunnerError, default_buckets
 from jaxkv.serving.scheduler import Scheduler
-from jaxkv.state_pages import SharedPagesError
 
 BUCKETS = Buckets((4, 64), (4,), (16,))
 

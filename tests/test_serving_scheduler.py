@@ -6,7 +6,7 @@ import logging
 import pytest
 from kv_configs import FULL, make_config, make_manager, window
 
-from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request
+from jaxkv.core.manager import KVCacheManager, KVCacheManagerError, Request
 from jaxkv.planner import StatePool
 from jaxkv.serving.scheduler import (
     DuplicateRequestIdError,

@@ -3,7 +3,7 @@
 Bad input is one line ``<script>: error: ...`` on stderr with exit status 2 and no
 traceback. Those runs stop before any model is built, so they run side by side (each
 pays only for importing JAX, ~4 s of CPU); the other refusals (flag parsing, sizes) are
-the shared helpers of jaxkv.plan, tested in-process in test_plan_cli.py. The whole file
+the shared helpers of jaxkv.commands.plan, tested in-process in test_plan_cli.py. The whole file
 takes about 40 s on 2 CPU cores (the two end-to-end runs, ~10 s and ~15 s, most of it).
 """
 

@@ -8,8 +8,8 @@ import pytest
 from kv_configs import FULL, make_manager
 from script_runs import run_script
 
+from jaxkv.core.manager import KVCacheManager
 from jaxkv.errors import JaxkvError
-from jaxkv.manager import KVCacheManager
 from jaxkv.planner import plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.simulator import (

@@ -3,8 +3,8 @@
 import pytest
 from kv_configs import FULL, admit, make_manager, window
 
-from jaxkv.manager import Request
-from jaxkv.single_type import (
+from jaxkv.core.manager import Request
+from jaxkv.core.single_type import (
     ChunkedLocalAttentionManager,
     FullAttentionManager,
     MambaManager,

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from jaxkv import ops
-from jaxkv.cache import UnknownLayerError
+from jaxkv.device.cache import UnknownLayerError
+from jaxkv.device.state_cache import StateCacheError, allocate_state_cache, num_state_rows, read_states, write_states
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePool, plan_kv_cache
 from jaxkv.specs import FullAttentionSpec, MambaSpec
-from jaxkv.state_cache import StateCacheError, allocate_state_cache, num_state_rows, read_states, write_states
 
 ATTENTION = KVCacheGroup(("attn",), FullAttentionSpec(num_kv_heads=1, head_size=8), 16)
 GDN = MambaSpec(shapes=((6, 3), (2, 4, 4)), dtypes=("bfloat16", "float32"), mamba_type="gated_delta_net")

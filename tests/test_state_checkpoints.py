@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 from kv_configs import FULL, make_config
 
-from jaxkv.manager_errors import KVCacheManagerError
+from jaxkv.core.manager_errors import KVCacheManagerError
+from jaxkv.core.state_checkpoints import AlignedChunks, CheckpointPolicy
 from jaxkv.planner import StatePool
 from jaxkv.specs import MambaSpec
-from jaxkv.state_checkpoints import AlignedChunks, CheckpointPolicy
 
 STATE = MambaSpec(shapes=((2, 2),), dtypes=("float32",))
 WITH_STATES = dataclasses.replace(make_config(64, FULL, STATE), state_pool=StatePool(num_states=8))

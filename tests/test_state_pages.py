@@ -10,12 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv.cache import UnknownLayerError, allocate_kv_cache
-from jaxkv.mesh import model_mesh
-from jaxkv.planner import KVCacheConfig, SharedStates, StatePool, plan_kv_cache
-from jaxkv.specs import FullAttentionSpec, MambaSpec
-from jaxkv.state_cache import allocate_state_cache, read_states, write_states
-from jaxkv.state_pages import (
+from jaxkv.device.cache import UnknownLayerError, allocate_kv_cache
+from jaxkv.device.mesh import model_mesh
+from jaxkv.device.state_cache import allocate_state_cache, read_states, write_states
+from jaxkv.device.state_pages import (
     SharedPagesError,
     StateUnits,
     check_mesh,
@@ -25,6 +23,8 @@ from jaxkv.state_pages import (
     state_pages,
     write_unit_states,
 )
+from jaxkv.planner import KVCacheConfig, SharedStates, StatePool, plan_kv_cache
+from jaxkv.specs import FullAttentionSpec, MambaSpec
 
 SPECS = {
     "attn0": FullAttentionSpec(num_kv_heads=1, head_size=8),

@@ -1,7 +1,7 @@
 """CheckpointRetention: data that can no longer complete a hybrid hit is evicted first."""
 
-from jaxkv.pool import BlockPool
-from jaxkv.state_retention import CheckpointRetention
+from jaxkv.core.pool import BlockPool
+from jaxkv.core.state_retention import CheckpointRetention
 
 ATTENTION, STATE = 0, 1
 

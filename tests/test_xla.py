@@ -1,6 +1,6 @@
 """jaxkv.pallas.xla's writes and block copies (scatters declared in-bounds with unique
 indices) against the reference, in both layouts, with padding into the null block; and
-jaxkv.ops dispatching to them for xla_gpu. The XLA attention is tested in test_ops.py."""
+jaxkv.device.ops dispatching to them for xla_gpu. The XLA attention is tested in test_ops.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxkv import ops
-from jaxkv.cache import KVCache, allocate_kv_cache
-from jaxkv.metadata import attention_metadata
+from jaxkv.device.cache import KVCache, allocate_kv_cache
+from jaxkv.device.metadata import attention_metadata
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import xla
 from jaxkv.pallas.reference import KVShapeError

@@ -27,8 +27,8 @@ import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from jaxkv.core.manager import PrefixCacheStats, Request
 from jaxkv.errors import JaxkvError
-from jaxkv.manager import PrefixCacheStats, Request
 from jaxkv.planner import KVCacheConfig
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 

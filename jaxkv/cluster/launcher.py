@@ -16,6 +16,7 @@ Host only (no JAX): the copies join the cluster themselves
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -24,9 +25,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from jaxkv.cli import with_cpu_device_count
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
+
+CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_cpu_device_count(xla_flags: str, count: int) -> str:
+    """``xla_flags`` asking XLA for ``count`` host-platform devices (an earlier count replaced)."""
+    kept = re.sub(rf"{CPU_DEVICE_COUNT_FLAG}=\S*", "", xla_flags).split()
+    return " ".join([*kept, f"{CPU_DEVICE_COUNT_FLAG}={count}"])
+
 
 ENV_COORDINATOR = "JAXKV_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXKV_NUM_PROCESSES"

@@ -28,7 +28,7 @@ outputs are printed decoded too and ``--prompt`` gives text prompts (repeat the 
 without ``--prompt`` the prompts are token ids with shared prefixes, as for a tiny model.
 
 ``--num_devices N`` runs the model tensor-parallel on a mesh of N devices (KV heads and
-weights split, :mod:`jaxkv.mesh`); on CPU the script asks XLA for N host devices
+weights split, :mod:`jaxkv.device.mesh`); on CPU the script asks XLA for N host devices
 before JAX starts (unless ``XLA_FLAGS`` already sets a count). The model's KV heads must
 split evenly over the mesh (the ``-kv8`` tiny models have 8).
 
@@ -41,7 +41,7 @@ and a lockstep check (:mod:`jaxkv.cluster.lockstep`) compares their decisions be
 every step; a process that fails (a lockstep mismatch included) stops them all with
 its exit status.
 
-Paged attention runs with jaxkv.ops' XLA formulation by default (``--impl xla_gpu``: plain
+Paged attention runs with jaxkv.device.ops' XLA formulation by default (``--impl xla_gpu``: plain
 XLA, fast on CPU as well); ``--impl reference`` uses the jnp oracle.
 
 Bad input prints one line ``serve.py: error: ...`` on stderr and exits with status 2:
@@ -61,15 +61,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxkv.cli import request_cpu_devices
+from jaxkv.commands.cli import request_cpu_devices
 
 request_cpu_devices(sys.argv)  # before JAX starts: its CPU backend's device count
 
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from jaxkv import ops  # noqa: E402
-from jaxkv.cli import (  # noqa: E402
+from jaxkv.cluster import distributed  # noqa: E402
+from jaxkv.cluster.launcher import ProcessRole, launch  # noqa: E402
+from jaxkv.cluster.lockstep import LockstepCheck  # noqa: E402
+from jaxkv.commands.cli import (  # noqa: E402
     check_fits_device,
     define_state_flags,
     exit_error,
@@ -77,11 +79,9 @@ from jaxkv.cli import (  # noqa: E402
     is_int_range,
     parse_size,
 )
-from jaxkv.cluster import distributed  # noqa: E402
-from jaxkv.cluster.launcher import ProcessRole, launch  # noqa: E402
-from jaxkv.cluster.lockstep import LockstepCheck  # noqa: E402
+from jaxkv.device import ops  # noqa: E402
+from jaxkv.device.mesh import model_mesh  # noqa: E402
 from jaxkv.errors import JaxkvError  # noqa: E402
-from jaxkv.mesh import model_mesh  # noqa: E402
 from jaxkv.models.checkpoint import read_config  # noqa: E402
 from jaxkv.models.loading import load_model  # noqa: E402
 from jaxkv.models.tiny import (  # noqa: E402
@@ -127,7 +127,7 @@ flags.DEFINE_integer(
     lower_bound=1,
 )
 flags.DEFINE_boolean("prefix_caching", True, "reuse cached prefix blocks (--noprefix_caching: off)")
-flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.ops implementation")
+flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.device.ops implementation")
 flags.DEFINE_integer("progress_every", 10, "print a progress line every N steps", lower_bound=1)
 flags.DEFINE_boolean(
     "verify", True, "check the tokens against the dense (unpaged) forward (float32 models: bf16 ties may flip)"
@@ -291,7 +291,7 @@ def serve() -> dict:
     backend = jax.default_backend()
     devices = f" x {num_devices} devices" if mesh is not None else ""
     print(
-        f"{model_name} ({model_dtype}), {FLAGS.memory}, jaxkv.ops implementation "
+        f"{model_name} ({model_dtype}), {FLAGS.memory}, jaxkv.device.ops implementation "
         f"{ops.get_implementation()!r} on JAX's {backend} backend{devices}:"
     )
     print(config.summary())

@@ -34,10 +34,10 @@ from pathlib import Path
 
 from absl import app, flags
 
-from jaxkv.cli import exit_error, flags_parser, is_int_range, parse_size, pyplot, save_figure
+from jaxkv.commands.cli import exit_error, flags_parser, is_int_range, parse_size, pyplot, save_figure
+from jaxkv.core.hashing import HASH_ALGORITHMS
+from jaxkv.core.manager import KVCacheManager
 from jaxkv.errors import JaxkvError
-from jaxkv.hashing import HASH_ALGORITHMS
-from jaxkv.manager import KVCacheManager
 from jaxkv.planner import KVCacheConfig, plan_kv_cache
 from jaxkv.presets import get_preset, list_presets
 from jaxkv.serving.simulator import (

@@ -4,7 +4,7 @@ KV events they publish.
 The :class:`Router` follows every replica's KV events into one
 :class:`~jaxkv.fleet.prefix_index.PrefixIndex` (a
 :class:`~jaxkv.fleet.prefix_index.KVEventSubscriber` per replica) and hashes each
-prompt as the replicas' engines do (:class:`~jaxkv.hashing.BlockHasher` at the plan's
+prompt as the replicas' engines do (:class:`~jaxkv.core.hashing.BlockHasher` at the plan's
 hash block size, the cache salt in the first block, each hash's low 64 bits as
 published), so it knows how many leading tokens of the prompt each replica caches, on
 device or host.
@@ -65,6 +65,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from jaxkv.core.hashing import BlockHasher, ExtraKeys
 from jaxkv.errors import JaxkvError
 from jaxkv.fleet.prefix_index import EventGapError, KVEventSubscriber, PrefixIndex, ReplayTimeoutError
 from jaxkv.fleet.protocol import (
@@ -78,7 +79,6 @@ from jaxkv.fleet.protocol import (
     ResetPrefixCache,
     ToReplica,
 )
-from jaxkv.hashing import BlockHasher, ExtraKeys
 from jaxkv.ints import is_int
 from jaxkv.serving.kv_events import ExternalBlockHash, external_hash
 from jaxkv.serving.zmq_security import CurveKeys, SecureContext

@@ -9,7 +9,7 @@ error naming it, and nothing is loaded). Weights are cast to ``dtype`` (None: th
 checkpoint's own, that of its embedding table).
 
 With a mesh, each weight is placed straight onto its sharding (the model's
-:meth:`partition_specs`, :data:`jaxkv.mesh.MODEL_AXIS` renamed to ``model_axis``):
+:meth:`partition_specs`, :data:`jaxkv.device.mesh.MODEL_AXIS` renamed to ``model_axis``):
 every device's shard is read from the file as its own slice
 (``safe_open(...).get_slice``, :func:`jax.make_array_from_callback`), so no device
 ever holds a whole split weight. A local path only: nothing is downloaded.
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxkv.device.mesh import MODEL_AXIS, mesh_axis_size, weight_shardings
 from jaxkv.errors import JaxkvError
-from jaxkv.mesh import MODEL_AXIS, mesh_axis_size, weight_shardings
 from jaxkv.models import registry
 from jaxkv.specs import canonical_dtype
 

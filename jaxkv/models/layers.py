@@ -1,5 +1,5 @@
 """Pure-JAX pieces the checkpoint architectures share: norms, rotary embeddings, projections,
-gated MLPs and attention (dense, or paged through :mod:`jaxkv.ops`).
+gated MLPs and attention (dense, or paged through :mod:`jaxkv.device.ops`).
 
 Weights are plain arrays in the checkpoint's own layout (a projection's weight is
 ``(out, in)``, as Hugging Face stores it); every function is pure. Float32 models

@@ -6,8 +6,8 @@ tensor names (``model.layers.0.self_attn.q_proj.weight``...), so loading is a ta
 forwards over the same weights:
 
 - :meth:`Llama.forward`: one step over a ragged batch against the paged KV cache, each
-  layer writing its K/V with :func:`jaxkv.ops.write_kv` and attending with
-  :func:`jaxkv.ops.paged_attention` (the window comes from the cache's spec of the layer);
+  layer writing its K/V with :func:`jaxkv.device.ops.write_kv` and attending with
+  :func:`jaxkv.device.ops.paged_attention` (the window comes from the cache's spec of the layer);
 - :meth:`Llama.dense`: whole sequences without a cache, the oracle of the paged path.
 
 Layer ``i`` holds cache under the name ``model.layers.<i>``. A layer listed as
@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxkv import ops
-from jaxkv.cache import KVCache
-from jaxkv.mesh import MODEL_AXIS
-from jaxkv.metadata import StepMetadata
+from jaxkv.device import ops
+from jaxkv.device.cache import KVCache
+from jaxkv.device.mesh import MODEL_AXIS
+from jaxkv.device.metadata import StepMetadata
 from jaxkv.models import layers
 from jaxkv.models.layers import AttentionShape, Rope, UnsupportedConfigError
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec

@@ -20,7 +20,7 @@ Two forms of the recurrence:
 - :func:`dense_mixer`: whole sequences from zero state (the oracle);
 - :func:`ragged_mixer`: a serving step's packed tokens of several sequences (decodes
   first, then prefill chunks), each resuming from its own conv and SSM state (its
-  rows in a :class:`~jaxkv.state_cache.StateCache`) and returning the states after its
+  rows in a :class:`~jaxkv.device.state_cache.StateCache`) and returning the states after its
   last token; a scan over the packed tokens (the form a CPU runs best; a chunked SSD
   form is not built).
 """

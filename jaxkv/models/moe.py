@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxkv.mesh import MODEL_AXIS
+from jaxkv.device.mesh import MODEL_AXIS
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _EXPERT_SPLIT = {"gate_proj": 2, "up_proj": 2, "down_proj": 1}

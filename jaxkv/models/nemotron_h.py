@@ -32,15 +32,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxkv import ops
-from jaxkv.cache import KVCache
-from jaxkv.metadata import StepMetadata
+from jaxkv.device import ops
+from jaxkv.device.cache import KVCache
+from jaxkv.device.metadata import StepMetadata
+from jaxkv.device.state_cache import HybridCache, read_layer_state, write_layer_state
 from jaxkv.models import layers, mamba2, moe
 from jaxkv.models.delta_net import seq_of_token
 from jaxkv.models.layers import AttentionShape, UnsupportedConfigError
 from jaxkv.models.llama import COLUMN, REPLICATED, ROW, Params
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
-from jaxkv.state_cache import HybridCache, read_layer_state, write_layer_state
 
 Mixer = Callable[[int, jax.Array], jax.Array]
 """``mix(block_index, normed_x) -> out``: a block's Mamba-2 or attention mixer, dense or against the cache."""

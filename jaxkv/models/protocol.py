@@ -4,14 +4,14 @@ A model is a guest of the engine. It declares the layers that hold cache (names 
 :class:`~jaxkv.specs.KVCacheSpec`), its weights as a pytree, where the weights split
 over a tensor-parallel mesh, and one forward step over a ragged batch against the paged
 cache. The engine plans the cache from the specs, owns the cache and the weights on
-device, builds each step's :class:`~jaxkv.metadata.StepMetadata` and jits
+device, builds each step's :class:`~jaxkv.device.metadata.StepMetadata` and jits
 :meth:`ServedModel.forward` once per shape, the model object a static argument.
 
-Inside ``forward`` an attention layer calls :func:`jaxkv.ops.write_kv` and
-:func:`jaxkv.ops.paged_attention` with its own name: the cache supplies its window and
+Inside ``forward`` an attention layer calls :func:`jaxkv.device.ops.write_kv` and
+:func:`jaxkv.device.ops.paged_attention` with its own name: the cache supplies its window and
 the metadata its block table. A recurrent layer reads and writes its state with
-:func:`jaxkv.state_cache.read_layer_state` / :func:`~jaxkv.state_cache.write_layer_state`
-over the cache and ``meta.states_of(layer)`` (a :class:`~jaxkv.metadata.StateMetadata`),
+:func:`jaxkv.device.state_cache.read_layer_state` / :func:`~jaxkv.device.state_cache.write_layer_state`
+over the cache and ``meta.states_of(layer)`` (a :class:`~jaxkv.device.metadata.StateMetadata`),
 whichever place the plan gave the states (state rows or KV pages).
 
 Optional (a :class:`DenseModel`): ``dense(params, tokens (B, L)) -> logits (B, L, vocab)``, a forward
@@ -24,10 +24,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-from jaxkv.cache import KVCache
-from jaxkv.metadata import StepMetadata
+from jaxkv.device.cache import KVCache
+from jaxkv.device.metadata import StepMetadata
+from jaxkv.device.state_cache import HybridCache
 from jaxkv.specs import KVCacheSpec
-from jaxkv.state_cache import HybridCache
 
 
 @runtime_checkable
@@ -63,7 +63,7 @@ class ServedModel(Protocol):
 
     def partition_specs(self) -> Any:
         """A pytree like :attr:`params` of :class:`jax.sharding.PartitionSpec`, with
-        :data:`jaxkv.mesh.MODEL_AXIS` on the split dimension (column-parallel q/k/v,
+        :data:`jaxkv.device.mesh.MODEL_AXIS` on the split dimension (column-parallel q/k/v,
         gate/up; row-parallel o, down); ``PartitionSpec()`` = replicated."""
         ...
 
@@ -72,8 +72,8 @@ class ServedModel(Protocol):
     ) -> tuple[jax.Array, KVCache | HybridCache]:
         """One step over a ragged batch (decodes first, then prefill chunks): float32
         logits ``(S, vocab)`` at ``meta.logits_indices`` and the updated cache (a
-        :class:`~jaxkv.state_cache.HybridCache` when the model has recurrent layers).
-        Pure: weights come only from ``params``; ``impl`` goes to :mod:`jaxkv.ops`."""
+        :class:`~jaxkv.device.state_cache.HybridCache` when the model has recurrent layers).
+        Pure: weights come only from ``params``; ``impl`` goes to :mod:`jaxkv.device.ops`."""
         ...
 
 

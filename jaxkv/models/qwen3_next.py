@@ -34,15 +34,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxkv import ops
-from jaxkv.cache import KVCache
-from jaxkv.metadata import StepMetadata
+from jaxkv.device import ops
+from jaxkv.device.cache import KVCache
+from jaxkv.device.metadata import StepMetadata
+from jaxkv.device.state_cache import HybridCache, read_layer_state, write_layer_state
 from jaxkv.models import layers, moe
 from jaxkv.models.delta_net import dense_delta_net, ragged_delta_net, seq_of_token
 from jaxkv.models.layers import AttentionShape, Rope, UnsupportedConfigError
 from jaxkv.models.llama import COLUMN, REPLICATED, ROW, Params
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
-from jaxkv.state_cache import HybridCache, read_layer_state, write_layer_state
 
 Mixer = Callable[[int, jax.Array], jax.Array]
 """``mix(layer_index, normed_x) -> out``: a layer's token mixer, dense or against the cache."""

@@ -9,16 +9,16 @@ Three architectures, all small enough to serve on a CPU in seconds:
   are exactly the ``tiny-hybrid`` preset.
 - ``tiny-qwen3-next``: Qwen3-Next-like: Gated DeltaNet (linear attention,
   :mod:`jaxkv.models.delta_net`) : full attention = 3 : 1, QK-norm. Its recurrent
-  layers keep their state in a :class:`~jaxkv.state_cache.HybridCache` (state rows, or
+  layers keep their state in a :class:`~jaxkv.device.state_cache.HybridCache` (state rows, or
   units of KV pages with ``shared_pages``); the step reads and writes where
-  :class:`~jaxkv.metadata.StateMetadata` says.
+  :class:`~jaxkv.device.metadata.StateMetadata` says.
 
 Every model has two forwards over the same weights:
 
 - :meth:`TinyLM.forward` (the :class:`~jaxkv.models.protocol.ServedModel` step): a
   ragged batch (decodes first, then prefill chunks) against the paged KV cache; each
-  attention layer writes its new K/V with :func:`jaxkv.ops.write_kv` and attends with
-  :func:`jaxkv.ops.paged_attention` by its name, the cache and the step metadata
+  attention layer writes its new K/V with :func:`jaxkv.device.ops.write_kv` and attends with
+  :func:`jaxkv.device.ops.paged_attention` by its name, the cache and the step metadata
   supplying its window and block table;
 - :meth:`TinyLM.dense`: plain causal attention over whole sequences (window-masked in
   window layers) and the delta rule from zero state, no cache: the correctness oracle
@@ -30,7 +30,7 @@ are column-parallel (split by output features, so each device computes whole hea
 its own KV heads), the attention and MLP output projections row-parallel (split by
 input features; XLA sums the partial products). Embeddings, norms, the LM head and the
 Gated DeltaNet layers are replicated. The annotations are metadata only (no mesh is
-needed to build a model); :mod:`jaxkv.mesh` places the weights.
+needed to build a model); :mod:`jaxkv.device.mesh` places the weights.
 
 Layer ``i`` is named ``layers.<i>``, as in :mod:`jaxkv.presets`, so
 ``plan_kv_cache(config.layer_specs(), ...)`` plans the cache the model reads.
@@ -49,16 +49,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv import ops
-from jaxkv.cache import KVCache
+from jaxkv.device import ops
+from jaxkv.device.cache import KVCache
+from jaxkv.device.mesh import MODEL_AXIS
+from jaxkv.device.metadata import StepMetadata
+from jaxkv.device.state_cache import HybridCache, read_layer_state, write_layer_state
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
-from jaxkv.mesh import MODEL_AXIS
-from jaxkv.metadata import StepMetadata
 from jaxkv.models.delta_net import dense_delta_net, ragged_delta_net, seq_of_token
 from jaxkv.models.protocol import DenseModel
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
-from jaxkv.state_cache import HybridCache, read_layer_state, write_layer_state
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 """The mesh axis name in the weights' sharding annotations (a runner maps it to its mesh's axis)."""
@@ -237,7 +237,7 @@ MESH_MODEL_CONFIGS: dict[str, ModelConfig] = {
     for name in MODEL_CONFIGS
 }
 """The tiny models with 8 KV heads of 16 (the same hidden size), so their KV cache splits
-over up to 8 devices (:mod:`jaxkv.mesh`); the tiny models' 2 KV heads split over
+over up to 8 devices (:mod:`jaxkv.device.mesh`); the tiny models' 2 KV heads split over
 at most 2."""
 
 GPU_MODEL_CONFIGS: dict[str, ModelConfig] = {
@@ -556,7 +556,7 @@ class TinyLM(nnx.Module):
         """Logits ``(S, vocab)`` at ``meta.logits_indices`` of a ragged batch, and the updated cache.
 
         Each layer finds its KV cache group in ``meta`` by its name; ``impl`` picks the
-        :mod:`jaxkv.ops` implementation (None: the current setting). A model with
+        :mod:`jaxkv.device.ops` implementation (None: the current setting). A model with
         recurrent layers takes a :class:`HybridCache`.
         """
         if isinstance(cache, HybridCache) and not (self.config.recurrent and any(self.config.recurrent)):

@@ -1,10 +1,11 @@
 """Host memory of the offload tier: the buffer that holds the bytes of host blocks.
 
 One host block holds one whole cross-layer block ``(num_layers_per_block, block_size,
-2*H, D)``, the staging format of :func:`jaxkv.ops.gather_blocks` in either device
+2*H, D)``, the staging format of :func:`jaxkv.device.ops.gather_blocks` in either device
 layout; a set of host buffers of recurrent states holds one state row per host block, as bytes
-(:func:`jaxkv.state_cache.gather_rows`). Host block 0 is a scratch block: padded rows of bucketed transfers read and
-write it, it is never handed out (the allocator is :mod:`jaxkv.offload.host_blocks`).
+(:func:`jaxkv.device.state_cache.gather_rows`). Host block 0 is a scratch block: padded
+rows of bucketed transfers read and write it, it is never handed out (the allocator is
+:mod:`jaxkv.offload.host_blocks`).
 The buffer lives in ``pinned_host`` memory when the backend supports the writes and
 reads the transfer engine compiles (probed once per backend), else in a numpy array.
 Rows move in and out of the ``pinned_host`` buffer by DMA only: one dynamic-update-slice
@@ -38,12 +39,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 from jax.typing import DTypeLike
 
-from jaxkv.cache import KVCache
+from jaxkv.device.cache import KVCache
+from jaxkv.device.state_cache import StateCache, row_nbytes
+from jaxkv.device.state_pages import StateUnits
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
-from jaxkv.state_cache import StateCache, row_nbytes
-from jaxkv.state_pages import StateUnits
 
 MEMORY_KINDS = ("pinned_host", "numpy")
 

@@ -1,13 +1,13 @@
 """Block transfers between the device KV cache (or the recurrent state rows) and the host buffers.
 
-Store: one jitted gather of the blocks (:func:`jaxkv.ops.gather_blocks`, the cache is
+Store: one jitted gather of the blocks (:func:`jaxkv.device.ops.gather_blocks`, the cache is
 read, not donated) into one contiguous staging array, then asynchronous device->host
 DMAs of its rows into the host blocks (:meth:`~jaxkv.offload.host_buffers.HostKVBuffers.write`).
 Load: host->device DMAs of the host blocks' rows, then one jitted scatter into the
 donated cache. With the cross-layer layout a block is one contiguous region (one copy); with
 the per-layer layout it is one region per layer buffer. A
-:class:`~jaxkv.state_cache.StateCache` moves the same way, one state row per host
-block (its rows as bytes: :func:`~jaxkv.state_cache.gather_rows`).
+:class:`~jaxkv.device.state_cache.StateCache` moves the same way, one state row per host
+block (its rows as bytes: :func:`~jaxkv.device.state_cache.gather_rows`).
 
 Block counts are padded to powers of two with the null block 0 and the scratch host
 host block 0, so a handful of shapes compile once. Every transfer records the generations
@@ -33,15 +33,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import ops
-from jaxkv.cache import KVCache
+from jaxkv.core.pool import NULL_BLOCK
+from jaxkv.device import ops
+from jaxkv.device.cache import KVCache
+from jaxkv.device.state_cache import StateCache, gather_rows, scatter_rows
+from jaxkv.device.state_pages import StateUnits, gather_units, scatter_units
 from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import check_int
 from jaxkv.offload.host_blocks import SCRATCH_HOST_BLOCK
 from jaxkv.offload.host_buffers import HostBuffersError, HostKVBuffers, array_is_ready, row_format
-from jaxkv.pool import NULL_BLOCK
-from jaxkv.state_cache import StateCache, gather_rows, scatter_rows
-from jaxkv.state_pages import StateUnits, gather_units, scatter_units
 
 DeviceCache = KVCache | StateCache | StateUnits
 """What a transfer engine moves rows of: KV blocks, state rows, or states in KV pages."""

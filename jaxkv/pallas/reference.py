@@ -1,6 +1,6 @@
 """Plain jnp reference of the device ops: the oracle every kernel is tested against.
 
-Works on raw arrays (no :class:`~jaxkv.cache.KVCache`), in either layout:
+Works on raw arrays (no :class:`~jaxkv.device.cache.KVCache`), in either layout:
 
 - per-layer buffer ``(num_blocks, block_size, 2*H, D)``, ``layer_index=None``;
 - cross-layer buffer ``(num_blocks, num_layers_per_block, block_size, 2*H, D)``,
@@ -13,7 +13,7 @@ Everything is vectorised (no Python loop over sequences), jit-able with static s
 and accumulates attention in float32 at full matmul precision.
 
 Shapes are checked here (:class:`KVShapeError`); values are trusted: block ids, slots
-and lengths are checked on the host, where :func:`jaxkv.metadata.build_step_metadata`
+and lengths are checked on the host, where :func:`jaxkv.device.metadata.build_step_metadata`
 builds them, never on device (a slot of -1 would wrap into the last block).
 """
 
@@ -99,7 +99,7 @@ def write_kv(
     Global slot = ``block_id * block_size + offset``. Padding tokens map into the null
     block, so duplicate padding writes only touch block 0. Donate ``kv_buffer`` to make
     the scatter in place. Slots are trusted, not checked: a -1 would wrap into the last
-    block (:func:`jaxkv.metadata.build_step_metadata` refuses such ids).
+    block (:func:`jaxkv.device.metadata.build_step_metadata` refuses such ids).
     """
     check_write_kv_args(kv_buffer, k, v, slot_mapping, layer_index=layer_index)
     block_size = kv_buffer.shape[-3]

@@ -1,4 +1,4 @@
-"""The device ops in plain XLA, built for GPUs: the ``xla_gpu`` implementation of :mod:`jaxkv.ops`.
+"""The device ops in plain XLA, built for GPUs: the ``xla_gpu`` implementation of :mod:`jaxkv.device.ops`.
 
 - :func:`paged_attention`: an online softmax over chunks of each sequence's pages,
   bounded by the batch's real kv lengths (the contract of
@@ -13,7 +13,7 @@
 Gathers and scatters of whole blocks (offload staging) stay the reference ops.
 
 Inputs are trusted: block ids and lengths are checked on the host, where
-:func:`jaxkv.metadata.build_step_metadata` builds them, never here.
+:func:`jaxkv.device.metadata.build_step_metadata` builds them, never here.
 """
 
 from __future__ import annotations

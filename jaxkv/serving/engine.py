@@ -1,6 +1,6 @@
 """Greedy generation with continuous batching: scheduler, KV cache manager and runner.
 
-:class:`Engine` owns a :class:`~jaxkv.manager.KVCacheManager`, a
+:class:`Engine` owns a :class:`~jaxkv.core.manager.KVCacheManager`, a
 :class:`~jaxkv.serving.runner.ModelRunner` (weights and the device cache) and one
 :class:`~jaxkv.serving.scheduler.Scheduler`; all outlive a request, so a later request
 hits the prefix cache of an earlier one. A server drives it step by step
@@ -24,11 +24,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxkv.core.manager import KVCacheManager, KVCacheManagerError, Request, token_id_list
+from jaxkv.device.mesh import MODEL_AXIS, mesh_axis_size
+from jaxkv.device.metadata import Buckets
 from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import is_int
-from jaxkv.manager import KVCacheManager, KVCacheManagerError, Request, token_id_list
-from jaxkv.mesh import MODEL_AXIS, mesh_axis_size
-from jaxkv.metadata import Buckets
 from jaxkv.models.protocol import ServedModel
 from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.planner import (
@@ -273,7 +273,7 @@ class Engine:
     shown to decide the same before a step runs.
 
     Single-owner, like the manager: only the creating thread may call it. Each step
-    runs in :meth:`~jaxkv.manager.KVCacheManager.step_transaction`, so an exception
+    runs in :meth:`~jaxkv.core.manager.KVCacheManager.step_transaction`, so an exception
     anywhere in a step (an interrupt, a failed compile, a failing callback) drops
     the hashes of the blocks that step would have written, frees every unfinished
     request, and leaves the engine usable with an exact prefix cache.

@@ -58,13 +58,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from jaxkv.core.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from jaxkv.errors import JaxkvError
 from jaxkv.offload.catalog import KeysRemoved, KeysStored, OffloadEvent
-from jaxkv.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from jaxkv.serving.zmq_security import CurveKeys, SecureContext, check_endpoint
 
 if TYPE_CHECKING:
-    from jaxkv.manager import KVCacheManager
+    from jaxkv.core.manager import KVCacheManager
     from jaxkv.serving.offload_connector import OffloadConnector
 
 MEDIUM_DEVICE = "GPU"

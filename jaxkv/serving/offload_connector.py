@@ -22,8 +22,8 @@ prefix served from the device does not age out of the host tier.
 Stores (``OffloadConfig.store``, see :data:`STORE_POLICIES`):
 
 - ``on_eviction`` (default): a cached device block is stored when the pool hands it out
-  again (a reuse listener, :meth:`jaxkv.manager.KVCacheManager.add_reuse_listener`), so host holds what the device lost
-  and the two tiers together keep more distinct blocks. The gather of those blocks is
+  again (a reuse listener, :meth:`jaxkv.core.manager.KVCacheManager.add_reuse_listener`),
+  so host holds what the device lost and the two tiers together keep more distinct blocks. The gather of those blocks is
   issued before anything can overwrite them: before an admission's host load into
   fresh blocks, and before the step (:meth:`OffloadConnector.before_step`).
 - ``write_through``: every full block is stored after the step that completes it
@@ -59,9 +59,9 @@ from typing import cast
 
 import numpy as np
 
+from jaxkv.core.manager import KVCacheBlocks, KVCacheManager, Request
 from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import is_int
-from jaxkv.manager import KVCacheBlocks, KVCacheManager, Request
 from jaxkv.offload.catalog import OffloadEvent, OffloadingManager, OffloadKey, PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.host_buffers import HostKVBuffers

@@ -1,24 +1,24 @@
 """Run scheduled chunks on the device: step metadata in, greedy next tokens out.
 
 :class:`ModelRunner` runs any :class:`~jaxkv.models.protocol.ServedModel`: it owns the
-model's params and the device :class:`~jaxkv.cache.KVCache` (with a
-:class:`~jaxkv.state_cache.StateCache` beside it, as one
-:class:`~jaxkv.state_cache.HybridCache`, when the model has recurrent layers; with
+model's params and the device :class:`~jaxkv.device.cache.KVCache` (with a
+:class:`~jaxkv.device.state_cache.StateCache` beside it, as one
+:class:`~jaxkv.device.state_cache.HybridCache`, when the model has recurrent layers; with
 ``shared_pages`` the states live in the KV pages and the HybridCache holds their layout,
-:mod:`jaxkv.state_pages`).
-Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.metadata`: one
-host-to-device transfer, shapes padded to :class:`~jaxkv.metadata.Buckets`) and calls
+:mod:`jaxkv.device.state_pages`).
+Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.device.metadata`: one
+host-to-device transfer, shapes padded to :class:`~jaxkv.device.metadata.Buckets`) and calls
 one jitted step function ``(params, cache, metadata) -> (next_token_ids, cache)`` with
 the cache donated, so its buffers are updated in place. Sampling is greedy (argmax) on
 the device; only ``num_seqs`` int32 tokens come back to the host (and their logits, from
 a step compiled apart, when a token check asks for them).
 
-The step is traced once per bucket combination (and :mod:`jaxkv.ops` implementation,
+The step is traced once per bucket combination (and :mod:`jaxkv.device.ops` implementation,
 read at each step); :attr:`ModelRunner.num_compilations` counts the traces, so tests
 can bound them.
 
 Tensor parallel: given a ``mesh``, the runner splits the model over its model axis
-(:mod:`jaxkv.mesh`): KV heads of the cache and the annotated weights sharded,
+(:mod:`jaxkv.device.mesh`): KV heads of the cache and the annotated weights sharded,
 recurrent state, metadata and sampled tokens replicated. The step is then jitted with
 these shardings as its explicit ``in_shardings`` / ``out_shardings`` (the same sharding
 objects every step, so nothing recompiles); without a mesh it runs on the default device.
@@ -37,20 +37,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxkv import ops
-from jaxkv.cache import KVCache, allocate_kv_cache
+from jaxkv.device import ops
+from jaxkv.device.cache import KVCache, allocate_kv_cache
+from jaxkv.device.mesh import MODEL_AXIS, auto_axes, place, replicated, weight_shardings
+from jaxkv.device.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
+from jaxkv.device.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
+from jaxkv.device.state_pages import StatePages, StateUnits, check_mesh, state_pages
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv
-from jaxkv.mesh import MODEL_AXIS, auto_axes, place, replicated, weight_shardings
-from jaxkv.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
 from jaxkv.models.protocol import ServedModel
 from jaxkv.offload.host_buffers import HostKVBuffers
 from jaxkv.offload.transfer import Transfer, TransferEngine
 from jaxkv.planner import KVCacheConfig, pad_head_size
 from jaxkv.serving.scheduler import ScheduledChunk
 from jaxkv.specs import KVCacheSpec, MambaSpec
-from jaxkv.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
-from jaxkv.state_pages import StatePages, StateUnits, check_mesh, state_pages
 
 DevicePlace = int | tuple[int, ...]
 """Where the host tier finds a block on device: its id (a KV block or a state row), or for a
@@ -78,7 +78,7 @@ def _holds(planned: KVCacheSpec, spec: KVCacheSpec) -> bool:
     """Whether a group planned as ``planned`` holds a layer of ``spec``.
 
     Either the same spec, or ``spec`` with its head_size padded up to the group's
-    (tile alignment; :mod:`jaxkv.ops` zero-pads q/k/v): rounding the layer's head up to
+    (tile alignment; :mod:`jaxkv.device.ops` zero-pads q/k/v): rounding the layer's head up to
     a multiple of the group's gives exactly the group's head when it is no larger.
     """
     head = getattr(planned, "head_size", None)
@@ -169,7 +169,7 @@ def allocate_cache(
     """The device cache a model planned by ``config`` reads: its KV pages (KV heads split
     over ``model_axis`` of ``mesh``), plus state rows (replicated) when the plan has
     recurrent groups, or, with ``shared_pages``, the layout of the states kept in the KV
-    pages (refused on a mesh splitting them: :func:`jaxkv.state_pages.check_mesh`).
+    pages (refused on a mesh splitting them: :func:`jaxkv.device.state_pages.check_mesh`).
 
     Without a mesh the cache is committed to the default device, as the host tier's
     loads leave it (their staged blocks are placed on it): the step and the transfers
@@ -189,11 +189,11 @@ class ModelRunner:
 
     ``mesh`` splits the model over its ``model_axis`` (tensor parallel; see the module
     docstring); the model's ``num_kv_heads`` must be a multiple of the axis size
-    (:class:`~jaxkv.cache.KVCacheShardingError` otherwise). ``num_compilations`` counts
+    (:class:`~jaxkv.device.cache.KVCacheShardingError` otherwise). ``num_compilations`` counts
     the step shapes this runner had to compile (shapes another runner of the same
     architecture and shardings compiled before are reused). A ``shared_pages`` plan needs
     ``unit_blocks``, the owner's map from a state's head block to all its blocks
-    (:meth:`jaxkv.manager.KVCacheManager.state_blocks`), to read states from the pages.
+    (:meth:`jaxkv.core.manager.KVCacheManager.state_blocks`), to read states from the pages.
     """
 
     def __init__(
@@ -271,7 +271,7 @@ class ModelRunner:
         return tokens, logits
 
     def _jitted(self, fn: Callable) -> jax.stages.Wrapped:
-        """``fn`` jitted for this runner's model and the current :mod:`jaxkv.ops`
+        """``fn`` jitted for this runner's model and the current :mod:`jaxkv.device.ops`
         implementation (looked up by the implementation's name, read at each step)."""
         impl = ops.get_implementation()
         key = (fn, impl)

@@ -5,7 +5,7 @@ Running requests come first, in admission order: one decode token each, or the n
 chunk of a prefill (chunked prefill). Then waiting requests are admitted first come,
 first served while budget and ``max_num_seqs`` last: a prefix-cache lookup
 (``get_computed_blocks``), then a chunk of what is not cached (cut to end at the next
-recurrent-state checkpoint, :meth:`~jaxkv.manager.KVCacheManager.chunk_limit`); admission stops at the
+recurrent-state checkpoint, :meth:`~jaxkv.core.manager.KVCacheManager.chunk_limit`); admission stops at the
 first request whose blocks do not fit in the free pool. A running request that cannot
 get its blocks preempts the most recently admitted one (preemption by recompute: its
 blocks are freed, its progress reset, and it goes back to the head of the queue), and
@@ -13,7 +13,7 @@ no request is admitted in a step that preempted.
 
 The scheduler is host-only (no JAX): :mod:`jaxkv.serving.simulator` replays traces with it and
 :mod:`jaxkv.serving.engine` drives a model with it. It asks of its manager only the calls of
-:class:`ScheduledManager`: jaxkv's :class:`~jaxkv.manager.KVCacheManager`, or an adapter over a peer's
+:class:`ScheduledManager`: jaxkv's :class:`~jaxkv.core.manager.KVCacheManager`, or an adapter over a peer's
 manager, so that a benchmark can replay one trace through both under the same policy.
 """
 
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from jaxkv.core.manager import KVCacheBlocks, PrefixCacheStats, Request
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
-from jaxkv.manager import KVCacheBlocks, PrefixCacheStats, Request
 from jaxkv.planner import KVCacheConfig
 
 _log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def check_prompt_fits(request_id: str, num_prompt_tokens: int, max_model_len: in
 class ScheduledManager(Protocol):
     """The calls the scheduler and the trace simulator make of a KV cache manager.
 
-    :class:`~jaxkv.manager.KVCacheManager` is one. A prefix hit is whatever the manager's
+    :class:`~jaxkv.core.manager.KVCacheManager` is one. A prefix hit is whatever the manager's
     ``get_computed_blocks`` returns; the scheduler only hands it back to ``allocate_slots``.
     ``chunk_limit`` may return 0 (no chunk within the budget ends where the manager needs
     it to, as in vLLM's align mode): a running request then waits a step and admission stops.
@@ -116,7 +116,7 @@ class AdmissionAllocator(Protocol):
     """Allocates a waiting request after its device prefix hit (e.g. extending it from
     an offload tier): returns its computed tokens, having given it slots for
     ``min(num_tokens - computed, budget)`` new tokens cut at its next checkpoint
-    (:meth:`~jaxkv.manager.KVCacheManager.chunk_limit`), or None (nothing changed)."""
+    (:meth:`~jaxkv.core.manager.KVCacheManager.chunk_limit`), or None (nothing changed)."""
 
     def allocate_admitted(self, request: Request, hit: KVCacheBlocks, num_hit: int, budget: int) -> int | None: ...
 
@@ -216,7 +216,7 @@ class Scheduler:
         """Queue a new request (``num_computed_tokens`` 0) that may generate ``max_new_tokens``."""
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
         if not isinstance(request, Request):
-            raise SchedulerError(f"request must be a jaxkv.manager.Request, got {request!r}")
+            raise SchedulerError(f"request must be a jaxkv.core.manager.Request, got {request!r}")
         rid = request.request_id
         if rid in self._queued_ids or self.manager.has_request(rid):
             raise DuplicateRequestIdError(f"request id {rid!r} is already queued, running or holding blocks")

@@ -48,10 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxkv.core.hashing import MAX_TOKEN_ID
+from jaxkv.core.manager import Request
 from jaxkv.errors import JaxkvError
-from jaxkv.hashing import MAX_TOKEN_ID
 from jaxkv.ints import check_int, check_int_range, is_int
-from jaxkv.manager import Request
 from jaxkv.serving.scheduler import (
     PoolTooSmallError,
     RequestTooLongError,
@@ -342,7 +342,7 @@ class SimulationResult:
 
     ``num_prompt_hit_tokens`` counts each request's prefix hit at its first admission
     (over ``num_prompt_tokens``). The ``cache_*`` counters are the manager's own
-    (:meth:`~jaxkv.manager.KVCacheManager.prefix_cache_stats`, this run only): they also count the
+    (:meth:`~jaxkv.core.manager.KVCacheManager.prefix_cache_stats`, this run only): they also count the
     re-queries of a preempted request and of a waiting request retried while blocked.
     Host times cover the scheduler and every manager call of a step.
     """

@@ -39,7 +39,7 @@ item's kv span (:class:`_Span`), one chunk's copies (:func:`_fetch_chunk`), the
 matmuls (:func:`_scores`, :func:`_weighted_values`), masking and the online softmax
 (:func:`_visible`, :func:`_online_softmax_step`), the epilogue (:func:`_store_partial`),
 the kernel, then the wrapper. Block tables and lengths are trusted: they are checked
-on the host, where :func:`jaxkv.metadata.build_step_metadata` builds them.
+on the host, where :func:`jaxkv.device.metadata.build_step_metadata` builds them.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ walk (:func:`_seq_span`, :func:`_next_item`), one page DMA and a chunk's issue /
 online-softmax update (:func:`_online_softmax_update`), the final normalisation and
 store (:func:`_normalize_and_store`), then :func:`_kernel` and the wrapper.
 Block tables and lengths are trusted: they are checked on the host, where
-:func:`jaxkv.metadata.build_step_metadata` builds them.
+:func:`jaxkv.device.metadata.build_step_metadata` builds them.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Operands (``T`` new tokens):
 - output: the cache, aliased to its input;
 - scratch: one DMA semaphore shared by every copy.
 
-Slots are trusted: :func:`jaxkv.metadata.build_step_metadata` checks the block ids they
+Slots are trusted: :func:`jaxkv.device.metadata.build_step_metadata` checks the block ids they
 come from; a slot out of range is not checked here.
 """
 

@@ -1,8 +1,8 @@
-"""The typed errors a :class:`~jaxkv.manager.KVCacheManager` call or a
-:class:`~jaxkv.request.Request` raises for bad input; a refused call changes nothing.
+"""The typed errors a :class:`~jaxkv.core.manager.KVCacheManager` call or a
+:class:`~jaxkv.core.request.Request` raises for bad input; a refused call changes nothing.
 
 A module of their own below the request, its checks and the manager, which all raise
-them; ``jaxkv.manager`` re-exports them.
+them; ``jaxkv.core.manager`` re-exports them.
 """
 
 from jaxkv.errors import JaxkvError

@@ -1,12 +1,12 @@
 """Print the KV cache plan of a preset model for a memory budget.
 
-    python -m jaxkv.plan --preset gemma-3-27b --memory 16GiB --max-model-len 32768
+    python -m jaxkv.commands.plan --preset gemma-3-27b --memory 16GiB --max-model-len 32768
 
 Flags are absl flags kept in a private registry (importing this module defines no
 global flags); ``--max-model-len`` and ``--max_model_len`` spellings both work. Bad
 arguments (unknown or unparsable flags, sizes that are not positive, counts below 1)
 and plans that cannot be made (a budget too small for one request, which names the
-smallest that fits; pages that cannot be unified) print one line ``jaxkv.plan: error:
+smallest that fits; pages that cannot be unified) print one line ``jaxkv.commands.plan: error:
 ...`` on stderr and exit with status 2, as every jaxkv command refuses bad input.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from jaxkv.cli import USAGE_STATUS, SizeError, parse_size, print_error
+from jaxkv.commands.cli import USAGE_STATUS, SizeError, parse_size, print_error
 from jaxkv.planner import (
     LAYOUTS,
     STATE_LAYOUTS,
@@ -28,7 +28,7 @@ from jaxkv.planner import (
 from jaxkv.presets import UnknownPresetError, get_preset, list_presets
 from jaxkv.specs import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
-PROG = "jaxkv.plan"
+PROG = "jaxkv.commands.plan"
 
 
 def _define_flags() -> flags.FlagValues:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxkv.hashing import ExtraKeys
+from jaxkv.core.hashing import ExtraKeys
 
 DEFAULT_BUDGET_BYTES = 256 << 10
 """Prompt bytes the memo keeps alive at most (their digests add about as much again).

@@ -16,7 +16,7 @@ Shapes are padded up to :class:`Buckets` so a step function compiles once per bu
 combination. Padding is always the null block 0 (never -1): padded table entries are
 0, padding tokens write slot 0, padded sequences have kv_len 0 and q_len 0.
 
-**Checked here, trusted on device.** The device ops (:mod:`jaxkv.ops`) index the cache
+**Checked here, trusted on device.** The device ops (:mod:`jaxkv.device.ops`) index the cache
 with these ids unchecked: a slot of -1 gathers from or writes into the last block, an
 out-of-range scatter is silently dropped. So this builder is where ids are checked:
 every block id of every table must be an int in ``[0, num_blocks)`` and every new
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxkv.cache import UnknownLayerError
+from jaxkv.device.cache import UnknownLayerError
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv, check_int, is_int
 
@@ -295,7 +295,7 @@ class StepMetadata:
 
     def group_of(self, layer: str) -> AttentionMetadata | StateMetadata:
         """The metadata of ``layer``'s KV cache group: its block table and slot mapping,
-        or its state rows; :class:`~jaxkv.cache.UnknownLayerError` for a layer in no group."""
+        or its state rows; :class:`~jaxkv.device.cache.UnknownLayerError` for a layer in no group."""
         for g, names in enumerate(self.group_layers):
             if layer in names:
                 return self._group(g)
@@ -451,7 +451,7 @@ def build_step_metadata(
     which :meth:`StepMetadata.group_of` looks layers up in; empty: no layer map.
     With states in the KV pages (``shared_pages``), ``pages_per_state`` > 0 and
     ``unit_blocks`` maps a state's head block to all its blocks
-    (:meth:`jaxkv.manager.KVCacheManager.state_blocks`); each is checked against ``num_blocks``.
+    (:meth:`jaxkv.core.manager.KVCacheManager.state_blocks`); each is checked against ``num_blocks``.
     """
     if not seqs:
         raise MetadataError("no sequences scheduled")

@@ -1,5 +1,5 @@
-"""The public device ops on a :class:`~jaxkv.cache.KVCache` (and the recurrent
-:class:`~jaxkv.state_cache.StateCache`), dispatched by backend.
+"""The public device ops on a :class:`~jaxkv.device.cache.KVCache` (and the recurrent
+:class:`~jaxkv.device.state_cache.StateCache`), dispatched by backend.
 
 Implementations (:data:`IMPLEMENTATIONS`):
 
@@ -28,14 +28,14 @@ it was traced with. Pick it per call with ``impl=``, or process-wide with
 :func:`set_implementation` (also a context manager that restores the previous choice).
 Every op is pure: the cache goes in and a new cache comes out; donate it in jit.
 
-A layer's ops take the layer's name and the step's :class:`~jaxkv.metadata.StepMetadata`:
+A layer's ops take the layer's name and the step's :class:`~jaxkv.device.metadata.StepMetadata`:
 the cache supplies the layer's window (its planned spec) and the metadata the layer's
 group (block table, slot mapping), so a caller cannot pass another layer's.
 
 Inputs are trusted: shapes are checked (:class:`KVShapeError`), but block ids, slots and
 lengths are not, on device (a slot of -1 wraps into the last block, an out-of-range
 scatter is dropped). They are checked where the metadata is built, by
-:func:`jaxkv.metadata.build_step_metadata`; build them there.
+:func:`jaxkv.device.metadata.build_step_metadata`; build them there.
 
 Tile alignment: a cache planned with ``head_dim_multiple`` (see
 :func:`jaxkv.planner.plan_kv_cache`) has a head dim D larger than the model's d.
@@ -59,13 +59,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv.cache import KVCache
+from jaxkv.device.cache import KVCache
+from jaxkv.device.metadata import StepMetadata
+from jaxkv.device.state_cache import StateCache
 from jaxkv.errors import JaxkvError
-from jaxkv.metadata import StepMetadata
 from jaxkv.pallas import reference, xla
 from jaxkv.pallas.reference import KVShapeError
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
-from jaxkv.state_cache import StateCache
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "xla_gpu")
 _BACKEND_DEFAULTS = {"tpu": "pallas_tpu", "gpu": "xla_gpu", "cuda": "xla_gpu", "rocm": "xla_gpu"}
@@ -275,7 +275,7 @@ def write_kv(
 
     ``d`` may be smaller than the cache's head dim: K and V are zero-padded up to it.
     A layer the cache or the metadata does not know is :class:`UnknownLayerError`. The
-    slots are trusted, not checked on device: :func:`jaxkv.metadata.build_step_metadata`
+    slots are trusted, not checked on device: :func:`jaxkv.device.metadata.build_step_metadata`
     checked them (a slot of -1 would wrap into the last block).
     """
     buffer, layer_index = cache.layer_buffer(layer)
@@ -303,7 +303,7 @@ def paged_attention(
     Semantics are those of :func:`jaxkv.pallas.reference.paged_attention`. What the
     cache and the metadata know of ``layer`` comes from them: its sliding window from
     the cache's spec of the layer, its block table from its group's metadata
-    (:meth:`~jaxkv.metadata.StepMetadata.group_of`); a layer either does not know is
+    (:meth:`~jaxkv.device.metadata.StepMetadata.group_of`); a layer either does not know is
     :class:`UnknownLayerError`. ``soft_cap`` (``cap * tanh(s / cap)`` of the scaled
     scores) is the model's math, not the cache's. ``q``'s head dim ``d`` may be smaller
     than the cache's: q is zero-padded up to it and the output sliced back to ``d``.

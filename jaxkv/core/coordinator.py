@@ -10,10 +10,10 @@ Prefix hashes are computed once per request at the smallest block size; a group 
 block is ``k`` times larger uses every ``k``-th hash (a chained hash names the whole
 prefix up to its block's end): :meth:`KVCacheCoordinator.typed_hashes`.
 
-The coordinator owns the :class:`~jaxkv.pool.BlockPool` (and, with the planner's
+The coordinator owns the :class:`~jaxkv.core.pool.BlockPool` (and, with the planner's
 ``state_pool`` layout, a second one whose blocks are recurrent state rows: block ids
 of the two pools are separate namespaces); the façade
-(:class:`~jaxkv.manager.KVCacheManager`) talks to it only.
+(:class:`~jaxkv.core.manager.KVCacheManager`) talks to it only.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from jaxkv.errors import JaxkvError
-from jaxkv.planner import KVCacheConfig, KVCacheGroup, SharedStates
-from jaxkv.pool import NULL_BLOCK, AllBlocksCleared, BlockPool, KVCacheEvent, ReuseListener
-from jaxkv.single_type import (
+from jaxkv.core.pool import NULL_BLOCK, AllBlocksCleared, BlockPool, KVCacheEvent, ReuseListener
+from jaxkv.core.single_type import (
     NEVER,
     CacheHit,
     FullAttentionManager,
@@ -37,8 +35,10 @@ from jaxkv.single_type import (
     StatePoolManager,
     manager_class_for,
 )
+from jaxkv.core.state_retention import CheckpointRetention
+from jaxkv.errors import JaxkvError
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, SharedStates
 from jaxkv.specs import KVCacheSpec
-from jaxkv.state_retention import CheckpointRetention
 
 RETENTION_RULES = ("vllm", "group_aware")
 """How a hybrid model's unreferenced blocks queue for eviction.
@@ -506,7 +506,7 @@ class KVCacheCoordinator:
 
     def set_checkpoints(self, request_id: str, shared: Iterable[int], num_prompt_tokens: int) -> None:
         """The request's state checkpoint positions (see
-        :meth:`~jaxkv.single_type.StatePoolManager.set_checkpoints`); a no-op without a state pool."""
+        :meth:`~jaxkv.core.single_type.StatePoolManager.set_checkpoints`); a no-op without a state pool."""
         for m in self._state_managers:
             m.set_checkpoints(request_id, shared, num_prompt_tokens)
 

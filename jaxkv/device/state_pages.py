@@ -2,14 +2,14 @@
 
 With one memory (:class:`~jaxkv.planner.SharedStates`) a state, all layers of one
 recurrent group for one request at one position, is a *unit* of ``pages_per_state``
-blocks of the attention pool (:meth:`jaxkv.pool.BlockPool.get_new_unit`). On device
+blocks of the attention pool (:meth:`jaxkv.core.pool.BlockPool.get_new_unit`). On device
 its bytes are those blocks in the unit's order, each block its pages in layer-index
 order (in both cache layouts: unit page ``j`` is page ``j % L`` of block ``j // L``).
 Each layer's state tensors sit at static byte ranges of the unit
 (:class:`StatePages`: the group's layers in order, each tensor in order, packed).
 
 A step reads a tensor the way attention reads KV, through a table: each sequence's
-unit blocks ``(S, pages_per_state)`` (:class:`jaxkv.metadata.StateMetadata`); only the
+unit blocks ``(S, pages_per_state)`` (:class:`jaxkv.device.metadata.StateMetadata`); only the
 pages covering a layer's byte range are gathered, flattened to bytes, sliced and
 bitcast to the tensor's dtype and shape. A write is the inverse: the layer's bytes,
 completed at both ends by the edge pages' other bytes (read back), are scattered into
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxkv.cache import KVCache, UnknownLayerError
+from jaxkv.device.cache import KVCache, UnknownLayerError
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv
 from jaxkv.planner import KVCacheConfig
@@ -59,7 +59,7 @@ class TensorPlace:
 @dataclass(frozen=True)
 class StatePages:
     """The static layout of states stored in KV pages; it holds no buffer (the states
-    are in :class:`~jaxkv.cache.KVCache`'s), so it is a pytree without leaves."""
+    are in :class:`~jaxkv.device.cache.KVCache`'s), so it is a pytree without leaves."""
 
     layers: tuple[tuple[str, tuple[TensorPlace, ...]], ...] = dataclasses.field(metadata={"static": True})
     pages_per_state: int = dataclasses.field(metadata={"static": True})

@@ -3,9 +3,9 @@
 A runner given a :class:`jax.sharding.Mesh` splits the model over one of its axes (the
 model axis, MODEL_AXIS by default):
 
-- the KV cache's heads (:func:`jaxkv.cache.allocate_kv_cache` with ``kv_axis``), each
+- the KV cache's heads (:func:`jaxkv.device.cache.allocate_kv_cache` with ``kv_axis``), each
   device holding whole KV heads; recurrent state rows are replicated
-  (:func:`jaxkv.state_cache.allocate_state_cache`);
+  (:func:`jaxkv.device.state_cache.allocate_state_cache`);
 - the weights, by their NNX sharding annotations (:mod:`jaxkv.models.tiny`: column-
   then row-parallel attention and MLP, the rest replicated);
 - step metadata and sampled tokens replicated.
@@ -28,9 +28,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxkv.device.metadata import place_values
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
-from jaxkv.metadata import place_values
 
 MODEL_AXIS = "model"
 """The axis name models annotate their split weights with; the runner renames it to the
@@ -94,5 +94,5 @@ def weight_shardings(specs: object, mesh: Mesh, model_axis: str) -> object:
 def place(tree: object, shardings: object) -> object:
     """``tree``'s arrays with ``shardings`` (a matching pytree). Across processes, each
     process fills its own devices' shards from its copy of the values
-    (:func:`jaxkv.metadata.place_values`)."""
+    (:func:`jaxkv.device.metadata.place_values`)."""
     return jax.tree.map(place_values, tree, shardings)

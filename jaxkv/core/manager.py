@@ -6,10 +6,10 @@ the hit blocks, then take fresh ones, after checking that everything fits), free
 finished or preempted request, and read the block ids per KV cache group that the
 device step needs. The vocabulary follows vLLM's scheduler side on purpose.
 
-What it takes and gives back lives beside it (:mod:`jaxkv.request`,
-:mod:`jaxkv.kv_cache_blocks`, :mod:`jaxkv.manager_errors`), as do the checks of its
-calls' arguments (:mod:`jaxkv.request_checks`) and the recurrent checkpoint policy
-(:mod:`jaxkv.state_checkpoints`); the names users import come from here too.
+What it takes and gives back lives beside it (:mod:`jaxkv.core.request`,
+:mod:`jaxkv.core.kv_cache_blocks`, :mod:`jaxkv.core.manager_errors`), as do the checks of its
+calls' arguments (:mod:`jaxkv.core.request_checks`) and the recurrent checkpoint policy
+(:mod:`jaxkv.core.state_checkpoints`); the names users import come from here too.
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ from dataclasses import dataclass
 from threading import get_ident as _get_ident
 from typing import cast
 
-from jaxkv.coordinator import KVCacheCoordinator
-from jaxkv.errors import OwnerThread
-from jaxkv.hashing import BlockHasher
-from jaxkv.ints import is_int
-from jaxkv.kv_cache_blocks import KVCacheBlocks
-from jaxkv.manager_errors import (
+from jaxkv.core.coordinator import KVCacheCoordinator
+from jaxkv.core.hashing import BlockHasher
+from jaxkv.core.kv_cache_blocks import KVCacheBlocks
+from jaxkv.core.manager_errors import (
     DuplicateRequestError,
     InvalidCacheHitError,
     KVCacheManagerError,
@@ -33,13 +31,15 @@ from jaxkv.manager_errors import (
     StaleCacheHitError,
     UnknownRequestError,
 )
+from jaxkv.core.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
+from jaxkv.core.prompt_digests import PromptDigests
+from jaxkv.core.request import ReadOnlyTokenIds, Request, token_id_list
+from jaxkv.core.request_checks import check_counts, check_external, check_hit, check_new_request, check_request
+from jaxkv.core.single_type import NEVER, MambaManager
+from jaxkv.core.state_checkpoints import AlignedChunks, CheckpointPolicy
+from jaxkv.errors import OwnerThread
+from jaxkv.ints import is_int
 from jaxkv.planner import KVCacheConfig
-from jaxkv.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
-from jaxkv.prompt_digests import PromptDigests
-from jaxkv.request import ReadOnlyTokenIds, Request, token_id_list
-from jaxkv.request_checks import check_counts, check_external, check_hit, check_new_request, check_request
-from jaxkv.single_type import NEVER, MambaManager
-from jaxkv.state_checkpoints import AlignedChunks, CheckpointPolicy
 
 __all__ = [
     "DuplicateRequestError",
@@ -86,7 +86,7 @@ class KVCacheManager:
     scheduler thread owns its manager. It talks to the coordinator only.
 
     ``retention`` picks how unreferenced blocks queue for eviction
-    (:data:`jaxkv.coordinator.RETENTION_RULES`): ``vllm`` makes vLLM v1's decisions;
+    (:data:`jaxkv.core.coordinator.RETENTION_RULES`): ``vllm`` makes vLLM v1's decisions;
     ``group_aware`` keeps, under memory pressure, the sliding-window blocks that
     complete hits of a hybrid model.
 
@@ -215,7 +215,7 @@ class KVCacheManager:
         caches its recurrent state (empty without a state pool or without caching):
         the last block boundary of the prompt, the boundary where full attention alone
         matched (when that ran ahead of the hit, at a branch of a cached chain) and every ``checkpoint_interval``
-        (:class:`~jaxkv.state_checkpoints.CheckpointPolicy`)."""
+        (:class:`~jaxkv.core.state_checkpoints.CheckpointPolicy`)."""
         return self._checkpoints.positions(request.num_prompt_tokens, request._reach, num_computed_tokens)
 
     def chunk_limit(
@@ -224,7 +224,7 @@ class KVCacheManager:
         """``num_new_tokens`` cut so a chunk starting at ``start`` ends at the request's
         next checkpoint position, if one falls inside it (a state exists only where a
         step ends). A recurrent model in vLLM's layout has its chunks cut as vLLM's
-        scheduler cuts them in align mode (:class:`~jaxkv.state_checkpoints.AlignedChunks`;
+        scheduler cuts them in align mode (:class:`~jaxkv.core.state_checkpoints.AlignedChunks`;
         0 when no chunk within the budget ends on a block boundary: the request waits a
         step; ``max_chunk_tokens``, the scheduler's step budget, says whether one ever can,
         default the plan's ``max_num_batched_tokens``). Unchanged without recurrent groups

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from absl import flags
 
+from jaxkv.cluster.launcher import CPU_DEVICE_COUNT_FLAG, with_cpu_device_count
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import is_int
 from jaxkv.planner import STATE_LAYOUTS
@@ -40,15 +41,6 @@ _SIZE = re.compile(r"\s*([0-9]{1,24}(?:\.[0-9]{0,24})?|\.[0-9]{1,24})\s*([a-zA-Z
 
 USAGE_STATUS = 2
 """Exit status of a command refused for bad input (flags, sizes, trace files)."""
-
-
-CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def with_cpu_device_count(xla_flags: str, count: int) -> str:
-    """``xla_flags`` asking XLA for ``count`` host-platform devices (an earlier count replaced)."""
-    kept = re.sub(rf"{CPU_DEVICE_COUNT_FLAG}=\S*", "", xla_flags).split()
-    return " ".join([*kept, f"{CPU_DEVICE_COUNT_FLAG}={count}"])
 
 
 def request_cpu_devices(argv: Sequence[str], flag: str = "num_devices") -> None:

@@ -11,12 +11,12 @@ the state the host's block ``r`` of that group names:
   attention pages, so the attention buffers stay one (block, 2H, D) shape.
 
 A step reads each sequence's state from one row and writes it to another
-(:class:`jaxkv.metadata.StateMetadata`): padding reads and writes row 0, whose content
+(:class:`jaxkv.device.metadata.StateMetadata`): padding reads and writes row 0, whose content
 is never used. Reads and writes are pure functions; donate the cache to update it in
-place. Rows are checked on the host (:func:`jaxkv.metadata.build_step_metadata`).
+place. Rows are checked on the host (:func:`jaxkv.device.metadata.build_step_metadata`).
 
 With the ``shared_pages`` layout the states have no rows of their own: they live in the
-KV pages (:mod:`jaxkv.state_pages`) and :class:`HybridCache` holds their layout instead.
+KV pages (:mod:`jaxkv.device.state_pages`) and :class:`HybridCache` holds their layout instead.
 A model reads and writes a layer's state through :func:`read_layer_state` and
 :func:`write_layer_state`, which serve both places.
 """
@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxkv.cache import KVCache, UnknownLayerError
+from jaxkv.device.cache import KVCache, UnknownLayerError
+from jaxkv.device.metadata import StateMetadata
+from jaxkv.device.state_pages import StatePages, from_bytes, read_unit_states, to_bytes, write_unit_states
 from jaxkv.errors import JaxkvError
-from jaxkv.metadata import StateMetadata
 from jaxkv.planner import KVCacheConfig
 from jaxkv.specs import MambaSpec, canonical_dtype
-from jaxkv.state_pages import StatePages, from_bytes, read_unit_states, to_bytes, write_unit_states
 
 
 class StateCacheError(JaxkvError, ValueError):
@@ -120,12 +120,12 @@ def allocate_state_cache(config: KVCacheConfig, *, mesh: Mesh | None = None) -> 
 
     With a ``mesh`` the buffers are replicated over it (state is small next to the
     attention KV; sharding it over heads is not done here). A ``shared_pages`` plan has
-    no rows and is refused: its states live in the KV pages (:func:`jaxkv.state_pages.state_pages`).
+    no rows and is refused: its states live in the KV pages (:func:`jaxkv.device.state_pages.state_pages`).
     """
     if config.shared_states is not None:
         raise StateCacheError(
             "state_layout='shared_pages' keeps states in the KV pages, not in state rows: "
-            "lay them out with jaxkv.state_pages.state_pages"
+            "lay them out with jaxkv.device.state_pages.state_pages"
         )
     layers = _recurrent_layers(config)
     rows = num_state_rows(config)

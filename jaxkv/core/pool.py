@@ -25,8 +25,8 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from jaxkv.core.free_queue import FreeBlockQueue
 from jaxkv.errors import JaxkvError
-from jaxkv.free_queue import FreeBlockQueue
 
 _log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The checks a manager call runs on a request and on a cache hit handed back to it.
 
 Pure functions over what each check needs (the coordinator through its public
-methods): each raises a typed :class:`~jaxkv.manager_errors.KVCacheManagerError`
+methods): each raises a typed :class:`~jaxkv.core.manager_errors.KVCacheManagerError`
 naming the offending value, before the manager changes anything.
 """
 
@@ -9,19 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxkv.coordinator import KVCacheCoordinator
-from jaxkv.kv_cache_blocks import KVCacheBlocks
-from jaxkv.manager_errors import DuplicateRequestError, InvalidCacheHitError, KVCacheManagerError, StaleCacheHitError
-from jaxkv.request import Request
+from jaxkv.core.coordinator import KVCacheCoordinator
+from jaxkv.core.kv_cache_blocks import KVCacheBlocks
+from jaxkv.core.manager_errors import (
+    DuplicateRequestError,
+    InvalidCacheHitError,
+    KVCacheManagerError,
+    StaleCacheHitError,
+)
+from jaxkv.core.request import Request
 
 COUNT_NAMES = ("num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens", "num_external_computed_tokens")
 """The token counts ``allocate_slots`` takes, in the order :func:`check_counts` takes them."""
 
 
 def check_request(request: object) -> None:
-    """Refuse anything but a :class:`~jaxkv.request.Request`."""
+    """Refuse anything but a :class:`~jaxkv.core.request.Request`."""
     if not isinstance(request, Request):
-        raise KVCacheManagerError(f"expected a jaxkv.manager.Request, got {request!r:.80}")
+        raise KVCacheManagerError(f"expected a jaxkv.core.manager.Request, got {request!r:.80}")
 
 
 def check_new_request(request: Request, id_in_use: bool) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxkv.pool import BlockPool
+from jaxkv.core.pool import BlockPool
 
 
 class CheckpointRetention:

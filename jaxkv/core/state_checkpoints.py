@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
+from jaxkv.core.manager_errors import KVCacheManagerError
 from jaxkv.ints import is_int
-from jaxkv.manager_errors import KVCacheManagerError
 from jaxkv.planner import KVCacheConfig
 from jaxkv.specs import MambaSpec
 
@@ -23,7 +23,7 @@ class CheckpointPolicy:
 
     A prompt of ``num_prompt_tokens`` tokens, found cached by full attention alone up
     to ``reach`` tokens (further than the whole hit when a state was missing there and
-    a cached chain branches there: :class:`~jaxkv.coordinator.PrefixHit`), checkpoints
+    a cached chain branches there: :class:`~jaxkv.core.coordinator.PrefixHit`), checkpoints
     its last block boundary, the boundary at ``reach`` (so the next request sharing
     that prefix finds a state there) and every ``interval`` tokens if set.
     """

@@ -18,9 +18,9 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from jaxkv.core.pool import NULL_BLOCK, BlockPool
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv
-from jaxkv.pool import NULL_BLOCK, BlockPool
 from jaxkv.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,

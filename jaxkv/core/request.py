@@ -12,9 +12,9 @@ from typing import TypeGuard, overload
 
 import numpy as np
 
-from jaxkv.hashing import MAX_TOKEN_ID, NO_EXTRA_KEYS, ExtraKeys, MultiModalItem, int32_le_bytes
+from jaxkv.core.hashing import MAX_TOKEN_ID, NO_EXTRA_KEYS, ExtraKeys, MultiModalItem, int32_le_bytes
+from jaxkv.core.manager_errors import KVCacheManagerError
 from jaxkv.ints import is_int
-from jaxkv.manager_errors import KVCacheManagerError
 
 
 class ReadOnlyTokenIds(Sequence[int]):

@@ -13,7 +13,7 @@ between groups, as the host buffers assumes. K and V
 are interleaved per KV head on the ``2*H`` axis (``2*h`` = K, ``2*h + 1`` = V).
 
 Tile alignment: ``D`` is the planned head size, rounded up to ``head_dim_multiple``
-(128 lanes on TPU; :func:`jaxkv.planner.plan_kv_cache`), and :mod:`jaxkv.ops` zero-pads
+(128 lanes on TPU; :func:`jaxkv.planner.plan_kv_cache`), and :mod:`jaxkv.device.ops` zero-pads
 q/k/v to it. Only ``D`` is padded. The second-minor ``2*H`` axis needs no padding for
 packing: interleaving makes it always even, so where 16-bit rows are packed in pairs of
 adjacent rows (bf16, two per 32-bit sublane) a pair is the K and the V of one head,
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import jaxkv.jax_support  # noqa: F401 - refuses a jax outside the tested range
+import jaxkv.device.jax_support  # noqa: F401 - refuses a jax outside the tested range
 from jaxkv.errors import JaxkvError
 from jaxkv.planner import LAYOUTS, KVCacheConfig, KVCacheGroup
 from jaxkv.specs import (
@@ -151,7 +151,7 @@ class KVCache:
 def _device_spec(config: KVCacheConfig) -> AttentionSpec:
     """The one attention spec shape every group shares; raise naming the odd one out.
 
-    Recurrent groups are skipped: their state lives in a :class:`~jaxkv.state_cache.StateCache`
+    Recurrent groups are skipped: their state lives in a :class:`~jaxkv.device.state_cache.StateCache`
     (under vLLM's rule their pages still take their place in each block, unused here).
     """
     groups = [g for g in config.attention_groups if not isinstance(g.spec, MambaSpec)]
