@@ -10,8 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from hf_checkpoints import NEW_TOKENS, check_against_transformers, save_tiny_checkpoint
+from hf_checkpoints import NEW_TOKENS, check_against_transformers, long_prompts, save_tiny_checkpoint
 
 HOST_BYTES = 8 << 20
 
@@ -34,7 +33,7 @@ def serve_through_host(
     from jaxkv.serving.engine import Engine, plan_for_model
     from jaxkv.serving.offload_connector import OffloadConfig
 
-    hf = save_tiny_checkpoint(family, directory)
+    reference = save_tiny_checkpoint(family, directory)
     model = load_pretrained(directory)
     plan = plan_for_model(
         model,
@@ -45,13 +44,12 @@ def serve_through_host(
         checkpoint_share=checkpoint_share,
     )
     engine = Engine(model, plan, max_num_seqs=2, offload=OffloadConfig(HOST_BYTES, store=store))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, model.vocab_size, n).tolist() for n in (100, 90, 110, 95)]
+    prompts = long_prompts()
     worst, cached = 0.0, []
     for _ in range(2):
         for prompt in prompts:
             run = engine.generate([prompt], NEW_TOKENS, return_logits=True)
-            worst = max(worst, check_against_transformers(hf, run.outputs))
+            worst = max(worst, check_against_transformers(reference, run.outputs))
             cached.append(run.num_cached_prompt_tokens)
     audit = engine.audit()
     assert audit.device_blocks_leaked == audit.host_blocks_leaked == 0

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
-from hf_checkpoints import save_tiny_checkpoint
+from hf_checkpoints import save_byte_tokenizer, save_tiny_checkpoint
 from jax.sharding import PartitionSpec
+from safetensors.numpy import load_file, save_file
 from script_runs import run_script
 
 from jaxkv.device.mesh import MODEL_AXIS, model_mesh
@@ -32,9 +35,23 @@ def _weights(model):
     return {name: np.asarray(value) for name, value in model.params.items()}
 
 
+def save_sharded(source, directory, num_shards=3):
+    """``source``'s weights split over ``num_shards`` files with an index, as transformers
+    writes a checkpoint above its shard size."""
+    weights = load_file(source / "model.safetensors")
+    directory.mkdir(exist_ok=True)
+    shutil.copyfile(source / "config.json", directory / "config.json")
+    weight_map = {}
+    for shard, names in enumerate(np.array_split(sorted(weights), num_shards)):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({name: weights[name] for name in names}, directory / file)
+        weight_map.update(dict.fromkeys(names, file))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
 def test_sharded_checkpoint_with_index_loads_the_same_weights(llama_dir, tmp_path):
-    save_tiny_checkpoint("llama", tmp_path, max_shard_size="100KB")
-    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    save_sharded(llama_dir, tmp_path)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3
     one, shards = _weights(load_pretrained(llama_dir)), _weights(load_pretrained(tmp_path))
     assert one.keys() == shards.keys()
     assert all(np.array_equal(one[name], shards[name]) for name in one)
@@ -102,8 +119,8 @@ def test_a_missing_directory_is_refused_without_downloading(tmp_path):
 
 @pytest.mark.subprocess
 def test_serve_script_serves_a_saved_checkpoint_from_text_prompts(tmp_path):
-    saved = run_script("save_tiny_checkpoint.py", "--family", "qwen3", "--out", str(tmp_path))
-    assert saved.returncode == 0, saved.stderr
+    save_tiny_checkpoint("qwen3", tmp_path)
+    save_byte_tokenizer(tmp_path)
     served = run_script(
         "serve.py",
         "--checkpoint",
@@ -156,10 +173,12 @@ def test_a_config_without_a_needed_field_is_named(llama_dir, tmp_path):
 
 
 def test_a_bfloat16_checkpoint_loads_as_bfloat16_and_runs(tmp_path):
-    import torch
-    from hf_checkpoints import tiny
-
-    tiny.tiny_model("gemma3").to(torch.bfloat16).save_pretrained(str(tmp_path))
+    source = tmp_path / "float32"
+    save_tiny_checkpoint("gemma3", source)
+    weights = load_file(source / "model.safetensors")
+    save_file({name: w.astype(ml_dtypes.bfloat16) for name, w in weights.items()}, tmp_path / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     model = load_pretrained(tmp_path)
     assert {v.dtype.name for v in model.params.values()} == {"bfloat16"}
     logits = model.dense(model.params, np.arange(12)[None])
