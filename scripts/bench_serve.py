@@ -86,9 +86,7 @@ flags.DEFINE_enum("layout", "cross_layer", LAYOUTS, "KV cache buffer layout")
 define_state_flags()
 flags.DEFINE_integer("max_num_seqs", 8, "most requests running at once", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 1024, "token budget of one step", lower_bound=1)
-flags.DEFINE_enum(
-    "impl", "auto", list(ops.IMPLEMENTATIONS), "jaxkv.device.ops implementation (auto: the backend's pick, printed)"
-)
+flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.device.ops implementation")
 flags.DEFINE_integer("seed", 0, "weights and prompts seed", lower_bound=0)
 flags.DEFINE_string("out", None, "write the results as JSON here")
 flags.DEFINE_string("profile_dir", None, "write a jax.profiler trace of the timed batch phase here")
@@ -220,7 +218,7 @@ def main(argv: Sequence[str]) -> None:
     ladder = Buckets.powers_of_two(FLAGS.max_num_batched_tokens, FLAGS.max_num_seqs, max_blocks)
     buckets = Buckets(ladder.tokens, (FLAGS.max_num_seqs,), (max_blocks,))
     print(
-        f"{name} ({model_dtype}), {FLAGS.layout}, {ops.get_implementation(FLAGS.impl)} ops on {jax.default_backend()}: "
+        f"{name} ({model_dtype}), {FLAGS.layout}, {FLAGS.impl} ops on {jax.default_backend()}: "
         f"prompts of {FLAGS.prompt_len} tokens, {FLAGS.shared:.0%} shared; {config.num_blocks:,} blocks"
     )
     try:
@@ -245,7 +243,6 @@ def main(argv: Sequence[str]) -> None:
         report = {
             "flags": flag_values,
             "device": jax.default_backend(),
-            "implementation": ops.get_implementation(FLAGS.impl),
             "results": results,
             "ratios": ratios,
             "token_check": check.to_dict(),
