@@ -6,6 +6,7 @@ library would raise for the same bad input). A refused call changes nothing.
 """
 
 import threading
+from typing import NoReturn
 
 
 class JaxkvError(Exception):
@@ -36,3 +37,17 @@ class OwnerThread:
             raise WrongThreadError(
                 f"{self.what} is single-owner: created on thread {self.ident}, called from {threading.get_ident()}"
             )
+
+
+class ExtraNotInstalledError(JaxkvError, ModuleNotFoundError):
+    """A module needs a package of an optional extra that is not installed; the message
+    names the ``pip install 'jaxkv[...]'`` that brings it (``name`` is the missing module)."""
+
+
+def raise_missing_extra(err: ModuleNotFoundError, packages: tuple[str, ...], hint: str) -> NoReturn:
+    """Raise ``err`` again as an :class:`ExtraNotInstalledError` saying ``hint`` (what to
+    install) when the module it misses is one of ``packages`` (or inside one); else ``err``
+    itself, unchanged (a broken install, not a missing extra)."""
+    if (err.name or "").split(".")[0] not in packages:
+        raise err
+    raise ExtraNotInstalledError(f"{hint} (no module named {err.name!r})", name=err.name) from err

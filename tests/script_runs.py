@@ -24,3 +24,26 @@ def run_script(name: str, *args: str, timeout: float = 300, folder: str = "scrip
         timeout=timeout,
         check=False,
     )
+
+
+def run_python_without(hidden: tuple[str, ...], code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Python ``code`` run in a fresh interpreter from the repository root in which the
+    top-level packages ``hidden`` cannot be imported (a meta-path finder answers for them
+    as a machine without them would): its status and captured text output."""
+    finder = (
+        "import importlib.abc, sys\n"
+        "class Hidden(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {hidden!r}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Hidden())\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", finder + code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=repo_env(),
+        timeout=timeout,
+        check=False,
+    )

@@ -37,6 +37,8 @@ HOST_MODULES = [
     *HOST_CORE,
     "jaxkv.commands.cli",
     "jaxkv.commands.plan",
+    "jaxkv.commands.serve",  # JAX only inside run(), after XLA's CPU device count is set
+    "jaxkv.commands.simulate",
     "jaxkv.offload",
     "jaxkv.offload.catalog",
     "jaxkv.offload.policies",

@@ -1,9 +1,11 @@
-"""The device side refuses a jax outside the tested range, and pyproject states the same range."""
+"""The device side refuses a jax outside the tested range (and names the extra to install
+when jax is missing), and pyproject states the same range."""
 
 import pathlib
 import tomllib
 
 import pytest
+from script_runs import run_python_without
 
 from jaxkv.device import jax_support
 from jaxkv.device.jax_support import UnsupportedJaxError, check_jax_version, release
@@ -44,3 +46,20 @@ def test_pyproject_states_the_range_the_check_enforces():
     first_untested = ".".join(map(str, jax_support.FIRST_UNTESTED_JAX))
     for extra, package in (("device", "jax"), ("cuda", "jax[cuda12]"), ("tpu", "jax[tpu]")):
         assert extras[extra] == [f"{package}>={oldest},<{first_untested}"]
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("module", ["jaxkv.device", "jaxkv.device.cache", "jaxkv.device.ops", "jaxkv.pallas.reference"])
+def test_without_jax_the_device_side_names_the_extra_to_install(module):
+    code = (
+        "from jaxkv.errors import ExtraNotInstalledError\n"
+        f"try:\n    import {module}\n"
+        "except ExtraNotInstalledError as err:\n"
+        "    print(isinstance(err, ImportError), err.name)\n    print(err)\n"
+    )
+    result = run_python_without(("jax", "jaxlib"), code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "True jax",
+        f"{jax_support.JAX_MISSING} (no module named 'jax')",
+    ]

@@ -11,6 +11,7 @@ import pytest
 msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
+from script_runs import run_python_without  # noqa: E402
 from vllm_event_schema import BlockStored, KVEventBatch  # noqa: E402
 
 from jaxkv.core import pool  # noqa: E402
@@ -304,3 +305,20 @@ def test_tcp_needs_curve_keys_and_a_plaintext_client_hears_nothing():
         assert not sock.poll(500), "an unauthenticated client got an answer"
         sock.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("hidden", ["msgspec", "zmq"])
+def test_without_the_events_extra_importing_names_it(hidden):
+    code = (
+        "from jaxkv.errors import ExtraNotInstalledError\n"
+        "try:\n    import jaxkv.serving.kv_events\n"
+        "except ExtraNotInstalledError as err:\n"
+        "    print(isinstance(err, ImportError), err.name)\n    print(err)\n"
+    )
+    result = run_python_without((hidden,), code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"True {hidden}",
+        f"KV events need pyzmq and msgspec: pip install 'jaxkv[events]' (no module named {hidden!r})",
+    ]

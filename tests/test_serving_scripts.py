@@ -52,6 +52,8 @@ def test_serve_prints_tokens_throughput_hits_and_usage_and_matches_dense(tmp_pat
     ):
         assert text in result.stdout
     assert json.loads(out.read_text())["uncached_check"]["passed"]
+    implementation = json.loads(out.read_text())["implementation"]  # --impl auto: the backend's pick, by name
+    assert implementation != "auto" and f"jaxkv.device.ops implementation {implementation!r} on" in result.stdout
     report = json.loads(out.read_text())["result"]
     assert len(report["outputs"]) == 5 and all(len(o["output_token_ids"]) == 5 for o in report["outputs"])
     assert report["prefix_hit_rate"] > 0.3 and report["num_compilations"] == 0

@@ -339,7 +339,7 @@ def test_script_runs_end_to_end_and_replays_its_saved_trace(tmp_path):
     assert report["flags"]["preset"] == "tiny-hybrid"
 
     out2 = tmp_path / "again.json"
-    second = simulate(*CLI_FLAGS, f"--trace={trace}", "--no_prefix_caching", f"--out={out2}")
+    second = simulate(*CLI_FLAGS, f"--trace={trace}", "--noprefix_caching", f"--out={out2}")
     assert second.returncode == 0, second.stderr
     again = json.loads(out2.read_text())["result"]
     assert again["prompt_hit_rate"] == 0

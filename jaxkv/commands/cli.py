@@ -1,6 +1,6 @@
 """What the command-line tools share: memory sizes, a CPU device count set before JAX
-starts, a budget checked against the device, and refusals as one line on stderr with
-exit status 2 (absl flag errors included)."""
+starts, a budget checked against the device, help that names the program as it was
+started, and refusals as one line on stderr with exit status 2 (absl flag errors included)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, NoReturn
 
 from absl import flags
@@ -58,6 +59,11 @@ def request_cpu_devices(argv: Sequence[str], flag: str = "num_devices") -> None:
     if value is None or not value.isdigit() or int(value) < 1 or CPU_DEVICE_COUNT_FLAG in xla_flags:
         return
     os.environ["XLA_FLAGS"] = with_cpu_device_count(xla_flags, int(value))
+
+
+class CommandLineError(JaxkvError, ValueError):
+    """Command-line input that parses but cannot run (prompts longer than the model allows,
+    a device count the model's heads cannot split over...); a command prints it as one line."""
 
 
 class SizeError(JaxkvError, ValueError):
@@ -219,32 +225,64 @@ def underscored(arg: str, flag_values: flags.FlagValues) -> str:
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
-def print_help(flag_values: flags.FlagValues, *, full: bool = False, module: str | None = None) -> None:
-    """The program module's docstring (``module``, default ``__main__``), then its flags
-    (``full``, or when it defines none of them: every flag defined)."""
+def program_name(argv: Sequence[str], default: str) -> str:
+    """The name a program gives itself in its messages: the file name in ``argv[0]``
+    (``serve.py`` from a checkout, ``jaxkv-serve`` installed), else ``default``."""
+    return Path(argv[0]).name if argv and argv[0] else default
+
+
+def invoked_as(argv0: str) -> str:
+    """The program in ``argv0`` as a user would start it again: ``jaxkv-serve`` (a console
+    script), ``python3 scripts/serve.py`` (a file), ``python3 -m jaxkv.commands.serve``."""
+    path = Path(argv0)
+    if path.suffix != ".py":
+        return path.name
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.origin and Path(spec.origin).resolve() == path.resolve():
+        return f"python3 -m {spec.name}"
+    return f"python3 {argv0}"
+
+
+def print_help(
+    flag_values: flags.FlagValues,
+    *,
+    full: bool = False,
+    module: str | None = None,
+    command: str | None = None,
+    invoked: str = "",
+) -> None:
+    """The program module's docstring (``module``, default ``__main__``), then its flags:
+    all of a command's own registry; of absl's global one, the module's (every flag defined
+    when ``full``, or when the module defines none). ``command``, the program's installed
+    name in the docstring's examples, reads as ``invoked`` (how it was started)."""
     doc = (getattr(sys.modules.get(module or "__main__"), "__doc__", None) or "").strip()
+    if command and invoked:
+        doc = doc.replace(command, invoked)
     own = flag_values.module_help(module) if module else flag_values.main_module_help()
-    listing = "" if full else own.strip()
+    listing = "" if full or flag_values is not flags.FLAGS else own.strip()
     listing = listing or flag_values.get_help()
     print(f"{doc}\n\nflags:\n{listing}" if doc else listing)
 
 
 def flags_parser(
-    prog: str, flag_values: flags.FlagValues = flags.FLAGS, *, module: str | None = None
+    prog: str, flag_values: flags.FlagValues = flags.FLAGS, *, module: str | None = None, command: str | None = None
 ) -> Callable[[list[str]], list[str]]:
-    """A ``flags_parser`` for ``absl.app.run``: a bad flag is one line on stderr, exit status 2.
+    """A ``flags_parser`` for ``absl.app.run`` (or a command's ``run()``): a bad flag is one
+    line on stderr, exit status 2.
 
     (absl's own parser prints two lines and exits with 1.) Positional arguments are refused.
     ``--help`` (``-h``, ``--helpshort``) prints the main module's docstring and its flags,
     ``--helpfull`` every flag, on stdout, and exits with 0 (absl's help exits with 1).
-    ``module`` names the program's module when it is not ``__main__`` (a console script).
+    ``module`` names the program's module when it is not ``__main__`` (a console script);
+    ``command`` is its installed name, shown in the help as the program was started.
     Every flag takes dashes for underscores too (``--max-model-len``, ``--no-prefix-caching``).
     """
 
     def parse(argv: list[str]) -> list[str]:
         asked = [arg for arg in argv[1:] if arg in HELP_FLAGS]
         if asked:
-            print_help(flag_values, full=asked[0] == "--helpfull", module=module)
+            invoked = invoked_as(argv[0]) if argv and argv[0] else ""
+            print_help(flag_values, full=asked[0] == "--helpfull", module=module, command=command, invoked=invoked)
             sys.exit(0)
         quiet_backend_probe()
         end = argv.index("--") if "--" in argv else len(argv)

@@ -6,12 +6,12 @@ continuous-batching scheduler (jaxkv.serving.simulator), and prints the plan, pr
 and a final table: prefix hit rate, peak/mean KV usage, preemptions, host time per
 scheduler step. No device work is done.
 
-    python scripts/simulate.py
-    python scripts/simulate.py --memory 24GiB --arrival_rate 4 --out /tmp/sim.json
-    python scripts/simulate.py --preset tiny-hybrid --memory 32MiB --max_model_len 2048 \
+    jaxkv-simulate
+    jaxkv-simulate --memory 24GiB --arrival_rate 4 --out /tmp/sim.json
+    jaxkv-simulate --preset tiny-hybrid --memory 32MiB --max_model_len 2048 \\
         --system_prompt_len 256 --user_turn_len 16,128 --output_len 16,64
-    python scripts/simulate.py --trace my_trace.json --no_prefix_caching
-    python scripts/simulate.py --plot /tmp/sim.png      # KV usage and hit rate over time
+    jaxkv-simulate --trace my_trace.json --noprefix_caching
+    jaxkv-simulate --plot /tmp/sim.png      # KV usage and hit rate over time
 
 The default (gemma-3-27b, 12 GiB, 300 three-turn conversations arriving at 2 per
 second) fills the pool and evicts cached blocks, with a handful of preemptions.
@@ -19,8 +19,9 @@ second) fills the pool and evicts cached blocks, with a handful of preemptions.
 Bad input (a flag value out of range, an unreadable size, a plan of more than
 jaxkv.serving.simulator.MAX_NUM_BLOCKS blocks, a trace file that is not UTF-8 JSON of
 the schema, a synthetic knob that cannot fit --max_model_len) prints one line
-``simulate.py: error: ...`` on stderr and exits with status 2. A trace request's
-``max_output_tokens`` beyond --max_model_len is fine: generation stops there.
+``PROGRAM: error: ...`` on stderr (PROGRAM: the file name the program was started from)
+and exits with status 2. A trace request's ``max_output_tokens`` beyond --max_model_len
+is fine: generation stops there.
 """
 
 from __future__ import annotations
@@ -32,9 +33,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 
-from jaxkv.commands.cli import exit_error, flags_parser, is_int_range, parse_size, pyplot, save_figure
+from jaxkv.commands.cli import (
+    CommandLineError,
+    exit_error,
+    flags_parser,
+    is_int_range,
+    parse_size,
+    program_name,
+    pyplot,
+    save_figure,
+)
 from jaxkv.core.hashing import HASH_ALGORITHMS
 from jaxkv.core.manager import KVCacheManager
 from jaxkv.errors import JaxkvError
@@ -53,53 +63,77 @@ from jaxkv.serving.simulator import (
     synthetic_trace,
 )
 
-PROG = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "jaxkv-simulate"
-"""The program's name in its messages: ``simulate.py`` from a checkout, ``jaxkv-simulate`` installed."""
+COMMAND = "jaxkv-simulate"
+"""The installed name: the help's examples show it as the program was started."""
 MAX_TRACE_BYTES = 1 << 30
 """The largest trace file read (a trace of millions of requests is well under it)."""
-
-FLAGS = flags.FLAGS
-flags.DEFINE_enum("preset", "gemma-3-27b", list_presets(), "model architecture")
-flags.DEFINE_string("memory", "12GiB", "KV cache budget: 16GiB, 512MiB, 1.5GB or bytes")
-flags.DEFINE_integer("max_model_len", 8192, "tokens of the longest request", lower_bound=1)
-flags.DEFINE_integer("block_size", 16, "base tokens per block", lower_bound=1)
-flags.DEFINE_enum("hash_algo", "sha256", HASH_ALGORITHMS, "prefix hash algorithm")
-flags.DEFINE_string("trace", None, "JSON trace file (schema in jaxkv/serving/simulator.py); default: synthetic")
-flags.DEFINE_integer("num_conversations", 300, "synthetic: conversations", lower_bound=1)
-flags.DEFINE_integer("turns_per_conversation", 3, "synthetic: turns per conversation", lower_bound=1)
-flags.DEFINE_integer("num_system_prompts", 4, "synthetic: distinct shared system prompts", lower_bound=1)
-flags.DEFINE_integer("system_prompt_len", 1024, "synthetic: tokens per system prompt", lower_bound=0)
-flags.DEFINE_list("user_turn_len", ["64", "512"], "synthetic: lo,hi tokens of a user message")
-flags.DEFINE_list("output_len", ["32", "256"], "synthetic: lo,hi tokens generated per turn")
-flags.DEFINE_float("arrival_rate", 2.0, "synthetic: new conversations per second (Poisson)")
-flags.DEFINE_float("turn_gap_s", 10.0, "synthetic: mean seconds between a turn's arrival and the next")
-flags.DEFINE_integer("seed", 0, "synthetic trace seed", lower_bound=0)
-flags.DEFINE_integer("max_num_seqs", 64, "most requests running at once", lower_bound=1)
-flags.DEFINE_integer(
-    "max_num_batched_tokens", 2048, "token budget of one scheduler step (also sizes the plan)", lower_bound=1
-)
-flags.DEFINE_float("step_ms", 20.0, "simulated milliseconds per scheduler step")
-flags.DEFINE_boolean("no_prefix_caching", False, "disable prefix caching")
-flags.DEFINE_integer("progress_every", 1000, "print a progress line every N steps", lower_bound=1)
-flags.DEFINE_string("out", None, "write the result as JSON to this path")
-flags.DEFINE_string("save_trace", None, "write the replayed trace as JSON to this path")
-flags.DEFINE_string("plot", None, "draw KV usage and prefix hit rate over simulated time to this PNG (matplotlib)")
-
 PLOT_SAMPLES = 400
 """About this many points per curve of --plot (sampled every few steps)."""
 
 
-for _name in ("user_turn_len", "output_len"):
-    flags.register_validator(_name, is_int_range, message=f"--{_name} must be lo,hi with 1 <= lo <= hi")
-flags.register_validator("step_ms", lambda v: 0 < v < math.inf, message="--step_ms must be a finite number > 0")
+def define_flags() -> flags.FlagValues:
+    """This command's flags, in a registry of its own (absl's global ``FLAGS`` is left alone)."""
+    fv = flags.FlagValues()
+    flags.DEFINE_enum("preset", "gemma-3-27b", list_presets(), "model architecture", flag_values=fv)
+    flags.DEFINE_string("memory", "12GiB", "KV cache budget: 16GiB, 512MiB, 1.5GB or bytes", flag_values=fv)
+    flags.DEFINE_integer("max_model_len", 8192, "tokens of the longest request", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("block_size", 16, "base tokens per block", lower_bound=1, flag_values=fv)
+    flags.DEFINE_enum("hash_algo", "sha256", HASH_ALGORITHMS, "prefix hash algorithm", flag_values=fv)
+    flags.DEFINE_string(
+        "trace", None, "JSON trace file (schema in jaxkv/serving/simulator.py); default: synthetic", flag_values=fv
+    )
+    flags.DEFINE_integer("num_conversations", 300, "synthetic: conversations", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer(
+        "turns_per_conversation", 3, "synthetic: turns per conversation", lower_bound=1, flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "num_system_prompts", 4, "synthetic: distinct shared system prompts", lower_bound=1, flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "system_prompt_len", 1024, "synthetic: tokens per system prompt", lower_bound=0, flag_values=fv
+    )
+    flags.DEFINE_list("user_turn_len", ["64", "512"], "synthetic: lo,hi tokens of a user message", flag_values=fv)
+    flags.DEFINE_list("output_len", ["32", "256"], "synthetic: lo,hi tokens generated per turn", flag_values=fv)
+    flags.DEFINE_float("arrival_rate", 2.0, "synthetic: new conversations per second (Poisson)", flag_values=fv)
+    flags.DEFINE_float(
+        "turn_gap_s", 10.0, "synthetic: mean seconds between a turn's arrival and the next", flag_values=fv
+    )
+    flags.DEFINE_integer("seed", 0, "synthetic trace seed", lower_bound=0, flag_values=fv)
+    flags.DEFINE_integer("max_num_seqs", 64, "most requests running at once", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer(
+        "max_num_batched_tokens",
+        2048,
+        "token budget of one scheduler step (also sizes the plan)",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_float("step_ms", 20.0, "simulated milliseconds per scheduler step", flag_values=fv)
+    flags.DEFINE_boolean("prefix_caching", True, "reuse cached prefix blocks (--noprefix_caching: off)", flag_values=fv)
+    flags.DEFINE_integer("progress_every", 1000, "print a progress line every N steps", lower_bound=1, flag_values=fv)
+    flags.DEFINE_string("out", None, "write the result as JSON to this path", flag_values=fv)
+    flags.DEFINE_string("save_trace", None, "write the replayed trace as JSON to this path", flag_values=fv)
+    flags.DEFINE_string(
+        "plot",
+        None,
+        "draw KV usage and prefix hit rate over simulated time to this PNG (matplotlib)",
+        flag_values=fv,
+    )
+    for name in ("user_turn_len", "output_len"):
+        flags.register_validator(
+            name, is_int_range, message=f"--{name} must be lo,hi with 1 <= lo <= hi", flag_values=fv
+        )
+    flags.register_validator(
+        "step_ms", lambda v: 0 < v < math.inf, message="--step_ms must be a finite number > 0", flag_values=fv
+    )
+    return fv
 
 
-def _check_synthetic_lengths(user_turn_len: tuple[int, int], output_len: tuple[int, int]) -> None:
+def _check_synthetic_lengths(fv: flags.FlagValues, user_turn_len: tuple[int, int], output_len: tuple[int, int]) -> None:
     """Refuse knobs whose first turn cannot fit --max_model_len (before building huge lists)."""
-    limit = FLAGS.max_model_len
-    if FLAGS.system_prompt_len + user_turn_len[0] >= limit:
+    limit = fv.max_model_len
+    if fv.system_prompt_len + user_turn_len[0] >= limit:
         raise TraceError(
-            f"--system_prompt_len={FLAGS.system_prompt_len} + --user_turn_len lo={user_turn_len[0]} leaves no room "
+            f"--system_prompt_len={fv.system_prompt_len} + --user_turn_len lo={user_turn_len[0]} leaves no room "
             f"for output in --max_model_len={limit}"
         )
     for name, (_, hi) in (("user_turn_len", user_turn_len), ("output_len", output_len)):
@@ -107,30 +141,30 @@ def _check_synthetic_lengths(user_turn_len: tuple[int, int], output_len: tuple[i
             raise TraceError(f"--{name} hi={hi} exceeds --max_model_len={limit}")
 
 
-def make_trace() -> list[TraceRequest]:
-    """The trace file named by --trace, else the synthetic trace of the flags."""
-    if FLAGS.trace:
-        path = Path(FLAGS.trace)
+def make_trace(fv: flags.FlagValues) -> list[TraceRequest]:
+    """The trace file named by --trace, else the synthetic trace of the flags ``fv``."""
+    if fv.trace:
+        path = Path(fv.trace)
         if path.exists() and not path.is_file():
-            exit_error(PROG, f"--trace={FLAGS.trace} is not a regular file (a device or pipe reads without end)")
+            raise CommandLineError(f"--trace={fv.trace} is not a regular file (a device or pipe reads without end)")
         if path.exists() and path.stat().st_size > MAX_TRACE_BYTES:
-            exit_error(
-                PROG, f"--trace={FLAGS.trace} is {path.stat().st_size:,} bytes; the limit is {MAX_TRACE_BYTES:,}"
+            raise CommandLineError(
+                f"--trace={fv.trace} is {path.stat().st_size:,} bytes; the limit is {MAX_TRACE_BYTES:,}"
             )
-        return load_trace(FLAGS.trace)
-    user_turn_len = (int(FLAGS.user_turn_len[0]), int(FLAGS.user_turn_len[1]))
-    output_len = (int(FLAGS.output_len[0]), int(FLAGS.output_len[1]))
-    _check_synthetic_lengths(user_turn_len, output_len)
+        return load_trace(fv.trace)
+    user_turn_len = (int(fv.user_turn_len[0]), int(fv.user_turn_len[1]))
+    output_len = (int(fv.output_len[0]), int(fv.output_len[1]))
+    _check_synthetic_lengths(fv, user_turn_len, output_len)
     return synthetic_trace(
-        num_conversations=FLAGS.num_conversations,
-        turns_per_conversation=FLAGS.turns_per_conversation,
-        num_system_prompts=FLAGS.num_system_prompts,
-        system_prompt_len=FLAGS.system_prompt_len,
+        num_conversations=fv.num_conversations,
+        turns_per_conversation=fv.turns_per_conversation,
+        num_system_prompts=fv.num_system_prompts,
+        system_prompt_len=fv.system_prompt_len,
         user_turn_len=user_turn_len,
         output_len=output_len,
-        arrival_rate=FLAGS.arrival_rate,
-        turn_gap_s=FLAGS.turn_gap_s,
-        seed=FLAGS.seed,
+        arrival_rate=fv.arrival_rate,
+        turn_gap_s=fv.turn_gap_s,
+        seed=fv.seed,
     )
 
 
@@ -169,28 +203,28 @@ def format_table(result: SimulationResult, wall_s: float) -> str:
 
 
 class Timeline:
-    """Progress snapshots every ``every`` steps, for --plot; prints one line per --progress_every steps."""
+    """Progress snapshots, for --plot; prints one line per ``print_every`` (--progress_every) steps."""
 
-    def __init__(self, every: int) -> None:
-        self.every = every
+    def __init__(self, print_every: int) -> None:
+        self.print_every = print_every
         self.points: list[Progress] = []
 
     def __call__(self, p: Progress) -> None:
         self.points.append(p)
-        if p.step % FLAGS.progress_every == 0:
+        if p.step % self.print_every == 0:
             print_progress(p)
 
 
-def plot_sample_every(trace: Sequence[TraceRequest]) -> int:
-    """Steps between --plot samples: about PLOT_SAMPLES over the arrivals, dividing --progress_every."""
-    last_arrival_steps = max((r.arrival_time for r in trace), default=0.0) * 1000 / FLAGS.step_ms
+def plot_sample_every(trace: Sequence[TraceRequest], step_ms: float, progress_every: int) -> int:
+    """Steps between --plot samples: about PLOT_SAMPLES over the arrivals, dividing ``progress_every``."""
+    last_arrival_steps = max((r.arrival_time for r in trace), default=0.0) * 1000 / step_ms
     target = max(1, int(last_arrival_steps) // PLOT_SAMPLES)
-    return max(d for d in range(1, min(target, FLAGS.progress_every) + 1) if FLAGS.progress_every % d == 0)
+    return max(d for d in range(1, min(target, progress_every) + 1) if progress_every % d == 0)
 
 
-def plot_timeline(points: Sequence[Progress], path: str, title: str) -> None:
+def plot_timeline(prog: str, points: Sequence[Progress], path: str, title: str) -> None:
     """KV usage (top) and prefix hit rate (bottom: per sample and since the start) over simulated time."""
-    plt = pyplot(PROG)
+    plt = pyplot(prog)
     fig, (usage_ax, hit_ax) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
     times = [p.time_s for p in points]
     usage_ax.plot(times, [100 * p.usage for p in points], color="tab:blue", lw=1)
@@ -214,57 +248,57 @@ def plot_timeline(points: Sequence[Progress], path: str, title: str) -> None:
     hit_ax.set_xlabel("simulated time (s)")
     hit_ax.legend(loc="lower right")
     usage_ax.set_title(title)
-    save_figure(PROG, fig, path)
+    save_figure(prog, fig, path)
 
 
-def plan() -> KVCacheConfig:
-    """The KV cache plan of the flags (a hybrid with recurrent layers: one memory for KV
+def plan(fv: flags.FlagValues) -> KVCacheConfig:
+    """The KV cache plan of the flags ``fv`` (a hybrid with recurrent layers: one memory for KV
     pages and states, the planner's default); refuses one of more than MAX_NUM_BLOCKS blocks."""
     config = plan_kv_cache(
-        get_preset(FLAGS.preset),
-        parse_size(FLAGS.memory),
-        max_model_len=FLAGS.max_model_len,
-        block_size=FLAGS.block_size,
-        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        get_preset(fv.preset),
+        parse_size(fv.memory),
+        max_model_len=fv.max_model_len,
+        block_size=fv.block_size,
+        max_num_batched_tokens=fv.max_num_batched_tokens,
         state_layout=None,
     )
     try:
         check_num_blocks(config.num_blocks)
     except PlanTooLargeError as err:
-        raise PlanTooLargeError(f"--memory={FLAGS.memory}: {err}") from None
+        raise PlanTooLargeError(f"--memory={fv.memory}: {err}") from None
     return config
 
 
-def simulate() -> dict:
+def simulate(fv: flags.FlagValues, prog: str) -> dict:
     """Plan, build the trace, replay it, print everything; return the JSON report."""
-    if FLAGS.plot:
-        pyplot(PROG)  # refuse now, not after the run, if matplotlib is missing
+    if fv.plot:
+        pyplot(prog)  # refuse now, not after the run, if matplotlib is missing
     start = time.perf_counter()
-    config = plan()
-    print(f"{FLAGS.preset}, {FLAGS.memory}:")
+    config = plan(fv)
+    print(f"{fv.preset}, {fv.memory}:")
     print(config.summary())
-    trace = make_trace()
-    if FLAGS.save_trace:
-        save_trace(FLAGS.save_trace, trace)
+    trace = make_trace(fv)
+    if fv.save_trace:
+        save_trace(fv.save_trace, trace)
     num_prompt = sum(len(r.prompt_token_ids) for r in trace)
-    print(f"trace: {len(trace):,} requests, {num_prompt:,} prompt tokens ({FLAGS.trace or 'synthetic'})")
-    manager = KVCacheManager(config, enable_caching=not FLAGS.no_prefix_caching, hash_algo=FLAGS.hash_algo)
+    print(f"trace: {len(trace):,} requests, {num_prompt:,} prompt tokens ({fv.trace or 'synthetic'})")
+    manager = KVCacheManager(config, enable_caching=fv.prefix_caching, hash_algo=fv.hash_algo)
     sim = Simulator(
         manager,
-        max_num_seqs=FLAGS.max_num_seqs,
-        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-        step_duration_s=FLAGS.step_ms / 1000,
+        max_num_seqs=fv.max_num_seqs,
+        max_num_batched_tokens=fv.max_num_batched_tokens,
+        step_duration_s=fv.step_ms / 1000,
     )
-    every = plot_sample_every(trace) if FLAGS.plot else FLAGS.progress_every
-    timeline = Timeline(every)
+    every = plot_sample_every(trace, fv.step_ms, fv.progress_every) if fv.plot else fv.progress_every
+    timeline = Timeline(fv.progress_every)
     result = sim.run(trace, progress=timeline, progress_every=every)
     wall_s = time.perf_counter() - start
     print(format_table(result, wall_s))
-    if FLAGS.plot:
-        memory = f"{FLAGS.memory}{'' if not FLAGS.no_prefix_caching else ', no prefix caching'}"
-        plot_timeline(timeline.points, FLAGS.plot, f"{FLAGS.preset}, {memory}: {len(trace):,} requests")
+    if fv.plot:
+        memory = f"{fv.memory}{'' if fv.prefix_caching else ', no prefix caching'}"
+        plot_timeline(prog, timeline.points, fv.plot, f"{fv.preset}, {memory}: {len(trace):,} requests")
     return {
-        "flags": {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])},
+        "flags": fv.flag_values_dict(),
         "plan": {
             "num_blocks": config.num_blocks,
             "block_bytes": None if config.pages is None else config.pages.block_bytes,
@@ -274,22 +308,21 @@ def simulate() -> dict:
     }
 
 
-def main(argv: Sequence[str]) -> None:
-    del argv  # flags_parser refused positional arguments
+def run(argv: Sequence[str] | None = None) -> None:
+    """The console script ``jaxkv-simulate`` on ``argv`` (default ``sys.argv``)."""
+    argv = list(sys.argv if argv is None else argv)
+    prog = program_name(argv, COMMAND)
+    fv = define_flags()
+    flags_parser(prog, fv, module=__name__, command=COMMAND)(argv)
     try:
-        report = simulate()
-        if FLAGS.out:
-            with open(FLAGS.out, "w") as f:
+        report = simulate(fv, prog)
+        if fv.out:
+            with open(fv.out, "w") as f:
                 json.dump(report, f, indent=2)
-            print(f"wrote {FLAGS.out}")
+            print(f"wrote {fv.out}")
     # PlanError is listed until the planner's errors subclass JaxkvError too.
     except (JaxkvError, OSError) as err:
-        exit_error(PROG, err)
-
-
-def run() -> None:
-    """The console script ``jaxkv-simulate``."""
-    app.run(main, flags_parser=flags_parser(PROG, module=__name__))
+        exit_error(prog, err)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ and the public ops that dispatch to an implementation.
 - :mod:`~jaxkv.device.ops`: ``write_kv``, ``paged_attention``, block copies, one
   dispatch table over :mod:`jaxkv.pallas`;
 - :mod:`~jaxkv.device.mesh`: the tensor-parallel mesh and its shardings;
-- :mod:`~jaxkv.device.jax_support`: the jax releases the device side is tested with.
+- :mod:`~jaxkv.device.jax_support`: the jax releases the device side is tested with (imported
+  first: without jax, every device module raises one error naming ``jaxkv[device]``).
 """
 
+import jaxkv.device.jax_support  # noqa: F401 - first: a missing or untested jax is refused with the pip hint
 from jaxkv.device import ops
 from jaxkv.device.cache import KVCache, UnknownLayerError, allocate_kv_cache
 from jaxkv.device.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata

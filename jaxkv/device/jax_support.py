@@ -4,7 +4,10 @@ The device side leans on recent and partly private JAX APIs (Mosaic GPU's interp
 mode, ``pltpu.InterpretParams``, ``jax.typeof``/``jax.sharding.reshard``, explicit mesh
 axis types), so a jax outside the tested range is refused here with one clear error
 instead of failing later, deep inside a kernel. ``pyproject.toml``'s extras state the
-same range. Set ``JAXKV_ALLOW_UNTESTED_JAX=1`` to try another release anyway.
+same range. Set ``JAXKV_ALLOW_UNTESTED_JAX=1`` to try another release anyway. The device
+package imports this module first, so a missing jax is an
+:class:`~jaxkv.errors.ExtraNotInstalledError` naming the extra to install, not a bare
+``ModuleNotFoundError`` from deep inside.
 """
 
 from __future__ import annotations
@@ -12,9 +15,14 @@ from __future__ import annotations
 import os
 import re
 
-import jax
+from jaxkv.errors import JaxkvError, raise_missing_extra
 
-from jaxkv.errors import JaxkvError
+JAX_MISSING = "jaxkv's device side needs jax: pip install 'jaxkv[device]' (or 'jaxkv[cuda]', 'jaxkv[tpu]')"
+
+try:
+    import jax
+except ModuleNotFoundError as err:
+    raise_missing_extra(err, ("jax", "jaxlib"), JAX_MISSING)
 
 OLDEST_JAX = (0, 10, 2)
 """The oldest jax the suite ran on (CPU machines)."""

@@ -55,11 +55,15 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-import zmq
+from jaxkv.errors import JaxkvError, raise_missing_extra
+
+try:  # the events extra: one error naming it, not a bare ModuleNotFoundError
+    import msgspec
+    import zmq
+except ModuleNotFoundError as err:
+    raise_missing_extra(err, ("msgspec", "zmq"), "KV events need pyzmq and msgspec: pip install 'jaxkv[events]'")
 
 from jaxkv.core.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from jaxkv.errors import JaxkvError
 from jaxkv.offload.catalog import KeysRemoved, KeysStored, OffloadEvent
 from jaxkv.serving.zmq_security import CurveKeys, SecureContext, check_endpoint
 
