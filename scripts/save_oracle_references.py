@@ -36,7 +36,7 @@ from jaxkv.commands.cli import exit_error, flags_parser
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from save_tiny_checkpoint import FAMILIES, WINDOW, save_tiny_checkpoint  # noqa: E402
+from save_tiny_checkpoint import FAMILIES, WINDOW, save_tiny_checkpoint
 
 ORACLE_DIR = Path(__file__).resolve().parent.parent / "tests" / "oracle"
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hf_checkpoints import DENSE_ATOL, ENGINE_ATOL, WINDOW, dense_difference, host_tier, serve_against_transformers
+from hf_checkpoints import DENSE_ATOL, ENGINE_ATOL, dense_difference, host_tier, serve_against_transformers
 
 from jaxkv.device.mesh import model_mesh
 from jaxkv.models.gemma3 import Gemma3
