@@ -59,7 +59,7 @@ HOST_MODULES = [
 def test_the_host_side_imports_no_jax():
     code = (
         f"import sys\nfor m in {HOST_MODULES!r}: __import__(m)\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')))"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -110,13 +110,13 @@ def test_cluster_and_fleet_do_not_import_each_other():
 
 
 @pytest.mark.subprocess
-def test_the_host_side_imports_with_jax_and_flax_absent():
-    """A router or scheduler process installs jaxkv without extras: no jax, no flax."""
+def test_the_host_side_imports_with_jax_absent():
+    """A router or scheduler process installs jaxkv without extras: no jax."""
     code = (
         "import importlib.abc, sys\n"
         "class Absent(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('jax', 'jaxlib', 'flax'):\n"
+        "        if name.split('.')[0] in ('jax', 'jaxlib'):\n"
         "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
         "sys.meta_path.insert(0, Absent())\n"
         f"for m in {HOST_MODULES!r}: __import__(m)\n"
@@ -131,7 +131,7 @@ def test_the_host_side_imports_with_jax_and_flax_absent():
 def test_the_public_names_come_from_jaxkv_and_only_the_device_ones_load_jax():
     code = (
         "import sys, jaxkv\n"
-        "jax = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
+        "jax = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib'))\n"
         "host = [jaxkv.KVCacheManager, jaxkv.Request, jaxkv.plan_kv_cache, jaxkv.get_preset, jaxkv.JaxkvError]\n"
         "print(jax() == [])\n"
         "print(all(getattr(jaxkv, name) is not None for name in jaxkv.__all__), 'jax' in jax())\n"

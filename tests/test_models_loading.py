@@ -11,7 +11,7 @@ def test_a_named_tiny_model_is_seeded_and_named_as_asked():
     assert isinstance(loaded.model, TinyLM) and loaded.name == "tiny-qwen3-next"
     assert loaded.attention_dtype == "bfloat16", "the attention KV's dtype, not the recurrent states' float32"
     other_seed = load_model(None, "tiny-qwen3-next", dtype="bfloat16", seed=4).model
-    assert not (other_seed.embed.embedding[...] == loaded.model.embed.embedding[...]).all()
+    assert not (other_seed.params["embed_tokens.weight"] == loaded.model.params["embed_tokens.weight"]).all()
 
 
 def test_a_checkpoint_wins_over_the_model_name_and_names_its_architecture(tmp_path):

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.core.manager import KVCacheManager, Request
@@ -19,6 +18,7 @@ from jaxkv.models.tiny import (
     TinyLM,
     dense_greedy_generate,
     get_model_config,
+    init_params,
     model_names,
 )
 from jaxkv.planner import plan_kv_cache
@@ -58,11 +58,29 @@ def test_a_tiny_model_is_a_served_model_whose_weights_are_its_params():
     assert model.layer_specs() == get_preset("tiny-hybrid")
     specs = model.partition_specs()
     assert jax.tree.structure(specs) == jax.tree.structure(model.params)
-    attention = specs["layers"][0]["attn"]
-    assert (attention["q_proj"]["kernel"], attention["o_proj"]["kernel"]) == (P(None, MODEL_AXIS), P(MODEL_AXIS, None))
-    assert specs["embed"]["embedding"] == P()
+    attention = "layers.0.self_attn"
+    assert model.params[f"{attention}.q_proj.weight"].shape == (4 * 64, 128)  # (out, in), as checkpoints store it
+    assert (specs[f"{attention}.q_proj.weight"], specs[f"{attention}.o_proj.weight"]) == (
+        P(MODEL_AXIS, None),
+        P(None, MODEL_AXIS),
+    )
+    assert specs["embed_tokens.weight"] == specs["lm_head.weight"] == specs[f"{attention}.q_norm.weight"] == P()
     # Equal architectures are one forward (engines share its compilation), whatever the weights.
     assert model == TinyLM(get_model_config("tiny-hybrid"), seed=1) != TinyLM(get_model_config("tiny-llama"))
+
+
+def test_the_same_seed_draws_the_same_weights():
+    config = get_model_config("tiny-qwen3-next")
+    first, again, other = init_params(config, 7), init_params(config, 7), init_params(config, 8)
+    assert list(first) == list(other)
+    assert all(np.array_equal(first[name], again[name]) for name in first)
+    different = [name for name in first if not np.array_equal(first[name], other[name])]
+    assert "layers.0.linear_attn.qkv_proj.weight" in different and "lm_head.weight" in different
+    # Norms start at one and the delta rule's decay parameters are fixed, whatever the seed.
+    assert all(name.endswith(("norm.weight", "A_log", "dt_bias")) for name in set(first) - set(different))
+    assert first["layers.0.linear_attn.A_log"].dtype == jnp.float32
+    with pytest.raises(ModelConfigError, match="seed must be a non-negative int, got -1"):
+        init_params(config, -1)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +89,7 @@ def test_a_tiny_model_is_a_served_model_whose_weights_are_its_params():
         ({"num_heads": 3}, "num_heads=3 must be a multiple of num_kv_heads=2"),
         ({"head_dim": 7}, "head_dim must be even"),
         ({"windows": (8, 0)}, "windows must be"),
-        ({"activation": "relu"}, "unknown activation 'relu'"),
+        ({"activation": "relu"}, "unknown activation 'relu'; valid: silu, gelu"),
         ({"vocab_size": 0}, "vocab_size must be a positive int, got 0"),
         ({"dtype": "float64"}, "unknown dtype 'float64'"),
         ({"recurrent": (True,)}, "recurrent must be empty or one bool per layer"),
@@ -91,8 +109,7 @@ def test_llama_1b_is_a_gpu_model_of_1_1e9_bf16_parameters():
     """Shapes only (jax.eval_shape): the model is never built on a CPU."""
     config = get_model_config("llama-1b")
     assert "llama-1b" in model_names() and "llama-1b" not in MODEL_CONFIGS  # CPU runs iterate MODEL_CONFIGS
-    model = nnx.eval_shape(lambda: TinyLM(config, seed=0))
-    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    params = jax.tree.leaves(jax.eval_shape(lambda: init_params(config, seed=0)))
     assert {p.dtype for p in params} == {jnp.dtype("bfloat16")}
     assert sum(p.size for p in params) == 1_104_218_112  # 2 x 65.5M embeddings + 16 x 60.8M layers
     assert get_model_config("llama-1b", dtype="float32").dtype == "float32"

@@ -66,14 +66,13 @@ def test_same_tokens_on_1_2_4_8_devices_and_no_compilation_after_warm_up(model, 
         assert len(kv.devices()) == n and heads == {2 * 8 // n}  # K and V of 8 / n heads each
 
 
-def test_weights_follow_their_annotations_on_the_mesh():
+def test_weights_follow_their_partition_specs_on_the_mesh():
     eng = build("tiny-llama-kv8", 4)
-    layer = eng.runner.params["layers"][0]
-    q, o = layer["attn"]["q_proj"]["kernel"][...], layer["attn"]["o_proj"]["kernel"][...]
-    norm = layer["attn_norm"]["scale"][...]
-    assert q.addressable_shards[0].data.shape == (128, 128 // 4)  # column-parallel
-    assert o.addressable_shards[0].data.shape == (128 // 4, 128)  # row-parallel
-    assert norm.sharding.is_fully_replicated
+    params = eng.runner.params
+    q, o = params["layers.0.self_attn.q_proj.weight"], params["layers.0.self_attn.o_proj.weight"]
+    assert q.addressable_shards[0].data.shape == (128 // 4, 128)  # column-parallel: (out, in) split by out
+    assert o.addressable_shards[0].data.shape == (128, 128 // 4)  # row-parallel: split by in
+    assert params["layers.0.input_layernorm.weight"].sharding.is_fully_replicated
 
 
 @pytest.mark.parametrize("num_devices", [4])

@@ -6,7 +6,7 @@ model axis, MODEL_AXIS by default):
 - the KV cache's heads (:func:`jaxkv.device.cache.allocate_kv_cache` with ``kv_axis``), each
   device holding whole KV heads; recurrent state rows are replicated
   (:func:`jaxkv.device.state_cache.allocate_state_cache`);
-- the weights, by their NNX sharding annotations (:mod:`jaxkv.models.tiny`: column-
+- the weights, by the model's partition specs (``ServedModel.partition_specs``: column-
   then row-parallel attention and MLP, the rest replicated);
 - step metadata and sampled tokens replicated.
 

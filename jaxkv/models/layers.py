@@ -1,5 +1,6 @@
-"""Pure-JAX pieces the checkpoint architectures share: norms, rotary embeddings, projections,
-gated MLPs and attention (dense, or paged through :mod:`jaxkv.device.ops`).
+"""Pure-JAX pieces every model shares (the checkpoint architectures and the tiny test
+models): norms, rotary embeddings, projections, gated MLPs and attention (dense, or paged
+through :mod:`jaxkv.device.ops`).
 
 Weights are plain arrays in the checkpoint's own layout (a projection's weight is
 ``(out, in)``, as Hugging Face stores it); every function is pure. Float32 models
@@ -16,6 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxkv.device import ops
+from jaxkv.device.cache import KVCache
+from jaxkv.device.metadata import StepMetadata
 from jaxkv.errors import JaxkvError
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -197,3 +201,21 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, shape: AttentionSh
     probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
     out = jnp.einsum("bhglm,bmhd->blhgd", probs, v.astype(jnp.float32), precision=_HIGHEST)
     return out.reshape(*out.shape[:2], shape.num_heads, shape.head_dim).astype(v.dtype)
+
+
+def paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: KVCache,
+    layer: str,
+    meta: StepMetadata,
+    shape: AttentionShape,
+    impl: str | None,
+) -> tuple[jax.Array, KVCache]:
+    """Attention of a ragged batch through the paged KV cache: ``layer``'s new k and v
+    ``(T, KVH, D)`` written where ``meta`` says, then q ``(T, QH, D)`` attending over its
+    pages (the cache supplies the window); out ``(T, QH, D)`` and the updated cache."""
+    cache = ops.write_kv(cache, layer, k, v, meta, impl=impl)
+    out = ops.paged_attention(q, cache, layer, meta, sm_scale=shape.sm_scale, soft_cap=shape.soft_cap, impl=impl)
+    return out, cache

@@ -6,8 +6,8 @@ tensor names (``model.layers.0.self_attn.q_proj.weight``...), so loading is a ta
 forwards over the same weights:
 
 - :meth:`Llama.forward`: one step over a ragged batch against the paged KV cache, each
-  layer writing its K/V with :func:`jaxkv.device.ops.write_kv` and attending with
-  :func:`jaxkv.device.ops.paged_attention` (the window comes from the cache's spec of the layer);
+  layer writing its K/V and attending through it (:func:`jaxkv.models.layers.paged_attention`;
+  the window comes from the cache's spec of the layer);
 - :meth:`Llama.dense`: whole sequences without a cache, the oracle of the paged path.
 
 Layer ``i`` holds cache under the name ``model.layers.<i>``. A layer listed as
@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxkv.device import ops
 from jaxkv.device.cache import KVCache
 from jaxkv.device.mesh import MODEL_AXIS
 from jaxkv.device.metadata import StepMetadata
@@ -237,11 +236,10 @@ class Llama:
         state = {"cache": cache}
 
         def attend(index: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            name, shape = self.layer_name(index), self.attention_shape(index)
-            state["cache"] = ops.write_kv(state["cache"], name, k, v, meta, impl=impl)
-            return ops.paged_attention(
-                q, state["cache"], name, meta, sm_scale=shape.sm_scale, soft_cap=shape.soft_cap, impl=impl
+            out, state["cache"] = layers.paged_attention(
+                q, k, v, state["cache"], self.layer_name(index), meta, self.attention_shape(index), impl
             )
+            return out
 
         x = self.embed(params, meta.input_ids)
         for i in range(self.num_layers):

@@ -32,8 +32,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxkv.device import ops
-from jaxkv.device.cache import KVCache
 from jaxkv.device.metadata import StepMetadata
 from jaxkv.device.state_cache import HybridCache, read_layer_state, write_layer_state
 from jaxkv.models import layers, mamba2, moe
@@ -285,9 +283,8 @@ class NemotronH:
         def attend(index: int, x: jax.Array) -> jax.Array:
             name = self.layer_name(index)
             q, k, v = self._attention_inputs(params, index, x)
-            kv: KVCache = ops.write_kv(state["cache"].kv, name, k, v, meta, impl=impl)
+            out, kv = layers.paged_attention(q, k, v, state["cache"].kv, name, meta, self.attention, impl)
             state["cache"] = dataclasses.replace(state["cache"], kv=kv)
-            out = ops.paged_attention(q, kv, name, meta, sm_scale=self.attention.sm_scale, impl=impl)
             return layers.output(out, params, f"{name}.mixer")
 
         def recur(index: int, x: jax.Array) -> jax.Array:

@@ -34,8 +34,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxkv.device import ops
-from jaxkv.device.cache import KVCache
 from jaxkv.device.metadata import StepMetadata
 from jaxkv.device.state_cache import HybridCache, read_layer_state, write_layer_state
 from jaxkv.models import layers, moe
@@ -322,9 +320,8 @@ class Qwen3Next:
         def attend(index: int, x: jax.Array) -> jax.Array:
             name, p = self.layer_name(index), f"{self.layer_name(index)}.self_attn"
             q, k, v, gate = self._attention_inputs(params, p, x, meta.positions)
-            kv: KVCache = ops.write_kv(state["cache"].kv, name, k, v, meta, impl=impl)
+            out, kv = layers.paged_attention(q, k, v, state["cache"].kv, name, meta, self.attention, impl)
             state["cache"] = dataclasses.replace(state["cache"], kv=kv)
-            out = ops.paged_attention(q, kv, name, meta, sm_scale=self.attention.sm_scale, impl=impl)
             return self._attention_output(params, p, out, gate)
 
         def recur(index: int, x: jax.Array) -> jax.Array:

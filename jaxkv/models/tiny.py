@@ -1,4 +1,4 @@
-"""Tiny Flax NNX decoder models with seeded random weights, paged and dense.
+"""Tiny decoder models with seeded random weights, paged and dense, built on :mod:`jaxkv.models.layers`.
 
 Three architectures, all small enough to serve on a CPU in seconds:
 
@@ -13,24 +13,26 @@ Three architectures, all small enough to serve on a CPU in seconds:
   units of KV pages with ``shared_pages``); the step reads and writes where
   :class:`~jaxkv.device.metadata.StateMetadata` says.
 
-Every model has two forwards over the same weights:
+The weights are a flat dict of arrays named in the Hugging Face style
+(``layers.0.self_attn.q_proj.weight``, ``(out, in)``), as the checkpoint architectures
+(:mod:`jaxkv.models.llama`...) hold theirs; :func:`init_params` draws them from a seed
+(the same seed, the same weights). Every model has two forwards over the same weights:
 
 - :meth:`TinyLM.forward` (the :class:`~jaxkv.models.protocol.ServedModel` step): a
   ragged batch (decodes first, then prefill chunks) against the paged KV cache; each
-  attention layer writes its new K/V with :func:`jaxkv.device.ops.write_kv` and attends with
-  :func:`jaxkv.device.ops.paged_attention` by its name, the cache and the step metadata
+  attention layer writes its new K/V and attends by its name
+  (:func:`jaxkv.models.layers.paged_attention`), the cache and the step metadata
   supplying its window and block table;
 - :meth:`TinyLM.dense`: plain causal attention over whole sequences (window-masked in
   window layers) and the delta rule from zero state, no cache: the correctness oracle
   of the paged path.
 
-Tensor parallelism (Megatron-style): the weights carry Flax NNX sharding annotations
-over the mesh axis :data:`MODEL_AXIS`: the attention q/k/v and MLP gate/up projections
-are column-parallel (split by output features, so each device computes whole heads of
-its own KV heads), the attention and MLP output projections row-parallel (split by
-input features; XLA sums the partial products). Embeddings, norms, the LM head and the
-Gated DeltaNet layers are replicated. The annotations are metadata only (no mesh is
-needed to build a model); :mod:`jaxkv.device.mesh` places the weights.
+Tensor parallelism (Megatron-style, :meth:`TinyLM.partition_specs`): the attention
+q/k/v and MLP gate/up projections are column-parallel (split by output features, so
+each device computes whole heads of its own KV heads), the attention and MLP output
+projections row-parallel (split by input features; XLA sums the partial products).
+Embeddings, norms, the LM head and the Gated DeltaNet layers are replicated;
+:mod:`jaxkv.device.mesh` places the weights.
 
 Layer ``i`` is named ``layers.<i>``, as in :mod:`jaxkv.presets`, so
 ``plan_kv_cache(config.layer_specs(), ...)`` plans the cache the model reads.
@@ -40,34 +42,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from jax.sharding import PartitionSpec
 
-from jaxkv.device import ops
 from jaxkv.device.cache import KVCache
-from jaxkv.device.mesh import MODEL_AXIS
 from jaxkv.device.metadata import StepMetadata
 from jaxkv.device.state_cache import HybridCache, read_layer_state, write_layer_state
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
+from jaxkv.models import layers
 from jaxkv.models.delta_net import dense_delta_net, ragged_delta_net, seq_of_token
+from jaxkv.models.layers import AttentionShape, Rope
+from jaxkv.models.llama import COLUMN, REPLICATED, ROW, Params
 from jaxkv.models.protocol import DenseModel
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
-_HIGHEST = jax.lax.Precision.HIGHEST
-"""The mesh axis name in the weights' sharding annotations (a runner maps it to its mesh's axis)."""
-COLUMN_PARALLEL = (None, MODEL_AXIS)
-"""A ``(in, out)`` kernel split by output features."""
-ROW_PARALLEL = (MODEL_AXIS, None)
-"""A ``(in, out)`` kernel split by input features."""
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
 DTYPES = ("float32", "bfloat16")
+NORM_EPS = 1e-6
+Mixer = Callable[[int, jax.Array], jax.Array]
+"""``mix(layer_index, normed_x) -> out``: a layer's token mixer, dense or against the cache."""
 
 
 class ModelConfigError(JaxkvError, ValueError):
@@ -78,6 +77,7 @@ class ModelConfigError(JaxkvError, ValueError):
 class ModelConfig:
     """Architecture of a :class:`TinyLM`.
 
+    ``activation`` is a Hugging Face activation name (:data:`jaxkv.models.layers.ACTIVATIONS`).
     ``windows[i]`` is layer i's sliding window in tokens (a query at position p sees
     kv positions ``p - window < kv_pos <= p``), or None for full attention.
     ``recurrent[i]`` (empty: none) makes layer i a Gated DeltaNet of ``delta_heads``
@@ -129,8 +129,8 @@ class ModelConfig:
             raise ModelConfigError(f"windows must be a non-empty tuple of ints > 0 or None, got {self.windows!r}")
         if self.dtype not in DTYPES:
             raise ModelConfigError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
-        if self.activation not in ACTIVATIONS:
-            raise ModelConfigError(f"unknown activation {self.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+        if self.activation not in layers.ACTIVATIONS:
+            raise ModelConfigError(f"unknown activation {self.activation!r}; valid: {', '.join(layers.ACTIVATIONS)}")
         check_int("conv_kernel", self.conv_kernel, minimum=2, error=ModelConfigError)
         if self.recurrent and (
             len(self.recurrent) != len(self.windows)
@@ -215,7 +215,7 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         windows=tuple(None if (i + 1) % 6 == 0 else 32 for i in range(6)),
         rope_theta=1_000_000.0,
         local_rope_theta=10_000.0,
-        activation="gelu",
+        activation="gelu_pytorch_tanh",
         qk_norm=True,
         post_norms=True,
         scale_embeddings=True,
@@ -274,237 +274,122 @@ def get_model_config(name: str, *, dtype: str | None = None) -> ModelConfig:
     return config if dtype is None else dataclasses.replace(config, dtype=dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding of ``x (..., T, heads, D)`` at ``positions (T,)`` (rotate-half form)."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, None] * freqs
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+Init = Callable[[jax.Array, tuple[int, ...]], jax.Array]
+"""``init(key, shape) -> float32 array``: how one weight is drawn."""
 
 
-def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
-    """``cap * tanh(x / cap)``, or ``x`` when ``cap`` is None."""
-    return x if cap is None else cap * jnp.tanh(x / cap)
+def _normal(fan_in: int) -> Init:
+    """Normal weights of variance ``1 / fan_in`` (LeCun's), so activations keep their scale."""
+    return lambda key, shape: jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5
 
 
-def _matmul_precision(dtype: str) -> jax.lax.Precision | None:
-    """Full precision for float32 models (GPUs default fp32 matmuls to TF32, which
-    breaks the fp32 promise: identical tokens with and without the cache), the
-    backend's default for narrower dtypes."""
-    return _HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+def _ones(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return jnp.ones(shape, jnp.float32)
 
 
-def _linear(
-    din: int, dout: int, dtype: str, rngs: nnx.Rngs, sharding: tuple[str | None, ...] | None = None
-) -> nnx.Linear:
-    """A bias-free projection; ``sharding`` (:data:`COLUMN_PARALLEL`, :data:`ROW_PARALLEL`)
-    annotates its kernel, unplaced (no mesh needed here), or None: replicated."""
-    init = nnx.initializers.lecun_normal()
-    if sharding is not None:
-        init = nnx.with_partitioning(init, sharding, eager_sharding=False)
-    return nnx.Linear(
-        din,
-        dout,
-        use_bias=False,
-        dtype=dtype,
-        param_dtype=dtype,
-        precision=_matmul_precision(dtype),
-        kernel_init=init,
-        rngs=rngs,
-    )
+def _fixed(values: np.ndarray) -> Init:
+    """The same ``values`` whatever the seed."""
+    return lambda key, shape: jnp.asarray(values, jnp.float32)
 
 
-def _norm(dim: int, dtype: str, rngs: nnx.Rngs) -> nnx.RMSNorm:
-    return nnx.RMSNorm(dim, epsilon=1e-6, dtype=dtype, param_dtype=dtype, rngs=rngs)
+class Weight(NamedTuple):
+    """One weight of a tiny model: its shape, how it is drawn and how it splits over a mesh."""
+
+    shape: tuple[int, ...]
+    init: Init
+    partition: PartitionSpec = REPLICATED
+    float32: bool = False
+    """Kept in float32 whatever the model's dtype (the Gated DeltaNet's decay rates)."""
 
 
-class Attention(nnx.Module):
-    """One attention layer: projections, optional QK-norm, RoPE, then paged or dense attention."""
-
-    def __init__(self, config: ModelConfig, index: int, rngs: nnx.Rngs) -> None:
-        c = config
-        self.name = c.layer_names[index]
-        self.window = c.windows[index]
-        self.theta = c.rope_theta if self.window is None else c.local_rope_theta
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.logit_cap = c.attn_soft_cap
-        self.sm_scale = 1.0 / math.sqrt(c.head_dim)
-        self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.dtype, rngs, COLUMN_PARALLEL)
-        self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.dtype, rngs, COLUMN_PARALLEL)
-        self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.dtype, rngs, COLUMN_PARALLEL)
-        self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, c.dtype, rngs, ROW_PARALLEL)
-        self.q_norm = _norm(c.head_dim, c.dtype, rngs) if c.qk_norm else None
-        self.k_norm = _norm(c.head_dim, c.dtype, rngs) if c.qk_norm else None
-
-    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q ``(..., T, QH, D)``, k and v ``(..., T, H, D)`` with RoPE applied to q and k."""
-        lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return rope(q, positions, self.theta), rope(k, positions, self.theta), v
-
-    def paged(self, x: jax.Array, cache: KVCache, meta: StepMetadata, impl: str | None) -> tuple[jax.Array, KVCache]:
-        """``x (T, hidden)`` of a ragged batch; writes this step's K/V, then attends through
-        the cache (which supplies this layer's window and block table)."""
-        q, k, v = self._qkv(x, meta.positions)
-        cache = ops.write_kv(cache, self.name, k, v, meta, impl=impl)
-        out = ops.paged_attention(q, cache, self.name, meta, sm_scale=self.sm_scale, soft_cap=self.logit_cap, impl=impl)
-        return self.o_proj(out.reshape(x.shape[0], -1)), cache
-
-    def dense(self, x: jax.Array) -> jax.Array:
-        """``x (B, L, hidden)`` of whole sequences from position 0: causal (and window) masked."""
-        length = x.shape[1]
-        positions = jnp.arange(length, dtype=jnp.int32)
-        q, k, v = self._qkv(x, positions)
-        num_queries_per_kv = self.num_heads // self.num_kv_heads
-        q = q.reshape(*q.shape[:2], self.num_kv_heads, num_queries_per_kv, self.head_dim).astype(jnp.float32)
-        logits = jnp.einsum("blhgd,bmhd->bhglm", q, k.astype(jnp.float32), precision=_HIGHEST)
-        logits = soft_cap(logits * self.sm_scale, self.logit_cap)
-        mask = positions[None, :] <= positions[:, None]
-        if self.window is not None:
-            mask &= positions[None, :] > positions[:, None] - self.window
-        probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
-        out = jnp.einsum("bhglm,bmhd->blhgd", probs, v.astype(jnp.float32), precision=_HIGHEST)
-        return self.o_proj(out.reshape(*x.shape[:2], -1).astype(x.dtype))
+def _projection(out: int, fan_in: int, partition: PartitionSpec = REPLICATED) -> Weight:
+    """A bias-free ``(out, in)`` projection."""
+    return Weight((out, fan_in), _normal(fan_in), partition)
 
 
-class GatedDeltaNet(nnx.Module):
-    """One Gated DeltaNet layer: projections, causal conv + delta rule, gated RMSNorm, output."""
+def _norm(dim: int) -> Weight:
+    return Weight((dim,), _ones)
 
-    def __init__(self, config: ModelConfig, index: int, rngs: nnx.Rngs) -> None:
-        c = config
-        self.name = c.layer_names[index]
-        self.num_heads, self.key_dim, self.value_dim = c.delta_heads, c.delta_key_dim, c.delta_value_dim
-        self.qkv_proj = _linear(c.hidden_size, c.conv_dim, c.dtype, rngs)
-        scale = c.conv_kernel**-0.5
-        self.conv_weight = nnx.Param(
-            (jax.random.normal(rngs.params(), (c.conv_kernel, c.conv_dim)) * scale).astype(c.dtype)
+
+def weight_table(config: ModelConfig) -> dict[str, Weight]:
+    """Every weight of a :class:`TinyLM` of ``config`` by name, in the order the seed draws them."""
+    c, h = config, config.hidden_size
+    table = {"embed_tokens.weight": Weight((c.vocab_size, h), _normal(h))}
+    for i, p in enumerate(c.layer_names):
+        table[f"{p}.input_layernorm.weight"] = _norm(h)
+        table |= (
+            _delta_net_weights(c, f"{p}.linear_attn") if c.is_recurrent(i) else _attention_weights(c, f"{p}.self_attn")
         )
-        self.decay_proj = _linear(c.hidden_size, c.delta_heads, c.dtype, rngs)
-        self.beta_proj = _linear(c.hidden_size, c.delta_heads, c.dtype, rngs)
-        # Per-head decay rates in [1, 16] (as Mamba-2 initialises A) and a time-step bias.
-        self.a_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, c.delta_heads)).astype(jnp.float32))
-        self.dt_bias = nnx.Param(jnp.full((c.delta_heads,), -2.0, jnp.float32))
-        self.gate_proj = _linear(c.hidden_size, c.delta_heads * c.delta_value_dim, c.dtype, rngs)
-        self.out_norm = _norm(c.delta_value_dim, c.dtype, rngs)
-        self.o_proj = _linear(c.delta_heads * c.delta_value_dim, c.hidden_size, c.dtype, rngs)
+        table[f"{p}.post_attention_layernorm.weight"] = _norm(h)
+        if c.post_norms:
+            table[f"{p}.pre_feedforward_layernorm.weight"] = _norm(h)
+            table[f"{p}.post_feedforward_layernorm.weight"] = _norm(h)
+        table |= {
+            f"{p}.mlp.gate_proj.weight": _projection(c.mlp_dim, h, COLUMN),
+            f"{p}.mlp.up_proj.weight": _projection(c.mlp_dim, h, COLUMN),
+            f"{p}.mlp.down_proj.weight": _projection(h, c.mlp_dim, ROW),
+        }
+    return table | {"norm.weight": _norm(h), "lm_head.weight": _projection(c.vocab_size, h)}
 
-    def _gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Per token and head: the log decay ``g < 0`` and the step ``beta``, float32."""
-        raw = self.decay_proj(x).astype(jnp.float32) + self.dt_bias[...]
-        decay = -jnp.exp(self.a_log[...]) * jax.nn.softplus(raw)
-        return decay, jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
 
-    def _output(self, x: jax.Array, out: jax.Array) -> jax.Array:
-        """Gated RMSNorm of the heads' outputs ``(..., H, dv)``, then the output projection."""
-        gate = self.gate_proj(x).reshape(*x.shape[:-1], self.num_heads, self.value_dim)
-        out = self.out_norm(out.astype(x.dtype)) * jax.nn.silu(gate)
-        return self.o_proj(out.reshape(*x.shape[:-1], -1))
+def _attention_weights(c: ModelConfig, prefix: str) -> dict[str, Weight]:
+    """q/k/v column-parallel (whole heads per device), o row-parallel, and the QK-norms."""
+    h, q_width, kv_width = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    table = {
+        f"{prefix}.q_proj.weight": _projection(q_width, h, COLUMN),
+        f"{prefix}.k_proj.weight": _projection(kv_width, h, COLUMN),
+        f"{prefix}.v_proj.weight": _projection(kv_width, h, COLUMN),
+        f"{prefix}.o_proj.weight": _projection(h, q_width, ROW),
+    }
+    if c.qk_norm:
+        table |= {f"{prefix}.q_norm.weight": _norm(c.head_dim), f"{prefix}.k_norm.weight": _norm(c.head_dim)}
+    return table
 
-    def paged(self, x: jax.Array, cache: HybridCache, meta: StepMetadata) -> tuple[jax.Array, HybridCache]:
-        """``x (T, hidden)`` of a ragged batch: each sequence resumes from its state (zeros
-        when fresh) and its state after the step is written where it goes (a row or a unit)."""
-        group = meta.states_of(self.name)
-        conv, state = read_layer_state(cache, self.name, group)
-        decay, beta = self._gates(x)
-        owner = seq_of_token(meta.cu_q_lens, meta.num_seqs, x.shape[0])
-        out, conv, state = ragged_delta_net(
-            self.qkv_proj(x), decay, beta, self.conv_weight[...], owner, conv, state, self.num_heads, self.key_dim
+
+def _delta_net_weights(c: ModelConfig, prefix: str) -> dict[str, Weight]:
+    """A Gated DeltaNet's projections, causal conv ``(K, C)`` and decay parameters (replicated).
+
+    Per-head decay rates ``exp(A_log)`` in [1, 16] (as Mamba-2 initialises A) and a
+    time-step bias of -2, the same for every seed."""
+    h, heads, value_width = c.hidden_size, c.delta_heads, c.delta_heads * c.delta_value_dim
+    return {
+        f"{prefix}.qkv_proj.weight": _projection(c.conv_dim, h),
+        f"{prefix}.conv.weight": Weight((c.conv_kernel, c.conv_dim), _normal(c.conv_kernel)),
+        f"{prefix}.decay_proj.weight": _projection(heads, h),
+        f"{prefix}.beta_proj.weight": _projection(heads, h),
+        f"{prefix}.A_log": Weight((heads,), _fixed(np.log(np.linspace(1.0, 16.0, heads))), float32=True),
+        f"{prefix}.dt_bias": Weight((heads,), _fixed(np.full(heads, -2.0)), float32=True),
+        f"{prefix}.z_proj.weight": _projection(value_width, h),
+        f"{prefix}.norm.weight": _norm(c.delta_value_dim),
+        f"{prefix}.out_proj.weight": _projection(h, value_width),
+    }
+
+
+def init_params(config: ModelConfig, seed: int) -> Params:
+    """The weights of a :class:`TinyLM` of ``config``: weight ``n`` of :func:`weight_table` drawn
+    from ``fold_in(key(seed), n)``, so the same seed gives the same weights."""
+    key = jax.random.key(check_int("seed", seed, minimum=0, error=ModelConfigError))
+    return {
+        name: weight.init(jax.random.fold_in(key, n), weight.shape).astype(
+            "float32" if weight.float32 else config.dtype
         )
-        cache = write_layer_state(cache, self.name, group, (conv, state))
-        return self._output(x, out), cache
-
-    def dense(self, x: jax.Array) -> jax.Array:
-        """``x (B, L, hidden)`` of whole sequences from zero state."""
-        decay, beta = self._gates(x)
-        out = dense_delta_net(self.qkv_proj(x), decay, beta, self.conv_weight[...], self.num_heads, self.key_dim)
-        return self._output(x, out)
+        for n, (name, weight) in enumerate(weight_table(config).items())
+    }
 
 
-class MLP(nnx.Module):
-    """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU with silu, GeGLU with gelu)."""
-
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
-        c = config
-        self.act = c.activation
-        self.gate = _linear(c.hidden_size, c.mlp_dim, c.dtype, rngs, COLUMN_PARALLEL)
-        self.up = _linear(c.hidden_size, c.mlp_dim, c.dtype, rngs, COLUMN_PARALLEL)
-        self.down = _linear(c.mlp_dim, c.hidden_size, c.dtype, rngs, ROW_PARALLEL)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(ACTIVATIONS[self.act](self.gate(x)) * self.up(x))
-
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm attention (or Gated DeltaNet) and MLP blocks with residuals (plus Gemma's
-    post-norms if set)."""
-
-    def __init__(self, config: ModelConfig, index: int, rngs: nnx.Rngs) -> None:
-        c = config
-        self.attn_norm = _norm(c.hidden_size, c.dtype, rngs)
-        recurrent = c.is_recurrent(index)
-        self.attn = None if recurrent else Attention(c, index, rngs)
-        self.delta = GatedDeltaNet(c, index, rngs) if recurrent else None
-        self.mlp_norm = _norm(c.hidden_size, c.dtype, rngs)
-        self.mlp = MLP(c, rngs)
-        self.post_attn_norm = _norm(c.hidden_size, c.dtype, rngs) if c.post_norms else None
-        self.post_mlp_norm = _norm(c.hidden_size, c.dtype, rngs) if c.post_norms else None
-
-    def _residual(self, x: jax.Array, out: jax.Array, post_norm: nnx.RMSNorm | None) -> jax.Array:
-        return x + (out if post_norm is None else post_norm(out))
-
-    @property
-    def mixer(self) -> Attention | GatedDeltaNet:
-        """The layer's token mixer: its delta net when recurrent, else its attention."""
-        if self.delta is not None:
-            return self.delta
-        if self.attn is None:
-            raise ModelConfigError("a decoder layer has neither attention nor a delta net")
-        return self.attn
-
-    def paged(self, x: jax.Array, cache: KVCache, meta: StepMetadata, impl: str | None) -> tuple[jax.Array, KVCache]:
-        if self.attn is None:
-            raise ModelConfigError(f"recurrent layer {self.mixer.name!r} has no KV cache pages")
-        out, cache = self.attn.paged(self.attn_norm(x), cache, meta, impl)
-        return self._mlp_block(self._residual(x, out, self.post_attn_norm)), cache
-
-    def recurrent(self, x: jax.Array, cache: HybridCache, meta: StepMetadata) -> tuple[jax.Array, HybridCache]:
-        if self.delta is None:
-            raise ModelConfigError(f"attention layer {self.mixer.name!r} has no recurrent state")
-        out, cache = self.delta.paged(self.attn_norm(x), cache, meta)
-        return self._mlp_block(self._residual(x, out, self.post_attn_norm)), cache
-
-    def _mlp_block(self, x: jax.Array) -> jax.Array:
-        return self._residual(x, self.mlp(self.mlp_norm(x)), self.post_mlp_norm)
-
-    def dense(self, x: jax.Array) -> jax.Array:
-        return self._mlp_block(self._residual(x, self.mixer.dense(self.attn_norm(x)), self.post_attn_norm))
-
-
-class TinyLM(nnx.Module):
+class TinyLM:
     """A decoder-only LM built from a :class:`ModelConfig`, weights drawn from ``seed``.
 
-    A :class:`~jaxkv.models.protocol.ServedModel`: :attr:`params` is its ``nnx.State``,
-    :meth:`forward` merges it into the module's graph, and :meth:`partition_specs` reads
-    the weights' NNX sharding annotations. Two TinyLMs are equal when their configs are
-    (their forwards are the same function of ``params``), so engines of one architecture
-    share compiled steps whatever the weights.
+    A :class:`~jaxkv.models.protocol.ServedModel` whose :attr:`params` are
+    :func:`init_params`' dict. Two TinyLMs are equal when their configs are (their
+    forwards are the same function of ``params``), so engines of one architecture share
+    compiled steps whatever the weights.
     """
 
     def __init__(self, config: ModelConfig, *, seed: int = 0, name: str = "tiny") -> None:
-        c = config
-        rngs = nnx.Rngs(seed)
-        self.config = c
+        self.config = config
         self.name = name
-        self.embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(c, i, rngs) for i in range(c.num_layers)])
-        self.final_norm = _norm(c.hidden_size, c.dtype, rngs)
-        self.lm_head = _linear(c.hidden_size, c.vocab_size, c.dtype, rngs)
+        self.params: Params = init_params(config, seed)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, TinyLM) and type(other) is type(self) and other.config == self.config
@@ -516,69 +401,157 @@ class TinyLM(nnx.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    @property
-    def params(self) -> nnx.State:
-        """Every weight of the module (its ``nnx.State``)."""
-        return nnx.state(self)
-
     def layer_specs(self) -> dict[str, KVCacheSpec]:
         """The cache spec of every layer (:meth:`ModelConfig.layer_specs`)."""
         return self.config.layer_specs()
 
-    def partition_specs(self) -> nnx.State:
-        """:attr:`params`' partition specs from the NNX annotations (column- and row-parallel
-        projections on :data:`MODEL_AXIS`, the rest replicated)."""
-        return nnx.get_partition_spec(self.params)
+    def partition_specs(self) -> dict[str, PartitionSpec]:
+        """:attr:`params`' partition specs (column- and row-parallel projections on
+        :data:`~jaxkv.device.mesh.MODEL_AXIS`, the rest replicated; see :func:`weight_table`)."""
+        return {name: weight.partition for name, weight in weight_table(self.config).items()}
 
-    def forward(
-        self, params: nnx.State, cache: KVCache | HybridCache, meta: StepMetadata, *, impl: str | None = None
-    ) -> tuple[jax.Array, KVCache | HybridCache]:
-        """:meth:`__call__` of this module's graph over ``params``."""
-        module: TinyLM = nnx.merge(nnx.graphdef(self), params)
-        return module(cache, meta, impl=impl)
+    # Layers -----------------------------------------------------------------------
 
-    def dense(self, params: nnx.State, tokens: jax.Array) -> jax.Array:
-        """Logits ``(B, L, vocab)`` of whole sequences ``tokens (B, L)`` over ``params``, without a cache."""
-        module: TinyLM = nnx.merge(nnx.graphdef(self), params)
-        return module.dense_forward(tokens)
+    def attention_shape(self, index: int) -> AttentionShape:
+        """Heads, scale, window and soft cap of attention layer ``index``."""
+        c = self.config
+        return AttentionShape(
+            c.num_heads, c.num_kv_heads, c.head_dim, 1 / math.sqrt(c.head_dim), c.windows[index], c.attn_soft_cap
+        )
 
-    def _embed(self, tokens: jax.Array) -> jax.Array:
-        x = self.embed(tokens)
+    def _norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
+        return layers.rms_norm(x, weight, NORM_EPS)
+
+    def _qkv(
+        self, params: Params, index: int, x: jax.Array, positions: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q ``(..., T, QH, D)``, k and v ``(..., T, KVH, D)`` of attention layer ``index``,
+        QK-normed if the model is, then rotated (a local RoPE base in window layers)."""
+        c = self.config
+        theta = c.rope_theta if c.windows[index] is None else c.local_rope_theta
+        return layers.qkv(
+            x,
+            params,
+            f"{c.layer_names[index]}.self_attn",
+            self.attention_shape(index),
+            Rope.from_config({"rope_theta": theta}, c.head_dim),
+            positions,
+            norm_eps=NORM_EPS if c.qk_norm else None,
+        )
+
+    def _delta_inputs(self, params: Params, p: str, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The convolution's input ``[q | k | v] (..., C)``, and per token and head the log
+        decay ``g < 0`` and the step ``beta``, float32."""
+        raw = layers.linear(x, params[f"{p}.decay_proj.weight"]).astype(jnp.float32) + params[f"{p}.dt_bias"]
+        decay = -jnp.exp(params[f"{p}.A_log"]) * jax.nn.softplus(raw)
+        beta = jax.nn.sigmoid(layers.linear(x, params[f"{p}.beta_proj.weight"]).astype(jnp.float32))
+        return layers.linear(x, params[f"{p}.qkv_proj.weight"]), decay, beta
+
+    def _delta_output(self, params: Params, p: str, x: jax.Array, out: jax.Array) -> jax.Array:
+        """Gated RMSNorm ``norm(out) * silu(z)`` of the heads' outputs ``(..., H, dv)``, then ``out_proj``."""
+        c = self.config
+        gate = layers.linear(x, params[f"{p}.z_proj.weight"]).reshape(*x.shape[:-1], c.delta_heads, c.delta_value_dim)
+        gated = self._norm(out.astype(x.dtype), params[f"{p}.norm.weight"]) * jax.nn.silu(gate)
+        return layers.linear(gated.reshape(*x.shape[:-1], -1), params[f"{p}.out_proj.weight"])
+
+    def _layers(self, params: Params, x: jax.Array, attend: Mixer, recur: Mixer) -> jax.Array:
+        """Every decoder layer: pre-norm token mixer then pre-norm gated MLP, with residuals
+        (each block's output normed first when the model has Gemma's post-norms)."""
+        c = self.config
+        for i, p in enumerate(c.layer_names):
+            mix = recur if c.is_recurrent(i) else attend
+            out = mix(i, self._norm(x, params[f"{p}.input_layernorm.weight"]))
+            if c.post_norms:
+                x = x + self._norm(out, params[f"{p}.post_attention_layernorm.weight"])
+                h = self._norm(x, params[f"{p}.pre_feedforward_layernorm.weight"])
+                x = x + self._norm(
+                    layers.gated_mlp(h, params, f"{p}.mlp", c.activation),
+                    params[f"{p}.post_feedforward_layernorm.weight"],
+                )
+            else:
+                x = x + out
+                h = self._norm(x, params[f"{p}.post_attention_layernorm.weight"])
+                x = x + layers.gated_mlp(h, params, f"{p}.mlp", c.activation)
+        return x
+
+    def _embed(self, params: Params, tokens: jax.Array) -> jax.Array:
+        x = params["embed_tokens.weight"][tokens]
         return x * math.sqrt(self.config.hidden_size) if self.config.scale_embeddings else x
 
-    def _logits(self, x: jax.Array) -> jax.Array:
-        logits = self.lm_head(self.final_norm(x)).astype(jnp.float32)
-        return soft_cap(logits, self.config.final_soft_cap)
+    def _logits(self, params: Params, x: jax.Array) -> jax.Array:
+        logits = layers.linear(self._norm(x, params["norm.weight"]), params["lm_head.weight"]).astype(jnp.float32)
+        return layers.soft_cap(logits, self.config.final_soft_cap)
 
-    def __call__(
-        self, cache: KVCache | HybridCache, meta: StepMetadata, *, impl: str | None = None
+    # Forwards ---------------------------------------------------------------------
+
+    def dense(self, params: Params, tokens: jax.Array) -> jax.Array:
+        """Logits ``(B, L, vocab)`` of whole sequences ``tokens (B, L)`` from position 0 and
+        zero state, no cache: the oracle of :meth:`forward`."""
+        c = self.config
+        positions = jnp.arange(tokens.shape[1])
+
+        def attend(index: int, x: jax.Array) -> jax.Array:
+            out = layers.dense_attention(*self._qkv(params, index, x, positions), self.attention_shape(index))
+            return layers.output(out, params, f"{c.layer_names[index]}.self_attn")
+
+        def recur(index: int, x: jax.Array) -> jax.Array:
+            p = f"{c.layer_names[index]}.linear_attn"
+            mixed, decay, beta = self._delta_inputs(params, p, x)
+            out = dense_delta_net(mixed, decay, beta, params[f"{p}.conv.weight"], c.delta_heads, c.delta_key_dim)
+            return self._delta_output(params, p, x, out)
+
+        return self._logits(params, self._layers(params, self._embed(params, tokens), attend, recur))
+
+    def forward(
+        self, params: Params, cache: KVCache | HybridCache, meta: StepMetadata, *, impl: str | None = None
     ) -> tuple[jax.Array, KVCache | HybridCache]:
-        """Logits ``(S, vocab)`` at ``meta.logits_indices`` of a ragged batch, and the updated cache.
+        """Float32 logits ``(S, vocab)`` at ``meta.logits_indices`` of a ragged batch, and the updated cache.
 
         Each layer finds its KV cache group in ``meta`` by its name; ``impl`` picks the
         :mod:`jaxkv.device.ops` implementation (None: the current setting). A model with
-        recurrent layers takes a :class:`HybridCache`.
+        recurrent layers takes a :class:`HybridCache`, each Gated DeltaNet resuming every
+        sequence from its state (``meta.states_of(layer)``).
         """
-        if isinstance(cache, HybridCache) and not (self.config.recurrent and any(self.config.recurrent)):
-            raise ModelConfigError(f"a model without recurrent layers got a {type(cache).__name__}")
-        x = self._embed(meta.input_ids)
-        for layer in self.layers:
-            if layer.delta is None:
-                kv = cache.kv if isinstance(cache, HybridCache) else cache
-                x, kv = layer.paged(x, kv, meta, impl)
-                cache = dataclasses.replace(cache, kv=kv) if isinstance(cache, HybridCache) else kv
-            elif not isinstance(cache, HybridCache):
-                raise ModelConfigError(f"a model with recurrent layers got a {type(cache).__name__}")
-            else:
-                x, cache = layer.recurrent(x, cache, meta)
-        return self._logits(x[meta.logits_indices]), cache
+        c = self.config
+        recurrent = any(c.recurrent)
+        if isinstance(cache, HybridCache) != recurrent:
+            kind = "with" if recurrent else "without"
+            raise ModelConfigError(f"a model {kind} recurrent layers got a {type(cache).__name__}")
+        state: dict[str, KVCache | HybridCache] = {"cache": cache}
+        owner = seq_of_token(meta.cu_q_lens, meta.num_seqs, meta.input_ids.shape[0])
 
-    def dense_forward(self, tokens: jax.Array) -> jax.Array:
-        """Logits ``(B, L, vocab)`` of whole sequences ``tokens (B, L)`` by this module's weights."""
-        x = self._embed(tokens)
-        for layer in self.layers:
-            x = layer.dense(x)
-        return self._logits(x)
+        def attend(index: int, x: jax.Array) -> jax.Array:
+            name = c.layer_names[index]
+            q, k, v = self._qkv(params, index, x, meta.positions)
+            cache = state["cache"]
+            kv = cache.kv if isinstance(cache, HybridCache) else cache
+            out, kv = layers.paged_attention(q, k, v, kv, name, meta, self.attention_shape(index), impl)
+            state["cache"] = dataclasses.replace(cache, kv=kv) if isinstance(cache, HybridCache) else kv
+            return layers.output(out, params, f"{name}.self_attn")
+
+        def recur(index: int, x: jax.Array) -> jax.Array:
+            name, p = c.layer_names[index], f"{c.layer_names[index]}.linear_attn"
+            hybrid = state["cache"]
+            assert isinstance(hybrid, HybridCache)
+            rows = meta.states_of(name)
+            conv, recurrent_state = read_layer_state(hybrid, name, rows)
+            mixed, decay, beta = self._delta_inputs(params, p, x)
+            out, conv, recurrent_state = ragged_delta_net(
+                mixed,
+                decay,
+                beta,
+                params[f"{p}.conv.weight"],
+                owner,
+                conv,
+                recurrent_state,
+                c.delta_heads,
+                c.delta_key_dim,
+            )
+            state["cache"] = write_layer_state(hybrid, name, rows, (conv, recurrent_state))
+            return self._delta_output(params, p, x, out)
+
+        x = self._layers(params, self._embed(params, meta.input_ids), attend, recur)
+        return self._logits(params, x[meta.logits_indices]), state["cache"]
 
 
 def dense_greedy_generate(model: DenseModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
