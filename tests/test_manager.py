@@ -734,7 +734,7 @@ def test_a_bad_token_in_a_batch_appends_nothing_to_any_request(tokens):
             mgr.append_token_ids([a, b], [3, bad])
     with pytest.raises(KVCacheManagerError, match="1 token ids for 2 requests"):
         mgr.append_token_ids([a, b], [3])
-    with pytest.raises(KVCacheManagerError, match=r"expected a jaxkv\.manager\.Request"):
+    with pytest.raises(KVCacheManagerError, match=r"expected a jaxkv\.core\.manager\.Request"):
         mgr.append_token_ids([a, "b"], [3, 4])
     assert a.num_tokens == b.num_tokens == 15 and a.block_hashes == b.block_hashes == []
     mgr.append_token_ids([a, b], np.array([3, 4]))
