@@ -234,6 +234,22 @@ def test_unknown_and_double_free_raise(tokens):
         mgr.free("a")
 
 
+def test_the_manager_keeps_a_request_from_its_first_allocation_to_its_free(tokens):
+    mgr = make_manager(4, FULL)  # 3 usable blocks
+    admit(mgr, Request("a", tokens(0, 32)))
+    waiting = Request("w", tokens(0, 16) + tokens(500, 40))
+    hit, n = mgr.get_computed_blocks(waiting)
+    assert n == waiting.prefix_reach == 16  # the lookup's reach stays on the request
+    assert mgr.allocate_slots(waiting, waiting.num_tokens - n, n, hit) is None
+    assert not mgr.has_request("w") and mgr.num_requests == 1  # looked up and refused: nothing kept
+    mgr.free("a")
+    assert mgr.num_requests == 0
+    again = Request("a", tokens(0, 20))  # the freed id, a new request: the old one left nothing behind
+    admit(mgr, again)
+    assert mgr.has_request("a") and mgr.allocate_decode_slots([again]) == 1
+    assert mgr.get_block_ids("a") == ([1, 3],)  # the first a's block 1 hit, then a fresh one
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
