@@ -234,6 +234,22 @@ def test_unknown_and_double_free_raise(tokens):
         mgr.free("a")
 
 
+def test_the_manager_keeps_a_request_from_its_first_allocation_to_its_free(tokens):
+    mgr = make_manager(4, FULL)  # 3 usable blocks
+    admit(mgr, Request("a", tokens(0, 32)))
+    waiting = Request("w", tokens(0, 16) + tokens(500, 40))
+    hit, n = mgr.get_computed_blocks(waiting)
+    assert n == waiting.prefix_reach == 16  # the lookup's reach stays on the request
+    assert mgr.allocate_slots(waiting, waiting.num_tokens - n, n, hit) is None
+    assert not mgr.has_request("w") and mgr.num_requests == 1  # looked up and refused: nothing kept
+    mgr.free("a")
+    assert mgr.num_requests == 0
+    again = Request("a", tokens(0, 20))  # the freed id, a new request: the old one left nothing behind
+    admit(mgr, again)
+    assert mgr.has_request("a") and mgr.allocate_decode_slots([again]) == 1
+    assert mgr.get_block_ids("a") == ([1, 3],)  # the first a's block 1 hit, then a fresh one
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -734,7 +750,7 @@ def test_a_bad_token_in_a_batch_appends_nothing_to_any_request(tokens):
             mgr.append_token_ids([a, b], [3, bad])
     with pytest.raises(KVCacheManagerError, match="1 token ids for 2 requests"):
         mgr.append_token_ids([a, b], [3])
-    with pytest.raises(KVCacheManagerError, match=r"expected a jaxkv\.manager\.Request"):
+    with pytest.raises(KVCacheManagerError, match=r"expected a jaxkv\.core\.manager\.Request"):
         mgr.append_token_ids([a, "b"], [3, 4])
     assert a.num_tokens == b.num_tokens == 15 and a.block_hashes == b.block_hashes == []
     mgr.append_token_ids([a, b], np.array([3, 4]))

@@ -5,6 +5,7 @@ import pytest
 
 from jaxkv.core.hashing import BlockHasher, ExtraKeys
 from jaxkv.core.manager_errors import KVCacheManagerError
+from jaxkv.core.prompt_digests import PromptDigests
 from jaxkv.core.request import Request, token_id_list
 
 
@@ -46,7 +47,7 @@ def test_long_prompts_take_the_bulk_check_and_still_refuse_every_bad_id(bad):
 @pytest.mark.parametrize("low", [0, 1])
 def test_a_prompt_with_ids_0_and_1_is_checked_in_bulk_and_a_bool_beside_them_is_refused(low):
     prompt = [1, *range(100, 2700), low]  # a BOS of 1, as Llama 2's
-    assert Request("ok", prompt)._prompt_bytes == np.asarray(prompt, "<i4").tobytes()
+    assert Request("ok", prompt).prompt_bytes == np.asarray(prompt, "<i4").tobytes()
     prompt[500] = bool(low)
     with pytest.raises(KVCacheManagerError, match=f"{bool(low)} is not a token id"):
         Request("x", prompt)
@@ -96,13 +97,12 @@ def test_the_token_view_reads_like_a_list_but_cannot_be_edited_or_hashed():
 def test_a_prompt_hashes_the_same_whichever_way_its_ids_were_checked():
     prompt = list(range(100, 2700))
     bulk, from_numpy, one_by_one = Request("a", prompt), Request("b", np.array(prompt)), Request("c", range(100, 2700))
-    assert bulk._prompt_bytes == from_numpy._prompt_bytes == np.asarray(prompt, "<i4").tobytes()
-    assert one_by_one._prompt_bytes == b""
+    assert bulk.prompt_bytes == from_numpy.prompt_bytes == np.asarray(prompt, "<i4").tobytes()
+    assert one_by_one.prompt_bytes == b""
     hasher = BlockHasher(16)
     for req in (bulk, from_numpy, one_by_one):
         req.append_output_token_ids(list(range(30)))
-        hasher.extend_bytes(req.block_hashes, req._prompt_bytes)
-        hasher.extend(req.block_hashes, req._token_ids)
+        req.extend_block_hashes(hasher, PromptDigests(hasher.block_bytes))
     expected: list[bytes] = []
     hasher.extend(expected, prompt + list(range(30)))
     assert bulk.block_hashes == from_numpy.block_hashes == one_by_one.block_hashes == expected

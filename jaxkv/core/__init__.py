@@ -11,7 +11,8 @@ process carries none:
 - :mod:`~jaxkv.core.state_checkpoints`, :mod:`~jaxkv.core.state_retention`: where a
   recurrent state is cached, and which cached states stay;
 - :mod:`~jaxkv.core.request`, :mod:`~jaxkv.core.request_checks`,
-  :mod:`~jaxkv.core.manager`: the façade a scheduler calls (:class:`KVCacheManager`).
+  :mod:`~jaxkv.core.held_request`, :mod:`~jaxkv.core.manager`: the façade a scheduler
+  calls (:class:`KVCacheManager`) and what it keeps for each request holding blocks.
 """
 
 from jaxkv.core.kv_cache_blocks import KVCacheBlocks

@@ -8,7 +8,8 @@ device step needs. The vocabulary follows vLLM's scheduler side on purpose.
 
 What it takes and gives back lives beside it (:mod:`jaxkv.core.request`,
 :mod:`jaxkv.core.kv_cache_blocks`, :mod:`jaxkv.core.manager_errors`), as do the checks of its
-calls' arguments (:mod:`jaxkv.core.request_checks`) and the recurrent checkpoint policy
+calls' arguments (:mod:`jaxkv.core.request_checks`), what it keeps for each request holding
+blocks (:mod:`jaxkv.core.held_request`) and the recurrent checkpoint policy
 (:mod:`jaxkv.core.state_checkpoints`); the names users import come from here too.
 """
 
@@ -22,6 +23,7 @@ from typing import cast
 
 from jaxkv.core.coordinator import KVCacheCoordinator
 from jaxkv.core.hashing import BlockHasher
+from jaxkv.core.held_request import HeldRequest
 from jaxkv.core.kv_cache_blocks import KVCacheBlocks
 from jaxkv.core.manager_errors import (
     DuplicateRequestError,
@@ -33,9 +35,9 @@ from jaxkv.core.manager_errors import (
 )
 from jaxkv.core.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
 from jaxkv.core.prompt_digests import PromptDigests
-from jaxkv.core.request import ReadOnlyTokenIds, Request, token_id_list
+from jaxkv.core.request import ReadOnlyTokenIds, Request, append_checked_token_ids, token_id_list
 from jaxkv.core.request_checks import check_counts, check_external, check_hit, check_new_request, check_request
-from jaxkv.core.single_type import NEVER, MambaManager
+from jaxkv.core.single_type import MambaManager
 from jaxkv.core.state_checkpoints import AlignedChunks, CheckpointPolicy
 from jaxkv.errors import OwnerThread
 from jaxkv.ints import is_int
@@ -55,13 +57,6 @@ __all__ = [
     "UnknownRequestError",
     "token_id_list",
 ]
-
-
-def _set_thresholds(request: Request, capacity: int, next_full: int, next_skip: int) -> None:
-    """Record a held request's event thresholds (see :meth:`KVCacheManager._grow_held`),
-    and the computed tokens below which a one-token step without lookahead crosses none."""
-    request._thresholds = (capacity, next_full, next_skip)
-    request._quiet_below = min(capacity, next_full - 1, next_skip)
 
 
 @dataclass(frozen=True)
@@ -130,12 +125,11 @@ class KVCacheManager:
         # Returned for a miss or an allocation needing no new block: immutable, so shared.
         self._no_blocks = KVCacheBlocks(tuple(() for _ in config.groups))
         self._hasher_key = (self.hasher.block_size, self.hasher.algo)
-        self._hash_block_size = self.hasher.block_size
-        self._hash_block_bytes = self.hasher.block_bytes
-        self._prompt_digests = PromptDigests(self._hash_block_bytes)
+        self._prompt_digests = PromptDigests(self.hasher.block_bytes)
         self._owner = OwnerThread("KVCacheManager")
-        # Requests holding blocks, by id: a second live request with the same id is refused.
-        self._requests: dict[str, Request] = {}
+        # Requests holding blocks, by id, with their event thresholds: a second live
+        # request with the same id is refused.
+        self._held: dict[str, HeldRequest] = {}
         self._num_requests = 0
         self._num_queried = 0
         self._num_hits = 0
@@ -178,11 +172,11 @@ class KVCacheManager:
     @property
     def num_requests(self) -> int:
         """Requests holding blocks now."""
-        return len(self._requests)
+        return len(self._held)
 
     def has_request(self, request_id: str) -> bool:
         """Whether a request of this id holds blocks."""
-        return request_id in self._requests
+        return request_id in self._held
 
     def recurrent_group_ids(self) -> list[int]:
         """Groups holding recurrent (Mamba / linear-attention) state, not token KV."""
@@ -196,7 +190,7 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids, one list per group (nulls for skipped blocks)."""
-        if request_id not in self._requests:
+        if request_id not in self._held:
             raise UnknownRequestError(f"unknown request id {request_id!r}")
         return self.coordinator.get_block_ids(request_id)
 
@@ -216,7 +210,7 @@ class KVCacheManager:
         the last block boundary of the prompt, the boundary where full attention alone
         matched (when that ran ahead of the hit, at a branch of a cached chain) and every ``checkpoint_interval``
         (:class:`~jaxkv.core.state_checkpoints.CheckpointPolicy`)."""
-        return self._checkpoints.positions(request.num_prompt_tokens, request._reach, num_computed_tokens)
+        return self._checkpoints.positions(request.num_prompt_tokens, request.prefix_reach, num_computed_tokens)
 
     def chunk_limit(
         self, request: Request, start: int, num_new_tokens: int, max_chunk_tokens: int | None = None
@@ -230,10 +224,15 @@ class KVCacheManager:
         default the plan's ``max_num_batched_tokens``). Unchanged without recurrent groups
         or without caching."""
         if self._checkpoints.block_size:
-            return self._checkpoints.chunk_limit(request.num_prompt_tokens, request._reach, start, num_new_tokens)
+            return self._checkpoints.chunk_limit(request.num_prompt_tokens, request.prefix_reach, start, num_new_tokens)
         if self._aligned_chunks.block_size and self.enable_caching:
             return self._aligned_chunks.chunk_limit(
-                request.num_prompt_tokens, request.num_tokens, request._reach, start, num_new_tokens, max_chunk_tokens
+                request.num_prompt_tokens,
+                request.num_tokens,
+                request.prefix_reach,
+                start,
+                num_new_tokens,
+                max_chunk_tokens,
             )
         return num_new_tokens
 
@@ -267,7 +266,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return self._no_blocks, 0
         self.hash_request(request)
-        blocks, n, request._reach = self.coordinator.find_longest_cache_hit(
+        blocks, n, request.prefix_reach = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
         self._num_requests += 1
@@ -305,7 +304,8 @@ class KVCacheManager:
         # no event threshold. Everything else was validated when it got those blocks.
         if (
             type(request) is Request
-            and request._holder is self
+            and (record := self._held.get(request.request_id)) is not None
+            and record.request is request
             and new_computed_blocks is None
             and type(num_new_tokens) is int
             and type(num_lookahead_tokens) is int
@@ -314,13 +314,12 @@ class KVCacheManager:
             and num_new_computed_tokens == 0
             and num_external_computed_tokens == 0
         ):
-            capacity, next_full, next_skip = request._thresholds
             computed = request.num_computed_tokens
             end = computed + num_new_tokens
-            if end + num_lookahead_tokens <= capacity and end < next_full and computed < next_skip:
+            if end + num_lookahead_tokens <= record.capacity and end < record.next_full and computed < record.next_skip:
                 return self._no_blocks
             if end <= self.max_model_len:
-                new = self._grow_held(request, num_new_tokens, num_lookahead_tokens)
+                new = self._grow_held(record, num_new_tokens, num_lookahead_tokens)
                 return None if new is None else KVCacheBlocks(new)
         check_request(request)
         rid = request.request_id
@@ -347,9 +346,10 @@ class KVCacheManager:
         num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_cacheable = min(total_computed + num_new_tokens, request.num_tokens) if self.enable_caching else -1
         coord = self.coordinator
-        held = self._requests.get(rid) is request
+        record = self._held.get(rid)
+        held = record is not None and record.request is request
         if not held:
-            check_new_request(request, rid in self._requests)
+            check_new_request(request, record is not None)
         if self.enable_caching:
             self.hash_request(request)
         hits = check_hit(
@@ -373,19 +373,16 @@ class KVCacheManager:
         if not coord.can_allocate(rid, num_slots, hits, num_computed):
             return None
         if not held:
-            coord.set_anchors(rid, (total_computed, request._reach))
+            coord.set_anchors(rid, (total_computed, request.prefix_reach))
             if self._checkpoints.block_size:
-                shared = self._checkpoints.shared(request.num_prompt_tokens, request._reach, total_computed)
+                shared = self._checkpoints.shared(request.num_prompt_tokens, request.prefix_reach, total_computed)
                 coord.set_checkpoints(rid, shared, request.num_prompt_tokens)
         new_blocks = coord.allocate(rid, num_slots, hits, num_computed)
-        self._requests[rid] = request
+        if record is None:
+            record = self._held[rid] = HeldRequest(request)
         if self.enable_caching:
-            coord.cache_blocks(rid, request.block_hashes, num_cacheable, request._token_ids, request.lora_name)
-        capacity, next_full, next_skip = coord.thresholds(rid)
-        _set_thresholds(
-            request, min(capacity, self.max_model_len), next_full if self.enable_caching else NEVER, next_skip
-        )
-        request._holder = self
+            coord.cache_blocks(rid, request.block_hashes, num_cacheable, request.all_token_ids, request.lora_name)
+        record.read_thresholds(coord, self.max_model_len, caching=self.enable_caching)
         return KVCacheBlocks(new_blocks)
 
     def allocate_decode_slots(self, requests: Sequence[Request], num_lookahead_tokens: int = 0) -> int:
@@ -399,13 +396,18 @@ class KVCacheManager:
         self._owner.check()
         if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
             raise KVCacheManagerError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}")
+        held_requests = self._held
         for i, request in enumerate(requests):
-            if type(request) is Request and request._holder is self:
+            if (
+                type(request) is Request
+                and (held := held_requests.get(request.request_id)) is not None
+                and held.request is request
+            ):
                 computed = request.num_computed_tokens
-                if computed < request._quiet_below - num_lookahead_tokens:
+                if computed < held.quiet_below - num_lookahead_tokens:
                     continue
                 if computed < self.max_model_len:
-                    if self._grow_held(request, 1, num_lookahead_tokens) is None:
+                    if self._grow_held(held, 1, num_lookahead_tokens) is None:
                         return i
                     continue
             if self.allocate_slots(request, 1, num_lookahead_tokens=num_lookahead_tokens) is None:
@@ -413,7 +415,7 @@ class KVCacheManager:
         return len(requests)
 
     def _grow_held(
-        self, request: Request, num_new_tokens: int, num_lookahead_tokens: int
+        self, held: HeldRequest, num_new_tokens: int, num_lookahead_tokens: int
     ) -> tuple[Sequence[int], ...] | None:
         """``allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)`` for a
         request this manager holds whose new tokens cross a threshold, within
@@ -422,12 +424,12 @@ class KVCacheManager:
         thresholds are recomputed. Returns the new blocks per group, or None, changing
         nothing, when the pool cannot serve it."""
         coord = self.coordinator
+        request = held.request
         rid = request.request_id
-        capacity, next_full, next_skip = request._thresholds
         computed = request.num_computed_tokens
         end = computed + num_new_tokens
-        grows = end + num_lookahead_tokens > capacity
-        skips = computed >= next_skip
+        grows = end + num_lookahead_tokens > held.capacity
+        skips = computed >= held.next_skip
         new_blocks: tuple[Sequence[int], ...] = self._no_blocks.blocks
         if grows:
             num_slots = min(end + num_lookahead_tokens, self.max_model_len)
@@ -436,17 +438,13 @@ class KVCacheManager:
             new_blocks = coord.allocate(rid, num_slots, None, computed)
         elif skips:  # every group has the slots already
             coord.remove_skipped_blocks(rid, computed)
-        fills = end >= next_full
+        fills = end >= held.next_full
         if fills:
             self.hash_request(request)
-            tokens = request._token_ids
-            coord.cache_blocks(rid, request.block_hashes, min(end, len(tokens)), tokens, request.lora_name)
-        _set_thresholds(
-            request,
-            min(coord.capacity(rid), self.max_model_len) if grows else capacity,
-            coord.next_full(rid) if fills else next_full,
-            coord.next_skip(rid) if skips else next_skip,
-        )
+            coord.cache_blocks(
+                rid, request.block_hashes, min(end, request.num_tokens), request.all_token_ids, request.lora_name
+            )
+        held.update_thresholds(coord, self.max_model_len, grew=grows, filled=fills, skipped=skips)
         return new_blocks
 
     def append_token_ids(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None:
@@ -468,17 +466,14 @@ class KVCacheManager:
                 check_request(request)
                 if caching:
                     self.hash_request(request)  # claims it for this hasher, or refuses another's
-        for request, token in zip(requests, ids, strict=True):
-            request._token_ids.append(token)
+        append_checked_token_ids(requests, ids)
 
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted)."""
         self._owner.check()
         rid = cast(str, request if isinstance(request, str) else getattr(request, "request_id", request))
-        held = self._requests.pop(rid, None)
-        if held is None:
+        if self._held.pop(rid, None) is None:
             raise UnknownRequestError(f"cannot free unknown (or already freed) request {rid!r}")
-        held._holder = None
         self.coordinator.free(rid)
 
     def evict_blocks(self, block_ids: Sequence[int]) -> int:
@@ -532,20 +527,7 @@ class KVCacheManager:
                     f"request {request.request_id!r} was hashed with (block_size, algo)="
                     f"{request.block_hash_key}, this manager uses {self._hasher_key}"
                 )
-        tokens = request._token_ids
-        hashes = request.block_hashes
-        if len(tokens) >= (len(hashes) + 1) * self._hash_block_size:  # a new full block
-            # The prompt's blocks from the bytes its check packed, then any later ones.
-            prompt = request._prompt_bytes
-            if not hashes and len(prompt) >= self._hash_block_bytes:
-                # The blocks a recently hashed prompt shares are taken, not hashed again.
-                shared = self._prompt_digests.shared(prompt, request.extra_keys)
-                self.hasher.extend_bytes(shared, prompt, request.extra_keys)
-                hashes.extend(shared)
-                self._prompt_digests.remember(prompt, request.extra_keys, hashes)
-            elif len(hashes) < len(prompt) // self._hash_block_bytes:
-                self.hasher.extend_bytes(hashes, prompt, request.extra_keys)
-            self.hasher.extend(hashes, tokens, request.extra_keys)
+        request.extend_block_hashes(self.hasher, self._prompt_digests)
 
     def _external_hits(self, hits: tuple[Sequence[int], ...] | None, total_computed: int) -> tuple[list[int], ...]:
         """The hit blocks per group, null wherever a group's span no longer reaches at the

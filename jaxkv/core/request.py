@@ -1,6 +1,7 @@
 """A request's tokens and scheduling progress, as the KV cache manager sees them: the
-:class:`Request`, the read-only view of its token ids, and :func:`token_id_list`, which
-turns what a caller passes into checked token ids.
+:class:`Request`, the read-only view of its token ids, :func:`token_id_list`, which
+turns what a caller passes into checked token ids, and :func:`append_checked_token_ids`,
+a decode step's outputs appended in one loop.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import TypeGuard, overload
 
 import numpy as np
 
-from jaxkv.core.hashing import MAX_TOKEN_ID, NO_EXTRA_KEYS, ExtraKeys, MultiModalItem, int32_le_bytes
+from jaxkv.core.hashing import MAX_TOKEN_ID, NO_EXTRA_KEYS, BlockHasher, ExtraKeys, MultiModalItem, int32_le_bytes
 from jaxkv.core.manager_errors import KVCacheManagerError
+from jaxkv.core.prompt_digests import PromptDigests
 from jaxkv.ints import is_int
 
 
@@ -158,8 +160,10 @@ class Request:
     """A request's tokens and scheduling progress, as the KV cache manager sees them.
 
     ``num_computed_tokens`` is advanced by the caller's scheduler, as in vLLM. Block
-    hashes are filled in lazily by the manager, only for full blocks. Token ids are
-    checked on the way in and read-only afterwards (``all_token_ids`` is a view).
+    hashes are filled in lazily by the manager, only for full blocks
+    (:meth:`extend_block_hashes`). Token ids are checked on the way in and read-only
+    afterwards (``all_token_ids`` is a view). What a manager keeps while the request
+    holds blocks is the manager's (:class:`~jaxkv.core.held_request.HeldRequest`).
     """
 
     def __init__(
@@ -193,13 +197,10 @@ class Request:
         self.block_hashes: list[bytes] = []
         # (block size, algorithm) of the hasher that filled block_hashes.
         self.block_hash_key: tuple[int, str] | None = None
-        # Set by the manager holding the request's blocks: the manager, and the event
-        # thresholds below which its next allocation changes nothing.
-        self._holder: object | None = None
-        self._thresholds = (0, 0, 0)
-        self._quiet_below = 0
-        # How far full attention alone matched at the last lookup (an anchor for retention).
-        self._reach = 0
+        # Set by a manager's lookup (get_computed_blocks): how far full attention alone
+        # matched (the lookup's PrefixHit.reach), read until the next lookup: where a
+        # recurrent prefill checkpoints its state, an anchor for group-aware retention.
+        self.prefix_reach = 0
 
     @cached_property
     def prompt_token_ids(self) -> tuple[int, ...]:
@@ -215,6 +216,12 @@ class Request:
     def all_token_ids(self) -> ReadOnlyTokenIds:
         """Prompt plus generated tokens (a read-only view)."""
         return self._token_view
+
+    @property
+    def prompt_bytes(self) -> bytes:
+        """The prompt as little-endian int32 when its check packed it in bulk (what the
+        prefix hash reads), else ``b""``."""
+        return self._prompt_bytes
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -244,8 +251,37 @@ class Request:
         else:
             self._token_ids.extend(token_id_list(token_ids, f"request {self.request_id!r}: output tokens"))
 
+    def extend_block_hashes(self, hasher: BlockHasher, digests: PromptDigests) -> None:
+        """Append to ``block_hashes`` the hashes of the full blocks not hashed yet (when
+        none became full: two ``len`` calls).
+
+        The prompt's blocks are hashed from the bytes its check packed (those it shares
+        with a prompt ``digests`` saw recently are taken from there, not hashed again),
+        later blocks from the token ids. The caller keeps one hasher per request
+        (``block_hash_key``)."""
+        tokens = self._token_ids
+        hashes = self.block_hashes
+        if len(tokens) >= (len(hashes) + 1) * hasher.block_size:  # a new full block
+            prompt = self._prompt_bytes
+            if not hashes and len(prompt) >= hasher.block_bytes:
+                shared = digests.shared(prompt, self.extra_keys)
+                hasher.extend_bytes(shared, prompt, self.extra_keys)
+                hashes.extend(shared)
+                digests.remember(prompt, self.extra_keys, hashes)
+            elif len(hashes) < len(prompt) // hasher.block_bytes:
+                hasher.extend_bytes(hashes, prompt, self.extra_keys)
+            hasher.extend(hashes, tokens, self.extra_keys)
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, num_tokens={self.num_tokens}, "
             f"num_computed_tokens={self.num_computed_tokens})"
         )
+
+
+def append_checked_token_ids(requests: Sequence[Request], token_ids: Sequence[int]) -> None:
+    """Append ``token_ids[i]`` to ``requests[i]``: a decode step's outputs, in one loop
+    (:meth:`Request.append_output_token_ids` per token costs ~3x as much). The ids are
+    what :func:`token_id_list` returned, one per request: the caller checked them."""
+    for request, token in zip(requests, token_ids, strict=True):
+        request._token_ids.append(token)
