@@ -39,6 +39,7 @@ from typing import Literal, get_args
 
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv, check_int
+from jaxkv.plan_summary import exact_bytes, plan_summary
 from jaxkv.specs import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     AttentionSpec,
@@ -454,150 +455,8 @@ class KVCacheConfig:
         return tuple(padding)
 
     def summary(self) -> str:
-        """A readable table of the plan."""
-        rows = [("group", "spec", "layers", "block", "data B/page", "pad B/block", "blocks/req")]
-        padding = self.padding_bytes_per_block
-        per_request = self.blocks_per_request() if self.max_model_len is not None else None
-        per_block = f"/{self.pages.num_layers_per_block}" if self.pages is not None else ""
-        states = set(self.state_group_ids)
-        for i, g in enumerate(self.groups):
-            rows.append(
-                (
-                    str(i),
-                    g.spec.label
-                    + ((" (state pool)" if self.shared_states is None else " (shared pages)") if i in states else ""),
-                    f"{len(g.layer_names)}{'' if i in states else per_block}",
-                    str(g.block_size),
-                    f"{g.spec.page_size_bytes(g.block_size):,}",
-                    f"{padding[i]:,}" if padding is not None else "-",
-                    f"{per_request[i]:,}" if per_request is not None else "-",
-                )
-            )
-        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-        table = [
-            "  ".join(
-                cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
-            ).rstrip()
-            for row in rows
-        ]
-        lines = [_headline(self), *table]
-        if self.head_dim_multiple > 1:
-            lines.append(
-                f"attention head_size rounded up to a multiple of {self.head_dim_multiple} "
-                "(tile alignment): data B/page includes the zero head columns, pad B/block "
-                "counts them"
-            )
-        if self.pages is not None:
-            block = self.pages.block_bytes
-            lines.append(
-                f"page {self.pages.page_size_bytes:,} B per layer; block = "
-                f"{self.pages.num_layers_per_block} layer page(s) = {block:,} B ({_human(block)})"
-            )
-            used = f" = {_human(self.num_blocks * block)}"
-            if self.memory_bytes is not None and self.state_pool is None:
-                used += f" of {_human(self.memory_bytes)}"
-        else:
-            used = ""
-        lines.append(
-            f"num_blocks {self.num_blocks:,}{used}; block 0 is the null block "
-            f"(never handed out): {self.num_usable_blocks:,} usable"
-        )
-        if self.state_pool is not None:
-            lines.extend(_state_pool_lines(self))
-        if self.shared_states is not None:
-            lines.extend(_shared_pages_lines(self))
-        if self.tensor_parallel > 1:
-            lines.append(_device_line(self))
-        if per_request is not None:
-            need = self.attention_blocks_per_request()
-            line = f"max_model_len {self.max_model_len:,}: one request needs {need:,} blocks"
-            if self.pages is not None:
-                line += f" ({_human(need * self.pages.block_bytes)})"
-            if states and self.shared_states is None:
-                line += f" + {len(states)} live state(s)"
-            elif states:
-                line += f" (its {len(states)} live state(s) included)"
-            lines.append(f"{line}; max concurrency {self.max_concurrency:,}")
-            if self.pages is not None:
-                assert padding is not None  # a plan with pages has its padding
-                wasted = sum(
-                    (n if i not in states else 1) * p
-                    for i, (n, p) in enumerate(zip(per_request, padding, strict=True))
-                    if i not in states or self.shared_states is not None
-                )
-                share = wasted / (need * self.pages.block_bytes)
-                lines.append(
-                    f"padding: {_human(wasted)} of a max_model_len request's blocks ({share:.1%}) "
-                    "holds no data (empty layer pages, states padded to the page, heads padded to tiles)"
-                )
-        return "\n".join(lines)
-
-
-def _state_pool_lines(config: KVCacheConfig) -> list[str]:
-    """The summary's split of the budget between the attention blocks and the state pool."""
-    pool = config.state_pool
-    assert pool is not None  # called for plans with a state pool
-    if pool.state_bytes is None:
-        return [f"state pool: {pool.num_states:,} states (state 0 is the null state)"]
-    row_bytes = pool.state_bytes
-    total_bytes = pool.num_states * row_bytes
-    lines = [
-        f"state row {row_bytes:,} B ({_human(row_bytes)}): the states of one recurrent group's layers for one request"
-    ]
-    if pool.num_live_states is not None:
-        checkpoints = pool.num_states - 1 - pool.num_live_states
-        lines.append(
-            f"state pool: {pool.num_live_states:,} live x {_human(row_bytes)} = "
-            f"{_human(pool.num_live_states * row_bytes)}"
-            f" + {checkpoints:,} checkpoint(s) = {_human(checkpoints * row_bytes)} + the null state"
-            f" = {pool.num_states:,} states = {_human(total_bytes)}"
-        )
-    attention = config.num_blocks * config.pages.block_bytes if config.pages is not None else 0
-    both = _human(attention + total_bytes)
-    total = f"total {_human(attention)} attention + {_human(total_bytes)} states = {both}"
-    if config.memory_bytes is not None:
-        total += f" of {_human(config.memory_bytes)}"
-    lines.append(f"{total}; prefix-cache granularity (hash block size) {config.hash_block_size} tokens")
-    return lines
-
-
-def _shared_pages_lines(config: KVCacheConfig) -> list[str]:
-    """The summary's account of the one memory: what a state weighs in pages, what the pool holds."""
-    shared = config.shared_states
-    assert shared is not None and config.pages is not None  # called for shared-pages plans: states are pages
-    k = shared.pages_per_state
-    block = config.pages.block_bytes
-    usable = config.num_usable_blocks
-    tokens = usable * config.hash_block_size
-    lines = [
-        f"one memory: a state ({_human(shared.state_bytes)}: one recurrent group's layers, one request) takes "
-        f"{k:,} block(s) of the pool ({_human(k * block)}, as much as {k * config.hash_block_size:,} tokens of KV)",
-        f"the {usable:,} usable blocks hold KV blocks, live states and state checkpoints in any mix, "
-        f"e.g. {tokens:,} tokens of KV alone, or {usable // k:,} states alone; "
-        "live states are never evicted, checkpoints and KV blocks leave in one eviction order",
-    ]
-    if config.memory_bytes is not None:
-        lines.append(
-            f"total {_human(config.num_blocks * block)} of {_human(config.memory_bytes)}; "
-            f"prefix-cache granularity (hash block size) {config.hash_block_size} tokens"
-        )
-    return lines
-
-
-def _device_line(config: KVCacheConfig) -> str:
-    """The summary's memory per tensor-parallel device."""
-    tp = config.tensor_parallel
-    spec = config.attention_groups[0].spec
-    assert isinstance(spec, AttentionSpec)  # tensor_parallel > 1 is refused for other specs
-    heads = spec.num_kv_heads
-    line = f"per device (tensor_parallel={tp}, {heads // tp} of {heads} KV heads each):"
-    if config.pages is not None:
-        block = config.pages.block_bytes // tp
-        line += f" block {block:,} B, attention {_human(config.num_blocks * block)}"
-    if config.state_pool is not None and config.state_pool.total_bytes is not None:
-        line += f" + states {_human(config.state_pool.total_bytes)} (replicated)"
-    device_bytes = config.device_bytes
-    return line if device_bytes is None else f"{line} = {_human(device_bytes)}"
+        """A readable table of the plan (:func:`jaxkv.plan_summary.plan_summary`)."""
+        return plan_summary(self)
 
 
 def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
@@ -645,29 +504,6 @@ def _check_state_pool(groups: Sequence[KVCacheGroup], state_pool: object) -> Non
                 f"a recurrent group on the state pool must use the hash block size {smallest}, "
                 f"got {group.block_size} for {group.layer_names[0]!r}"
             )
-
-
-def _headline(config: KVCacheConfig) -> str:
-    head = f"KV cache plan: {len(config.groups)} group(s)"
-    if config.pages is not None:
-        head += f" x {config.pages.num_layers_per_block} layer page(s), {config.pages.layout} layout"
-    if config.state_pool is not None:
-        head += f", {len(config.state_group_ids)} on a state pool"
-    if config.shared_states is not None:
-        head += f", {len(config.state_group_ids)} recurrent with states on the same pages"
-    return f"{head}, hash block size {config.hash_block_size} tokens"
-
-
-def _bytes(num_bytes: int) -> str:
-    """Exact bytes and a readable size: "2,097,152 B (2.00 MiB)"."""
-    return f"{num_bytes:,} B" + ("" if num_bytes < 1 << 10 else f" ({_human(num_bytes)})")
-
-
-def _human(num_bytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.2f} {unit}"
-    return f"{num_bytes} B"
 
 
 @dataclass(frozen=True)
@@ -892,7 +728,7 @@ def plan_kv_cache(
         raise InsufficientMemoryError(
             f"memory_bytes={memory_bytes} holds {num_blocks} blocks of {block_bytes} B, but one "
             f"request of max_model_len={max_model_len} needs {needed} blocks with the null "
-            f"block: the smallest budget that fits is {_bytes(needed * block_bytes)}"
+            f"block: the smallest budget that fits is {exact_bytes(needed * block_bytes)}"
         )
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -1023,7 +859,7 @@ def _plan_state_pool(
             f"max_num_seqs={max_num_seqs} cannot hold {max(num_seqs, 1)} request(s) of "
             f"max_model_len={max_model_len}: each needs {need} attention blocks of {block_bytes} B and "
             f"{states_per_request} state row(s) of {row_bytes} B, plus the null block and null state; "
-            f"the smallest budget that fits is {_bytes(smallest)}"
+            f"the smallest budget that fits is {exact_bytes(smallest)}"
         )
     return KVCacheConfig(
         num_blocks=num_blocks,
