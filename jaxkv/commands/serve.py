@@ -78,6 +78,7 @@ from jaxkv.commands.cli import (  # noqa: E402
     flags_parser,
     is_int_range,
     parse_size,
+    plan_options,
 )
 from jaxkv.device import ops  # noqa: E402
 from jaxkv.device.mesh import model_mesh  # noqa: E402
@@ -279,12 +280,7 @@ def serve() -> dict:
         model,
         memory,
         max_model_len=FLAGS.max_model_len,
-        block_size=FLAGS.block_size,
-        layout=FLAGS.layout,
-        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-        head_dim_multiple=FLAGS.head_dim_multiple,
-        state_layout=FLAGS.state_layout,
-        checkpoint_share=FLAGS.checkpoint_share,
+        options=plan_options(memory),
         max_num_seqs=FLAGS.max_num_seqs,
         tensor_parallel=num_devices,
     )

@@ -38,7 +38,7 @@ from jaxkv.commands.cli import exit_error, flags_parser, is_int_range, parse_siz
 from jaxkv.core.hashing import HASH_ALGORITHMS
 from jaxkv.core.manager import KVCacheManager
 from jaxkv.errors import JaxkvError
-from jaxkv.planner import KVCacheConfig, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, PlanOptions, plan_kv_cache
 from jaxkv.presets import get_preset, list_presets
 from jaxkv.serving.simulator import (
     PlanTooLargeError,
@@ -224,9 +224,7 @@ def plan() -> KVCacheConfig:
         get_preset(FLAGS.preset),
         parse_size(FLAGS.memory),
         max_model_len=FLAGS.max_model_len,
-        block_size=FLAGS.block_size,
-        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-        state_layout=None,
+        options=PlanOptions(block_size=FLAGS.block_size, max_num_batched_tokens=FLAGS.max_num_batched_tokens),
     )
     try:
         check_num_blocks(config.num_blocks)
