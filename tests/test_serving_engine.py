@@ -229,6 +229,7 @@ def recurrent_engine(
     """A 64-token step budget in 8 MiB (or ``memory_bytes``); the state pool sized for
     ``max_num_seqs`` live states + 1 MiB of checkpoints."""
     pooled = state_layout == "state_pool"
+    checkpoint_bytes = kwargs.pop("checkpoint_bytes", 1 << 20)
     plan = plan_kv_cache(
         model.config.layer_specs(),
         kwargs.pop("memory_bytes", 8 << 20),
@@ -237,10 +238,7 @@ def recurrent_engine(
             max_num_batched_tokens=64,
             layout=layout,
             state_layout=state_layout,
-            state_pool=StatePoolOptions(
-                max_num_seqs=max_num_seqs if pooled else None,
-                checkpoint_bytes=kwargs.pop("checkpoint_bytes", 1 << 20 if pooled else 0),
-            ),
+            state_pool=StatePoolOptions(max_num_seqs, checkpoint_bytes) if pooled else None,
         ),
     )
     return Engine(model, plan, max_num_seqs=4, buckets=ONE_SHAPE, **kwargs)

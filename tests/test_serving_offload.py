@@ -198,9 +198,7 @@ def recurrent_engine(
             max_num_batched_tokens=64,
             state_layout=state_layout,
             layout=layout,
-            state_pool=StatePoolOptions(
-                max_num_seqs=2 if pooled else None, checkpoint_bytes=128 << 10 if pooled else 0
-            ),
+            state_pool=StatePoolOptions(max_num_seqs=2, checkpoint_bytes=128 << 10) if pooled else None,
         ),
     )
     tier = OffloadConfig(8 << 20, store=store, **offload)
