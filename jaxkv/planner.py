@@ -33,12 +33,13 @@ a state.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv, check_int
+from jaxkv.plan_summary import exact_bytes, plan_summary
 from jaxkv.specs import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     AttentionSpec,
@@ -68,23 +69,23 @@ DEFAULT_STATE_LAYOUT: StateLayout = "shared_pages"
 """What :func:`default_state_layout` picks for models with recurrent layers."""
 
 
-def default_state_layout(layer_specs: Mapping[str, KVCacheSpec]) -> StateLayout:
-    """``shared_pages`` for a model with recurrent (Mamba) and attention layers,
-    ``state_pool`` for one with recurrent layers alone (no pages to share), else
-    ``attention_pages`` (nothing to place)."""
+def default_state_layout(layer_specs: Mapping[str, KVCacheSpec], tensor_parallel: int = 1) -> StateLayout:
+    """The state layout ``state_layout=None`` picks: ``shared_pages`` for a model with
+    recurrent (Mamba) and attention layers, ``state_pool`` for one with recurrent layers
+    alone (no pages to share) or split over ``tensor_parallel`` > 1 devices (its KV pages
+    are split by heads, a state is not), else ``attention_pages`` (nothing to place)."""
     recurrent = [isinstance(s, MambaSpec) for s in layer_specs.values()]
-    if all(recurrent):
+    if all(recurrent) or (any(recurrent) and tensor_parallel > 1):
         return "state_pool"
     return DEFAULT_STATE_LAYOUT if any(recurrent) else "attention_pages"
 
 
 @dataclass(frozen=True)
 class StatePoolOptions:
-    """``state_layout="state_pool"`` with its sizes, in one object checked when built:
-    ``max_num_seqs`` live states (None: balanced against the attention blocks) and
-    ``checkpoint_bytes`` of the budget kept for prefix-cache state checkpoints. Only
-    this layout takes them, so they travel with it rather than as loose keywords that
-    the other layouts must refuse."""
+    """The state pool's sizes, checked when built: ``max_num_seqs`` live states (None:
+    balanced against the attention blocks) and ``checkpoint_bytes`` of the budget kept
+    for prefix-cache state checkpoints. Only ``state_layout="state_pool"`` takes them,
+    so they travel together in :attr:`PlanOptions.state_pool`."""
 
     max_num_seqs: int | None = None
     checkpoint_bytes: int = 0
@@ -93,6 +94,87 @@ class StatePoolOptions:
         if self.max_num_seqs is not None:
             _positive_int("max_num_seqs", self.max_num_seqs)
         check_int("checkpoint_bytes", self.checkpoint_bytes, minimum=0, error=PlanError)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan, beyond the specs, the budget and ``max_model_len``: one frozen
+    object checked when built, which the Engine and the commands pass through whole.
+
+    - ``block_size``: base tokens per block (a group's block is a multiple of it).
+    - ``layout``: :data:`LAYOUTS`, how block bytes lie in the buffers.
+    - ``max_num_batched_tokens``: tokens one step may add to a request (it sizes
+      sliding-window and chunked spans). None: the step budget of whoever plans:
+      :data:`~jaxkv.specs.DEFAULT_MAX_NUM_BATCHED_TOKENS` for the planner, its own for
+      an Engine.
+    - ``head_dim_multiple``: the ``head_size`` of full, sliding-window and
+      chunked-local attention specs is rounded up to a multiple of it before planning
+      (TPU: :data:`TPU_HEAD_DIM_MULTIPLE`), so the plan counts the padded bytes that
+      :func:`jaxkv.device.cache.allocate_kv_cache` allocates; MLA and Mamba specs are
+      planned unchanged. None: the device's tile, which the planner (seeing no device)
+      takes as 1 and the Engine as its backend's.
+    - ``state_layout``: where Mamba states live (:data:`STATE_LAYOUTS`); None picks for
+      the model and ``tensor_parallel`` (:func:`default_state_layout`). The commands
+      spell None ``auto``.
+    - ``state_pool``: the state pool's sizes (:class:`StatePoolOptions`; None: its
+      defaults), used when the layout is, or None picks, ``state_pool``; refused beside
+      another explicit layout.
+    - ``tensor_parallel``: devices every attention block's KV heads are split over (a
+      mesh's model axis; :attr:`KVCacheConfig.device_bytes`).
+    - ``num_blocks_override``: this many blocks instead of all that fit
+      (``attention_pages`` only: the other layouts place blocks and states themselves).
+    """
+
+    block_size: int = 16
+    layout: Layout = "cross_layer"
+    max_num_batched_tokens: int | None = None
+    head_dim_multiple: int | None = None
+    state_layout: StateLayout | None = None
+    state_pool: StatePoolOptions | None = None
+    tensor_parallel: int = 1
+    num_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        if self.layout not in LAYOUTS:
+            raise PlanError(_unknown_layout(self.layout))
+        if self.max_num_batched_tokens is not None:
+            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.head_dim_multiple is not None:
+            _positive_int("head_dim_multiple", self.head_dim_multiple)
+        if self.state_layout is not None and self.state_layout not in STATE_LAYOUTS:
+            raise PlanError(
+                f"unknown state_layout {self.state_layout!r}; valid state layouts: {', '.join(STATE_LAYOUTS)} "
+                "(or None: picked for the model)"
+            )
+        if self.state_pool is not None:
+            if not isinstance(self.state_pool, StatePoolOptions):
+                raise PlanError(f"state_pool must be a StatePoolOptions or None, got {self.state_pool!r}")
+            if self.state_layout not in (None, "state_pool"):
+                sizes = self.state_pool
+                raise PlanError(
+                    f"max_num_seqs={sizes.max_num_seqs} and checkpoint_bytes={sizes.checkpoint_bytes} size a state "
+                    f"pool; state_layout={self.state_layout!r} has none (use 'state_pool' or None)"
+                )
+        _positive_int("tensor_parallel", self.tensor_parallel)
+        if self.num_blocks_override is not None:
+            _positive_int("num_blocks_override", self.num_blocks_override)
+
+    @property
+    def step_tokens(self) -> int:
+        """The step budget the planner sizes spans for (None: the default)."""
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+
+    @property
+    def tile(self) -> int:
+        """The head size multiple the planner pads to (None: 1)."""
+        return 1 if self.head_dim_multiple is None else self.head_dim_multiple
+
+    def state_layout_for(self, layer_specs: Mapping[str, KVCacheSpec]) -> StateLayout:
+        """The state layout a plan of ``layer_specs`` uses: the given one, or the pick."""
+        if self.state_layout is not None:
+            return self.state_layout
+        return default_state_layout(layer_specs, self.tensor_parallel)
 
 
 TPU_HEAD_DIM_MULTIPLE = 128
@@ -454,150 +536,8 @@ class KVCacheConfig:
         return tuple(padding)
 
     def summary(self) -> str:
-        """A readable table of the plan."""
-        rows = [("group", "spec", "layers", "block", "data B/page", "pad B/block", "blocks/req")]
-        padding = self.padding_bytes_per_block
-        per_request = self.blocks_per_request() if self.max_model_len is not None else None
-        per_block = f"/{self.pages.num_layers_per_block}" if self.pages is not None else ""
-        states = set(self.state_group_ids)
-        for i, g in enumerate(self.groups):
-            rows.append(
-                (
-                    str(i),
-                    g.spec.label
-                    + ((" (state pool)" if self.shared_states is None else " (shared pages)") if i in states else ""),
-                    f"{len(g.layer_names)}{'' if i in states else per_block}",
-                    str(g.block_size),
-                    f"{g.spec.page_size_bytes(g.block_size):,}",
-                    f"{padding[i]:,}" if padding is not None else "-",
-                    f"{per_request[i]:,}" if per_request is not None else "-",
-                )
-            )
-        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-        table = [
-            "  ".join(
-                cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
-            ).rstrip()
-            for row in rows
-        ]
-        lines = [_headline(self), *table]
-        if self.head_dim_multiple > 1:
-            lines.append(
-                f"attention head_size rounded up to a multiple of {self.head_dim_multiple} "
-                "(tile alignment): data B/page includes the zero head columns, pad B/block "
-                "counts them"
-            )
-        if self.pages is not None:
-            block = self.pages.block_bytes
-            lines.append(
-                f"page {self.pages.page_size_bytes:,} B per layer; block = "
-                f"{self.pages.num_layers_per_block} layer page(s) = {block:,} B ({_human(block)})"
-            )
-            used = f" = {_human(self.num_blocks * block)}"
-            if self.memory_bytes is not None and self.state_pool is None:
-                used += f" of {_human(self.memory_bytes)}"
-        else:
-            used = ""
-        lines.append(
-            f"num_blocks {self.num_blocks:,}{used}; block 0 is the null block "
-            f"(never handed out): {self.num_usable_blocks:,} usable"
-        )
-        if self.state_pool is not None:
-            lines.extend(_state_pool_lines(self))
-        if self.shared_states is not None:
-            lines.extend(_shared_pages_lines(self))
-        if self.tensor_parallel > 1:
-            lines.append(_device_line(self))
-        if per_request is not None:
-            need = self.attention_blocks_per_request()
-            line = f"max_model_len {self.max_model_len:,}: one request needs {need:,} blocks"
-            if self.pages is not None:
-                line += f" ({_human(need * self.pages.block_bytes)})"
-            if states and self.shared_states is None:
-                line += f" + {len(states)} live state(s)"
-            elif states:
-                line += f" (its {len(states)} live state(s) included)"
-            lines.append(f"{line}; max concurrency {self.max_concurrency:,}")
-            if self.pages is not None:
-                assert padding is not None  # a plan with pages has its padding
-                wasted = sum(
-                    (n if i not in states else 1) * p
-                    for i, (n, p) in enumerate(zip(per_request, padding, strict=True))
-                    if i not in states or self.shared_states is not None
-                )
-                share = wasted / (need * self.pages.block_bytes)
-                lines.append(
-                    f"padding: {_human(wasted)} of a max_model_len request's blocks ({share:.1%}) "
-                    "holds no data (empty layer pages, states padded to the page, heads padded to tiles)"
-                )
-        return "\n".join(lines)
-
-
-def _state_pool_lines(config: KVCacheConfig) -> list[str]:
-    """The summary's split of the budget between the attention blocks and the state pool."""
-    pool = config.state_pool
-    assert pool is not None  # called for plans with a state pool
-    if pool.state_bytes is None:
-        return [f"state pool: {pool.num_states:,} states (state 0 is the null state)"]
-    row_bytes = pool.state_bytes
-    total_bytes = pool.num_states * row_bytes
-    lines = [
-        f"state row {row_bytes:,} B ({_human(row_bytes)}): the states of one recurrent group's layers for one request"
-    ]
-    if pool.num_live_states is not None:
-        checkpoints = pool.num_states - 1 - pool.num_live_states
-        lines.append(
-            f"state pool: {pool.num_live_states:,} live x {_human(row_bytes)} = "
-            f"{_human(pool.num_live_states * row_bytes)}"
-            f" + {checkpoints:,} checkpoint(s) = {_human(checkpoints * row_bytes)} + the null state"
-            f" = {pool.num_states:,} states = {_human(total_bytes)}"
-        )
-    attention = config.num_blocks * config.pages.block_bytes if config.pages is not None else 0
-    both = _human(attention + total_bytes)
-    total = f"total {_human(attention)} attention + {_human(total_bytes)} states = {both}"
-    if config.memory_bytes is not None:
-        total += f" of {_human(config.memory_bytes)}"
-    lines.append(f"{total}; prefix-cache granularity (hash block size) {config.hash_block_size} tokens")
-    return lines
-
-
-def _shared_pages_lines(config: KVCacheConfig) -> list[str]:
-    """The summary's account of the one memory: what a state weighs in pages, what the pool holds."""
-    shared = config.shared_states
-    assert shared is not None and config.pages is not None  # called for shared-pages plans: states are pages
-    k = shared.pages_per_state
-    block = config.pages.block_bytes
-    usable = config.num_usable_blocks
-    tokens = usable * config.hash_block_size
-    lines = [
-        f"one memory: a state ({_human(shared.state_bytes)}: one recurrent group's layers, one request) takes "
-        f"{k:,} block(s) of the pool ({_human(k * block)}, as much as {k * config.hash_block_size:,} tokens of KV)",
-        f"the {usable:,} usable blocks hold KV blocks, live states and state checkpoints in any mix, "
-        f"e.g. {tokens:,} tokens of KV alone, or {usable // k:,} states alone; "
-        "live states are never evicted, checkpoints and KV blocks leave in one eviction order",
-    ]
-    if config.memory_bytes is not None:
-        lines.append(
-            f"total {_human(config.num_blocks * block)} of {_human(config.memory_bytes)}; "
-            f"prefix-cache granularity (hash block size) {config.hash_block_size} tokens"
-        )
-    return lines
-
-
-def _device_line(config: KVCacheConfig) -> str:
-    """The summary's memory per tensor-parallel device."""
-    tp = config.tensor_parallel
-    spec = config.attention_groups[0].spec
-    assert isinstance(spec, AttentionSpec)  # tensor_parallel > 1 is refused for other specs
-    heads = spec.num_kv_heads
-    line = f"per device (tensor_parallel={tp}, {heads // tp} of {heads} KV heads each):"
-    if config.pages is not None:
-        block = config.pages.block_bytes // tp
-        line += f" block {block:,} B, attention {_human(config.num_blocks * block)}"
-    if config.state_pool is not None and config.state_pool.total_bytes is not None:
-        line += f" + states {_human(config.state_pool.total_bytes)} (replicated)"
-    device_bytes = config.device_bytes
-    return line if device_bytes is None else f"{line} = {_human(device_bytes)}"
+        """A readable table of the plan (:func:`jaxkv.plan_summary.plan_summary`)."""
+        return plan_summary(self)
 
 
 def _check_pages_fit(groups: Sequence[KVCacheGroup], pages: BlockPages) -> None:
@@ -645,29 +585,6 @@ def _check_state_pool(groups: Sequence[KVCacheGroup], state_pool: object) -> Non
                 f"a recurrent group on the state pool must use the hash block size {smallest}, "
                 f"got {group.block_size} for {group.layer_names[0]!r}"
             )
-
-
-def _headline(config: KVCacheConfig) -> str:
-    head = f"KV cache plan: {len(config.groups)} group(s)"
-    if config.pages is not None:
-        head += f" x {config.pages.num_layers_per_block} layer page(s), {config.pages.layout} layout"
-    if config.state_pool is not None:
-        head += f", {len(config.state_group_ids)} on a state pool"
-    if config.shared_states is not None:
-        head += f", {len(config.state_group_ids)} recurrent with states on the same pages"
-    return f"{head}, hash block size {config.hash_block_size} tokens"
-
-
-def _bytes(num_bytes: int) -> str:
-    """Exact bytes and a readable size: "2,097,152 B (2.00 MiB)"."""
-    return f"{num_bytes:,} B" + ("" if num_bytes < 1 << 10 else f" ({_human(num_bytes)})")
-
-
-def _human(num_bytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.2f} {unit}"
-    return f"{num_bytes} B"
 
 
 @dataclass(frozen=True)
@@ -771,37 +688,19 @@ def plan_kv_cache(
     memory_bytes: int,
     *,
     max_model_len: int,
-    block_size: int = 16,
-    layout: Layout = "cross_layer",
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    num_blocks_override: int | None = None,
-    head_dim_multiple: int = 1,
-    state_layout: StateLayout | StatePoolOptions | None = "attention_pages",
-    max_num_seqs: int | None = None,
-    checkpoint_bytes: int = 0,
-    tensor_parallel: int = 1,
+    options: PlanOptions | None = None,
 ) -> KVCacheConfig:
     """Plan groups, block sizes, layout and num_blocks for a byte budget.
 
-    ``head_dim_multiple`` rounds the ``head_size`` of full, sliding-window and
-    chunked-local attention specs up to a multiple of it before planning (TPU:
-    :data:`TPU_HEAD_DIM_MULTIPLE`), so the plan counts the padded bytes; MLA and Mamba
-    specs are planned unchanged. The group specs carry the padded head size, which
-    is what :func:`jaxkv.device.cache.allocate_kv_cache` allocates and :mod:`jaxkv.device.ops` pads
-    q/k/v up to.
-
-    ``state_layout`` (:data:`STATE_LAYOUTS`, or None for :func:`default_state_layout`)
-    says where Mamba states live; see :func:`_plan_state_pool` for the state pool, whose
-    sizes come as a :class:`StatePoolOptions` (``state_layout=StatePoolOptions(...)``; the
-    keywords ``max_num_seqs`` and ``checkpoint_bytes`` with ``state_layout="state_pool"``
-    say the same and the other layouts refuse them), and :func:`_plan_shared_pages` for
-    ``"shared_pages"``.
-
-    ``tensor_parallel`` splits every attention block's KV heads over that many devices
-    (a mesh's model axis; :attr:`KVCacheConfig.device_bytes`). ``memory_bytes`` stays the
-    budget of the whole cache, all devices together: the plan (``num_blocks``) is the same
-    for any ``tensor_parallel``, and each device holds 1 / ``tensor_parallel`` of the
-    attention bytes plus a replicated copy of the state pool.
+    ``memory_bytes`` is the budget of the whole cache (all tensor-parallel devices
+    together: the plan is the same for any ``tensor_parallel``, each device holding
+    1 / ``tensor_parallel`` of the attention bytes and a replicated copy of a state
+    pool) and ``max_model_len`` the longest request it must serve alone. How to plan
+    is ``options`` (:class:`PlanOptions`; None: ``PlanOptions()``, whose state layout
+    is picked for the model by :func:`default_state_layout`). Each state layout has
+    its planner, and all share one attention step (:func:`_paged_groups`):
+    :func:`_plan_attention_pages` (vLLM's rule), :func:`_plan_state_pool` and
+    :func:`_plan_shared_pages`.
 
     Raises :class:`PlanError` for bad arguments, :class:`IncompatibleSpecsError` when
     pages cannot be unified, :class:`InsufficientMemoryError` when the budget (or
@@ -813,97 +712,97 @@ def plan_kv_cache(
         raise PlanError(f"layer_specs must be a non-empty mapping, got {layer_specs!r}")
     _positive_int("memory_bytes", memory_bytes)
     _positive_int("max_model_len", max_model_len)
-    _positive_int("block_size", block_size)
-    _positive_int("max_num_batched_tokens", max_num_batched_tokens)
-    if layout not in LAYOUTS:
-        raise PlanError(_unknown_layout(layout))
-    if num_blocks_override is not None:
-        _positive_int("num_blocks_override", num_blocks_override)
-    _positive_int("head_dim_multiple", head_dim_multiple)
-    if isinstance(state_layout, StatePoolOptions):
-        if max_num_seqs is not None or checkpoint_bytes:
-            raise PlanError(
-                f"max_num_seqs={max_num_seqs} and checkpoint_bytes={checkpoint_bytes} beside {state_layout!r}: "
-                "give the state pool's sizes once, in the StatePoolOptions"
-            )
-        pool = state_layout
-        state_layout = "state_pool"
-    else:
-        if state_layout is None:
-            state_layout = default_state_layout(layer_specs)
-        if state_layout not in STATE_LAYOUTS:
-            raise PlanError(f"unknown state_layout {state_layout!r}; valid state layouts: {', '.join(STATE_LAYOUTS)}")
-        if state_layout != "state_pool" and (max_num_seqs is not None or checkpoint_bytes):
-            raise PlanError(
-                f"max_num_seqs={max_num_seqs} and checkpoint_bytes={checkpoint_bytes} size a state pool; "
-                f"state_layout={state_layout!r} has none (use state_layout='state_pool')"
-            )
-        pool = StatePoolOptions(max_num_seqs, checkpoint_bytes)
-    if state_layout in ("state_pool", "shared_pages") and num_blocks_override is not None:
+    options = PlanOptions() if options is None else options
+    if not isinstance(options, PlanOptions):
+        raise PlanError(f"options must be a PlanOptions or None, got {options!r}")
+    state_layout = options.state_layout_for(layer_specs)
+    if state_layout != "attention_pages" and options.num_blocks_override is not None:
         raise PlanError(
-            f"num_blocks_override={num_blocks_override} cannot be combined with state_layout={state_layout!r}, "
-            "which places attention blocks and states in memory_bytes itself"
+            f"num_blocks_override={options.num_blocks_override} cannot be combined with "
+            f"state_layout={state_layout!r}, which places attention blocks and states in memory_bytes itself"
+        )
+    padded = {name: pad_head_size(spec, options.tile) for name, spec in layer_specs.items()}
+    planner = _LAYOUT_PLANNERS[state_layout]
+    config = planner(_layer_types(padded), _Budget(layer_specs, padded, memory_bytes, max_model_len, options))
+    return dataclasses.replace(config, tensor_parallel=options.tensor_parallel)
+
+
+@dataclass(frozen=True)
+class _Budget:
+    """What every layout planner plans for: the specs (as given and tile-padded), the
+    bytes, the longest request and the options."""
+
+    original: Mapping[str, KVCacheSpec]
+    padded: Mapping[str, KVCacheSpec]
+    memory_bytes: int
+    max_model_len: int
+    options: PlanOptions
+
+    def blocks_per_request(self, groups: Sequence[KVCacheGroup]) -> int:
+        """Blocks one max_model_len request holds in ``groups`` (paged groups), all together."""
+        tokens = self.options.step_tokens
+        return sum(g.spec.blocks_per_request(self.max_model_len, g.block_size, tokens) for g in groups)
+
+    def config(
+        self,
+        num_blocks: int,
+        groups: tuple[KVCacheGroup, ...],
+        pages: BlockPages | None,
+        states: StatePool | SharedStates | None = None,
+    ) -> KVCacheConfig:
+        """The plan, with what every layout sets alike."""
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            groups=groups,
+            pages=pages,
+            max_model_len=self.max_model_len,
+            memory_bytes=self.memory_bytes,
+            max_num_batched_tokens=self.options.step_tokens,
+            head_dim_multiple=self.options.tile,
+            state_pool=states if isinstance(states, StatePool) else None,
+            shared_states=states if isinstance(states, SharedStates) else None,
         )
 
-    _positive_int("tensor_parallel", tensor_parallel)
-    padded = {name: pad_head_size(spec, head_dim_multiple) for name, spec in layer_specs.items()}
-    types = _layer_types(padded)
-    if state_layout == "state_pool":
-        config = _plan_state_pool(
-            types,
-            layer_specs,
-            padded,
-            memory_bytes,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            layout=layout,
-            max_num_batched_tokens=max_num_batched_tokens,
-            head_dim_multiple=head_dim_multiple,
-            max_num_seqs=pool.max_num_seqs,
-            checkpoint_bytes=pool.checkpoint_bytes,
-        )
-        return dataclasses.replace(config, tensor_parallel=tensor_parallel)
-    if state_layout == "shared_pages":
-        config = _plan_shared_pages(
-            types,
-            layer_specs,
-            padded,
-            memory_bytes,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            layout=layout,
-            max_num_batched_tokens=max_num_batched_tokens,
-            head_dim_multiple=head_dim_multiple,
-        )
-        return dataclasses.replace(config, tensor_parallel=tensor_parallel)
-    sizes, page = _unify_pages([t.spec for t in types], block_size)
-    groups, pages = _group_and_page(
-        types, sizes, page, layer_specs, padded, max_model_len, max_num_batched_tokens, layout
+
+@dataclass(frozen=True)
+class _PagedGroups:
+    """The attention step every layout shares: types cut into groups of equal layer
+    count, with block sizes that make their pages equal, laid on the pages."""
+
+    groups: tuple[KVCacheGroup, ...]
+    pages: BlockPages
+    blocks_per_request: int
+    """Blocks one max_model_len request holds in these groups, all together."""
+
+    @property
+    def hash_block_size(self) -> int:
+        """The smallest block size of these groups."""
+        return min(g.block_size for g in self.groups)
+
+
+def _paged_groups(types: Sequence[_LayerType], budget: _Budget) -> _PagedGroups:
+    """Group ``types`` (attention types; vLLM's rule passes the Mamba types too, padded
+    to the page), size their blocks and pages, count one request's blocks."""
+    options = budget.options
+    sizes, page = _unify_pages([t.spec for t in types], options.block_size)
+    per_type = [
+        t.spec.blocks_per_request(budget.max_model_len, size, options.step_tokens)
+        for t, size in zip(types, sizes, strict=True)
+    ]
+    per_group = choose_layers_per_group([len(t.layer_names) for t in types], per_type)
+    groups = tuple(
+        KVCacheGroup(names, t.spec, size, _head_padding_bytes_per_token(names, budget.original, budget.padded))
+        for t, size in zip(types, sizes, strict=True)
+        for names in _strided(t.layer_names, cdiv(len(t.layer_names), per_group))
     )
-    block_bytes = pages.block_bytes
-    num_blocks = memory_bytes // block_bytes if num_blocks_override is None else num_blocks_override
-    needed = sum(g.spec.blocks_per_request(max_model_len, g.block_size, max_num_batched_tokens) for g in groups) + 1
-    if num_blocks * block_bytes > memory_bytes:
-        raise InsufficientMemoryError(
-            f"num_blocks_override={num_blocks} needs {num_blocks * block_bytes} B "
-            f"({num_blocks} x {block_bytes} B blocks) > memory_bytes={memory_bytes}"
-        )
-    if num_blocks < needed:
-        raise InsufficientMemoryError(
-            f"memory_bytes={memory_bytes} holds {num_blocks} blocks of {block_bytes} B, but one "
-            f"request of max_model_len={max_model_len} needs {needed} blocks with the null "
-            f"block: the smallest budget that fits is {_bytes(needed * block_bytes)}"
-        )
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        groups=groups,
-        pages=pages,
-        max_model_len=max_model_len,
-        memory_bytes=memory_bytes,
-        max_num_batched_tokens=max_num_batched_tokens,
-        head_dim_multiple=head_dim_multiple,
-        tensor_parallel=tensor_parallel,
+    pages = BlockPages(
+        layout=options.layout,
+        layers=tuple(
+            tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in groups) for i in range(per_group)
+        ),
+        page_size_bytes=page,
     )
+    return _PagedGroups(groups, pages, budget.blocks_per_request(groups))
 
 
 def _strided(names: Sequence[str], num_groups: int) -> list[tuple[str, ...]]:
@@ -913,51 +812,60 @@ def _strided(names: Sequence[str], num_groups: int) -> list[tuple[str, ...]]:
     return [tuple(names[i::num_groups]) for i in range(num_groups)]
 
 
-def _group_and_page(
-    types: Sequence[_LayerType],
-    sizes: Sequence[int],
-    page: int,
-    original: Mapping[str, KVCacheSpec],
-    padded: Mapping[str, KVCacheSpec],
-    max_model_len: int,
-    max_num_batched_tokens: int,
-    layout: Layout,
-) -> tuple[tuple[KVCacheGroup, ...], BlockPages]:
-    """Cut ``types`` (block size ``sizes``) into groups of equal layer count and lay them on pages of ``page`` B."""
-    per_type = [
-        t.spec.blocks_per_request(max_model_len, size, max_num_batched_tokens)
-        for t, size in zip(types, sizes, strict=True)
-    ]
-    per_group = choose_layers_per_group([len(t.layer_names) for t in types], per_type)
-    groups = tuple(
-        KVCacheGroup(names, t.spec, size, _head_padding_bytes_per_token(names, original, padded))
-        for t, size in zip(types, sizes, strict=True)
-        for names in _strided(t.layer_names, cdiv(len(t.layer_names), per_group))
-    )
-    pages = BlockPages(
-        layout=layout,
-        layers=tuple(
-            tuple(g.layer_names[i] if i < len(g.layer_names) else None for g in groups) for i in range(per_group)
-        ),
-        page_size_bytes=page,
-    )
-    return groups, pages
+def _plan_attention_pages(types: Sequence[_LayerType], budget: _Budget) -> KVCacheConfig:
+    """The ``state_layout="attention_pages"`` plan (vLLM's rule): every type on the
+    pages, a Mamba state padded up to one page, ``memory_bytes // block_bytes`` blocks
+    (or ``num_blocks_override``)."""
+    paged = _paged_groups(types, budget)
+    block_bytes = paged.pages.block_bytes
+    override = budget.options.num_blocks_override
+    num_blocks = budget.memory_bytes // block_bytes if override is None else override
+    needed = paged.blocks_per_request + 1
+    if num_blocks * block_bytes > budget.memory_bytes:
+        raise InsufficientMemoryError(
+            f"num_blocks_override={num_blocks} needs {num_blocks * block_bytes} B "
+            f"({num_blocks} x {block_bytes} B blocks) > memory_bytes={budget.memory_bytes}"
+        )
+    if num_blocks < needed:
+        raise InsufficientMemoryError(
+            f"memory_bytes={budget.memory_bytes} holds {num_blocks} blocks of {block_bytes} B, but one "
+            f"request of max_model_len={budget.max_model_len} needs {needed} blocks with the null "
+            f"block: the smallest budget that fits is {exact_bytes(needed * block_bytes)}"
+        )
+    return budget.config(num_blocks, paged.groups, paged.pages)
 
 
-def _plan_state_pool(
-    types: Sequence[_LayerType],
-    original: Mapping[str, KVCacheSpec],
-    padded: Mapping[str, KVCacheSpec],
-    memory_bytes: int,
-    *,
-    max_model_len: int,
-    block_size: int,
-    layout: Layout,
-    max_num_batched_tokens: int,
-    head_dim_multiple: int,
-    max_num_seqs: int | None,
-    checkpoint_bytes: int,
-) -> KVCacheConfig:
+def _split_recurrent(types: Sequence[_LayerType]) -> tuple[list[_LayerType], list[_LayerType]]:
+    """(attention types, recurrent types), for the layouts that keep states off vLLM's pages."""
+    return [t for t in types if not isinstance(t.spec, MambaSpec)], [t for t in types if isinstance(t.spec, MambaSpec)]
+
+
+def _labels(types: Sequence[_LayerType]) -> str:
+    return ", ".join(sorted({t.spec.label for t in types}))
+
+
+def _with_state_groups(
+    types: Sequence[_LayerType], attention_groups: Sequence[KVCacheGroup], hash_block_size: int
+) -> tuple[KVCacheGroup, ...]:
+    """All groups in type order: each recurrent type one group at ``hash_block_size``,
+    each attention type its paged groups."""
+    return tuple(
+        g
+        for t in types
+        for g in (
+            [KVCacheGroup(t.layer_names, t.spec, hash_block_size)]
+            if isinstance(t.spec, MambaSpec)
+            else [g for g in attention_groups if g.spec.type_key == t.spec.type_key]
+        )
+    )
+
+
+def _state_row_bytes(recurrent: Sequence[_LayerType]) -> int:
+    """Bytes of one state row: the states of the largest recurrent group's layers."""
+    return max(len(t.layer_names) * _state_bytes(t.spec) for t in recurrent)
+
+
+def _plan_state_pool(types: Sequence[_LayerType], budget: _Budget) -> KVCacheConfig:
     """The ``state_layout="state_pool"`` plan: attention pages without the states, states in rows.
 
     Attention types are planned as if the Mamba layers were absent (their block sizes
@@ -966,48 +874,31 @@ def _plan_state_pool(
     states for one request (the largest group sets the row size).
 
     Live states are one per running request and recurrent group: ``max_num_seqs``
-    requests' worth when given, else the most requests n for which n live states plus
-    the attention blocks of n max_model_len requests (plus the null block and null
-    state) fit in ``memory_bytes - checkpoint_bytes``, which balances the two pools.
-    ``checkpoint_bytes // row_bytes`` more states hold prefix-cache checkpoints; the
-    attention pool gets every byte left. A model with no attention layers gets no
-    pages and ``num_blocks=1`` (the null block alone).
+    requests' worth when given (:class:`StatePoolOptions`), else the most requests n
+    for which n live states plus the attention blocks of n max_model_len requests
+    (plus the null block and null state) fit in ``memory_bytes - checkpoint_bytes``,
+    which balances the two pools. ``checkpoint_bytes // row_bytes`` more states hold
+    prefix-cache checkpoints; the attention pool gets every byte left. A model with
+    no attention layers gets no pages and ``num_blocks=1`` (the null block alone).
     """
-    attention = [t for t in types if not isinstance(t.spec, MambaSpec)]
-    recurrent = [t for t in types if isinstance(t.spec, MambaSpec)]
+    attention, recurrent = _split_recurrent(types)
     if not recurrent:
         raise PlanError(
             "state_layout='state_pool' needs recurrent (MambaSpec) layers, but every layer is attention: "
-            f"{', '.join(sorted({t.spec.label for t in types}))}"
+            f"{_labels(types)}"
         )
-    if attention:
-        sizes, page = _unify_pages([t.spec for t in attention], block_size)
-        attention_groups, pages = _group_and_page(
-            attention, sizes, page, original, padded, max_model_len, max_num_batched_tokens, layout
-        )
-        hash_block_size = min(sizes)
-        block_bytes = pages.block_bytes
-        need = sum(
-            g.spec.blocks_per_request(max_model_len, g.block_size, max_num_batched_tokens) for g in attention_groups
-        )
-    else:
-        attention_groups, pages, hash_block_size, block_bytes, need = (), None, block_size, 0, 0
-    state_groups = {t.spec.type_key: KVCacheGroup(t.layer_names, t.spec, hash_block_size) for t in recurrent}
-    groups = tuple(
-        g
-        for t in types
-        for g in (
-            [state_groups[t.spec.type_key]]
-            if isinstance(t.spec, MambaSpec)
-            else [g for g in attention_groups if g.spec.type_key == t.spec.type_key]
-        )
-    )
-    row_bytes = max(len(t.layer_names) * _state_bytes(t.spec) for t in recurrent)
+    sizes = budget.options.state_pool or StatePoolOptions()
+    max_num_seqs, checkpoint_bytes, memory_bytes = sizes.max_num_seqs, sizes.checkpoint_bytes, budget.memory_bytes
+    paged = _paged_groups(attention, budget) if attention else None
+    pages = paged.pages if paged is not None else None
+    block_bytes = pages.block_bytes if pages is not None else 0
+    need = paged.blocks_per_request if paged is not None else 0
+    hash_block_size = paged.hash_block_size if paged is not None else budget.options.block_size
+    row_bytes = _state_row_bytes(recurrent)
     states_per_request = len(recurrent)
     per_request = need * block_bytes + states_per_request * row_bytes
     fixed = block_bytes + row_bytes  # the null block and the null state
-    budget = memory_bytes - checkpoint_bytes
-    num_seqs = (budget - fixed) // per_request if max_num_seqs is None else max_num_seqs
+    num_seqs = (memory_bytes - checkpoint_bytes - fixed) // per_request if max_num_seqs is None else max_num_seqs
     live = num_seqs * states_per_request
     num_states = 1 + live + checkpoint_bytes // row_bytes
     num_blocks = (memory_bytes - num_states * row_bytes) // block_bytes if attention else 1
@@ -1021,34 +912,16 @@ def _plan_state_pool(
         raise InsufficientMemoryError(
             f"memory_bytes={memory_bytes} with checkpoint_bytes={checkpoint_bytes} and "
             f"max_num_seqs={max_num_seqs} cannot hold {max(num_seqs, 1)} request(s) of "
-            f"max_model_len={max_model_len}: each needs {need} attention blocks of {block_bytes} B and "
+            f"max_model_len={budget.max_model_len}: each needs {need} attention blocks of {block_bytes} B and "
             f"{states_per_request} state row(s) of {row_bytes} B, plus the null block and null state; "
-            f"the smallest budget that fits is {_bytes(smallest)}"
+            f"the smallest budget that fits is {exact_bytes(smallest)}"
         )
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        groups=groups,
-        pages=pages,
-        max_model_len=max_model_len,
-        memory_bytes=memory_bytes,
-        max_num_batched_tokens=max_num_batched_tokens,
-        head_dim_multiple=head_dim_multiple,
-        state_pool=StatePool(num_states=num_states, state_bytes=row_bytes, num_live_states=live),
-    )
+    groups = _with_state_groups(types, paged.groups if paged is not None else (), hash_block_size)
+    pool = StatePool(num_states=num_states, state_bytes=row_bytes, num_live_states=live)
+    return budget.config(num_blocks, groups, pages, pool)
 
 
-def _plan_shared_pages(
-    types: Sequence[_LayerType],
-    original: Mapping[str, KVCacheSpec],
-    padded: Mapping[str, KVCacheSpec],
-    memory_bytes: int,
-    *,
-    max_model_len: int,
-    block_size: int,
-    layout: Layout,
-    max_num_batched_tokens: int,
-    head_dim_multiple: int,
-) -> KVCacheConfig:
+def _plan_shared_pages(types: Sequence[_LayerType], budget: _Budget) -> KVCacheConfig:
     """The ``state_layout="shared_pages"`` plan: one pool of attention blocks; a state is pages of it.
 
     Attention types are planned as if the Mamba layers were absent (as for the state
@@ -1057,50 +930,35 @@ def _plan_shared_pages(
     goes to one pool: nothing is split at plan time. A model with no attention layers
     is refused (use ``state_pool``: there are no pages to share).
     """
-    attention = [t for t in types if not isinstance(t.spec, MambaSpec)]
-    recurrent = [t for t in types if isinstance(t.spec, MambaSpec)]
+    attention, recurrent = _split_recurrent(types)
     if not recurrent or not attention:
         raise PlanError(
-            "state_layout='shared_pages' needs recurrent (MambaSpec) and attention layers, got "
-            f"{', '.join(sorted({t.spec.label for t in types}))} (recurrent layers alone: use 'state_pool')"
+            f"state_layout='shared_pages' needs recurrent (MambaSpec) and attention layers, got {_labels(types)} "
+            "(recurrent layers alone: use 'state_pool')"
         )
-    row_bytes = max(len(t.layer_names) * _state_bytes(t.spec) for t in recurrent)
-    sizes, page = _unify_pages([t.spec for t in attention], block_size)
-    attention_groups, pages = _group_and_page(
-        attention, sizes, page, original, padded, max_model_len, max_num_batched_tokens, layout
-    )
-    hash_block_size = min(sizes)
-    need = sum(g.spec.blocks_per_request(max_model_len, g.block_size, max_num_batched_tokens) for g in attention_groups)
-    block_bytes = pages.block_bytes
+    row_bytes = _state_row_bytes(recurrent)
+    paged = _paged_groups(attention, budget)
+    block_bytes = paged.pages.block_bytes
     pages_per_state = cdiv(row_bytes, block_bytes)
-    state_groups = {t.spec.type_key: KVCacheGroup(t.layer_names, t.spec, hash_block_size) for t in recurrent}
-    groups = tuple(
-        g
-        for t in types
-        for g in (
-            [state_groups[t.spec.type_key]]
-            if isinstance(t.spec, MambaSpec)
-            else [g for g in attention_groups if g.spec.type_key == t.spec.type_key]
-        )
-    )
-    num_blocks = memory_bytes // block_bytes
-    need += len(recurrent) * pages_per_state
+    num_blocks = budget.memory_bytes // block_bytes
+    need = paged.blocks_per_request + len(recurrent) * pages_per_state
     if num_blocks < need + 1:
         raise InsufficientMemoryError(
-            f"memory_bytes={memory_bytes} holds {num_blocks} blocks of {block_bytes} B, but one request of "
-            f"max_model_len={max_model_len} needs {need} blocks ({len(recurrent)} live state(s) of "
+            f"memory_bytes={budget.memory_bytes} holds {num_blocks} blocks of {block_bytes} B, but one request of "
+            f"max_model_len={budget.max_model_len} needs {need} blocks ({len(recurrent)} live state(s) of "
             f"{pages_per_state} block(s) included) with the null block"
         )
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        groups=groups,
-        pages=pages,
-        max_model_len=max_model_len,
-        memory_bytes=memory_bytes,
-        max_num_batched_tokens=max_num_batched_tokens,
-        head_dim_multiple=head_dim_multiple,
-        shared_states=SharedStates(pages_per_state=pages_per_state, state_bytes=row_bytes),
-    )
+    groups = _with_state_groups(types, paged.groups, paged.hash_block_size)
+    shared = SharedStates(pages_per_state=pages_per_state, state_bytes=row_bytes)
+    return budget.config(num_blocks, groups, paged.pages, shared)
+
+
+_LAYOUT_PLANNERS: dict[StateLayout, Callable[[Sequence[_LayerType], _Budget], KVCacheConfig]] = {
+    "attention_pages": _plan_attention_pages,
+    "state_pool": _plan_state_pool,
+    "shared_pages": _plan_shared_pages,
+}
+"""The planner of each state layout."""
 
 
 def exact_concurrency_bound(layer_specs: Mapping[str, KVCacheSpec], memory_bytes: int, max_model_len: int) -> int:

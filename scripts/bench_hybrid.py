@@ -63,7 +63,7 @@ from jaxkv.benchmarks.vllm_manager import VllmManager, vllm_available
 from jaxkv.commands.cli import exit_error, flags_parser, parse_size, pyplot, save_figure
 from jaxkv.core.manager import KVCacheManager, Request
 from jaxkv.errors import JaxkvError
-from jaxkv.planner import KVCacheConfig, exact_concurrency_bound, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, PlanOptions, StatePoolOptions, exact_concurrency_bound, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.scheduler import ScheduledManager
 from jaxkv.serving.simulator import Simulator, TraceRequest, synthetic_trace
@@ -114,12 +114,16 @@ flags.DEFINE_string("plot", None, "draw each section run as grouped bars to this
 flags.DEFINE_boolean("peer", True, "capacity, chat, multiturn: drive vLLM's own manager too when vLLM is importable")
 
 
+VLLM_RULE = PlanOptions(state_layout="attention_pages")
+"""vLLM's layout: one attention page holds a state (the plan vLLM's own manager runs on)."""
+
+
 def _both_layouts(name: str) -> tuple[dict, KVCacheConfig, KVCacheConfig]:
     """A recurrent preset's specs and its default and vLLM-rule plans at ``--memory``."""
     specs = get_preset(name)
     memory = parse_size(FLAGS.memory)
-    pooled = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len, state_layout=None)
-    return specs, pooled, plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len)
+    pooled = plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len)
+    return specs, pooled, plan_kv_cache(specs, memory, max_model_len=FLAGS.max_model_len, options=VLLM_RULE)
 
 
 def granularity() -> list[dict]:
@@ -179,7 +183,7 @@ def _in_vllms_layout(
     specs: dict, memory: int, max_model_len: int, trace: Sequence[TraceRequest]
 ) -> tuple[float, float | None]:
     """Hit rates in vLLM's layout: jaxkv's manager, and vLLM's own (None without vLLM)."""
-    config = plan_kv_cache(specs, memory, max_model_len=max_model_len)
+    config = plan_kv_cache(specs, memory, max_model_len=max_model_len, options=VLLM_RULE)
     theirs = _hit_rate(_vllm(config, max_model_len), trace)[0] if _peer() else None
     return _hit_rate(KVCacheManager(config), trace)[0], theirs
 
@@ -192,7 +196,7 @@ def vllm_minimum_memory(specs: dict, max_model_len: int) -> int:
     """Bytes vLLM's layout needs to run ``MULTITURN_MAX_NUM_SEQS`` requests at once, one of
     ``max_model_len`` tokens: their states (a block per recurrent group each), that request's
     attention blocks and the null block."""
-    config = plan_kv_cache(specs, 1 << 50, max_model_len=max_model_len)
+    config = plan_kv_cache(specs, 1 << 50, max_model_len=max_model_len, options=VLLM_RULE)
     per_request = config.blocks_per_request()
     recurrent = [n for n, g in zip(per_request, config.groups, strict=True) if isinstance(g.spec, MambaSpec)]
     attention = sum(per_request) - sum(recurrent)
@@ -219,16 +223,18 @@ def capacity() -> list[dict]:
     prompts = CAPACITY_PROMPTS[:1] if FLAGS.quick else CAPACITY_PROMPTS
     rows = []
     for label, memory in memories:
-        paged = plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN)
+        paged = plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN, options=VLLM_RULE)
         plans = {
-            "default": plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN, state_layout=None),
+            "default": plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN),
             "attention_pages": paged,
             "state_pool": plan_kv_cache(
                 specs,
                 memory,
                 max_model_len=CHAT_MAX_MODEL_LEN,
-                state_layout="state_pool",
-                checkpoint_bytes=int(STATE_POOL_SHARE * memory),
+                options=PlanOptions(
+                    state_layout="state_pool",
+                    state_pool=StatePoolOptions(checkpoint_bytes=int(STATE_POOL_SHARE * memory)),
+                ),
             ),
         }
         for prompt_len in prompts:
@@ -260,7 +266,7 @@ def chat() -> list[dict]:
     for factor in CHAT_MEMORY_FACTORS[:1] if FLAGS.quick else CHAT_MEMORY_FACTORS:
         memory = factor * low
         start = time.perf_counter()
-        config = plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN, state_layout=None)
+        config = plan_kv_cache(specs, memory, max_model_len=CHAT_MAX_MODEL_LEN)
         ours, preempted = _hit_rate(KVCacheManager(config), trace)
         paged, theirs = _in_vllms_layout(specs, memory, CHAT_MAX_MODEL_LEN, trace)
         only, _ = _hit_rate(KVCacheManager(plan_kv_cache(attention, memory, max_model_len=CHAT_MAX_MODEL_LEN)), trace)
@@ -305,7 +311,7 @@ def multiturn() -> list[dict]:
         start = time.perf_counter()
         only, _ = _hit_rate(KVCacheManager(plan_kv_cache(attention, memory, max_model_len=max_model_len)), trace)
         paged, theirs = _in_vllms_layout(specs, memory, max_model_len, trace)
-        config = plan_kv_cache(specs, memory, max_model_len=max_model_len, state_layout=None)
+        config = plan_kv_cache(specs, memory, max_model_len=max_model_len)
         ours, preempted = _hit_rate(KVCacheManager(config), trace)
         rows.append(
             {

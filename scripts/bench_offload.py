@@ -53,7 +53,7 @@ from jaxkv.offload.catalog import PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.host_buffers import HostKVBuffers, block_nbytes, block_shape
 from jaxkv.offload.transfer import TransferEngine, copies_per_block
-from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanOptions, plan_kv_cache
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 from jaxkv.specs import FullAttentionSpec
@@ -424,11 +424,15 @@ def bench_serving() -> list[dict]:
     specs = model.config.layer_specs()
     turn = FLAGS.serve_user_len + FLAGS.serve_new_tokens
     max_model_len = FLAGS.serve_system_len + FLAGS.serve_turns * turn
-    block_bytes = plan_kv_cache(specs, 1 << 30, max_model_len=max_model_len).pages.block_bytes
+    vllm_rule = PlanOptions(max_num_batched_tokens=256, state_layout="attention_pages")
+    block_bytes = plan_kv_cache(specs, 1 << 30, max_model_len=max_model_len, options=vllm_rule).pages.block_bytes
 
     def engine(device_blocks: int, policy: str | None) -> Engine:
         plan = plan_kv_cache(
-            specs, device_blocks * block_bytes, max_model_len=max_model_len, max_num_batched_tokens=256
+            specs,
+            device_blocks * block_bytes,
+            max_model_len=max_model_len,
+            options=vllm_rule,
         )
         offload = None if policy is None else OffloadConfig(FLAGS.serve_host_blocks * block_bytes, policy=policy)
         max_blocks = plan.blocks_per_request()[0]

@@ -75,7 +75,7 @@ from jaxkv.fleet.protocol import GenerateRequest, GenerateResult, ReplicaAddress
 from jaxkv.fleet.replica import ReplicaSpec, running_replicas
 from jaxkv.fleet.router import POLICIES, RoutedOutput, Router
 from jaxkv.models.tiny import get_model_config
-from jaxkv.planner import plan_kv_cache
+from jaxkv.planner import PlanOptions, plan_kv_cache
 from jaxkv.serving.workloads import Conversation, conversations
 from jaxkv.serving.zmq_security import ENV_CURVE_DIR, CurveKeys, SecureContext
 
@@ -428,7 +428,7 @@ def check_flags() -> tuple[int, int]:
             get_model_config(FLAGS.model).layer_specs(),
             memory,
             max_model_len=FLAGS.max_model_len,
-            max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+            options=PlanOptions(max_num_batched_tokens=FLAGS.max_num_batched_tokens),
         )
     except JaxkvError as err:
         exit_error(PROG, err)

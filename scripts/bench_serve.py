@@ -39,6 +39,7 @@ device or too small, prompts that do not fit ``--max_model_len``) prints one lin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import sys
 from collections.abc import Sequence
@@ -47,7 +48,15 @@ import jax
 from absl import app, flags, logging
 
 from jaxkv import ops
-from jaxkv.commands.cli import check_fits_device, define_state_flags, exit_error, flags_parser, parse_size, write_json
+from jaxkv.commands.cli import (
+    check_fits_device,
+    define_state_flags,
+    exit_error,
+    flags_parser,
+    parse_size,
+    plan_options,
+    write_json,
+)
 from jaxkv.device.metadata import Buckets
 from jaxkv.errors import JaxkvError
 from jaxkv.models.loading import load_model
@@ -203,11 +212,7 @@ def main(argv: Sequence[str]) -> None:
             model,
             memory,
             max_model_len=FLAGS.max_model_len,
-            layout=FLAGS.layout,
-            max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-            head_dim_multiple=1,
-            state_layout=FLAGS.state_layout,
-            checkpoint_share=FLAGS.checkpoint_share,
+            options=dataclasses.replace(plan_options(memory), head_dim_multiple=1),
             max_num_seqs=FLAGS.max_num_seqs,
         )
     # PlanError, EngineError, ModelConfigError: listed until they subclass JaxkvError too.

@@ -35,7 +35,7 @@ from absl import app, flags, logging
 from jaxkv import ops
 from jaxkv.commands.cli import flags_parser
 from jaxkv.models.tiny import MODEL_CONFIGS, get_model_config
-from jaxkv.planner import plan_kv_cache
+from jaxkv.planner import PlanOptions, plan_kv_cache
 from jaxkv.serving.engine import Engine, GenerationResult
 from jaxkv.serving.offload_connector import STORE_POLICIES, OffloadConfig
 
@@ -195,8 +195,7 @@ def plan_memory(model: str) -> tuple[int, int]:
         specs,
         1 << 30,
         max_model_len=FLAGS.max_model_len,
-        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-        state_layout=None,
+        options=PlanOptions(max_num_batched_tokens=FLAGS.max_num_batched_tokens),
     )
     per_request = sum(big.blocks_per_request())
     block_bytes = big.pages.block_bytes

@@ -30,18 +30,22 @@ def serve_through_host(
     ``store``; check every output against transformers and return the largest logit
     difference, cached tokens per run and the connector's stats."""
     from jaxkv.models.checkpoint import load_pretrained
+    from jaxkv.planner import PlanOptions, StatePoolOptions
     from jaxkv.serving.engine import Engine, plan_for_model
     from jaxkv.serving.offload_connector import OffloadConfig
 
     reference = save_tiny_checkpoint(family, directory)
     model = load_pretrained(directory)
+    pooled = state_layout == "state_pool"
     plan = plan_for_model(
         model,
         memory_bytes,
         max_model_len=128,
         max_num_seqs=2,
-        state_layout=state_layout,
-        checkpoint_share=checkpoint_share,
+        options=PlanOptions(
+            state_layout=state_layout,
+            state_pool=StatePoolOptions(2, int(checkpoint_share * memory_bytes)) if pooled else None,
+        ),
     )
     engine = Engine(model, plan, max_num_seqs=2, offload=OffloadConfig(HOST_BYTES, store=store))
     prompts = long_prompts()

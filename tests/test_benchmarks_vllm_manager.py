@@ -6,7 +6,7 @@ from kv_configs import FULL, make_config, window
 
 from jaxkv.benchmarks.vllm_manager import PeerError, VllmManager, vllm_available
 from jaxkv.core.manager import KVCacheManager
-from jaxkv.planner import plan_kv_cache
+from jaxkv.planner import PlanOptions, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.simulator import Simulator, synthetic_trace
 
@@ -28,7 +28,7 @@ def chat_trace(conversations: int = 12):
 
 
 def test_a_plan_in_jaxkvs_own_layouts_is_refused_before_vllm_is_needed():
-    shared = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 30 << 20, max_model_len=8192, state_layout=None)
+    shared = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 30 << 20, max_model_len=8192)
     with pytest.raises(PeerError, match="state_layout='attention_pages'"):
         VllmManager(shared, 8192, 2048)
 
@@ -57,7 +57,8 @@ def test_a_replay_through_vllm_decides_as_jaxkv_where_both_follow_vllms_rules(sp
 @pytest.mark.parametrize("budget", [2048, 300])
 def test_a_recurrent_replay_in_vllms_layout_decides_as_vllm_where_memory_is_not_short(budget):
     # (under pressure the two part: vLLM's align mode holds up to 2 state blocks a request, jaxkv 1)
-    config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 8 << 20, max_model_len=8192)
+    vllm_rule = PlanOptions(state_layout="attention_pages")
+    config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 8 << 20, max_model_len=8192, options=vllm_rule)
     trace = chat_trace(40)
     ours = Simulator(KVCacheManager(config), max_num_seqs=8, max_num_batched_tokens=budget).run(trace)
     peer = VllmManager(config, 8192, budget)

@@ -21,7 +21,7 @@ from jaxkv.device.cache import (
     allocate_kv_cache,
 )
 from jaxkv.device.metadata import attention_metadata
-from jaxkv.planner import KVCacheConfig, KVCacheGroup, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanOptions, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, MLASpec, SlidingWindowSpec
 
@@ -60,7 +60,7 @@ def test_allocate_hand_built_config(layout):
 
 @pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
 def test_allocate_planned_tiny_hybrid(layout):
-    config = plan_kv_cache(get_preset("tiny-hybrid"), 1 << 20, max_model_len=64, layout=layout)
+    config = plan_kv_cache(get_preset("tiny-hybrid"), 1 << 20, max_model_len=64, options=PlanOptions(layout=layout))
     cache = allocate_kv_cache(config)
     assert cache.layout == layout
     layers = config.pages.num_layers_per_block
@@ -117,7 +117,9 @@ def test_unsupported_specs_raise_naming_the_spec(odd, match):
 
 
 def test_under_vllms_rule_recurrent_pages_keep_their_place_but_hold_no_state():
-    config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 1 << 22, max_model_len=64)
+    config = plan_kv_cache(
+        get_preset("tiny-mamba-hybrid"), 1 << 22, max_model_len=64, options=PlanOptions(state_layout="attention_pages")
+    )
     cache = allocate_kv_cache(config)
     assert cache.block_size == 32 and cache.nbytes == config.num_blocks * config.pages.block_bytes
     assert cache.num_kv_heads == 2, "the attention groups' heads: states live in a StateCache"
@@ -130,13 +132,17 @@ def test_mixed_block_sizes_are_unsupported():
 
 
 def test_a_state_pool_plan_allocates_pages_for_its_attention_groups_only():
-    config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 1 << 22, max_model_len=64, state_layout="state_pool")
+    config = plan_kv_cache(
+        get_preset("tiny-mamba-hybrid"), 1 << 22, max_model_len=64, options=PlanOptions(state_layout="state_pool")
+    )
     cache = allocate_kv_cache(config)
     attention = {n for g in config.attention_groups for n in g.layer_names}
     assert {name for name, _ in cache.layer_indices} == attention and len(attention) == 2
     assert cache.block_size == 16 and cache.nbytes == config.num_blocks * config.pages.block_bytes
     state = MambaSpec(shapes=((4, 8),), dtypes=("float32",))
-    states_only = plan_kv_cache({"m0": state, "m1": state}, 1 << 16, max_model_len=64, state_layout="state_pool")
+    states_only = plan_kv_cache(
+        {"m0": state, "m1": state}, 1 << 16, max_model_len=64, options=PlanOptions(state_layout="state_pool")
+    )
     with pytest.raises(UnsupportedLayoutError, match="all 1 group\\(s\\) are recurrent \\(first layer 'm0'\\)"):
         allocate_kv_cache(states_only)
 

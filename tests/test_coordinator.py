@@ -6,7 +6,7 @@ from kv_configs import FULL, admit, make_config, window
 from jaxkv.core.coordinator import CoordinatorError, KVCacheCoordinator
 from jaxkv.core.manager import KVCacheManager, Request
 from jaxkv.core.pool import AllBlocksCleared, BlockStored
-from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanError, SharedStates, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanError, PlanOptions, SharedStates, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.specs import MambaSpec
 
@@ -80,7 +80,9 @@ def test_an_unknown_retention_rule_is_refused_by_name():
 
 
 def test_a_reset_is_one_all_blocks_cleared_between_every_pools_events(tokens):
-    config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 1 << 22, max_model_len=64, state_layout="state_pool")
+    config = plan_kv_cache(
+        get_preset("tiny-mamba-hybrid"), 1 << 22, max_model_len=64, options=PlanOptions(state_layout="state_pool")
+    )
     mgr = KVCacheManager(config, enable_events=True)
     admit(mgr, Request("a", tokens(0, 48)))
     mgr.free("a")

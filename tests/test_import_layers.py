@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxkv"
 
-SHARED = ["errors", "ints", "specs", "presets", "planner"]
+SHARED = ["errors", "ints", "specs", "presets", "plan_summary", "planner"]
 """The modules the package root keeps: what the host core and the device side both use."""
 
 # The layer of each top-level name under jaxkv; a module may import its own layer and below.

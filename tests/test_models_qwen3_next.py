@@ -11,6 +11,7 @@ from jaxkv.device.mesh import model_mesh
 from jaxkv.models.checkpoint import load_pretrained
 from jaxkv.models.layers import UnsupportedConfigError
 from jaxkv.models.qwen3_next import Qwen3Next
+from jaxkv.planner import PlanOptions
 from jaxkv.presets import get_preset
 
 DENSE_ATOL = 1e-4
@@ -54,7 +55,9 @@ def test_served_logits_match_transformers_and_a_second_pass_hits_on_a_2_device_m
 @pytest.mark.slow
 @pytest.mark.parametrize(("state_layout", "memory_bytes"), [("shared_pages", 128 << 10), ("state_pool", 1 << 18)])
 def test_served_logits_match_transformers_under_preemption(tmp_path, state_layout, memory_bytes):
-    run = serve_against_transformers("qwen3_next", tmp_path, memory_bytes=memory_bytes, state_layout=state_layout)
+    run = serve_against_transformers(
+        "qwen3_next", tmp_path, memory_bytes=memory_bytes, plan=PlanOptions(state_layout=state_layout)
+    )
     assert run["preemptions"] > 0 and run["max_abs_diff"] < ENGINE_ATOL
 
 

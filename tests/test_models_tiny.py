@@ -21,7 +21,7 @@ from jaxkv.models.tiny import (
     init_params,
     model_names,
 )
-from jaxkv.planner import plan_kv_cache
+from jaxkv.planner import PlanOptions, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.specs import FullAttentionSpec, MambaSpec
 
@@ -47,8 +47,12 @@ def test_tiny_qwen3_next_has_three_delta_nets_to_one_attention_layer():
     assert [type(s) for s in specs[:4]] == [MambaSpec] * 3 + [FullAttentionSpec] and specs[4:] == specs[:4]
     assert specs[0].mamba_type == "gated_delta_net" and specs[0].dtypes == ("float32", "float32")
     assert specs[0].shapes == ((3, config.conv_dim), (4, 32, 32))
-    pooled = plan_kv_cache(config.layer_specs(), 8 << 20, max_model_len=512, state_layout="state_pool")
-    paged = plan_kv_cache(config.layer_specs(), 8 << 20, max_model_len=512)
+    pooled = plan_kv_cache(
+        config.layer_specs(), 8 << 20, max_model_len=512, options=PlanOptions(state_layout="state_pool")
+    )
+    paged = plan_kv_cache(
+        config.layer_specs(), 8 << 20, max_model_len=512, options=PlanOptions(state_layout="attention_pages")
+    )
     assert pooled.hash_block_size == 16 and paged.hash_block_size == 32  # vLLM's rule: a page holds a state
 
 
@@ -144,7 +148,7 @@ def test_dense_forward_is_causal_and_window_masked():
 def test_paged_forward_matches_the_dense_forward(name, layout):
     """Two steps of a ragged batch (a chunked prefill, a prefill, then a decode) against dense logits."""
     model = TinyLM(get_model_config(name), seed=3)
-    plan = plan_kv_cache(model.config.layer_specs(), 4 << 20, max_model_len=128, layout=layout)
+    plan = plan_kv_cache(model.config.layer_specs(), 4 << 20, max_model_len=128, options=PlanOptions(layout=layout))
     manager = KVCacheManager(plan, enable_caching=False)
     cache = allocate_kv_cache(plan)
     rng = np.random.default_rng(0)

@@ -21,7 +21,7 @@ from jaxkv.device.metadata import attention_metadata
 from jaxkv.pallas import reference as ref
 from jaxkv.pallas import xla
 from jaxkv.pallas.reference import KVShapeError
-from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, KVCacheGroup, plan_kv_cache
+from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, KVCacheGroup, PlanOptions, plan_kv_cache
 from jaxkv.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 BLOCK = 4
@@ -406,10 +406,9 @@ def tile_cache(head_dim_multiple: int, layout: str):
         TILE_SPECS,
         1 << 30,
         max_model_len=32,
-        block_size=BLOCK,
-        layout=layout,
-        num_blocks_override=24,
-        head_dim_multiple=head_dim_multiple,
+        options=PlanOptions(
+            block_size=BLOCK, layout=layout, num_blocks_override=24, head_dim_multiple=head_dim_multiple
+        ),
     )
     return allocate_kv_cache(plan)
 

@@ -20,6 +20,7 @@ from jaxkv.planner import (
     KVCacheConfig,
     KVCacheGroup,
     PlanError,
+    PlanOptions,
     StatePool,
     StatePoolOptions,
     choose_layers_per_group,
@@ -37,6 +38,9 @@ from jaxkv.specs import (
 )
 
 GiB = 1 << 30
+
+VLLM_RULE = PlanOptions(state_layout="attention_pages")
+"""vLLM's layout for recurrent states: one attention page holds one."""
 
 
 def check_plan(config: KVCacheConfig, layer_specs, memory_bytes: int) -> None:
@@ -83,7 +87,7 @@ def request_pages(counts, blocks, slots):
 @pytest.mark.parametrize("name", list_presets())
 def test_every_preset_plans_at_16_gib_and_32k(name):
     specs = get_preset(name)
-    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
+    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=VLLM_RULE)
     check_plan(config, specs, 16 * GiB)
     assert "num_blocks" in config.summary()
 
@@ -124,7 +128,7 @@ def test_gpt_oss_splits_into_two_groups_of_18():
 
 def test_jamba_grows_attention_blocks_until_a_page_holds_a_mamba_state():
     specs = get_preset("jamba-1.5-mini")
-    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
+    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=VLLM_RULE)
     state = specs["layers.0"].state_bytes
     attention = next(g for g in config.groups if isinstance(g.spec, FullAttentionSpec))
     page = config.pages.page_size_bytes
@@ -144,7 +148,7 @@ def test_jamba_grows_attention_blocks_until_a_page_holds_a_mamba_state():
 
 def test_mamba_only_models_use_the_base_block_size_and_the_state_as_page():
     spec = MambaSpec(shapes=((8, 3), (8, 16)), dtypes=("bfloat16", "float32"))
-    config = plan_kv_cache({f"m{i}": spec for i in range(3)}, 1 << 20, max_model_len=1000)
+    config = plan_kv_cache({f"m{i}": spec for i in range(3)}, 1 << 20, max_model_len=1000, options=VLLM_RULE)
     (group,) = config.groups
     assert group.block_size == 16 and config.pages.page_size_bytes == spec.state_bytes
 
@@ -204,18 +208,18 @@ def test_too_small_a_budget_names_the_budget_the_need_and_the_length():
 
 def test_num_blocks_override_is_used_but_must_fit_the_budget():
     specs = get_preset("tiny-hybrid")
-    config = plan_kv_cache(specs, GiB, max_model_len=64, num_blocks_override=40)
+    config = plan_kv_cache(specs, GiB, max_model_len=64, options=PlanOptions(num_blocks_override=40))
     assert config.num_blocks == 40
     with pytest.raises(InsufficientMemoryError, match="num_blocks_override=100000"):
-        plan_kv_cache(specs, 1 << 20, max_model_len=64, num_blocks_override=100_000)
+        plan_kv_cache(specs, 1 << 20, max_model_len=64, options=PlanOptions(num_blocks_override=100_000))
     with pytest.raises(InsufficientMemoryError, match="needs"):
-        plan_kv_cache(specs, GiB, max_model_len=64, num_blocks_override=3)
+        plan_kv_cache(specs, GiB, max_model_len=64, options=PlanOptions(num_blocks_override=3))
 
 
 def test_layout_kind_changes_no_byte():
     specs = get_preset("gemma-3-27b")
     cross = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
-    per_layer = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, layout="per_layer")
+    per_layer = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=PlanOptions(layout="per_layer"))
     assert per_layer.pages.layout == "per_layer"
     assert per_layer.num_blocks == cross.num_blocks
     assert per_layer.pages.layers == cross.pages.layers
@@ -223,11 +227,13 @@ def test_layout_kind_changes_no_byte():
 
 def test_plans_are_deterministic():
     specs = get_preset("qwen3-next-80b")
-    assert plan_kv_cache(specs, 8 * GiB, max_model_len=8192) == plan_kv_cache(specs, 8 * GiB, max_model_len=8192)
+    assert plan_kv_cache(specs, 8 * GiB, max_model_len=8192, options=VLLM_RULE) == plan_kv_cache(
+        specs, 8 * GiB, max_model_len=8192, options=VLLM_RULE
+    )
 
 
 def test_slot_index_finds_the_buffer_of_a_layer():
-    config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 1 << 24, max_model_len=256)
+    config = plan_kv_cache(get_preset("tiny-mamba-hybrid"), 1 << 24, max_model_len=256, options=VLLM_RULE)
     pages = config.pages
     for group in config.groups:
         for i, name in enumerate(group.layer_names):
@@ -257,8 +263,9 @@ def test_slot_index_finds_the_buffer_of_a_layer():
 )
 def test_bad_arguments_raise_a_plan_error_naming_the_value(kwargs, named):
     args = {"layer_specs": get_preset("tiny-hybrid"), "memory_bytes": GiB, "max_model_len": 128} | kwargs
+    plan_args = [args.pop("layer_specs"), args.pop("memory_bytes"), args.pop("max_model_len")]
     with pytest.raises(PlanError, match=named):
-        plan_kv_cache(args.pop("layer_specs"), args.pop("memory_bytes"), **args)
+        plan_kv_cache(*plan_args[:2], max_model_len=plan_args[2], options=PlanOptions(**args))
 
 
 # ------------------------------------------------------------ tile alignment
@@ -267,7 +274,9 @@ def test_bad_arguments_raise_a_plan_error_naming_the_value(kwargs, named):
 def test_a_head_of_64_padded_to_128_lanes_doubles_pages_and_halves_blocks():
     specs = {f"layers.{i}": FullAttentionSpec(num_kv_heads=8, head_size=64) for i in range(32)}
     plain = plan_kv_cache(specs, 8 * GiB, max_model_len=8192)
-    tiled = plan_kv_cache(specs, 8 * GiB, max_model_len=8192, head_dim_multiple=TPU_HEAD_DIM_MULTIPLE)
+    tiled = plan_kv_cache(
+        specs, 8 * GiB, max_model_len=8192, options=PlanOptions(head_dim_multiple=TPU_HEAD_DIM_MULTIPLE)
+    )
     check_plan(tiled, {n: pad_head_size(s, 128) for n, s in specs.items()}, 8 * GiB)
     (group,) = tiled.groups
     assert group.spec == FullAttentionSpec(num_kv_heads=8, head_size=128)
@@ -284,7 +293,7 @@ def test_a_head_of_64_padded_to_128_lanes_doubles_pages_and_halves_blocks():
 @pytest.mark.parametrize("name", ["tiny-hybrid", "gemma-3-27b", "deepseek-v3", "jamba-1.5-mini"])
 def test_a_multiple_of_1_plans_exactly_as_before(name):
     specs = get_preset(name)
-    assert plan_kv_cache(specs, 4 * GiB, max_model_len=4096, head_dim_multiple=1) == plan_kv_cache(
+    assert plan_kv_cache(specs, 4 * GiB, max_model_len=4096, options=PlanOptions(head_dim_multiple=1)) == plan_kv_cache(
         specs, 4 * GiB, max_model_len=4096
     )
 
@@ -292,7 +301,7 @@ def test_a_multiple_of_1_plans_exactly_as_before(name):
 def test_heads_already_aligned_are_not_padded():
     specs = get_preset("llama-3.1-8b")  # head_size 128
     plain = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
-    tiled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, head_dim_multiple=128)
+    tiled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=PlanOptions(head_dim_multiple=128))
     assert tiled.groups == plain.groups and tiled.num_blocks == plain.num_blocks == 8192
     assert tiled.padding_bytes_per_block == (0,)
     assert pad_head_size(specs["layers.0"], 128) is specs["layers.0"]
@@ -300,7 +309,9 @@ def test_heads_already_aligned_are_not_padded():
 
 def test_mamba_states_keep_their_size_while_attention_heads_are_padded():
     specs = get_preset("tiny-mamba-hybrid")  # attention heads of 16
-    config = plan_kv_cache(specs, 1 << 24, max_model_len=256, head_dim_multiple=128)
+    config = plan_kv_cache(
+        specs, 1 << 24, max_model_len=256, options=PlanOptions(head_dim_multiple=128, state_layout="attention_pages")
+    )
     check_plan(config, {n: pad_head_size(s, 128) for n, s in specs.items()}, 1 << 24)
     state = specs["layers.0"].state_bytes
     attention = [g for g in config.groups if isinstance(g.spec, FullAttentionSpec)]
@@ -322,7 +333,7 @@ def test_mla_latents_are_not_padded_in_a_mix_with_padded_attention():
         "full": FullAttentionSpec(num_kv_heads=9, head_size=64),
     }
     plain = plan_kv_cache(specs, GiB, max_model_len=4096)
-    tiled = plan_kv_cache(specs, GiB, max_model_len=4096, head_dim_multiple=128)
+    tiled = plan_kv_cache(specs, GiB, max_model_len=4096, options=PlanOptions(head_dim_multiple=128))
     mla = {g.layer_names[0]: g for g in tiled.groups}["mla"]
     full = {g.layer_names[0]: g for g in tiled.groups}["full"]
     assert mla.spec == specs["mla"] and mla.spec.head_size == 576
@@ -423,7 +434,12 @@ def models(draw):
 )
 def test_any_mix_plans_equal_slots_and_pages_within_budget(specs, memory, max_model_len, block_size):
     try:
-        config = plan_kv_cache(specs, memory, max_model_len=max_model_len, block_size=block_size)
+        config = plan_kv_cache(
+            specs,
+            memory,
+            max_model_len=max_model_len,
+            options=PlanOptions(block_size=block_size, state_layout="attention_pages"),
+        )
     except IncompatibleSpecsError:
         attention = [s for s in specs.values() if not isinstance(s, MambaSpec)]
         pages = {s.page_size_bytes(block_size) for s in attention}
@@ -535,7 +551,7 @@ def test_exact_concurrency_bound_adds_one_live_state_per_request():
     state = sum(s.state_bytes for s in specs.values() if isinstance(s, MambaSpec))
     bound = exact_concurrency_bound(specs, 16 * GiB, 32768)
     assert bound == 16 * GiB // (per_token * 32768 + state)
-    assert plan_kv_cache(specs, 16 * GiB, max_model_len=32768).max_concurrency <= bound
+    assert plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=VLLM_RULE).max_concurrency <= bound
 
 
 @pytest.mark.parametrize("memory_bytes, max_model_len", [(0, 16), (1024, 0), (1024, True)])
@@ -574,8 +590,8 @@ def check_state_pool_plan(config: KVCacheConfig, layer_specs, memory_bytes: int)
 @pytest.mark.parametrize("name, vllm_block", RECURRENT_HYBRIDS.items())
 def test_a_state_pool_caches_prefixes_at_16_tokens_where_vllms_rule_needs_a_page_per_state(name, vllm_block):
     specs = get_preset(name)
-    pooled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool")
-    paged = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
+    pooled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=PlanOptions(state_layout="state_pool"))
+    paged = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=VLLM_RULE)
     assert paged.hash_block_size == vllm_block
     assert pooled.hash_block_size == 16
     assert all(g.block_size == 16 for g in pooled.groups)
@@ -586,16 +602,18 @@ def test_a_state_pool_caches_prefixes_at_16_tokens_where_vllms_rule_needs_a_page
 def test_a_state_pool_reaches_98_percent_of_the_exact_concurrency_bound(name):
     specs = get_preset(name)
     bound = exact_concurrency_bound(specs, 16 * GiB, 32768)
-    pooled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool")
+    pooled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=PlanOptions(state_layout="state_pool"))
     assert bound >= pooled.max_concurrency >= 0.98 * bound
-    assert pooled.max_concurrency >= plan_kv_cache(specs, 16 * GiB, max_model_len=32768).max_concurrency
+    assert (
+        pooled.max_concurrency >= plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=VLLM_RULE).max_concurrency
+    )
 
 
 def test_nemotron_h_8b_runs_26_requests_on_a_state_pool_and_22_on_attention_pages():
     specs = get_preset("nemotron-h-8b")
     assert exact_concurrency_bound(specs, 16 * GiB, 32768) == 26
-    assert plan_kv_cache(specs, 16 * GiB, max_model_len=32768).max_concurrency == 22
-    pooled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool")
+    assert plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=VLLM_RULE).max_concurrency == 22
+    pooled = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=PlanOptions(state_layout="state_pool"))
     assert pooled.max_concurrency == 26
     assert pooled.state_pool.num_live_states == 26 and pooled.state_pool.num_checkpoint_states == 0
     # One request: the attention blocks of 32k tokens and one live state, nothing against the pool for Mamba.
@@ -607,10 +625,13 @@ def test_nemotron_h_8b_runs_26_requests_on_a_state_pool_and_22_on_attention_page
 
 def test_checkpoint_memory_buys_checkpoint_states_out_of_the_live_ones():
     specs = get_preset("nemotron-h-8b")
-    plain = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool")
+    plain = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, options=PlanOptions(state_layout="state_pool"))
     slot = plain.state_pool.state_bytes
     checkpointed = plan_kv_cache(
-        specs, 16 * GiB, max_model_len=32768, state_layout="state_pool", checkpoint_bytes=2 * GiB
+        specs,
+        16 * GiB,
+        max_model_len=32768,
+        options=PlanOptions(state_layout="state_pool", state_pool=StatePoolOptions(checkpoint_bytes=2 * GiB)),
     )
     pool = checkpointed.state_pool
     assert pool.state_bytes == slot
@@ -624,43 +645,59 @@ def test_checkpoint_memory_buys_checkpoint_states_out_of_the_live_ones():
 
 def test_max_num_seqs_fixes_the_live_states_and_attention_takes_the_rest():
     specs = get_preset("jamba-1.5-mini")
-    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool", max_num_seqs=8)
+    config = plan_kv_cache(
+        specs,
+        16 * GiB,
+        max_model_len=32768,
+        options=PlanOptions(state_layout="state_pool", state_pool=StatePoolOptions(max_num_seqs=8)),
+    )
     pool = config.state_pool
     assert pool.num_live_states == 8 and pool.num_states == 9
     assert config.num_blocks == (16 * GiB - 9 * pool.state_bytes) // config.pages.block_bytes
     assert config.max_concurrency == 8  # states limit it; attention would hold more
     check_state_pool_plan(config, specs, 16 * GiB)
     with pytest.raises(InsufficientMemoryError, match="max_num_seqs=100000"):
-        plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout="state_pool", max_num_seqs=100_000)
+        plan_kv_cache(
+            specs,
+            16 * GiB,
+            max_model_len=32768,
+            options=PlanOptions(state_layout="state_pool", state_pool=StatePoolOptions(max_num_seqs=100_000)),
+        )
 
 
 @pytest.mark.parametrize("max_num_seqs", [None, 8])
 @pytest.mark.parametrize("checkpoint_bytes", [0, 300 << 20])
 def test_a_state_pool_refusal_names_the_smallest_budget_that_fits(max_num_seqs, checkpoint_bytes):
     specs = get_preset("nemotron-h-8b")
-    kwargs = dict(max_model_len=32768, state_layout="state_pool", max_num_seqs=max_num_seqs)
+    sizes = StatePoolOptions(max_num_seqs=max_num_seqs, checkpoint_bytes=checkpoint_bytes)
+    options = PlanOptions(state_layout="state_pool", state_pool=sizes)
     with pytest.raises(InsufficientMemoryError, match="the smallest budget that fits is") as info:
-        plan_kv_cache(specs, 512 << 20, checkpoint_bytes=checkpoint_bytes, **kwargs)
+        plan_kv_cache(specs, 512 << 20, max_model_len=32768, options=options)
     smallest = int(
         re.search(r"the smallest budget that fits is ([0-9,]+) B", str(info.value)).group(1).replace(",", "")
     )
-    plan_kv_cache(specs, smallest, checkpoint_bytes=checkpoint_bytes, **kwargs)
+    plan_kv_cache(specs, smallest, max_model_len=32768, options=options)
     with pytest.raises(InsufficientMemoryError):
-        plan_kv_cache(specs, smallest - 1, checkpoint_bytes=checkpoint_bytes, **kwargs)
+        plan_kv_cache(specs, smallest - 1, max_model_len=32768, options=options)
 
 
 def test_a_state_pool_too_small_for_one_request_names_the_budget():
     specs = get_preset("nemotron-h-8b")
     with pytest.raises(InsufficientMemoryError, match="memory_bytes=536870912 with checkpoint_bytes=0"):
-        plan_kv_cache(specs, 512 << 20, max_model_len=32768, state_layout="state_pool")
+        plan_kv_cache(specs, 512 << 20, max_model_len=32768, options=PlanOptions(state_layout="state_pool"))
     with pytest.raises(InsufficientMemoryError, match="checkpoint_bytes=1073741824"):
-        plan_kv_cache(specs, GiB, max_model_len=32768, state_layout="state_pool", checkpoint_bytes=GiB)
+        plan_kv_cache(
+            specs,
+            GiB,
+            max_model_len=32768,
+            options=PlanOptions(state_layout="state_pool", state_pool=StatePoolOptions(checkpoint_bytes=GiB)),
+        )
 
 
 def test_a_mamba_only_model_on_a_state_pool_has_no_attention_pages():
     state = MambaSpec(shapes=((4, 8),), dtypes=("float32",))
     specs = {f"m{i}": state for i in range(3)}
-    config = plan_kv_cache(specs, 10 * 3 * 128, max_model_len=4096, state_layout="state_pool")
+    config = plan_kv_cache(specs, 10 * 3 * 128, max_model_len=4096, options=PlanOptions(state_layout="state_pool"))
     assert config.pages is None and config.num_blocks == 1 and config.attention_groups == ()
     assert config.state_pool.state_bytes == 3 * 128 and config.state_pool.num_states == 10
     assert config.max_concurrency == 9 and config.hash_block_size == 16
@@ -672,7 +709,7 @@ def test_each_mamba_type_is_one_group_and_each_request_holds_one_slot_per_group(
     delta = MambaSpec(shapes=((2, 8),), dtypes=("float32",), mamba_type="gated_delta_net")
     full = FullAttentionSpec(num_kv_heads=1, head_size=8, dtype="float32")
     specs = {"m0": mamba, "a0": full, "d0": delta, "m1": mamba, "a1": full, "d1": delta, "d2": delta}
-    config = plan_kv_cache(specs, 1 << 20, max_model_len=256, state_layout="state_pool")
+    config = plan_kv_cache(specs, 1 << 20, max_model_len=256, options=PlanOptions(state_layout="state_pool"))
     assert [g.layer_names for g in config.groups] == [("m0", "m1"), ("a0", "a1"), ("d0", "d1", "d2")]
     assert config.state_group_ids == (0, 2)
     assert config.state_pool.state_bytes == max(2 * 128, 3 * 64)
@@ -685,21 +722,22 @@ def test_each_mamba_type_is_one_group_and_each_request_holds_one_slot_per_group(
     "kwargs, named",
     [
         ({"state_layout": "pages"}, "unknown state_layout 'pages'"),
-        ({"max_num_seqs": 4}, "max_num_seqs=4"),
-        ({"checkpoint_bytes": GiB}, "checkpoint_bytes=1073741824"),
-        ({"state_layout": "state_pool", "max_num_seqs": 0}, "max_num_seqs must be a positive int, got 0"),
-        ({"state_layout": "state_pool", "checkpoint_bytes": -1}, "checkpoint_bytes must be a non-negative int, got -1"),
+        ({"state_layout": "shared_pages", "state_pool": StatePoolOptions(4)}, "max_num_seqs=4"),
+        ({"state_layout": "attention_pages", "state_pool": StatePoolOptions(checkpoint_bytes=GiB)}, "1073741824"),
+        ({"state_pool": {"max_num_seqs": 4}}, "state_pool must be a StatePoolOptions or None"),
         ({"state_layout": "state_pool", "num_blocks_override": 100}, "num_blocks_override=100"),
     ],
 )
 def test_bad_state_layout_arguments_raise_a_plan_error_naming_the_value(kwargs, named):
     with pytest.raises(PlanError, match=named):
-        plan_kv_cache(get_preset("jamba-1.5-mini"), 16 * GiB, max_model_len=32768, **kwargs)
+        plan_kv_cache(get_preset("jamba-1.5-mini"), 16 * GiB, max_model_len=32768, options=PlanOptions(**kwargs))
 
 
 def test_a_state_pool_without_recurrent_layers_is_refused():
     with pytest.raises(PlanError, match=r"needs recurrent .* every layer is attention: full_attention"):
-        plan_kv_cache(get_preset("llama-3.1-8b"), 16 * GiB, max_model_len=32768, state_layout="state_pool")
+        plan_kv_cache(
+            get_preset("llama-3.1-8b"), 16 * GiB, max_model_len=32768, options=PlanOptions(state_layout="state_pool")
+        )
 
 
 def test_hand_built_state_pools_check_their_live_states():
@@ -727,9 +765,10 @@ def test_any_state_pool_plan_fits_its_budget_and_one_request(
             specs,
             memory,
             max_model_len=max_model_len,
-            state_layout="state_pool",
-            max_num_seqs=max_num_seqs,
-            checkpoint_bytes=checkpoint_bytes,
+            options=PlanOptions(
+                state_layout="state_pool",
+                state_pool=StatePoolOptions(max_num_seqs=max_num_seqs, checkpoint_bytes=checkpoint_bytes),
+            ),
         )
     except IncompatibleSpecsError:
         return
@@ -752,7 +791,7 @@ def test_a_type_s_layers_are_dealt_round_robin_into_groups_as_vllm_does():
 @pytest.mark.parametrize("name", ["nemotron-h-8b", "qwen3-next-80b", "jamba-1.5-mini"])
 def test_recurrent_hybrids_default_to_one_memory_that_reaches_the_exact_concurrency_bound(name):
     specs = get_preset(name)
-    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768, state_layout=None)
+    config = plan_kv_cache(specs, 16 * GiB, max_model_len=32768)
     assert config.shared_states is not None and config.state_pool is None
     assert config.hash_block_size == 16
     assert config.max_concurrency == exact_concurrency_bound(specs, 16 * GiB, 32768)
@@ -760,26 +799,7 @@ def test_recurrent_hybrids_default_to_one_memory_that_reaches_the_exact_concurre
     assert "one memory: a state" in config.summary()
 
 
-def test_a_state_pool_options_object_plans_what_the_keywords_plan():
-    specs = get_preset("nemotron-h-8b")
-    by_keywords = plan_kv_cache(
-        specs, 16 * GiB, max_model_len=32768, state_layout="state_pool", max_num_seqs=8, checkpoint_bytes=GiB
-    )
-    by_options = plan_kv_cache(
-        specs, 16 * GiB, max_model_len=32768, state_layout=StatePoolOptions(max_num_seqs=8, checkpoint_bytes=GiB)
-    )
-    assert by_options == by_keywords and by_options.state_pool is not None
-
-
-def test_the_state_pool_sizes_are_given_once_and_checked_when_built():
-    with pytest.raises(PlanError, match="once"):
-        plan_kv_cache(
-            get_preset("nemotron-h-8b"),
-            16 * GiB,
-            max_model_len=32768,
-            state_layout=StatePoolOptions(max_num_seqs=8),
-            checkpoint_bytes=GiB,
-        )
+def test_the_state_pool_sizes_are_checked_when_built():
     with pytest.raises(PlanError, match="max_num_seqs"):
         StatePoolOptions(max_num_seqs=0)
     with pytest.raises(PlanError, match="checkpoint_bytes"):

@@ -6,14 +6,13 @@ import pytest
 from jaxkv import ops
 from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
-from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, plan_kv_cache
+from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, PlanOptions, StatePoolOptions, default_state_layout, plan_kv_cache
 from jaxkv.serving.engine import (
     CacheAudit,
     Engine,
     EngineError,
     GenerationResult,
     resolve_head_dim_multiple,
-    state_plan,
 )
 
 MAX_MODEL_LEN = 256
@@ -55,7 +54,10 @@ def engine(
 ) -> Engine:
     """An engine with a 64-token step budget and 4 sequences (one step shape unless ``buckets``)."""
     plan = plan_kv_cache(
-        model.config.layer_specs(), memory_bytes, max_model_len=max_model_len, layout=layout, max_num_batched_tokens=64
+        model.config.layer_specs(),
+        memory_bytes,
+        max_model_len=max_model_len,
+        options=PlanOptions(layout=layout, max_num_batched_tokens=64),
     )
     return Engine(model, plan, max_num_seqs=4, buckets=buckets, **kwargs)
 
@@ -120,8 +122,8 @@ def test_heads_padded_to_128_lanes_give_the_same_tokens(dense_tokens):
     kw = dict(
         memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64, max_num_seqs=4, buckets=ONE_SHAPE
     )
-    plain = Engine.build("tiny-llama", head_dim_multiple=1, **kw)
-    tiled = Engine.build("tiny-llama", head_dim_multiple=TPU_HEAD_DIM_MULTIPLE, **kw)
+    plain = Engine.build("tiny-llama", plan=PlanOptions(head_dim_multiple=1), **kw)
+    tiled = Engine.build("tiny-llama", plan=PlanOptions(head_dim_multiple=TPU_HEAD_DIM_MULTIPLE), **kw)
     assert (plain.runner.cache.head_dim, tiled.runner.cache.head_dim) == (64, 128)
     assert tiled.manager.config.num_blocks == plain.manager.config.num_blocks // 2
     expected = dense_tokens["tiny-llama"][: len(prompts)]
@@ -197,7 +199,7 @@ def test_bad_input_is_refused_before_anything_runs(models, prompts, max_new, mat
 
 def test_the_step_budget_may_not_exceed_the_plan(models):
     specs = models["tiny-llama"].config.layer_specs()
-    plan = plan_kv_cache(specs, 4 << 20, max_model_len=256, max_num_batched_tokens=64)
+    plan = plan_kv_cache(specs, 4 << 20, max_model_len=256, options=PlanOptions(max_num_batched_tokens=64))
     with pytest.raises(EngineError, match="max_num_batched_tokens=128 exceeds the plan's max_num_batched_tokens=64"):
         Engine(models["tiny-llama"], plan, max_num_batched_tokens=128)
 
@@ -227,15 +229,17 @@ def recurrent_engine(
     """A 64-token step budget in 8 MiB (or ``memory_bytes``); the state pool sized for
     ``max_num_seqs`` live states + 1 MiB of checkpoints."""
     pooled = state_layout == "state_pool"
+    checkpoint_bytes = kwargs.pop("checkpoint_bytes", 1 << 20)
     plan = plan_kv_cache(
         model.config.layer_specs(),
         kwargs.pop("memory_bytes", 8 << 20),
         max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=64,
-        layout=layout,
-        state_layout=state_layout,
-        max_num_seqs=max_num_seqs if pooled else None,
-        checkpoint_bytes=kwargs.pop("checkpoint_bytes", 1 << 20 if pooled else 0),
+        options=PlanOptions(
+            max_num_batched_tokens=64,
+            layout=layout,
+            state_layout=state_layout,
+            state_pool=StatePoolOptions(max_num_seqs, checkpoint_bytes) if pooled else None,
+        ),
     )
     return Engine(model, plan, max_num_seqs=4, buckets=ONE_SHAPE, **kwargs)
 
@@ -355,16 +359,31 @@ def test_hooks_that_are_not_hooks_are_refused(models, kwargs, match):
         engine(models["tiny-llama"], **kwargs)
 
 
-def test_auto_keeps_a_hybrids_states_in_the_kv_pages_and_a_tensor_parallel_ones_in_a_pool():
+def test_the_default_plan_keeps_a_hybrids_states_in_the_kv_pages_and_a_tensor_parallel_ones_in_a_pool():
     specs = get_model_config("tiny-qwen3-next").layer_specs()
     assert Engine.build("tiny-qwen3-next", memory_bytes=4 << 20, max_model_len=256).manager.config.shared_states
-    assert state_plan(specs, "auto", 4 << 20, 0.1, 4)["state_layout"] == "shared_pages"
-    assert state_plan(specs, "auto", 4 << 20, 0.1, 4, tensor_parallel=2)["state_layout"] == "state_pool"
-    llama = get_model_config("tiny-llama").layer_specs()
-    assert state_plan(llama, "auto", 4 << 20, 0.1, 4)["state_layout"] == "attention_pages"
+    assert default_state_layout(specs) == "shared_pages"
+    assert default_state_layout(specs, tensor_parallel=2) == "state_pool"
+    assert default_state_layout(get_model_config("tiny-llama").layer_specs()) == "attention_pages"
 
 
-@pytest.mark.parametrize("share", [float("nan"), -0.1, 1.0, "0.1"])
-def test_a_checkpoint_share_outside_0_1_is_refused(share):
-    with pytest.raises(EngineError, match="checkpoint_share must be a number in"):
-        Engine.build("tiny-hybrid", memory_bytes=4 << 20, max_model_len=256, checkpoint_share=share)
+def test_an_engine_sizes_a_picked_state_pool_for_its_requests_and_a_tenth_of_memory():
+    config = Engine.build(
+        "tiny-qwen3-next",
+        memory_bytes=4 << 20,
+        max_model_len=256,
+        max_num_seqs=3,
+        plan=PlanOptions(state_layout="state_pool"),
+    ).manager.config
+    assert config.state_pool.num_live_states == 3 * len(config.state_group_ids)
+    assert config.state_pool.num_checkpoint_states == int(0.1 * (4 << 20)) // config.state_pool.state_bytes
+
+
+def test_a_plan_beside_a_kv_config_or_for_another_mesh_is_refused(models):
+    config = Engine.build("tiny-llama", memory_bytes=1 << 20, max_model_len=256).manager.config
+    with pytest.raises(EngineError, match="plan=PlanOptions"):
+        Engine(models["tiny-llama"], config, plan=PlanOptions())
+    with pytest.raises(EngineError, match="plan must be a PlanOptions"):
+        Engine(models["tiny-llama"], memory_bytes=1 << 20, max_model_len=256, plan={"block_size": 8})
+    with pytest.raises(EngineError, match="tensor_parallel=2 differs"):
+        Engine(models["tiny-llama"], memory_bytes=1 << 20, max_model_len=256, plan=PlanOptions(tensor_parallel=2))

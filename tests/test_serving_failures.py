@@ -11,7 +11,7 @@ import pytest
 from jaxkv.device.metadata import Buckets
 from jaxkv.errors import WrongThreadError
 from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
-from jaxkv.planner import KVCacheConfig, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, PlanOptions, StatePoolOptions, plan_kv_cache
 from jaxkv.serving.engine import Engine, EngineError
 from jaxkv.serving.offload_connector import OffloadConfig
 
@@ -26,7 +26,9 @@ def models() -> dict[str, TinyLM]:
 
 
 def plan(model: TinyLM, num_blocks: int | None = None) -> KVCacheConfig:
-    config = plan_kv_cache(model.config.layer_specs(), 4 << 20, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64)
+    config = plan_kv_cache(
+        model.config.layer_specs(), 4 << 20, max_model_len=MAX_MODEL_LEN, options=PlanOptions(max_num_batched_tokens=64)
+    )
     return dataclasses.replace(config, num_blocks=num_blocks) if num_blocks else config
 
 
@@ -109,10 +111,11 @@ def test_an_exception_inside_a_recurrent_step_drops_the_states_it_would_have_wri
         model.config.layer_specs(),
         8 << 20,
         max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=64,
-        state_layout="state_pool",
-        max_num_seqs=4,
-        checkpoint_bytes=1 << 20,
+        options=PlanOptions(
+            max_num_batched_tokens=64,
+            state_layout="state_pool",
+            state_pool=StatePoolOptions(max_num_seqs=4, checkpoint_bytes=1 << 20),
+        ),
     )
     fail_the_second_step_then_serve_exactly(
         model, Engine(model, config, max_num_seqs=4, buckets=ONE_SHAPE), monkeypatch, error

@@ -6,7 +6,7 @@ import pytest
 
 from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, get_model_config
-from jaxkv.planner import plan_kv_cache
+from jaxkv.planner import PlanOptions, plan_kv_cache
 from jaxkv.serving.engine import Engine, RequestOutput
 from jaxkv.serving.logit_check import DEFAULT_TOLERANCE, LogitCheckError, compare_outputs
 
@@ -72,7 +72,9 @@ def test_runs_that_cannot_be_compared_are_refused():
 def test_prefix_caching_passes_the_check_on_a_real_model(dtype):
     """Cached vs uncached runs of a tiny Llama; logits come back only when asked for."""
     model = TinyLM(get_model_config("tiny-llama", dtype=dtype), seed=0)
-    plan = plan_kv_cache(model.config.layer_specs(), 1 << 20, max_model_len=128, max_num_batched_tokens=64)
+    plan = plan_kv_cache(
+        model.config.layer_specs(), 1 << 20, max_model_len=128, options=PlanOptions(max_num_batched_tokens=64)
+    )
     rng = np.random.default_rng(3)
     shared = rng.integers(0, 512, 40).tolist()
     prompts = [shared + rng.integers(0, 512, 5).tolist() for _ in range(2)]

@@ -16,7 +16,7 @@ from jaxkv.device.mesh import MeshError, model_mesh
 from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.offload.transfer import TransferEngine
-from jaxkv.planner import TensorParallelError, plan_kv_cache
+from jaxkv.planner import PlanOptions, TensorParallelError, plan_kv_cache
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.offload_connector import OffloadConfig
 
@@ -80,7 +80,9 @@ def test_host_tier_on_a_mesh_serves_prefix_hits_with_the_same_tokens(prompts, nu
     """A device pool of 24 blocks evicts each prompt before its second turn: the second
     turns load their prefixes back from host, on one device and on the mesh alike."""
     model = TinyLM(get_model_config("tiny-llama-kv8"))
-    config = plan_kv_cache(model.config.layer_specs(), 24 << 16, max_model_len=256, max_num_batched_tokens=64)
+    config = plan_kv_cache(
+        model.config.layer_specs(), 24 << 16, max_model_len=256, options=PlanOptions(max_num_batched_tokens=64)
+    )
 
     def serve(mesh: Mesh | None) -> tuple[list[list[int]], int]:
         eng = Engine(model, config, max_num_seqs=4, buckets=ONE_SHAPE, offload=OffloadConfig(4 << 20), mesh=mesh)
@@ -114,7 +116,9 @@ def test_kv_heads_that_do_not_split_over_the_mesh_are_typed_errors():
     with pytest.raises(TensorParallelError, match=r"num_kv_heads=2 .* tensor_parallel=4"):
         build("tiny-llama", 4)
     model = TinyLM(get_model_config("tiny-llama"))
-    config = plan_kv_cache(model.config.layer_specs(), 2 << 20, max_model_len=256, max_num_batched_tokens=64)
+    config = plan_kv_cache(
+        model.config.layer_specs(), 2 << 20, max_model_len=256, options=PlanOptions(max_num_batched_tokens=64)
+    )
     with pytest.raises(KVCacheShardingError, match=r"num_kv_heads=2 .* size 8"):
         Engine(model, config, mesh=model_mesh(8))
     with pytest.raises(MeshError, match="num_devices=9 exceeds the 8"):

@@ -10,7 +10,7 @@ import pytest
 from jaxkv.device.metadata import Buckets
 from jaxkv.errors import JaxkvError
 from jaxkv.models.tiny import TinyLM, get_model_config
-from jaxkv.planner import plan_kv_cache
+from jaxkv.planner import PlanOptions, plan_kv_cache
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.metrics import MetricsUnavailableError, PrometheusMetrics
 from jaxkv.serving.offload_connector import OffloadConfig
@@ -78,7 +78,9 @@ def test_without_prometheus_client_the_exporter_is_a_typed_refusal(monkeypatch):
 
 def test_an_engine_feeds_the_exporter_once_per_step():
     model = TinyLM(get_model_config("tiny-llama"), seed=0)
-    plan = plan_kv_cache(model.config.layer_specs(), 4 << 20, max_model_len=256, max_num_batched_tokens=64)
+    plan = plan_kv_cache(
+        model.config.layer_specs(), 4 << 20, max_model_len=256, options=PlanOptions(max_num_batched_tokens=64)
+    )
     engine = Engine(model, plan, max_num_seqs=4, buckets=Buckets((64,), (4,), (16,)), offload=OffloadConfig(2 << 20))
     seen: list[EngineStats] = []
     metrics = PrometheusMetrics(labels=LABELS)

@@ -11,7 +11,7 @@ from jaxkv.core.manager import Request
 from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
 from jaxkv.offload.transfer import TransferEngine
-from jaxkv.planner import plan_kv_cache
+from jaxkv.planner import PlanOptions, StatePoolOptions, plan_kv_cache
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.offload_connector import STORE_POLICIES, ConnectorError, OffloadConfig
 from jaxkv.specs import FullAttentionSpec
@@ -38,7 +38,10 @@ def cold(model, prompt) -> list[int]:
 
 def engine(model: TinyLM, layout: str, *, memory_bytes: int = 4 << 20, **offload) -> Engine:
     plan = plan_kv_cache(
-        model.config.layer_specs(), memory_bytes, max_model_len=256, layout=layout, max_num_batched_tokens=64
+        model.config.layer_specs(),
+        memory_bytes,
+        max_model_len=256,
+        options=PlanOptions(layout=layout, max_num_batched_tokens=64),
     )
     return Engine(model, plan, max_num_seqs=4, buckets=ONE_SHAPE, offload=OffloadConfig(2 << 20, **offload))
 
@@ -158,13 +161,17 @@ def test_write_through_stores_filled_blocks_on_eviction_waits_for_reuse(model, p
 
 
 def test_unknown_store_policy_is_named(model):
-    plan = plan_kv_cache(model.config.layer_specs(), 4 << 20, max_model_len=256, max_num_batched_tokens=64)
+    plan = plan_kv_cache(
+        model.config.layer_specs(), 4 << 20, max_model_len=256, options=PlanOptions(max_num_batched_tokens=64)
+    )
     with pytest.raises(ConnectorError, match="'lazy'"):
         Engine(model, plan, offload=OffloadConfig(1 << 20, store="lazy"))
 
 
 def test_offload_needs_prefix_caching(model):
-    plan = plan_kv_cache(model.config.layer_specs(), 4 << 20, max_model_len=256, max_num_batched_tokens=64)
+    plan = plan_kv_cache(
+        model.config.layer_specs(), 4 << 20, max_model_len=256, options=PlanOptions(max_num_batched_tokens=64)
+    )
     with pytest.raises(ConnectorError, match="enable_caching"):
         Engine(model, plan, enable_caching=False, offload=OffloadConfig(1 << 20))
 
@@ -187,11 +194,12 @@ def recurrent_engine(
         model.config.layer_specs(),
         3 << 19,
         max_model_len=320,
-        max_num_batched_tokens=64,
-        state_layout=state_layout,
-        max_num_seqs=2 if pooled else None,
-        checkpoint_bytes=128 << 10 if pooled else 0,
-        layout=layout,
+        options=PlanOptions(
+            max_num_batched_tokens=64,
+            state_layout=state_layout,
+            layout=layout,
+            state_pool=StatePoolOptions(max_num_seqs=2, checkpoint_bytes=128 << 10) if pooled else None,
+        ),
     )
     tier = OffloadConfig(8 << 20, store=store, **offload)
     return Engine(model, plan, max_num_seqs=2, buckets=Buckets((64,), (2,), (20,)), offload=tier)

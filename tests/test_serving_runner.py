@@ -11,7 +11,7 @@ from jaxkv.device.mesh import model_mesh
 from jaxkv.device.metadata import Buckets
 from jaxkv.device.state_pages import SharedPagesError
 from jaxkv.models.tiny import TinyLM, get_model_config
-from jaxkv.planner import plan_kv_cache
+from jaxkv.planner import PlanOptions, plan_kv_cache
 from jaxkv.serving.runner import ModelRunner, RunnerError, default_buckets
 from jaxkv.serving.scheduler import Scheduler
 
@@ -25,7 +25,10 @@ def model() -> TinyLM:
 
 def setup(model: TinyLM, memory_bytes: int = 2 << 20, layout: str = "cross_layer"):
     plan = plan_kv_cache(
-        model.config.layer_specs(), memory_bytes, max_model_len=256, layout=layout, max_num_batched_tokens=64
+        model.config.layer_specs(),
+        memory_bytes,
+        max_model_len=256,
+        options=PlanOptions(layout=layout, max_num_batched_tokens=64),
     )
     scheduler = Scheduler(KVCacheManager(plan), max_num_seqs=4, max_num_batched_tokens=64)
     return ModelRunner(model, plan, BUCKETS), scheduler
@@ -93,10 +96,10 @@ def test_a_plan_for_other_specs_is_refused(model):
 def test_a_plan_may_pad_heads_up_but_never_down():
     llama = TinyLM(get_model_config("tiny-llama"), seed=0)
     specs = llama.config.layer_specs()  # heads of 64
-    tiled = plan_kv_cache(specs, 1 << 20, max_model_len=64, head_dim_multiple=128)
+    tiled = plan_kv_cache(specs, 1 << 20, max_model_len=64, options=PlanOptions(head_dim_multiple=128))
     assert ModelRunner(llama, tiled, BUCKETS).cache.head_dim == 128
     narrow = {name: dataclasses.replace(spec, head_size=32) for name, spec in specs.items()}
-    plan = plan_kv_cache(narrow, 1 << 20, max_model_len=64, head_dim_multiple=16)
+    plan = plan_kv_cache(narrow, 1 << 20, max_model_len=64, options=PlanOptions(head_dim_multiple=16))
     with pytest.raises(RunnerError, match=r"head_size=64.*planned for .*head_size=32"):
         ModelRunner(llama, plan, BUCKETS)
 
@@ -125,7 +128,9 @@ def test_a_model_must_be_served_and_planned_layer_for_layer(model):
 
 def test_states_in_kv_pages_need_the_owners_unit_blocks_and_a_mesh_that_keeps_pages_whole():
     qwen = TinyLM(get_model_config("tiny-qwen3-next"), seed=0)
-    plan = plan_kv_cache(qwen.layer_specs(), 4 << 20, max_model_len=64, state_layout="shared_pages")
+    plan = plan_kv_cache(
+        qwen.layer_specs(), 4 << 20, max_model_len=64, options=PlanOptions(state_layout="shared_pages")
+    )
     with pytest.raises(RunnerError, match=r"unit_blocks .* is needed exactly when states live in the KV pages"):
         ModelRunner(qwen, plan, BUCKETS)
     manager = KVCacheManager(plan)

@@ -10,7 +10,7 @@ from script_runs import run_script
 
 from jaxkv.core.manager import KVCacheManager
 from jaxkv.errors import JaxkvError
-from jaxkv.planner import plan_kv_cache
+from jaxkv.planner import PlanOptions, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.simulator import (
     MAX_NUM_BLOCKS,
@@ -49,7 +49,10 @@ def chat_trace(seed: int = 1) -> list[TraceRequest]:
 def tiny_hybrid_sim(num_blocks: int, *, caching: bool = True) -> Simulator:
     """tiny-hybrid (5 sliding-window groups + 1 full) with ``num_blocks`` blocks."""
     config = plan_kv_cache(
-        get_preset("tiny-hybrid"), num_blocks * BLOCK_BYTES, max_model_len=512, max_num_batched_tokens=128
+        get_preset("tiny-hybrid"),
+        num_blocks * BLOCK_BYTES,
+        max_model_len=512,
+        options=PlanOptions(max_num_batched_tokens=128),
     )
     assert config.num_blocks == num_blocks
     manager = KVCacheManager(config, enable_caching=caching)

@@ -10,7 +10,7 @@ import pytest
 from jaxkv import ops
 from jaxkv.device.cache import UnknownLayerError
 from jaxkv.device.state_cache import StateCacheError, allocate_state_cache, num_state_rows, read_states, write_states
-from jaxkv.planner import KVCacheConfig, KVCacheGroup, StatePool, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, KVCacheGroup, PlanOptions, StatePool, plan_kv_cache
 from jaxkv.specs import FullAttentionSpec, MambaSpec
 
 ATTENTION = KVCacheGroup(("attn",), FullAttentionSpec(num_kv_heads=1, head_size=8), 16)
@@ -75,6 +75,6 @@ def test_a_shared_pages_plan_has_no_state_rows_to_allocate():
         "attn": FullAttentionSpec(num_kv_heads=1, head_size=8),
         "m0": MambaSpec(shapes=((4,),), dtypes=("float32",)),
     }
-    config = plan_kv_cache(specs, 1 << 20, max_model_len=64, state_layout="shared_pages")
+    config = plan_kv_cache(specs, 1 << 20, max_model_len=64, options=PlanOptions(state_layout="shared_pages"))
     with pytest.raises(StateCacheError, match="shared_pages"):
         allocate_state_cache(config)

@@ -23,7 +23,7 @@ from jaxkv.device.state_pages import (
     state_pages,
     write_unit_states,
 )
-from jaxkv.planner import KVCacheConfig, SharedStates, StatePool, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, PlanOptions, SharedStates, StatePool, plan_kv_cache
 from jaxkv.specs import FullAttentionSpec, MambaSpec
 
 SPECS = {
@@ -36,7 +36,9 @@ SPECS = {
 
 
 def plan(layout: str, state_bytes: int | None = None) -> KVCacheConfig:
-    config = plan_kv_cache(SPECS, 40 << 10, max_model_len=64, layout=layout, state_layout="shared_pages")
+    config = plan_kv_cache(
+        SPECS, 40 << 10, max_model_len=64, options=PlanOptions(layout=layout, state_layout="shared_pages")
+    )
     if state_bytes is None:
         return config
     assert config.pages is not None
@@ -127,9 +129,11 @@ def test_bad_writes_and_plans_are_typed_errors_naming_the_value():
     with pytest.raises(SharedPagesError, match="float32"):
         write_unit_states(kv, pages, "m0", jnp.array([[1]]), (jnp.zeros((1, 6, 3)), jnp.zeros((1, 2, 4, 4))))
     with pytest.raises(SharedPagesError, match="not 'shared_pages'"):
-        state_pages(plan_kv_cache(SPECS, 1 << 20, max_model_len=64, state_layout="state_pool"), kv)
+        state_pages(plan_kv_cache(SPECS, 1 << 20, max_model_len=64, options=PlanOptions(state_layout="state_pool")), kv)
     wide = MambaSpec(shapes=((6, 3), (2, 4, 40)), dtypes=("bfloat16", "float32"), mamba_type="gated_delta_net")
-    big = plan_kv_cache({**SPECS, "m0": wide, "m1": wide}, 1 << 20, max_model_len=64, state_layout="shared_pages")
+    big = plan_kv_cache(
+        {**SPECS, "m0": wide, "m1": wide}, 1 << 20, max_model_len=64, options=PlanOptions(state_layout="shared_pages")
+    )
     assert big.shared_states is not None and big.shared_states.pages_per_state == 3
     short = dataclasses.replace(big, shared_states=dataclasses.replace(big.shared_states, pages_per_state=2))
     with pytest.raises(SharedPagesError, match="more than pages_per_state=2 blocks of 1024 B"):

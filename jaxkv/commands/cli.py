@@ -19,7 +19,7 @@ from absl import flags
 from jaxkv.cluster.launcher import CPU_DEVICE_COUNT_FLAG, with_cpu_device_count
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import is_int
-from jaxkv.planner import STATE_LAYOUTS
+from jaxkv.planner import STATE_LAYOUTS, PlanOptions, StateLayout, StatePoolOptions
 
 _UNITS = {
     "": 1,
@@ -300,7 +300,7 @@ def flags_parser(
 
 def define_state_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """``--state_layout`` and ``--checkpoint_share``, for the scripts that serve models
-    (see :func:`jaxkv.serving.engine.state_plan`)."""
+    (read with :func:`plan_options`)."""
     flags.DEFINE_enum(
         "state_layout",
         "auto",
@@ -318,3 +318,25 @@ def define_state_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         upper_bound=0.9,
         flag_values=flag_values,
     )
+
+
+PLAN_FLAGS = ("block_size", "layout", "max_num_batched_tokens", "head_dim_multiple")
+"""Flags named as :class:`~jaxkv.planner.PlanOptions` fields: :func:`plan_options` reads those a command defines."""
+
+
+def state_layout_flag(value: str) -> StateLayout | None:
+    """The planner's ``state_layout`` of a ``--state_layout`` value: ``auto`` is the commands' spelling of None."""
+    return next((layout for layout in STATE_LAYOUTS if layout == value), None)
+
+
+def plan_options(memory_bytes: int, flag_values: flags.FlagValues = flags.FLAGS) -> PlanOptions:
+    """The :class:`~jaxkv.planner.PlanOptions` of a serving command's flags: those of
+    :data:`PLAN_FLAGS` it defines, ``--state_layout`` and, unless it names another layout,
+    a state pool of ``--max_num_seqs`` live requests and ``--checkpoint_share`` of
+    ``memory_bytes`` for checkpoints (:func:`define_state_flags`)."""
+    values: dict[str, Any] = {name: getattr(flag_values, name) for name in PLAN_FLAGS if name in flag_values}
+    state_layout = state_layout_flag(flag_values.state_layout)
+    pool = None
+    if state_layout in (None, "state_pool"):
+        pool = StatePoolOptions(flag_values.max_num_seqs, int(flag_values.checkpoint_share * memory_bytes))
+    return PlanOptions(**values, state_layout=state_layout, state_pool=pool)

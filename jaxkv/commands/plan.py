@@ -17,12 +17,14 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from jaxkv.commands.cli import USAGE_STATUS, SizeError, parse_size, print_error
+from jaxkv.commands.cli import USAGE_STATUS, SizeError, parse_size, print_error, state_layout_flag
 from jaxkv.planner import (
     LAYOUTS,
     STATE_LAYOUTS,
     TPU_HEAD_DIM_MULTIPLE,
     PlanError,
+    PlanOptions,
+    StatePoolOptions,
     plan_kv_cache,
 )
 from jaxkv.presets import UnknownPresetError, get_preset, list_presets
@@ -55,7 +57,8 @@ def _define_flags() -> flags.FlagValues:
         "auto",
         ["auto", *STATE_LAYOUTS],
         "where Mamba states live: pages of the one block pool (shared_pages), in attention pages (vLLM's rule) "
-        "or in a state pool of their own; auto: shared_pages for hybrids with recurrent layers",
+        "or in a state pool of their own; auto: shared_pages for hybrids with recurrent layers, state_pool for "
+        "recurrent layers alone or --tensor_parallel > 1",
         flag_values=fv,
     )
     flags.DEFINE_integer(
@@ -116,19 +119,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UnknownPresetError, SizeError) as err:
         return _fail(str(err), USAGE_STATUS)
     try:
-        config = plan_kv_cache(
-            specs,
-            memory,
-            max_model_len=fv.max_model_len,
+        sizes = (
+            None
+            if fv.max_num_seqs is None and not checkpoint_bytes
+            else StatePoolOptions(fv.max_num_seqs, checkpoint_bytes)
+        )
+        options = PlanOptions(
             block_size=fv.block_size,
             layout=fv.layout,
             max_num_batched_tokens=fv.max_num_batched_tokens,
             head_dim_multiple=fv.head_dim_multiple,
-            state_layout=None if fv.state_layout == "auto" else fv.state_layout,
-            max_num_seqs=fv.max_num_seqs,
-            checkpoint_bytes=checkpoint_bytes,
+            state_layout=state_layout_flag(fv.state_layout),
+            state_pool=sizes,
             tensor_parallel=fv.tensor_parallel,
         )
+        if sizes is not None and options.state_layout_for(specs) != "state_pool":
+            raise PlanError(
+                f"max_num_seqs={sizes.max_num_seqs} and checkpoint_bytes={sizes.checkpoint_bytes} size a state pool; "
+                f"state_layout={options.state_layout_for(specs)!r} has none (use --state_layout=state_pool)"
+            )
+        config = plan_kv_cache(specs, memory, max_model_len=fv.max_model_len, options=options)
     except PlanError as err:  # InsufficientMemoryError, IncompatibleSpecsError included
         return _fail(str(err), USAGE_STATUS)
     print(f"{fv.preset}: {len(specs)} cached layers")

@@ -73,6 +73,7 @@ from jaxkv.commands.cli import (
     flags_parser,
     is_int_range,
     parse_size,
+    plan_options,
     program_name,
     request_cpu_devices,
 )
@@ -325,12 +326,7 @@ def serve(fv: flags.FlagValues) -> dict:
         model,
         memory,
         max_model_len=fv.max_model_len,
-        block_size=fv.block_size,
-        layout=fv.layout,
-        max_num_batched_tokens=fv.max_num_batched_tokens,
-        head_dim_multiple=fv.head_dim_multiple,
-        state_layout=fv.state_layout,
-        checkpoint_share=fv.checkpoint_share,
+        options=plan_options(memory, fv),
         max_num_seqs=fv.max_num_seqs,
         tensor_parallel=num_devices,
     )

@@ -48,7 +48,7 @@ from jaxkv.commands.cli import (
 from jaxkv.core.hashing import HASH_ALGORITHMS
 from jaxkv.core.manager import KVCacheManager
 from jaxkv.errors import JaxkvError
-from jaxkv.planner import KVCacheConfig, plan_kv_cache
+from jaxkv.planner import KVCacheConfig, PlanOptions, plan_kv_cache
 from jaxkv.presets import get_preset, list_presets
 from jaxkv.serving.simulator import (
     PlanTooLargeError,
@@ -258,9 +258,7 @@ def plan(fv: flags.FlagValues) -> KVCacheConfig:
         get_preset(fv.preset),
         parse_size(fv.memory),
         max_model_len=fv.max_model_len,
-        block_size=fv.block_size,
-        max_num_batched_tokens=fv.max_num_batched_tokens,
-        state_layout=None,
+        options=PlanOptions(block_size=fv.block_size, max_num_batched_tokens=fv.max_num_batched_tokens),
     )
     try:
         check_num_blocks(config.num_blocks)

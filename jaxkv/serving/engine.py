@@ -16,9 +16,9 @@ import dataclasses
 import itertools
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -31,19 +31,11 @@ from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import is_int
 from jaxkv.models.protocol import ServedModel
 from jaxkv.models.tiny import TinyLM, get_model_config
-from jaxkv.planner import (
-    TPU_HEAD_DIM_MULTIPLE,
-    KVCacheConfig,
-    Layout,
-    StateLayout,
-    default_state_layout,
-    plan_kv_cache,
-)
+from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, PlanOptions, StatePoolOptions, plan_kv_cache
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
 from jaxkv.serving.runner import ModelRunner, default_buckets
 from jaxkv.serving.scheduler import Scheduler, SchedulerOutput, SeqState, check_positive_int
 from jaxkv.serving.stats import EngineStats
-from jaxkv.specs import KVCacheSpec
 
 if TYPE_CHECKING:
     from jaxkv.serving.kv_events import KVEventPublisher
@@ -64,46 +56,6 @@ class CacheAudit:
     host_blocks_leaked: int
 
 
-class StatePlan(TypedDict):
-    """The planner's recurrent-state keyword arguments (see :func:`state_plan`)."""
-
-    state_layout: StateLayout
-    max_num_seqs: NotRequired[int]
-    checkpoint_bytes: NotRequired[int]
-
-
-def state_plan(
-    layer_specs: Mapping[str, KVCacheSpec],
-    state_layout: StateLayout | Literal["auto"],
-    memory_bytes: int,
-    checkpoint_share: float,
-    max_num_seqs: int,
-    tensor_parallel: int = 1,
-) -> StatePlan:
-    """The planner's recurrent-state arguments for a model of ``layer_specs`` (keyword
-    arguments of :func:`~jaxkv.planner.plan_kv_cache`). ``state_layout`` "auto" is one
-    memory (``shared_pages``: states are pages of the KV block pool) for a model with
-    recurrent and attention layers, the state pool for one with recurrent layers alone or
-    split over ``tensor_parallel`` > 1 devices (its KV pages are split over heads, a
-    state is not), else vLLM's ``attention_pages``. Only the state pool has a static
-    split: ``max_num_seqs`` live states and ``checkpoint_share`` of the memory for
-    checkpoints (other layouts ignore the share)."""
-    share = checkpoint_share
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:  # NaN fails too
-        raise EngineError(f"checkpoint_share must be a number in [0, 1), got {checkpoint_share!r}")
-    if state_layout == "auto":
-        state_layout = default_state_layout(layer_specs)
-        if state_layout == "shared_pages" and tensor_parallel > 1:
-            state_layout = "state_pool"
-    if state_layout != "state_pool":
-        return {"state_layout": state_layout}
-    return {
-        "state_layout": state_layout,
-        "max_num_seqs": max_num_seqs,
-        "checkpoint_bytes": int(checkpoint_share * memory_bytes),
-    }
-
-
 def resolve_head_dim_multiple(head_dim_multiple: int | None) -> int:
     """The planner's ``head_dim_multiple``: the given value, or by default
     :data:`~jaxkv.planner.TPU_HEAD_DIM_MULTIPLE` on TPU (lane-aligned heads for the
@@ -116,37 +68,47 @@ def resolve_head_dim_multiple(head_dim_multiple: int | None) -> int:
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 """The step's token budget an engine plans for when not told."""
 
+DEFAULT_CHECKPOINT_SHARE = 0.1
+"""Share of ``memory_bytes`` an engine's state pool keeps for state checkpoints when not told."""
+
 
 def plan_for_model(
     model: ServedModel,
     memory_bytes: int,
     *,
     max_model_len: int,
-    block_size: int = 16,
-    layout: Layout = "cross_layer",
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    head_dim_multiple: int | None = None,
-    state_layout: StateLayout | Literal["auto"] = "auto",
-    checkpoint_share: float = 0.1,
+    options: PlanOptions | None = None,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     tensor_parallel: int = 1,
 ) -> KVCacheConfig:
     """The KV cache plan of ``model.layer_specs()`` in ``memory_bytes`` (the whole cache's,
-    over ``tensor_parallel`` devices). ``head_dim_multiple`` None: see
-    :func:`resolve_head_dim_multiple`; ``state_layout`` and ``checkpoint_share`` plan a
-    recurrent model's state (:func:`state_plan`)."""
-    specs = model.layer_specs()
-    return plan_kv_cache(
-        specs,
-        memory_bytes,
-        max_model_len=max_model_len,
-        block_size=block_size,
-        layout=layout,
-        max_num_batched_tokens=max_num_batched_tokens,
-        head_dim_multiple=resolve_head_dim_multiple(head_dim_multiple),
+    over ``tensor_parallel`` devices, a mesh's model axis), with ``options`` (None:
+    ``PlanOptions()``) completed by what an engine knows: its step budget
+    ``max_num_batched_tokens`` and the device's head tile
+    (:func:`resolve_head_dim_multiple`) where the options leave them None, the mesh's
+    ``tensor_parallel``, and, where no
+    :class:`~jaxkv.planner.StatePoolOptions` are given and a state pool may be picked,
+    live states for ``max_num_seqs`` requests and :data:`DEFAULT_CHECKPOINT_SHARE` of the
+    memory for checkpoints."""
+    options = PlanOptions() if options is None else options
+    if not isinstance(options, PlanOptions):
+        raise EngineError(f"plan must be a PlanOptions or None, got {options!r}")
+    if options.tensor_parallel not in (1, tensor_parallel):
+        raise EngineError(
+            f"plan tensor_parallel={options.tensor_parallel} differs from the mesh's model axis of {tensor_parallel}"
+        )
+    pool = options.state_pool
+    if pool is None and options.state_layout in (None, "state_pool"):
+        pool = StatePoolOptions(max_num_seqs, int(DEFAULT_CHECKPOINT_SHARE * memory_bytes))
+    options = dataclasses.replace(
+        options,
+        max_num_batched_tokens=options.max_num_batched_tokens or max_num_batched_tokens,
+        head_dim_multiple=resolve_head_dim_multiple(options.head_dim_multiple),
         tensor_parallel=tensor_parallel,
-        **state_plan(specs, state_layout, memory_bytes, checkpoint_share, max_num_seqs, tensor_parallel),
+        state_pool=pool,
     )
+    return plan_kv_cache(model.layer_specs(), memory_bytes, max_model_len=max_model_len, options=options)
 
 
 @dataclass(frozen=True)
@@ -252,12 +214,13 @@ class GenerationResult:
 
 class Engine:
     """Serves any :class:`~jaxkv.models.protocol.ServedModel` over a paged KV cache:
-    planned by ``kv_config``, or for ``memory_bytes`` and ``max_model_len`` (one or the
-    other; :func:`plan_for_model` with its defaults; :meth:`build` and
-    :meth:`from_pretrained` take its options).
+    planned by ``kv_config``, or for ``memory_bytes`` and ``max_model_len`` with the
+    :class:`~jaxkv.planner.PlanOptions` ``plan`` (one or the other; :func:`plan_for_model`).
 
     ``max_num_batched_tokens`` (the step's token budget) defaults to the plan's own and
-    may not exceed it: the plan sized sliding-window spans for that chunk size.
+    may not exceed it: the plan sized sliding-window spans for that chunk size. A plan
+    whose ``max_num_batched_tokens`` is None is made for the engine's (default
+    :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`).
     ``offload`` adds a host-memory tier (:mod:`jaxkv.serving.offload_connector`): blocks are
     stored to host when the device reuses them (or once filled, per its ``store``
     policy) and loaded back on admission. ``kv_events`` publishes the cache events of
@@ -286,6 +249,7 @@ class Engine:
         *,
         memory_bytes: int | None = None,
         max_model_len: int | None = None,
+        plan: PlanOptions | None = None,
         enable_caching: bool = True,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int | None = None,
@@ -312,13 +276,14 @@ class Engine:
                 model,
                 memory_bytes,
                 max_model_len=max_model_len,
-                max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                options=plan,
                 max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
                 tensor_parallel=1 if mesh is None else mesh_axis_size(mesh, model_axis),
             )
-        elif memory_bytes is not None or max_model_len is not None:
+        elif memory_bytes is not None or max_model_len is not None or plan is not None:
             raise EngineError(
-                f"memory_bytes={memory_bytes!r} and max_model_len={max_model_len!r} plan a cache; "
+                f"memory_bytes={memory_bytes!r}, max_model_len={max_model_len!r} and plan={plan!r} plan a cache; "
                 "a kv_config is one already: give one or the other"
             )
         budget = kv_config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
@@ -348,47 +313,9 @@ class Engine:
 
     @classmethod
     def build(cls, model_name: str = "tiny-hybrid", *, seed: int = 0, **kwargs: Any) -> Engine:
-        """A named tiny model with seeded weights and a KV cache planned for ``memory_bytes``:
-        ``memory_bytes``, ``max_model_len`` and :func:`plan_for_model`'s options
-        (``block_size``, ``layout``, ``max_num_batched_tokens``, ``head_dim_multiple``,
-        ``state_layout``, ``checkpoint_share``), then :class:`Engine` keyword arguments."""
-        return cls._planned(TinyLM(get_model_config(model_name), seed=seed, name=model_name), **kwargs)
-
-    @classmethod
-    def _planned(
-        cls,
-        model: ServedModel,
-        *,
-        memory_bytes: int,
-        max_model_len: int,
-        block_size: int = 16,
-        layout: Layout = "cross_layer",
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        head_dim_multiple: int | None = None,
-        state_layout: StateLayout | Literal["auto"] = "auto",
-        checkpoint_share: float = 0.1,
-        **kwargs: Any,
-    ) -> Engine:
-        """An engine of ``model`` and a KV cache planned for ``memory_bytes`` by
-        :func:`plan_for_model` (the planner options are its). With a ``mesh`` the plan is
-        split over its model axis (``tensor_parallel``; the same ``num_blocks``,
-        ``memory_bytes`` being the whole cache's). Other keyword arguments go to
-        :class:`Engine`."""
-        mesh = kwargs.get("mesh")
-        config = plan_for_model(
-            model,
-            memory_bytes,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            layout=layout,
-            max_num_batched_tokens=max_num_batched_tokens,
-            head_dim_multiple=head_dim_multiple,
-            state_layout=state_layout,
-            checkpoint_share=checkpoint_share,
-            max_num_seqs=kwargs.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS),
-            tensor_parallel=1 if mesh is None else mesh_axis_size(mesh, kwargs.get("model_axis", MODEL_AXIS)),
-        )
-        return cls(model, config, **kwargs)
+        """A named tiny model with seeded weights; ``kwargs`` are :class:`Engine`'s (``memory_bytes``,
+        ``max_model_len`` and ``plan`` plan its cache: :func:`plan_for_model`)."""
+        return cls(TinyLM(get_model_config(model_name), seed=seed, name=model_name), **kwargs)
 
     @classmethod
     def from_pretrained(
@@ -403,8 +330,8 @@ class Engine:
         """An engine of the Hugging Face-format checkpoint in the local directory ``path``
         (:func:`jaxkv.models.checkpoint.load_pretrained`: weights cast to ``dtype``, None:
         the checkpoint's, and placed straight onto ``mesh``'s shardings when
-        ``engine_kwargs`` has one). The rest is :meth:`build`'s: planner options and
-        :class:`Engine` keyword arguments (``seed`` aside)."""
+        ``engine_kwargs`` has one). The rest are :class:`Engine` keyword arguments
+        (``plan`` included)."""
         from jaxkv.models.checkpoint import load_pretrained  # the loaders import safetensors
 
         model = load_pretrained(
@@ -413,7 +340,7 @@ class Engine:
             mesh=engine_kwargs.get("mesh"),
             model_axis=engine_kwargs.get("model_axis", MODEL_AXIS),
         )
-        return cls._planned(model, memory_bytes=memory_bytes, max_model_len=max_model_len, **engine_kwargs)
+        return cls(model, memory_bytes=memory_bytes, max_model_len=max_model_len, **engine_kwargs)
 
     def generate(
         self,
