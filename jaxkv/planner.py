@@ -374,11 +374,11 @@ class KVCacheConfig:
     memory_bytes: int | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     head_dim_multiple: int = 1
-    state_pool: StatePool | None = None
+    states: StatePool | SharedStates | None = None
+    """Where the recurrent groups' states live: a :class:`StatePool` of their own
+    (``state_pool``), :class:`SharedStates` in the pages of the ``num_blocks`` pool
+    (``shared_pages``), or None (``attention_pages``: one attention page holds a state)."""
     tensor_parallel: int = 1
-    shared_states: SharedStates | None = None
-    """With the ``shared_pages`` layout: the recurrent groups' states are pages of the
-    ``num_blocks`` pool (``state_pool`` is then None)."""
     """Devices the KV heads are split over (a mesh's model axis): each device holds
     ``num_kv_heads / tensor_parallel`` heads of every attention block, and a whole copy
     of the state pool (recurrent states are replicated)."""
@@ -401,14 +401,12 @@ class KVCacheConfig:
                     f"block sizes must be multiples of the smallest ({smallest}), "
                     f"got {group.block_size} for {group.layer_names[0]!r}"
                 )
-        if self.state_pool is not None:
-            _check_state_pool(self.groups, self.state_pool)
-        if self.shared_states is not None:
-            if self.state_pool is not None:
-                raise PlanError("a plan has a state_pool or shared_states, not both")
-            if not isinstance(self.shared_states, SharedStates):
-                raise PlanError(f"shared_states must be SharedStates or None, got {self.shared_states!r}")
+        if isinstance(self.states, StatePool):
+            _check_state_pool(self.groups, self.states)
+        elif isinstance(self.states, SharedStates):
             _check_state_pool(self.groups, StatePool(num_states=2))
+        elif self.states is not None:
+            raise PlanError(f"states must be a StatePool, SharedStates or None, got {self.states!r}")
         if self.pages is not None:
             _check_pages_fit(self.attention_groups, self.pages)
         if self.max_model_len is not None:
@@ -420,6 +418,17 @@ class KVCacheConfig:
         _positive_int("tensor_parallel", self.tensor_parallel)
         if self.tensor_parallel > 1:
             _check_tensor_parallel(self.attention_groups, self.tensor_parallel)
+
+    @property
+    def state_pool(self) -> StatePool | None:
+        """The recurrent states' own pool (``states`` with the ``state_pool`` layout), else None."""
+        return self.states if isinstance(self.states, StatePool) else None
+
+    @property
+    def shared_states(self) -> SharedStates | None:
+        """The recurrent states' place in the block pool's pages (``states`` with the
+        ``shared_pages`` layout), else None."""
+        return self.states if isinstance(self.states, SharedStates) else None
 
     @property
     def device_bytes(self) -> int | None:
@@ -759,8 +768,7 @@ class _Budget:
             memory_bytes=self.memory_bytes,
             max_num_batched_tokens=self.options.step_tokens,
             head_dim_multiple=self.options.tile,
-            state_pool=states if isinstance(states, StatePool) else None,
-            shared_states=states if isinstance(states, SharedStates) else None,
+            states=states,
         )
 
 

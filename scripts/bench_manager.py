@@ -152,7 +152,7 @@ class JaxkvSide:
         shared = None
         if model == "recurrent-shared":  # a state is pages of the pool, as many as its bytes fill
             shared = SharedStates(-(-STATE_BYTES // specs[-1].page_size_bytes(FLAGS.block_size)), STATE_BYTES)
-        config = KVCacheConfig(num_blocks=num_blocks, groups=groups, shared_states=shared)
+        config = KVCacheConfig(num_blocks=num_blocks, groups=groups, states=shared)
         self.manager = KVCacheManager(config, max_model_len=MAX_MODEL_LEN, hash_algo=FLAGS.hash_algo)
 
     def request(self, rid: str, tokens: Sequence[int]) -> Request:

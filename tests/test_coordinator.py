@@ -158,7 +158,7 @@ def shared_pages_manager(num_blocks: int) -> KVCacheManager:
     """Full attention at 16-token blocks; a Mamba state weighs 3 of its blocks (shared pages)."""
     groups = (KVCacheGroup(("mamba",), MAMBA, 16), KVCacheGroup(("attn",), FULL, 16))
     shared = SharedStates(pages_per_state=3, state_bytes=MAMBA.state_bytes)
-    return KVCacheManager(KVCacheConfig(num_blocks=num_blocks, groups=groups, shared_states=shared), max_model_len=512)
+    return KVCacheManager(KVCacheConfig(num_blocks=num_blocks, groups=groups, states=shared), max_model_len=512)
 
 
 def test_shared_pages_admit_as_many_requests_as_the_pages_hold(tokens):

@@ -500,7 +500,7 @@ STATE = MambaSpec(shapes=((2, 2),), dtypes=("float32",))
 
 def state_pool_manager(num_blocks: int, num_states: int, **kw) -> KVCacheManager:
     """Full attention + one recurrent group whose states come from their own pool."""
-    config = dataclasses.replace(make_config(num_blocks, FULL, STATE), state_pool=StatePool(num_states=num_states))
+    config = dataclasses.replace(make_config(num_blocks, FULL, STATE), states=StatePool(num_states=num_states))
     return KVCacheManager(config, max_model_len=8192, **kw)
 
 

@@ -48,7 +48,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def setup(self, name, num_blocks, retention, num_states):
         groups = tuple(KVCacheGroup((f"l{i}",), s, BS) for i, s in enumerate(CONFIGS[name]))
         state_pool = StatePool(num_states=num_states) if name.endswith("state pool") else None
-        config = KVCacheConfig(num_blocks=num_blocks, groups=groups, state_pool=state_pool)
+        config = KVCacheConfig(num_blocks=num_blocks, groups=groups, states=state_pool)
         self.mgr = KVCacheManager(config, max_model_len=64, retention=retention)
         self.waiting: list[Request] = []
         self.running: list[Request] = []

@@ -245,7 +245,7 @@ def test_state_slots_round_trip_through_the_host_as_bytes(memory):
         KVCacheGroup(("a",), FullAttentionSpec(num_kv_heads=1, head_size=4), 16),
         KVCacheGroup(("m0", "m1"), state, 16),
     )
-    states = allocate_state_cache(KVCacheConfig(num_blocks=4, groups=groups, state_pool=StatePool(num_states=6)))
+    states = allocate_state_cache(KVCacheConfig(num_blocks=4, groups=groups, states=StatePool(num_states=6)))
     rng = np.random.default_rng(0)
     for layer in states.layer_names:
         values = (

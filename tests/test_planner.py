@@ -525,15 +525,15 @@ def test_a_state_pool_needs_recurrent_groups_at_the_hash_block_size():
     state = MambaSpec(shapes=((4, 3),), dtypes=("float32",))
     attention = KVCacheGroup(("a",), full, 16)
     with pytest.raises(PlanError, match="at least one recurrent"):
-        KVCacheConfig(num_blocks=8, groups=(attention,), state_pool=StatePool(num_states=4))
+        KVCacheConfig(num_blocks=8, groups=(attention,), states=StatePool(num_states=4))
     with pytest.raises(PlanError, match="hash block size 16, got 32"):
         KVCacheConfig(
-            num_blocks=8, groups=(attention, KVCacheGroup(("m",), state, 32)), state_pool=StatePool(num_states=4)
+            num_blocks=8, groups=(attention, KVCacheGroup(("m",), state, 32)), states=StatePool(num_states=4)
         )
     with pytest.raises(PlanError, match="num_states must be an int >= 2, got 1"):
         StatePool(num_states=1)
     config = KVCacheConfig(
-        num_blocks=8, groups=(attention, KVCacheGroup(("m",), state, 16)), state_pool=StatePool(num_states=4)
+        num_blocks=8, groups=(attention, KVCacheGroup(("m",), state, 16)), states=StatePool(num_states=4)
     )
     assert config.state_group_ids == (1,)
     assert KVCacheConfig(num_blocks=8, groups=(attention, KVCacheGroup(("m",), state, 16))).state_group_ids == ()

@@ -204,7 +204,7 @@ def test_a_request_id_already_queued_running_or_holding_blocks_is_refused():
 
 def test_prefill_chunks_end_at_recurrent_state_checkpoints(tokens):
     config = dataclasses.replace(
-        make_config(64, FULL, MambaSpec(shapes=((2, 2),), dtypes=("float32",))), state_pool=StatePool(num_states=8)
+        make_config(64, FULL, MambaSpec(shapes=((2, 2),), dtypes=("float32",))), states=StatePool(num_states=8)
     )
     sched = Scheduler(KVCacheManager(config, max_model_len=256), max_num_batched_tokens=512)
     sched.add_request(Request("a", tokens(0, 100)), 2)

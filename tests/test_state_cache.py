@@ -16,7 +16,7 @@ from jaxkv.specs import FullAttentionSpec, MambaSpec
 ATTENTION = KVCacheGroup(("attn",), FullAttentionSpec(num_kv_heads=1, head_size=8), 16)
 GDN = MambaSpec(shapes=((6, 3), (2, 4, 4)), dtypes=("bfloat16", "float32"), mamba_type="gated_delta_net")
 POOLED = KVCacheConfig(
-    num_blocks=12, groups=(ATTENTION, KVCacheGroup(("m0", "m1"), GDN, 16)), state_pool=StatePool(num_states=5)
+    num_blocks=12, groups=(ATTENTION, KVCacheGroup(("m0", "m1"), GDN, 16)), states=StatePool(num_states=5)
 )
 
 
@@ -27,7 +27,7 @@ def test_rows_are_state_slots_with_a_pool_and_block_ids_without():
         ((5, 6, 3), jnp.bfloat16),
         ((5, 2, 4, 4), jnp.float32),
     ]
-    assert allocate_state_cache(dataclasses.replace(POOLED, state_pool=None)).num_rows == 12
+    assert allocate_state_cache(dataclasses.replace(POOLED, states=None)).num_rows == 12
     assert cache.nbytes == 2 * 5 * (6 * 3 * 2 + 2 * 4 * 4 * 4)
 
 

@@ -12,7 +12,7 @@ from jaxkv.planner import StatePool
 from jaxkv.specs import MambaSpec
 
 STATE = MambaSpec(shapes=((2, 2),), dtypes=("float32",))
-WITH_STATES = dataclasses.replace(make_config(64, FULL, STATE), state_pool=StatePool(num_states=8))
+WITH_STATES = dataclasses.replace(make_config(64, FULL, STATE), states=StatePool(num_states=8))
 
 
 def policy(interval=None, enable_caching=True, config=WITH_STATES):

@@ -43,7 +43,7 @@ def plan(layout: str, state_bytes: int | None = None) -> KVCacheConfig:
         return config
     assert config.pages is not None
     k = -(-state_bytes // config.pages.block_bytes)
-    return dataclasses.replace(config, shared_states=SharedStates(pages_per_state=k, state_bytes=state_bytes))
+    return dataclasses.replace(config, states=SharedStates(pages_per_state=k, state_bytes=state_bytes))
 
 
 def test_a_state_takes_the_blocks_its_bytes_need_and_each_tensor_a_packed_range():
@@ -85,7 +85,7 @@ def test_writes_read_back_as_from_state_rows_and_touch_no_other_page(layout, pag
     before = [np.asarray(b) for b in kv.buffers]
     pages = state_pages(config, kv)
     units = np.arange(1, 1 + 4 * pages_per_state).reshape(4, pages_per_state)[::-1].copy()
-    rows = allocate_state_cache(dataclasses.replace(config, shared_states=None, state_pool=StatePool(num_states=5)))
+    rows = allocate_state_cache(dataclasses.replace(config, states=StatePool(num_states=5)))
     written: dict[str, set[int]] = {"m0": set(), "m1": set()}
     for layer, which in writes:
         values = random_values(rng, len(which))
@@ -135,7 +135,7 @@ def test_bad_writes_and_plans_are_typed_errors_naming_the_value():
         {**SPECS, "m0": wide, "m1": wide}, 1 << 20, max_model_len=64, options=PlanOptions(state_layout="shared_pages")
     )
     assert big.shared_states is not None and big.shared_states.pages_per_state == 3
-    short = dataclasses.replace(big, shared_states=dataclasses.replace(big.shared_states, pages_per_state=2))
+    short = dataclasses.replace(big, states=dataclasses.replace(big.shared_states, pages_per_state=2))
     with pytest.raises(SharedPagesError, match="more than pages_per_state=2 blocks of 1024 B"):
         state_pages(short, allocate_kv_cache(short))
 
