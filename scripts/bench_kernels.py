@@ -35,10 +35,14 @@ for copy_blocks.
 
   PYTHONPATH=. python scripts/bench_kernels.py --out /tmp/bench_kernels.json
   PYTHONPATH=. python scripts/bench_kernels.py --quick   # small shapes, one repeat
+  PYTHONPATH=. python scripts/bench_kernels.py --cases=decode,decode-long   # some cases, in this order
+
+Each case is printed (flushed) as it finishes, after the copy bandwidth, then the tables.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import sys
@@ -53,7 +57,7 @@ from absl import app, flags
 from jaxkv import ops
 from jaxkv.benchmarks.kernel_peers import PEERS, NotApplicable, PagedBatch
 from jaxkv.benchmarks.timing import best_seconds
-from jaxkv.commands.cli import flags_parser
+from jaxkv.commands.cli import exit_error, flags_parser
 from jaxkv.device.cache import KVCache
 from jaxkv.device.metadata import attention_metadata
 from jaxkv.pallas.reference import KVShapeError
@@ -74,6 +78,12 @@ flags.DEFINE_integer("copy_mib", 1024, "Size of the device-to-device copy that m
 flags.DEFINE_float("reference_gib", 16.0, "Skip the reference where its token-major gather would exceed this.")
 flags.DEFINE_integer("seed", 0, "Seed of the random inputs.")
 flags.DEFINE_bool("quick", False, "Smoke run: two small attention cases and one repeat, on any backend.")
+flags.DEFINE_list(
+    "cases",
+    None,
+    "Run only these cases of the preset, in this order (attention workload names, write_kv-decode, "
+    "write_kv-prefill, copy_blocks); each is printed as it finishes. Default: all.",
+)
 
 LAYER = "attn"  # the one layer of the benchmark's caches
 PEER_NAMES = tuple(p.name for p in PEERS)
@@ -417,24 +427,81 @@ def measure(case: Case, columns: list[str], interpreted: set[str], repeats: int,
     return row
 
 
+def case_builders(
+    p: dict, dtype: jnp.dtype, rng: np.random.Generator, modes: dict[str, str], backend: str, ref_budget: float
+) -> dict[str, Callable[[], Case]]:
+    """Each case of preset ``p`` by its ``--cases`` name (an attention workload's name,
+    ``write_kv-decode``, ``write_kv-prefill``, ``copy_blocks``), built when called: a run
+    holds one case's buffers at a time."""
+    builders: dict[str, Callable[[], Case]] = {
+        w.name: functools.partial(attention_case, w, dtype, rng, modes, backend, ref_budget) for w in p["attention"]
+    }
+    for name in ("decode", "prefill"):
+        builders[f"write_kv-{name}"] = functools.partial(
+            write_case, name, p["write_kv"][name], p["write_kv"], dtype, rng, modes
+        )
+    builders["copy_blocks"] = functools.partial(copy_case, p["copy_blocks"], dtype, rng, modes)
+    return builders
+
+
+def preset_name(preset: str, quick: bool, backend: str) -> str:
+    """The preset a run uses: ``quick`` with ``--quick``, else ``--preset`` (auto: by backend)."""
+    if quick:
+        return "quick"
+    return preset if preset != "auto" else ("cpu" if backend == "cpu" else "accelerator")
+
+
+def case_names(preset: str) -> list[str]:
+    """The ``--cases`` names of ``preset``, in run order."""
+    p = PRESETS[preset]
+    return [w.name for w in p["attention"]] + ["write_kv-decode", "write_kv-prefill", "copy_blocks"]
+
+
+def progress_line(row: dict, columns: list[str]) -> str:
+    """One finished case: each column's ms [copy-bandwidth fraction] and max |error|."""
+    cells = []
+    for col in columns:
+        seconds = row.get(f"{col}_s")
+        if seconds is None:
+            continue
+        frac, err = row.get(f"{col}_hbm_fraction"), row.get(f"{col}_max_abs_err")
+        cells.append(
+            f"{col} {seconds * 1e3:.3f} ms"
+            + (f" [{frac:.0%}]" if frac is not None else "")
+            + (f" err {err:.1e}" if err is not None else "")
+        )
+    return f"{row['op']} {row['case']}: " + ", ".join(cells or ["no column ran"])
+
+
 def run(
-    preset: str, dtype_name: str, repeats: int, copy_mib: int, reference_gib: float, seed: int, quick: bool = False
+    preset: str,
+    dtype_name: str,
+    repeats: int,
+    copy_mib: int,
+    reference_gib: float,
+    seed: int,
+    quick: bool = False,
+    cases: list[str] | None = None,
 ) -> dict:
+    """Every case of the preset (or those named in ``cases``), each printed as it finishes."""
     backend = jax.default_backend()
     on_cpu = backend == "cpu"
-    if quick:
-        preset, repeats = "quick", 1
-    preset = preset if preset != "auto" else ("cpu" if on_cpu else "accelerator")
+    preset = preset_name(preset, quick, backend)
+    repeats = 1 if quick else repeats
     dtype = jnp.dtype(dtype_name if dtype_name != "auto" else ("float32" if on_cpu else "bfloat16"))
     modes = jaxkv_columns(backend)
     rng = np.random.default_rng(seed)
-    p = PRESETS[preset]
-    cases = [attention_case(w, dtype, rng, modes, backend, reference_gib * 2**30) for w in p["attention"]]
-    cases += [write_case(name, p["write_kv"][name], p["write_kv"], dtype, rng, modes) for name in ("decode", "prefill")]
-    cases.append(copy_case(p["copy_blocks"], dtype, rng, modes))
+    builders = case_builders(PRESETS[preset], dtype, rng, modes, backend, reference_gib * 2**30)
+    chosen = list(builders) if cases is None else cases
     peak = None if on_cpu else copy_bandwidth(copy_mib * 2**20)
+    print(f"device: {jax.devices()[0].device_kind} ({backend}), jax {jax.__version__}; cases: {', '.join(chosen)}")
+    print("copy bandwidth: " + ("n/a on CPU" if peak is None else f"{peak / 1e9:.0f} GB/s"), flush=True)
     columns = [*modes, *PEER_NAMES]
     interpreted = {name for name, mode in modes.items() if mode == "interpreted"}
+    rows = []
+    for i, name in enumerate(chosen):
+        rows.append(measure(builders[name](), columns, interpreted, repeats, on_cpu))
+        print(f"[{i + 1}/{len(chosen)}] {progress_line(rows[-1], columns)}", flush=True)
     return {
         "config": {
             "preset": preset,
@@ -442,6 +509,7 @@ def run(
             "repeats": repeats,
             "seed": seed,
             "copy_mib": copy_mib,
+            "cases": chosen,
         },
         "machine": {
             "backend": backend,
@@ -452,7 +520,7 @@ def run(
             "platform": platform.platform(),
         },
         "columns": {"jaxkv": modes, "peers": list(PEER_NAMES)},
-        "results": [measure(case, columns, interpreted, repeats, on_cpu) for case in cases],
+        "results": rows,
     }
 
 
@@ -509,8 +577,20 @@ def format_table(results: dict) -> str:
 
 def main(argv: list[str]) -> None:
     del argv
+    if FLAGS.cases is not None:
+        valid = case_names(preset_name(FLAGS.preset, FLAGS.quick, jax.default_backend()))
+        unknown = [name for name in FLAGS.cases if name not in valid] or (["(none named)"] if not FLAGS.cases else [])
+        if unknown:
+            exit_error(PROG, f"--cases: unknown case {', '.join(unknown)}; valid: {','.join(valid)}")
     results = run(
-        FLAGS.preset, FLAGS.dtype, FLAGS.repeats, FLAGS.copy_mib, FLAGS.reference_gib, FLAGS.seed, FLAGS.quick
+        FLAGS.preset,
+        FLAGS.dtype,
+        FLAGS.repeats,
+        FLAGS.copy_mib,
+        FLAGS.reference_gib,
+        FLAGS.seed,
+        FLAGS.quick,
+        FLAGS.cases,
     )
     print(format_table(results))
     if FLAGS.out:

@@ -27,6 +27,12 @@ failed check exits with status 1.
     python scripts/bench_serve.py --model llama-1b --prompt_len 4096 --max_model_len 4352 \
         --max_num_batched_tokens 4096 --memory 8GiB --out llama_1b.json     # on a GPU
     python scripts/bench_serve.py --checkpoint /tmp/tiny-llama --prompt_len 256 --max_model_len 512
+    python scripts/bench_serve.py --quick    # under a minute on one GPU (llama-1b, 1,024 tokens)
+
+Every phase is printed as it goes (flushed): the model load, then one line per
+``generate`` call (its TTFT, wall time and step compilations: the warm-up calls
+compile each step shape), and, from ``jaxkv.device.auto``, which attention
+implementation ``auto`` runs for each shape and why.
 
 ``--checkpoint DIR`` benchmarks the Hugging Face-format checkpoint saved in DIR
 (:func:`jaxkv.models.checkpoint.load_pretrained`) instead of ``--model``.
@@ -40,8 +46,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging as std_logging
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 
 import jax
@@ -57,6 +65,7 @@ from jaxkv.commands.cli import (
     plan_options,
     write_json,
 )
+from jaxkv.device import auto
 from jaxkv.device.metadata import Buckets
 from jaxkv.errors import JaxkvError
 from jaxkv.models.loading import load_model
@@ -95,7 +104,13 @@ flags.DEFINE_enum("layout", "cross_layer", LAYOUTS, "KV cache buffer layout")
 define_state_flags()
 flags.DEFINE_integer("max_num_seqs", 8, "most requests running at once", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 1024, "token budget of one step", lower_bound=1)
-flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.device.ops implementation")
+flags.DEFINE_enum("impl", "auto", list(ops.IMPLEMENTATIONS), "jaxkv.device.ops implementation")
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "a run that fits a GPU lease (under a minute on one GPU): the sizes of QUICK for each flag not given "
+    "(llama-1b, 1,024-token prompts on an accelerator; tiny-llama, 128 on CPU)",
+)
 flags.DEFINE_integer("seed", 0, "weights and prompts seed", lower_bound=0)
 flags.DEFINE_string("out", None, "write the results as JSON here")
 flags.DEFINE_string("profile_dir", None, "write a jax.profiler trace of the timed batch phase here")
@@ -103,6 +118,50 @@ flags.register_validator("shared", lambda v: 0 <= v <= 1, message="--shared must
 flags.register_validator(
     "logit_tolerance", lambda v: 0 < v < float("inf"), message="--logit_tolerance must be a finite number > 0"
 )
+
+
+QUICK = {
+    "accelerator": {
+        "model": "llama-1b",
+        "prompt_len": 1024,
+        "max_model_len": 1088,
+        "max_num_batched_tokens": 1024,
+        "max_num_seqs": 4,
+        "num_requests": 4,
+        "repeats": 2,
+        "max_new_tokens": 4,
+        "memory": "2GiB",
+    },
+    "cpu": {
+        "model": "tiny-llama",
+        "prompt_len": 128,
+        "max_model_len": 160,
+        "max_num_batched_tokens": 128,
+        "max_num_seqs": 4,
+        "num_requests": 3,
+        "repeats": 1,
+        "max_new_tokens": 2,
+        "memory": "4MiB",
+    },
+}
+"""``--quick``'s sizes per backend kind, for the flags a user did not give."""
+
+
+def apply_quick() -> None:
+    """Set every flag of :data:`QUICK` the command line did not give."""
+    for name, value in QUICK["cpu" if jax.default_backend() == "cpu" else "accelerator"].items():
+        if not FLAGS[name].present:
+            FLAGS[name].value = value
+
+
+def progress(phase: str, engine: str, result: GenerationResult) -> None:
+    """One line per ``generate`` call as it ends (flushed): the run can be followed live, and a
+    call that compiles says how many step shapes it traced and what that cost."""
+    print(
+        f"  {phase:<10} {engine:<18} {len(result.outputs)} req: TTFT {result.mean_ttft_s * 1e3:,.1f} ms, "
+        f"wall {result.wall_s:,.2f} s, {result.num_compilations} compilations",
+        flush=True,
+    )
 
 
 def prompts(count: int, seed: int, vocab_size: int) -> list[list[int]]:
@@ -118,8 +177,10 @@ def prompts(count: int, seed: int, vocab_size: int) -> list[list[int]]:
     )
 
 
-def run(engine: Engine, batch: list[list[int]]) -> GenerationResult:
-    return engine.generate(batch, FLAGS.max_new_tokens)
+def run(engine: Engine, batch: list[list[int]], phase: str, name: str) -> GenerationResult:
+    result = engine.generate(batch, FLAGS.max_new_tokens)
+    progress(phase, name, result)
+    return result
 
 
 def measure(engines: dict[str, Engine], vocab_size: int) -> dict[str, dict]:
@@ -127,20 +188,22 @@ def measure(engines: dict[str, Engine], vocab_size: int) -> dict[str, dict]:
 
     Single requests alternate between engines, so machine noise hits both alike.
     """
-    for seed in (0, 1):  # 0: warm-up (compiles every shape), 1: timed
+    for seed, phase in ((0, "warm-up"), (1, "single")):  # the warm-up compiles every shape
+        print(f"{phase}: single requests, the prefix first", flush=True)
         served, *timed = prompts(1 + FLAGS.repeats, seed, vocab_size)
         runs: dict[str, list[GenerationResult]] = {name: [] for name in engines}
-        for engine in engines.values():
-            run(engine, [served])
+        for name, engine in engines.items():
+            run(engine, [served], phase, name)
         for prompt in timed:
             for name, engine in engines.items():
-                runs[name].append(run(engine, [prompt]))
+                runs[name].append(run(engine, [prompt], phase, name))
     batches = {}
-    for seed in (2, 3):  # 2: warm-up, 3: timed
+    for seed, phase in ((2, "warm-up"), (3, "batch")):
+        print(f"{phase}: a batch of {FLAGS.num_requests}", flush=True)
         batch = prompts(FLAGS.num_requests, seed, vocab_size)
         profiled = FLAGS.profile_dir is not None and seed == 3
         with jax.profiler.trace(FLAGS.profile_dir) if profiled else contextlib.nullcontext():
-            batches = {name: run(engine, batch) for name, engine in engines.items()}
+            batches = {name: run(engine, batch, phase, name) for name, engine in engines.items()}
     return {
         name: {
             "single_ttft_s": statistics.median(r.outputs[0].ttft_s for r in runs[name]),
@@ -159,8 +222,12 @@ def measure(engines: dict[str, Engine], vocab_size: int) -> dict[str, dict]:
 def token_check(engines: dict[str, Engine], vocab_size: int, dtype: str) -> LogitCheck:
     """Both engines serve the timed batch once more (untimed), bringing back logits: the
     cached run against the uncached one (:mod:`jaxkv.serving.logit_check`)."""
+    print("token check: the timed batch again, with logits", flush=True)
     batch = prompts(FLAGS.num_requests, 3, vocab_size)
-    runs = {name: engine.generate(batch, FLAGS.max_new_tokens, return_logits=True) for name, engine in engines.items()}
+    runs = {}
+    for name, engine in engines.items():
+        runs[name] = engine.generate(batch, FLAGS.max_new_tokens, return_logits=True)
+        progress("check", name, runs[name])
     return compare_outputs(
         runs["no prefix caching"].outputs,
         runs["prefix caching"].outputs,
@@ -197,6 +264,9 @@ def table(results: dict[str, dict]) -> tuple[str, dict[str, float]]:
 def main(argv: Sequence[str]) -> None:
     del argv  # flags_parser refused positional arguments
     logging.set_verbosity(logging.WARNING)
+    std_logging.getLogger(auto.__name__).setLevel(std_logging.INFO)  # which attention each shape runs, and why
+    if FLAGS.quick:
+        apply_quick()
     if FLAGS.prompt_len + FLAGS.max_new_tokens > FLAGS.max_model_len:
         exit_error(
             PROG,
@@ -207,7 +277,10 @@ def main(argv: Sequence[str]) -> None:
         memory = parse_size(FLAGS.memory)
         check_fits_device(memory, jax.local_devices()[0], name=f"--memory={FLAGS.memory}")
         dtype = None if FLAGS.dtype == "auto" else FLAGS.dtype
+        print(f"load: {FLAGS.checkpoint or FLAGS.model}", flush=True)
+        started = time.perf_counter()
         model, name, model_dtype = load_model(FLAGS.checkpoint, FLAGS.model, dtype=dtype, seed=FLAGS.seed)
+        print(f"load: {name} ({model_dtype}) in {time.perf_counter() - started:.1f} s", flush=True)
         config = plan_for_model(
             model,
             memory,
@@ -222,9 +295,11 @@ def main(argv: Sequence[str]) -> None:
     max_blocks = cdiv(FLAGS.max_model_len, config.hash_block_size)
     ladder = Buckets.powers_of_two(FLAGS.max_num_batched_tokens, FLAGS.max_num_seqs, max_blocks)
     buckets = Buckets(ladder.tokens, (FLAGS.max_num_seqs,), (max_blocks,))
+    impl = FLAGS.impl if FLAGS.impl != "auto" else f"auto ({ops.get_implementation('auto')})"
     print(
-        f"{name} ({model_dtype}), {FLAGS.layout}, {FLAGS.impl} ops on {jax.default_backend()}: "
-        f"prompts of {FLAGS.prompt_len} tokens, {FLAGS.shared:.0%} shared; {config.num_blocks:,} blocks"
+        f"{name} ({model_dtype}), {FLAGS.layout}, {impl} ops on {jax.default_backend()}: "
+        f"prompts of {FLAGS.prompt_len} tokens, {FLAGS.shared:.0%} shared; {config.num_blocks:,} blocks",
+        flush=True,
     )
     try:
         with ops.set_implementation(FLAGS.impl):

@@ -216,3 +216,32 @@ def test_a_quick_run_reports_every_column_with_small_errors(tmp_path):
         assert row["speedups"]["xla_gpu_vs_dense_bound"] > 0 and row["speedups"]["xla_gpu_vs_reference"] > 0
     assert {r["op"] for r in report["results"]} == {"paged_attention", "write_kv", "copy_blocks"}
     assert "speed-up of jaxkv" in done.stdout
+
+
+@pytest.mark.subprocess
+def test_named_cases_run_alone_in_their_order_each_printed_as_it_finishes(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_script("bench_kernels.py", "--quick", "--cases=copy_blocks,write_kv-decode", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [(r["op"], r["case"]) for r in report["results"]] == [("copy_blocks", "cow"), ("write_kv", "decode")]
+    progress = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert progress[0].startswith("[1/2] copy_blocks cow: reference ")
+    assert progress[1].startswith("[2/2] write_kv decode: reference ")
+
+
+def test_the_case_names_are_those_a_run_builds(bench):
+    for preset in ("cpu", "accelerator", "quick"):
+        built = bench.case_builders(bench.PRESETS[preset], jnp.float32, None, {}, "cpu", 0.0)
+        assert list(built) == bench.case_names(preset)
+
+
+@pytest.mark.subprocess
+def test_an_unknown_case_is_one_line_and_status_2():
+    done = run_script("bench_kernels.py", "--preset=accelerator", "--cases=decode,nope")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "bench_kernels.py: error: --cases: unknown case nope; valid: "
+        "decode,decode-long,decode+window,decode+window-nocap,decode-xlayer,prefill,prefill-512,mixed,"
+        "write_kv-decode,write_kv-prefill,copy_blocks"
+    ]

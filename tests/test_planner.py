@@ -527,9 +527,7 @@ def test_a_state_pool_needs_recurrent_groups_at_the_hash_block_size():
     with pytest.raises(PlanError, match="at least one recurrent"):
         KVCacheConfig(num_blocks=8, groups=(attention,), states=StatePool(num_states=4))
     with pytest.raises(PlanError, match="hash block size 16, got 32"):
-        KVCacheConfig(
-            num_blocks=8, groups=(attention, KVCacheGroup(("m",), state, 32)), states=StatePool(num_states=4)
-        )
+        KVCacheConfig(num_blocks=8, groups=(attention, KVCacheGroup(("m",), state, 32)), states=StatePool(num_states=4))
     with pytest.raises(PlanError, match="num_states must be an int >= 2, got 1"):
         StatePool(num_states=1)
     config = KVCacheConfig(

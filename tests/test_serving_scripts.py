@@ -76,6 +76,11 @@ def test_bench_serve_reports_ratios_in_one_run(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "| TTFT, one shared-prefix request (ms) |" in result.stdout
+    phases = [line.split(":")[0].strip() for line in result.stdout.splitlines() if ":" in line]
+    assert phases[:3] == ["load", "load", "tiny-llama (float32), cross_layer, auto (reference) ops on cpu"]
+    calls = [line.split()[:2] for line in result.stdout.splitlines() if " req: TTFT " in line]
+    assert calls[:2] == [["warm-up", "no"], ["warm-up", "prefix"]] and calls[-1] == ["check", "prefix"]
+    assert "auto paged attention, q (" in result.stderr  # auto's choice per shape, with its reason
     assert list((tmp_path / "trace").rglob("*.xplane.pb")), "no profiler trace of the timed batch"
     report = json.loads(out.read_text())
     assert "with vs without prefix caching: PASS: float32 must give identical tokens" in result.stdout

@@ -8,15 +8,19 @@ Implementations (:data:`IMPLEMENTATIONS`):
   other backends they run in Pallas interpret mode);
 - ``pallas_gpu``: the Mosaic GPU paged-attention kernel of :mod:`jaxkv.pallas.gpu` for
   Hopper (wgmma, TMA), with ``xla_gpu``'s writes and copies; on other backends it runs
-  in the Mosaic GPU interpreter. Only on request: it has not run on a GPU yet, so
-  ``auto`` picks ``xla_gpu`` on every GPU until it passes the suite and the oracle
-  tests there; shapes its tiles do not fit are :class:`KVShapeError`;
-- ``xla_gpu``: :mod:`jaxkv.pallas.xla` for GPUs (other GPUs' default): paged attention as an
+  in the Mosaic GPU interpreter. Asked for by name, shapes its tiles do not fit are
+  :class:`KVShapeError`;
+- ``xla_gpu``: :mod:`jaxkv.pallas.xla` for GPUs: paged attention as an
   online-softmax loop over chunks of each sequence's pages, bounded by the batch's real
   kv lengths; writes and block copies as single scatters declared in-bounds with unique
   indices (padding repeats only the null block's); gathers and scatters of whole blocks
   are the reference ops.
-- ``auto``: pick by ``jax.default_backend()``.
+- ``auto`` (the default): :mod:`jaxkv.device.auto` picks by the device and, for paged
+  attention, by the call's shapes: ``pallas_tpu`` on TPU; on a Hopper GPU (compute
+  capability 9.x) ``pallas_gpu`` wherever the kernel takes the shapes, ``xla_gpu``
+  for the rest; ``xla_gpu`` on other GPUs; ``reference`` elsewhere. Each choice is
+  made once per shape and logged with its reason
+  (:func:`jaxkv.device.auto.attention_choice` returns it).
 
 Each implementation is one row of a dispatch table (:data:`_DISPATCH`): the function
 of each op, the Pallas ones imported on first use. Every public op runs under a
@@ -59,6 +63,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxkv.device import auto
 from jaxkv.device.cache import KVCache
 from jaxkv.device.metadata import StepMetadata
 from jaxkv.device.state_cache import StateCache
@@ -68,7 +73,6 @@ from jaxkv.pallas.reference import KVShapeError
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "xla_gpu")
-_BACKEND_DEFAULTS = {"tpu": "pallas_tpu", "gpu": "xla_gpu", "cuda": "xla_gpu", "rocm": "xla_gpu"}
 _TPU_KERNELS = "jaxkv.pallas.tpu"
 _GPU_KERNELS = "jaxkv.pallas.gpu"
 
@@ -129,15 +133,23 @@ def set_implementation(name: str, *, interpret: Any = None) -> _Restore:
     return _Restore(previous)
 
 
+def implementation_setting() -> str:
+    """The implementation name in force (``auto`` unless :func:`set_implementation` chose
+    another): what a jitted step passes to the ops, which resolve ``auto`` per call."""
+    return _current[0]
+
+
 def get_implementation(impl: str | None = None) -> str:
     """The concrete implementation an op would use now (``impl`` overrides the setting).
 
-    ``auto`` is the backend's default: ``pallas_tpu`` on TPU, ``xla_gpu`` on every GPU
-    (Hopper included: ``pallas_gpu`` only on request), ``reference`` elsewhere.
+    ``auto`` is the device's (:func:`jaxkv.device.auto.device_choice`): ``pallas_tpu`` on
+    TPU, ``pallas_gpu`` on a Hopper GPU, ``xla_gpu`` on other GPUs, ``reference``
+    elsewhere. Paged attention under ``auto`` on Hopper takes ``xla_gpu`` for shapes
+    the Mosaic GPU kernel does not take (:func:`jaxkv.device.auto.attention_choice`).
     """
     name = _check_name(_current[0] if impl is None else impl)
     if name == "auto":
-        return _BACKEND_DEFAULTS.get(jax.default_backend(), "reference")
+        return auto.device_choice().impl
     return name
 
 
@@ -314,7 +326,10 @@ def paged_attention(
     padded = _pad_head_dim("q", q, buffer.shape[-1])
     args = (_shard_heads_like(padded, buffer), buffer, meta.kv_lens, block_tables, meta.cu_q_lens, meta.num_seqs)
     kwargs = {"layer_index": layer_index, "sm_scale": sm_scale, "sliding_window": window, "soft_cap": soft_cap}
-    out = _implementation_of("paged_attention", impl)(*args, **kwargs)
+    name = _check_name(_current[0] if impl is None else impl)
+    if name == "auto":
+        name = auto.attention_choice(padded, buffer).impl
+    out = _implementation_of("paged_attention", name)(*args, **kwargs)
     return out if padded is q else out[..., : q.shape[-1]]
 
 

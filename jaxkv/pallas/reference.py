@@ -57,7 +57,7 @@ def check_kv_buffer(kv_buffer: jax.Array, layer_index: int | None) -> None:
         raise KVShapeError(f"the K/V axis must have size 2*H, got {kv_buffer.shape[-2]}")
 
 
-def page_dims(kv_buffer: jax.Array) -> tuple[int, int, int]:
+def page_dims(kv_buffer: jax.Array | jax.ShapeDtypeStruct) -> tuple[int, int, int]:
     """(block_size, num_kv_heads, head_dim) of either layout."""
     block_size, combined, head_dim = kv_buffer.shape[-3:]
     return block_size, combined // 2, head_dim

@@ -271,9 +271,10 @@ class ModelRunner:
         return tokens, logits
 
     def _jitted(self, fn: Callable) -> jax.stages.Wrapped:
-        """``fn`` jitted for this runner's model and the current :mod:`jaxkv.device.ops`
-        implementation (looked up by the implementation's name, read at each step)."""
-        impl = ops.get_implementation()
+        """``fn`` jitted for this runner's model and the :mod:`jaxkv.device.ops` implementation
+        setting (looked up by its name, read at each step; ``auto`` is resolved by the ops
+        per call, so a shape the chosen kernel does not take falls back rather than fails)."""
+        impl = ops.implementation_setting()
         key = (fn, impl)
         if key not in self._steps:
             self._steps[key] = jitted_step(fn, self.model, impl, self._shardings[fn])

@@ -433,9 +433,13 @@ def _rows_to_tokens(merged: jax.Array, items: _Items, num_queries_per_kv: int) -
 
 
 def check_supported(
-    q: jax.Array, kv_buffer: jax.Array, *, kv_tokens_per_chunk: int = DEFAULT_KV_TOKENS_PER_CHUNK
+    q: jax.Array | jax.ShapeDtypeStruct,
+    kv_buffer: jax.Array | jax.ShapeDtypeStruct,
+    *,
+    kv_tokens_per_chunk: int = DEFAULT_KV_TOKENS_PER_CHUNK,
 ) -> None:
-    """Raise :class:`KVShapeError` unless the kernel's tiles fit these shapes.
+    """Raise :class:`KVShapeError` unless the kernel's tiles fit these shapes (arrays or
+    their shapes: ``auto`` asks before anything is traced).
 
     bf16/fp16 caches (the wgmma operand types); query heads per KV head dividing 64;
     a head dim of whole 128-byte rows; a chunk of whole pages or a page of whole chunks.
