@@ -61,7 +61,6 @@ from jaxkv.fleet.protocol import (
 from jaxkv.fleet.replica import Replica, ReplicaSpec, warm_up
 from jaxkv.fleet.router import RoutedOutput, Router, RouterError
 from jaxkv.serving.engine import Engine
-from jaxkv.serving.kv_events import KVEventPublisher
 from jaxkv.serving.zmq_security import ENV_CURVE_DIR, CurveKeys, SecureContext, private_ipc_dir
 
 PROG = "soak_route.py"
@@ -115,7 +114,7 @@ def serve_child(spec: ReplicaSpec, control: Path) -> None:
             stopping.append(time.monotonic())
         return bool(stopping) and (not engine.has_unfinished or time.monotonic() - stopping[0] > 30)
 
-    with KVEventPublisher(spec.address.events, replay_endpoint=spec.address.replay) as events:
+    with spec.publisher() as events:
         engine = Engine.build(**spec.engine, kv_events=events)
         warm_up(engine)
         step = engine.step

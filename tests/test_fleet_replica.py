@@ -2,6 +2,7 @@
 gives, takes requests while others run, refuses bad ones without stopping, and
 publishes the KV events and heartbeats a router follows."""
 
+import dataclasses
 import time
 
 import msgspec
@@ -226,8 +227,21 @@ def test_bad_replica_settings_are_refused(tmp_path):
         ReplicaSpec("r", address, ENGINE, 0)
     with pytest.raises(ReplicaError, match="name must be a non-empty str"):
         ReplicaSpec("", address, ENGINE)
+    with pytest.raises(ReplicaError, match="include_token_ids must be a bool, got 'yes'"):
+        ReplicaSpec("r", address, ENGINE, 0.5, "yes")  # type: ignore[arg-type]
     spec = ReplicaSpec("r", address, ENGINE, 0.5)
     assert ReplicaSpec.from_json(spec.to_json()) == spec
+
+
+def test_a_replica_publishes_token_ids_only_when_asked(tmp_path):
+    """Replicas started by jaxkv published every prompt's token ids in their KV events."""
+    spec = ReplicaSpec("r", ReplicaAddress.ipc(tmp_path, "r"), ENGINE)
+    with spec.publisher() as publisher:
+        assert publisher.include_token_ids is False
+    asked = dataclasses.replace(spec, include_token_ids=True)
+    assert ReplicaSpec.from_json(asked.to_json()) == asked
+    with asked.publisher() as publisher:
+        assert publisher.include_token_ids is True
 
 
 def test_past_the_waiting_bound_a_request_is_refused_and_every_request_is_answered_once(replica):

@@ -339,3 +339,15 @@ def test_tcp_needs_curve_keys_and_a_plaintext_client_hears_nothing():
         assert not sock.poll(500), "an unauthenticated client got an answer"
         sock.close(linger=0)
         ctx.term()
+
+
+def test_abstract_ipc_needs_curve_keys_as_tcp_does():
+    """``ipc://@name`` has no file to guard it: any local user connected to a publisher,
+    replay socket or replica bound there without keys."""
+    name = f"ipc://@jaxkv-test-{time.time_ns()}"
+    with pytest.raises(SocketSecurityError, match="abstract-namespace ipc has no file permissions"):
+        KVEventPublisher(name)
+    with pytest.raises(SocketSecurityError, match="abstract-namespace ipc"):
+        KVEventPublisher(f"{name}-events", replay_endpoint=f"{name}-replay", plaintext_tcp=True)
+    with KVEventPublisher(name, curve=CurveKeys.generate()) as pub:
+        assert pub.endpoint == name

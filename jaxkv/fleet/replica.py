@@ -76,12 +76,15 @@ class ReplicaError(JaxkvError, ValueError):
 @dataclass(frozen=True)
 class ReplicaSpec:
     """What a replica process serves: its name and address, the keyword arguments of
-    :meth:`Engine.build` (JSON values) and its heartbeat interval."""
+    :meth:`Engine.build` (JSON values) and its heartbeat interval. Its KV events leave
+    the blocks' token ids out (a router needs only the hashes; the ids are the
+    prompts) unless ``include_token_ids``."""
 
     name: str
     address: ReplicaAddress
     engine: Mapping[str, Any]  # JSON values that Engine.build checks itself
     heartbeat_interval_s: float = 1.0
+    include_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -89,6 +92,8 @@ class ReplicaSpec:
         interval = self.heartbeat_interval_s
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < float("inf"):
             raise ReplicaError(f"heartbeat_interval_s must be a positive number, got {interval!r}")
+        if not isinstance(self.include_token_ids, bool):
+            raise ReplicaError(f"include_token_ids must be a bool, got {self.include_token_ids!r}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -96,7 +101,22 @@ class ReplicaSpec:
     @classmethod
     def from_json(cls, text: str) -> ReplicaSpec:
         data = json.loads(text)
-        return cls(data["name"], ReplicaAddress(**data["address"]), data["engine"], data["heartbeat_interval_s"])
+        return cls(
+            data["name"],
+            ReplicaAddress(**data["address"]),
+            data["engine"],
+            data["heartbeat_interval_s"],
+            data.get("include_token_ids", False),
+        )
+
+    def publisher(self, *, curve: CurveKeys | None = None) -> KVEventPublisher:
+        """The replica's KV event publisher, bound at its events and replay addresses."""
+        return KVEventPublisher(
+            self.address.events,
+            replay_endpoint=self.address.replay,
+            include_token_ids=self.include_token_ids,
+            curve=curve,
+        )
 
 
 def warm_up(engine: Engine) -> None:
@@ -289,7 +309,7 @@ class Replica:
 def serve_replica(spec: ReplicaSpec, should_stop: Callable[[], bool], *, curve: CurveKeys | None = None) -> None:
     """Build the spec's engine with a KV event publisher, compile it, and serve
     (``curve``: the deployment's keys; None reads ``JAXKV_CURVE_DIR``)."""
-    with KVEventPublisher(spec.address.events, replay_endpoint=spec.address.replay, curve=curve) as events:
+    with spec.publisher(curve=curve) as events:
         engine = Engine.build(**spec.engine, kv_events=events)
         warm_up(engine)
         replica = Replica(spec.name, engine, spec.address, heartbeat_interval_s=spec.heartbeat_interval_s, curve=curve)
