@@ -112,7 +112,8 @@ class CacheReset(msgspec.Struct, tag=True):
 class Heartbeat(msgspec.Struct, tag=True):
     """The replica is alive; ``load`` = running + waiting requests; ``steps``: engine
     steps run since it started (its progress); ``busy``: it has unfinished requests
-    (a busy replica whose ``steps`` stand still is hung); ``instance``: a token drawn
+    (for monitoring: a router judges a hang by its own requests in flight, since a loop
+    stuck while idle says "not busy"); ``instance``: a token drawn
     at its start (a new one: it restarted); ``slots`` and ``step_tokens``: its engine's
     running requests and tokens per step at most; ``max_model_len`` and
     ``max_request_bytes``: its request limits (see the module docstring; 0: not said)."""
