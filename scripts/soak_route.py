@@ -13,12 +13,21 @@ short random message). While they run (at fixed fractions of the requests sent):
 - one replica is killed and restarted at once;
 - one replica's process is stopped (SIGSTOP) for 3 s, then continued;
 - a hostile client with the deployment's keys sends each replica malformed, multi-frame,
-  oversized and forged frames, ``--hostile_rate`` per second.
+  oversized (over the announced limit, and past the socket's own) and forged frames,
+  ``--hostile_rate`` per second;
+- a replay-abuse client sends each replica's replay socket starts past any buffer
+  (``2**63``, ``2**64 - 1``, random 8 bytes), malformed requests, and requests from a
+  socket that never reads its answers, ``--hostile_rate`` per second;
+- one submission in ``--over_long_every`` is an over-long prompt through the routers
+  (past ``max_model_len``, or past the request byte limit).
 
-Checked at the end: every submitted request answered exactly once (tokens or an error
-naming why), no healthy replica (not killed, hung or stopped) dropped for longer than
-one heartbeat interval, the replicas' peak memory and the routers' growth, and, in
-every replica still running, no unfinished request and no block or state leaked
+Requests are held back at each fault's share until the fault has run (it waits for
+the replicas to be back from the one before), so every fault runs at every size.
+Checked at the end: every fault ran, every submitted request answered exactly once
+(tokens or an error naming why), every over-long prompt refused at once naming the
+limit, no healthy replica (not killed, hung or stopped) dropped for longer than one
+heartbeat interval, the replicas' peak memory and the routers' growth, and, in every
+replica still running, no unfinished request and no block or state leaked
 (``Engine.audit``). Everything binds ``ipc://`` paths in a fresh private directory; the
 run stops by itself after ``--time_limit`` seconds at most, and every replica process
 is killed on any exit.
@@ -56,12 +65,12 @@ from jaxkv.fleet.protocol import (
     GenerateResult,
     ReplicaAddress,
     ResetPrefixCache,
+    max_frame_bytes,
     max_request_bytes,
 )
 from jaxkv.fleet.replica import Replica, ReplicaSpec, warm_up
 from jaxkv.fleet.router import RoutedOutput, Router, RouterError
 from jaxkv.serving.engine import Engine
-from jaxkv.serving.kv_events import KVEventPublisher
 from jaxkv.serving.zmq_security import ENV_CURVE_DIR, CurveKeys, SecureContext, private_ipc_dir
 
 PROG = "soak_route.py"
@@ -72,9 +81,14 @@ flags.DEFINE_integer("num_routers", 2, "routers (in this process)", lower_bound=
 flags.DEFINE_integer("concurrency", 12, "requests in flight per router", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 4, "tokens generated per request", lower_bound=1)
 flags.DEFINE_float("heartbeat_interval", 1.0, "seconds between heartbeats", lower_bound=0.05)
-flags.DEFINE_float("hang_timeout", 4.0, "seconds a busy replica may go without a step", lower_bound=0.1)
+flags.DEFINE_float(
+    "hang_timeout", 4.0, "seconds a replica with requests in flight may go without a step", lower_bound=0.1
+)
 flags.DEFINE_float("hang_s", 8.0, "seconds one replica's step hangs", lower_bound=0)
-flags.DEFINE_float("hostile_rate", 20.0, "hostile frames per second", lower_bound=0)
+flags.DEFINE_float("hostile_rate", 20.0, "hostile frames per second (and as many replay-abuse requests)", lower_bound=0)
+flags.DEFINE_integer(
+    "over_long_every", 50, "one submission in this many is an over-long prompt (0: none)", lower_bound=0
+)
 flags.DEFINE_float("time_limit", 900.0, "seconds after which the run stops, answered or not", lower_bound=1)
 flags.DEFINE_bool("quick", False, "a short run: 2 replicas, 300 requests")
 flags.DEFINE_integer("seed", 0, "prompt seed", lower_bound=0)
@@ -115,7 +129,7 @@ def serve_child(spec: ReplicaSpec, control: Path) -> None:
             stopping.append(time.monotonic())
         return bool(stopping) and (not engine.has_unfinished or time.monotonic() - stopping[0] > 30)
 
-    with KVEventPublisher(spec.address.events, replay_endpoint=spec.address.replay) as events:
+    with spec.publisher() as events:
         engine = Engine.build(**spec.engine, kv_events=events)
         warm_up(engine)
         step = engine.step
@@ -191,40 +205,78 @@ class Fleet:
 
 
 # ------------------------------------------------------------------ the hostile client
+Attack = dict[str, tuple[list[zmq.Socket], Callable[[], list[bytes]]]]
+"""Kind of message -> (the sockets it goes out on, one at random; its frames)."""
+
+
+def attack(kinds: Attack, readers: Sequence[zmq.Socket], rate: float, stop: threading.Event, seed: int) -> dict:
+    """Send a message of a kind drawn at random ``rate`` times a second until ``stop``,
+    dropping whatever answers come back on ``readers``; how many of each kind went out."""
+    sockets = {id(sock): sock for group, _ in kinds.values() for sock in group}.values()
+    sent = dict.fromkeys(kinds, 0)
+    rng = random.Random(seed)
+    while not stop.wait(1 / rate if rate else 1.0):
+        if not rate:
+            continue
+        kind = rng.choice(list(kinds))
+        group, frames = kinds[kind]
+        try:
+            rng.choice(group).send_multipart(frames(), zmq.NOBLOCK)
+            sent[kind] += 1
+        except zmq.ZMQError:
+            pass
+        for sock in readers:
+            while sock.poll(0):
+                sock.recv_multipart()
+    for sock in sockets:
+        sock.close(linger=0)
+    return sent
+
+
 def hostile(addresses: Sequence[ReplicaAddress], keys: CurveKeys, rate: float, stop: threading.Event) -> dict:
     """Send malformed, multi-frame, oversized and forged frames to every replica until
     ``stop``; how many of each."""
     secure = SecureContext(keys)
     sockets = [secure.connect(zmq.DEALER, "requests", a.requests) for a in addresses]
     big = b"\x00" * (max_request_bytes(ENGINE["max_model_len"]) + 1)
-    kinds: dict[str, Callable[[], list[bytes]]] = {
-        "garbage": lambda: [os.urandom(random.randint(1, 64))],
-        "multi_frame": lambda: [b"hello", b"world"],
-        "oversized": lambda: [big],
-        "forged_answer": lambda: [msgspec.msgpack.encode(GenerateResult("x", "r0", [1], 0.0, 0))],
-        "bad_tokens": lambda: [msgspec.msgpack.encode(GenerateRequest("h", [10**9], 2))],
-        "cancel_guess": lambda: [msgspec.msgpack.encode(CancelRequest(f"route-{random.randint(0, 99)}"))],
-        "reset": lambda: [msgspec.msgpack.encode(ResetPrefixCache("h"))],
+    huge = b"\x00" * (max_frame_bytes(ENGINE["max_model_len"]) + 1)
+    kinds: Attack = {
+        "garbage": (sockets, lambda: [os.urandom(random.randint(1, 64))]),
+        "multi_frame": (sockets, lambda: [b"hello", b"world"]),
+        "oversized": (sockets, lambda: [big]),
+        "past_the_socket_limit": (sockets, lambda: [huge]),
+        "forged_answer": (sockets, lambda: [msgspec.msgpack.encode(GenerateResult("x", "r0", [1], 0.0, 0))]),
+        "bad_tokens": (sockets, lambda: [msgspec.msgpack.encode(GenerateRequest("h", [10**9], 2))]),
+        "cancel_guess": (
+            sockets,
+            lambda: [msgspec.msgpack.encode(CancelRequest(f"route-{random.randint(0, 99)}"))],
+        ),
+        "reset": (sockets, lambda: [msgspec.msgpack.encode(ResetPrefixCache("h"))]),
     }
-    sent = dict.fromkeys(kinds, 0)
-    rng = random.Random(1)
-    while not stop.wait(1 / rate if rate else 1.0):
-        if not rate:
-            continue
-        kind = rng.choice(list(kinds))
-        sock = rng.choice(sockets)
-        try:
-            sock.send_multipart(kinds[kind](), zmq.NOBLOCK)
-            sent[kind] += 1
-        except zmq.ZMQError:
-            pass
-        for s in sockets:
-            while s.poll(0):
-                s.recv_multipart()
-    for sock in sockets:
-        sock.close(linger=0)
-    secure.term()
-    return sent
+    try:
+        return attack(kinds, sockets, rate, stop, seed=1)
+    finally:
+        secure.term()
+
+
+def replay_abuse(addresses: Sequence[ReplicaAddress], keys: CurveKeys, rate: float, stop: threading.Event) -> dict:
+    """Send every replica's replay socket starts past any buffer, malformed requests and
+    requests from a socket that never reads its answers, until ``stop``; how many of each."""
+    secure = SecureContext(keys)
+    askers = [secure.connect(zmq.DEALER, "replay", a.replay) for a in addresses]
+    mute = [secure.connect(zmq.DEALER, "replay", a.replay, RCVHWM=1) for a in addresses]  # never read
+    kinds: Attack = {
+        "start_2**64-1": (askers, lambda: [b"", b"\xff" * 8]),
+        "start_2**63": (askers, lambda: [b"", (2**63).to_bytes(8, "big")]),
+        "random_start": (askers, lambda: [b"", os.urandom(8)]),
+        "short_start": (askers, lambda: [b"", os.urandom(7)]),
+        "no_delimiter": (askers, lambda: [os.urandom(8)]),
+        "never_read": (mute, lambda: [b"", bytes(8)]),
+    }
+    try:
+        return attack(kinds, askers, rate, stop, seed=2)
+    finally:
+        secure.term()
 
 
 # ------------------------------------------------------------------ the run
@@ -236,6 +288,12 @@ def prompts(rng: random.Random) -> Callable[[], tuple[list[int], str]]:
         return systems[tenant] + [rng.randrange(512) for _ in range(rng.randint(8, 40))], f"tenant-{tenant}"
 
     return one
+
+
+def over_long(rng: random.Random) -> list[int]:
+    """A prompt no replica admits: past ``max_model_len``, or past the request byte limit too."""
+    n = ENGINE["max_model_len"] + rng.randint(0, 64) if rng.random() < 0.5 else 30_000
+    return [rng.randrange(512) for _ in range(n)]
 
 
 class Drops:
@@ -273,6 +331,8 @@ def run(fleet: Fleet, routers: list[Router], keys: CurveKeys) -> dict:
     make = prompts(random.Random(FLAGS.seed))
     answers: list[dict[str, RoutedOutput]] = [{} for _ in routers]
     submitted: list[set[str]] = [set() for _ in routers]
+    long_rng = random.Random(FLAGS.seed + 1)
+    long_prompts: dict = {"sent": 0, "refused_at_once": 0, "routed": set()}
     duplicates = 0
     names = list(fleet.specs)
     last, hung, killed, stalled = names[-1], names[-2], names[1 % len(names)], names[0]
@@ -284,27 +344,44 @@ def run(fleet: Fleet, routers: list[Router], keys: CurveKeys) -> dict:
         (0.55, f"kill and restart {killed}", lambda: (fleet.kill(killed), fleet.start(killed)), True),
         (0.70, f"stop {stalled} for 3 s", lambda: fleet.stall(stalled, 3.0), True),
     ]
+    num_faults = len(faults)
     log: list[str] = []
     drops = Drops()
     stop = threading.Event()
     hostile_sent: dict = {}
-    attacker = threading.Thread(
-        target=lambda: hostile_sent.update(
-            hostile([s.address for s in fleet.specs.values()], keys, FLAGS.hostile_rate, stop)
+    replay_abuse_sent: dict = {}
+    addresses = [s.address for s in fleet.specs.values()]
+    attackers = [
+        threading.Thread(
+            target=lambda: hostile_sent.update(hostile(addresses, keys, FLAGS.hostile_rate, stop)), daemon=True
         ),
-        daemon=True,
-    )
-    attacker.start()
+        threading.Thread(
+            target=lambda: replay_abuse_sent.update(replay_abuse(addresses, keys, FLAGS.hostile_rate, stop)),
+            daemon=True,
+        ),
+    ]
+    for attacker in attackers:
+        attacker.start()
     start = time.monotonic()
     rss_quarter = None
     sent = 0
     try:
         while time.monotonic() - start < FLAGS.time_limit:
+            held_at = min(total, int(faults[0][0] * total)) if faults else total  # until the fault has run
             for i, router in enumerate(routers):
-                while sent < total and len(submitted[i]) - len(answers[i]) < FLAGS.concurrency:
+                while sent < held_at and len(submitted[i]) - len(answers[i]) < FLAGS.concurrency:
                     prompt, salt = make()
                     submitted[i].add(router.submit(prompt, FLAGS.max_new_tokens, cache_salt=salt))
                     sent += 1
+                    if FLAGS.over_long_every and sent % FLAGS.over_long_every == 0:
+                        long_prompts["sent"] += 1
+                        try:
+                            rid = router.submit(over_long(long_rng), FLAGS.max_new_tokens)
+                        except RouterError as err:
+                            long_prompts["refused_at_once"] += "max_model_len=" in str(err)
+                        else:  # no live replica to say its limits: answered through poll
+                            submitted[i].add(rid)
+                            long_prompts["routed"].add(rid)
                 for out in router.poll(0.005):
                     if out.request_id in answers[i]:
                         duplicates += 1
@@ -328,7 +405,8 @@ def run(fleet: Fleet, routers: list[Router], keys: CurveKeys) -> dict:
                     answers[i][out.request_id] = out
     finally:
         stop.set()
-        attacker.join()
+        for attacker in attackers:
+            attacker.join()
     drops.finish()
     outputs = [o for a in answers for o in a.values()]
     errors: dict[str, int] = {}
@@ -336,8 +414,14 @@ def run(fleet: Fleet, routers: list[Router], keys: CurveKeys) -> dict:
         if o.error is not None:
             key = o.error.split(":")[0]
             errors[key] = errors.get(key, 0) + 1
+    long_answered = [o for o in outputs if o.request_id in long_prompts["routed"]]
     return {
-        "requests": sent,
+        "requests": sent + len(long_prompts["routed"]),
+        "faults_run": len(log),
+        "faults_planned": num_faults,
+        "over_long_sent": long_prompts["sent"],
+        "over_long_refused_at_once": long_prompts["refused_at_once"],
+        "over_long_answered_with_an_error": sum(o.error is not None for o in long_answered),
         "answered": len(outputs),
         "unanswered": sum(len(s - set(a)) for a, s in zip(answers, submitted, strict=True)),
         "answered_twice": duplicates,
@@ -353,6 +437,9 @@ def run(fleet: Fleet, routers: list[Router], keys: CurveKeys) -> dict:
         "healthy_drops": len(drops.healthy_out_s),
         "router_bad_messages": sum(r.num_bad_messages for r in routers),
         "hostile_sent": hostile_sent,
+        "replay_abuse_sent": replay_abuse_sent,
+        "router_replay_timeouts": sum(r.num_replay_timeouts for r in routers),
+        "router_restarts_seen": sum(r.num_restarts for r in routers),
         "router_rss_growth_bytes": peak_rss_bytes() - (rss_quarter or peak_rss_bytes()),
     }
 
@@ -375,8 +462,12 @@ def wait_ready(fleet: Fleet, routers: list[Router], timeout_s: float = 600.0) ->
 def checks(report: dict) -> list[str]:
     """The failed checks, in words."""
     failed = []
+    if report["faults_run"] != report["faults_planned"]:
+        failed.append(f"{report['faults_planned'] - report['faults_run']} faults did not run")
     if report["unanswered"] or report["answered_twice"] or report["answered"] != report["requests"]:
         failed.append("not every request was answered exactly once")
+    if report["over_long_refused_at_once"] + report["over_long_answered_with_an_error"] != report["over_long_sent"]:
+        failed.append("an over-long prompt was not refused")
     if report["healthy_out_max_s"] > FLAGS.heartbeat_interval:
         failed.append(f"a healthy replica stayed dropped {report['healthy_out_max_s']:.2f} s")
     for name, audit in report["replicas"].items():

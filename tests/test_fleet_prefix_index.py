@@ -2,6 +2,8 @@
 the replay socket or reported; a subscriber that leaves mid-run and comes back ends
 with the index of one that never left (and of the engine's own prefix cache)."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -183,27 +185,58 @@ def test_without_a_replay_socket_a_gap_is_reported(publisher):
         assert len(index) == 1 and min(index.snapshot()) > last, "the entries are dropped, the live batch applied"
 
 
-def test_a_silent_replay_socket_times_out_and_changes_nothing():
+@pytest.fixture
+def mute_replay():
+    """A replay endpoint that takes requests and never answers, and a publisher whose
+    stream a subscriber (``follow(timeout_s)``) reads with that replay endpoint."""
     ctx = zmq.Context()
     mute = ctx.socket(zmq.ROUTER)
     port = mute.bind_to_random_port("tcp://127.0.0.1")
     index = PrefixIndex()
-    with (
-        KVEventPublisher(LOOPBACK, plaintext_tcp=True) as pub,
-        KVEventSubscriber(
-            index,
-            "r0",
-            pub.endpoint,
-            replay_endpoint=f"tcp://127.0.0.1:{port}",
-            replay_timeout_s=0.2,
-            plaintext_tcp=True,
-        ) as sub,
-    ):
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True) as pub:
+
+        def follow(timeout_s: float) -> KVEventSubscriber:
+            endpoint = f"tcp://127.0.0.1:{port}"
+            return KVEventSubscriber(
+                index, "r0", pub.endpoint, replay_endpoint=endpoint, replay_timeout_s=timeout_s, plaintext_tcp=True
+            )
+
+        yield pub, index, follow
+    mute.close(linger=0)
+    ctx.term()
+
+
+def test_a_silent_replay_socket_times_out_and_changes_nothing(mute_replay):
+    _, index, follow = mute_replay
+    with follow(0.2) as sub:
         with pytest.raises(ReplayTimeoutError, match="no replay answer"):
             sub.catch_up()
         assert sub.next_seq is None and len(index) == 0
-    mute.close(linger=0)
-    ctx.term()
+
+
+def test_a_mute_replay_socket_never_stalls_poll_and_the_subscriber_follows_the_live_batches(mute_replay):
+    """Each live batch used to wait ``replay_timeout_s`` on the mute socket in poll (a
+    router's one thread: no heartbeat read meanwhile); the replay now runs beside the
+    stream, is abandoned once, and the live batches are followed."""
+    pub, index, follow = mute_replay
+    longest, timeouts = 0.0, 0
+    with follow(0.5) as sub:
+        end = time.monotonic() + 2.5
+        i = 0
+        while time.monotonic() < end:
+            pub.publish([put(i)])
+            i += 1
+            start = time.monotonic()
+            try:
+                sub.poll()
+            except ReplayTimeoutError:
+                timeouts += 1
+            longest = max(longest, time.monotonic() - start)
+            time.sleep(0.02)
+        sub.poll(0.5)
+    assert longest < 0.2, f"a poll waited {longest:.2f} s"
+    assert timeouts == 1, "one timeout, then the live stream without replays"
+    assert sub.next_seq == pub.next_seq and max(index.snapshot()) == i - 1
 
 
 @pytest.mark.parametrize(

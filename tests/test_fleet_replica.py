@@ -2,6 +2,7 @@
 gives, takes requests while others run, refuses bad ones without stopping, and
 publishes the KV events and heartbeats a router follows."""
 
+import dataclasses
 import time
 
 import msgspec
@@ -19,6 +20,7 @@ from jaxkv.fleet.protocol import (  # noqa: E402
     GenerateResult,
     Heartbeat,
     ReplicaAddress,
+    max_frame_bytes,
     max_request_bytes,
 )
 from jaxkv.fleet.replica import Replica, ReplicaError, ReplicaSpec  # noqa: E402
@@ -136,19 +138,37 @@ def test_a_multi_frame_message_is_skipped_and_the_replica_goes_on(replica):
         client.close()
 
 
-def test_a_request_over_the_size_limit_is_dropped_before_it_is_decoded(replica):
-    """A well-formed request of 10x max_request_bytes, and junk one byte over it: never
-    decoded, so never answered (decoding 140 MiB held the serving thread past two
-    heartbeat intervals)."""
-    hostile, client = Client(replica.address), Client(replica.address)
+def test_a_request_over_the_size_limit_is_answered_with_the_limit_and_the_connection_kept(replica):
+    """A frame over max_request_bytes was dropped by ZeroMQ (MAXMSGSIZE) with the
+    client's connection: a router lost the requests crossing its reconnect. It is now
+    answered with a failure naming the limit (its prompt never decoded), on the same
+    connection, which serves the next request; only a frame past the socket's own
+    limit (4x) still drops the connection, and a 10x one is never decoded."""
+    client, hostile = Client(replica.address), Client(replica.address)
+    limit = max_request_bytes(ENGINE["max_model_len"])
     try:
-        limit = max_request_bytes(ENGINE["max_model_len"])
+        client.send(GenerateRequest("long", list(range(1, 512)) * 60, 2))  # ~76 KB, over 67,840 bytes
+        client.sock.send(b"x" * (limit + 1))
+        client.send(GenerateRequest("after", [1, 2, 3], 2))
+        answers = client.answers(3, wait_ms=5000)
+        words = f"exceeds max_request_bytes={limit} (max_model_len=256)"
+        assert len(answers) == 3, answers
+        long, junk, after = answers
+        assert isinstance(long, GenerateFailure) and long.request_id == "long" and words in long.message, long
+        assert isinstance(junk, GenerateFailure) and junk.request_id == "" and words in junk.message, junk
+        assert isinstance(after, GenerateResult) and after.request_id == "after"
         hostile.send(GenerateRequest("huge", [1] * (10 * limit), 2))
-        hostile.sock.send(b"x" * (limit + 1))
-        assert_served_after(client, hostile, wait_ms=500)
+        hostile.sock.send(b"x" * (max_frame_bytes(ENGINE["max_model_len"]) + 1))
+        client.send(GenerateRequest("next", [1, 2, 3], 2))
+        assert [a.request_id for a in client.answers(1)] == ["next"] and hostile.answers(1, wait_ms=500) == []
     finally:
         hostile.close()
         client.close()
+
+
+def test_heartbeats_announce_the_request_limits(replica):
+    beat = heartbeat(replica.address)
+    assert (beat.max_model_len, beat.max_request_bytes) == (256, max_request_bytes(256))
 
 
 def test_two_clients_may_use_the_same_request_id(replica):
@@ -179,17 +199,26 @@ def test_a_cancelled_request_is_not_answered_and_the_next_one_is(replica):
     assert [a.request_id for a in answers] == ["short"]
 
 
-def test_heartbeats_carry_the_replica_name_and_count(replica):
+def heartbeat(address: ReplicaAddress) -> Heartbeat:
+    """The next heartbeat of the replica at ``address``."""
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(replica.address.heartbeats)
+    sub.connect(address.heartbeats)
     try:
-        beats = [msgspec.msgpack.decode(sub.recv(), type=Heartbeat) for _ in range(2)]
+        assert sub.poll(120_000), "no heartbeat"  # the first waits for the replica's warm-up
+        return msgspec.msgpack.decode(sub.recv(), type=Heartbeat)
     finally:
         sub.close(linger=0)
         ctx.term()
-    assert [b.replica for b in beats] == ["r0", "r0"] and beats[1].seq == beats[0].seq + 1
+
+
+def test_heartbeats_carry_the_replica_name_and_count(replica):
+    beats = [heartbeat(replica.address)]
+    while beats[-1].seq == beats[0].seq:
+        beats.append(heartbeat(replica.address))
+    beats = [beats[0], beats[-1]]
+    assert [b.replica for b in beats] == ["r0", "r0"] and beats[1].seq > beats[0].seq
     assert beats[0].load == 0 and not beats[0].busy and beats[0].instance == beats[1].instance
 
 
@@ -201,8 +230,21 @@ def test_bad_replica_settings_are_refused(tmp_path):
         ReplicaSpec("r", address, ENGINE, 0)
     with pytest.raises(ReplicaError, match="name must be a non-empty str"):
         ReplicaSpec("", address, ENGINE)
+    with pytest.raises(ReplicaError, match="include_token_ids must be a bool, got 'yes'"):
+        ReplicaSpec("r", address, ENGINE, 0.5, "yes")  # type: ignore[arg-type]
     spec = ReplicaSpec("r", address, ENGINE, 0.5)
     assert ReplicaSpec.from_json(spec.to_json()) == spec
+
+
+def test_a_replica_publishes_token_ids_only_when_asked(tmp_path):
+    """Replicas started by jaxkv published every prompt's token ids in their KV events."""
+    spec = ReplicaSpec("r", ReplicaAddress.ipc(tmp_path, "r"), ENGINE)
+    with spec.publisher() as publisher:
+        assert publisher.include_token_ids is False
+    asked = dataclasses.replace(spec, include_token_ids=True)
+    assert ReplicaSpec.from_json(asked.to_json()) == asked
+    with asked.publisher() as publisher:
+        assert publisher.include_token_ids is True
 
 
 def test_past_the_waiting_bound_a_request_is_refused_and_every_request_is_answered_once(replica):

@@ -400,6 +400,106 @@ def test_a_malformed_heartbeat_is_skipped_and_an_answer_of_the_same_poll_kept(fa
         assert router.num_bad_messages == 2 and router.live_replicas == ("a", "b")
 
 
+def test_one_replay_request_past_the_buffer_does_not_take_a_replica_out_of_routing(tmp_path):
+    """``b"\\xff" * 8`` on a replica's replay socket ended its replay thread; every router
+    that then followed the replica waited 5 s for a replay on each live batch, read no
+    heartbeat meanwhile, and dropped it: 20 of 20 requests were answered "no live replica"."""
+    replica = ThreadReplica(tmp_path, "a", 0.2)
+    ctx = zmq.Context()
+    poison = ctx.socket(zmq.DEALER)
+    poison.connect(replica.address.replay)
+    try:
+        with Router({"a": replica.address}, heartbeat_interval_s=0.2, hang_timeout_s=10) as router:
+            router.wait_ready(120)
+            poison.send_multipart([b"", b"\xff" * 8])
+            poison.poll(5000)  # its end marker (before: nothing, the thread had ended)
+            router._links["a"].events.resync()  # a router meeting the replica now
+            rids = [router.submit([(i * 7 + t) % 512 for t in range(40)], 2) for i in range(10)]
+            answers = wait_all(router, rids, timeout_s=60)
+            assert all(o.error is None for o in answers.values()), {o.error for o in answers.values()}
+            assert router.dropped_replicas == {} and router.num_replay_timeouts == 0
+    finally:
+        poison.close(linger=0)
+        ctx.term()
+        replica.kill()
+
+
+def beat_until(fakes, router, name: str, beat: Heartbeat, heard) -> None:
+    """Send ``beat`` from ``name`` until ``heard()`` holds on the router."""
+    deadline = time.monotonic() + 10
+    while not heard():
+        assert time.monotonic() < deadline, f"{name}: the router never took {beat}"
+        fakes.heartbeats[name].send(msgspec.msgpack.encode(beat))
+        router.poll(0.02)
+
+
+def test_a_prompt_over_every_replicas_limit_is_refused_at_once_naming_it(fakes):
+    """One over-long prompt used to be sent, the replica's socket dropped the router's
+    connection (MAXMSGSIZE), and other callers' requests crossing the reconnect waited
+    for their deadline."""
+    limits = {"a": 256, "b": 128}
+    with fakes.router() as router:
+        for name, limit in limits.items():
+            beat = Heartbeat(name, 1, 0, max_model_len=limit, max_request_bytes=max_request_bytes(limit))
+            beat_until(fakes, router, name, beat, lambda n=name: router._links[n].max_model_len)
+        with pytest.raises(RouterError, match=r"30000 tokens \(\d+ bytes\) exceeds every live .* max_model_len=256"):
+            router.submit([7] * 30_000, 2)
+        with pytest.raises(RouterError, match="max_model_len=256"):
+            router.submit(list(range(256)), 2)
+        assert router.num_in_flight == 0, "nothing was sent"
+        rids = [router.submit(list(range(200)), 2) for _ in range(2)]
+        assert [m.request_id for m in fakes.received("a")] == rids, "only a admits 200 tokens"
+        assert fakes.received("b") == []
+
+
+def test_a_replica_stuck_while_idle_is_dropped_once_a_request_waits_on_it(fakes):
+    """Liveness read only the replica's own ``busy``: a loop stuck while idle (heartbeat
+    thread alive, never a step, never busy) kept its requests until their deadline."""
+    with fakes.router(policy="round_robin", hang_timeout_s=0.5) as router:
+        rid = router.submit([1, 2, 3], 2)
+        assert [m.request_id for m in fakes.received("a")] == [rid]
+        deadline = time.monotonic() + 10
+        while router.live_replicas != ("b",):
+            assert time.monotonic() < deadline, "the stuck replica was never dropped"
+            for name in ("a", "b"):
+                fakes.heartbeats[name].send(msgspec.msgpack.encode(Heartbeat(name, 1, 0, steps=5, busy=False)))
+            router.poll(0.05)
+        assert [m.request_id for m in fakes.received("b")] == [rid], "its request went to b"
+        for _ in range(5):  # heard again, still without a step: it stays out
+            fakes.heartbeats["a"].send(msgspec.msgpack.encode(Heartbeat("a", 2, 0, steps=5)))
+            router.poll(0.05)
+        assert router.live_replicas == ("b",)
+        beat_until(fakes, router, "a", Heartbeat("a", 3, 0, steps=6), lambda: "a" in router.live_replicas)
+        assert router.num_readmissions == 1
+
+
+def test_a_replica_restarted_between_two_heartbeats_gets_its_requests_again_and_a_fresh_index(tmp_path):
+    """A new ``instance`` in a replica's heartbeats was not read as a restart: its
+    request in flight waited for its deadline, and the dead cache's blocks stayed in
+    the index."""
+    replica = ThreadReplica(tmp_path, "a", 0.2)
+    cached, lost = [(3 * t) % 512 for t in range(70)], [(5 * t) % 512 for t in range(40)]
+    try:
+        with Router({"a": replica.address}, heartbeat_interval_s=30, request_timeout_s=120) as router:
+            router.wait_ready(120)
+            wait_all(router, [router.submit(cached, 2)])
+            while router.cached_tokens(cached)["a"] < 64:
+                router.poll(0.05)
+            instance = router._links["a"].instance
+            replica.running.clear()  # its step hangs: the request is in flight when it dies
+            rid = router.submit(lost, 4)
+            time.sleep(0.5)
+            replica.kill()
+            replica = ThreadReplica(tmp_path, "a", 0.2)
+            [out] = wait_all(router, [rid], timeout_s=60).values()
+            assert out.error is None and len(out.output_token_ids) == 4 and out.attempts == 2
+            assert router._links["a"].instance != instance and router.num_restarts == 1
+            assert router.live_replicas == ("a",) and router.num_readmissions == 0, "never dropped"
+            assert router.cached_tokens(cached)["a"] == 0, "the dead cache's blocks left the index"
+    finally:
+        replica.kill()
+
+
 # --- a short soak (scripts/soak_route.py runs the long one over processes) -----------------
 @pytest.mark.slow
 def test_a_short_soak_answers_every_request_once_and_leaks_nothing(tmp_path):

@@ -340,6 +340,30 @@ def test_abort_frees_one_request_and_the_others_finish_with_their_tokens(models,
     assert tokens(again) == [dense_tokens[name][1]], "the prefix cache stayed exact"
 
 
+@pytest.mark.parametrize("hook", ["progress", "step_check"])
+def test_abort_from_a_progress_callback_or_a_step_check_drops_the_request_and_the_call_goes_on(
+    models, dense_tokens, hook
+):
+    """Both raised KeyError: generate looked up the aborted request's output, and a step
+    went on with a chunk of the request abort had just taken out."""
+    prompts = workload()[:2]
+    aborted = []
+
+    def abort_once(progress_or_output) -> None:
+        if progress_or_output is not None and not aborted:
+            aborted.append(eng.abort("req-1"))
+
+    if hook == "progress":
+        eng = engine(models["tiny-llama"])
+        result = eng.generate(prompts, NEW_TOKENS, progress=abort_once)
+    else:
+        eng = engine(models["tiny-llama"], step_check=abort_once)
+        result = eng.generate(prompts, NEW_TOKENS)
+    assert aborted == [True] and [o.request_id for o in result.outputs] == ["req-0"]
+    assert tokens(result) == [dense_tokens["tiny-llama"][0]] and eng.audit() == CacheAudit(0, 0)
+    assert tokens(eng.generate([prompts[1]], NEW_TOKENS)) == [dense_tokens["tiny-llama"][1]], "the cache is exact"
+
+
 def test_a_made_request_id_never_takes_a_callers(models):
     eng = engine(models["tiny-llama"])
     mine = eng.add_request([1, 2, 3], 1, request_id="req-0")

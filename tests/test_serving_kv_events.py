@@ -180,6 +180,41 @@ def test_a_replay_answers_from_the_requested_batch_with_what_is_still_buffered()
         assert replay(pub.replay_endpoint, e + 9) == [(END, e.to_bytes(8, "big"))]
 
 
+@pytest.mark.parametrize("start", [2**63, 2**64 - 1, 2**63 + 12345])
+def test_a_start_past_the_buffer_gets_the_end_marker_and_the_replay_thread_goes_on(start):
+    """One 8-byte request of 2**63 or more ended the replay thread (islice raised), and
+    every later replay went unanswered."""
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK) as pub:
+        pub.publish([])
+        e = pub.epoch
+        assert replay(pub.replay_endpoint, start) == [(END, e.to_bytes(8, "big"))]
+        assert [int.from_bytes(s, "big") for s, _ in replay(pub.replay_endpoint, 0)[:-1]] == [e]
+        assert pub.num_failed_replays == 0
+
+
+def test_a_client_that_never_reads_does_not_hold_the_replay_thread():
+    """A client asking for replays it never reads held the thread 5 s a request; the
+    sends now never wait: its answers are dropped and the next client is answered."""
+    big = [WireBlockStored([1], None, list(range(50_000)), 16, None, "GPU", None)]  # ~150 KB a batch
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, buffer_steps=20) as pub:
+        for _ in range(20):
+            pub.publish(big)
+        ctx = zmq.Context()
+        mute = ctx.socket(zmq.DEALER)
+        mute.setsockopt(zmq.RCVHWM, 1)
+        mute.connect(pub.replay_endpoint)
+        for _ in range(10):  # 30 MB asked for: more than the socket buffers and queues hold
+            mute.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.5)
+        start = time.monotonic()
+        frames = replay(pub.replay_endpoint, pub.epoch + 19)
+        waited = time.monotonic() - start
+        mute.close(linger=0)
+        ctx.term()
+        assert len(frames) == 2 and waited < 2.0, f"answered after {waited:.1f} s"
+        assert pub.num_failed_replays >= 1, "the mute client's answers were dropped"
+
+
 def test_malformed_replay_requests_are_counted_and_ignored():
     with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK) as pub:
         pub.publish([])
@@ -322,3 +357,15 @@ def test_without_the_events_extra_importing_names_it(hidden):
         f"True {hidden}",
         f"KV events need pyzmq and msgspec: pip install 'jaxkv[events]' (no module named {hidden!r})",
     ]
+
+
+def test_abstract_ipc_needs_curve_keys_as_tcp_does():
+    """``ipc://@name`` has no file to guard it: any local user connected to a publisher,
+    replay socket or replica bound there without keys."""
+    name = f"ipc://@jaxkv-test-{time.time_ns()}"
+    with pytest.raises(SocketSecurityError, match="abstract-namespace ipc has no file permissions"):
+        KVEventPublisher(name)
+    with pytest.raises(SocketSecurityError, match="abstract-namespace ipc"):
+        KVEventPublisher(f"{name}-events", replay_endpoint=f"{name}-replay", plaintext_tcp=True)
+    with KVEventPublisher(name, curve=CurveKeys.generate()) as pub:
+        assert pub.endpoint == name

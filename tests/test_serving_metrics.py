@@ -2,6 +2,7 @@
 observer, restarts absorbed; the host tier counted as the external prefix cache."""
 
 import sys
+import urllib.request
 
 import numpy as np
 import prometheus_client
@@ -67,6 +68,21 @@ def test_two_exporters_in_one_process_do_not_clash():
     first, second = PrometheusMetrics(labels=LABELS), PrometheusMetrics(labels=LABELS)
     first(stats())
     assert second.registry is not first.registry
+
+
+def test_the_exporter_serves_on_loopback_unless_told_otherwise():
+    """The documented recipe (prometheus-client's start_http_server) listened on every interface."""
+    metrics = PrometheusMetrics(labels=LABELS)
+    metrics(stats())
+    server = metrics.serve(0)
+    try:
+        host, port = server.server_address[:2]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+            text = page.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert host == "127.0.0.1" and "vllm:kv_cache_usage_perc" in text
 
 
 def test_without_prometheus_client_the_exporter_is_a_typed_refusal(monkeypatch):

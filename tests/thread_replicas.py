@@ -6,7 +6,6 @@ import threading
 from jaxkv.fleet.protocol import ReplicaAddress
 from jaxkv.fleet.replica import Replica, ReplicaSpec, warm_up
 from jaxkv.serving.engine import CacheAudit, Engine
-from jaxkv.serving.kv_events import KVEventPublisher
 from jaxkv.serving.zmq_security import CurveKeys
 
 ENGINE = {
@@ -58,7 +57,7 @@ class ThreadReplica:
 
     def _serve(self) -> None:
         address = self.spec.address
-        with KVEventPublisher(address.events, replay_endpoint=address.replay, curve=self.curve) as events:
+        with self.spec.publisher(curve=self.curve) as events:
             engine = Engine.build(**self.spec.engine, kv_events=events)
             warm_up(engine)
             step = engine.step

@@ -10,9 +10,14 @@ device prefix cache was reset, the host tier was not.
 
 :class:`KVEventSubscriber` follows one replica's publisher into an index: it applies
 batches in sequence order, skips those it already has, and on a gap asks the replay
-socket for the missing ones. A gap the publisher no longer buffers cannot be filled:
-the subscriber drops the replica's entries (the index then under-reports that replica,
-never over-reports), goes on from the oldest batch still there, and raises
+socket for the missing ones. The replay runs beside the live stream: :meth:`poll`
+never waits on it (live batches that arrive meanwhile are held, then applied after
+the replayed ones), so a slow or mute replay socket never stalls its caller. A replay
+unanswered for ``replay_timeout_s`` is abandoned: the subscriber takes its position
+from the live batches, asks no replay for a back-off that doubles with each timeout,
+and raises :class:`ReplayTimeoutError`. A gap the publisher no longer buffers cannot be
+filled: the subscriber drops the replica's entries (the index then under-reports that
+replica, never over-reports), goes on from the oldest batch still there, and raises
 :class:`EventGapError` naming what was lost. A publisher restarted on the same endpoint
 (a new epoch, see :mod:`jaxkv.serving.kv_events`) is followed from its first batch,
 the dead cache's entries dropped first. Batches that do not decode are counted and
@@ -21,8 +26,11 @@ skipped.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -58,7 +66,24 @@ class EventGapError(JaxkvError):
 
 
 class ReplayTimeoutError(JaxkvError):
-    """The replay socket did not answer in time; nothing was applied."""
+    """The replay socket did not answer in time: the replay was abandoned, the live
+    batches held meanwhile applied (the gap before them lost), and no replay is asked
+    for a back-off."""
+
+
+MAX_REPLAY_BACKOFF_S = 60.0
+"""The longest a subscriber waits, after replay timeouts, before asking again."""
+
+
+@dataclass(eq=False)
+class _PendingReplay:
+    """A replay asked for and not yet answered in full."""
+
+    deadline: float
+    """When it is abandoned (pushed back by every frame that arrives)."""
+    batches: list[tuple[int, bytes]] = field(default_factory=list)
+    held: list[tuple[int, bytes]] = field(default_factory=list)
+    """Live batches received meanwhile, applied after the replayed ones."""
 
 
 class PrefixIndex:
@@ -137,11 +162,12 @@ class KVEventSubscriber:
 
     Connects a SUB socket to ``endpoint`` and, for gaps, a DEALER socket to
     ``replay_endpoint`` (vLLM's replay protocol); ``replay_timeout_s`` bounds the
-    wait for a replay answer. :meth:`poll` applies what has arrived;
-    :meth:`catch_up` asks for what was published since the last applied batch
-    without waiting for a live one to reveal the gap (after :meth:`connect`, or
-    before reading the index at a moment that matters). ``curve`` / ``plaintext_tcp``:
-    see :class:`~jaxkv.serving.zmq_security.SecureContext`. Single-threaded.
+    wait for a replay answer (see the module docstring). :meth:`poll` applies what has
+    arrived; :meth:`start_catch_up` asks for what was published since the last applied
+    batch without waiting for a live one to reveal the gap (the answer is applied by
+    later polls), :meth:`catch_up` does so and waits for the answer (before reading the
+    index at a moment that matters). ``curve`` / ``plaintext_tcp``: see
+    :class:`~jaxkv.serving.zmq_security.SecureContext`. Single-threaded.
     """
 
     def __init__(
@@ -181,12 +207,20 @@ class KVEventSubscriber:
         self._decoder = msgspec.msgpack.Decoder(WireEventBatch)
         self._sub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
+        self._pending: _PendingReplay | None = None
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
         self.connect()
 
     # --------------------------------------------------------- connection
     @property
     def connected(self) -> bool:
         return self._sub is not None
+
+    @property
+    def replaying(self) -> bool:
+        """Whether a replay was asked for and is not yet answered in full."""
+        return self._pending is not None
 
     def connect(self) -> None:
         """Open the sockets (a no-op when connected); batches published while
@@ -198,7 +232,9 @@ class KVEventSubscriber:
         self._open_replay()
 
     def disconnect(self) -> None:
-        """Close the sockets, keeping the index and the position in the stream."""
+        """Close the sockets, keeping the index and the position in the stream (a
+        replay in progress is abandoned, its held live batches with it)."""
+        self._pending = None
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
@@ -207,11 +243,13 @@ class KVEventSubscriber:
             self._replay = None
 
     def resync(self) -> None:
-        """Forget the position in the stream and the replica's entries and reconnect:
-        the next :meth:`catch_up` follows the stream from the oldest batch its
-        publisher buffers (for a replica that comes back after it was dropped)."""
+        """Forget the position in the stream, the replica's entries and any replay
+        back-off, and reconnect: the next catch-up follows the stream from the oldest
+        batch its publisher buffers (for a replica that comes back after it was
+        dropped, or restarted)."""
         self.index.drop_replica(self.replica)
         self.next_seq = self.epoch = None
+        self._backoff_s = self._retry_at = 0.0
         self.disconnect()
         self.connect()
 
@@ -231,44 +269,72 @@ class KVEventSubscriber:
 
     # ----------------------------------------------------------- receiving
     def poll(self, timeout_s: float = 0.0) -> int:
-        """Apply the batches that arrived (waiting up to ``timeout_s`` for the first);
-        how many were applied, replayed ones included."""
-        sub = self._sub
-        if sub is None:
-            raise KVEventsError(f"subscriber of replica {self.replica!r} is disconnected")
+        """Apply the batches that arrived, live and replayed (waiting up to
+        ``timeout_s`` until one is applied); how many were applied."""
+        sub = self._connected_sub()
+        deadline = time.monotonic() + timeout_s
         applied = 0
-        wait_ms = int(timeout_s * 1000)
-        while sub.poll(wait_ms):
-            frames = sub.recv_multipart()
-            wait_ms = 0
-            if len(frames) != 3 or len(frames[1]) != 8:
-                self.num_bad_batches += 1
-                continue
-            applied += self._receive(int.from_bytes(frames[1], "big"), frames[2])
-        return applied
+        while True:
+            while sub.poll(0):
+                frames = sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.num_bad_batches += 1
+                    continue
+                applied += self._receive(int.from_bytes(frames[1], "big"), frames[2])
+            applied += self._advance_replay()
+            wait_s = deadline - time.monotonic()
+            if applied or wait_s <= 0:
+                return applied
+            poller = zmq.Poller()
+            poller.register(sub, zmq.POLLIN)
+            if self._pending is not None and self._replay is not None:
+                poller.register(self._replay, zmq.POLLIN)
+            poller.poll(max(1, int(wait_s * 1000)))
+
+    def start_catch_up(self) -> None:
+        """Ask the replay socket for every batch from :attr:`next_seq` on (unless a
+        replay is under way, or there is no replay socket); later polls apply the answer."""
+        self._connected_sub()
+        if self._pending is None and self._replay is not None:
+            self._ask_replay(self.next_seq)
 
     def catch_up(self) -> int:
-        """Ask the replay socket for every batch from :attr:`next_seq` on and apply them; how many."""
-        if not self.connected:
-            raise KVEventsError(f"subscriber of replica {self.replica!r} is disconnected")
-        return self._replay_from(self.next_seq, None)
-
-    def _receive(self, seq: int, payload: bytes) -> int:
-        if self.next_seq is None:  # the first batch seen: everything before it comes from a replay
-            return self._replay_from(None, seq) + self._apply_if_next(seq, payload)
-        if seq < self.next_seq:
-            return 0  # already applied (it came through a replay first)
+        """Ask the replay socket for every batch from :attr:`next_seq` on and wait for
+        the answer; how many batches were applied."""
+        self.start_catch_up()
         applied = 0
-        try:
-            if seq > self.next_seq:
-                applied = self._replay_from(self.next_seq, seq)
-        finally:  # a lost gap still lets the live batch in
-            applied += self._apply_if_next(seq, payload)
+        while self._pending is not None and self._replay is not None:
+            self._replay.poll(max(1, int((self._pending.deadline - time.monotonic()) * 1000)))
+            applied += self._advance_replay()
         return applied
 
-    def _apply_if_next(self, seq: int, payload: bytes) -> int:
-        if self.next_seq is not None and seq != self.next_seq:
+    def _connected_sub(self) -> zmq.Socket:
+        if self._sub is None:
+            raise KVEventsError(f"subscriber of replica {self.replica!r} is disconnected")
+        return self._sub
+
+    def _receive(self, seq: int, payload: bytes) -> int:
+        """Apply a live batch, hold it while a replay runs, or start one for the gap
+        before it (or, with no replay to ask, take the stream from it)."""
+        if self._pending is not None:
+            self._pending.held.append((seq, payload))
             return 0
+        if self.next_seq is not None and seq < self.next_seq:
+            return 0  # already applied (it came through a replay first)
+        if self.next_seq is None or seq > self.next_seq:
+            if self._replay is not None and time.monotonic() >= self._retry_at:
+                self._ask_replay(self.next_seq)
+                assert self._pending is not None
+                self._pending.held.append((seq, payload))
+                return 0
+            missing_from = self.next_seq
+            if missing_from is not None:
+                self.index.drop_replica(self.replica)
+            self._apply(seq, payload)
+            if missing_from is not None:
+                why = "no replay socket" if self._replay is None else "replays back off after a timeout"
+                raise EventGapError(self.replica, missing_from, seq, why)
+            return 1
         self._apply(seq, payload)
         return 1
 
@@ -281,36 +347,51 @@ class KVEventSubscriber:
             return
         self.index.apply(self.replica, batch.events)
 
-    def _replay_from(self, start: int | None, live: int | None) -> int:
-        """Apply the replayed batches from ``start`` on (None: from the oldest buffered);
-        ``live`` is a sequence number seen live (None when none is known), so the stream
-        is known to reach it. Raises :class:`EventGapError` after applying what came
-        back if batches are lost; follows a new epoch from its start."""
-        if self._replay is None:
-            if live is None or start is None:
-                if start is None and live is not None:
-                    self.next_seq = live
-                return 0
-            return self._lose(start, live, "no replay socket")
+    # -------------------------------------------------------------- replay
+    def _ask_replay(self, start: int | None) -> None:
+        """Ask for the batches from ``start`` on (None: from the oldest buffered)."""
+        assert self._replay is not None
         self._replay.send_multipart((b"", (start or 0).to_bytes(8, "big")))
-        replayed: list[tuple[int, bytes]] = []
-        while True:
-            if not self._replay.poll(int(self.replay_timeout_s * 1000)):
-                self._replay.close(linger=0)  # a late answer must not mix into the next one
-                self._open_replay()
-                raise ReplayTimeoutError(
-                    f"replica {self.replica!r}: no replay answer from {self.replay_endpoint} "
-                    f"within {self.replay_timeout_s} s"
-                )
-            frames = self._replay.recv_multipart()  # with the topic frame first or (before vLLM 0.33) without
+        self._pending = _PendingReplay(time.monotonic() + self.replay_timeout_s)
+
+    def _advance_replay(self) -> int:
+        """Take what the replay socket has, without waiting; once the end marker is in,
+        apply the answer and the held live batches; abandon the replay past its deadline.
+        How many batches were applied."""
+        pending, replay = self._pending, self._replay
+        if pending is None or replay is None:
+            return 0
+        while replay.poll(0):
+            frames = replay.recv_multipart()  # with the topic frame first or (before vLLM 0.33) without
+            pending.deadline = time.monotonic() + self.replay_timeout_s
             if len(frames) < 3 or len(frames[-2]) != 8:
                 self.num_bad_batches += 1
                 continue
             seq_bytes, payload = frames[-2], frames[-1]
             if seq_bytes == END_SEQ:
+                self._pending, self._backoff_s, self._retry_at = None, 0.0, 0.0
                 epoch = int.from_bytes(payload, "big") if len(payload) == 8 else None
-                break
-            replayed.append((int.from_bytes(seq_bytes, "big"), payload))
+                return self._settle(pending, epoch)
+            pending.batches.append((int.from_bytes(seq_bytes, "big"), payload))
+        if time.monotonic() < pending.deadline:
+            return 0
+        self._pending = None
+        replay.close(linger=0)  # a late answer must not mix into the next one
+        self._open_replay()
+        self._backoff_s = min(MAX_REPLAY_BACKOFF_S, 2 * self._backoff_s or self.replay_timeout_s)
+        self._retry_at = time.monotonic() + self._backoff_s
+        with contextlib.suppress(EventGapError):  # the timeout is the news
+            self._apply_held(pending.held)
+        raise ReplayTimeoutError(
+            f"replica {self.replica!r}: no replay answer from {self.replay_endpoint} within "
+            f"{self.replay_timeout_s} s; following the live batches, no replay for {self._backoff_s:g} s"
+        )
+
+    def _settle(self, pending: _PendingReplay, epoch: int | None) -> int:
+        """Apply a whole replay answer, then the live batches held meanwhile. Raises
+        :class:`EventGapError` after applying what came back if batches are lost;
+        follows a new epoch from its start."""
+        live = pending.held[0][0] if pending.held else None
         restarted = epoch is not None and self.epoch is not None and epoch != self.epoch
         if epoch is not None:
             self.epoch = epoch
@@ -319,9 +400,10 @@ class KVEventSubscriber:
             self.index.drop_replica(self.replica)
             self.next_seq = epoch
         elif self.next_seq is None:  # the first contact: from the oldest batch still buffered
+            replayed = pending.batches
             self.next_seq = replayed[0][0] if replayed else (epoch if epoch is not None else live)
         applied, lost_at = 0, None
-        for seq, payload in replayed:
+        for seq, payload in pending.batches:
             if self.next_seq is None:
                 self.next_seq = seq
             if seq < self.next_seq:
@@ -337,11 +419,24 @@ class KVEventSubscriber:
             lost_at = (self.next_seq, live)
             self.index.drop_replica(self.replica)
             self.next_seq = live
-        if lost_at is not None:
-            raise EventGapError(self.replica, *lost_at, "no longer in the publisher's replay buffer")
+        gap = None if lost_at is None else EventGapError(self.replica, *lost_at, "no longer in the replay buffer")
+        try:
+            applied += self._apply_held(pending.held)
+        except EventGapError as err:
+            gap = gap or err
+        if gap is not None:
+            raise gap
         return applied
 
-    def _lose(self, start: int, live: int, why: str) -> int:
-        self.index.drop_replica(self.replica)
-        self.next_seq = live
-        raise EventGapError(self.replica, start, live, why)
+    def _apply_held(self, held: list[tuple[int, bytes]]) -> int:
+        """Apply the live batches held during a replay, in order (the first gap among
+        them, if any, raised after the rest is taken)."""
+        applied, gap = 0, None
+        for seq, payload in held:  # a gap among them starts another replay, which holds the rest
+            try:
+                applied += self._receive(seq, payload)
+            except EventGapError as err:
+                gap = gap or err
+        if gap is not None:
+            raise gap
+        return applied

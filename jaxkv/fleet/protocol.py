@@ -11,10 +11,15 @@ answer: its client has answered it already). Request ids are the client's: a rep
 client's apart, so two routers never collide. The replica publishes a
 :class:`Heartbeat` on ``heartbeats`` every interval.
 
-Size: a replica refuses, before decoding, any frame longer than
-:func:`max_request_bytes` of its ``max_model_len`` (ZeroMQ's ``MAXMSGSIZE``: the
-connection is dropped and the client reconnects); a message of other than one frame
-is counted and skipped.
+Size: a replica announces its limits in its heartbeats (``max_model_len``: a prompt
+must be shorter; ``max_request_bytes``: :func:`max_request_bytes` of it, the longest
+request frame it reads), and a router refuses a request over them before sending it.
+A frame over ``max_request_bytes`` that still arrives is answered with a
+:class:`GenerateFailure` naming the limit, without decoding its prompt, and the
+connection stays up: the socket's own limit (``MAXMSGSIZE``, past which ZeroMQ drops
+the connection) is :func:`max_frame_bytes`, ``FRAME_LIMIT_FACTOR`` times larger, for
+clients that ignore the announced limit several times over. A message of other than
+one frame is counted and skipped.
 """
 
 from __future__ import annotations
@@ -34,10 +39,27 @@ REQUEST_OVERHEAD_BYTES = 64 << 10
 """Room for a request's other fields (its id, limits, cache salt)."""
 
 
+FRAME_LIMIT_FACTOR = 4
+"""The socket's frame limit over the announced request limit (see the module docstring)."""
+
+
 def max_request_bytes(max_model_len: int) -> int:
     """The longest request frame a replica of ``max_model_len`` accepts: a prompt of
     ``max_model_len`` 64-bit token ids and the other fields."""
     return MAX_TOKEN_BYTES * max_model_len + REQUEST_OVERHEAD_BYTES
+
+
+def max_frame_bytes(max_model_len: int) -> int:
+    """The replica socket's ``MAXMSGSIZE``: frames up to it are read (and those over
+    :func:`max_request_bytes` answered with a failure), longer ones drop the connection."""
+    return FRAME_LIMIT_FACTOR * max_request_bytes(max_model_len)
+
+
+class RequestId(msgspec.Struct):
+    """A request's id alone: what a replica reads of a frame over its limit (the prompt
+    is skipped, never decoded into a list)."""
+
+    request_id: str = ""
 
 
 class GenerateRequest(msgspec.Struct, tag=True):
@@ -90,9 +112,11 @@ class CacheReset(msgspec.Struct, tag=True):
 class Heartbeat(msgspec.Struct, tag=True):
     """The replica is alive; ``load`` = running + waiting requests; ``steps``: engine
     steps run since it started (its progress); ``busy``: it has unfinished requests
-    (a busy replica whose ``steps`` stand still is hung); ``instance``: a token drawn
+    (for monitoring: a router judges a hang by its own requests in flight, since a loop
+    stuck while idle says "not busy"); ``instance``: a token drawn
     at its start (a new one: it restarted); ``slots`` and ``step_tokens``: its engine's
-    running requests and tokens per step at most (0: not said)."""
+    running requests and tokens per step at most; ``max_model_len`` and
+    ``max_request_bytes``: its request limits (see the module docstring; 0: not said)."""
 
     replica: str
     seq: int
@@ -102,6 +126,8 @@ class Heartbeat(msgspec.Struct, tag=True):
     instance: str = ""
     slots: int = 0
     step_tokens: int = 0
+    max_model_len: int = 0
+    max_request_bytes: int = 0
 
 
 ToReplica = GenerateRequest | CancelRequest | ResetPrefixCache

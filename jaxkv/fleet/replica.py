@@ -9,10 +9,13 @@ A replica binds four sockets, named by a :class:`ReplicaAddress`:
   each request with a :class:`GenerateResult`, a :class:`GenerateFailure` or a
   :class:`CacheReset`. Requests are added to the engine as they arrive and join the
   running batch at the next step (continuous batching: :meth:`Engine.add_request` /
-  :meth:`Engine.step`); a cancel aborts one (:meth:`Engine.abort`). Oversized,
-  multi-frame and undecodable messages are refused without stopping the loop.
+  :meth:`Engine.step`); a cancel aborts one (:meth:`Engine.abort`). A request over
+  the size limit is answered with a failure naming it (its prompt never decoded);
+  multi-frame and undecodable messages are refused; none of them stops the loop or
+  drops the client's connection.
 - ``heartbeats`` (PUB): a :class:`Heartbeat` with the replica's load (running +
-  waiting requests, as of the last step), its step count and whether it is busy,
+  waiting requests, as of the last step), its step count, whether it is busy and its
+  request limits,
   every ``heartbeat_interval_s``, from a thread of its own: a long step (a big
   prefill on a busy host) is not read as death, while a replica that is killed or
   closed falls silent, and one whose step hangs shows no progress.
@@ -54,8 +57,10 @@ from jaxkv.fleet.protocol import (
     GenerateResult,
     Heartbeat,
     ReplicaAddress,
+    RequestId,
     ResetPrefixCache,
     ToReplica,
+    max_frame_bytes,
     max_request_bytes,
 )
 from jaxkv.ints import is_int
@@ -71,12 +76,15 @@ class ReplicaError(JaxkvError, ValueError):
 @dataclass(frozen=True)
 class ReplicaSpec:
     """What a replica process serves: its name and address, the keyword arguments of
-    :meth:`Engine.build` (JSON values) and its heartbeat interval."""
+    :meth:`Engine.build` (JSON values) and its heartbeat interval. Its KV events leave
+    the blocks' token ids out (a router needs only the hashes; the ids are the
+    prompts) unless ``include_token_ids``."""
 
     name: str
     address: ReplicaAddress
     engine: Mapping[str, Any]  # JSON values that Engine.build checks itself
     heartbeat_interval_s: float = 1.0
+    include_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -84,6 +92,8 @@ class ReplicaSpec:
         interval = self.heartbeat_interval_s
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < float("inf"):
             raise ReplicaError(f"heartbeat_interval_s must be a positive number, got {interval!r}")
+        if not isinstance(self.include_token_ids, bool):
+            raise ReplicaError(f"include_token_ids must be a bool, got {self.include_token_ids!r}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -91,7 +101,22 @@ class ReplicaSpec:
     @classmethod
     def from_json(cls, text: str) -> ReplicaSpec:
         data = json.loads(text)
-        return cls(data["name"], ReplicaAddress(**data["address"]), data["engine"], data["heartbeat_interval_s"])
+        return cls(
+            data["name"],
+            ReplicaAddress(**data["address"]),
+            data["engine"],
+            data["heartbeat_interval_s"],
+            data.get("include_token_ids", False),
+        )
+
+    def publisher(self, *, curve: CurveKeys | None = None) -> KVEventPublisher:
+        """The replica's KV event publisher, bound at its events and replay addresses."""
+        return KVEventPublisher(
+            self.address.events,
+            replay_endpoint=self.address.replay,
+            include_token_ids=self.include_token_ids,
+            curve=curve,
+        )
 
 
 def warm_up(engine: Engine) -> None:
@@ -109,7 +134,8 @@ class Replica:
     owns the request socket and a heartbeat thread. The serving loop runs on the
     engine's owner thread. Bounds: frames longer than
     :func:`~jaxkv.fleet.protocol.max_request_bytes` of the engine's ``max_model_len``
-    are refused before decoding; at most ``max_receive`` messages are taken between
+    are answered with a failure before their prompt is decoded (the socket reads up to
+    :func:`~jaxkv.fleet.protocol.max_frame_bytes`); at most ``max_receive`` messages are taken between
     two steps (so a flood cannot starve stepping); past ``max_waiting`` queued
     requests a new one is refused with a failure. ``curve`` / ``plaintext_tcp``: see
     :class:`~jaxkv.serving.zmq_security.SecureContext`.
@@ -136,13 +162,15 @@ class Replica:
                 raise ReplicaError(f"{what} must be a positive int, got {value!r}")
         self.instance = secrets.token_hex(8)
         self.num_bad_messages = 0
-        """Messages skipped: of other than two frames (identity, payload), or undecodable."""
+        """Messages skipped: of other than two frames (identity, payload), undecodable, or over the size limit."""
         self._secure = SecureContext(curve, plaintext_tcp=plaintext_tcp)
-        limit = max_request_bytes(engine.manager.max_model_len)
+        max_model_len = engine.manager.max_model_len
+        self.max_request_bytes = max_request_bytes(max_model_len)
         self._requests = self._secure.bind(
-            zmq.ROUTER, "requests", address.requests, MAXMSGSIZE=limit, ROUTER_HANDOVER=1
+            zmq.ROUTER, "requests", address.requests, MAXMSGSIZE=max_frame_bytes(max_model_len), ROUTER_HANDOVER=1
         )
         self._decoder = msgspec.msgpack.Decoder(ToReplica)
+        self._id_decoder = msgspec.msgpack.Decoder(RequestId)
         self._encoder = msgspec.msgpack.Encoder()
         self._clients: dict[str, tuple[bytes, str]] = {}  # engine request id -> (client identity, its request id)
         self._load = 0  # running + waiting, written by the serving loop, read by the heartbeat thread
@@ -187,6 +215,8 @@ class Replica:
                     self.instance,
                     self.engine.max_num_seqs,
                     self.engine.max_num_batched_tokens,
+                    self.engine.manager.max_model_len,
+                    self.max_request_bytes,
                 )
                 socket.send(encoder.encode(beat))
                 if self._closed.wait(interval_s):
@@ -203,6 +233,10 @@ class Replica:
                 self.num_bad_messages += 1
                 continue
             client, payload = frames
+            if len(payload) > self.max_request_bytes:
+                self.num_bad_messages += 1
+                self._send(client, GenerateFailure(self._request_id(payload), self.name, self._over_limit(payload)))
+                continue
             try:
                 message = self._decoder.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as err:
@@ -210,6 +244,19 @@ class Replica:
                 self._send(client, GenerateFailure("", self.name, f"refused: undecodable request: {err}"))
                 continue
             self._handle(client, message)
+
+    def _request_id(self, payload: bytes) -> str:
+        """The request id of a frame not otherwise decoded ("" when it has none)."""
+        try:
+            return self._id_decoder.decode(payload).request_id
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return ""
+
+    def _over_limit(self, payload: bytes) -> str:
+        return (
+            f"refused: a request of {len(payload)} bytes exceeds max_request_bytes={self.max_request_bytes} "
+            f"(max_model_len={self.engine.manager.max_model_len})"
+        )
 
     def _handle(self, client: bytes, message: ToReplica) -> None:
         key = f"{client.hex()}:{message.request_id}"  # each client's ids apart from the others'
@@ -262,7 +309,7 @@ class Replica:
 def serve_replica(spec: ReplicaSpec, should_stop: Callable[[], bool], *, curve: CurveKeys | None = None) -> None:
     """Build the spec's engine with a KV event publisher, compile it, and serve
     (``curve``: the deployment's keys; None reads ``JAXKV_CURVE_DIR``)."""
-    with KVEventPublisher(spec.address.events, replay_endpoint=spec.address.replay, curve=curve) as events:
+    with spec.publisher(curve=curve) as events:
         engine = Engine.build(**spec.engine, kv_events=events)
         warm_up(engine)
         replica = Replica(spec.name, engine, spec.address, heartbeat_interval_s=spec.heartbeat_interval_s, curve=curve)

@@ -38,14 +38,25 @@ router's ``request_timeout_s``); past it, it is answered and cancelled on its re
 
 Liveness, from two signs: each replica heartbeats every ``heartbeat_interval_s`` (from a
 thread of its own, so a long step does not silence it), and each heartbeat carries
-its step count. A replica not heard from for ``2 * heartbeat_interval_s``, or busy
-without a step for ``hang_timeout_s``, is dropped at the next :meth:`Router.poll`:
-the router stops sending to it, its prefixes leave the index, its requests in flight
-are cancelled on it and sent again to the live replicas (up to ``max_attempts``
-sends each; a late answer from it is ignored; a send that fails moves on to the next
-candidate), and with no replica left they are answered ``no live replica``. A dropped
-replica that heartbeats again, idle or making progress, is re-admitted: its KV events
-are followed again from its publisher's replay buffer.
+its step count. A replica not heard from for ``2 * heartbeat_interval_s``, or with
+this router's requests in flight and no step for ``hang_timeout_s`` (whatever it says
+of itself: a loop stuck while idle never steps), is dropped at the next
+:meth:`Router.poll`: the router stops sending to it, its prefixes leave the index,
+its requests in flight are cancelled on it and sent again to the live replicas (up
+to ``max_attempts`` sends each; a late answer from it is ignored; a send that fails
+moves on to the next candidate), and with no replica left they are answered ``no
+live replica``. A dropped replica is re-admitted when it heartbeats again (one
+dropped as hung only once its steps move on): its KV events are followed again from
+its publisher's replay buffer. A heartbeat with a new ``instance`` is a restart:
+the requests in flight on the dead instance are sent again (after a cancel, so the
+new one never holds two copies) and the index follows the new publisher from its
+start, the dead cache's entries dropped. Replays run beside the stream (see
+:class:`~jaxkv.fleet.prefix_index.KVEventSubscriber`): no replica's replay socket
+stalls :meth:`Router.poll`.
+
+Limits: each replica's heartbeats announce its ``max_model_len`` and
+``max_request_bytes``; :meth:`Router.submit` refuses a request that no live replica
+admits, naming the limit, and a request goes only to replicas that admit it.
 
 Answers are accepted only on the link the request was sent on (the name written
 inside an answer is not trusted); a message that does not decode is counted and
@@ -178,22 +189,27 @@ class _Link:
         self.heartbeats.setsockopt(zmq.SUBSCRIBE, b"")
         self.events = KVEventSubscriber(index, name, address.events, replay_endpoint=address.replay, curve=secure.keys)
         self.live = True
+        self.hung = False
+        """Dropped for making no progress (re-admitted only once its steps move on)."""
         self.heard = False
         self.last_heard = time.monotonic()
         self.last_progress = self.last_heard
         self.steps = -1
-        self.busy = False
         self.instance = ""
         self.reported_load = 0
         self.slots = 0
         self.step_tokens = 0
+        self.max_model_len = 0
+        self.max_request_bytes = 0
         self.in_flight: set[str] = set()
         self.routed: Counter[ExternalBlockHash] = Counter()
         """The block hashes of the prompts in flight on the replica: blocks it is
         computing, or will compute, before their KV events can say so."""
 
     def take(self, pending: _InFlight) -> None:
-        """Count ``pending`` as in flight here."""
+        """Count ``pending`` as in flight here (the hang clock starts with the first)."""
+        if not self.in_flight:
+            self.last_progress = time.monotonic()
         self.in_flight.add(pending.request.request_id)
         self.routed.update(pending.hashes)
 
@@ -205,6 +221,12 @@ class _Link:
                 self.routed[h] -= 1
                 if not self.routed[h]:
                     del self.routed[h]
+
+    def admits(self, pending: _InFlight) -> bool:
+        """Whether ``pending`` is within the limits the replica announced (0: none said)."""
+        return (not self.max_model_len or len(pending.request.prompt_token_ids) < self.max_model_len) and (
+            not self.max_request_bytes or len(pending.payload) <= self.max_request_bytes
+        )
 
     def routed_blocks(self, hashes: Sequence[ExternalBlockHash]) -> int:
         """How many leading ``hashes`` a prompt in flight here shares."""
@@ -285,6 +307,7 @@ class Router:
         self.num_send_failures = 0
         self.num_bad_messages = 0
         self.num_readmissions = 0
+        self.num_restarts = 0
         self._secure = SecureContext(curve, plaintext_tcp=plaintext_tcp)
         self._links: dict[str, _Link] = {}
         try:
@@ -369,7 +392,8 @@ class Router:
         deadline_s: float | None = None,
     ) -> str:
         """Route one request and send it; its id (given or made). Bad input raises
-        before anything is sent; everything else (no live replica, a refusal, the
+        before anything is sent, a prompt over every live replica's limits included
+        (the error names them); everything else (no live replica, a refusal, the
         deadline ``deadline_s`` from now, default ``request_timeout_s``) comes back
         from :meth:`poll` as an error output."""
         rid = f"{self.router_id}-{next(self._ids)}" if request_id is None else request_id
@@ -384,6 +408,9 @@ class Router:
         request = GenerateRequest(rid, [int(t) for t in prompt], int(max_new_tokens), cache_salt)
         now = time.monotonic()
         pending = _InFlight(request, self._encoder.encode(request), hashes, now, now + timeout)
+        live = [self._links[name] for name in self.live_replicas]
+        if live and not any(link.admits(pending) for link in live):
+            raise RouterError(self._over_limits(pending, live))
         self._in_flight[rid] = pending
         self._route(pending)
         return rid
@@ -414,10 +441,11 @@ class Router:
         for name, link in self._links.items():
             if not link.live:
                 continue
-            if now - link.last_heard > 2 * self.heartbeat_interval_s or (
-                link.busy and link.in_flight and now - link.last_progress > self.hang_timeout_s
-            ):
+            if now - link.last_heard > 2 * self.heartbeat_interval_s:
                 self.drop(name)
+            elif link.in_flight and now - link.last_progress > self.hang_timeout_s:
+                self.drop(name)
+                link.hung = True
         for pending in [p for p in self._in_flight.values() if p.deadline < now]:
             self._cancel_on(pending)
             self._finish(pending, error="deadline passed")
@@ -430,10 +458,14 @@ class Router:
         link = self._links[replica]
         if not link.live:
             return
-        link.live = False
+        link.live, link.hung = False, False
         link.events.disconnect()
         self.index.drop_replica(replica)
         self._dropped[replica] = time.monotonic()
+        self._resend(link)
+
+    def _resend(self, link: _Link) -> None:
+        """Cancel the requests in flight on ``link`` and route them again."""
         moved = [self._in_flight[rid] for rid in sorted(link.in_flight)]
         for pending in moved:
             self._cancel_on(pending)
@@ -525,7 +557,11 @@ class Router:
             self._finish(pending, error=f"no live replica: sent {pending.attempts} times, each replica lost it")
             return
         self._apply_events()
-        candidates = list(self.live_replicas)
+        live = [self._links[name] for name in self.live_replicas]
+        candidates = [link.name for link in live if link.admits(pending)]
+        if live and not candidates:
+            self._finish(pending, error=f"refused: {self._over_limits(pending, live)}")
+            return
         cached = self._expected(pending.hashes) if self.policy == "prefix" else {}
         turn = next(self._turns)
         while candidates:
@@ -545,6 +581,15 @@ class Router:
             self._sends[name] += 1
             return
         self._finish(pending, error="no live replica")
+
+    @staticmethod
+    def _over_limits(pending: _InFlight, live: list[_Link]) -> str:
+        """Why no replica of ``live`` admits ``pending``: its size and the largest limits."""
+        return (
+            f"a prompt of {len(pending.request.prompt_token_ids)} tokens ({len(pending.payload)} bytes) exceeds "
+            f"every live replica's limits: max_model_len={max(link.max_model_len for link in live)} "
+            f"(a prompt must be shorter), max_request_bytes={max(link.max_request_bytes for link in live)}"
+        )
 
     def _queued(self, name: str, pending: _InFlight) -> float:
         """:func:`queue_tokens` of replica ``name`` for ``pending``, from the requests in
@@ -607,21 +652,27 @@ class Router:
 
     def _heartbeat(self, link: _Link, beat: Heartbeat) -> None:
         now = time.monotonic()
-        progressed = beat.instance != link.instance or beat.steps != link.steps or not beat.busy
+        restarted = bool(link.instance) and beat.instance != link.instance
+        progressed = beat.instance != link.instance or beat.steps != link.steps
         link.heard = True
         link.last_heard = now
         link.reported_load = beat.load
         link.slots, link.step_tokens = beat.slots, beat.step_tokens
-        link.busy = beat.busy
+        link.max_model_len, link.max_request_bytes = beat.max_model_len, beat.max_request_bytes
         link.instance, link.steps = beat.instance, beat.steps
         if progressed:
             link.last_progress = now
-        if not link.live and progressed:
+        if not link.live and (progressed or not link.hung):
             link.live = True
             self._dropped.pop(link.name, None)
             self.num_readmissions += 1
             link.events.resync()
-            self._catch_up(link)
+            link.events.start_catch_up()
+        elif restarted and link.live:  # the dead instance's requests and cache are gone
+            self.num_restarts += 1
+            link.events.resync()
+            link.events.start_catch_up()
+            self._resend(link)
 
     def _answers(self, link: _Link) -> None:
         while link.requests.poll(0):

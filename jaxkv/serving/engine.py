@@ -309,6 +309,7 @@ class Engine:
         self._owner = OwnerThread("Engine")
         self._scheduler = self._new_scheduler()
         self._live: dict[str, _LiveRequest] = {}
+        self._aborting: set[str] | None = None  # during a step: the aborts it defers
         self._step_observers: list[Callable[[EngineStats], None]] = []
 
     @classmethod
@@ -396,7 +397,7 @@ class Engine:
         except BaseException:
             self._abort()
             raise
-        results = [outputs[i] for i in ids]
+        results = [outputs[i] for i in ids if i in outputs]  # aborted ones have none
         usages = [s.usage for s in steps]
         return GenerationResult(
             outputs=tuple(results),
@@ -451,6 +452,7 @@ class Engine:
         self._owner.check()
         if not self._live:
             return EngineStep((), 0, self.manager.usage)
+        self._aborting = set()
         try:
             with self.manager.step_transaction():
                 output = self._scheduler.schedule()
@@ -472,13 +474,21 @@ class Engine:
             self._publish_events()
             done = self._scheduler.update(output, tokens.tolist())
         except BaseException:
+            self._aborting = None
             self._abort()
             raise
+        aborted, self._aborting = self._aborting, None
         now = time.perf_counter()
         for chunk, request in zip(output.chunks, live, strict=True):
             if chunk.samples and request.first_token is None:
                 request.first_token = now
-        finished = tuple(self._output(self._live.pop(seq.request_id), now) for seq in done)
+        finished = tuple(  # one aborted as it finished is freed already: it only loses its output
+            self._output(request, now)
+            for request in [self._live.pop(seq.request_id) for seq in done]
+            if request.seq.request_id not in aborted
+        )
+        for request_id in aborted & self._live.keys():
+            self.abort(request_id)
         if not self._live:
             self._release(())
             self._publish_events()  # the host stores settled by _release
@@ -489,13 +499,19 @@ class Engine:
         return EngineStep(finished, output.num_tokens, usage)
 
     def abort(self, request_id: str) -> bool:
-        """Drop one unfinished request between steps: its blocks and states freed (what
-        it computed stays cached), its events published; False when no such request is
-        unfinished. Host-tier pins last only within a step, so none is left to drop."""
+        """Drop one unfinished request: its blocks and states freed (what it computed
+        stays cached), its events published; False when no such request is unfinished.
+        Host-tier pins last only within a step, so none is left to drop. Called during a
+        step (from ``step_check``), it takes effect when the step ends: the request gets
+        no output. A request of a ``generate`` call aborted from its ``progress``
+        callback is left out of the call's outputs."""
         self._owner.check()
-        request = self._live.pop(request_id, None) if isinstance(request_id, str) else None
-        if request is None:
+        if not isinstance(request_id, str) or request_id not in self._live:
             return False
+        if self._aborting is not None:  # inside a step: its chunks and blocks are in use
+            self._aborting.add(request_id)
+            return True
+        request = self._live.pop(request_id)
         self._scheduler.remove(request.seq)
         if self.manager.has_request(request_id):
             self.manager.free(request.seq.request)

@@ -36,7 +36,8 @@ The wire format (facts from vLLM's ``vllm/distributed/kv_events.py`` and
   before 0.33 left the topic out), then the end marker ``[b"", -1 as 8 signed
   big-endian bytes, b""]``. Requests of another shape are ignored. The buffer holds
   the last ``buffer_steps`` batches (10,000 by default); older ones are not sent, and
-  nothing says so: a client sees the first sequence number it gets back.
+  nothing says so: a client sees the first sequence number it gets back. A start
+  past the newest batch (any unsigned 64-bit value) gets the end marker alone.
 
 jaxkv publishes the device pools' events (attention blocks and state checkpoints,
 each with its ``group_idx``) as medium ``"GPU"`` whatever the accelerator, and the
@@ -78,8 +79,6 @@ MEDIUM_HOST = "CPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence-number frame closing a replay answer."""
 _MASK_64 = (1 << 64) - 1
-REPLAY_SEND_TIMEOUT_MS = 5000
-"""How long a replay waits on a client that does not read before giving up on it."""
 
 ExternalBlockHash = int | bytes
 
@@ -198,7 +197,11 @@ class KVEventPublisher:
     address back from :attr:`endpoint` / :attr:`replay_endpoint`). :meth:`publish` runs
     on the caller's thread (one thread only, like the engine); a background thread
     answers replay requests from the last ``buffer_steps`` batches, all of them (the
-    replay socket's send queue holds a whole buffer). ``int_block_hashes=False``
+    replay socket's send queue holds a whole buffer per client). The replay thread
+    never waits on a client: a send that would block (a client that does not read,
+    its queue full) or fails abandons that answer (the client sees no end marker and
+    asks again), and no request, whatever its bytes, ends the thread (a failure is
+    counted in :attr:`num_failed_replays`). ``int_block_hashes=False``
     publishes block hashes as bytes; ``include_token_ids=False`` leaves token ids out.
     ``curve`` / ``plaintext_tcp``: see :class:`~jaxkv.serving.zmq_security.SecureContext`.
     Close it (or use it as a context manager).
@@ -240,15 +243,10 @@ class KVEventPublisher:
         try:
             self._pub.set_hwm(hwm)
             if replay_endpoint is not None:
-                # a whole buffer and its end marker queue up; past that a send waits (up to
-                # REPLAY_SEND_TIMEOUT_MS for a client that stopped reading) instead of dropping
+                # a whole buffer and its end marker queue up per client; past that a send
+                # raises at once (ROUTER_MANDATORY, non-blocking sends) and the answer is dropped
                 self._replay = self._secure.bind(
-                    zmq.ROUTER,
-                    "replay_endpoint",
-                    replay_endpoint,
-                    SNDHWM=buffer_steps + 2,
-                    ROUTER_MANDATORY=1,
-                    SNDTIMEO=REPLAY_SEND_TIMEOUT_MS,
+                    zmq.ROUTER, "replay_endpoint", replay_endpoint, SNDHWM=buffer_steps + 2, ROUTER_MANDATORY=1
                 )
         except BaseException:
             self._close_sockets()
@@ -330,24 +328,29 @@ class KVEventPublisher:
     # -------------------------------------------------------------- replay
     def _serve_replays(self, replay: zmq.Socket) -> None:
         while not self._stop.is_set():
-            if replay.poll(50):
-                self._answer(replay, replay.recv_multipart())
+            try:
+                if replay.poll(50):
+                    self._answer(replay, replay.recv_multipart())
+            except Exception:  # whatever a client sent, the thread answers the next one
+                self.num_failed_replays += 1
 
     def _answer(self, replay: zmq.Socket, frames: list[bytes]) -> None:
-        """Stream the buffered batches from the requested sequence number, then the end
-        marker (with the epoch); a request of another shape is counted and ignored."""
+        """Stream the buffered batches from the requested sequence number (clamped to
+        the buffer), then the end marker (with the epoch); a request of another shape
+        is counted and ignored."""
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             self.num_bad_replay_requests += 1
             return
         client, first = frames[0], int.from_bytes(frames[2], "big")
         with self._lock:
             oldest = self._buffer[0][0] if self._buffer else first
-            batches = list(itertools.islice(self._buffer, max(0, first - oldest), None))
+            skip = min(max(0, first - oldest), len(self._buffer))
+            batches = list(itertools.islice(self._buffer, skip, None))
         try:
             for seq, payload in batches:
-                replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-            replay.send_multipart((client, b"", b"", END_SEQ, self.epoch.to_bytes(8, "big")))
-        except zmq.ZMQError:  # the client left or stopped reading: it sees no end marker and asks again
+                replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+            replay.send_multipart((client, b"", b"", END_SEQ, self.epoch.to_bytes(8, "big")), zmq.NOBLOCK)
+        except zmq.ZMQError:  # the client left or its queue is full: it sees no end marker and asks again
             self.num_failed_replays += 1
 
     # --------------------------------------------------------------- close

@@ -6,7 +6,7 @@ prefix-cache counters; a jaxkv engine exports the same names, so they read it un
 
     metrics = PrometheusMetrics(labels={"model_name": "tiny-gemma3"})
     engine.add_step_observer(metrics)
-    prometheus_client.start_http_server(8000, registry=metrics.registry)
+    metrics.serve(8000)  # http://127.0.0.1:8000/metrics: loopback unless a host is named
 
 The host tier is vLLM's "external" prefix cache (``vllm:external_prefix_cache_*``, what
 vLLM counts for its KV connectors). Offload bytes have no vLLM name we rely on, so they
@@ -38,6 +38,8 @@ COUNTERS = {
 }
 """Counter name (without the ``_total`` that Prometheus appends) -> (help, field)."""
 
+LOOPBACK_HOST = "127.0.0.1"
+"""Where :meth:`PrometheusMetrics.serve` listens unless told otherwise."""
 OFFLOAD_BYTES = "jaxkv:kv_offload_bytes"
 OFFLOAD_DIRECTIONS = {"device_to_host": "offload_stored_bytes", "host_to_device": "offload_loaded_bytes"}
 
@@ -78,6 +80,15 @@ class PrometheusMetrics:
         for direction, field in OFFLOAD_DIRECTIONS.items():
             self._counters[field] = offload.labels(**self.labels, direction=direction)
         self._last: dict[str, int] = dict.fromkeys(self._counters, 0)
+
+    def serve(self, port: int, *, host: str = LOOPBACK_HOST) -> Any:
+        """Serve the registry over HTTP on ``host:port`` (loopback by default: name an
+        interface, e.g. ``"0.0.0.0"``, to let other machines scrape it; port 0 takes a
+        free one); the server (``server_address``; ``shutdown()`` stops it)."""
+        import prometheus_client
+
+        server, _ = prometheus_client.start_http_server(port, addr=host, registry=self.registry)
+        return server
 
     def __call__(self, stats: EngineStats) -> None:
         """Set the gauges and advance the counters to ``stats`` (a total that went down has restarted)."""

@@ -13,8 +13,10 @@ plane (:mod:`jaxkv.fleet`) is made by a :class:`SecureContext`:
 - **On by default for tcp.** A ``tcp://`` endpoint without keys is refused
   (:class:`SocketSecurityError`) unless the caller asks for plaintext
   (``plaintext_tcp=True``, loopback only, e.g. for a vLLM router that cannot speak
-  CURVE); ``ipc://`` and ``inproc://`` may go without keys (the file system and the
-  process guard them) and use them when given.
+  CURVE); ``ipc://`` paths and ``inproc://`` may go without keys (the file system and
+  the process guard them) and use them when given. Abstract-namespace ipc
+  (``ipc://@name``) has no file and no permissions, so any local user could connect:
+  it is refused without keys, like tcp.
 - **Where to listen.** A plaintext tcp bind must name a loopback host; an ``ipc://``
   path that a live socket holds is refused instead of silently taken over (a stale
   file from a dead process is replaced).
@@ -42,6 +44,8 @@ ENV_CURVE_DIR = "JAXKV_CURVE_DIR"
 SERVER_CERT = "server"
 CLIENT_CERT = "client"
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+ABSTRACT_IPC = "ipc://@"
+"""The prefix of Linux abstract-namespace ipc endpoints (no file behind them)."""
 LOOPBACK_NAMES = ("localhost",)
 
 
@@ -178,6 +182,11 @@ class SecureContext:
     def check(self, name: str, endpoint: object, *, bind: bool) -> str:
         """``endpoint`` if a socket of this context may use it (see the module docstring)."""
         endpoint = check_endpoint(name, endpoint)
+        if self.keys is None and endpoint.startswith(ABSTRACT_IPC):
+            raise SocketSecurityError(
+                f"{name} {endpoint!r}: abstract-namespace ipc has no file permissions (any local user may "
+                f"connect); it needs CURVE keys (curve=, or {ENV_CURVE_DIR}), or use an ipc:// path"
+            )
         if self.keys is None and endpoint.startswith("tcp://"):
             if not self.plaintext_tcp:
                 raise SocketSecurityError(
@@ -186,7 +195,7 @@ class SecureContext:
                 )
             if not is_loopback(endpoint):
                 raise SocketSecurityError(f"{name} {endpoint!r}: plaintext tcp may bind or connect loopback only")
-        if bind and endpoint.startswith("ipc://"):
+        if bind and endpoint.startswith("ipc://") and not endpoint.startswith(ABSTRACT_IPC):
             path = endpoint[len("ipc://") :]
             if os.path.exists(path) and _ipc_path_is_live(path):
                 raise SocketSecurityError(f"{name} {endpoint!r}: a live socket already holds this path")
