@@ -101,13 +101,23 @@ if TYPE_CHECKING:
     )
 
 
+def _import(module: str, name: str) -> Any:
+    """``module``, where a missing jax or safetensors is one typed error naming the extra."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        from jaxkv.errors import raise_missing_extra
+
+        raise_missing_extra(err, ("jax", "jaxlib", "safetensors"), f"jaxkv.{name} needs pip install 'jaxkv[serving]'")
+
+
 def __getattr__(name: str) -> Any:
     """Import an exported name from its module on first use."""
     if name in _MODULES:
-        return importlib.import_module(_MODULES[name])
+        return _import(_MODULES[name], name)
     if name not in _HOME:
         raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOME[name]), name)
+    value = getattr(_import(_HOME[name], name), name)
     globals()[name] = value
     return value
 

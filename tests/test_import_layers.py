@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from script_runs import run_python_without
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxkv"
 
@@ -144,4 +145,20 @@ def test_the_public_names_come_from_jaxkv_and_only_the_device_ones_load_jax():
         "True True",
         "jaxkv.device.ops jaxkv.serving.engine",
         "module 'jaxkv' has no attribute 'Engin'",
+    ]
+
+
+@pytest.mark.subprocess
+def test_a_device_name_without_jax_names_the_extra_to_install():
+    code = (
+        "import jaxkv\n"
+        "from jaxkv.errors import ExtraNotInstalledError\n"
+        "print(jaxkv.KVCacheManager.__name__)\n"
+        "try:\n    jaxkv.Engine\nexcept ExtraNotInstalledError as err:\n    print(err)\n"
+    )
+    result = run_python_without(("jax", "jaxlib"), code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "KVCacheManager",
+        "jaxkv.Engine needs pip install 'jaxkv[serving]' (no module named 'jax')",
     ]
