@@ -90,11 +90,11 @@ NEW_TOKENS = 10
 MAX_MODEL_LEN = 128
 
 
-def host_tier() -> Any:
-    """A 1 MiB host tier storing every full block as it is written (so a second pass can hit it)."""
+def host_tier(store: str = "write_through") -> Any:
+    """A 1 MiB host tier storing by ``store`` (write-through: every full block as it is written)."""
     from jaxkv.serving.offload_connector import OffloadConfig
 
-    return OffloadConfig(1 << 20, store="write_through")
+    return OffloadConfig(1 << 20, store=store)
 
 
 def serve_against_transformers(family: str, directory: Path, *, memory_bytes: int, **engine_kwargs: Any) -> dict:
