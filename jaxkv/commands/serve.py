@@ -274,7 +274,9 @@ def serve() -> dict:
     dtype = None if FLAGS.dtype == "auto" else FLAGS.dtype
     num_devices = FLAGS.num_devices * jax.process_count()
     mesh = model_mesh(num_devices) if num_devices > 1 else None
-    model, model_name, model_dtype = load_model(FLAGS.checkpoint, FLAGS.model, dtype=dtype, seed=FLAGS.seed, mesh=mesh)
+    model, model_name, model_dtype = load_model(
+        FLAGS.checkpoint, FLAGS.model, dtype=dtype, seed=FLAGS.seed, mesh=mesh, max_model_len=FLAGS.max_model_len
+    )
     config = plan_for_model(
         model,
         memory,
