@@ -200,13 +200,11 @@ class OffloadConnector:
         self._hash_block_size = manager.hasher.block_size
         self._strides = [bs // self._hash_block_size for bs in manager.block_sizes]
         # Block hash -> (a request's block hashes, its index there): where a reused block
-        # sits in its chain. Bounded (oldest out) by about twice the blocks both tiers hold.
+        # sits in its chain. Only hashes the device holds get reused: the oldest entries go
+        # beyond four per device block (a device block holds one hash).
         self._chains: OrderedDict[bytes, tuple[list[bytes], int]] = OrderedDict()
-        self._max_chains = 2 * (
-            manager.pool.num_blocks
-            + (manager.state_pool.num_blocks if manager.state_pool is not None else 0)
-            + sum(t.transfers.buffers.num_blocks for t in self._tiers)
-        )
+        state_rows = manager.state_pool.num_blocks if manager.state_pool is not None else 0
+        self._max_chains = 4 * (manager.pool.num_blocks + state_rows)
         if store == "on_eviction":
             manager.add_reuse_listener(self._on_reuse)
 
