@@ -121,6 +121,7 @@ def test_a_hub_text_config_naming_only_some_sizes_takes_transformers_defaults():
 
 
 @pytest.mark.oracle
+@pytest.mark.slow
 def test_a_multimodal_checkpoint_saved_by_transformers_matches_its_logits(tmp_path):
     """transformers' ``Gemma3ForConditionalGeneration`` (saved with its vision tower) against
     jaxkv's text model; its forward does not soft-cap the final logits, so the tiny text
