@@ -28,7 +28,10 @@ WINDOW: int = oracle.WINDOW
 NEW_TOKENS: int = oracle.NEW_TOKENS
 shared_prefix_prompts = oracle.shared_prefix_prompts
 long_prompts = oracle.long_prompts
-save_byte_tokenizer = sys.modules["save_tiny_checkpoint"].save_byte_tokenizer
+tiny = sys.modules["save_tiny_checkpoint"]
+"""``scripts/save_tiny_checkpoint.py``: the tiny configs, for tests that build transformers models."""
+save_byte_tokenizer = tiny.save_byte_tokenizer
+hf_logits = oracle.transformers_logits
 
 
 @dataclass(frozen=True)
@@ -106,11 +109,11 @@ def check_against_transformers(reference: Reference, outputs: Any) -> float:
 MAX_MODEL_LEN = 128
 
 
-def host_tier() -> Any:
-    """A 1 MiB host tier storing every full block as it is written (so a second pass can hit it)."""
+def host_tier(store: str = "write_through") -> Any:
+    """A 1 MiB host tier storing by ``store`` (write-through: every full block as it is written)."""
     from jaxkv.serving.offload_connector import OffloadConfig
 
-    return OffloadConfig(1 << 20, store="write_through")
+    return OffloadConfig(1 << 20, store=store)
 
 
 def serve_against_transformers(family: str, directory: Path, *, memory_bytes: int, **engine_kwargs: Any) -> dict:

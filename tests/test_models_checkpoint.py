@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -10,11 +11,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hf_checkpoints import save_byte_tokenizer, save_tiny_checkpoint
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
 from safetensors.numpy import load_file, save_file
 from script_runs import run_script
 
 from jaxkv.device.mesh import MODEL_AXIS, model_mesh
+from jaxkv.errors import JaxkvError
 from jaxkv.models.checkpoint import (
     CheckpointError,
     MissingTensorError,
@@ -183,3 +187,48 @@ def test_a_bfloat16_checkpoint_loads_as_bfloat16_and_runs(tmp_path):
     assert {v.dtype.name for v in model.params.values()} == {"bfloat16"}
     logits = model.dense(model.params, np.arange(12)[None])
     assert logits.dtype == np.float32 and np.isfinite(np.asarray(logits)).all()
+
+
+_ODD_VALUES = st.one_of(
+    st.just("<delete>"),
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 3),
+    st.floats(allow_nan=True),
+    st.text(max_size=4),
+    st.lists(st.sampled_from(["mamba", "attention", "full_attention", "M", "*"]), max_size=6),
+    st.dictionaries(st.sampled_from(["rope_type", "factor", "full_attention"]), st.integers(0, 2), max_size=2),
+)
+
+
+@pytest.fixture(scope="module")
+def saved_families(tmp_path_factory):
+    directories = {}
+    for family in ("qwen3_next", "nemotron_h", "gemma3"):
+        directories[family] = tmp_path_factory.mktemp(family)
+        save_tiny_checkpoint(family, directories[family])
+    return directories
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "gemma3"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_mutated_config_of_each_family_loads_or_is_refused_with_a_typed_error(saved_families, family, data):
+    """Missing keys, zero heads, wrong types, odd layer lists: a typed error (or a model),
+    never a StopIteration, KeyError, ZeroDivisionError or RecursionError."""
+    source = saved_families[family]
+    config = json.loads((source / "config.json").read_text())
+    for field in data.draw(st.lists(st.sampled_from(sorted(config)), min_size=1, max_size=3)):
+        value = data.draw(_ODD_VALUES)
+        if value == "<delete>":
+            config.pop(field, None)
+        else:
+            config[field] = value
+    target = source.parent / f"{source.name}-mutated"
+    target.mkdir(exist_ok=True)
+    (target / "config.json").write_text(json.dumps(config))
+    if not (target / "model.safetensors").exists():
+        shutil.copy(source / "model.safetensors", target)
+    with contextlib.suppress(JaxkvError):  # any other exception fails the test
+        load_pretrained(target, max_model_len=64)

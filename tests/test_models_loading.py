@@ -1,7 +1,9 @@
 """The model a tool serves, from ``--checkpoint`` or ``--model``, and what it prints about it."""
 
+import pytest
 from hf_checkpoints import save_tiny_checkpoint
 
+from jaxkv.models.checkpoint import ContextLengthError
 from jaxkv.models.loading import load_model
 from jaxkv.models.tiny import TinyLM
 
@@ -19,3 +21,9 @@ def test_a_checkpoint_wins_over_the_model_name_and_names_its_architecture(tmp_pa
     loaded = load_model(str(tmp_path), "tiny-hybrid", dtype=None, seed=0)
     assert loaded.name == f"{tmp_path}: {loaded.model.name}" and not isinstance(loaded.model, TinyLM)
     assert loaded.attention_dtype == "float32"
+
+
+def test_a_checkpoint_is_refused_past_its_positions(tmp_path):
+    save_tiny_checkpoint("qwen3", tmp_path)  # max_position_embeddings 512
+    with pytest.raises(ContextLengthError, match="max_model_len=513"):
+        load_model(str(tmp_path), "tiny-hybrid", dtype=None, seed=0, max_model_len=513)

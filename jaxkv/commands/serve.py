@@ -321,7 +321,9 @@ def serve(fv: flags.FlagValues) -> dict:
     dtype = None if fv.dtype == "auto" else fv.dtype
     num_devices = fv.num_devices * jax.process_count()
     mesh = model_mesh(num_devices) if num_devices > 1 else None
-    model, model_name, model_dtype = load_model(fv.checkpoint, fv.model, dtype=dtype, seed=fv.seed, mesh=mesh)
+    model, model_name, model_dtype = load_model(
+        fv.checkpoint, fv.model, dtype=dtype, seed=fv.seed, mesh=mesh, max_model_len=fv.max_model_len
+    )
     config = plan_for_model(
         model,
         memory,

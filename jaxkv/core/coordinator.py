@@ -237,6 +237,10 @@ class KVCacheCoordinator:
         """Whether ``group``'s block (or state row) is cached under ``block_hash``."""
         return self.managers[group].pool.is_cached_as(block_id, group, block_hash)
 
+    def written_block(self, group: int, block_hash: bytes) -> int | None:
+        """``group``'s block (a state row for a state-pool group) cached as ``block_hash``, its data written."""
+        return self.managers[group].pool.written_block(group, block_hash)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every pool's cache; refused (False, nothing changed) while any block is in use."""
         if any(p.num_free_blocks != p.num_blocks - 1 for p in self.pools):

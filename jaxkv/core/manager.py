@@ -491,6 +491,11 @@ class KVCacheManager:
         """Whether ``group``'s block (a state row for a state-pool group) is cached as ``block_hash``."""
         return self.coordinator.is_cached_as(group, block_id, block_hash)
 
+    def written_block(self, group: int, block_hash: bytes) -> int | None:
+        """``group``'s block (a state row for a state-pool group) cached as ``block_hash`` whose
+        data is written (not cached in the step still open), or None: what a host tier may copy now."""
+        return self.coordinator.written_block(group, block_hash)
+
     def reset_prefix_cache(self) -> bool:
         """Forget the whole prefix cache; refused (False) while any block is in use."""
         self._owner.check()

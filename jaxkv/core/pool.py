@@ -169,6 +169,12 @@ class BlockPool:
         cached = self.cached
         return [cached[g] for g in groups]
 
+    def written_block(self, group: int, block_hash: bytes) -> int | None:
+        """The block cached for ``group`` under ``block_hash`` whose data is written (not
+        cached inside the open journal), or None."""
+        b = self.cached[group].get(block_hash)
+        return None if b is None or (self._journal is not None and b in self._journal) else b
+
     def is_cached_as(self, block_id: object, group: int, block_hash: bytes) -> bool:
         """Whether ``block_id`` is a real block cached for ``group`` under ``block_hash``."""
         return (

@@ -13,12 +13,22 @@ With a mesh, each weight is placed straight onto its sharding (the model's
 every device's shard is read from the file as its own slice
 (``safe_open(...).get_slice``, :func:`jax.make_array_from_callback`), so no device
 ever holds a whole split weight. A local path only: nothing is downloaded.
+
+Nothing is trusted before it is checked, in this order: the files' names and kinds
+(:mod:`jaxkv.models.checkpoint_files`), the config's sizes, ``dtype`` and
+``max_model_len`` (:mod:`jaxkv.models.config_checks`), every tensor's name and
+shape against the safetensors headers (so the weights' total size too); then each
+tensor as it is read (a NaN or Inf, a truncated file). Every refusal is a
+:class:`~jaxkv.models.checkpoint_errors.CheckpointError` naming the file, field or
+tensor. A multimodal checkpoint whose language model jaxkv builds
+(:data:`jaxkv.models.registry.MULTIMODAL`, e.g. ``Gemma3ForConditionalGeneration``)
+loads that model from its ``text_config`` and its ``language_model`` weights; the
+vision tower is not read.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,84 +42,98 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxkv.device.mesh import MODEL_AXIS, mesh_axis_size, weight_shardings
 from jaxkv.errors import JaxkvError
 from jaxkv.models import registry
-from jaxkv.specs import canonical_dtype
+from jaxkv.models.checkpoint_errors import (
+    BadWeightsError,
+    CheckpointError,
+    ContextLengthError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnknownArchitectureError,
+    UnsafePathError,
+)
+from jaxkv.models.checkpoint_files import CONFIG, INDEX, open_safetensors, read_config, tensor_files
+from jaxkv.models.config_checks import check_dtype, check_max_model_len, check_sizes
 
-CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+__all__ = [
+    "CONFIG",
+    "INDEX",
+    "BadWeightsError",
+    "CheckpointError",
+    "ContextLengthError",
+    "MissingTensorError",
+    "ShapeMismatchError",
+    "UnknownArchitectureError",
+    "UnsafePathError",
+    "builder_of",
+    "language_model_config",
+    "load_pretrained",
+    "read_config",
+    "tensor_files",
+]
+
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_MODEL_PREFIX = "model."
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+"""Where a multimodal checkpoint keeps its language model's ``model.*`` tensors (the Hub's
+files and transformers' saves; transformers 5 in memory), tried in this order."""
+_TEXT_HEADS = ("language_model.lm_head.", "lm_head.")
 
 
-class CheckpointError(JaxkvError, ValueError):
-    """A checkpoint directory that cannot be loaded (the message names the file or value)."""
-
-
-class UnknownArchitectureError(CheckpointError):
-    """``config.json`` names an architecture no builder in :mod:`jaxkv.models.registry` knows."""
-
-
-class MissingTensorError(CheckpointError, KeyError):
-    """A tensor the model reads is not in the checkpoint."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class ShapeMismatchError(CheckpointError):
-    """A checkpoint tensor's shape differs from the one the config implies."""
-
-
-def read_config(directory: Path) -> dict[str, Any]:
-    """The directory's ``config.json``; :class:`CheckpointError` when missing or not JSON."""
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist (a local path only)")
-    try:
-        return json.loads((directory / CONFIG).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read {directory / CONFIG}: {err}") from err
-
-
-def tensor_files(directory: Path) -> dict[str, Path]:
-    """Which ``*.safetensors`` file holds each tensor: the index's ``weight_map`` when there
-    is one, otherwise every safetensors file's own header."""
-    from safetensors import safe_open
-
-    index = directory / INDEX
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"cannot read the weight_map of {index}: {err}") from err
-        return {name: directory / file for name, file in weight_map.items()}
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{directory} has no *.safetensors file")
-    where: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="numpy") as handle:
-            where |= dict.fromkeys(handle.keys(), file)
-    return where
+def _architecture(config: Mapping[str, Any]) -> Any:
+    architectures = config.get("architectures")
+    return architectures[0] if isinstance(architectures, list) and architectures else None
 
 
 def builder_of(config: Mapping[str, Any]) -> Any:
-    """The class that builds ``config``'s ``architectures[0]``; :class:`UnknownArchitectureError` if none does."""
-    architecture = (config.get("architectures") or [None])[0]
+    """The class that builds ``config``'s ``architectures[0]`` (a multimodal one's language
+    model); :class:`UnknownArchitectureError` if none does."""
+    architecture = _architecture(config)
     try:
-        return registry.builder(architecture)
+        return registry.builder(registry.MULTIMODAL.get(architecture, architecture))
     except (KeyError, TypeError):
+        known = [*registry.ARCHITECTURES, *registry.MULTIMODAL]
         raise UnknownArchitectureError(
-            f"unknown architecture {architecture!r}; known: {', '.join(registry.ARCHITECTURES)}"
+            f"unknown architecture {architecture!r:.200}; known: {', '.join(known)}"
         ) from None
 
 
-def build_model(config: Mapping[str, Any], dtype: Any) -> Any:
-    """An unloaded model of ``config`` (no weights yet); a config without a field its builder
-    needs is a :class:`CheckpointError` naming the field."""
+def language_model_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config the builder reads: a multimodal config's ``text_config`` (its tied
+    embeddings defaulting to the outer config's), else ``config`` itself."""
+    architecture = _architecture(config)
+    if architecture not in registry.MULTIMODAL:
+        return dict(config)
+    text = config.get("text_config")
+    if not isinstance(text, Mapping):
+        raise CheckpointError(f"config.json of {architecture} has no text_config object")
+    tied = config.get("tie_word_embeddings", True)
+    return {"tie_word_embeddings": tied, **text, "architectures": [registry.MULTIMODAL[architecture]]}
+
+
+def _build_model(config: Mapping[str, Any], dtype: Any) -> Any:
+    """An unloaded model of ``config`` (its sizes checked; no weights yet); a config the
+    builder cannot read (a missing field, a wrong type) is a :class:`CheckpointError` naming what failed."""
     cls = builder_of(config)
     try:
-        return cls(config, dtype)
+        return cls(language_model_config(config), dtype)
+    except JaxkvError:
+        raise
     except KeyError as err:
         raise CheckpointError(f"config.json of {cls.__name__} lacks the field {err.args[0]!r}") from None
+    except (TypeError, ValueError, ArithmeticError, IndexError, AttributeError, StopIteration, RecursionError) as err:
+        raise CheckpointError(
+            f"config.json of {cls.__name__} is not usable: {type(err).__name__}: {err}"[:400]
+        ) from None
+
+
+def _stored_names(config: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    """The names a model tensor may have in the files (a multimodal checkpoint's prefixes)."""
+    if _architecture(config) not in registry.MULTIMODAL:
+        return (name,)
+    for ours, theirs in ((_MODEL_PREFIX, _TEXT_PREFIXES), ("lm_head.", _TEXT_HEADS)):
+        if name.startswith(ours):
+            return tuple(prefix + name.removeprefix(ours) for prefix in theirs)
+    return (name,)
 
 
 def _check_split(name: str, shape: tuple[int, ...], spec: PartitionSpec, devices: int) -> None:
@@ -125,40 +149,46 @@ def load_pretrained(
     dtype: str | None = None,
     mesh: Mesh | None = None,
     model_axis: str = MODEL_AXIS,
+    max_model_len: int | None = None,
 ) -> Any:
-    """The model saved in the checkpoint directory ``path``, its ``params`` loaded (see the module doc)."""
-    from safetensors import safe_open
-
+    """The model saved in the checkpoint directory ``path``, its ``params`` loaded (see the
+    module doc); ``max_model_len``, when given, is checked against the config's positions."""
     directory = Path(path)
     config = read_config(directory)
     builder_of(config)  # an unknown architecture is refused before any file is opened
+    if dtype is not None:
+        dtype = check_dtype(dtype)
+    check_sizes(config)
+    if max_model_len is not None:
+        check_max_model_len(config, max_model_len)
     where = tensor_files(directory)
     with contextlib.ExitStack() as stack:
-        handles = {
-            file: stack.enter_context(safe_open(str(file), framework="flax")) for file in sorted(set(where.values()))
-        }
+        handles = {file: stack.enter_context(open_safetensors(file, "flax")) for file in sorted(set(where.values()))}
 
-        def tensor(name: str) -> Any:
+        def header(name: str) -> Any:
             return handles[where[name]].get_slice(name)
 
         if dtype is None:
             embedding = next(
                 (n for n in where if n.endswith("embed_tokens.weight") or n.endswith("embeddings.weight")), None
             )
-            stored = tensor(embedding or next(iter(where))).get_dtype()
+            stored = header(embedding or next(iter(where))).get_dtype()
             dtype = _SAFETENSORS_DTYPES.get(stored, "float32")
-        model = build_model(config, canonical_dtype(dtype))
+        model = _build_model(config, dtype)
         shapes = model.tensor_shapes()
-        missing = [name for name in shapes if name not in where]
+        found = {name: next((n for n in _stored_names(config, name) if n in where), None) for name in shapes}
+        missing = [name for name, stored in found.items() if stored is None]
         if missing:
             raise MissingTensorError(
                 f"{directory}: tensor {missing[0]!r} is missing ({len(missing)} missing in all) for {model.name}"
             )
+        stored_name = {name: stored for name, stored in found.items() if stored is not None}
         for name, shape in shapes.items():
-            stored_shape = tuple(tensor(name).get_shape())
+            stored_shape = tuple(header(stored_name[name]).get_shape())
             if stored_shape != tuple(shape):
                 raise ShapeMismatchError(
-                    f"{directory}: tensor {name!r} has shape {stored_shape}, the config implies {tuple(shape)}"
+                    f"{directory}: tensor {stored_name[name]!r} has shape {stored_shape}, "
+                    f"the config implies {tuple(shape)}"
                 )
         shardings: Mapping[str, NamedSharding] | None = None
         if mesh is not None:
@@ -168,22 +198,42 @@ def load_pretrained(
                 _check_split(name, shape, specs[name], devices)
             shardings = weight_shardings(specs, mesh, model_axis)  # type: ignore[assignment]
         model.params = {
-            name: _read(tensor(name), shape, model.dtype, None if shardings is None else shardings[name])
+            name: _read(
+                _Source(where[stored_name[name]], stored_name[name], header(stored_name[name])),
+                shape,
+                model.dtype,
+                None if shardings is None else shardings[name],
+            )
             for name, shape in shapes.items()
         }
     return model
 
 
-def _read(source: Any, shape: tuple[int, ...], dtype: Any, sharding: NamedSharding | None) -> jax.Array:
+class _Source:
+    """One stored tensor: its file, its name there and its safetensors slice."""
+
+    def __init__(self, file: Path, name: str, tensor: Any) -> None:
+        self.file, self.name, self.tensor = file, name, tensor
+
+    def read(self, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
+        """The slice ``index`` as ``dtype``; a truncated file or a NaN or Inf is a :class:`BadWeightsError`."""
+        from safetensors import SafetensorError
+
+        try:
+            with jax.default_device(jax.devices("cpu")[0]), np.errstate(over="ignore", invalid="ignore"):
+                values = np.asarray(self.tensor[index]).astype(dtype)  # an overflow is refused below
+        except (SafetensorError, OSError, ValueError) as err:
+            raise BadWeightsError(f"{self.file}: cannot read tensor {self.name!r}: {err}") from None
+        if not np.isfinite(values).all():
+            raise BadWeightsError(f"{self.file}: tensor {self.name!r} holds NaN or Inf (as {np.dtype(dtype).name})")
+        return values
+
+
+def _read(source: _Source, shape: tuple[int, ...], dtype: Any, sharding: NamedSharding | None) -> jax.Array:
     """One tensor as ``dtype``: whole on the default device, or shard by shard onto ``sharding``."""
-
-    def host_slice(index: tuple[slice, ...]) -> np.ndarray:
-        with jax.default_device(jax.devices("cpu")[0]):
-            return np.asarray(source[index]).astype(dtype)
-
     full = tuple(slice(None) for _ in shape)
     if sharding is None:
-        return jnp.asarray(host_slice(full))
+        return jnp.asarray(source.read(full, dtype))
     return jax.make_array_from_callback(
-        tuple(shape), sharding, lambda index: host_slice(tuple(index) if index else full)
+        tuple(shape), sharding, lambda index: source.read(tuple(index) if index else full, dtype)
     )

@@ -28,6 +28,19 @@ from jaxkv.models import layers
 from jaxkv.models.layers import AttentionShape, UnsupportedConfigError
 from jaxkv.models.llama import FULL, SLIDING, Llama, Params, legacy_rope_parameters
 
+HUB_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131_072,
+    "sliding_window": 4096,
+}
+"""transformers' ``Gemma3TextConfig`` defaults of fields the Hub's multimodal configs leave
+out of ``text_config`` (``google/gemma-3-4b-it`` names only the sizes that differ)."""
+
 
 class Gemma3(Llama):
     """A Gemma-3 text decoder; weights and cache names as :class:`~jaxkv.models.llama.Llama`'s."""
@@ -37,7 +50,7 @@ class Gemma3(Llama):
     post_norms = True
 
     def __init__(self, config: Mapping[str, Any], dtype: Any) -> None:
-        config = {"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh", **config}
+        config = {"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh", **HUB_TEXT_DEFAULTS, **config}
         if not config.get("layer_types") and "num_hidden_layers" in config:
             pattern = config.get("sliding_window_pattern", 6)
             config["layer_types"] = [SLIDING if (i + 1) % pattern else FULL for i in range(config["num_hidden_layers"])]

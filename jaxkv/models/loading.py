@@ -23,13 +23,19 @@ class LoadedModel(NamedTuple):
 
 
 def load_model(
-    checkpoint: str | None, model_name: str, *, dtype: str | None, seed: int, mesh: Mesh | None = None
+    checkpoint: str | None,
+    model_name: str,
+    *,
+    dtype: str | None,
+    seed: int,
+    mesh: Mesh | None = None,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
-    """The checkpoint in directory ``checkpoint`` (its weights placed onto ``mesh``) or,
-    without one, the tiny model ``model_name`` seeded with ``seed``; weights in ``dtype``
-    (None: the model's own)."""
+    """The checkpoint in directory ``checkpoint`` (its weights placed onto ``mesh``, its
+    positions checked against ``max_model_len``) or, without one, the tiny model
+    ``model_name`` seeded with ``seed``; weights in ``dtype`` (None: the model's own)."""
     if checkpoint:
-        model = load_pretrained(checkpoint, dtype=dtype, mesh=mesh)
+        model = load_pretrained(checkpoint, dtype=dtype, mesh=mesh, max_model_len=max_model_len)
         name = f"{checkpoint}: {model.name}"
     else:
         model = TinyLM(get_model_config(model_name, dtype=dtype), seed=seed)

@@ -20,6 +20,11 @@ ARCHITECTURES: dict[str, str] = {
 }
 """Architecture name to ``module:Class`` of its builder."""
 
+MULTIMODAL: dict[str, str] = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+"""A multimodal architecture whose language model jaxkv serves, to the architecture of that
+model: its config is the ``text_config``, its tensors the ``language_model`` ones
+(:mod:`jaxkv.models.checkpoint`); the vision tower is not loaded."""
+
 
 def builder(architecture: str) -> Any:
     """The class that builds ``architecture``; ``KeyError`` when it is not in :data:`ARCHITECTURES`."""

@@ -340,6 +340,7 @@ class Engine:
             dtype=dtype,
             mesh=engine_kwargs.get("mesh"),
             model_axis=engine_kwargs.get("model_axis", MODEL_AXIS),
+            max_model_len=max_model_len,
         )
         return cls(model, memory_bytes=memory_bytes, max_model_len=max_model_len, **engine_kwargs)
 

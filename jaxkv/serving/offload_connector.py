@@ -26,6 +26,13 @@ Stores (``OffloadConfig.store``, see :data:`STORE_POLICIES`):
   so host holds what the device lost and the two tiers together keep more distinct blocks. The gather of those blocks is
   issued before anything can overwrite them: before an admission's host load into
   fresh blocks, and before the step (:meth:`OffloadConnector.before_step`).
+  A hybrid's groups lose a prefix's blocks at different times (window blocks and
+  state checkpoints leave early, full-attention blocks stay), while a host hit needs
+  every group's blocks of the prefix on host: a reused block brings along what a
+  host hit ending at it needs in every group, still cached on device and not on host
+  yet (found through the chain of block hashes the connector saw its requests
+  compute; the walk back stops at the first block host holds already). If some
+  needed block is in neither tier, no hit can end there and nothing more is stored.
 - ``write_through``: every full block is stored after the step that completes it
   (:meth:`OffloadConnector.after_step`); keys already on host are skipped.
 
@@ -53,6 +60,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -189,6 +197,14 @@ class OffloadConnector:
         self._tier_of = [self._tiers[-1] if g in recurrent else attention for g in range(len(manager.block_sizes))]
         self._pending: list[_PendingStore] = []
         self._reused: dict[OffloadKey, DevicePlace] = {}
+        self._hash_block_size = manager.hasher.block_size
+        self._strides = [bs // self._hash_block_size for bs in manager.block_sizes]
+        # Block hash -> (a request's block hashes, its index there): where a reused block
+        # sits in its chain. Only hashes the device holds get reused: the oldest entries go
+        # beyond four per device block (a device block holds one hash).
+        self._chains: OrderedDict[bytes, tuple[list[bytes], int]] = OrderedDict()
+        state_rows = manager.state_pool.num_blocks if manager.state_pool is not None else 0
+        self._max_chains = 4 * (manager.pool.num_blocks + state_rows)
         if store == "on_eviction":
             manager.add_reuse_listener(self._on_reuse)
 
@@ -281,8 +297,7 @@ class OffloadConnector:
                 n = mgr.chunk_limit(request, host.end, min(request.num_tokens - host.end, budget))
                 if n and mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext) is not None:
                     if self._load(request, host, host_blocks):
-                        self._touch_prefix(request, hashes)
-                        self.stats.num_queried_tokens += request.num_tokens - num_hit
+                        self._admitted(request, hashes, num_hit)
                         return host.end
                     hit, num_hit = mgr.get_computed_blocks(request)  # the allocation may have evicted the first hit
             finally:
@@ -291,9 +306,14 @@ class OffloadConnector:
         n = mgr.chunk_limit(request, num_hit, min(request.num_tokens - num_hit, budget))
         if not n or mgr.allocate_slots(request, n, num_hit, hit) is None:  # 0: no chunk may end in the budget
             return None
-        self._touch_prefix(request, hashes)
-        self.stats.num_queried_tokens += request.num_tokens - num_hit
+        self._admitted(request, hashes, num_hit)
         return num_hit
+
+    def _admitted(self, request: Request, hashes: Sequence[Sequence[bytes]], num_hit: int) -> None:
+        """Bookkeeping of an admission: host recency of its prefix, its chain, the stats."""
+        self._touch_prefix(request, hashes)
+        self._remember_chain(request, 0, len(request.block_hashes))
+        self.stats.num_queried_tokens += request.num_tokens - num_hit
 
     def _load(self, request: Request, host: _HostHit, host_blocks: dict[OffloadKey, int]) -> bool:
         """Load the host hit into the request's fresh blocks (a state checkpoint into its
@@ -352,6 +372,44 @@ class OffloadConnector:
         key = (block_hash, group)
         if key not in self._reused:  # the first block holds computed KV
             self._reused[key] = self._place(group, block_id)
+            self._store_hit_ending_at(block_hash, group)
+
+    def _remember_chain(self, request: Request, lo: int, hi: int) -> None:
+        """Record where the request's hash blocks ``lo..hi-1`` sit in its chain (on-eviction only)."""
+        if self.store_policy != "on_eviction":
+            return
+        hashes, chains = request.block_hashes, self._chains
+        for i in range(lo, min(hi, len(hashes))):
+            chains[hashes[i]] = (hashes, i)
+            chains.move_to_end(hashes[i])
+        while len(chains) > self._max_chains:
+            chains.popitem(last=False)
+
+    def _store_hit_ending_at(self, block_hash: bytes, group: int) -> None:
+        """Add to the reused blocks what a host hit ending with ``group``'s reused block of
+        ``block_hash`` needs in every group and host lacks (see the module doc): nothing when
+        its chain is unknown, or when a needed block is neither on host nor written on device."""
+        reused = (block_hash, group)
+        chain = self._chains.get(block_hash)
+        if chain is None:
+            return
+        hashes, index = chain
+        mgr, lcm = self.manager, self.manager.lcm_block_size
+        end = (index + 1) * self._hash_block_size // lcm * lcm
+        found: dict[OffloadKey, DevicePlace] = {}
+        for g, stride in enumerate(self._strides):
+            held = self._tier_of[g].host_blocks
+            for i in reversed(mgr.needed_blocks(g, 0, end)):
+                key = (hashes[(i + 1) * stride - 1], g)
+                if key == reused:
+                    continue
+                if key in held or key in self._reused:
+                    break  # stored with its prefix before
+                block_id = mgr.written_block(g, key[0])
+                if block_id is None:
+                    return  # no hit can end here
+                found[key] = self._place(g, block_id)
+        self._reused.update(found)
 
     def before_step(self) -> None:
         """Store the blocks the schedule took back from the prefix cache (call before the step)."""
@@ -359,8 +417,15 @@ class OffloadConnector:
         self._store_reused()
 
     def after_step(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """Write-through: store the full blocks the step's chunks completed; settle done stores."""
+        """Write-through: store the full blocks the step's chunks completed (on eviction: note
+        where they sit in their chains); settle done stores."""
         self._owner.check()
+        if self.store_policy == "on_eviction":
+            for chunk in chunks:
+                request = chunk.seq.request
+                self.manager.hash_request(request)
+                start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
+                self._remember_chain(request, start // self._hash_block_size, end // self._hash_block_size)
         if self.store_policy == "write_through":
             block_of: dict[OffloadKey, DevicePlace] = {}
             for chunk in chunks:
