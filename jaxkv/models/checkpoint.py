@@ -35,6 +35,7 @@ from jaxkv.models import registry
 from jaxkv.specs import canonical_dtype
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -67,6 +68,28 @@ def read_config(directory: Path) -> dict[str, Any]:
         return json.loads((directory / CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"cannot read {directory / CONFIG}: {err}") from err
+
+
+def eos_token_ids(path: str | os.PathLike[str]) -> tuple[int, ...]:
+    """The end-of-sequence ids of the checkpoint in ``path``: ``eos_token_id`` of its
+    ``generation_config.json`` (what generation reads first), else of its ``config.json``;
+    one id or a list of them; none when neither names any."""
+    directory = Path(path)
+    for name in (GENERATION_CONFIG, CONFIG):
+        file = directory / name
+        if not file.exists():
+            continue
+        try:
+            value = json.loads(file.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError, AttributeError) as err:
+            raise CheckpointError(f"cannot read eos_token_id from {file}: {err}") from err
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise CheckpointError(f"{file}: eos_token_id must be an id or a list of ids, got {value!r}")
+        return tuple(ids)
+    return ()
 
 
 def tensor_files(directory: Path) -> dict[str, Path]:
