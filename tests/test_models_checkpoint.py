@@ -17,6 +17,7 @@ from jaxkv.models.checkpoint import (
     MissingTensorError,
     ShapeMismatchError,
     UnknownArchitectureError,
+    eos_token_ids,
     load_pretrained,
 )
 
@@ -164,3 +165,14 @@ def test_a_bfloat16_checkpoint_loads_as_bfloat16_and_runs(tmp_path):
     assert {v.dtype.name for v in model.params.values()} == {"bfloat16"}
     logits = model.dense(model.params, np.arange(12)[None])
     assert logits.dtype == np.float32 and np.isfinite(np.asarray(logits)).all()
+
+
+def test_eos_ids_come_from_the_generation_config_then_the_config_and_a_list_stays_a_list(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert eos_token_ids(tmp_path) == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert eos_token_ids(tmp_path) == (7, 9)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "7"}))
+    with pytest.raises(CheckpointError, match="eos_token_id must be an id or a list of ids, got '7'"):
+        eos_token_ids(tmp_path)
+    assert eos_token_ids(tmp_path / "elsewhere") == ()

@@ -227,6 +227,8 @@ def _text_prompts(tokenizer: Any, vocab_size: int) -> list[list[int]]:
 def _check_prompts_fit() -> None:
     """Refuse a batch whose longest prompt leaves no room for an output token."""
     longest = FLAGS.prefix_len + _suffix_range()[1]
+    if FLAGS.prompt and not FLAGS.checkpoint:
+        exit_error(PROG, "--prompt needs --checkpoint DIR with a tokenizer.json (a tiny --model has no tokenizer)")
     if FLAGS.prompt:
         return
     if longest >= FLAGS.max_model_len:
