@@ -24,9 +24,7 @@ import asyncio
 import itertools
 import logging
 import re
-import socket
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,26 +63,19 @@ def prompts() -> list[list[str]]:
 
 
 class Server:
-    """The app for a checkpoint, served by uvicorn on a free loopback port, on a thread."""
+    """The app for the checkpoint, with caching or without, live on loopback (:class:`ServerThread`)."""
 
     def __init__(self, caching: bool) -> None:
-        import uvicorn
-
-        from jaxkv.server.cli import build_app, parser
+        from jaxkv.server.cli import ServerThread, build_app, parser
 
         flags_ = [
             "--checkpoint", FLAGS.checkpoint, "--memory", FLAGS.memory, "--max_model_len", str(FLAGS.max_model_len),
             "--max_num_seqs", str(FLAGS.max_num_seqs), "--max_requests", str(FLAGS.num_clients * 2),
         ]  # fmt: skip
-        self.app = build_app(parser().parse_args([*flags_, *([] if caching else ["--no_prefix_caching"])]))
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.1)
+        self.live = ServerThread(
+            build_app(parser().parse_args([*flags_, *([] if caching else ["--no_prefix_caching"])]))
+        )
+        self.url = self.live.url
 
     def counters(self) -> dict[str, float]:
         """The Prometheus counters of ``/metrics`` by name."""
@@ -94,8 +85,7 @@ class Server:
         return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_:]+)\{[^}]*\} (\S+)$", text, re.M)}
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
+        self.live.close()
 
 
 async def client_run(url: str, texts: Sequence[str]) -> list[dict[str, float]]:

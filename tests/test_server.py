@@ -2,8 +2,6 @@
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from http.client import HTTPConnection
 
@@ -12,10 +10,10 @@ from hf_checkpoints import save_tiny_checkpoint
 from tiny_tokenizer import EOS_TOKEN_ID, save_tiny_tokenizer
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 from jaxkv.models.text import load_tokenizer  # noqa: E402
-from jaxkv.server.cli import build_app, parser  # noqa: E402
+from jaxkv.server.cli import ServerThread, build_app, parser  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]  # a server thread, an engine compiled on it
 PROMPT = "The cache holds blocks of keys and values; " * 2
@@ -33,26 +31,15 @@ def http(url: str, method: str, path: str, body: bytes | None = None, key: str =
         conn.close()
 
 
-class LiveServer:
-    """The app of ``flags`` served by uvicorn on a free loopback port, on a thread."""
+class LiveServer(ServerThread):
+    """The app of ``flags`` live on loopback, once its engine is built (``/health`` 200)."""
 
     def __init__(self, flags: list[str]) -> None:
-        self.app = build_app(parser().parse_args(flags))
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
+        super().__init__(build_app(parser().parse_args(flags)))
         deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if http(self.url, "GET", "/health")[0] == 200:
-                    return
-            except OSError:
-                pass
+        while http(self.url, "GET", "/health")[0] != 200:
+            assert time.time() < deadline, "the engine was not built in time"
             time.sleep(0.2)
-        raise RuntimeError("the server did not come up")
 
     def engine_state(self):
         """Unfinished requests, leaked blocks, free and usable blocks, read on the engine's thread."""
@@ -64,10 +51,6 @@ class LiveServer:
             )
 
         return asyncio.run_coroutine_threadsafe(read(), engine._loop).result(30)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -90,6 +93,32 @@ def build_app(args: argparse.Namespace) -> Any:
         max_body_bytes=args.max_body_bytes,
     )
     return create_app(config)
+
+
+class ServerThread:
+    """``app`` served by uvicorn on a free loopback port, on a daemon thread: a live server
+    inside a test or benchmark process. ``url`` answers once the constructor returns."""
+
+    def __init__(self, app: Any, *, timeout_s: float = 300.0) -> None:
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.app = app
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise JaxkvError(f"the server at {self.url} did not start within {timeout_s} s")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Stop serving (the app's engine closes with it) and wait for the thread."""
+        self._server.should_exit = True
+        self._thread.join(60)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
