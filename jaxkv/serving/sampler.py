@@ -90,7 +90,8 @@ def sampling_inputs(rows: Sequence[RowSampling | None], num_rows: int) -> Sampli
             continue
         p = row.params
         temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-        seed[i], position[i] = row.seed, row.position
+        if not p.is_greedy:  # a greedy row's key is unused: its inputs stay the same in every process
+            seed[i], position[i] = row.seed, row.position
         banned[i, : len(row.banned)] = row.banned
         num_banned[i] = len(row.banned)
     return SamplingInputs(temperature, top_k, top_p, min_p, seed, position, banned, num_banned)
