@@ -10,12 +10,14 @@ The checkpoints jaxkv's tests compare with transformers, and a directory to try
 Needs transformers and torch (the ``oracle`` extra); without them it refuses in one
 line. Every tensor is redrawn after construction, norms included, because
 transformers' default init leaves norms constant (a norm read with the wrong offset
-would go unseen), Nemotron-H's routing biases included. A byte-level ``tokenizer.json`` (256 tokens, the ``tokenizers``
-library) is saved beside the weights, so prompts may be text.
+would go unseen), Nemotron-H's routing biases included. A byte-level ``tokenizer.json`` (256 byte tokens and
+:data:`SPECIAL_TOKENS`, the ``tokenizers`` library) and a ``tokenizer_config.json`` with a chat template are
+saved beside the weights, so prompts may be text or chats, offline; generation stops at ``<|endoftext|>``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,8 +28,25 @@ from jaxkv.commands.cli import exit_error, flags_parser
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+SPECIAL_TOKENS = ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", *(f"<|reserved_{i}|>" for i in range(4)))
+"""Tokens after the 256 bytes: the end of a text or turn (EOS), the chat roles, and spares
+so the vocabulary (264) splits over up to 8 devices."""
+EOS_TOKEN_ID = 256
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ('system', 'user', 'assistant') %}"
+    "{{ raise_exception('unknown role ' ~ message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""A chat as role-tagged turns, each ended by EOS; the reply starts after ``<|assistant|>``."""
+
 TINY_SIZES: dict[str, Any] = {
-    "vocab_size": 256,
+    "vocab_size": 256 + len(SPECIAL_TOKENS),
+    "eos_token_id": EOS_TOKEN_ID,
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_attention_heads": 4,
@@ -162,15 +181,22 @@ def save_tiny_checkpoint(
     return model
 
 
-def save_byte_tokenizer(directory: str | Path) -> None:
-    """A byte-level BPE ``tokenizer.json`` of exactly 256 tokens (one per byte, no merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def save_tiny_tokenizer(directory: str | Path) -> None:
+    """A byte-level BPE ``tokenizer.json`` of one token per byte (no merges) and
+    :data:`SPECIAL_TOKENS` after them, and a ``tokenizer_config.json`` with
+    :data:`CHAT_TEMPLATE`: text of any language encodes, and chats render, offline."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(Path(directory) / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": SPECIAL_TOKENS[0], "chat_template": CHAT_TEMPLATE, "model_max_length": 512}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 PROG = "save_tiny_checkpoint.py"
@@ -196,7 +222,7 @@ def main(argv: list[str]) -> None:
     except ImportError as err:
         exit_error(PROG, f"needs transformers, torch and tokenizers (pip install '.[oracle,tokenizers]'): {err}")
     save_tiny_checkpoint(FLAGS.family, FLAGS.out, seed=FLAGS.seed, max_shard_size=FLAGS.max_shard_size)
-    save_byte_tokenizer(FLAGS.out)
+    save_tiny_tokenizer(FLAGS.out)
     print(f"saved a tiny random {FLAGS.family} checkpoint to {FLAGS.out}")
 
 

@@ -30,7 +30,7 @@ shared_prefix_prompts = oracle.shared_prefix_prompts
 long_prompts = oracle.long_prompts
 tiny = sys.modules["save_tiny_checkpoint"]
 """``scripts/save_tiny_checkpoint.py``: the tiny configs, for tests that build transformers models."""
-save_byte_tokenizer = tiny.save_byte_tokenizer
+save_tiny_tokenizer = tiny.save_tiny_tokenizer
 hf_logits = oracle.transformers_logits
 
 

@@ -26,6 +26,7 @@ LAYERS = {
     "serving": 5,
     "cluster": 6,
     "fleet": 6,
+    "server": 6,
     "benchmarks": 7,
     "commands": 7,
 }

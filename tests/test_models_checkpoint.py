@@ -10,7 +10,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from hf_checkpoints import save_byte_tokenizer, save_tiny_checkpoint
+from hf_checkpoints import save_tiny_checkpoint, save_tiny_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
@@ -24,6 +24,7 @@ from jaxkv.models.checkpoint import (
     MissingTensorError,
     ShapeMismatchError,
     UnknownArchitectureError,
+    eos_token_ids,
     load_pretrained,
 )
 
@@ -124,7 +125,7 @@ def test_a_missing_directory_is_refused_without_downloading(tmp_path):
 @pytest.mark.subprocess
 def test_serve_script_serves_a_saved_checkpoint_from_text_prompts(tmp_path):
     save_tiny_checkpoint("qwen3", tmp_path)
-    save_byte_tokenizer(tmp_path)
+    save_tiny_tokenizer(tmp_path)
     served = run_script(
         "serve.py",
         "--checkpoint",
@@ -232,3 +233,14 @@ def test_a_mutated_config_of_each_family_loads_or_is_refused_with_a_typed_error(
         shutil.copy(source / "model.safetensors", target)
     with contextlib.suppress(JaxkvError):  # any other exception fails the test
         load_pretrained(target, max_model_len=64)
+
+
+def test_eos_ids_come_from_the_generation_config_then_the_config_and_a_list_stays_a_list(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert eos_token_ids(tmp_path) == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert eos_token_ids(tmp_path) == (7, 9)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "7"}))
+    with pytest.raises(CheckpointError, match="eos_token_id must be an id or a list of ids, got '7'"):
+        eos_token_ids(tmp_path)
+    assert eos_token_ids(tmp_path / "elsewhere") == ()

@@ -14,6 +14,7 @@ from jaxkv.serving.engine import (
     GenerationResult,
     resolve_head_dim_multiple,
 )
+from jaxkv.serving.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 256
 NEW_TOKENS = 10
@@ -411,3 +412,82 @@ def test_a_plan_beside_a_kv_config_or_for_another_mesh_is_refused(models):
         Engine(models["tiny-llama"], memory_bytes=1 << 20, max_model_len=256, plan={"block_size": 8})
     with pytest.raises(EngineError, match="tensor_parallel=2 differs"):
         Engine(models["tiny-llama"], memory_bytes=1 << 20, max_model_len=256, plan=PlanOptions(tensor_parallel=2))
+
+
+# ------------------------------------------------------------------ stopping and sampling
+def test_a_sequence_stops_at_eos_frees_its_blocks_at_once_and_leaves_its_prefix_cached(models, dense_tokens):
+    greedy = dense_tokens["tiny-llama"][0]
+    eos = greedy[3]
+    cut = greedy.index(eos)
+    eng = engine(models["tiny-llama"], eos_token_ids=[eos])
+    rid = eng.add_request(workload()[0], NEW_TOKENS)
+    step = eng.step()
+    while not step.finished:
+        step = eng.step()
+    [out] = step.finished
+    assert out.finish_reason == "stop" and list(out.output_token_ids) == greedy[: cut + 1]
+    assert not eng.has_unfinished and not eng.manager.has_request(rid)
+    assert eng.audit().device_blocks_leaked == 0
+    again = eng.generate([workload()[0]], SamplingParams(temperature=0, ignore_eos=True, max_tokens=NEW_TOKENS))
+    assert again.outputs[0].finish_reason == "length" and tokens(again) == [greedy]
+    assert again.num_cached_prompt_tokens == 32, "the stopped request's prompt blocks stayed cached"
+
+
+def test_min_tokens_keeps_eos_and_stop_ids_from_being_drawn(models, dense_tokens):
+    greedy = dense_tokens["tiny-llama"][0]
+    eng = engine(models["tiny-llama"], eos_token_ids=[greedy[0]])
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=3, stop_token_ids=[greedy[1]])
+    [out] = eng.generate([workload()[0]], params).outputs
+    assert greedy[0] not in out.output_token_ids[:3] and greedy[1] not in out.output_token_ids[:3]
+    assert len(out.output_token_ids) >= 3
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch(models):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=NEW_TOKENS)
+    alone = engine(models["tiny-llama"]).generate([workload()[0]], params).outputs[0]
+    w = workload()  # w[3] is w[0] again
+    crowd = engine(models["tiny-llama"]).generate(
+        [w[1], w[0], w[2], w[3]],
+        [SamplingParams(temperature=1.5, max_tokens=5), params, SamplingParams(top_k=3), params],
+    )
+    assert crowd.outputs[1].output_token_ids == crowd.outputs[3].output_token_ids == alone.output_token_ids
+    unseeded = engine(models["tiny-llama"]).generate([workload()[0]] * 2, SamplingParams(max_tokens=NEW_TOKENS))
+    assert unseeded.outputs[0].output_token_ids != unseeded.outputs[1].output_token_ids
+
+
+def test_the_n_sequences_of_a_request_share_the_prompts_blocks(models):
+    eng = engine(models["tiny-llama"])
+    prompt = workload()[1]  # 78 tokens: 4 full blocks
+    rid = eng.add_request(prompt, SamplingParams(n=3, seed=1, max_tokens=8))
+    tables = {}
+    outputs = []
+    while eng.has_unfinished:
+        outputs += eng.step().finished
+        for i in range(3):
+            if eng.manager.has_request(f"{rid}#{i}"):
+                tables[i] = eng.manager.get_block_ids(f"{rid}#{i}")[0]
+    assert sorted(o.index for o in outputs) == [0, 1, 2] and {o.request_id for o in outputs} == {rid}
+    assert tables[0][:4] == tables[1][:4] == tables[2][:4]
+    assert sum(o.num_cached_tokens for o in outputs) == 2 * 64
+    assert len({o.output_token_ids for o in outputs}) > 1, "seeds seed, seed + 1, seed + 2 differ"
+    assert eng.audit().device_blocks_leaked == 0
+
+
+def test_logprobs_come_with_each_token_most_likely_first(models, dense_tokens):
+    eng = engine(models["tiny-llama"])
+    [out] = eng.generate([workload()[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3)).outputs
+    assert out.logprobs is not None and len(out.logprobs) == 4
+    for token, lp in zip(out.output_token_ids, out.logprobs, strict=True):
+        assert lp.token_id == token and len(lp.top) == 3 and lp.top[0] == (token, lp.logprob)
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_sampling_params_that_need_what_the_engine_lacks_are_refused(models):
+    eng = engine(models["tiny-llama"], eos_token_ids=list(range(40)))
+    with pytest.raises(EngineError, match="stop strings \\('x',\\) need a tokenizer"):
+        eng.add_request([1, 2], SamplingParams(stop="x"))
+    with pytest.raises(EngineError, match="stop token 600 is not an id"):
+        eng.add_request([1, 2], SamplingParams(stop_token_ids=[600]))
+    with pytest.raises(EngineError, match="masks at most 32 stop ids, got 40"):
+        eng.add_request([1, 2], SamplingParams(min_tokens=1))
+    assert not eng.has_unfinished

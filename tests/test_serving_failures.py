@@ -86,19 +86,19 @@ def fail_the_second_step_then_serve_exactly(model: TinyLM, eng: Engine, monkeypa
     batch = prompts(5, 90, 70)
     batch.append(batch[0][:64] + batch[1][:20])
     dense = dense_greedy_generate(model, batch, NEW_TOKENS)
-    execute = eng.runner.execute
+    execute = eng.runner.execute_sampled
     calls = iter(range(100))
 
-    def failing_execute(chunks):
+    def failing_execute(chunks, rows, **kwargs):
         if next(calls) == 1:
             raise error("step failed")
-        return execute(chunks)
+        return execute(chunks, rows, **kwargs)
 
-    monkeypatch.setattr(eng.runner, "execute", failing_execute)
+    monkeypatch.setattr(eng.runner, "execute_sampled", failing_execute)
     with pytest.raises(error):
         eng.generate(batch, NEW_TOKENS)
     assert_nothing_leaked(eng)
-    monkeypatch.setattr(eng.runner, "execute", execute)
+    monkeypatch.setattr(eng.runner, "execute_sampled", execute)
     assert served(eng, batch) == dense
     assert served(eng, batch) == dense
     assert_nothing_leaked(eng)
@@ -143,18 +143,18 @@ def test_a_step_interrupted_after_donating_the_cache_starts_over_cleanly(models,
     eng = engine(model)
     batch = prompts(8, 60)
     served(eng, batch)
-    execute = eng.runner.execute
+    execute = eng.runner.execute_sampled
 
-    def donate_then_fail(chunks):
-        execute(chunks)
+    def donate_then_fail(chunks, rows, **kwargs):
+        execute(chunks, rows, **kwargs)
         for buf in eng.runner.cache.buffers:
             buf.delete()  # what an interrupt between dispatch and assignment leaves
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(eng.runner, "execute", donate_then_fail)
+    monkeypatch.setattr(eng.runner, "execute_sampled", donate_then_fail)
     with pytest.raises(KeyboardInterrupt):
         eng.generate(batch, NEW_TOKENS)
-    monkeypatch.setattr(eng.runner, "execute", execute)
+    monkeypatch.setattr(eng.runner, "execute_sampled", execute)
     assert_nothing_leaked(eng)
     result = eng.generate(batch, NEW_TOKENS)
     assert result.outputs[0].num_cached_tokens == 0  # the prefix cache was reset with the cache

@@ -107,6 +107,11 @@ BAD_INPUT = {
         ["--max_model_len=40"],
         "--prefix_len=96 + --suffix_len hi=48 = 144 prompt tokens leave no room for output in --max_model_len=40",
     ),
+    "serve: a text prompt without a tokenizer": (
+        "serve.py",
+        ["--prompt=hello"],
+        "--prompt needs --checkpoint DIR with a tokenizer.json",
+    ),
     "bench: budget over device memory": ("bench_serve.py", ["--memory=1PiB"], "exceeds the device memory: "),
     "bench: prompts longer than max_model_len": (
         "bench_serve.py",

@@ -262,6 +262,10 @@ def _text_prompts(fv: flags.FlagValues, tokenizer: Any, vocab_size: int) -> list
 def _check_prompts_fit(fv: flags.FlagValues) -> None:
     """Refuse a batch whose longest prompt leaves no room for an output token."""
     longest = fv.prefix_len + _suffix_range(fv)[1]
+    if fv.prompt and not fv.checkpoint:
+        raise CommandLineError(
+            "--prompt needs --checkpoint DIR with a tokenizer.json (a tiny --model has no tokenizer)"
+        )
     if fv.prompt:
         return
     if longest >= fv.max_model_len:

@@ -51,7 +51,7 @@ from jaxkv.models.checkpoint_errors import (
     UnknownArchitectureError,
     UnsafePathError,
 )
-from jaxkv.models.checkpoint_files import CONFIG, INDEX, open_safetensors, read_config, tensor_files
+from jaxkv.models.checkpoint_files import CONFIG, INDEX, eos_token_ids, open_safetensors, read_config, tensor_files
 from jaxkv.models.config_checks import check_dtype, check_max_model_len, check_sizes
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "UnknownArchitectureError",
     "UnsafePathError",
     "builder_of",
+    "eos_token_ids",
     "language_model_config",
     "load_pretrained",
     "read_config",

@@ -21,6 +21,7 @@ from typing import Any
 from jaxkv.models.checkpoint_errors import BadWeightsError, CheckpointError, UnsafePathError
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 INDEX = "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 1 << 20
 """``config.json`` is refused above 1 MiB (released ones are a few KiB)."""
@@ -79,6 +80,26 @@ def read_config(directory: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{directory / CONFIG} must hold a JSON object, got {type(config).__name__}")
     return config
+
+
+def eos_token_ids(path: str | os.PathLike[str]) -> tuple[int, ...]:
+    """The end-of-sequence ids of the checkpoint in ``path``: ``eos_token_id`` of its
+    ``generation_config.json`` (what generation reads first), else of its ``config.json``;
+    one id or a list of them; none when neither names any."""
+    directory = Path(path)
+    for name in (GENERATION_CONFIG, CONFIG):
+        if not (directory / name).exists():
+            continue
+        file = confined_file(directory, name, name)
+        value = read_json(file, MAX_CONFIG_BYTES)
+        value = value.get("eos_token_id") if isinstance(value, dict) else None
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise CheckpointError(f"{file}: eos_token_id must be an id or a list of ids, got {value!r}")
+        return tuple(ids)
+    return ()
 
 
 def open_safetensors(file: Path, framework: str = "numpy") -> Any:

@@ -3,7 +3,10 @@
 - :mod:`jaxkv.serving.scheduler`: which requests run this step (host only, no JAX);
 - :mod:`jaxkv.serving.runner`: step metadata and the one jitted step function;
 - :mod:`jaxkv.serving.offload_connector`: the host tier's loads and stores for the scheduler;
-- :mod:`jaxkv.serving.engine`: ``Engine.generate`` driving all of them;
+- :mod:`jaxkv.serving.sampling_params`, :mod:`jaxkv.serving.sampler`, :mod:`jaxkv.serving.stopping`:
+  what a request asks for, the draw on device, when a sequence stops;
+- :mod:`jaxkv.serving.engine`: ``Engine.generate`` / ``Engine.step`` driving all of them;
+- :mod:`jaxkv.serving.async_engine`: one engine on its own thread, a stream per request;
 - :mod:`jaxkv.serving.kv_events`: what the engine caches, published for routers;
 - :mod:`jaxkv.serving.logit_check`: served tokens compared with a dense forward;
 - :mod:`jaxkv.serving.simulator`, :mod:`jaxkv.serving.workloads`: trace replay through

@@ -1,4 +1,4 @@
-"""Run scheduled chunks on the device: step metadata in, greedy next tokens out.
+"""Run scheduled chunks on the device: step metadata and sampling parameters in, next tokens out.
 
 :class:`ModelRunner` runs any :class:`~jaxkv.models.protocol.ServedModel`: it owns the
 model's params and the device :class:`~jaxkv.device.cache.KVCache` (with a
@@ -8,10 +8,12 @@ model's params and the device :class:`~jaxkv.device.cache.KVCache` (with a
 :mod:`jaxkv.device.state_pages`).
 Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.device.metadata`: one
 host-to-device transfer, shapes padded to :class:`~jaxkv.device.metadata.Buckets`) and calls
-one jitted step function ``(params, cache, metadata) -> (next_token_ids, cache)`` with
-the cache donated, so its buffers are updated in place. Sampling is greedy (argmax) on
-the device; only ``num_seqs`` int32 tokens come back to the host (and their logits, from
-a step compiled apart, when a token check asks for them).
+one jitted step function ``(params, cache, metadata, sampling) -> (sampled, cache)`` with
+the cache donated, so its buffers are updated in place. Tokens are drawn on the device
+(:mod:`jaxkv.serving.sampler`: each request's parameters are rows of the step's inputs,
+so no parameter set compiles anything); only ``num_seqs`` tokens and their top
+log-probabilities come back to the host (and their logits, from a step compiled apart,
+when a token check asks for them).
 
 The step is traced once per bucket combination (and :mod:`jaxkv.device.ops` implementation,
 read at each step); :attr:`ModelRunner.num_compilations` counts the traces, so tests
@@ -33,14 +35,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from jaxkv.device import ops
 from jaxkv.device.cache import KVCache, allocate_kv_cache
 from jaxkv.device.mesh import MODEL_AXIS, auto_axes, place, replicated, weight_shardings
-from jaxkv.device.metadata import Buckets, ScheduledSeq, StepMetadata, build_step_metadata
+from jaxkv.device.metadata import Buckets, ScheduledSeq, StepMetadata, bucket, build_step_metadata
 from jaxkv.device.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
 from jaxkv.device.state_pages import StatePages, StateUnits, check_mesh, state_pages
 from jaxkv.errors import JaxkvError
@@ -49,6 +50,7 @@ from jaxkv.models.protocol import ServedModel
 from jaxkv.offload.host_buffers import HostKVBuffers
 from jaxkv.offload.transfer import Transfer, TransferEngine
 from jaxkv.planner import KVCacheConfig, pad_head_size
+from jaxkv.serving.sampler import RowSampling, SampledTokens, SamplingInputs, greedy_inputs, sample, sampling_inputs
 from jaxkv.serving.scheduler import ScheduledChunk
 from jaxkv.specs import KVCacheSpec, MambaSpec
 
@@ -112,21 +114,31 @@ _num_step_traces = 0
 
 
 def _step_with_logits(
-    model: ServedModel, impl: str, params: Any, cache: KVCache | HybridCache, meta: StepMetadata
-) -> tuple[jax.Array, jax.Array, KVCache | HybridCache]:
-    """One forward step and greedy sampling: ``(next_token_ids (S,), logits (S, vocab), cache)``."""
+    model: ServedModel,
+    impl: str,
+    params: Any,
+    cache: KVCache | HybridCache,
+    meta: StepMetadata,
+    sampling: SamplingInputs,
+) -> tuple[SampledTokens, jax.Array, KVCache | HybridCache]:
+    """One forward step and its draw (:func:`jaxkv.serving.sampler.sample`): ``(sampled, logits (S, vocab), cache)``."""
     global _num_step_traces
     _num_step_traces += 1  # runs once per trace, i.e. per compiled shape
     logits, cache = model.forward(params, cache, meta, impl=impl)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
+    return sample(logits, sampling), logits, cache
 
 
 def _step(
-    model: ServedModel, impl: str, params: Any, cache: KVCache | HybridCache, meta: StepMetadata
-) -> tuple[jax.Array, KVCache | HybridCache]:
-    """One forward step and greedy sampling: ``(next_token_ids (S,), cache)``."""
-    tokens, _, cache = _step_with_logits(model, impl, params, cache, meta)
-    return tokens, cache
+    model: ServedModel,
+    impl: str,
+    params: Any,
+    cache: KVCache | HybridCache,
+    meta: StepMetadata,
+    sampling: SamplingInputs,
+) -> tuple[SampledTokens, KVCache | HybridCache]:
+    """One forward step and its draw: ``(sampled, cache)``."""
+    sampled, _, cache = _step_with_logits(model, impl, params, cache, meta, sampling)
+    return sampled, cache
 
 
 StepShardings = tuple[tuple[jax.sharding.Sharding, ...], object] | None
@@ -137,7 +149,7 @@ StepShardings = tuple[tuple[jax.sharding.Sharding, ...], object] | None
 @functools.cache
 def jitted_step(fn: Callable, model: ServedModel, impl: str, shardings: StepShardings) -> jax.stages.Wrapped:
     """``fn`` (:func:`_step` or :func:`_step_with_logits`) with its static arguments
-    bound, jitted with the cache donated: ``(params, cache, meta) -> outputs``.
+    bound, jitted with the cache donated: ``(params, cache, meta, sampling) -> outputs``.
 
     Keyed by the model object (by its ``__hash__``/``__eq__``: identity unless the model
     defines them) and shared by all runners: the same model, ops implementation, bucket
@@ -147,8 +159,8 @@ def jitted_step(fn: Callable, model: ServedModel, impl: str, shardings: StepShar
     compilation, used only when logits are asked for (token checks, not serving).
     """
 
-    def step(params: Any, cache: KVCache | HybridCache, meta: StepMetadata) -> tuple:
-        return fn(model, impl, params, cache, meta)
+    def step(params: Any, cache: KVCache | HybridCache, meta: StepMetadata, sampling: SamplingInputs) -> tuple:
+        return fn(model, impl, params, cache, meta, sampling)
 
     if shardings is None:
         return jax.jit(step, donate_argnums=(1,))
@@ -229,7 +241,7 @@ class ModelRunner:
             params = weight_shardings(model.partition_specs(), self.mesh, model_axis)
             self.params = place(self.params, params)
             cache = jax.tree.map(lambda buf: buf.sharding, self.cache)
-            ins, rep = (params, cache, self._meta_sharding), self._meta_sharding
+            ins, rep = (params, cache, self._meta_sharding, self._meta_sharding), self._meta_sharding
             plain = _flat((ins, (rep, cache)))
             with_logits = _flat((ins, (rep, rep, cache)))
         self._shardings = {_step: plain, _step_with_logits: with_logits}
@@ -262,13 +274,21 @@ class ModelRunner:
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray:
         """Run one step; the greedy next token after each chunk's last token, ``(len(chunks),)``."""
-        (tokens,) = self._run(_step, chunks)
-        return tokens
+        sampled, _ = self.execute_sampled(chunks)
+        return np.asarray(sampled.token_ids)
 
-    def execute_with_logits(self, chunks: Sequence[ScheduledChunk]) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`execute`, plus the float32 logits each token was sampled from, ``(len(chunks), vocab)``."""
-        tokens, logits = self._run(_step_with_logits, chunks)
-        return tokens, logits
+    def execute_sampled(
+        self, chunks: Sequence[ScheduledChunk], rows: Sequence[RowSampling | None] = (), *, with_logits: bool = False
+    ) -> tuple[SampledTokens, np.ndarray | None]:
+        """Run one step, drawing each chunk's next token as ``rows`` say (one per chunk;
+        none: greedy): what was drawn, and with ``with_logits`` the float32 logits each
+        token was drawn from, ``(len(chunks), vocab)`` (a step compiled apart)."""
+        inputs = sampling_inputs(rows, bucket(len(chunks), self.buckets.seqs, "seqs"))
+        if with_logits:
+            sampled, logits = self._run(_step_with_logits, chunks, inputs)
+            return sampled, logits
+        (sampled,) = self._run(_step, chunks, inputs)
+        return sampled, None
 
     def _jitted(self, fn: Callable) -> jax.stages.Wrapped:
         """``fn`` jitted for this runner's model and the :mod:`jaxkv.device.ops` implementation
@@ -280,8 +300,9 @@ class ModelRunner:
             self._steps[key] = jitted_step(fn, self.model, impl, self._shardings[fn])
         return self._steps[key]
 
-    def _run(self, fn: Callable, chunks: Sequence[ScheduledChunk]) -> list[np.ndarray]:
-        """Call the jitted ``fn`` on these chunks (the cache donated); its outputs' rows of the chunks.
+    def _run(self, fn: Callable, chunks: Sequence[ScheduledChunk], sampling: SamplingInputs) -> list[Any]:
+        """Call the jitted ``fn`` on these chunks (the cache donated); its outputs' rows of the
+        chunks (a tuple of outputs stays a tuple of their rows).
 
         Outputs are replicated: each is read from this process's first copy, which is
         all a process holds of an array whose devices span processes."""
@@ -289,13 +310,13 @@ class ModelRunner:
         step = self._jitted(fn)
         before = _num_step_traces
         start = time.perf_counter()
-        *outputs, self.cache = step(self.params, self.cache, meta)
+        *outputs, self.cache = step(self.params, self.cache, meta, sampling)
         dispatched = time.perf_counter()
         self.dispatch_s += dispatched - start
         self.num_compilations += _num_step_traces - before
         jax.block_until_ready(outputs)
         self.device_wait_s += time.perf_counter() - dispatched
-        return [np.asarray(x.addressable_data(0))[: len(chunks)] for x in outputs]
+        return [jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[: len(chunks)], out) for out in outputs]
 
     def cache_is_intact(self) -> bool:
         """False when a step was interrupted after donating the cache (its buffers are gone)."""
@@ -386,4 +407,7 @@ class ModelRunner:
 
     def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
         """The step lowered for these chunks' shapes (``.compile().memory_analysis()``)."""
-        return self._jitted(_step).lower(self.params, self.cache, self.metadata(chunks))
+        meta = self.metadata(chunks)
+        return self._jitted(_step).lower(
+            self.params, self.cache, meta, greedy_inputs(bucket(len(chunks), self.buckets.seqs, "seqs"))
+        )

@@ -1,0 +1,194 @@
+"""Text in and out of a checkpoint's model: its tokenizer, chat template and streamed text.
+
+A Hugging Face-format checkpoint directory ships ``tokenizer.json`` (read with the
+``tokenizers`` library, the ``tokenizers`` extra) and often ``tokenizer_config.json``,
+whose ``chat_template`` (Jinja) turns a list of chat messages into one prompt string.
+The template is the checkpoint's code: it is rendered in Jinja's immutable sandbox, so
+it can neither reach Python objects nor change what it is given.
+
+:class:`IncrementalDetokenizer` turns a stream of token ids into a stream of text
+pieces. A byte-level token may hold part of a UTF-8 character, and a tokenizer may
+decode a token differently at the start of a text (a leading-space marker), so each
+step decodes a short window of recent tokens twice (with and without the new ones)
+and emits only the difference, holding it back while it ends in a partial character
+(the replacement character U+FFFD).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxkv.errors import JaxkvError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+_PARTIAL = "\ufffd"
+
+
+class TextError(JaxkvError, ValueError):
+    """A tokenizer or chat template that cannot be loaded or applied (the message names why)."""
+
+
+class TextTokenizer:
+    """A checkpoint's tokenizer (a ``tokenizers.Tokenizer``) and its chat template, if any."""
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None, special: Mapping[str, str] | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special = dict(special or {})
+        """``bos_token`` / ``eos_token`` strings the template may use."""
+        self._template: Any = None
+
+    @classmethod
+    def from_directory(cls, path: str | os.PathLike[str]) -> TextTokenizer:
+        """The tokenizer of the checkpoint directory ``path`` (``tokenizer.json``) with the
+        ``chat_template`` of its ``tokenizer_config.json`` when it has one."""
+        directory = Path(path)
+        file = directory / TOKENIZER_FILE
+        if not file.exists():
+            raise TextError(f"{file} does not exist: the checkpoint ships no tokenizer")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as err:
+            raise TextError("text needs the tokenizers library: pip install 'jaxkv[tokenizers]'") from err
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as err:  # tokenizers raises its own exception types
+            raise TextError(f"cannot read {file}: {err}") from err
+        config = _read_json(directory / TOKENIZER_CONFIG)
+        special = {k: _token_text(config[k]) for k in ("bos_token", "eos_token") if config.get(k) is not None}
+        return cls(tokenizer, chat_template=_template_text(config.get("chat_template")), special=special)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` as token ids (special-token text such as ``<|user|>`` becomes its id)."""
+        if not isinstance(text, str):
+            raise TextError(f"text to encode must be a str, got {text!r:.80}")
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """``token_ids`` as text, special tokens left out."""
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        """The prompt of a chat (``[{"role": ..., "content": ...}, ...]``) rendered by the
+        checkpoint's template in a sandbox; :class:`TextError` without a template or when
+        the template refuses the messages."""
+        if self.chat_template is None:
+            raise TextError("the checkpoint has no chat_template in its tokenizer_config.json")
+        if not isinstance(messages, Sequence) or not all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages
+        ):
+            raise TextError(f"messages must be a list of {{'role': str, 'content': ...}} objects, got {messages!r:.80}")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:
+            if self._template is None:
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise_template_error
+                self._template = env.from_string(self.chat_template)
+            return str(
+                self._template.render(
+                    messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **self.special
+                )
+            )
+        except jinja2.TemplateError as err:
+            raise TextError(f"the chat template refused the messages: {err}") from err
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        """A fresh :class:`IncrementalDetokenizer` over this tokenizer."""
+        return IncrementalDetokenizer(self)
+
+
+class IncrementalDetokenizer:
+    """Text pieces of a growing sequence of token ids (see the module docstring).
+
+    ``text`` is all text emitted so far; :meth:`add` returns the new piece (possibly
+    empty while a character is incomplete), :meth:`flush` whatever was held back.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window decoded for context
+        self._read = 0  # tokens whose text was emitted
+        self.text = ""
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append ``token_ids``; the text they complete."""
+        self._ids.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (a partial character at the end, as U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, *, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix : self._read])
+        after = decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or (after.endswith(_PARTIAL) and not final):
+            return ""
+        piece = after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += piece
+        return piece
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> TextTokenizer | None:
+    """The tokenizer of checkpoint directory ``path``; None when it has no ``tokenizer.json``
+    or the ``tokenizers`` library is missing (the engine then works in token ids only)."""
+    if not (Path(path) / TOKENIZER_FILE).exists():
+        return None
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        return None
+    return TextTokenizer.from_directory(path)
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    """A JSON object file's contents, ``{}`` when there is no such file."""
+    if not file.exists():
+        return {}
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise TextError(f"cannot read {file}: {err}") from err
+    if not isinstance(value, dict):
+        raise TextError(f"{file} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _token_text(value: object) -> str:
+    """A special token as text: a string, or an added-token object's ``content``."""
+    return str(value["content"]) if isinstance(value, dict) else str(value)
+
+
+def _template_text(value: object) -> str | None:
+    """The chat template: a string, or from a list of named templates the ``default`` one."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        template = named.get("default")
+        if isinstance(template, str):
+            return template
+    raise TextError(f"chat_template must be a string or a list with a 'default' template, got {value!r:.80}")
+
+
+def _raise_template_error(message: str) -> None:
+    """``raise_exception(...)`` inside a template: the template refuses its input."""
+    import jinja2
+
+    raise jinja2.TemplateError(message)

@@ -1,0 +1,188 @@
+"""The OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn, the ``server`` extra).
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (both streamed as server-sent events with ``stream``;
+usage in the last chunk with ``stream_options.include_usage``), ``GET /metrics``
+(Prometheus, vLLM's names: :mod:`jaxkv.serving.metrics`).
+
+The engine steps on its own thread (:class:`~jaxkv.serving.async_engine.AsyncEngine`);
+the HTTP side only queues commands and reads streams, so it never blocks a step.
+Bodies are capped (``max_body_bytes``, read before parsing); unfinished requests are
+capped (``max_requests``: one more gets 429); a dead engine answers 503. A client
+that disconnects aborts its request, freeing its blocks before the next step. With
+``api_key`` every ``/v1`` route needs ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+
+from jaxkv.models.text import TextTokenizer
+from jaxkv.server.openai_api import Answer, ApiError, ParsedRequest, parse
+from jaxkv.serving.async_engine import AsyncEngine, EngineDeadError, EngineFullError, RequestStream
+from jaxkv.serving.engine import Engine, EngineError
+from jaxkv.serving.metrics import PrometheusMetrics
+
+DISCONNECT_POLL_S = 0.1
+"""How often a non-streamed request checks that its client is still there."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the app serves and its limits."""
+
+    model_name: str
+    build_engine: Callable[[], Engine]
+    """Builds the engine (on the engine's thread)."""
+    tokenizer: TextTokenizer | None = None
+    api_key: str | None = None
+    max_requests: int = 256
+    max_body_bytes: int = 1 << 20
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving ``config`` (its engine starts with the app)."""
+    metrics = PrometheusMetrics(labels={"model_name": config.model_name})
+    holder: dict[str, AsyncEngine] = {}
+
+    def build() -> Engine:
+        engine = config.build_engine()
+        engine.add_step_observer(metrics)
+        return engine
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        holder["engine"] = AsyncEngine(build, max_requests=config.max_requests)
+        app.state.engine = holder["engine"]
+        try:
+            yield
+        finally:
+            await holder["engine"].close()
+
+    app = FastAPI(title="jaxkv", lifespan=lifespan)
+
+    def error(err: ApiError) -> Response:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    def check_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+            raise ApiError(
+                "a valid API key is needed (Authorization: Bearer <key>)", status=401, kind="authentication_error"
+            )
+
+    async def read_json(request: Request) -> object:
+        """The body as JSON, refused once it grows past ``max_body_bytes`` (before parsing)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise ApiError(f"the body has {declared} bytes; the limit is {config.max_body_bytes}", status=413)
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > config.max_body_bytes:
+                raise ApiError(f"the body exceeds {config.max_body_bytes} bytes", status=413)
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ApiError(f"the body is not JSON: {err}") from None
+
+    async def start(kind: str, request: Request) -> tuple[ParsedRequest, RequestStream]:
+        check_key(request)
+        parsed = parse(kind, await read_json(request), config.tokenizer, config.model_name)
+        try:
+            stream = await holder["engine"].add(parsed.prompt_token_ids, parsed.params)
+        except EngineFullError as err:
+            raise ApiError(str(err), status=429, kind="rate_limit_error") from None
+        except EngineDeadError as err:
+            raise ApiError(str(err), status=503, kind="server_error") from None
+        except EngineError as err:
+            raise ApiError(str(err)) from None
+        return parsed, stream
+
+    async def answer(kind: str, request: Request) -> Response:
+        try:
+            parsed, stream = await start(kind, request)
+        except ApiError as err:
+            return error(err)
+        result = Answer(parsed, config.tokenizer)
+        if parsed.stream:
+            return StreamingResponse(_events(stream, result), media_type="text/event-stream")
+        try:
+            reader = asyncio.ensure_future(_read_all(stream, result))
+            while not reader.done():
+                await asyncio.wait({reader}, timeout=DISCONNECT_POLL_S)
+                if not reader.done() and await request.is_disconnected():
+                    stream.abort()
+            await reader
+        except (EngineDeadError, EngineError) as err:
+            return error(ApiError(str(err), status=503, kind="server_error"))
+        return JSONResponse(result.whole())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await answer("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await answer("chat", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            check_key(request)
+        except ApiError as err:
+            return error(err)
+        engine = await holder["engine"].ready()
+        card = {
+            "id": config.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "jaxkv",
+            "max_model_len": engine.manager.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive = holder["engine"].is_alive
+        return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _read_all(stream: RequestStream, result: Answer) -> None:
+    async for delta in stream:
+        result.add(delta)
+
+
+async def _events(stream: RequestStream, result: Answer) -> AsyncIterator[str]:
+    """Server-sent events of a streamed answer; leaving early (a disconnect) aborts the request."""
+    try:
+        async for delta in stream:
+            result.add(delta)
+            if delta.token_ids or delta.text or delta.finished:
+                yield f"data: {json.dumps(result.chunk(delta))}\n\n"
+        if result.request.include_usage:
+            yield f"data: {json.dumps(result.usage_chunk())}\n\n"
+        yield "data: [DONE]\n\n"
+    except (EngineDeadError, EngineError) as err:
+        yield f"data: {json.dumps(ApiError(str(err), status=503, kind='server_error').body())}\n\n"
+    finally:
+        stream.abort()

@@ -1,0 +1,215 @@
+"""One engine stepping in its own thread, with an asyncio stream per request.
+
+The :class:`~jaxkv.serving.engine.Engine` is single-owner, so :class:`AsyncEngine`
+builds it on a thread of its own and only that thread touches it. Callers on an
+asyncio event loop (an HTTP server) talk to it through a command queue: a request
+added while the engine steps is admitted between two steps, beside the running ones
+(no batch barrier), and an abort frees the request's blocks before the next step. Each
+step's :class:`~jaxkv.serving.engine.RequestDelta` s go back to the event loop in one
+call and into each request's :class:`RequestStream`; the event loop never waits for a
+step, and the engine never waits for a reader.
+
+    engine = AsyncEngine(lambda: Engine.from_pretrained(path, memory_bytes=..., max_model_len=...))
+    stream = await engine.add([1, 2, 3], SamplingParams(max_tokens=8))
+    async for delta in stream:
+        print(delta.token_ids, delta.text)
+
+The number of unfinished requests is bounded (``max_requests``): one more is refused
+with :class:`EngineFullError` at once, so a server answers "busy" instead of queueing
+without end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+from jaxkv.errors import JaxkvError
+from jaxkv.serving.engine import Engine, RequestDelta
+from jaxkv.serving.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class EngineFullError(JaxkvError, RuntimeError):
+    """``max_requests`` requests are unfinished: try again later."""
+
+
+class EngineDeadError(JaxkvError, RuntimeError):
+    """The engine thread failed to start or has stopped."""
+
+
+class RequestStream:
+    """The deltas of one request's sequences, as they come (an async iterator), ending
+    when all ``n`` have finished. Leaving early (:meth:`abort`, or a consumer that stops
+    reading and calls it) aborts the request and frees its blocks."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._unfinished = n  # as the consumer has read
+        self._unrouted = n  # as the engine has reported
+
+    def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished = 0
+            raise item
+        if item.finished:
+            self._unfinished -= 1
+        return item
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def abort(self) -> None:
+        """Abort the request unless it has finished (its blocks are freed before the next step)."""
+        if self._unfinished:
+            self._owner.abort(self.request_id)
+
+    def put(self, item: RequestDelta | BaseException) -> bool:
+        """Queue a delta (or an error that ends the stream), on the event loop; whether the
+        engine is done with the request (every sequence reported finished)."""
+        self._queue.put_nowait(item)
+        self._unrouted = 0 if isinstance(item, BaseException) else self._unrouted - item.finished
+        return not self._unrouted
+
+
+class AsyncEngine:
+    """An engine built by ``build`` on its own thread, stepping whenever a request is
+    unfinished (see the module docstring). Create it on the event loop that will use it."""
+
+    def __init__(self, build: Callable[[], Engine], *, max_requests: int = 256, name: str = "jaxkv-engine") -> None:
+        self._loop = asyncio.get_running_loop()
+        self._commands: queue.SimpleQueue[Callable[[Engine], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self.max_requests = max_requests
+        self._ready: asyncio.Future[Engine] = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(build,), name=name, daemon=True)
+        self._thread.start()
+
+    async def ready(self) -> Engine:
+        """Wait until the engine is built; the engine (read its constant attributes only:
+        it belongs to its thread). :class:`EngineDeadError` if building it failed."""
+        return await asyncio.shield(self._ready)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._ready.done() and self._ready.exception() is None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def add(
+        self, prompt: Sequence[int], params: SamplingParams, *, cache_salt: str | None = None
+    ) -> RequestStream:
+        """Queue a request; its stream once the engine accepted it (the engine's
+        :class:`~jaxkv.serving.engine.EngineError` for a bad one, :class:`EngineFullError`
+        when ``max_requests`` are unfinished)."""
+        await self.ready()
+        if len(self._streams) >= self.max_requests:
+            raise EngineFullError(f"{len(self._streams)} requests are unfinished (max_requests={self.max_requests})")
+        request_id = f"req-{next(self._ids)}"
+        stream = RequestStream(self, request_id, params.n)
+        self._streams[request_id] = stream
+        try:
+            await self.call(lambda e: e.add_request(prompt, params, cache_salt=cache_salt, request_id=request_id))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request before the next step (its stream ends with an "abort" delta)."""
+
+        def abort(engine: Engine) -> None:
+            engine.abort(request_id)  # False: it has just finished
+
+        self._commands.put(abort)
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """``fn(engine)`` run on the engine's thread between two steps; its result."""
+        await self.ready()
+        future: asyncio.Future[T] = self._loop.create_future()
+
+        def run(engine: Engine) -> None:
+            try:
+                result = fn(engine)
+            except BaseException as err:  # handed to the caller, who is waiting for it
+                self._loop.call_soon_threadsafe(_settle, future, None, err)
+            else:
+                self._loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._commands.put(run)
+        return await future
+
+    async def close(self) -> None:
+        """Stop the thread after the current step; unfinished streams end with an error."""
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join)
+
+    # ------------------------------------------------------------ the engine thread
+    def _run(self, build: Callable[[], Engine]) -> None:
+        try:
+            engine = build()
+        except BaseException as err:
+            self._loop.call_soon_threadsafe(_settle, self._ready, None, EngineDeadError(f"the engine failed: {err}"))
+            return
+        self._loop.call_soon_threadsafe(_settle, self._ready, engine, None)
+        while True:
+            block = not engine.has_unfinished  # idle: wait for a command
+            while True:  # every command queued so far, then one step (it reports aborts too)
+                try:
+                    command = self._commands.get(block=block)
+                except queue.Empty:
+                    break
+                if command is None:
+                    self._deliver((), EngineDeadError("the engine was closed"))
+                    return
+                command(engine)
+                block = False
+            try:
+                step = engine.step()
+            except Exception as err:  # the engine dropped every request: each stream ends with the error
+                self._deliver((), err)
+                continue
+            self._deliver(step.deltas, None)
+
+    def _deliver(self, deltas: Sequence[RequestDelta], error: BaseException | None) -> None:
+        """Hand a step's deltas (or an error for every stream) to the event loop in one call."""
+        if deltas or error is not None:
+            self._loop.call_soon_threadsafe(self._route, tuple(deltas), error)
+
+    def _route(self, deltas: tuple[RequestDelta, ...], error: BaseException | None) -> None:
+        """On the event loop: each delta into its request's stream; a finished stream forgotten."""
+        if error is not None:
+            for stream in self._streams.values():
+                stream.put(error)
+            self._streams.clear()
+        for delta in deltas:
+            target = self._streams.get(delta.request_id)
+            if target is not None and target.put(delta):
+                del self._streams[delta.request_id]
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Resolve ``future`` on its loop (unless its waiter has gone)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

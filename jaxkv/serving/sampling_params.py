@@ -1,0 +1,122 @@
+"""Per-request generation parameters, under vLLM's names, checked when made.
+
+:class:`SamplingParams` is what a client asks of one request: how to draw each token
+(``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``), how many sequences
+(``n``), how many tokens (``max_tokens``, ``min_tokens``), when to stop (``stop``
+strings, ``stop_token_ids``, the checkpoint's EOS unless ``ignore_eos``) and how many
+top log-probabilities to return per token (``logprobs``). A bad value is a
+:class:`SamplingParamsError` naming it, raised by the constructor: a request never
+reaches the engine with one. Temperature 0 is greedy decoding (the argmax), the
+engine's default for a bare ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import check_int, is_int
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a sequence ended: a stop token or string, ``max_tokens`` (or ``max_model_len``),
+or an abort (a client that left, an explicit :meth:`~jaxkv.serving.engine.Engine.abort`)."""
+
+MAX_LOGPROBS = 20
+"""The most top log-probabilities a token may return (OpenAI's limit): the jitted step
+always computes this many, so a request's ``logprobs`` compiles nothing."""
+
+MAX_MASKED_STOP_IDS = 32
+"""The most stop token ids (EOS included) a request with ``min_tokens`` may have: the
+step masks them with a fixed-width row per sequence."""
+
+
+class SamplingParamsError(JaxkvError, ValueError):
+    """A sampling parameter out of its range (the message names it and its value)."""
+
+
+def _number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
+    """``value`` as a float in ``[low, high]`` (``(low, high]`` when ``low_open``); NaN fails."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise SamplingParamsError(f"{name} must be a number, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise SamplingParamsError(f"{name} must be in {bound}, got {value!r}")
+    return float(value)
+
+
+def _count(name: str, value: object, minimum: int) -> int:
+    return check_int(name, value, minimum=minimum, error=SamplingParamsError)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request generates (see the module docstring). ``top_k`` 0 (or -1, vLLM's
+    old spelling) keeps every token; ``seed`` None draws a seed per sequence; with a
+    seed and ``n`` > 1 sequence ``i`` uses ``seed + i``. ``max_tokens`` None: up to
+    ``max_model_len``. ``stop`` strings need a tokenizer (the engine refuses them
+    without one); the text ends before the stop string, the tokens at the one that
+    completed it."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "n", _count("n", self.n, 1))
+        set_(self, "temperature", _number("temperature", self.temperature, 0.0, 100.0))
+        set_(self, "top_p", _number("top_p", self.top_p, 0.0, 1.0, low_open=True))
+        set_(self, "min_p", _number("min_p", self.min_p, 0.0, 1.0))
+        top_k = -1 if is_int(self.top_k) and self.top_k == -1 else _count("top_k", self.top_k, 0)
+        set_(self, "top_k", max(top_k, 0))
+        if self.seed is not None:
+            set_(self, "seed", _count("seed", self.seed, 0))
+            if self.seed + self.n > 2**32:
+                raise SamplingParamsError(f"seed + n must fit in 32 bits, got seed={self.seed!r}, n={self.n}")
+        if self.max_tokens is not None:
+            set_(self, "max_tokens", _count("max_tokens", self.max_tokens, 1))
+        set_(self, "min_tokens", _count("min_tokens", self.min_tokens, 0))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
+        set_(self, "stop", self._strings(self.stop))
+        set_(self, "stop_token_ids", self._ids(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            set_(self, "logprobs", _count("logprobs", self.logprobs, 0))
+            if self.logprobs > MAX_LOGPROBS:
+                raise SamplingParamsError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs!r}")
+
+    @classmethod
+    def greedy(cls, max_tokens: int) -> SamplingParams:
+        """Greedy decoding of up to ``max_tokens`` tokens (what a bare ``max_new_tokens`` means)."""
+        return cls(temperature=0.0, max_tokens=max_tokens)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @staticmethod
+    def _strings(stop: object) -> tuple[str, ...]:
+        """``stop`` (one string or several) as a tuple of non-empty strings."""
+        items = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+            raise SamplingParamsError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        return tuple(items)
+
+    @staticmethod
+    def _ids(ids: object) -> tuple[int, ...]:
+        if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
+            raise SamplingParamsError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+        return tuple(int(t) for t in ids)

@@ -1,0 +1,65 @@
+"""A checkpoint's tokenizer, chat template (sandboxed) and streamed text (never a broken character)."""
+
+import json
+
+import pytest
+from tiny_tokenizer import EOS_TOKEN_ID, save_tiny_tokenizer
+
+from jaxkv.models.text import TextError, TextTokenizer, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> TextTokenizer:
+    directory = tmp_path_factory.mktemp("tok")
+    save_tiny_tokenizer(directory)
+    return TextTokenizer.from_directory(directory)
+
+
+def test_the_tiny_tokenizer_spells_any_text_in_bytes_and_knows_its_special_tokens(tok):
+    text = "héllo, 世界 🙂"
+    ids = tok.encode(text)
+    assert len(ids) == len(text.encode()) and max(ids) < 256 and tok.decode(ids) == text
+    assert tok.encode("<|endoftext|>") == [EOS_TOKEN_ID] and tok.decode([*ids, EOS_TOKEN_ID]) == text
+    assert tok.vocab_size == 264
+
+
+def test_streamed_text_never_breaks_a_character_and_adds_up_to_the_whole(tok):
+    text = "naïve café — 日本語 🙂!"
+    ids = tok.encode(text)
+    detok = tok.detokenizer()
+    pieces = [detok.add([i]) for i in ids]
+    assert "".join(pieces) == detok.text == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(p == "" for p in pieces) == len(text.encode()) - len(text), "one hold per continuation byte"
+    cut = tok.detokenizer()
+    cut.add(tok.encode("🙂")[:2])
+    assert cut.text == "" and cut.flush() == "\ufffd"
+
+
+def test_the_chat_template_renders_roles_and_refuses_what_it_does_not_know(tok):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(chat) == "<|system|>Be brief.<|endoftext|><|user|>Hi<|endoftext|><|assistant|>"
+    assert tok.apply_chat_template(chat, add_generation_prompt=False).endswith("Hi<|endoftext|>")
+    with pytest.raises(TextError, match="unknown role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(TextError, match="messages must be a list"):
+        tok.apply_chat_template([{"content": "no role"}])
+
+
+def test_a_template_cannot_reach_python_objects(tmp_path):
+    save_tiny_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TextError, match="the chat template refused the messages"):
+        TextTokenizer.from_directory(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_a_directory_without_a_tokenizer_has_none_and_a_template_less_one_refuses_chats(tmp_path):
+    assert load_tokenizer(tmp_path) is None
+    with pytest.raises(TextError, match="ships no tokenizer"):
+        TextTokenizer.from_directory(tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").unlink()
+    with pytest.raises(TextError, match="no chat_template"):
+        load_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])

@@ -1,0 +1,169 @@
+"""The OpenAI-compatible server, live on loopback, through the official ``openai`` client."""
+
+import asyncio
+import json
+import time
+from http.client import HTTPConnection
+
+import pytest
+from hf_checkpoints import save_tiny_checkpoint
+from tiny_tokenizer import EOS_TOKEN_ID, save_tiny_tokenizer
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from jaxkv.models.text import load_tokenizer  # noqa: E402
+from jaxkv.server.cli import ServerThread, build_app, parser  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]  # a server thread, an engine compiled on it
+PROMPT = "The cache holds blocks of keys and values; " * 2
+
+
+def http(url: str, method: str, path: str, body: bytes | None = None, key: str = "k") -> tuple[int, str]:
+    """One plain HTTP request (the standard library's client); its status and body."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request(method, path, body=body, headers={"Authorization": f"Bearer {key}"})
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+class LiveServer(ServerThread):
+    """The app of ``flags`` live on loopback, once its engine is built (``/health`` 200)."""
+
+    def __init__(self, flags: list[str]) -> None:
+        super().__init__(build_app(parser().parse_args(flags)))
+        deadline = time.time() + 300
+        while http(self.url, "GET", "/health")[0] != 200:
+            assert time.time() < deadline, "the engine was not built in time"
+            time.sleep(0.2)
+
+    def engine_state(self):
+        """Unfinished requests, leaked blocks, free and usable blocks, read on the engine's thread."""
+        engine = self.app.state.engine
+
+        async def read():
+            return await engine.call(
+                lambda e: (e.has_unfinished, e.audit().device_blocks_leaked, e.manager.num_free_blocks)
+            )
+
+        return asyncio.run_coroutine_threadsafe(read(), engine._loop).result(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_checkpoint("llama", directory)
+    save_tiny_tokenizer(directory)
+    live = LiveServer(["--checkpoint", str(directory), "--memory", "4MiB", "--max_model_len", "256", "--api_key", "k"])
+    live.directory = directory
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0)
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [server.url and client.models.list().data[0].id]
+    assert http(server.url, "GET", "/health") == (200, '{"status":"ok"}')
+    assert "vllm:kv_cache_usage_perc" in http(server.url, "GET", "/metrics")[1]
+
+
+def test_a_completion_from_text_and_from_token_ids_stops_at_eos_or_length(server, client):
+    text = client.completions.create(model="m", prompt=PROMPT, max_tokens=40, temperature=0)
+    prompt_ids = load_tokenizer(server.directory).encode(PROMPT)
+    ids = client.completions.create(model="m", prompt=prompt_ids, max_tokens=40, temperature=0)
+    assert text.choices[0].finish_reason in ("stop", "length") and text.choices[0].text == ids.choices[0].text
+    assert text.usage.prompt_tokens == len(PROMPT.encode())
+    long = client.completions.create(model="m", prompt=PROMPT, max_tokens=200, temperature=1.0, seed=3)
+    assert long.choices[0].finish_reason == "stop", "a random tiny model draws EOS (1 of 264 tokens) within 200"
+    ignoring = client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=30, seed=3, extra_body={"ignore_eos": True}
+    )
+    assert ignoring.choices[0].finish_reason == "length" and ignoring.usage.completion_tokens == 30
+
+
+def test_a_stop_string_ends_the_text_before_it(client):
+    full = client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = full.choices[0].text
+    stop = text[5:7]
+    cut = client.completions.create(model="m", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.index(stop)]
+
+
+def test_streams_add_up_to_the_whole_answer_with_usage_last(client):
+    whole = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    streamed = client.completions.create(model="m", prompt=PROMPT, max_tokens=10, temperature=0, stream=True)
+    assert (
+        "".join(c.choices[0].text for c in streamed)
+        == client.completions.create(model="m", prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
+    )
+
+
+def test_seeds_reproduce_and_n_sequences_share_the_prompt(server, client):
+    a, b = (
+        client.completions.create(model="m", prompt=PROMPT, max_tokens=12, seed=7, temperature=1.0) for _ in range(2)
+    )
+    assert a.choices[0].text == b.choices[0].text
+    many = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, seed=7, n=3, logprobs=2)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    assert many.choices[0].text == a.choices[0].text, "sequence 0 uses the seed itself"
+    assert all(len(c.logprobs.top_logprobs[0]) == 2 for c in many.choices)
+    assert server.engine_state()[:2] == (False, 0)
+
+
+def test_a_client_that_disconnects_aborts_its_request_and_every_block_is_freed(server):
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 240, "stream": True, "ignore_eos": True}
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Authorization": "Bearer k"})
+    response = conn.getresponse()
+    while True:
+        line = response.readline().decode()
+        if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+            break  # leave after the first text
+    conn.close()
+    deadline = time.time() + 30
+    while server.engine_state()[0] and time.time() < deadline:
+        time.sleep(0.2)
+    unfinished, leaked, _ = server.engine_state()
+    assert not unfinished and leaked == 0
+
+
+def test_bad_requests_get_openai_error_bodies(server, client):
+    with pytest.raises(openai.BadRequestError, match="temperature must be in"):
+        client.completions.create(model="m", prompt="x", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="not an id in"):
+        client.completions.create(model="m", prompt=[EOS_TOKEN_ID + 100])
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    status, text = http(server.url, "POST", "/v1/completions", b"x" * (2 << 20))
+    assert status == 413 and json.loads(text)["error"]["type"] == "invalid_request_error"

@@ -1,0 +1,133 @@
+"""The device sampler against exact probabilities, and its per-row keys, masks and log-probabilities."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.serving.sampler import RowSampling, greedy_inputs, sample, sampling_inputs
+from jaxkv.serving.sampling_params import SamplingParams
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+PROBS = np.array([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
+"""A fixed small distribution: distinct probabilities, so every filter cuts somewhere."""
+DRAWS = 20_000
+P_VALUE = 1e-6
+"""A chi-square test this strict fails a right sampler once in a million runs; a wrong one
+(the negative controls) is off by far more than the noise of 20 000 draws."""
+
+_sample = jax.jit(sample)
+
+
+def exact(params: SamplingParams) -> np.ndarray:
+    """The distribution ``params`` define over :data:`PROBS`, written from the definitions."""
+    p = PROBS ** (1 / params.temperature)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros(len(p), bool)
+    k = params.top_k or len(p)
+    mass = 0.0
+    for rank, token in enumerate(order[:k]):
+        if rank and mass >= params.top_p * p[order[:k]].sum():
+            break
+        keep[token] = True
+        mass += p[token]
+    keep &= p >= params.min_p * p.max()
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+def draws(params: SamplingParams, *, first_seed: int = 0) -> np.ndarray:
+    """Counts per token of :data:`DRAWS` draws, each row with its own seed."""
+    logits = jnp.asarray(np.tile(np.log(PROBS), (DRAWS, 1)), jnp.float32)
+    rows = [RowSampling(params, first_seed + i, 7) for i in range(DRAWS)]
+    tokens = np.asarray(_sample(logits, sampling_inputs(rows, DRAWS)).token_ids)
+    return np.bincount(tokens, minlength=len(PROBS))
+
+
+def p_value(counts: np.ndarray, expected: np.ndarray) -> float:
+    """Chi-square goodness of fit over the tokens ``expected`` can draw (none drawn elsewhere)."""
+    support = expected > 0
+    assert counts[~support].sum() == 0, f"drew tokens outside the support: {counts}"
+    return float(scipy_stats.chisquare(counts[support], DRAWS * expected[support]).pvalue)
+
+
+CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.6, top_k=3),
+    SamplingParams(top_p=0.7),
+    SamplingParams(top_p=0.5),
+    SamplingParams(min_p=0.3),
+    SamplingParams(temperature=1.3, top_k=5, top_p=0.9, min_p=0.2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", CASES, ids=repr)
+def test_draws_follow_the_exact_distribution(params):
+    assert p_value(draws(params), exact(params)) > P_VALUE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "drawn, claimed",
+    [
+        (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7)),  # temperature ignored
+        (SamplingParams(top_k=4), SamplingParams(top_k=3)),  # top-k off by one
+        (SamplingParams(top_p=0.9), SamplingParams(top_p=0.7)),  # one token too many in the head
+        (
+            SamplingParams(temperature=1.3, top_k=5, top_p=0.9),
+            SamplingParams(temperature=1.3, top_k=5, top_p=0.9, min_p=0.4),
+        ),
+    ],
+    ids=["temperature", "top_k", "top_p", "min_p"],
+)
+def test_a_wrong_sampler_fails_the_same_test(drawn, claimed):
+    counts = draws(drawn)
+    expected = exact(claimed)
+    support = expected > 0
+    leaked = counts[~support].sum() > 0
+    assert leaked or scipy_stats.chisquare(counts[support], DRAWS * expected[support]).pvalue < P_VALUE
+
+
+def test_a_seeded_row_draws_the_same_token_whatever_shares_its_batch():
+    rng = np.random.default_rng(0)
+    seeded = RowSampling(SamplingParams(temperature=1.0, seed=5), 5, 11)
+    batches = []
+    for others in (0, 3, 7):
+        logits = rng.normal(size=(8, 64)).astype(np.float32)
+        logits[others % 8] = np.linspace(-1, 1, 64)  # the seeded row's logits, at different rows
+        rows = [RowSampling(SamplingParams(temperature=2.0), int(rng.integers(99)), int(rng.integers(99)))] * 8
+        rows[others % 8] = seeded
+        batches.append(int(_sample(jnp.asarray(logits), sampling_inputs(rows, 8)).token_ids[others % 8]))
+    assert len(set(batches)) == 1
+    logits = jnp.asarray(np.tile(np.linspace(-1, 1, 64), (8, 1)), jnp.float32)
+    positions = [RowSampling(SamplingParams(seed=5), 5, p) for p in range(8)]
+    assert len(set(np.asarray(_sample(logits, sampling_inputs(positions, 8)).token_ids).tolist())) > 1
+
+
+def test_greedy_rows_take_the_argmax_and_banned_ids_are_never_drawn():
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(4, 32)), jnp.float32)
+    greedy = np.asarray(_sample(logits, greedy_inputs(4)).token_ids)
+    assert greedy.tolist() == np.argmax(np.asarray(logits), -1).tolist()
+    banned = tuple(int(t) for t in greedy[:1])
+    rows = [RowSampling(SamplingParams(temperature=0.0), 0, 0, banned), None, None, None]
+    masked = np.asarray(_sample(logits, sampling_inputs(rows, 4)).token_ids)
+    assert masked[0] != greedy[0] and masked[1:].tolist() == greedy[1:].tolist()
+    hot = [RowSampling(SamplingParams(temperature=5.0), s, 0, banned) for s in range(4)]
+    many = jnp.tile(logits[:1], (4, 1))
+    assert banned[0] not in np.asarray(_sample(many, sampling_inputs(hot, 4)).token_ids).tolist()
+
+
+def test_logprobs_are_the_raw_distributions_top_tokens_and_the_chosen_ones():
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=(3, 40)), jnp.float32)
+    rows = [RowSampling(SamplingParams(temperature=1.0, top_k=2), s, 0) for s in range(3)]
+    out = _sample(logits, sampling_inputs(rows, 3))
+    raw = np.asarray(jax.nn.log_softmax(logits, -1))
+    assert np.asarray(out.top_ids).tolist() == np.argsort(-raw, -1)[:, :20].tolist()
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), np.sort(raw, -1)[:, ::-1][:, :20], rtol=1e-6)
+    chosen = raw[np.arange(3), np.asarray(out.token_ids)]
+    np.testing.assert_allclose(np.asarray(out.logprob), chosen, rtol=1e-6)
+    assert all(t in ids[:2] for t, ids in zip(np.asarray(out.token_ids), np.asarray(out.top_ids), strict=True))

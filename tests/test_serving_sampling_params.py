@@ -1,0 +1,47 @@
+"""SamplingParams: vLLM's names and defaults, every bad value refused by name."""
+
+import pytest
+
+from jaxkv.serving.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+
+
+def test_defaults_are_vllms_and_greedy_is_temperature_zero():
+    params = SamplingParams()
+    assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (params.max_tokens, params.min_tokens, params.stop, params.ignore_eos) == (16, 0, (), False)
+    assert SamplingParams.greedy(5) == SamplingParams(temperature=0.0, max_tokens=5)
+    assert SamplingParams.greedy(5).is_greedy and not params.is_greedy
+
+
+def test_one_stop_string_is_a_list_of_one_and_top_k_minus_one_keeps_every_token():
+    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(top_k=-1).top_k == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"n": 0}, "n must be a positive int, got 0"),
+        ({"temperature": -0.1}, r"temperature must be in \[0.0, 100.0\], got -0.1"),
+        ({"temperature": float("nan")}, "temperature must be a number, got nan"),
+        ({"temperature": "1"}, "temperature must be a number, got '1'"),
+        ({"top_p": 0.0}, r"top_p must be in \(0.0, 1.0\], got 0.0"),
+        ({"top_p": 1.5}, "top_p must be in"),
+        ({"top_k": -2}, "top_k must be a non-negative int, got -2"),
+        ({"min_p": 2}, "min_p must be in"),
+        ({"seed": -1}, "seed must be a non-negative int, got -1"),
+        ({"seed": 2**32 - 1, "n": 2}, "seed \\+ n must fit in 32 bits"),
+        ({"max_tokens": 0}, "max_tokens must be a positive int, got 0"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens=5 exceeds max_tokens=4"),
+        ({"stop": [""]}, "stop must be a non-empty string or a list of them"),
+        ({"stop": 3}, "stop must be"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of ints >= 0"),
+        ({"ignore_eos": 1}, "ignore_eos must be a bool, got 1"),
+        ({"logprobs": MAX_LOGPROBS + 1}, f"logprobs must be at most {MAX_LOGPROBS}"),
+        ({"n": True}, "n must be a positive int, got True"),
+    ],
+)
+def test_bad_values_are_refused_by_name(kwargs, match):
+    with pytest.raises(SamplingParamsError, match=match):
+        SamplingParams(**kwargs)
