@@ -111,12 +111,14 @@ def language_model_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {"tie_word_embeddings": tied, **text, "architectures": [registry.MULTIMODAL[architecture]]}
 
 
-def _build_model(config: Mapping[str, Any], dtype: Any) -> Any:
-    """An unloaded model of ``config`` (its sizes checked; no weights yet); a config the
-    builder cannot read (a missing field, a wrong type) is a :class:`CheckpointError` naming what failed."""
+def _build_model(config: Mapping[str, Any], dtype: Any) -> tuple[Any, dict[str, tuple[int, ...]]]:
+    """An unloaded model of ``config`` (its sizes checked; no weights yet) and the shapes of
+    the tensors it reads; a config the builder cannot read (a missing field, a wrong type,
+    a size left null) is a :class:`CheckpointError` naming what failed."""
     cls = builder_of(config)
     try:
-        return cls(language_model_config(config), dtype)
+        model = cls(language_model_config(config), dtype)
+        return model, model.tensor_shapes()
     except JaxkvError:
         raise
     except KeyError as err:
@@ -175,8 +177,7 @@ def load_pretrained(
             )
             stored = header(embedding or next(iter(where))).get_dtype()
             dtype = _SAFETENSORS_DTYPES.get(stored, "float32")
-        model = _build_model(config, dtype)
-        shapes = model.tensor_shapes()
+        model, shapes = _build_model(config, dtype)
         found = {name: next((n for n in _stored_names(config, name) if n in where), None) for name in shapes}
         missing = [name for name, stored in found.items() if stored is None]
         if missing:
