@@ -405,13 +405,13 @@ def test_an_engine_sizes_a_picked_state_pool_for_its_requests_and_a_tenth_of_mem
 
 
 def test_a_plan_beside_a_kv_config_or_for_another_mesh_is_refused(models):
-    config = Engine.build("tiny-llama", memory_bytes=1 << 20, max_model_len=256).manager.config
+    config = Engine.build("tiny-llama", memory_bytes=2 << 20, max_model_len=256).manager.config
     with pytest.raises(EngineError, match="plan=PlanOptions"):
         Engine(models["tiny-llama"], config, plan=PlanOptions())
     with pytest.raises(EngineError, match="plan must be a PlanOptions"):
-        Engine(models["tiny-llama"], memory_bytes=1 << 20, max_model_len=256, plan={"block_size": 8})
+        Engine(models["tiny-llama"], memory_bytes=2 << 20, max_model_len=256, plan={"block_size": 8})
     with pytest.raises(EngineError, match="tensor_parallel=2 differs"):
-        Engine(models["tiny-llama"], memory_bytes=1 << 20, max_model_len=256, plan=PlanOptions(tensor_parallel=2))
+        Engine(models["tiny-llama"], memory_bytes=2 << 20, max_model_len=256, plan=PlanOptions(tensor_parallel=2))
 
 
 # ------------------------------------------------------------------ stopping and sampling
