@@ -50,11 +50,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 PROG = "gpu_check.py"
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", None, "directory for gpu_check.json, gpu_check.log and each step's JSON (created)")
-flags.DEFINE_enum("preset", "auto", ["auto", "cpu", "accelerator"], "step sizes (auto: cpu on a CPU-only machine)")
-flags.DEFINE_float("budget_s", 480.0, "wall-clock seconds for all steps together", lower_bound=1.0)
-flags.DEFINE_list("steps", None, "run only these steps, in the usual order (default: all)")
-flags.mark_flag_as_required("out")
+
+
+def define_flags() -> None:
+    """The script's flags, defined only when it runs (the tests import its step runner)."""
+    flags.DEFINE_string("out", None, "directory for gpu_check.json, gpu_check.log and each step's JSON (created)")
+    flags.DEFINE_enum("preset", "auto", ["auto", "cpu", "accelerator"], "step sizes (auto: cpu on a CPU-only machine)")
+    flags.DEFINE_float("budget_s", 480.0, "wall-clock seconds for all steps together", lower_bound=1.0)
+    flags.DEFINE_list("steps", None, "run only these steps, in the usual order (default: all)")
+    flags.mark_flag_as_required("out")
+
 
 ENV_PROBE = """
 import json, subprocess, sys
@@ -366,4 +371,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main, flags_parser=flags_parser(PROG))
