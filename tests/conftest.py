@@ -7,6 +7,7 @@ else keeps running on ``jax.devices()[0]``, the default device.
 """
 
 import os
+import pathlib
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
@@ -28,3 +29,17 @@ def tokens():
 def rng() -> SeededRng:
     """Fresh random inputs for every case (JAXKV_TEST_SEED replays one)."""
     return SeededRng(int(os.environ.get("JAXKV_TEST_SEED", secrets.randbits(32))))
+
+
+MEASURED_SLOW = frozenset(
+    line.strip()
+    for line in (pathlib.Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+)
+"""Tests measured at 1 s or more without a marker of their own (``slow_tests.txt``)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid in MEASURED_SLOW:
+            item.add_marker(pytest.mark.slow)
