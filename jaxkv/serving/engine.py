@@ -602,7 +602,7 @@ class Engine:
                 self.abort(request_id)
             deltas.extend(self._aborted)
             self._aborted = []
-            finished = [output for output in finished if output.request_id not in aborted]
+            finished = [out for out in finished if out.request_id not in aborted]
         if not self._live:
             self._release(())
         self._publish_events()  # early stops' frees (and host stores settled by _release)
