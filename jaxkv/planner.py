@@ -352,6 +352,28 @@ class SharedStates:
         _positive_int("state_bytes", self.state_bytes)
 
 
+def held_blocks(
+    groups: Sequence[KVCacheGroup], state_unit: int | None, num_tokens: int, max_num_batched_tokens: int
+) -> tuple[int, ...]:
+    """The most blocks one request of ``num_tokens`` tokens holds at once, per group: the
+    one count of what the manager holds, which the planner sizes every layout with.
+
+    An attention group holds what its spec says (all blocks, or a window's span for a
+    step of ``max_num_batched_tokens``). In vLLM's layout (``state_unit`` None) a
+    recurrent group holds the block a step reads and the one it writes. Otherwise its
+    state is a unit of ``state_unit`` blocks of its pool (1: a state pool row; a state
+    on shared pages: ``pages_per_state``) and the request holds one, its live state: the
+    checkpoint a step reads is kept beside it only while the pool has room and is
+    written over when it is short (:meth:`jaxkv.core.coordinator.KVCacheCoordinator.allocate`).
+    """
+    return tuple(
+        state_unit
+        if state_unit is not None and isinstance(g.spec, MambaSpec)
+        else g.spec.blocks_per_request(num_tokens, g.block_size, max_num_batched_tokens)
+        for g in groups
+    )
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """The plan: the shared pool of ``num_blocks`` blocks and the groups drawing on it.
@@ -480,12 +502,8 @@ class KVCacheConfig:
         num_tokens = self.max_model_len if num_tokens is None else num_tokens
         if num_tokens is None:
             raise PlanError("blocks_per_request needs num_tokens: the config has no max_model_len")
-        states = set(self.state_group_ids)
-        state = 1 if self.shared_states is None else self.shared_states.pages_per_state
-        return tuple(
-            state if i in states else g.spec.blocks_per_request(num_tokens, g.block_size, self.max_num_batched_tokens)
-            for i, g in enumerate(self.groups)
-        )
+        unit = None if self.states is None else getattr(self.states, "pages_per_state", 1)
+        return held_blocks(self.groups, unit, num_tokens, self.max_num_batched_tokens)
 
     def attention_blocks_per_request(self, num_tokens: int | None = None) -> int:
         """Blocks of the ``num_blocks`` pool one request of ``num_tokens`` holds, all groups together
@@ -747,10 +765,9 @@ class _Budget:
     max_model_len: int
     options: PlanOptions
 
-    def blocks_per_request(self, groups: Sequence[KVCacheGroup]) -> int:
-        """Blocks one max_model_len request holds in ``groups`` (paged groups), all together."""
-        tokens = self.options.step_tokens
-        return sum(g.spec.blocks_per_request(self.max_model_len, g.block_size, tokens) for g in groups)
+    def blocks_per_request(self, groups: Sequence[KVCacheGroup], state_unit: int | None = None) -> int:
+        """Blocks one max_model_len request holds in ``groups``, all together (:func:`held_blocks`)."""
+        return sum(held_blocks(groups, state_unit, self.max_model_len, self.options.step_tokens))
 
     def config(
         self,
@@ -903,7 +920,8 @@ def _plan_state_pool(types: Sequence[_LayerType], budget: _Budget) -> KVCacheCon
     need = paged.blocks_per_request if paged is not None else 0
     hash_block_size = paged.hash_block_size if paged is not None else budget.options.block_size
     row_bytes = _state_row_bytes(recurrent)
-    states_per_request = len(recurrent)
+    groups = _with_state_groups(types, paged.groups if paged is not None else (), hash_block_size)
+    states_per_request = budget.blocks_per_request([g for g in groups if isinstance(g.spec, MambaSpec)], 1)
     per_request = need * block_bytes + states_per_request * row_bytes
     fixed = block_bytes + row_bytes  # the null block and the null state
     num_seqs = (memory_bytes - checkpoint_bytes - fixed) // per_request if max_num_seqs is None else max_num_seqs
@@ -924,7 +942,6 @@ def _plan_state_pool(types: Sequence[_LayerType], budget: _Budget) -> KVCacheCon
             f"{states_per_request} state row(s) of {row_bytes} B, plus the null block and null state; "
             f"the smallest budget that fits is {exact_bytes(smallest)}"
         )
-    groups = _with_state_groups(types, paged.groups if paged is not None else (), hash_block_size)
     pool = StatePool(num_states=num_states, state_bytes=row_bytes, num_live_states=live)
     return budget.config(num_blocks, groups, pages, pool)
 
@@ -947,17 +964,17 @@ def _plan_shared_pages(types: Sequence[_LayerType], budget: _Budget) -> KVCacheC
     row_bytes = _state_row_bytes(recurrent)
     paged = _paged_groups(attention, budget)
     block_bytes = paged.pages.block_bytes
-    pages_per_state = cdiv(row_bytes, block_bytes)
+    shared = SharedStates(pages_per_state=cdiv(row_bytes, block_bytes), state_bytes=row_bytes)
+    groups = _with_state_groups(types, paged.groups, paged.hash_block_size)
     num_blocks = budget.memory_bytes // block_bytes
-    need = paged.blocks_per_request + len(recurrent) * pages_per_state
+    need = budget.blocks_per_request(groups, shared.pages_per_state)
     if num_blocks < need + 1:
         raise InsufficientMemoryError(
             f"memory_bytes={budget.memory_bytes} holds {num_blocks} blocks of {block_bytes} B, but one request of "
             f"max_model_len={budget.max_model_len} needs {need} blocks ({len(recurrent)} live state(s) of "
-            f"{pages_per_state} block(s) included) with the null block"
+            f"{shared.pages_per_state} block(s) included) with the null block: the smallest budget that fits "
+            f"is {exact_bytes((need + 1) * block_bytes)}"
         )
-    groups = _with_state_groups(types, paged.groups, paged.hash_block_size)
-    shared = SharedStates(pages_per_state=pages_per_state, state_bytes=row_bytes)
     return budget.config(num_blocks, groups, paged.pages, shared)
 
 

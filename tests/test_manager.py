@@ -544,7 +544,7 @@ def test_state_pool_checkpoints_where_attention_ran_ahead_of_the_state(tokens):
     serve_prompt(mgr, Request("a", tokens(0, 100)))
     b = Request("b", tokens(0, 50) + tokens(700, 30))
     _hit, n = mgr.get_computed_blocks(b)
-    assert n == 0 and mgr.checkpoint_positions(b, 0) == (48, 80)
+    assert n == 0 and mgr.checkpoint_positions(b, 0) == (48, 64, 80)  # the junction, the resend point, the end
     assert serve_prompt(mgr, b) == 0
     assert serve_prompt(mgr, Request("c", tokens(0, 50) + tokens(900, 30))) == 48
 
@@ -587,25 +587,27 @@ def test_a_hit_through_a_shared_checkpoint_requeues_it_as_recently_used(tokens):
 
 def test_state_pool_updates_the_running_state_in_place_and_copies_on_write(tokens):
     mgr = state_pool_manager(64, 8)
+    states = mgr.state_pool
     req = Request("r", tokens(0, 100))
     serve_prompt(mgr, req)
-    checkpoint_96, running = held_states(mgr, req)
-    assert mgr.state_pool.is_cached(checkpoint_96) and not mgr.state_pool.is_cached(running)
+    resend_96, running = held_states(mgr, req)
+    assert states.is_cached(resend_96) and not states.is_cached(running)
     decode(mgr, req, 11)  # to 111 tokens: the slot moved along, no new one
     assert held_states(mgr, req) == [running]
-    decode(mgr, req, 1)  # 112: a block boundary while decoding is a checkpoint; it supersedes 96's
-    assert mgr.state_pool.is_cached(running) and mgr.state_pool.free_block_ids()[0] == checkpoint_96
-    decode(mgr, req, 1)  # the next state goes to a fresh slot (96's went first); 112's stays intact
+    decode(mgr, req, 1)  # 112: a block boundary while decoding is a checkpoint; 96's (the resend point) stays
+    assert states.is_cached(running) and states.is_cached(resend_96) and states.free_block_ids()[0] != resend_96
+    decode(mgr, req, 1)  # the next state goes to a fresh slot; 112's stays intact
     (fresh,) = [b for b in held_states(mgr, req) if b != running]
-    assert fresh == checkpoint_96
+    assert fresh != resend_96
     decode(mgr, req, 16)  # 129: the checkpoint at 128 superseded 112's, whose slot went next
     assert held_states(mgr, req) == [fresh, running], "128's checkpoint, then the slot 112's gave back"
     history = req.all_token_ids
-    assert mgr.get_computed_blocks(Request("to-113", history[:113]))[1] == 0
+    assert mgr.get_computed_blocks(Request("to-113", history[:113]))[1] == 96
     assert mgr.get_computed_blocks(Request("to-129", history[:129]))[1] == 128
-    assert mgr.state_pool.num_free_blocks == 7 - len(held_states(mgr, req))
+    assert mgr.get_computed_blocks(Request("resent", history[:100]))[1] == 96
+    assert states.num_free_blocks == 7 - len(held_states(mgr, req))
     mgr.free(req)
-    assert mgr.state_pool.num_free_blocks == 7
+    assert states.num_free_blocks == 7
 
 
 def test_state_pool_out_of_states_refuses_and_changes_nothing(tokens):

@@ -386,15 +386,20 @@ class KVCacheCoordinator:
     ) -> bool:
         """Whether every pool has the net free blocks the allocation consumes: new
         blocks, plus hits on free (evictable) blocks, minus blocks that skipping
-        out-of-span ones returns."""
+        out-of-span ones returns, minus the fresh states a short pool spares by writing
+        over checkpoints only this request holds (see :meth:`allocate`)."""
         needed = [0] * len(self.pools)
         hit_lists: list[tuple[SingleTypeManager, Sequence[int], int]] = []
         for m, alike, k in self._counting:
             num_hits = 0
+            hits: Sequence[int] = ()
             if hit_blocks and hit_blocks[m.group_id]:
-                num_hits = len(hit_blocks[m.group_id])
+                hits = hit_blocks[m.group_id]
+                num_hits = len(hits)
                 hit_lists.extend((a, hit_blocks[a.group_id], k) for a in alike)
             n = m.num_new_blocks(request_id, num_tokens, num_hits) * len(alike)
+            if n and isinstance(m, StatePoolManager) and m.can_overwrite_checkpoint(request_id, hits):
+                n = 0  # the bound with every such checkpoint overwritten; allocate overwrites only what it must
             if m.skips_blocks:
                 skippable = m.skippable_blocks(request_id, num_computed_tokens)
                 if skippable:  # then as many fell out of span in each alike group
@@ -426,12 +431,20 @@ class KVCacheCoordinator:
         hit_blocks: Sequence[Sequence[int]] | None,
         num_computed_tokens: int,
     ) -> tuple[list[int], ...]:
-        """Skip out-of-span blocks, adopt hit blocks, then take fresh ones; return the fresh ones."""
+        """Skip out-of-span blocks, adopt hit blocks, then take fresh ones; return the fresh ones.
+
+        A recurrent group whose next state needs a fresh unit takes one while its pool
+        has enough free blocks (a free block may be a cached one, evicted in LRU order);
+        when the pool is short, the request's own checkpoint goes first: the state is
+        written over it (it leaves the prefix cache), so a running request needs no more
+        than its live state per group (the count the planner plans with)."""
         self.remove_skipped_blocks(request_id, num_computed_tokens)
         if hit_blocks:
             for m, hits in zip(self.managers, hit_blocks, strict=True):
                 m.pool.touch(hits)
                 m.add_hit_blocks(request_id, hits)
+        if self._state_managers:
+            self._overwrite_checkpoints_if_short(request_id, num_tokens)
         new: list[list[int]] = []
         for pool, run in self._take_runs:
             if pool is None or len(run) == 1:
@@ -447,6 +460,22 @@ class KVCacheCoordinator:
                 m.add_new_blocks(request_id, blocks)
                 new.append(blocks)
         return tuple(new)
+
+    def _overwrite_checkpoints_if_short(self, request_id: str, num_tokens: int) -> None:
+        """Where a pool lacks the free blocks this allocation takes, write the request's
+        next states over the checkpoints only it holds, group by group, until it has them."""
+        short = [-p.num_free_blocks for p in self.pools]
+        for m, alike, k in self._counting:
+            short[k] += m.num_new_blocks(request_id, num_tokens, 0) * len(alike) * m.pages_per_block
+        for m in self._state_managers:
+            k = self.pools.index(m.pool)
+            if (
+                short[k] > 0
+                and m.num_new_blocks(request_id, num_tokens, 0)
+                and m.can_overwrite_checkpoint(request_id, ())
+            ):
+                m.overwrite_checkpoint(request_id)
+                short[k] -= m.pages_per_block
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the request's blocks that fell out of span in every group (an allocation

@@ -156,6 +156,10 @@ class BlockPool:
         g = self.block_group[block_id]
         return h is not None and (self.cached[g].get(h) != block_id or bool(self._copies[g].get(h)))
 
+    def ref_count(self, block_id: int) -> int:
+        """How many holders the block has (0: it waits in the free queue or is retained)."""
+        return self.ref_cnt[block_id]
+
     def is_journaled(self, block_id: int) -> bool:
         """Whether the block was cached inside the open journal (its data is not written yet)."""
         return self._journal is not None and block_id in self._journal
@@ -463,6 +467,21 @@ class BlockPool:
                     lora_name=lora_name,
                 )
             )
+
+    def reuse_held(self, block_id: int) -> None:
+        """A cached block its one holder is about to overwrite (a recurrent state written
+        over the checkpoint it was read from): the reuse listeners hear of it as of any
+        block handed out again, then its hash is evicted. It stays held."""
+        h = self.block_hash[block_id]
+        if h is None or self.ref_cnt[block_id] != 1:
+            raise BlockPoolError(
+                f"block {block_id} cannot be overwritten in place: cached={h is not None}, "
+                f"references={self.ref_cnt[block_id]} (needs a cached block with one holder)"
+            )
+        if self._journal is None or block_id not in self._journal:
+            for listener in self._reuse_listeners:
+                listener(block_id, h, self.block_group[block_id])
+        self._evict(block_id)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> int:
         """Drop the cached hashes of these blocks (wherever they are); return how many were cached."""

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from jaxkv.core.pool import NULL_BLOCK, BlockPool
+from jaxkv.core.state_checkpoints import resend_position
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv
 from jaxkv.specs import (
@@ -510,6 +511,9 @@ class StatePoolManager(MambaManager):
         # hit resumed from: superseded once the request caches its own.
         self._continuations: dict[int, bytes] = {}
         self.resumed: dict[str, tuple[int, bytes]] = {}
+        # Every cached resend checkpoint (block -> hash): kept in queue order, never
+        # superseded, and not requeued by hits passing through (only the same prompt uses it).
+        self._resends: dict[int, bytes] = {}
         # Per request that adopted a hit and has not cached since: the hit's length in blocks.
         self._hit_blocks: dict[str, int] = {}
 
@@ -527,11 +531,11 @@ class StatePoolManager(MambaManager):
         """Requeue as recently used the shared checkpoints cached before block ``num_blocks - 1``
         of the chain ``hashes`` (those a hit ending there passed through)."""
         (cached,) = self.pool.hash_maps((self.group_id,))
-        continuations = self._continuations
+        continuations, resends = self._continuations, self._resends
         passed = []
         for h in hashes[: num_blocks - 1]:
             b = cached.get(h)
-            if b is not None and continuations.get(b) != h:
+            if b is not None and continuations.get(b) != h and resends.get(b) != h:
                 passed.append(b)
         if passed:
             self.pool.promote(passed)
@@ -546,11 +550,15 @@ class StatePoolManager(MambaManager):
         """No retention anchors: this group's prefix hits are its checkpoints."""
 
     def _checkpoint_kind(self, request_id: str, num_tokens: int) -> str | None:
-        """The kind of checkpoint at a block boundary: shared, continuation, or None (none)."""
+        """The kind of checkpoint at a block boundary: shared, resend (the prompt's
+        :func:`~jaxkv.core.state_checkpoints.resend_position`), continuation (the prompt's
+        end when it is a block boundary, then every boundary it decodes through), or None."""
         shared, num_prompt_tokens = self.checkpoints.get(request_id, (frozenset(), NEVER))
         if num_tokens in shared:
             return "shared"
-        if num_tokens > num_prompt_tokens or num_tokens == num_prompt_tokens // self.block_size * self.block_size:
+        if num_tokens == resend_position(num_prompt_tokens, self.block_size):
+            return "resend"
+        if num_tokens > num_prompt_tokens or num_tokens == num_prompt_tokens:
             return "continuation"
         return None
 
@@ -561,6 +569,34 @@ class StatePoolManager(MambaManager):
         if num_hit_blocks or not blocks or not blocks[-1]:
             return 1
         return 1 if self.pool.is_cached(blocks[-1]) else 0
+
+    def can_overwrite_checkpoint(self, request_id: str, hit_blocks: Sequence[int]) -> bool:
+        """Whether the state the request reads next (the last of ``hit_blocks``, a hit not
+        adopted yet, else its own newest block) is a written checkpoint no one else holds,
+        so its next state can overwrite it instead of taking a fresh unit."""
+        if hit_blocks:
+            block, holders = hit_blocks[-1], 0
+        else:
+            blocks = self.req_blocks.get(request_id)
+            block, holders = (blocks[-1], 1) if blocks else (NULL_BLOCK, 1)
+        pool = self.pool
+        return (
+            block != NULL_BLOCK
+            and pool.is_cached(block)
+            and pool.ref_count(block) == holders
+            and not pool.is_journaled(block)
+        )
+
+    def overwrite_checkpoint(self, request_id: str) -> None:
+        """Give up the checkpoint the request holds as its newest block (the pool is short):
+        it leaves the prefix cache and becomes the running state, updated in place."""
+        block = self.req_blocks[request_id][-1]
+        self.pool.reuse_held(block)
+        self._continuations.pop(block, None)
+        self._resends.pop(block, None)
+        for held in (self.continuation, self.resumed):
+            if held.get(request_id, (NULL_BLOCK,))[0] == block:
+                del held[request_id]
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
         """Move the running slot to the newest index, or take a fresh one when it is a checkpoint."""
@@ -597,7 +633,9 @@ class StatePoolManager(MambaManager):
         if kind is not None:
             super().cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
             block = self.req_blocks[request_id][end - 1]
-            if kind == "continuation" and self.pool.is_cached_as(block, self.group_id, hashes[end - 1]):
+            if kind == "resend":
+                self._resends[block] = hashes[end - 1]
+            elif kind == "continuation" and self.pool.is_cached_as(block, self.group_id, hashes[end - 1]):
                 previous = self.continuation.get(request_id)
                 if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
                     self.pool.demote([previous[0]])

@@ -18,13 +18,21 @@ from jaxkv.planner import KVCacheConfig
 from jaxkv.specs import MambaSpec
 
 
+def resend_position(num_prompt_tokens: int, block_size: int) -> int:
+    """The last block boundary before a prompt's last token: where the same prompt sent
+    again resumes (a hit leaves at least the last token to compute)."""
+    return (num_prompt_tokens - 1) // block_size * block_size
+
+
 class CheckpointPolicy:
     """The checkpoint positions of a request's prompt, for one manager's config.
 
     A prompt of ``num_prompt_tokens`` tokens, found cached by full attention alone up
     to ``reach`` tokens (further than the whole hit when a state was missing there and
     a cached chain branches there: :class:`~jaxkv.core.coordinator.PrefixHit`), checkpoints
-    its last block boundary, the boundary at ``reach`` (so the next request sharing
+    its last block boundary before its last token (:func:`resend_position`: the longest
+    hit the same prompt sent again can have), its last block boundary (where a next turn
+    that extends it resumes), the boundary at ``reach`` (so the next request sharing
     that prefix finds a state there) and every ``interval`` tokens if set.
     """
 
@@ -59,10 +67,8 @@ class CheckpointPolicy:
         if not bs or not self.enable_caching:
             return ()
         positions = self.shared(num_prompt_tokens, reach, num_computed_tokens)
-        prompt_end = num_prompt_tokens // bs * bs
-        if prompt_end > num_computed_tokens:
-            positions.add(prompt_end)
-        return tuple(sorted(positions))
+        positions.update((resend_position(num_prompt_tokens, bs), num_prompt_tokens // bs * bs))
+        return tuple(sorted(p for p in positions if p > num_computed_tokens))
 
     def chunk_limit(self, num_prompt_tokens: int, reach: int, start: int, num_new_tokens: int) -> int:
         """``num_new_tokens`` cut so a chunk starting at ``start`` ends at the next
