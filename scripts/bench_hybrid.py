@@ -20,7 +20,10 @@ Sections (``--sections``, comma list, default all), one table each:
 * ``capacity``: requests of each of :data:`CAPACITY_PROMPTS` tokens admitted at once into
   an idle manager (prefix lookup, then the whole prompt), Qwen3-Next-80B at each chat
   memory and at 8 and 16 GiB: the default against vLLM, attention_pages and the static
-  state pool (10 % checkpoints). Target: >= vLLM everywhere.
+  state pool (10 % checkpoints). Target: >= vLLM everywhere. "Served": the most
+  running at once when 1.5x that many arrive together and each decodes 48 tokens
+  through the scheduler (chunks cut at checkpoints, the states written after them),
+  the default against vLLM's own manager. Target: >= 1.5x vLLM at its minimum memory.
 * ``chat``: prompt hit rate of Qwen3-Next-80B on a chat trace (6 system prompts of 512
   tokens, 3 turns per conversation: 2 in 3 requests are follow-ups, <= 32 running) at
   vLLM's minimum memory (what its layout needs to run 32 requests, one of
@@ -66,7 +69,7 @@ from jaxkv.errors import JaxkvError
 from jaxkv.planner import KVCacheConfig, PlanOptions, StatePoolOptions, exact_concurrency_bound, plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.scheduler import ScheduledManager
-from jaxkv.serving.simulator import Simulator, TraceRequest, synthetic_trace
+from jaxkv.serving.simulator import Progress, Simulator, TraceRequest, synthetic_trace
 from jaxkv.specs import MambaSpec
 
 PROG = "bench_hybrid.py"
@@ -87,7 +90,9 @@ MAX_NUM_BATCHED_TOKENS = 2048
 CHAT_PRESET = "qwen3-next-80b"
 CHAT_MAX_MODEL_LEN = 8192
 CHAT_MEMORY_FACTORS = (1, 2, 4)
-CAPACITY_PROMPTS = (929, 2048, 8192)
+CAPACITY_PROMPTS = (929, 1360, 2048, 8192)
+"""Prompt lengths of the capacity section: 929 and 2,048 end mid-block and 1,360 on a
+16-token boundary in jaxkv's layout; 2,048 and 8,192 are the chat trace's scale."""
 STATE_POOL_SHARE = 0.1
 """The static state pool's checkpoint share in the capacity section (its old default)."""
 GiB = 1 << 30
@@ -214,6 +219,39 @@ def admitted_at_once(manager: ScheduledManager, prompt_len: int) -> int:
         n += 1
 
 
+SERVED_MIN_OUTPUT_TOKENS = 48
+"""Tokens each request of the capacity section's served count decodes at least: through
+two or three 16-token block boundaries, each a checkpoint and a state written after it."""
+
+
+SERVED_PROMPT_LIMIT = 2048
+"""The longest prompt of the served count (longer ones leave no room to decode in
+``max_model_len`` while the rest are admitted)."""
+
+
+def served_at_once(manager: ScheduledManager, prompt_len: int, num_requests: int) -> tuple[int, int]:
+    """(most requests running at once, preemptions) when ``num_requests`` requests of
+    ``prompt_len`` distinct tokens arrive together, through the scheduler: prefills in
+    chunks cut at checkpoints, the states written after each, everything a running
+    request holds. Each decodes until the last has had time to be admitted (at least
+    :data:`SERVED_MIN_OUTPUT_TOKENS` tokens), so the count is memory's, not the step budget's."""
+    prefill_steps = -(-num_requests * prompt_len // MAX_NUM_BATCHED_TOKENS)
+    output_len = min(prefill_steps + SERVED_MIN_OUTPUT_TOKENS, CHAT_MAX_MODEL_LEN - prompt_len)
+    trace = [
+        TraceRequest(f"r{n}", 0.0, tuple(range(n * prompt_len, (n + 1) * prompt_len)), output_len)
+        for n in range(num_requests)
+    ]
+    peak = 0
+
+    def running(progress: Progress) -> None:
+        nonlocal peak
+        peak = max(peak, progress.num_running)
+
+    sim = Simulator(manager, max_num_seqs=num_requests, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    result = sim.run(trace, progress=running, progress_every=1)
+    return peak, result.num_preemptions
+
+
 def capacity() -> list[dict]:
     """Requests admitted at once, per prompt length and memory: the default against vLLM, attention_pages and the
     state pool."""
@@ -241,6 +279,17 @@ def capacity() -> list[dict]:
             row: dict = {"memory": label, "gib": memory / GiB, "prompt_len": prompt_len}
             row.update({key: admitted_at_once(KVCacheManager(config), prompt_len) for key, config in plans.items()})
             row["vllm"] = admitted_at_once(_vllm(paged, CHAT_MAX_MODEL_LEN), prompt_len) if _peer() else None
+            row["served"] = row["vllm_served"] = row["served_over_vllm"] = None
+            row["served_preemptions"] = row["vllm_served_preemptions"] = None
+            if prompt_len <= SERVED_PROMPT_LIMIT:
+                num_requests = row["default"] * 3 // 2 + 4
+                row["served"], row["served_preemptions"] = served_at_once(
+                    KVCacheManager(plans["default"]), prompt_len, num_requests
+                )
+                if _peer():
+                    vllm_served = served_at_once(_vllm(paged, CHAT_MAX_MODEL_LEN), prompt_len, num_requests)
+                    row["vllm_served"], row["vllm_served_preemptions"] = vllm_served
+                    row["served_over_vllm"] = row["served"] / row["vllm_served"]
             rows.append(row)
     return rows
 
@@ -443,6 +492,11 @@ COLUMNS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
             ("vllm", "vLLM", "d"),
             ("attention_pages", "attn pages", "d"),
             ("state_pool", "state pool", "d"),
+            ("served", "served", "d"),
+            ("vllm_served", "vLLM served", "d"),
+            ("served_over_vllm", "served x", ".2f"),
+            ("served_preemptions", "preempt", "d"),
+            ("vllm_served_preemptions", "vLLM preempt", "d"),
         ),
     ),
     "chat": (

@@ -107,6 +107,28 @@ def check_against_transformers(reference: Reference, outputs: Any) -> float:
 
 
 MAX_MODEL_LEN = 128
+MAX_NUM_SEQS = 4
+STEP_TOKENS = 64
+"""The engine settings of :func:`serve_against_transformers`."""
+
+
+def smallest_budget(family: str, directory: Path, state_layout: str | None) -> int:
+    """The smallest ``memory_bytes`` an engine of :func:`serve_against_transformers` accepts
+    for the tiny ``family`` checkpoint with ``state_layout``."""
+    from kv_configs import smallest_accepted
+
+    from jaxkv.models.checkpoint import load_pretrained
+    from jaxkv.planner import PlanOptions
+
+    save_tiny_checkpoint(family, directory)
+    memory, _ = smallest_accepted(
+        load_pretrained(directory),
+        max_model_len=MAX_MODEL_LEN,
+        options=PlanOptions(state_layout=state_layout),
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=STEP_TOKENS,
+    )
+    return memory
 
 
 def host_tier(store: str = "write_through") -> Any:
@@ -129,9 +151,9 @@ def serve_against_transformers(family: str, directory: Path, *, memory_bytes: in
         directory,
         memory_bytes=memory_bytes,
         max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        buckets=Buckets((64,), (4,), (MAX_MODEL_LEN // 16,)),
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=STEP_TOKENS,
+        buckets=Buckets((STEP_TOKENS,), (MAX_NUM_SEQS,), (MAX_MODEL_LEN // 16,)),
         **engine_kwargs,
     )
     prompts = shared_prefix_prompts()
@@ -141,6 +163,7 @@ def serve_against_transformers(family: str, directory: Path, *, memory_bytes: in
     return {
         "max_abs_diff": max(check_against_transformers(reference, p.outputs) for p in passes),
         "cached": [sum(o.num_cached_tokens for o in p.outputs) for p in passes],
+        "cached_per_prompt": [[o.num_cached_tokens for o in p.outputs] for p in passes],
         "preemptions": sum(p.num_preemptions for p in passes),
         "host_loaded_tokens": engine.connector.stats.num_loaded_tokens if engine.connector else 0,
     }

@@ -1,7 +1,9 @@
 """Hand-made KV cache configs and managers shared by the host-side tests."""
 
+from typing import Any
+
 from jaxkv.core.manager import KVCacheManager, Request
-from jaxkv.planner import KVCacheConfig, KVCacheGroup
+from jaxkv.planner import InsufficientMemoryError, KVCacheConfig, KVCacheGroup
 from jaxkv.specs import FullAttentionSpec, SlidingWindowSpec
 
 FULL = FullAttentionSpec(num_kv_heads=1, head_size=1)
@@ -30,3 +32,19 @@ def admit(mgr: KVCacheManager, req: Request, num_lookahead_tokens: int = 0):
     if new is not None:
         req.num_computed_tokens = req.num_tokens
     return hit, n, new
+
+
+def smallest_accepted(model: Any, *, max_model_len: int, **kwargs: Any) -> tuple[int, KVCacheConfig]:
+    """The smallest ``memory_bytes`` the Engine's planning (:func:`jaxkv.serving.engine.plan_for_model`
+    with ``kwargs``) accepts for ``model``, and its plan."""
+    from jaxkv.serving.engine import plan_for_model
+
+    lo, hi = 1, 1 << 32
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            plan_for_model(model, mid, max_model_len=max_model_len, **kwargs)
+            hi = mid
+        except InsufficientMemoryError:
+            lo = mid + 1
+    return lo, plan_for_model(model, lo, max_model_len=max_model_len, **kwargs)

@@ -204,4 +204,5 @@ def test_the_next_turn_s_own_checkpoint_supersedes_the_one_it_resumed_from(token
         assert mgr.allocate_slots(b, 1) is not None
         b.num_computed_tokens += 1
     pool = mgr.coordinator.pool
-    assert pool.is_cached(resumed) and pool.free_block_ids()[0] == resumed, "evicted first, still findable"
+    # superseded, but the pool has empty blocks left: it waits in queue order, still findable
+    assert pool.is_cached(resumed) and pool.free_block_ids()[0] != resumed

@@ -18,28 +18,16 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_configs import smallest_accepted
 
 from jaxkv.core.manager import KVCacheManager
 from jaxkv.models.tiny import MODEL_CONFIGS, TinyLM
-from jaxkv.planner import InsufficientMemoryError, KVCacheConfig, PlanOptions, held_blocks
+from jaxkv.planner import InsufficientMemoryError, KVCacheConfig, PlanOptions, held_blocks, plan_kv_cache
 from jaxkv.serving.engine import Engine, plan_for_model
 from jaxkv.serving.simulator import Simulator, TraceRequest
 from jaxkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 LAYOUTS = ("shared_pages", "state_pool", "attention_pages")
-
-
-def smallest_accepted(model: object, *, max_model_len: int, **kwargs) -> tuple[int, KVCacheConfig]:
-    """The smallest ``memory_bytes`` the Engine's planning accepts, and its plan."""
-    lo, hi = 1, 1 << 32
-    while lo < hi:
-        mid = (lo + hi) // 2
-        try:
-            plan_for_model(model, mid, max_model_len=max_model_len, **kwargs)
-            hi = mid
-        except InsufficientMemoryError:
-            lo = mid + 1
-    return lo, plan_for_model(model, lo, max_model_len=max_model_len, **kwargs)
 
 
 def refusal_names_the_smallest(model: object, smallest: int, *, max_model_len: int, **kwargs) -> None:
@@ -116,8 +104,6 @@ def test_held_blocks_count_one_live_state_per_recurrent_group_with_a_state_layou
 
 
 def plan_kv_cache_at_1mib(specs: dict[str, KVCacheSpec], options: PlanOptions) -> KVCacheConfig:
-    from jaxkv.planner import plan_kv_cache
-
     return plan_kv_cache(
         specs, 1 << 20, max_model_len=256, options=dataclasses.replace(options, max_num_batched_tokens=64)
     )

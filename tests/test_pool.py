@@ -248,13 +248,25 @@ def test_a_hit_on_a_retained_block_takes_it_back_and_a_reset_requeues_them():
 
 
 def test_demoted_free_blocks_go_first_and_stay_cached():
+    pool = BlockPool(4)  # three usable blocks, all cached: no empty block is left
+    ids = pool.get_new_blocks(3)
+    pool.cache_blocks(0, ids, [h(1), h(2), h(3)], 0, 3)
+    pool.free_blocks(ids)
+    pool.demote([3])
+    assert pool.free_block_ids()[0] == 3 and pool.is_cached(3)
+    assert pool.get_new_blocks(1) == [3] and not pool.is_cached(3)
+
+
+def test_a_demotion_waits_while_empty_blocks_are_left_then_goes_first():
     pool = BlockPool(6)
     ids = pool.get_new_blocks(3)
     pool.cache_blocks(0, ids, [h(1), h(2), h(3)], 0, 3)
     pool.free_blocks(ids)
-    pool.demote([3, 99 % 6])  # block 3 is free; a held or unknown block is left alone
-    assert pool.free_block_ids()[0] == 3 and pool.is_cached(3)
-    assert pool.get_new_blocks(1) == [3] and not pool.is_cached(3)
+    pool.demote([3])  # blocks 4 and 5 are empty: taking them first evicts nothing
+    assert pool.free_block_ids() == [4, 5, 1, 2, 3]
+    assert pool.get_new_blocks(2) == [4, 5]
+    pool.demote([2])  # no empty block is left: the deferred demotion goes first too
+    assert pool.free_block_ids() == [3, 2, 1] and pool.is_cached(3) and pool.is_cached(2)
 
 
 def test_promoted_free_blocks_go_last_and_held_ones_stay_held():

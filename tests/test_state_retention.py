@@ -12,8 +12,9 @@ def h(i: int) -> bytes:
 
 def chain_with_checkpoints(checkpoint_blocks: list[int]):
     """Attention blocks 1..4 cached as one chain (h1..h4) and freed, plus free blocks 5..8
-    queued ahead of them; a state checkpoint at the end of each block index given."""
-    pool, states = BlockPool(9, 2), BlockPool(6, 2)
+    queued ahead of them; a state checkpoint at the end of each block index given, in a
+    state pool they fill (no empty state left: a demoted checkpoint goes first at once)."""
+    pool, states = BlockPool(9, 2), BlockPool(len(checkpoint_blocks) + 1, 2)
     retention = CheckpointRetention(pool, states, [ATTENTION], [STATE])
     pool.add_reuse_listener(retention.on_evict)
     chain = pool.get_new_blocks(4)

@@ -463,19 +463,22 @@ class KVCacheCoordinator:
 
     def _overwrite_checkpoints_if_short(self, request_id: str, num_tokens: int) -> None:
         """Where a pool lacks the free blocks this allocation takes, write the request's
-        next states over the checkpoints only it holds, group by group, until it has them."""
-        short = [-p.num_free_blocks for p in self.pools]
+        next states over the checkpoints only it holds, group by group, until it has them;
+        a checkpoint at its prompt's resend position or end is written over already where
+        keeping it would evict a cached block (its next continuation supersedes it)."""
+        need = [0] * len(self.pools)
         for m, alike, k in self._counting:
-            short[k] += m.num_new_blocks(request_id, num_tokens, 0) * len(alike) * m.pages_per_block
+            need[k] += m.num_new_blocks(request_id, num_tokens, 0) * len(alike) * m.pages_per_block
         for m in self._state_managers:
             k = self.pools.index(m.pool)
+            room = m.pool.num_surely_empty if m.holds_prompt_checkpoint(request_id) else m.pool.num_free_blocks
             if (
-                short[k] > 0
+                need[k] > room
                 and m.num_new_blocks(request_id, num_tokens, 0)
                 and m.can_overwrite_checkpoint(request_id, ())
             ):
                 m.overwrite_checkpoint(request_id)
-                short[k] -= m.pages_per_block
+                need[k] -= m.pages_per_block
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the request's blocks that fell out of span in every group (an allocation

@@ -86,12 +86,16 @@ class KVCacheManager:
     complete hits of a hybrid model.
 
     With the planner's ``state_pool`` layout, recurrent state is cached at *checkpoint
-    positions* (:meth:`checkpoint_positions`): where the request's prompt ends, where
-    full attention alone matched further than the whole hit and a cached chain branches
-    off (so the next request sharing that prefix finds a state there), every ``checkpoint_interval`` tokens of
-    the prompt if set, and every block boundary while it decodes, of which only the
-    newest stays in queue order (the prompt's end is superseded too). A scheduler ends
-    prefill chunks there (:meth:`chunk_limit`): a state exists only where a step ends.
+    positions* (:meth:`checkpoint_positions`): the prompt's last block boundary before
+    its last token (where the same prompt sent again resumes; it stays in queue order),
+    where the prompt ends, where full attention alone matched further than the whole hit
+    and a cached chain branches off (so the next request sharing that prefix finds a
+    state there), every ``checkpoint_interval`` tokens of the prompt if set, and every
+    block boundary while it decodes, of which only the newest stays in queue order. A
+    scheduler ends prefill chunks there (:meth:`chunk_limit`): a state exists only where
+    a step ends. A running request holds its live state and, while the pool has room,
+    the checkpoint its next step reads; when the pool is short that checkpoint is
+    written over (what :func:`jaxkv.planner.held_blocks` counts).
     """
 
     def __init__(
@@ -207,7 +211,7 @@ class KVCacheManager:
     def checkpoint_positions(self, request: Request, num_computed_tokens: int) -> tuple[int, ...]:
         """Positions past ``num_computed_tokens``, in order, where the request's prefill
         caches its recurrent state (empty without a state pool or without caching):
-        the last block boundary of the prompt, the boundary where full attention alone
+        the prompt's resend position and last block boundary, the boundary where full attention alone
         matched (when that ran ahead of the hit, at a branch of a cached chain) and every ``checkpoint_interval``
         (:class:`~jaxkv.core.state_checkpoints.CheckpointPolicy`)."""
         return self._checkpoints.positions(request.num_prompt_tokens, request.prefix_reach, num_computed_tokens)

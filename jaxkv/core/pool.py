@@ -115,6 +115,11 @@ class BlockPool:
         # Unit head -> its other blocks; and how many such blocks sit behind queued heads.
         self._units: dict[int, list[int]] = {}
         self._unit_free = 0
+        # Blocks registered in the prefix cache now, a unit's other blocks included.
+        self._num_cached_blocks = 0
+        # (block, hash) of demotions deferred while the pool had room (see demote).
+        self._deferred_demotions: list[tuple[int, bytes | None]] = []
+        self._deferred_size = 0  # the blocks they take
 
     # ------------------------------------------------------------------ queries
     @property
@@ -155,6 +160,12 @@ class BlockPool:
         h = self.block_hash[block_id]
         g = self.block_group[block_id]
         return h is not None and (self.cached[g].get(h) != block_id or bool(self._copies[g].get(h)))
+
+    @property
+    def num_surely_empty(self) -> int:
+        """Free blocks that are surely empty (uncached): free blocks beyond every cached
+        one. Taking no more than these evicts nothing cached."""
+        return max(0, self.num_free_blocks - self._num_cached_blocks)
 
     def ref_count(self, block_id: int) -> int:
         """How many holders the block has (0: it waits in the free queue or is retained)."""
@@ -388,8 +399,23 @@ class BlockPool:
 
     def demote(self, block_ids: Iterable[int]) -> None:
         """Move the unreferenced ones among these blocks to the free queue's head: still
-        cached, but the first to be handed out (a state checkpoint a newer one supersedes)."""
-        self._free.prepend(self._unqueue(block_ids))
+        cached, but the first to be handed out (a state checkpoint a newer one supersedes).
+        While the pool surely has empty free blocks for them and for the demotions deferred
+        before (free blocks beyond every cached one) nothing moves yet: handing them out
+        before empty blocks would evict what memory still has room for. The first call
+        that finds no such room moves the deferred ones (still cached as they were) too."""
+        units = self._units
+        deferred = self._deferred_demotions
+        for b in block_ids:
+            deferred.append((b, self.block_hash[b]))
+            self._deferred_size += 1 + len(units.get(b, ()))
+        if len(deferred) > self.num_blocks:  # keep those still cached as they were, once each
+            deferred[:] = list({b: h for b, h in deferred if h is not None and self.block_hash[b] == h}.items())
+            self._deferred_size = sum(1 + len(units.get(b, ())) for b, _ in deferred)
+        if self.num_surely_empty < self._deferred_size:
+            # memory is full: the ones deferred while it had room go first too (oldest first)
+            self._deferred_demotions, self._deferred_size = [], 0
+            self._free.prepend(self._unqueue([b for b, h in deferred if h is not None and self.block_hash[b] == h]))
 
     def promote(self, block_ids: Iterable[int]) -> None:
         """Move the unreferenced ones among these blocks to the free queue's tail: still
@@ -451,6 +477,7 @@ class BlockPool:
                 cached[h] = b
             block_hash[b] = h
             block_group[b] = group
+            self._num_cached_blocks += 1 + len(self._units.get(b, ()))
             if journal is not None:
                 journal.add(b)
             if self.enable_events:
@@ -512,6 +539,8 @@ class BlockPool:
             self._journal.clear()
         self.block_hash = [None] * self.num_blocks
         self.block_group = [-1] * self.num_blocks
+        self._num_cached_blocks = 0
+        self._deferred_demotions, self._deferred_size = [], 0
         self.num_evictions += 1
         if self.enable_events:
             self._events.append(AllBlocksCleared())
@@ -561,6 +590,7 @@ class BlockPool:
             del self._copies[g][h]
         self.block_hash[b] = None
         self.block_group[b] = -1
+        self._num_cached_blocks -= 1 + len(self._units.get(b, ()))
         self.num_evictions += 1
         if self.enable_events:
             self._events.append(BlockRemoved(group=g, block_hashes=(h,)))

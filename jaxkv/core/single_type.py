@@ -488,13 +488,18 @@ class StatePoolManager(MambaManager):
     *checkpoint* when the step ending at one of the request's checkpoint positions
     (see :meth:`set_checkpoints`) writes it; then it is cached under the chained hash of
     that position and the request takes a fresh row for its next state (copy-on-write:
-    the checkpoint stays intact). Shared checkpoints (where other requests are expected
-    to hit) stay in queue order; of the request's own continuation checkpoints (its
-    prompt's end, then each block boundary it decodes through) only the newest does: an
-    older one is superseded (the next turn of a chat resumes from the newest) and is
-    demoted to be evicted first. A hit that resumes past a shared checkpoint passes
-    through it: that checkpoint is requeued as recently used, as the hit's attention
-    blocks are (the system prompt's state stays as warm as the system prompt's KV).
+    the checkpoint stays intact) while the pool has room; when it is short, the next
+    state is written over the checkpoint if no one else holds it
+    (:meth:`overwrite_checkpoint`), so a running request needs its live state alone.
+    Shared checkpoints (where other requests are expected to hit) and the prompt's
+    resend checkpoint (its last boundary before its last token: the same prompt sent
+    again resumes there) stay in queue order; of the request's own continuation
+    checkpoints (its prompt's end when that is a boundary, then each block boundary it
+    decodes through) only the newest does: an older one is superseded (the next turn
+    of a chat resumes from the newest) and is demoted to be evicted first. A hit that
+    resumes past a shared checkpoint passes through it: that checkpoint is requeued as
+    recently used, as the hit's attention blocks are (the system prompt's state stays
+    as warm as the system prompt's KV).
     """
 
     counts_alike_within_type = False  # whether a fresh row is needed depends on the group's own slot
@@ -511,9 +516,8 @@ class StatePoolManager(MambaManager):
         # hit resumed from: superseded once the request caches its own.
         self._continuations: dict[int, bytes] = {}
         self.resumed: dict[str, tuple[int, bytes]] = {}
-        # Every cached resend checkpoint (block -> hash): kept in queue order, never
-        # superseded, and not requeued by hits passing through (only the same prompt uses it).
-        self._resends: dict[int, bytes] = {}
+        # Per request: its newest checkpoint at its prompt's resend position or end.
+        self._prompt_checkpoints: dict[str, int] = {}
         # Per request that adopted a hit and has not cached since: the hit's length in blocks.
         self._hit_blocks: dict[str, int] = {}
 
@@ -531,11 +535,11 @@ class StatePoolManager(MambaManager):
         """Requeue as recently used the shared checkpoints cached before block ``num_blocks - 1``
         of the chain ``hashes`` (those a hit ending there passed through)."""
         (cached,) = self.pool.hash_maps((self.group_id,))
-        continuations, resends = self._continuations, self._resends
+        continuations = self._continuations
         passed = []
         for h in hashes[: num_blocks - 1]:
             b = cached.get(h)
-            if b is not None and continuations.get(b) != h and resends.get(b) != h:
+            if b is not None and continuations.get(b) != h:
                 passed.append(b)
         if passed:
             self.pool.promote(passed)
@@ -550,15 +554,13 @@ class StatePoolManager(MambaManager):
         """No retention anchors: this group's prefix hits are its checkpoints."""
 
     def _checkpoint_kind(self, request_id: str, num_tokens: int) -> str | None:
-        """The kind of checkpoint at a block boundary: shared, resend (the prompt's
-        :func:`~jaxkv.core.state_checkpoints.resend_position`), continuation (the prompt's
-        end when it is a block boundary, then every boundary it decodes through), or None."""
+        """The kind of checkpoint at a block boundary: shared, continuation (the prompt's
+        :func:`~jaxkv.core.state_checkpoints.resend_position`, its end when that is a
+        boundary, then every boundary it decodes through), or None."""
         shared, num_prompt_tokens = self.checkpoints.get(request_id, (frozenset(), NEVER))
         if num_tokens in shared:
             return "shared"
-        if num_tokens == resend_position(num_prompt_tokens, self.block_size):
-            return "resend"
-        if num_tokens > num_prompt_tokens or num_tokens == num_prompt_tokens:
+        if num_tokens >= num_prompt_tokens or num_tokens == resend_position(num_prompt_tokens, self.block_size):
             return "continuation"
         return None
 
@@ -587,16 +589,23 @@ class StatePoolManager(MambaManager):
             and not pool.is_journaled(block)
         )
 
+    def holds_prompt_checkpoint(self, request_id: str) -> bool:
+        """Whether the request's newest block is its own checkpoint at its prompt's resend
+        position or end: superseded by its next continuation, worth keeping only while
+        memory has room (the coordinator writes over it rather than evict a cached block)."""
+        blocks = self.req_blocks.get(request_id)
+        return bool(blocks) and self._prompt_checkpoints.get(request_id) == blocks[-1]
+
     def overwrite_checkpoint(self, request_id: str) -> None:
         """Give up the checkpoint the request holds as its newest block (the pool is short):
         it leaves the prefix cache and becomes the running state, updated in place."""
         block = self.req_blocks[request_id][-1]
         self.pool.reuse_held(block)
         self._continuations.pop(block, None)
-        self._resends.pop(block, None)
         for held in (self.continuation, self.resumed):
             if held.get(request_id, (NULL_BLOCK,))[0] == block:
                 del held[request_id]
+        self._prompt_checkpoints.pop(request_id, None)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
         """Move the running slot to the newest index, or take a fresh one when it is a checkpoint."""
@@ -633,14 +642,16 @@ class StatePoolManager(MambaManager):
         if kind is not None:
             super().cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
             block = self.req_blocks[request_id][end - 1]
-            if kind == "resend":
-                self._resends[block] = hashes[end - 1]
-            elif kind == "continuation" and self.pool.is_cached_as(block, self.group_id, hashes[end - 1]):
+            if kind == "continuation" and self.pool.is_cached_as(block, self.group_id, hashes[end - 1]):
                 previous = self.continuation.get(request_id)
                 if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
                     self.pool.demote([previous[0]])
                 self._demote_resumed(request_id)
                 self.continuation[request_id] = (block, hashes[end - 1])
+                if num_tokens <= self.checkpoints.get(request_id, (frozenset(), NEVER))[1]:
+                    self._prompt_checkpoints[request_id] = block
+                else:
+                    self._prompt_checkpoints.pop(request_id, None)
                 self._continuations[block] = hashes[end - 1]
         self.num_cached[request_id] = end
 
@@ -661,6 +672,7 @@ class StatePoolManager(MambaManager):
         self.checkpoints.pop(request_id, None)
         self.continuation.pop(request_id, None)
         self.resumed.pop(request_id, None)
+        self._prompt_checkpoints.pop(request_id, None)
         self._hit_blocks.pop(request_id, None)
         return super().release(request_id)
 
