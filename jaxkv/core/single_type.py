@@ -594,7 +594,7 @@ class StatePoolManager(MambaManager):
         position or end: superseded by its next continuation, worth keeping only while
         memory has room (the coordinator writes over it rather than evict a cached block)."""
         blocks = self.req_blocks.get(request_id)
-        return bool(blocks) and self._prompt_checkpoints.get(request_id) == blocks[-1]
+        return blocks is not None and bool(blocks) and self._prompt_checkpoints.get(request_id) == blocks[-1]
 
     def overwrite_checkpoint(self, request_id: str) -> None:
         """Give up the checkpoint the request holds as its newest block (the pool is short):
