@@ -10,6 +10,7 @@ that the stored files are what it computes now.
 from __future__ import annotations
 
 import importlib.util
+import math
 import shutil
 import sys
 from dataclasses import dataclass
@@ -138,11 +139,20 @@ def host_tier(store: str = "write_through") -> Any:
     return OffloadConfig(1 << 20, store=store)
 
 
-def serve_against_transformers(family: str, directory: Path, *, memory_bytes: int, **engine_kwargs: Any) -> dict:
-    """Load the tiny ``family`` checkpoint, serve :func:`shared_prefix_prompts` twice with one
+def serve_against_transformers(
+    family: str,
+    directory: Path,
+    *,
+    memory_bytes: int,
+    prompts: list[list[int]] | None = None,
+    **engine_kwargs: Any,
+) -> dict:
+    """Load the tiny ``family`` checkpoint, serve ``prompts`` (default
+    :func:`shared_prefix_prompts`; their continuations must be stored) twice with one
     engine (the second pass hits the prefix cache), check both passes against transformers
     (:func:`check_against_transformers`) and return what happened: the largest logit
-    difference, cached tokens of each pass, preemptions and host-tier loads."""
+    difference, cached tokens of each pass (in all and per prompt), the block size hits
+    are multiples of, the plan, preemptions and host-tier loads."""
     from jaxkv.device.metadata import Buckets
     from jaxkv.serving.engine import Engine
 
@@ -156,7 +166,7 @@ def serve_against_transformers(family: str, directory: Path, *, memory_bytes: in
         buckets=Buckets((STEP_TOKENS,), (MAX_NUM_SEQS,), (MAX_MODEL_LEN // 16,)),
         **engine_kwargs,
     )
-    prompts = shared_prefix_prompts()
+    prompts = shared_prefix_prompts() if prompts is None else prompts
     passes = [engine.generate(prompts, NEW_TOKENS, return_logits=True) for _ in range(2)]
     audit = engine.audit()
     assert audit.device_blocks_leaked == audit.host_blocks_leaked == 0
@@ -164,6 +174,8 @@ def serve_against_transformers(family: str, directory: Path, *, memory_bytes: in
         "max_abs_diff": max(check_against_transformers(reference, p.outputs) for p in passes),
         "cached": [sum(o.num_cached_tokens for o in p.outputs) for p in passes],
         "cached_per_prompt": [[o.num_cached_tokens for o in p.outputs] for p in passes],
+        "hit_block_size": math.lcm(*(g.block_size for g in engine.manager.config.groups)),
+        "kv_config": engine.manager.config,
         "preemptions": sum(p.num_preemptions for p in passes),
         "host_loaded_tokens": engine.connector.stats.num_loaded_tokens if engine.connector else 0,
     }

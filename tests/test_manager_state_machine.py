@@ -164,6 +164,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert pool.is_free(b) == (holders[b] == 0)
             used = sum(1 for b in range(1, pool.num_blocks) if holders[b])
             assert pool.num_free_blocks + used == pool.num_blocks - 1
+            empty = sum(1 for b in range(1, pool.num_blocks) if not holders[b] and not pool.is_cached(b))
+            assert pool.num_empty_free_blocks == empty
 
     @invariant()
     def groups_of_one_type_hold_alike_counts_where_their_rules_say_so(self):

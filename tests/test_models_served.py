@@ -4,8 +4,9 @@ attention alone) x {cold then the same batch again, the smallest budget the engi
 accepts (with preemption), a host tier storing by each policy}.
 
 Every token is transformers' greedy pick (its logits within :data:`ENGINE_ATOL`); the
-same batch sent again resumes each prompt at least from its last 16-token boundary
-before its last token (the resend checkpoint); no block leaks.
+same batch sent again resumes each prompt at least from its last block boundary before
+its last token (the resend checkpoint: 16 tokens in jaxkv's layouts, vLLM's larger
+blocks in its own); no block leaks.
 """
 
 from __future__ import annotations
@@ -44,16 +45,20 @@ def served(family, layout, tmp_path, memory_bytes, **kwargs):
 @pytest.mark.parametrize(("family", "layout"), CASES)
 def test_the_same_batch_sent_again_resumes_every_prompt_at_its_resend_checkpoint(family, layout, tmp_path):
     run = served(family, layout, tmp_path, 8 << 20)
-    resend = [resend_position(len(p), 16) for p in shared_prefix_prompts()]
+    resend = [resend_position(len(p), run["hit_block_size"]) for p in shared_prefix_prompts()]
     assert all(c >= r for c, r in zip(run["cached_per_prompt"][1], resend, strict=True)), run["cached_per_prompt"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "layout"), CASES)
-def test_the_smallest_accepted_budget_serves_the_batch_twice_through_preemption(family, layout, tmp_path):
+def test_the_smallest_accepted_budget_serves_the_batch_twice_preempting_where_two_fit(family, layout, tmp_path):
     memory = smallest_budget(family, tmp_path / "sizing", layout)
-    run = served(family, layout, tmp_path, memory)
-    assert run["preemptions"] > 0
+    prompts = shared_prefix_prompts()
+    run = served(family, layout, tmp_path, memory, prompts=prompts)
+    config = run["kv_config"]
+    # Preemption needs two requests running at once: a state of more pages than a prompt's KV may leave room for one.
+    two_fit = 2 * sum(config.blocks_per_request(min(map(len, prompts)))) <= config.num_usable_blocks
+    assert run["preemptions"] > 0 or not two_fit
 
 
 @pytest.mark.slow

@@ -367,3 +367,19 @@ def test_random_operations_with_units_account_for_every_block(ops):
         assert sorted(free + attached + sorted(in_use)) == list(range(1, 16))
         for hh, b in pool.cached[0].items():
             assert pool.block_hash[b] == hh
+
+
+def test_empty_free_blocks_count_what_taking_evicts_nothing_of_with_units():
+    pool = BlockPool(12)
+    head = pool.get_new_unit(3)
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_blocks(0, [head, block], [h(1), h(2)], 0, 2)
+    assert pool.num_empty_free_blocks == pool.num_free_blocks == 7
+    pool.free_blocks([head, block])
+    assert pool.num_free_blocks == 11 and pool.num_empty_free_blocks == 7  # the unit's 3 blocks and the block
+    pool.touch([head])
+    assert pool.num_empty_free_blocks == 7 and pool.num_free_blocks == 8
+    pool.free_blocks([head])
+    pool.evict_blocks([block])
+    assert pool.num_empty_free_blocks == 8
+    assert pool.reset_prefix_cache() and pool.num_empty_free_blocks == 11

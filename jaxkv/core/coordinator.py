@@ -471,7 +471,7 @@ class KVCacheCoordinator:
             need[k] += m.num_new_blocks(request_id, num_tokens, 0) * len(alike) * m.pages_per_block
         for m in self._state_managers:
             k = self.pools.index(m.pool)
-            room = m.pool.num_surely_empty if m.holds_prompt_checkpoint(request_id) else m.pool.num_free_blocks
+            room = m.pool.num_empty_free_blocks if m.holds_prompt_checkpoint(request_id) else m.pool.num_free_blocks
             if (
                 need[k] > room
                 and m.num_new_blocks(request_id, num_tokens, 0)

@@ -115,8 +115,8 @@ class BlockPool:
         # Unit head -> its other blocks; and how many such blocks sit behind queued heads.
         self._units: dict[int, list[int]] = {}
         self._unit_free = 0
-        # Blocks registered in the prefix cache now, a unit's other blocks included.
-        self._num_cached_blocks = 0
+        # Free blocks (queued or retained) registered in the prefix cache, a unit's other blocks included.
+        self._num_cached_free = 0
         # (block, hash) of demotions deferred while the pool had room (see demote).
         self._deferred_demotions: list[tuple[int, bytes | None]] = []
         self._deferred_size = 0  # the blocks they take
@@ -162,10 +162,15 @@ class BlockPool:
         return h is not None and (self.cached[g].get(h) != block_id or bool(self._copies[g].get(h)))
 
     @property
-    def num_surely_empty(self) -> int:
-        """Free blocks that are surely empty (uncached): free blocks beyond every cached
-        one. Taking no more than these evicts nothing cached."""
-        return max(0, self.num_free_blocks - self._num_cached_blocks)
+    def num_empty_free_blocks(self) -> int:
+        """Free blocks that hold nothing cached (never written, or evicted): taking no
+        more than these evicts nothing."""
+        return self.num_free_blocks - self._num_cached_free
+
+    def _size(self, block_id: int) -> int:
+        """Blocks that ``block_id`` stands for: itself, and a unit head its other blocks."""
+        members = self._units.get(block_id)
+        return 1 + len(members) if members else 1
 
     def ref_count(self, block_id: int) -> int:
         """How many holders the block has (0: it waits in the free queue or is retained)."""
@@ -292,6 +297,8 @@ class BlockPool:
                 r = ref_cnt[b]
                 if r == 0:
                     (free if b in free else retained).remove(b)
+                    if self.block_hash[b] is not None:
+                        self._num_cached_free -= self._size(b)
                     if units and b in units:
                         self._unit_free -= len(units[b])
                 ref_cnt[b] = r + 1
@@ -330,7 +337,9 @@ class BlockPool:
                         cached.append(b)
                         if units and b in units:
                             self._unit_free += len(units[b])
+                            self._num_cached_free += len(units[b])
             uncached_per_list.append(uncached)
+        self._num_cached_free += len(cached)
         self._free.append(cached)
         if len(uncached_per_list) == 1:
             self._free.prepend(uncached_per_list[0])
@@ -357,6 +366,7 @@ class BlockPool:
             ref_cnt[b] = r
             if r == 0:
                 (uncached if block_hash[b] is None else cached).append(b)
+        self._num_cached_free += sum(map(self._size, cached))
         self._retained.append(cached)
         self._free.prepend(uncached)
 
@@ -370,6 +380,7 @@ class BlockPool:
             ref_cnt[b] = r
             if r == 0:
                 freed.append(b)
+        self._num_cached_free += sum(self._size(b) for b in freed if self.block_hash[b] is not None)
         self._free.prepend(freed)
 
     def free_in_order(self, entries: Iterable[tuple[int, bool]]) -> None:
@@ -393,7 +404,11 @@ class BlockPool:
             r = ref_cnt[b] - 1
             ref_cnt[b] = r
             if r == 0:
-                (uncached if block_hash[b] is None else cached).append(b)
+                if block_hash[b] is None:
+                    uncached.append(b)
+                else:
+                    cached.append(b)
+                    self._num_cached_free += self._size(b)
         self._free.append(cached)
         self._free.prepend(uncached)
 
@@ -404,15 +419,14 @@ class BlockPool:
         before (free blocks beyond every cached one) nothing moves yet: handing them out
         before empty blocks would evict what memory still has room for. The first call
         that finds no such room moves the deferred ones (still cached as they were) too."""
-        units = self._units
         deferred = self._deferred_demotions
         for b in block_ids:
             deferred.append((b, self.block_hash[b]))
-            self._deferred_size += 1 + len(units.get(b, ()))
+            self._deferred_size += self._size(b)
         if len(deferred) > self.num_blocks:  # keep those still cached as they were, once each
             deferred[:] = list({b: h for b, h in deferred if h is not None and self.block_hash[b] == h}.items())
-            self._deferred_size = sum(1 + len(units.get(b, ())) for b, _ in deferred)
-        if self.num_surely_empty < self._deferred_size:
+            self._deferred_size = sum(map(self._size, (b for b, _ in deferred)))
+        if self.num_empty_free_blocks < self._deferred_size:
             # memory is full: the ones deferred while it had room go first too (oldest first)
             self._deferred_demotions, self._deferred_size = [], 0
             self._free.prepend(self._unqueue([b for b, h in deferred if h is not None and self.block_hash[b] == h]))
@@ -477,7 +491,8 @@ class BlockPool:
                 cached[h] = b
             block_hash[b] = h
             block_group[b] = group
-            self._num_cached_blocks += 1 + len(self._units.get(b, ()))
+            if self.ref_cnt[b] == 0:
+                self._num_cached_free += self._size(b)
             if journal is not None:
                 journal.add(b)
             if self.enable_events:
@@ -539,7 +554,7 @@ class BlockPool:
             self._journal.clear()
         self.block_hash = [None] * self.num_blocks
         self.block_group = [-1] * self.num_blocks
-        self._num_cached_blocks = 0
+        self._num_cached_free = 0
         self._deferred_demotions, self._deferred_size = [], 0
         self.num_evictions += 1
         if self.enable_events:
@@ -590,7 +605,8 @@ class BlockPool:
             del self._copies[g][h]
         self.block_hash[b] = None
         self.block_group[b] = -1
-        self._num_cached_blocks -= 1 + len(self._units.get(b, ()))
+        if self.ref_cnt[b] == 0:
+            self._num_cached_free -= self._size(b)
         self.num_evictions += 1
         if self.enable_events:
             self._events.append(BlockRemoved(group=g, block_hashes=(h,)))
