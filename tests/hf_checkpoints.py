@@ -152,7 +152,7 @@ def serve_against_transformers(
     engine (the second pass hits the prefix cache), check both passes against transformers
     (:func:`check_against_transformers`) and return what happened: the largest logit
     difference, cached tokens of each pass (in all and per prompt), the block size hits
-    are multiples of, the plan, preemptions and host-tier loads."""
+    are multiples of, the plan, preemptions and host-tier loads (tokens and states)."""
     from jaxkv.device.metadata import Buckets
     from jaxkv.serving.engine import Engine
 
@@ -178,4 +178,5 @@ def serve_against_transformers(
         "kv_config": engine.manager.config,
         "preemptions": sum(p.num_preemptions for p in passes),
         "host_loaded_tokens": engine.connector.stats.num_loaded_tokens if engine.connector else 0,
+        "host_loaded_states": engine.connector.stats.num_loaded_states if engine.connector else 0,
     }

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import pytest
 from hf_checkpoints import ENGINE_ATOL, dense_difference, serve_against_transformers
-from hf_host_tier import serve_through_host
 
 from jaxkv.device.mesh import model_mesh
 from jaxkv.models.checkpoint import load_pretrained
 from jaxkv.models.layers import UnsupportedConfigError
 from jaxkv.models.nemotron_h import NemotronH
-from jaxkv.planner import PlanOptions
 from jaxkv.presets import NEMOTRON_H_8B_PATTERN, get_preset
 
 DENSE_ATOL = 1e-4
@@ -49,25 +47,6 @@ def test_served_logits_match_transformers_and_a_second_pass_hits_on_a_2_device_m
     run = serve_against_transformers("nemotron_h", tmp_path, memory_bytes=8 << 20, mesh=model_mesh(2))
     assert run["max_abs_diff"] < ENGINE_ATOL
     assert run["cached"][0] < run["cached"][1]  # the second pass resumes from 16-token state checkpoints
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("state_layout", "memory_bytes"), [("shared_pages", 96 << 10), ("state_pool", 96 << 10)])
-def test_served_logits_match_transformers_under_preemption(tmp_path, state_layout, memory_bytes):
-    run = serve_against_transformers(
-        "nemotron_h", tmp_path, memory_bytes=memory_bytes, plan=PlanOptions(state_layout=state_layout)
-    )
-    assert run["preemptions"] > 0 and run["max_abs_diff"] < ENGINE_ATOL
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("state_layout", ["shared_pages", "state_pool"])
-def test_served_logits_match_transformers_through_the_host_tier(tmp_path, state_layout):
-    run = serve_through_host(
-        "nemotron_h", tmp_path, memory_bytes=100 << 10, state_layout=state_layout, checkpoint_share=0.4
-    )
-    assert run["max_abs_diff"] < ENGINE_ATOL
-    assert run["stats"].num_loaded_states > 0 and sum(run["cached"][4:]) > 0
 
 
 def test_the_8b_config_declares_the_cache_of_the_preset_and_mlp_blocks_hold_none():

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import pytest
 from hf_checkpoints import ENGINE_ATOL, dense_difference, serve_against_transformers
-from hf_host_tier import serve_through_host
 
 from jaxkv.device.mesh import model_mesh
 from jaxkv.models.checkpoint import load_pretrained
 from jaxkv.models.layers import UnsupportedConfigError
 from jaxkv.models.qwen3_next import Qwen3Next
-from jaxkv.planner import PlanOptions
 from jaxkv.presets import get_preset
 
 DENSE_ATOL = 1e-4
@@ -50,36 +48,6 @@ def test_served_logits_match_transformers_and_a_second_pass_hits_on_a_2_device_m
     run = serve_against_transformers("qwen3_next", tmp_path, memory_bytes=8 << 20, mesh=model_mesh(2))
     assert run["max_abs_diff"] < ENGINE_ATOL
     assert run["cached"][0] < run["cached"][1]  # the second pass resumes from 16-token state checkpoints
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("state_layout", "memory_bytes"), [("shared_pages", 128 << 10), ("state_pool", 1 << 18)])
-def test_served_logits_match_transformers_under_preemption(tmp_path, state_layout, memory_bytes):
-    run = serve_against_transformers(
-        "qwen3_next", tmp_path, memory_bytes=memory_bytes, plan=PlanOptions(state_layout=state_layout)
-    )
-    assert run["preemptions"] > 0 and run["max_abs_diff"] < ENGINE_ATOL
-
-
-@pytest.mark.slow
-# 168 KiB with shared pages: the first round's chains leave the device in part (a state
-# before its chain's first blocks); stored on eviction, a reused block or state brings the
-# rest of what a host hit ending at it needs, so the second round hits host either way.
-@pytest.mark.parametrize(
-    ("state_layout", "memory_bytes", "store"),
-    [
-        ("shared_pages", 128 << 10, "on_eviction"),
-        ("shared_pages", 168 << 10, "on_eviction"),
-        ("shared_pages", 168 << 10, "write_through"),
-        ("state_pool", 168 << 10, "on_eviction"),
-    ],
-)
-def test_served_logits_match_transformers_through_the_host_tier(tmp_path, state_layout, memory_bytes, store):
-    run = serve_through_host(
-        "qwen3_next", tmp_path, memory_bytes=memory_bytes, state_layout=state_layout, checkpoint_share=0.4, store=store
-    )
-    assert run["max_abs_diff"] < ENGINE_ATOL
-    assert run["stats"].num_loaded_states > 0 and sum(run["cached"][4:]) > 0
 
 
 def test_the_80b_config_declares_the_cache_of_the_preset():

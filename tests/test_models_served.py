@@ -68,6 +68,7 @@ def test_a_host_tier_brings_back_what_the_smallest_budget_evicted(family, layout
     memory = smallest_budget(family, tmp_path / "sizing", layout)
     run = served(family, layout, tmp_path, memory, offload=host_tier(store))
     assert run["host_loaded_tokens"] > 0 and run["cached"][1] > 0
+    assert (run["host_loaded_states"] > 0) == (family in RECURRENT)  # a hybrid's host hit ends on a state
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in RECURRENT])

@@ -55,7 +55,7 @@ def hybrid_specs(draw: st.DrawFn) -> dict[str, KVCacheSpec]:
     return specs
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     specs=hybrid_specs(),
     layout=st.sampled_from(LAYOUTS),
