@@ -611,6 +611,23 @@ def test_state_pool_updates_the_running_state_in_place_and_copies_on_write(token
     assert states.num_free_blocks == 7
 
 
+@pytest.mark.parametrize(("num_states", "resend_hits"), [(3, 0), (4, 32)])
+def test_a_prompt_checkpoint_is_written_over_rather_than_evict_a_cached_state(tokens, num_states, resend_hits):
+    """The state at a prompt's resend position is kept while an empty state is left for the
+    last chunk; with none left, that chunk writes over it, and another prompt's cached
+    checkpoint survives."""
+    mgr = state_pool_manager(64, num_states)
+    old = Request("old", tokens(0, 33))
+    serve_prompt(mgr, old)
+    mgr.free(old)
+    req = Request("r", tokens(500, 40))
+    serve_prompt(mgr, req)
+    assert len(held_states(mgr, req)) == (1 if resend_hits == 0 else 2)
+    mgr.free(req)
+    assert mgr.get_computed_blocks(Request("old-again", tokens(0, 33)))[1] == 32
+    assert mgr.get_computed_blocks(Request("r-again", tokens(500, 40)))[1] == resend_hits
+
+
 def test_state_pool_out_of_states_refuses_and_changes_nothing(tokens):
     mgr = state_pool_manager(64, 2)
     serve_prompt(mgr, Request("a", tokens(0, 40)))  # its running state, written over its checkpoint at 32

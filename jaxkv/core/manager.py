@@ -87,14 +87,15 @@ class KVCacheManager:
 
     With the planner's ``state_pool`` layout, recurrent state is cached at *checkpoint
     positions* (:meth:`checkpoint_positions`): the prompt's last block boundary before
-    its last token (where the same prompt sent again resumes; it stays in queue order),
-    where the prompt ends, where full attention alone matched further than the whole hit
-    and a cached chain branches off (so the next request sharing that prefix finds a
-    state there), every ``checkpoint_interval`` tokens of the prompt if set, and every
-    block boundary while it decodes, of which only the newest stays in queue order. A
-    scheduler ends prefill chunks there (:meth:`chunk_limit`): a state exists only where
-    a step ends. A running request holds its live state and, while the pool has room,
-    the checkpoint its next step reads; when the pool is short that checkpoint is
+    its last token (where the same prompt sent again resumes), where the prompt ends,
+    where full attention alone matched further than the whole hit and a cached chain
+    branches off (so the next request sharing that prefix finds a state there), every
+    ``checkpoint_interval`` tokens of the prompt if set, and every block boundary while
+    it decodes; of the request's own (all but the shared ones) only the newest stays in
+    queue order once memory is full. A scheduler ends prefill chunks there
+    (:meth:`chunk_limit`): a state exists only where a step ends. A running request
+    holds its live state and, while the pool has room, the checkpoint its next step
+    reads; when the pool is short that checkpoint is
     written over (what :func:`jaxkv.planner.held_blocks` counts).
     """
 

@@ -415,10 +415,10 @@ class BlockPool:
     def demote(self, block_ids: Iterable[int]) -> None:
         """Move the unreferenced ones among these blocks to the free queue's head: still
         cached, but the first to be handed out (a state checkpoint a newer one supersedes).
-        While the pool surely has empty free blocks for them and for the demotions deferred
-        before (free blocks beyond every cached one) nothing moves yet: handing them out
-        before empty blocks would evict what memory still has room for. The first call
-        that finds no such room moves the deferred ones (still cached as they were) too."""
+        While the pool has empty free blocks (:attr:`num_empty_free_blocks`) for them and
+        for the demotions deferred before, nothing moves yet: handing them out before
+        empty blocks would evict what memory still has room for. The first call that
+        finds no such room moves the deferred ones (still cached as they were) too."""
         deferred = self._deferred_demotions
         for b in block_ids:
             deferred.append((b, self.block_hash[b]))

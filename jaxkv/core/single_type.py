@@ -491,12 +491,12 @@ class StatePoolManager(MambaManager):
     the checkpoint stays intact) while the pool has room; when it is short, the next
     state is written over the checkpoint if no one else holds it
     (:meth:`overwrite_checkpoint`), so a running request needs its live state alone.
-    Shared checkpoints (where other requests are expected to hit) and the prompt's
-    resend checkpoint (its last boundary before its last token: the same prompt sent
-    again resumes there) stay in queue order; of the request's own continuation
-    checkpoints (its prompt's end when that is a boundary, then each block boundary it
-    decodes through) only the newest does: an older one is superseded (the next turn
-    of a chat resumes from the newest) and is demoted to be evicted first. A hit that
+    Shared checkpoints (where other requests are expected to hit) stay in queue order;
+    of the request's own continuation checkpoints (its prompt's resend position, the
+    last boundary before its last token where the same prompt sent again resumes; its
+    end when that is a boundary; then each block boundary it decodes through) only the
+    newest does: an older one is superseded (the next turn of a chat resumes from the
+    newest) and is demoted to be evicted first once memory is full. A hit that
     resumes past a shared checkpoint passes through it: that checkpoint is requeued as
     recently used, as the hit's attention blocks are (the system prompt's state stays
     as warm as the system prompt's KV).
