@@ -33,6 +33,8 @@ def test_a_quick_run_reports_every_section_and_meets_the_plan_targets(tmp_path):
     for row in report["capacity"]["rows"]:
         assert row["default"] >= row["attention_pages"] >= 1
         assert row["default"] >= row["vllm"] >= 1 if peer else row["vllm"] is None
+        assert row["served"] >= 1 and row["served_preemptions"] >= 0  # through the scheduler
+        assert row["vllm_served"] >= 1 if peer else row["vllm_served"] is None
     for row in report["chat"]["rows"]:
         assert row["default_hit_rate"] >= row["attention_pages_hit_rate"]
         assert row["default_hit_rate"] >= row["vllm_hit_rate"] if peer else row["vllm_hit_rate"] is None
