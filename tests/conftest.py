@@ -6,8 +6,10 @@ them); the flag must be set before jax is first imported, hence here, first. Eve
 else keeps running on ``jax.devices()[0]``, the default device.
 """
 
+import gc
 import os
 import pathlib
+import sys
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
@@ -17,6 +19,29 @@ import secrets
 
 import pytest
 from paged_batches import SeededRng
+
+MEMORY_MAPS_BEFORE_CLEARING = 30_000
+"""XLA's CPU backend maps ~1,200 memory regions for one engine's compiled programs and keeps
+them while JAX's caches hold the programs; past ``vm.max_map_count`` (65,530 by default)
+the next compile segfaults, so a whole run in one process must release them now and then."""
+
+
+def _num_memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # no procfs: nothing to count
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """After a test that leaves many memory maps behind, clear JAX's caches (the tests'
+    engines are gone; the next test compiles what it needs)."""
+    yield
+    if "jax" in sys.modules and _num_memory_maps() > MEMORY_MAPS_BEFORE_CLEARING:
+        sys.modules["jax"].clear_caches()
+        gc.collect()
 
 
 @pytest.fixture
