@@ -502,7 +502,8 @@ class KVCacheConfig:
         num_tokens = self.max_model_len if num_tokens is None else num_tokens
         if num_tokens is None:
             raise PlanError("blocks_per_request needs num_tokens: the config has no max_model_len")
-        unit = None if self.states is None else getattr(self.states, "pages_per_state", 1)
+        shared = self.shared_states
+        unit = None if self.states is None else shared.pages_per_state if shared is not None else 1
         return held_blocks(self.groups, unit, num_tokens, self.max_num_batched_tokens)
 
     def attention_blocks_per_request(self, num_tokens: int | None = None) -> int:
