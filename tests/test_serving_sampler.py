@@ -131,3 +131,20 @@ def test_logprobs_are_the_raw_distributions_top_tokens_and_the_chosen_ones():
     chosen = raw[np.arange(3), np.asarray(out.token_ids)]
     np.testing.assert_allclose(np.asarray(out.logprob), chosen, rtol=1e-6)
     assert all(t in ids[:2] for t, ids in zip(np.asarray(out.token_ids), np.asarray(out.top_ids), strict=True))
+
+
+def test_an_all_greedy_step_sorts_nothing_and_a_mixed_step_keeps_its_greedy_rows_exact():
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(4, 48)), jnp.float32)
+    step = jax.make_jaxpr(sample)(logits, greedy_inputs(4)).jaxpr
+    (branch,) = [eqn for eqn in step.eqns if eqn.primitive.name == "cond"]
+    assert not any(" sort[" in str(eqn) for eqn in step.eqns if eqn is not branch)
+    sorts = [" sort[" in str(b) for b in branch.params["branches"]]
+    assert sorted(sorts) == [False, True]  # the vocabulary sort runs only in the drawing branch
+    rows = [
+        RowSampling(SamplingParams(temperature=2.0), 9, 0),
+        RowSampling(SamplingParams(temperature=0.0), 0, 0),
+        None,
+        None,
+    ]
+    mixed = np.asarray(_sample(logits, sampling_inputs(rows, 4)).token_ids)
+    assert mixed[1:].tolist() == np.argmax(np.asarray(logits), -1)[1:].tolist()

@@ -123,12 +123,8 @@ def _keep_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return scaled >= threshold
 
 
-def sample(logits: jax.Array, inputs: SamplingInputs) -> SampledTokens:
-    """Draw one token per row of ``logits`` (S, V) as ``inputs`` say (see the module docstring)."""
-    logits = logits.astype(jnp.float32)
-    raw = jax.nn.log_softmax(logits, axis=-1)
-    logits = _ban(logits, jnp.asarray(inputs.banned), jnp.asarray(inputs.num_banned))
-    greedy = jnp.argmax(logits, axis=-1)
+def _draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
+    """Each row's token (S,): a tempered, filtered Gumbel-max draw, or the argmax where temperature is 0."""
     temperature = jnp.asarray(inputs.temperature)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     keep = _keep_top_k_top_p(scaled, jnp.asarray(inputs.top_k), jnp.asarray(inputs.top_p))
@@ -139,7 +135,22 @@ def sample(logits: jax.Array, inputs: SamplingInputs) -> SampledTokens:
     )
     noise = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], jnp.float32))(keys)
     drawn = jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + noise, axis=-1)
-    tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1))
+
+
+def sample(logits: jax.Array, inputs: SamplingInputs) -> SampledTokens:
+    """Draw one token per row of ``logits`` (S, V) as ``inputs`` say (see the module docstring).
+
+    A step whose rows are all greedy takes the argmax alone: the vocabulary sort and the
+    noise of a draw run only when some row samples (a runtime branch, one compile).
+    """
+    logits = logits.astype(jnp.float32)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    logits = _ban(logits, jnp.asarray(inputs.banned), jnp.asarray(inputs.num_banned))
+    inputs = SamplingInputs(*(jnp.asarray(field) for field in inputs))
+    tokens = jax.lax.cond(
+        jnp.any(inputs.temperature > 0), _draw, lambda lg, _: jnp.argmax(lg, axis=-1), logits, inputs
+    ).astype(jnp.int32)
     top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, raw.shape[-1]))
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     return SampledTokens(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
