@@ -146,6 +146,7 @@ class KVCacheCoordinator:
         self._take_runs = _take_runs(self.managers)
         self._skipping_managers = [m for m in self.managers if m.skips_blocks]
         self._state_managers = [m for m in self.managers if isinstance(m, StatePoolManager)]
+        self._state_pool_indices = [self.pools.index(m.pool) for m in self._state_managers]
         self._attention_managers = [m for m in self.managers if not isinstance(m, StatePoolManager)]
         self._retention: CheckpointRetention | None = None
         if self._state_managers:
@@ -469,8 +470,7 @@ class KVCacheCoordinator:
         need = [0] * len(self.pools)
         for m, alike, k in self._counting:
             need[k] += m.num_new_blocks(request_id, num_tokens, 0) * len(alike) * m.pages_per_block
-        for m in self._state_managers:
-            k = self.pools.index(m.pool)
+        for m, k in zip(self._state_managers, self._state_pool_indices, strict=True):
             room = m.pool.num_empty_free_blocks if m.holds_prompt_checkpoint(request_id) else m.pool.num_free_blocks
             if (
                 need[k] > room
