@@ -36,10 +36,8 @@ from jaxkv.commands.cli import exit_error, flags_parser
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from save_tiny_checkpoint import FAMILIES, TINY_SIZES, WINDOW, save_tiny_checkpoint
+from save_tiny_checkpoint import CHECKPOINT_FILES, FAMILIES, ORACLE_DIR, TINY_SIZES, WINDOW, save_tiny_checkpoint
 
-ORACLE_DIR = Path(__file__).resolve().parent.parent / "tests" / "oracle"
-CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors")
 VOCAB_SIZE: int = TINY_SIZES["vocab_size"]
 NEW_TOKENS = 10
 DENSE_LENGTH = 5 * WINDOW

@@ -7,18 +7,25 @@ The checkpoints jaxkv's tests compare with transformers, and a directory to try
     python scripts/save_tiny_checkpoint.py --family llama --out /tmp/tiny-llama
     python scripts/save_tiny_checkpoint.py --family gemma3 --out /tmp/tiny-gemma3 --max_shard_size 100KB
 
-Needs transformers and torch (the ``oracle`` extra); without them it refuses in one
-line. Every tensor is redrawn after construction, norms included, because
-transformers' default init leaves norms constant (a norm read with the wrong offset
-would go unseen), Nemotron-H's routing biases included. A byte-level ``tokenizer.json`` (256 byte tokens and
-:data:`SPECIAL_TOKENS`, the ``tokenizers`` library) and a ``tokenizer_config.json`` with a chat template are
-saved beside the weights, so prompts may be text or chats, offline; generation stops at ``<|endoftext|>``.
+Draws the weights with transformers and torch (the ``oracle`` extra) where they are
+installed. Without them, a checkout's stored seed-0 checkpoint of the family
+(``tests/oracle/``, saved by transformers with this file's configs, checked against it
+by ``pytest -m oracle``) is copied instead, so trying the server needs no torch;
+another ``--seed`` or ``--max_shard_size`` is then refused in one line.
+
+Every tensor is redrawn after construction, norms included, because transformers'
+default init leaves norms constant (a norm read with the wrong offset would go unseen),
+Nemotron-H's routing biases included. A byte-level ``tokenizer.json`` (256 byte tokens
+and :data:`SPECIAL_TOKENS`, the ``tokenizers`` library) and a ``tokenizer_config.json``
+with a chat template are saved beside the weights, so prompts may be text or chats,
+offline; generation stops at ``<|endoftext|>``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +148,12 @@ def tiny_config(family: str) -> Any:
 
 FAMILIES = ("llama", "qwen3", "gemma3", "qwen3_next", "nemotron_h")
 
+ORACLE_DIR = Path(__file__).resolve().parent.parent / "tests" / "oracle"
+"""Where a checkout stores each family's seed-0 checkpoint and transformers' outputs on it
+(``scripts/save_oracle_references.py`` writes them)."""
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors")
+"""The files of a stored checkpoint."""
+
 
 def _unit_centred(family: str, name: str) -> bool:
     """Whether a norm weight scales by itself (drawn around 1) rather than by ``1 + weight``
@@ -181,6 +194,13 @@ def save_tiny_checkpoint(
     return model
 
 
+def copy_stored_checkpoint(family: str, directory: str | Path) -> None:
+    """Copy the checkout's stored seed-0 ``family`` checkpoint (:data:`ORACLE_DIR`) into ``directory``."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    for name in CHECKPOINT_FILES:
+        shutil.copyfile(ORACLE_DIR / family / name, Path(directory) / name)
+
+
 def save_tiny_tokenizer(directory: str | Path) -> None:
     """A byte-level BPE ``tokenizer.json`` of one token per byte (no merges) and
     :data:`SPECIAL_TOKENS` after them, and a ``tokenizer_config.json`` with
@@ -217,13 +237,30 @@ def main(argv: list[str]) -> None:
             exit_error(PROG, f"--{name} is required")
     try:
         import tokenizers  # noqa: F401
+    except ImportError as err:
+        exit_error(PROG, f"needs tokenizers (pip install '.[tokenizers]'): {err}")
+    try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as err:
-        exit_error(PROG, f"needs transformers, torch and tokenizers (pip install '.[oracle,tokenizers]'): {err}")
-    save_tiny_checkpoint(FLAGS.family, FLAGS.out, seed=FLAGS.seed, max_shard_size=FLAGS.max_shard_size)
+        stored = ORACLE_DIR / FLAGS.family
+        if FLAGS.seed != 0:
+            what = f"--seed {FLAGS.seed} (the stored checkpoint is seed 0)"
+        elif FLAGS.max_shard_size is not None:
+            what = f"--max_shard_size {FLAGS.max_shard_size}"
+        elif not stored.is_dir():
+            what = f"a checkpoint outside a checkout (no {stored})"
+        else:
+            what = ""
+        if what:
+            exit_error(PROG, f"{what} needs transformers and torch (pip install '.[oracle]'): {err}")
+        copy_stored_checkpoint(FLAGS.family, FLAGS.out)
+        source = f"copied from {stored} (seed 0; transformers and torch are not installed)"
+    else:
+        save_tiny_checkpoint(FLAGS.family, FLAGS.out, seed=FLAGS.seed, max_shard_size=FLAGS.max_shard_size)
+        source = f"seed {FLAGS.seed}, drawn with transformers"
     save_tiny_tokenizer(FLAGS.out)
-    print(f"saved a tiny random {FLAGS.family} checkpoint to {FLAGS.out}")
+    print(f"saved a tiny random {FLAGS.family} checkpoint to {FLAGS.out}: {source}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,11 +56,8 @@ class Reference:
 
 def save_tiny_checkpoint(family: str, directory: Path) -> Reference:
     """Copy the stored tiny ``family`` checkpoint into ``directory``; returns transformers' outputs on it."""
-    stored = oracle.ORACLE_DIR / family
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    for name in oracle.CHECKPOINT_FILES:
-        shutil.copyfile(stored / name, Path(directory) / name)
-    return Reference.load(stored / "reference.npz")
+    tiny.copy_stored_checkpoint(family, directory)
+    return Reference.load(oracle.ORACLE_DIR / family / "reference.npz")
 
 
 DENSE_ATOL = 1e-4

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
 from safetensors.numpy import load_file, save_file
-from script_runs import run_script
+from script_runs import REPO, run_python_without, run_script
 
 from jaxkv.device.mesh import MODEL_AXIS, model_mesh
 from jaxkv.errors import JaxkvError
@@ -27,6 +27,7 @@ from jaxkv.models.checkpoint import (
     eos_token_ids,
     load_pretrained,
 )
+from jaxkv.models.text import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +167,30 @@ def test_serve_script_refuses_a_missing_checkpoint_in_one_line(tmp_path):
     assert served.stderr.strip().splitlines() == [
         f"serve.py: error: checkpoint directory '{tmp_path / 'absent'}' does not exist (a local path only)"
     ]
+
+
+def _save_tiny_checkpoint_without_torch(*args: str):
+    """``scripts/save_tiny_checkpoint.py args`` run where torch and transformers cannot be imported."""
+    script = "scripts/save_tiny_checkpoint.py"
+    code = f"import runpy, sys; sys.argv = {[script, *args]!r}; runpy.run_path({script!r}, run_name='__main__')"
+    return run_python_without(("torch", "transformers"), code)
+
+
+@pytest.mark.subprocess
+def test_without_torch_the_tiny_checkpoint_script_copies_the_stored_one_and_refuses_other_seeds(tmp_path):
+    saved = _save_tiny_checkpoint_without_torch("--family", "llama", "--out", str(tmp_path / "llama"))
+    assert saved.returncode == 0, saved.stderr
+    assert "copied from" in saved.stdout
+    stored = REPO / "tests" / "oracle" / "llama"
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        assert (tmp_path / "llama" / name).read_bytes() == (stored / name).read_bytes()
+    text = load_tokenizer(tmp_path / "llama")
+    assert text is not None and text.chat_template and text.special["eos_token"] == "<|endoftext|>"
+    refused = _save_tiny_checkpoint_without_torch("--family", "llama", "--out", str(tmp_path / "x"), "--seed", "3")
+    assert refused.returncode == 2
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("save_tiny_checkpoint.py: error: --seed 3 (the stored checkpoint is seed 0) needs")
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_config_without_a_needed_field_is_named(llama_dir, tmp_path):
