@@ -59,7 +59,9 @@ flags.DEFINE_float("device_requests", 2.5, "device pool, in blocks of one max_mo
 flags.DEFINE_float("host_requests", 3.0, "host tier, in blocks of one max_model_len request", lower_bound=0.1)
 flags.DEFINE_integer("max_num_seqs", 8, "most requests running at once", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 128, "token budget of one step", lower_bound=1)
-flags.DEFINE_enum("impl", "xla_gpu", list(ops.IMPLEMENTATIONS), "jaxkv.device.ops implementation")
+flags.DEFINE_enum(
+    "impl", "auto", list(ops.IMPLEMENTATIONS), "jaxkv.device.ops implementation (auto: the device's, as a user gets)"
+)
 flags.DEFINE_integer("max_reported_mismatches", 5, "mismatching requests printed per configuration")
 flags.DEFINE_string("out", None, "write the report as JSON to this path")
 for _name in ("system_len", "user_len"):
