@@ -147,6 +147,28 @@ def test_serve_script_serves_a_saved_checkpoint_from_text_prompts(tmp_path):
     assert "tokens identical to the dense (unpaged) forward: yes" in served.stdout
 
 
+def _served_tokens(stdout: str) -> list[list[int]]:
+    """Each request's output tokens, from serve.py's ``... -> [t, ...]`` lines."""
+    return [json.loads(line.split("-> ")[1]) for line in stdout.splitlines() if "  ttft " in line]
+
+
+@pytest.mark.subprocess
+def test_serve_script_stops_a_sequence_at_the_checkpoints_eos_and_checks_the_cut_reference(tmp_path):
+    save_tiny_checkpoint("qwen3", tmp_path)
+    flags = ("--checkpoint", str(tmp_path), "--num_requests", "3", "--max_new_tokens", "6", "--max_model_len", "256")
+    before = run_script("serve.py", *flags)
+    assert before.returncode == 0, before.stderr
+    tokens = _served_tokens(before.stdout)
+    eos = tokens[0][2]  # the third token of the first request becomes the checkpoint's EOS
+    generation_config = tmp_path / "generation_config.json"
+    generation_config.write_text(json.dumps({**json.loads(generation_config.read_text()), "eos_token_id": eos}))
+    after = run_script("serve.py", *flags)
+    assert after.returncode == 0, after.stderr
+    assert f"a sequence stops at the checkpoint's EOS ids [{eos}]" in after.stdout
+    assert _served_tokens(after.stdout) == [t[: t.index(eos) + 1] if eos in t else t for t in tokens]
+    assert "tokens identical to the dense (unpaged) forward: yes" in after.stdout
+
+
 @pytest.mark.subprocess
 def test_bench_serve_script_benchmarks_a_saved_checkpoint_with_caching_on_and_off(llama_dir, tmp_path):
     bench = run_script(

@@ -26,6 +26,8 @@ Gemma-3 text...) instead of ``--model``, split over the mesh with ``--num_device
 Where DIR has a ``tokenizer.json`` (and the ``tokenizers`` extra is installed), the
 outputs are printed decoded too and ``--prompt`` gives text prompts (repeat the flag);
 without ``--prompt`` the prompts are token ids with shared prefixes, as for a tiny model.
+A sequence stops at the checkpoint's EOS ids (``generation_config.json``, else
+``config.json``), its EOS kept as the last token; the dense check cuts its reference there too.
 
 ``--num_devices N`` runs the model tensor-parallel on a mesh of N devices (KV heads and
 weights split, :mod:`jaxkv.device.mesh`); on CPU the command asks XLA for N host devices
@@ -120,7 +122,13 @@ def define_flags() -> flags.FlagValues:
     flags.DEFINE_integer("num_prefixes", 2, "distinct shared prefixes (system prompts)", lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("prefix_len", 96, "tokens per shared prefix", lower_bound=0, flag_values=fv)
     flags.DEFINE_list("suffix_len", ["8", "48"], "lo,hi tokens of each request's unique tail", flag_values=fv)
-    flags.DEFINE_integer("max_new_tokens", 24, "tokens generated per request", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer(
+        "max_new_tokens",
+        24,
+        "tokens generated per request (fewer where a checkpoint's EOS comes first)",
+        lower_bound=1,
+        flag_values=fv,
+    )
     flags.DEFINE_string("memory", "4MiB", "KV cache budget: 4MiB, 512KiB or bytes", flag_values=fv)
     flags.DEFINE_integer("max_model_len", 512, "tokens of the longest request", lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("block_size", 16, "tokens per block", lower_bound=1, flag_values=fv)
@@ -306,12 +314,20 @@ def _step_check(name: str) -> LockstepCheck | None:
     return distributed.lockstep_check(name) if jax.process_count() > 1 else None
 
 
+def _through_first(stop_ids: Sequence[int], tokens: list[int]) -> list[int]:
+    """``tokens`` up to and including the first of ``stop_ids`` (all of them if none occurs):
+    what a sequence that stops there keeps, as the engine keeps its stop token."""
+    ends = [i for i, token in enumerate(tokens) if token in stop_ids]
+    return tokens[: ends[0] + 1] if ends else tokens
+
+
 def serve(fv: flags.FlagValues) -> dict:
     """Plan, build, generate, print (with ``fv``, the parsed :func:`define_flags`); return the JSON report."""
     import jax
 
     from jaxkv.device import ops
     from jaxkv.device.mesh import model_mesh
+    from jaxkv.models.checkpoint import eos_token_ids
     from jaxkv.models.loading import load_model
     from jaxkv.models.tiny import dense_greedy_generate
     from jaxkv.serving.engine import Engine, plan_for_model
@@ -344,6 +360,9 @@ def serve(fv: flags.FlagValues) -> dict:
         f"{implementation!r} on JAX's {backend} backend{devices}:"
     )
     print(config.summary())
+    eos = eos_token_ids(fv.checkpoint) if fv.checkpoint else ()
+    if eos:
+        print(f"a sequence stops at the checkpoint's EOS ids {list(eos)} or after {fv.max_new_tokens} tokens")
     engine = Engine(
         model,
         config,
@@ -351,6 +370,7 @@ def serve(fv: flags.FlagValues) -> dict:
         max_num_seqs=fv.max_num_seqs,
         mesh=mesh,
         step_check=_step_check("serve"),
+        eos_token_ids=eos,
     )
     tokenizer = _load_tokenizer(fv, fv.checkpoint) if fv.checkpoint else None
     if fv.prompt:
@@ -396,6 +416,7 @@ def serve(fv: flags.FlagValues) -> dict:
             max_num_seqs=fv.max_num_seqs,
             mesh=mesh,
             step_check=_step_check("uncached"),
+            eos_token_ids=eos,
         )
         baseline = uncached.generate(prompts, fv.max_new_tokens, return_logits=True)
         check = compare_outputs(baseline.outputs, result.outputs, dtype=model_dtype, tolerance=fv.logit_tolerance)
@@ -404,7 +425,7 @@ def serve(fv: flags.FlagValues) -> dict:
     if fv.verify and model_dtype not in EXACT_DTYPES:
         print(f"dense check skipped: {model_dtype} tokens may flip at near ties; use --verify_uncached")
     elif fv.verify:
-        dense = dense_greedy_generate(model, prompts, fv.max_new_tokens)
+        dense = [_through_first(eos, tokens) for tokens in dense_greedy_generate(model, prompts, fv.max_new_tokens)]
         same = dense == [list(o.output_token_ids) for o in result.outputs]
         print(f"tokens identical to the dense (unpaged) forward: {'yes' if same else 'NO'}")
         report["matches_dense"] = same
