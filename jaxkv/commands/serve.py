@@ -317,8 +317,8 @@ def _step_check(name: str) -> LockstepCheck | None:
 def _through_first(stop_ids: Sequence[int], tokens: list[int]) -> list[int]:
     """``tokens`` up to and including the first of ``stop_ids`` (all of them if none occurs):
     what a sequence that stops there keeps, as the engine keeps its stop token."""
-    ends = [i for i, token in enumerate(tokens) if token in stop_ids]
-    return tokens[: ends[0] + 1] if ends else tokens
+    end = next((i + 1 for i, token in enumerate(tokens) if token in stop_ids), len(tokens))
+    return tokens[:end]
 
 
 def serve(fv: flags.FlagValues) -> dict:
