@@ -1,5 +1,5 @@
 """Imports run one way (DESIGN.md): shared (errors, specs, presets, planner) -> core (the
-host-side manager) -> device, pallas -> offload -> models -> serving -> cluster, fleet ->
+host-side manager) -> device, pallas -> offload, interop -> models -> serving -> cluster, fleet ->
 benchmarks, commands. The shared modules and the core import no JAX."""
 
 import ast
@@ -22,6 +22,7 @@ LAYERS = {
     "device": 2,
     "pallas": 2,
     "offload": 3,
+    "interop": 3,
     "models": 4,
     "serving": 5,
     "cluster": 6,
