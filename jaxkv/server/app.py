@@ -52,7 +52,9 @@ class ServerConfig:
 
 
 def create_app(config: ServerConfig) -> FastAPI:
-    """The FastAPI app serving ``config`` (its engine starts with the app)."""
+    """The FastAPI app serving ``config``. Its engine starts with the app, whose start-up fails
+    when the engine cannot be built; or the caller starts one before binding (the CLI does):
+    ``app.state.engine = AsyncEngine(app.state.build_engine, ...)``, awaited ready."""
     metrics = PrometheusMetrics(labels={"model_name": config.model_name})
     holder: dict[str, AsyncEngine] = {}
 
@@ -63,14 +65,18 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
-        holder["engine"] = AsyncEngine(build, max_requests=config.max_requests)
-        app.state.engine = holder["engine"]
+        if getattr(app.state, "engine", None) is None:
+            app.state.engine = AsyncEngine(build, max_requests=config.max_requests)
+        holder["engine"] = app.state.engine
         try:
+            await holder["engine"].ready()
             yield
         finally:
             await holder["engine"].close()
 
     app = FastAPI(title="jaxkv", lifespan=lifespan)
+    app.state.config = config
+    app.state.build_engine = build
 
     def error(err: ApiError) -> Response:
         return JSONResponse(err.body(), status_code=err.status)

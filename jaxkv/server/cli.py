@@ -1,12 +1,17 @@
-"""``jaxkv-server --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--memory 1GiB] [--max_model_len 2048]``.
+"""``jaxkv-server --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--memory 1GiB] [--max_model_len N]``.
 
 Serves one Hugging Face-format checkpoint directory over OpenAI's API on loopback
-unless told otherwise. Bad flags are one line on stderr and exit status 2.
+unless told otherwise. ``--max_model_len`` defaults to the checkpoint's positions. The
+engine is built before the port is bound: bad flags, a bad checkpoint or a memory that
+cannot hold one request of ``max_model_len`` tokens (the message names the largest
+length that fits) are one line on stderr and exit status 2; once serving, one line says
+where, what and in which plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import socket
 import sys
@@ -14,9 +19,13 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from jaxkv.errors import JaxkvError
+
+if TYPE_CHECKING:
+    from jaxkv.models.protocol import ServedModel
+    from jaxkv.planner import KVCacheConfig
 
 PROG = "jaxkv-server"
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -25,6 +34,15 @@ _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         fail(message)
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """``--help`` names each flag's default, where it has one to name."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, argparse.SUPPRESS):
+            return action.help
+        return f"{action.help} (default: %(default)s)"
 
 
 def fail(message: str) -> NoReturn:
@@ -43,23 +61,68 @@ def parse_bytes(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="An OpenAI-compatible server over one jaxkv engine.")
+    p = _Parser(
+        prog=PROG,
+        description="An OpenAI-compatible server over one jaxkv engine.",
+        formatter_class=_DefaultsShown,
+    )
     p.add_argument("--checkpoint", required=True, help="a local Hugging Face-format checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--memory", type=parse_bytes, default=parse_bytes("256MiB"), help="KV cache memory, e.g. 1GiB")
-    p.add_argument("--max_model_len", type=int, default=2048, help="the longest prompt + output, in tokens")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--memory", type=parse_bytes, default="256MiB", help="KV cache memory, e.g. 1GiB")
+    p.add_argument(
+        "--max_model_len",
+        type=int,
+        default=None,
+        help="the longest prompt + output, in tokens (default: the checkpoint's positions)",
+    )
     p.add_argument("--max_num_seqs", type=int, default=16, help="sequences per step")
     p.add_argument("--max_requests", type=int, default=256, help="unfinished requests before 429")
-    p.add_argument("--max_body_bytes", type=parse_bytes, default=parse_bytes("1MiB"))
+    p.add_argument("--max_body_bytes", type=parse_bytes, default="1MiB", help="the largest request body")
     p.add_argument("--no_prefix_caching", action="store_true", help="turn the prefix cache off")
-    p.add_argument("--served_model_name", default=None, help="the model id clients name (the directory's name)")
+    p.add_argument("--served_model_name", default=None, help="the model id clients name (default: the directory's name)")
     p.add_argument("--api_key", default=os.environ.get("JAXKV_API_KEY"), help="require this bearer key")
+    p.add_argument("--access_log", action="store_true", help="log one line per HTTP request")
     return p
+
+
+def largest_max_model_len(model: ServedModel, memory_bytes: int, limit: int, **plan_kwargs: Any) -> int:
+    """The longest ``max_model_len`` up to ``limit`` whose plan fits ``memory_bytes`` (0: none),
+    by bisection over :func:`~jaxkv.serving.engine.plan_for_model` with ``plan_kwargs``."""
+    from jaxkv.planner import PlanError
+    from jaxkv.serving.engine import plan_for_model
+
+    fits, over = 0, limit + 1
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        try:
+            plan_for_model(model, memory_bytes, max_model_len=mid, **plan_kwargs)
+        except PlanError:
+            over = mid
+        else:
+            fits = mid
+    return fits
+
+
+def plan_or_refuse(model: ServedModel, memory_bytes: int, max_model_len: int, **plan_kwargs: Any) -> KVCacheConfig:
+    """The plan an engine of ``model`` serves with; a memory that holds no request of
+    ``max_model_len`` tokens is refused naming the largest length that fits, as vLLM does."""
+    from jaxkv.planner import InsufficientMemoryError
+    from jaxkv.serving.engine import plan_for_model
+
+    try:
+        return plan_for_model(model, memory_bytes, max_model_len=max_model_len, **plan_kwargs)
+    except InsufficientMemoryError as err:
+        fits = largest_max_model_len(model, memory_bytes, max_model_len - 1, **plan_kwargs)
+        advice = f"--max_model_len {fits} fits" if fits else "no request fits"
+        raise InsufficientMemoryError(f"{err}; in --memory {memory_bytes:,} B {advice}") from None
 
 
 def build_app(args: argparse.Namespace) -> Any:
     """The app for parsed ``args`` (the engine is built when the app starts)."""
+    from jaxkv.models.checkpoint import eos_token_ids, load_pretrained
+    from jaxkv.models.checkpoint_files import read_config
+    from jaxkv.models.config_checks import max_positions
     from jaxkv.models.text import load_tokenizer
     from jaxkv.server.app import ServerConfig, create_app
     from jaxkv.serving.engine import Engine
@@ -67,23 +130,32 @@ def build_app(args: argparse.Namespace) -> Any:
     directory = Path(args.checkpoint)
     if not (directory / "config.json").exists():
         fail(f"--checkpoint={args.checkpoint} has no config.json")
+    if args.api_key is not None and not args.api_key:
+        fail("--api_key is empty: give a key, or leave the flag (and JAXKV_API_KEY) unset")
+    try:
+        tokenizer = load_tokenizer(directory)
+        if args.max_model_len is None:
+            args.max_model_len = max_positions(read_config(directory))
+    except JaxkvError as err:
+        fail(str(err))
+    if args.max_model_len is None:
+        fail(f"--max_model_len is needed: {directory / 'config.json'} names no max_position_embeddings")
     for name in ("port", "max_model_len", "max_num_seqs", "max_requests"):
         if getattr(args, name) <= 0 or (name == "port" and args.port > 65535):
             fail(f"--{name}={getattr(args, name)} is out of range")
 
     def build() -> Engine:
-        return Engine.from_pretrained(
-            directory,
-            memory_bytes=args.memory,
-            max_model_len=args.max_model_len,
+        model = load_pretrained(directory, max_model_len=args.max_model_len)
+        plan = plan_or_refuse(model, args.memory, args.max_model_len, max_num_seqs=args.max_num_seqs)
+        return Engine(
+            model,
+            plan,
             max_num_seqs=args.max_num_seqs,
             enable_caching=not args.no_prefix_caching,
+            eos_token_ids=eos_token_ids(directory),
+            tokenizer=tokenizer,
         )
 
-    try:
-        tokenizer = load_tokenizer(directory)
-    except JaxkvError as err:
-        fail(str(err))
     config = ServerConfig(
         model_name=args.served_model_name or directory.resolve().name,
         build_engine=build,
@@ -121,10 +193,48 @@ class ServerThread:
         self._thread.join(60)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Build the engine, then bind and serve ``args`` until a signal stops uvicorn."""
+    import uvicorn
+
+    from jaxkv.serving.async_engine import AsyncEngine, EngineDeadError
+
+    app = build_app(args)
+    engine = AsyncEngine(app.state.build_engine, max_requests=args.max_requests)
+    try:
+        built = await engine.ready()
+    except EngineDeadError as err:
+        fail(str(err))
+    app.state.engine = engine
+    if args.api_key is None and args.host not in LOOPBACK and not args.host.startswith("127."):
+        print(f"{PROG}: warning: serving on {args.host} beyond loopback without --api_key", file=sys.stderr)
+    log_level = "info" if args.access_log else "warning"
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=args.access_log)
+    )
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        config = built.manager.config
+        print(
+            f"{PROG}: ready on http://{args.host}:{args.port}: model {app.state.config.model_name}, "
+            f"max_model_len {args.max_model_len}, {config.num_blocks} blocks in {len(config.groups)} groups "
+            f"({args.memory:,} B)",
+            flush=True,
+        )
+    await serving
+    if not server.started:
+        fail(f"cannot serve on {args.host}:{args.port} (see uvicorn's message above)")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         fail("the server needs its extra: pip install 'jaxkv[server]'")
-    uvicorn.run(build_app(args), host=args.host, port=args.port, log_level="warning")
+    asyncio.run(serve(args))

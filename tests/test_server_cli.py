@@ -1,0 +1,109 @@
+"""``jaxkv-server`` started as a user starts it: bare, then with flags it must refuse before binding."""
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from hf_checkpoints import save_tiny_checkpoint
+from script_runs import repo_env
+from tiny_tokenizer import save_tiny_tokenizer
+
+pytest.importorskip("uvicorn")
+
+from jaxkv.models.tiny import TinyLM, get_model_config
+from jaxkv.planner import InsufficientMemoryError, PlanError
+from jaxkv.server.cli import largest_max_model_len, parser, plan_or_refuse
+from jaxkv.serving.engine import plan_for_model
+
+SERVER = [sys.executable, "-m", "jaxkv.server"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The stored tiny Llama (512 positions) with a tokenizer, as the README's third command saves it."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_checkpoint("llama", directory)
+    save_tiny_tokenizer(directory)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def is_bound(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_bare_start_serves_the_checkpoint_positions_and_says_it_is_ready(checkpoint):
+    port = free_port()
+    server = subprocess.Popen(
+        [*SERVER, "--checkpoint", str(checkpoint), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=repo_env(),
+    )
+    try:
+        ready = server.stdout.readline()  # the engine is built before the port is bound
+        assert ready.startswith(f"jaxkv-server: ready on http://127.0.0.1:{port}: model {checkpoint.name}"), (
+            ready + server.stderr.read()
+        )
+        assert "max_model_len 512" in ready
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as answer:
+            card = json.load(answer)["data"][0]
+        assert card["id"] == checkpoint.name and card["max_model_len"] == 512
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--memory", "200KiB"], "in --memory 204,800 B --max_model_len 240 fits"),
+        (["--max_model_len", "4096"], "exceeds the 512 positions of config.json"),
+        (["--api_key", ""], "--api_key is empty"),
+    ],
+)
+def test_what_cannot_be_served_exits_2_in_one_line_before_binding(checkpoint, flags, says):
+    port = free_port()
+    run = subprocess.run(
+        [*SERVER, "--checkpoint", str(checkpoint), "--port", str(port), *flags],
+        capture_output=True,
+        text=True,
+        env=repo_env(),
+        timeout=300,
+    )
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.count("\n") == 1 and says in run.stderr
+    assert not run.stdout and not is_bound(port)
+
+
+def test_help_names_each_default():
+    text = " ".join(parser().format_help().split())
+    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 256MiB)", "(default: 1MiB)", "(default: 16)"):
+        assert shown in text
+    assert "(default: the checkpoint's positions)" in text and "(default: None)" not in text
+
+
+@pytest.mark.parametrize("memory", [150_000, 405_504, 1 << 20])
+def test_the_largest_fitting_length_fits_and_one_more_token_does_not(memory):
+    model = TinyLM(get_model_config("tiny-llama"), seed=0, name="tiny-llama")
+    fits = largest_max_model_len(model, memory, 100_000)
+    plan_for_model(model, memory, max_model_len=fits)
+    with pytest.raises(PlanError):
+        plan_for_model(model, memory, max_model_len=fits + 1)
+    with pytest.raises(InsufficientMemoryError, match=f"--max_model_len {fits} fits"):
+        plan_or_refuse(model, memory, fits + 1)
+    assert plan_or_refuse(model, memory, fits).max_model_len == fits
