@@ -283,11 +283,12 @@ def test_a_mutated_config_of_each_family_loads_or_is_refused_with_a_typed_error(
 
 
 def test_eos_ids_come_from_the_generation_config_then_the_config_and_a_list_stays_a_list(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2, "vocab_size": 10}))
     assert eos_token_ids(tmp_path) == (2,)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
     assert eos_token_ids(tmp_path) == (7, 9)
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "7"}))
-    with pytest.raises(CheckpointError, match="eos_token_id must be an id or a list of ids, got '7'"):
-        eos_token_ids(tmp_path)
+    for bad in ("7", 10, 2**40):  # an id the model cannot draw would overflow the step's int32 rows (issue 41)
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
+        with pytest.raises(CheckpointError, match=f"ids below the vocabulary's 10, got {bad!r}"):
+            eos_token_ids(tmp_path)
     assert eos_token_ids(tmp_path / "elsewhere") == ()

@@ -1,6 +1,7 @@
 """A checkpoint's tokenizer, chat template (sandboxed) and streamed text (never a broken character)."""
 
 import json
+import os
 
 import pytest
 from tiny_tokenizer import EOS_TOKEN_ID, save_tiny_tokenizer
@@ -63,3 +64,45 @@ def test_a_directory_without_a_tokenizer_has_none_and_a_template_less_one_refuse
     (tmp_path / "tokenizer_config.json").unlink()
     with pytest.raises(TextError, match="no chat_template"):
         load_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def with_template(directory, template: str) -> TextTokenizer:
+    """The tiny tokenizer saved in ``directory`` with ``template`` as its chat template."""
+    save_tiny_tokenizer(directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return TextTokenizer.from_directory(directory)
+
+
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        ("{{ 1 // 0 }}", "the chat template failed on the messages: ZeroDivisionError"),
+        ("{% for i in range(99999) %}{{ 'x' * 99999 }}{% endfor %}", "rendered more than 4,194,304 characters"),
+    ],
+)
+def test_a_template_that_fails_or_renders_without_end_is_a_text_error(tmp_path, template, says):
+    tok = with_template(tmp_path, template)
+    with pytest.raises(TextError, match=says):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_a_lone_surrogate_is_a_text_error(tok):
+    with pytest.raises(TextError, match="lone surrogate"):
+        tok.encode("a\ud800b")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_tokenizer_files_pass_the_checkpoint_guards(tmp_path, name):
+    """A FIFO would hang the read, and a link out of the directory (to /dev/zero, say)
+    would be read without bound: both are refused by name, as for the weights."""
+    save_tiny_tokenizer(tmp_path)
+    (tmp_path / name).unlink()
+    os.mkfifo(tmp_path / name)
+    with pytest.raises(TextError, match="is not a regular file"):
+        TextTokenizer.from_directory(tmp_path)
+    (tmp_path / name).unlink()
+    (tmp_path / name).symlink_to("/dev/zero")
+    with pytest.raises(TextError, match="outside the checkpoint directory"):
+        TextTokenizer.from_directory(tmp_path)

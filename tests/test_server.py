@@ -58,7 +58,8 @@ def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_checkpoint("llama", directory)
     save_tiny_tokenizer(directory)
-    live = LiveServer(["--checkpoint", str(directory), "--memory", "4MiB", "--max_model_len", "256", "--api_key", "k"])
+    flags = ["--memory", "4MiB", "--max_model_len", "512", "--api_key", "k", "--served_model_name", "m"]
+    live = LiveServer(["--checkpoint", str(directory), *flags])
     live.directory = directory
     yield live
     live.close()
@@ -167,3 +168,98 @@ def test_bad_requests_get_openai_error_bodies(server, client):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
     status, text = http(server.url, "POST", "/v1/completions", b"x" * (2 << 20))
     assert status == 413 and json.loads(text)["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"presence_penalty": 0.5}, 400, "presence_penalty=0.5 is not supported"),
+        ({"tools": [{"type": "function"}]}, 400, "tools="),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format="),
+        ({"best_of": 3}, 400, "best_of=3"),
+        ({"frobnicate": 1}, 400, "unknown field 'frobnicate'"),
+        ({"model": "other"}, 404, "The model `other` does not exist."),
+        ({"max_tokens": 511}, 400, "maximum context length is 512 tokens"),
+        ({"n": 200_000}, 400, "n must be at most 128"),
+        ({"top_k": 2**31}, 400, "top_k must be at most"),
+        ({"stop": ["x"] * 90_000}, 400, "stop may list at most 32 strings"),
+        ({"prompt": "a\ud800b"}, 400, "lone surrogate"),
+        ({"echo": True, "logprobs": 1}, 400, "echo must be a bool"),
+        ({"cache_salt": ""}, 400, "cache_salt must be a non-empty string"),
+        ({"stream_options": {"include_usage": True, "every": 1}}, 400, "stream_options field 'every'"),
+    ],
+)
+def test_every_field_is_honoured_or_refused_by_name_and_the_engine_lives_on(server, client, body, status, says):
+    sent = json.dumps({"model": "m", "prompt": "Hi", "max_tokens": 8, **body})  # escapes a lone surrogate
+    code, text = http(server.url, "POST", "/v1/completions", sent.encode())
+    assert code == status and says in json.loads(text)["error"]["message"], text
+    assert client.completions.create(model="m", prompt="Hi", max_tokens=2).usage.completion_tokens <= 2
+
+
+def test_a_field_at_the_value_that_asks_nothing_is_accepted(client):
+    inert = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1, "tools": [], "user": "u"}
+    answer = client.completions.create(model="m", prompt="Hi", max_tokens=4, temperature=0, extra_body=inert)
+    plain = client.completions.create(model="m", prompt="Hi", max_tokens=4, temperature=0)
+    assert answer.choices[0].text == plain.choices[0].text
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["[" * 50_000 + "]" * 50_000, '{"model": "m", "prompt": "Hi", "max_tokens": ' + "9" * 5000 + "}", "\xff{"],
+    ids=["nested 50k deep", "a 5,000-digit int", "not UTF-8"],
+)
+def test_bodies_json_cannot_read_are_400s(server, body):
+    code, text = http(server.url, "POST", "/v1/completions", body.encode("latin-1"))
+    assert code == 400 and "not JSON this server reads" in json.loads(text)["error"]["message"]
+
+
+def test_chat_content_parts_are_joined_text_and_other_parts_refused(client):
+    def chat(content, **extra):
+        return client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0, **extra
+        )
+
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    assert chat(parts).choices[0].message.content == chat("Hi\nthere").choices[0].message.content
+    assert chat(parts).usage.prompt_tokens == chat("Hi\nthere").usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="only text parts are"):
+        chat([{"type": "image_url", "image_url": {"url": "data:,"}}])
+    open_ended = chat("Hi", extra_body={"add_generation_prompt": False})
+    assert open_ended.usage.prompt_tokens < chat("Hi").usage.prompt_tokens
+    continued = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    closed = chat("Hi", extra_body={"add_generation_prompt": False})
+    assert continued.usage.prompt_tokens == closed.usage.prompt_tokens + 4, "<|assistant|> and 3 bytes, left open"
+
+
+def test_echo_and_continuous_usage_stats(client):
+    echoed = client.completions.create(model="m", prompt=PROMPT, max_tokens=5, temperature=0, echo=True)
+    plain = client.completions.create(model="m", prompt=PROMPT, max_tokens=5, temperature=0)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    chunks = list(
+        client.completions.create(
+            model="m",
+            prompt=PROMPT,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            echo=True,
+            stream_options={"include_usage": True},
+            extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
+    assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens <= 5
+
+
+def test_a_model_is_retrieved_by_id_and_unknown_routes_answer_openai_errors(server, client):
+    assert client.models.retrieve("m").id == "m"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    code, text = http(server.url, "GET", "/v1/nothing-here")
+    assert code == 404 and json.loads(text)["error"]["code"] == 404

@@ -13,6 +13,11 @@ def test_defaults_are_vllms_and_greedy_is_temperature_zero():
     assert SamplingParams.greedy(5).is_greedy and not params.is_greedy
 
 
+def test_the_bounds_themselves_are_accepted():
+    params = SamplingParams(n=128, top_k=2**31 - 1, stop=["s" * 1024] * 32, stop_token_ids=list(range(1024)))
+    assert (params.n, params.top_k, len(params.stop), len(params.stop_token_ids)) == (128, 2**31 - 1, 32, 1024)
+
+
 def test_one_stop_string_is_a_list_of_one_and_top_k_minus_one_keeps_every_token():
     assert SamplingParams(stop="\n").stop == ("\n",)
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
@@ -40,6 +45,12 @@ def test_one_stop_string_is_a_list_of_one_and_top_k_minus_one_keeps_every_token(
         ({"ignore_eos": 1}, "ignore_eos must be a bool, got 1"),
         ({"logprobs": MAX_LOGPROBS + 1}, f"logprobs must be at most {MAX_LOGPROBS}"),
         ({"n": True}, "n must be a positive int, got True"),
+        # bounds that keep one client's request from costing the others (issue 41)
+        ({"n": 200_000}, "n must be at most 128, got 200000"),
+        ({"top_k": 2**31}, "top_k must be at most 2147483647"),
+        ({"stop": ["x"] * 90_000}, "stop may list at most 32 strings, got 90000"),
+        ({"stop": ["ab" * 600]}, "stop strings may have at most 1024 characters, got one of 1200"),
+        ({"stop_token_ids": list(range(5000))}, "stop_token_ids may list at most 1024 ids, got 5000"),
     ],
 )
 def test_bad_values_are_refused_by_name(kwargs, match):

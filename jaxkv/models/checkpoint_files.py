@@ -1,6 +1,6 @@
 """The files of a checkpoint directory, read without trusting their names or sizes.
 
-Every file read (``config.json``, the index, each ``*.safetensors``) is a regular file
+Every file read (``config.json``, the index, each ``*.safetensors``, the tokenizer's) is a regular file
 (no FIFO, device or directory: a FIFO would block the read) inside the checkpoint
 directory: a name in the index is a relative path without ``..``, and its target,
 symlinks followed, stays under the directory, or under the repository folder of a
@@ -54,8 +54,8 @@ def confined_file(directory: Path, name: object, what: str) -> Path:
     return path
 
 
-def read_json(path: Path, limit: int) -> Any:
-    """The JSON value of the regular file ``path`` of at most ``limit`` bytes."""
+def read_bytes(path: Path, limit: int) -> bytes:
+    """The contents of the regular file ``path`` of at most ``limit`` bytes."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO swapped in would not block
     except OSError as err:
@@ -66,6 +66,12 @@ def read_json(path: Path, limit: int) -> Any:
         data = file.read(limit + 1)
     if len(data) > limit:
         raise CheckpointError(f"{path} is larger than {limit:,} bytes")
+    return data
+
+
+def read_json(path: Path, limit: int) -> Any:
+    """The JSON value of the regular file ``path`` of at most ``limit`` bytes."""
+    data = read_bytes(path, limit)
     try:
         return json.loads(data)
     except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -85,7 +91,7 @@ def read_config(directory: Path) -> dict[str, Any]:
 def eos_token_ids(path: str | os.PathLike[str]) -> tuple[int, ...]:
     """The end-of-sequence ids of the checkpoint in ``path``: ``eos_token_id`` of its
     ``generation_config.json`` (what generation reads first), else of its ``config.json``;
-    one id or a list of them; none when neither names any."""
+    one id or a list of them, each below the config's ``vocab_size``; none when neither names any."""
     directory = Path(path)
     for name in (GENERATION_CONFIG, CONFIG):
         if not (directory / name).exists():
@@ -96,10 +102,23 @@ def eos_token_ids(path: str | os.PathLike[str]) -> tuple[int, ...]:
         if value is None:
             continue
         ids = value if isinstance(value, list) else [value]
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise CheckpointError(f"{file}: eos_token_id must be an id or a list of ids, got {value!r}")
+        vocab_size = _vocab_size(read_config(directory))
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+            raise CheckpointError(
+                f"{file}: eos_token_id must be an id or a list of ids below the vocabulary's {vocab_size:,}, "
+                f"got {value!r:.200}"
+            )
         return tuple(ids)
     return ()
+
+
+def _vocab_size(config: dict[str, Any]) -> int:
+    """``vocab_size`` of a config (or of its ``text_config``): what every token id stays below."""
+    text = config.get("text_config")
+    size = (text if isinstance(text, dict) else config).get("vocab_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise CheckpointError(f"config.json: vocab_size must be a positive int, got {size!r:.80}")
+    return size
 
 
 def open_safetensors(file: Path, framework: str = "numpy") -> Any:

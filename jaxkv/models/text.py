@@ -16,17 +16,27 @@ and emits only the difference, holding it back while it ends in a partial charac
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jaxkv.errors import JaxkvError
+from jaxkv.models.checkpoint_errors import CheckpointError
+from jaxkv.models.checkpoint_files import confined_file, read_bytes, read_json
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+MAX_TOKENIZER_BYTES = 256 << 20
+"""``tokenizer.json`` and ``tokenizer_config.json`` are refused above 256 MiB (large
+vocabularies' are tens of MiB); both are read as the weights are (regular files inside
+the checkpoint, :mod:`jaxkv.models.checkpoint_files`)."""
 _PARTIAL = "\ufffd"
+MAX_RENDERED_CHARS = 4 << 20
+MAX_RENDER_S = 5.0
+"""A chat template is the checkpoint's code run on a client's messages: what it renders
+is bounded in size and, between the pieces it yields, in time."""
 
 
 class TextError(JaxkvError, ValueError):
@@ -49,17 +59,25 @@ class TextTokenizer:
         ``chat_template`` of its ``tokenizer_config.json`` when it has one."""
         directory = Path(path)
         file = directory / TOKENIZER_FILE
-        if not file.exists():
+        if not os.path.lexists(file):
             raise TextError(f"{file} does not exist: the checkpoint ships no tokenizer")
         try:
             from tokenizers import Tokenizer
         except ImportError as err:
             raise TextError("text needs the tokenizers library: pip install 'jaxkv[tokenizers]'") from err
         try:
-            tokenizer = Tokenizer.from_file(str(file))
-        except Exception as err:  # tokenizers raises its own exception types
-            raise TextError(f"cannot read {file}: {err}") from err
-        config = _read_json(directory / TOKENIZER_CONFIG)
+            text = read_bytes(confined_file(directory, TOKENIZER_FILE, TOKENIZER_FILE), MAX_TOKENIZER_BYTES)
+            config = {}
+            if os.path.lexists(directory / TOKENIZER_CONFIG):
+                config = read_json(confined_file(directory, TOKENIZER_CONFIG, TOKENIZER_CONFIG), MAX_TOKENIZER_BYTES)
+        except CheckpointError as err:
+            raise TextError(str(err)) from None
+        if not isinstance(config, dict):
+            raise TextError(f"{directory / TOKENIZER_CONFIG} must hold a JSON object, got {type(config).__name__}")
+        try:
+            tokenizer = Tokenizer.from_str(text.decode())
+        except Exception as err:  # tokenizers raises its own exception types; bad UTF-8 too
+            raise TextError(f"cannot read {file}: {err}"[:400]) from None
         special = {k: _token_text(config[k]) for k in ("bos_token", "eos_token") if config.get(k) is not None}
         return cls(tokenizer, chat_template=_template_text(config.get("chat_template")), special=special)
 
@@ -71,7 +89,10 @@ class TextTokenizer:
         """``text`` as token ids (special-token text such as ``<|user|>`` becomes its id)."""
         if not isinstance(text, str):
             raise TextError(f"text to encode must be a str, got {text!r:.80}")
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        except TypeError:  # what tokenizers raises for a str it cannot hand over as UTF-8
+            raise TextError("text to encode holds a lone surrogate (not valid Unicode text)") from None
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """``token_ids`` as text, special tokens left out."""
@@ -95,13 +116,16 @@ class TextTokenizer:
                 env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
                 env.globals["raise_exception"] = _raise_template_error
                 self._template = env.from_string(self.chat_template)
-            return str(
-                self._template.render(
-                    messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **self.special
-                )
+            pieces = self._template.generate(
+                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **self.special
             )
+            return _bounded(pieces)
         except jinja2.TemplateError as err:
             raise TextError(f"the chat template refused the messages: {err}") from err
+        except TextError:
+            raise
+        except Exception as err:  # the template's own failure (a division by zero, a recursion, ...)
+            raise TextError(f"the chat template failed on the messages: {type(err).__name__}: {err}"[:400]) from None
 
     def detokenizer(self) -> IncrementalDetokenizer:
         """A fresh :class:`IncrementalDetokenizer` over this tokenizer."""
@@ -157,19 +181,6 @@ def load_tokenizer(path: str | os.PathLike[str]) -> TextTokenizer | None:
     return TextTokenizer.from_directory(path)
 
 
-def _read_json(file: Path) -> dict[str, Any]:
-    """A JSON object file's contents, ``{}`` when there is no such file."""
-    if not file.exists():
-        return {}
-    try:
-        value = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise TextError(f"cannot read {file}: {err}") from err
-    if not isinstance(value, dict):
-        raise TextError(f"{file} must hold a JSON object, got {type(value).__name__}")
-    return value
-
-
 def _token_text(value: object) -> str:
     """A special token as text: a string, or an added-token object's ``content``."""
     return str(value["content"]) if isinstance(value, dict) else str(value)
@@ -185,6 +196,24 @@ def _template_text(value: object) -> str | None:
         if isinstance(template, str):
             return template
     raise TextError(f"chat_template must be a string or a list with a 'default' template, got {value!r:.80}")
+
+
+def _bounded(pieces: Iterable[str]) -> str:
+    """The rendered pieces joined, refused once they pass :data:`MAX_RENDERED_CHARS` or
+    take longer than :data:`MAX_RENDER_S` (checked between pieces)."""
+    size, deadline = 0, time.monotonic() + MAX_RENDER_S
+
+    def checked() -> Iterator[str]:
+        nonlocal size
+        for piece in pieces:
+            size += len(piece)
+            if size > MAX_RENDERED_CHARS:
+                raise TextError(f"the chat template rendered more than {MAX_RENDERED_CHARS:,} characters")
+            if time.monotonic() > deadline:
+                raise TextError(f"the chat template took more than {MAX_RENDER_S} s")
+            yield piece
+
+    return "".join(checked())
 
 
 def _raise_template_error(message: str) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxkv.models.text import TextTokenizer
 from jaxkv.server.openai_api import Answer, ApiError, ParsedRequest, parse
@@ -36,6 +37,10 @@ from jaxkv.serving.metrics import PrometheusMetrics
 
 DISCONNECT_POLL_S = 0.1
 """How often a non-streamed request checks that its client is still there."""
+
+BODY_TIMEOUT_S = 30.0
+"""A request body that takes longer to arrive is refused (408): a slow sender holds no
+reader of the server for longer."""
 
 
 @dataclass(frozen=True)
@@ -96,20 +101,29 @@ def create_app(config: ServerConfig) -> FastAPI:
         if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
             raise ApiError(f"the body has {declared} bytes; the limit is {config.max_body_bytes}", status=413)
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > config.max_body_bytes:
-                raise ApiError(f"the body exceeds {config.max_body_bytes} bytes", status=413)
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                async for part in request.stream():
+                    body += part
+                    if len(body) > config.max_body_bytes:
+                        raise ApiError(f"the body exceeds {config.max_body_bytes} bytes", status=413)
+        except TimeoutError:
+            raise ApiError(f"the body took over {BODY_TIMEOUT_S} s to arrive", status=408) from None
         try:
             return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ApiError(f"the body is not JSON: {err}") from None
+        except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, a 5,000-digit int, deep nesting
+            raise ApiError(f"the body is not JSON this server reads: {type(err).__name__}: {err}"[:300]) from None
 
     async def start(kind: str, request: Request) -> tuple[ParsedRequest, RequestStream]:
         check_key(request)
-        parsed = parse(kind, await read_json(request), config.tokenizer, config.model_name)
+        body = await read_json(request)
+        engine = await holder["engine"].ready()
+        # templates and tokenizers are the checkpoint's and the client's work: off the event loop
+        parsed = await asyncio.to_thread(
+            parse, kind, body, config.tokenizer, config.model_name, engine.manager.max_model_len
+        )
         try:
-            stream = await holder["engine"].add(parsed.prompt_token_ids, parsed.params)
+            stream = await holder["engine"].add(parsed.prompt_token_ids, parsed.params, cache_salt=parsed.cache_salt)
         except EngineFullError as err:
             raise ApiError(str(err), status=429, kind="rate_limit_error") from None
         except EngineDeadError as err:
@@ -145,21 +159,38 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await answer("chat", request)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        try:
-            check_key(request)
-        except ApiError as err:
-            return error(err)
+    async def model_card(request: Request) -> dict[str, Any]:
+        check_key(request)
         engine = await holder["engine"].ready()
-        card = {
+        return {
             "id": config.model_name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "jaxkv",
             "max_model_len": engine.manager.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            return JSONResponse({"object": "list", "data": [await model_card(request)]})
+        except ApiError as err:
+            return error(err)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        try:
+            card = await model_card(request)
+        except ApiError as err:
+            return error(err)
+        if model_id != config.model_name:
+            return error(ApiError(f"The model `{model_id:.200}` does not exist.", status=404, kind="NotFoundError"))
+        return JSONResponse(card)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> Response:
+        """Unknown routes and methods answer in OpenAI's error shape, as vLLM's do."""
+        return error(ApiError(f"{request.method} {request.url.path}: {err.detail}", status=err.status_code))
 
     @app.get("/health")
     async def health() -> Response:

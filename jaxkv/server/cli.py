@@ -80,7 +80,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_requests", type=int, default=256, help="unfinished requests before 429")
     p.add_argument("--max_body_bytes", type=parse_bytes, default="1MiB", help="the largest request body")
     p.add_argument("--no_prefix_caching", action="store_true", help="turn the prefix cache off")
-    p.add_argument("--served_model_name", default=None, help="the model id clients name (default: the directory's name)")
+    p.add_argument(
+        "--served_model_name", default=None, help="the model id clients name (default: the directory's name)"
+    )
     p.add_argument("--api_key", default=os.environ.get("JAXKV_API_KEY"), help="require this bearer key")
     p.add_argument("--access_log", action="store_true", help="log one line per HTTP request")
     return p

@@ -22,6 +22,60 @@ from jaxkv.serving.sampling_params import SamplingParams, SamplingParamsError
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos")
 
+_HONOURED = {
+    "common": frozenset(
+        {*_SAMPLING_FIELDS, "model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids"}
+        | {"logprobs", "cache_salt", "user"}
+    ),
+    "completion": frozenset({"prompt", "echo"}),
+    "chat": frozenset(
+        {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message"}
+    ),
+}
+"""The body fields each route honours (``user`` is OpenAI's caller label: nothing to do)."""
+
+_INERT: dict[str, tuple[object, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "length_penalty": (1,),
+    "logit_bias": ({},),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "response_format": ({"type": "text"},),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+    "functions": ([],),
+    "function_call": ("none",),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "prompt_logprobs": (),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "suffix": ("",),
+    "truncate_prompt_tokens": (),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "documents": (),
+    "store": (False,),
+    "metadata": (),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "service_tier": ("auto", "default"),
+    "web_search_options": (),
+}
+"""Fields vLLM or OpenAI know that jaxkv does not implement: refused by name unless absent,
+null or at a value that asks for nothing (a penalty of 0, ``best_of`` 1, no tools)."""
+
 
 class ApiError(JaxkvError, ValueError):
     """A request the server answers with an OpenAI error body (``status``, ``kind``, ``param``)."""
@@ -49,22 +103,41 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str
+    cache_salt: str | None = None
+    echo: bool = False
+    """A completion's text starts with its prompt's."""
+    continuous_usage: bool = False
+    """Every stream chunk carries the usage so far."""
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def parse(kind: str, body: object, tokenizer: TextTokenizer | None, model: str) -> ParsedRequest:
-    """``body`` of a ``/v1/completions`` ("completion") or ``/v1/chat/completions`` ("chat") request."""
+def parse(
+    kind: str, body: object, tokenizer: TextTokenizer | None, model: str, max_model_len: int | None = None
+) -> ParsedRequest:
+    """``body`` of a ``/v1/completions`` ("completion") or ``/v1/chat/completions`` ("chat")
+    request to the model served as ``model``; a prompt and ``max_tokens`` past ``max_model_len``
+    tokens are refused, as vLLM refuses them."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
+    _check_fields(kind, body)
+    asked = body.get("model", model)
+    if asked != model:
+        raise ApiError(f"The model `{asked!s:.200}` does not exist.", status=404, kind="NotFoundError", param="model")
     if kind == "chat":
-        prompt = _chat_prompt(body.get("messages"), tokenizer)
+        prompt = _chat_prompt(body, tokenizer)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         logprobs = _chat_logprobs(body)
     else:
         prompt = _completion_prompt(body.get("prompt"), tokenizer)
         max_tokens = body.get("max_tokens", 16)
         logprobs = body.get("logprobs")
+    if max_model_len is not None and is_int(max_tokens) and len(prompt) + max_tokens > max_model_len:
+        raise ApiError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} in the completion).",
+            param="max_tokens",
+        )
     stop = body.get("stop")
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     try:
@@ -80,10 +153,42 @@ def parse(kind: str, body: object, tokenizer: TextTokenizer | None, model: str) 
     stream = body.get("stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
-        raise ApiError(f"stream must be a bool and stream_options an object, got {stream!r}, {options!r}")
+        raise ApiError(f"stream must be a bool and stream_options an object, got {stream!r:.80}, {options!r:.80}")
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise ApiError(f"stream_options field {unknown[0]!r:.80} is not supported", param="stream_options")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ApiError(f"cache_salt must be a non-empty string, got {salt!r:.80}", param="cache_salt")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool) or (echo and (logprobs is not None or tokenizer is None)):
+        raise ApiError(
+            f"echo must be a bool, supported without logprobs for a checkpoint with a tokenizer; got {echo!r:.80}",
+            param="echo",
+        )
     return ParsedRequest(
-        kind, prompt, params, stream, bool(options.get("include_usage")), str(body.get("model", model))
+        kind,
+        prompt,
+        params,
+        stream,
+        bool(options.get("include_usage")),
+        model,
+        cache_salt=salt,
+        echo=echo,
+        continuous_usage=bool(options.get("continuous_usage_stats")),
     )
+
+
+def _check_fields(kind: str, body: Mapping[str, Any]) -> None:
+    """Refuse, by name, a field the route does not honour (see :data:`_INERT`)."""
+    honoured = _HONOURED["common"] | _HONOURED[kind]
+    for name, value in body.items():
+        if name in honoured or value is None:
+            continue
+        if name not in _INERT:
+            raise ApiError(f"unknown field {name!r:.80}: jaxkv honours {', '.join(sorted(honoured))}", param=name)
+        if not any(isinstance(value, bool) == isinstance(inert, bool) and value == inert for inert in _INERT[name]):
+            raise ApiError(f"{name}={value!r:.80} is not supported by jaxkv (leave it out)", param=name)
 
 
 def _completion_prompt(prompt: object, tokenizer: TextTokenizer | None) -> list[int]:
@@ -93,21 +198,56 @@ def _completion_prompt(prompt: object, tokenizer: TextTokenizer | None) -> list[
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ApiError("a text prompt needs a tokenizer; this checkpoint has none: send token ids", param="prompt")
-        return tokenizer.encode(prompt)
+        try:
+            return tokenizer.encode(prompt)
+        except TextError as err:
+            raise ApiError(str(err), param="prompt") from None
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return [int(t) for t in prompt]
     raise ApiError(f"prompt must be a string or a non-empty list of token ids, got {prompt!r:.80}", param="prompt")
 
 
-def _chat_prompt(messages: object, tokenizer: TextTokenizer | None) -> list[int]:
+def _chat_prompt(body: Mapping[str, Any], tokenizer: TextTokenizer | None) -> list[int]:
+    """The chat's prompt ids: text parts of a message's ``content`` joined by newlines (as
+    vLLM joins them); ``continue_final_message`` leaves the last message open."""
+    messages = body.get("messages")
     if tokenizer is None:
         raise ApiError("chat needs a tokenizer and chat template; this checkpoint has none", param="messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(f"messages must be a non-empty list, got {messages!r:.80}", param="messages")
+    messages = [_text_message(m) for m in messages]
+    generation = body.get("add_generation_prompt", True)
+    final = body.get("continue_final_message", False)
+    if not isinstance(generation, bool) or not isinstance(final, bool) or (generation and final):
+        raise ApiError(
+            "add_generation_prompt and continue_final_message must be bools, not both true; "
+            f"got {generation!r:.20}, {final!r:.20}",
+            param="continue_final_message",
+        )
     try:
-        return tokenizer.encode(tokenizer.apply_chat_template(messages))
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation)
+        if final:
+            content = str(messages[-1].get("content") or "")
+            end = text.rfind(content) if content else -1
+            if end < 0:
+                raise ApiError("continue_final_message: the template does not render the last message's content")
+            text = text[: end + len(content)]
+        return tokenizer.encode(text)
     except TextError as err:
         raise ApiError(str(err), param="messages") from None
+
+
+def _text_message(message: object) -> object:
+    """``message`` with a list ``content`` of text parts as one string; other parts refused."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for part in message["content"]:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(f"content part {part!r:.80} is not supported: only text parts are", param="messages")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -132,6 +272,7 @@ class Answer:
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self._started = [False] * n
+        self._echo = tokenizer.decode(request.prompt_token_ids) if request.echo and tokenizer is not None else ""
 
     def add(self, delta: RequestDelta) -> None:
         i = delta.index
@@ -155,7 +296,7 @@ class Answer:
             if chat:
                 choice["message"] = {"role": "assistant", "content": self.texts[i]}
             else:
-                choice["text"] = self.texts[i]
+                choice["text"] = self._echo + self.texts[i]
             choice["logprobs"] = self._logprobs(self.logprobs[i])
             choices.append(choice)
         return {**self._head(), "choices": choices, "usage": self.usage}
@@ -171,10 +312,13 @@ class Answer:
                 self._started[i] = True
             choice["delta"] = message
         else:
-            choice["text"] = delta.text
+            choice["text"] = delta.text if self._started[i] else self._echo + delta.text
+            self._started[i] = True
         choice["logprobs"] = (
             self._logprobs(list(delta.logprobs or ())) if self.request.params.logprobs is not None else None
         )
+        if self.request.continuous_usage:
+            return {**self._head(), "choices": [choice], "usage": self.usage}
         return {**self._head(), "choices": [choice]}
 
     def usage_chunk(self) -> dict[str, Any]:

@@ -32,6 +32,22 @@ MAX_MASKED_STOP_IDS = 32
 step masks them with a fixed-width row per sequence."""
 
 
+MAX_N = 128
+"""The most sequences one request may ask for (OpenAI's bound): each is a sequence the
+engine schedules, so ``n`` is capped where a client sets it."""
+
+MAX_TOP_K = 2**31 - 1
+"""The largest ``top_k`` (the step carries it in an int32 row; any vocabulary is smaller)."""
+
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+"""Stop strings are checked against each new piece of text: their number and length are
+bounded so one request cannot slow every step of the engine it shares."""
+
+MAX_STOP_TOKEN_IDS = 1024
+"""The most ``stop_token_ids`` one request may list."""
+
+
 class SamplingParamsError(JaxkvError, ValueError):
     """A sampling parameter out of its range (the message names it and its value)."""
 
@@ -75,10 +91,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "n", _count("n", self.n, 1))
+        if self.n > MAX_N:
+            raise SamplingParamsError(f"n must be at most {MAX_N}, got {self.n!r}")
         set_(self, "temperature", _number("temperature", self.temperature, 0.0, 100.0))
         set_(self, "top_p", _number("top_p", self.top_p, 0.0, 1.0, low_open=True))
         set_(self, "min_p", _number("min_p", self.min_p, 0.0, 1.0))
         top_k = -1 if is_int(self.top_k) and self.top_k == -1 else _count("top_k", self.top_k, 0)
+        if top_k > MAX_TOP_K:
+            raise SamplingParamsError(f"top_k must be at most {MAX_TOP_K} (0 or -1: every token), got {top_k!r}")
         set_(self, "top_k", max(top_k, 0))
         if self.seed is not None:
             set_(self, "seed", _count("seed", self.seed, 0))
@@ -112,11 +132,20 @@ class SamplingParams:
         """``stop`` (one string or several) as a tuple of non-empty strings."""
         items = (stop,) if isinstance(stop, str) else stop
         if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
-            raise SamplingParamsError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+            raise SamplingParamsError(f"stop must be a non-empty string or a list of them, got {stop!r:.200}")
+        if len(items) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(f"stop may list at most {MAX_STOP_STRINGS} strings, got {len(items)}")
+        longest = max(items, key=len, default="")
+        if len(longest) > MAX_STOP_STRING_CHARS:
+            raise SamplingParamsError(
+                f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, got one of {len(longest)}"
+            )
         return tuple(items)
 
     @staticmethod
     def _ids(ids: object) -> tuple[int, ...]:
         if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
-            raise SamplingParamsError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+            raise SamplingParamsError(f"stop_token_ids must be a list of ints >= 0, got {ids!r:.200}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(f"stop_token_ids may list at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         return tuple(int(t) for t in ids)
