@@ -106,3 +106,13 @@ def test_tokenizer_files_pass_the_checkpoint_guards(tmp_path, name):
     (tmp_path / name).symlink_to("/dev/zero")
     with pytest.raises(TextError, match="outside the checkpoint directory"):
         TextTokenizer.from_directory(tmp_path)
+
+
+def test_a_tokens_bytes_are_its_part_of_a_character(tok):
+    """OpenAI's logprobs ``bytes``: a byte-level token that holds part of a UTF-8 character
+    gives that part, where its decoded text would be U+FFFD."""
+    text = "é世🙂 a"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.token_bytes(ids[0]) == b"\xc3" and tok.decode([ids[0]]) == "\ufffd"
+    assert tok.token_bytes(EOS_TOKEN_ID) == b"<|endoftext|>"

@@ -52,6 +52,7 @@ class TextTokenizer:
         self.special = dict(special or {})
         """``bos_token`` / ``eos_token`` strings the template may use."""
         self._template: Any = None
+        self._byte_level = type(getattr(tokenizer, "decoder", None)).__name__ == "ByteLevel"
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike[str]) -> TextTokenizer:
@@ -93,6 +94,22 @@ class TextTokenizer:
             return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
         except TypeError:  # what tokenizers raises for a str it cannot hand over as UTF-8
             raise TextError("text to encode holds a lone surrogate (not valid Unicode text)") from None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for, a part of a UTF-8 character included (what
+        OpenAI's logprobs ``bytes`` give): a byte-level vocabulary's entry mapped back through
+        its byte alphabet, a ``<0xNN>`` byte-fallback token's byte, else the token's text."""
+        token = self.tokenizer.id_to_token(token_id)
+        if token is None:
+            return b""
+        if self._byte_level and all(ch in _BYTE_OF_CHAR for ch in token):
+            return bytes(_BYTE_OF_CHAR[ch] for ch in token)
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        return token.replace("\u2581", " ").encode()
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """``token_ids`` as text, special tokens left out."""
@@ -196,6 +213,19 @@ def _template_text(value: object) -> str | None:
         if isinstance(template, str):
             return template
     raise TextError(f"chat_template must be a string or a list with a 'default' template, got {value!r:.80}")
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte as the printable character that spells it
+    in a vocabulary; printable Latin-1 bytes stand for themselves, the other bytes for the
+    characters from U+0100 on, in byte order. Inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    return {ch: b for b, ch in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_alphabet()
 
 
 def _bounded(pieces: Iterable[str]) -> str:

@@ -332,6 +332,10 @@ class Answer:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
+    def _bytes(self, token_id: int) -> list[int]:
+        raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else str(token_id).encode()
+        return list(raw)
+
     def _logprobs(self, items: Sequence[TokenLogprobs]) -> dict[str, Any] | None:
         if self.request.params.logprobs is None:
             return None
@@ -341,10 +345,9 @@ class Answer:
                     {
                         "token": self._token(lp.token_id),
                         "logprob": lp.logprob,
-                        "bytes": list(self._token(lp.token_id).encode()),
+                        "bytes": self._bytes(lp.token_id),
                         "top_logprobs": [
-                            {"token": self._token(t), "logprob": v, "bytes": list(self._token(t).encode())}
-                            for t, v in lp.top
+                            {"token": self._token(t), "logprob": v, "bytes": self._bytes(t)} for t, v in lp.top
                         ],
                     }
                     for lp in items
