@@ -104,13 +104,13 @@ class Scale:
 
 
 FULL = Scale(
-    pairs=32,
+    pairs=48,
     prefix_len=(1024, 4096),
     documents=3,
     requests_per_document=10,
     document_len=(5000, 6000),
     short_prompts=200,
-    conversations=6,
+    conversations=16,
     turns=8,
     tool_output_len=(100, 2000),
     fork_bases=2,
@@ -160,6 +160,10 @@ class Workload:
         return best
 
 
+OUTPUT_LEN = (32, 256)
+"""Tokens each request generates (the agent's calls: 32-160): long enough that 32 run at once."""
+
+
 def _tokens(rng: np.random.Generator, n: int) -> list[int]:
     return rng.integers(0, VOCAB_SIZE, n).tolist()
 
@@ -174,21 +178,21 @@ def _log_between(rng: np.random.Generator, lo: int, hi: int) -> int:
 
 
 def prefix_once(rng: np.random.Generator, scale: Scale) -> Workload:
-    """Pairs starting one a second; the second of a pair 4 s (mean) after the first, its prefix with another suffix."""
+    """Pairs starting 8 a second; the second of a pair 2 s (mean) after the first, its prefix with another suffix."""
     work = Workload()
     start = 0.0
     for p in range(scale.pairs):
-        start += float(rng.exponential(1.0))
+        start += float(rng.exponential(1 / 8))
         prefix = _tokens(rng, _between(rng, scale.prefix_len))
-        arrivals = (start, start + float(rng.exponential(4.0)))
+        arrivals = (start, start + float(rng.exponential(2.0)))
         for k, arrival in enumerate(arrivals):
             prompt = prefix + _tokens(rng, _log_between(rng, 16, 1024))
-            work.add(TraceRequest(f"pair{p}-{k}", arrival, prompt, _between(rng, (16, 128))), f"pair{p}", len(prefix))
+            work.add(TraceRequest(f"pair{p}-{k}", arrival, prompt, _between(rng, OUTPUT_LEN)), f"pair{p}", len(prefix))
     return work.sorted()
 
 
 def near_duplicate(rng: np.random.Generator, scale: Scale) -> Workload:
-    """Requests arriving two seconds apart (mean), each on a random document cut at 85-100 % plus a new tail."""
+    """Requests arriving 4 a second, each on a random document cut at 85-100 % plus a new tail."""
     documents = [_tokens(rng, _between(rng, scale.document_len)) for _ in range(scale.documents)]
     work = Workload()
     arrival = 0.0
@@ -196,8 +200,8 @@ def near_duplicate(rng: np.random.Generator, scale: Scale) -> Workload:
         d = int(rng.integers(scale.documents))
         cut = int(len(documents[d]) * rng.uniform(0.85, 1.0))
         prompt = documents[d][:cut] + _tokens(rng, _between(rng, (16, 256)))
-        work.add(TraceRequest(f"doc{d}-req{r}", arrival, prompt, _between(rng, (16, 64))), f"doc{d}", cut)
-        arrival += float(rng.exponential(2.0))
+        work.add(TraceRequest(f"doc{d}-req{r}", arrival, prompt, _between(rng, OUTPUT_LEN)), f"doc{d}", cut)
+        arrival += float(rng.exponential(1 / 4))
     return work.sorted()
 
 
@@ -205,26 +209,26 @@ SYSTEM_PROMPTS = 4
 
 
 def short_behind_prefix(rng: np.random.Generator, scale: Scale) -> Workload:
-    """Short prompts at 8 a second: one of 4 system prompts (192-384 tokens) and a 16-96-token query."""
+    """Short prompts at 40 a second: one of 4 system prompts (192-384 tokens) and a 16-96-token query."""
     systems = [_tokens(rng, _between(rng, (192, 384))) for _ in range(SYSTEM_PROMPTS)]
     work = Workload()
     arrival = 0.0
     for r in range(scale.short_prompts):
         s = int(rng.integers(SYSTEM_PROMPTS))
         prompt = systems[s] + _tokens(rng, _between(rng, (16, 96)))
-        work.add(TraceRequest(f"sys{s}-q{r}", arrival, prompt, _between(rng, (16, 64))), f"sys{s}", len(systems[s]))
-        arrival += float(rng.exponential(1 / 8))
+        work.add(TraceRequest(f"sys{s}-q{r}", arrival, prompt, _between(rng, OUTPUT_LEN)), f"sys{s}", len(systems[s]))
+        arrival += float(rng.exponential(1 / 40))
     return work.sorted()
 
 
 def agent(rng: np.random.Generator, scale: Scale) -> Workload:
-    """Conversations starting 2 s apart (mean) on one of 2 agent system prompts (1,024 tokens) and a task;
-    each turn, 3 s (mean) after the last, appends the last output (the model's call) and a tool output."""
+    """Conversations starting 2 a second on one of 2 agent system prompts (1,024 tokens) and a task; each
+    turn, 3 s (mean) after the last arrived, appends the last output (the model's call) and a tool output."""
     systems = [_tokens(rng, 1024) for _ in range(2)]
     work = Workload()
     start = 0.0
     for c in range(scale.conversations):
-        start += float(rng.exponential(2.0))
+        start += float(rng.exponential(1 / 2))
         context = systems[c % 2] + _tokens(rng, _between(rng, (64, 256)))
         arrival = start
         for k in range(scale.turns):
@@ -236,17 +240,20 @@ def agent(rng: np.random.Generator, scale: Scale) -> Workload:
 
 
 def forks(rng: np.random.Generator, scale: Scale) -> Workload:
-    """Per base conversation (2-3k tokens, one every 15 s), a burst of branches 10 s later, all at once:
-    the base's prompt and output plus a 32-256-token continuation each."""
+    """Per base conversation (2-3k tokens, one a second), a burst of branches 10 s later, all at once: the
+    base's prompt and output plus a 32-256-token continuation each."""
     work = Workload()
     for b in range(scale.fork_bases):
-        rid, num_out, arrival = f"base{b}", _between(rng, (64, 256)), 15.0 * b
+        rid, num_out, arrival = f"base{b}", _between(rng, (64, 256)), float(b)
         prompt = _tokens(rng, _between(rng, (2000, 3000)))
         work.add(TraceRequest(rid, arrival, prompt, num_out), f"base{b}", len(prompt))
         context = prompt + output_token_ids(rid, num_out)
         for n in range(scale.branches):
             branch = TraceRequest(
-                f"base{b}-fork{n}", arrival + 10.0, context + _tokens(rng, _between(rng, (32, 256))), 64
+                f"base{b}-fork{n}",
+                arrival + 10.0,
+                context + _tokens(rng, _between(rng, (32, 256))),
+                _between(rng, OUTPUT_LEN),
             )
             work.add(branch, f"base{b}", len(context))
     return work.sorted()
