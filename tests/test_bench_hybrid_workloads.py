@@ -44,6 +44,8 @@ def test_a_quick_run_reports_every_kind_at_both_memories_sanely_and_repeatably(t
     assert summary["mean_jaxkv_over_attention"] == pytest.approx(sum(ratios) / len(ratios))
     assert summary["mean_vllm_over_attention"] is None and summary["compared_rows"] == 0
     assert summary["jaxkv_ge_095_rows"] == sum(r >= 0.95 for r in ratios)
+    assert summary["holds_rows"] == sum(r["holds_states"] for r in rows) >= summary["holds_ge_095_rows"]
+    assert report["vllm"] is None and report["kinds"] == KINDS and report["memories"] == ["1", "2"]
     states = {s["kind"]: s["memories"] for s in report["states"]}
     assert list(states) == KINDS and states["short_behind_prefix"][0]["open_prefixes"] == 4
     for kind, memories in states.items():
