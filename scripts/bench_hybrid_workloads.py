@@ -20,10 +20,12 @@ as the Engine builds it), vLLM 0.33's own manager in align mode with its engine'
 (:class:`~jaxkv.benchmarks.vllm_manager.VllmManager`) and the attention-only twin (the
 model's attention layers alone). Memory: each ``--memories`` factor times vLLM's minimum
 memory for the trace's longest request (``bench_hybrid.vllm_minimum_memory``'s rule: 32
-states and that request's attention blocks). The summary gives the mean of jaxkv /
-attention-only over every row (issue 39's target: >= 0.85), and per kind whether the bytes
-left beside 32 live states can hold the checkpoints its hits need (one state per shared
-prefix open at once, with that prefix's attention KV). Last, the admission count of
+requests' state blocks in vLLM's layout, two per recurrent group in align mode, and that
+request's attention blocks). Replays run at most 32 requests at once. The summary gives the
+mean of jaxkv / attention-only over every row (issue 39's target: >= 0.85), and per kind
+whether the bytes left beside 32 live states of jaxkv's plan can hold the checkpoints its
+hits need (one state per shared prefix open at once, with that prefix's attention KV; the
+live requests' own attention KV is not counted, so "left" is an upper bound). Last, the admission count of
 ``bench_hybrid.py``'s capacity section: requests of 929 and 1,360 tokens an idle manager
 admits at once at vLLM's minimum memory for 8,192 tokens, jaxkv against vLLM.
 
@@ -463,7 +465,7 @@ def _factors() -> list[float]:
 
 def _print_states(states: list[dict]) -> None:
     print("\n[states] can the bytes hold the checkpoints the hits need? (one state per shared prefix open at once")
-    print("         + its attention KV) vs the bytes left beside 32 live states")
+    print("         + its attention KV) vs the bytes left beside 32 live states (their own KV not counted)")
     for entry in states:
         for m in entry["memories"]:
             verdict = "holds" if m["holds"] else f"does not hold: the best the bytes allow is {m['states_that_fit']}"
