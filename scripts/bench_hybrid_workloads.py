@@ -23,9 +23,10 @@ memory for the trace's longest request (``bench_hybrid.vllm_minimum_memory``'s r
 requests' state blocks in vLLM's layout, two per recurrent group in align mode, and that
 request's attention blocks). Replays run at most 32 requests at once. The summary gives the
 mean of jaxkv / attention-only over every row (issue 39's target: >= 0.85), and per kind
-whether the bytes left beside 32 live states of jaxkv's plan can hold the checkpoints its
-hits need (one state per shared prefix open at once, with that prefix's attention KV; the
-live requests' own attention KV is not counted, so "left" is an upper bound). Last, the admission count of
+whether the bytes left beside the live states of jaxkv's replay (the most running at once)
+can hold the checkpoints its hits need (one state per shared prefix open at once, with that
+prefix's attention KV; the live requests' own attention KV is not counted, so "left" is an
+upper bound). Last, the admission count of
 ``bench_hybrid.py``'s capacity section: requests of 929 and 1,360 tokens an idle manager
 admits at once at vLLM's minimum memory for 8,192 tokens, jaxkv against vLLM.
 
@@ -65,7 +66,7 @@ from jaxkv.errors import JaxkvError
 from jaxkv.planner import plan_kv_cache
 from jaxkv.presets import get_preset
 from jaxkv.serving.scheduler import ScheduledManager
-from jaxkv.serving.simulator import VOCAB_SIZE, Simulator, TraceRequest, output_token_ids
+from jaxkv.serving.simulator import VOCAB_SIZE, Progress, Simulator, TraceRequest, output_token_ids
 from jaxkv.specs import KVCacheSpec, MambaSpec
 
 PROG = "bench_hybrid_workloads.py"
@@ -281,19 +282,27 @@ class Side:
     hit_tokens: int
     prompt_tokens: int
     preemptions: int
+    peak_running: int
     wall_s: float
 
 
 def replay(manager: ScheduledManager, trace: Sequence[TraceRequest]) -> Side:
     """``trace`` through the scheduler on ``manager`` (32 running at most, as bench_hybrid replays)."""
     start = time.perf_counter()
+    peak = 0
+
+    def running(progress: Progress) -> None:
+        nonlocal peak
+        peak = max(peak, progress.num_running)
+
     sim = Simulator(manager, max_num_seqs=MULTITURN_MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
-    result = sim.run(trace)
+    result = sim.run(trace, progress=running, progress_every=1)
     return Side(
         result.prompt_hit_rate,
         result.num_prompt_hit_tokens,
         result.num_prompt_tokens,
         result.num_preemptions,
+        peak,
         time.perf_counter() - start,
     )
 
@@ -330,10 +339,11 @@ def run_kind(kind: str, work: Workload, factors: Sequence[float], peer: bool) ->
         assert config.shared_states is not None  # a recurrent hybrid's default plan shares its pages with states
         state = config.shared_states.state_bytes
         needed = num_open * state + open_tokens * attention_bytes
-        left = memory - MULTITURN_MAX_NUM_SEQS * state
+        left = memory - ours.peak_running * state
         holds.append(
             {
                 "memory": f"{factor:g}x",
+                "live_states": ours.peak_running,
                 "open_prefixes": num_open,
                 "state_mib": state / MiB,
                 "prefix_kv_mib": open_tokens * attention_bytes / MiB,
@@ -359,6 +369,7 @@ def run_kind(kind: str, work: Workload, factors: Sequence[float], peer: bool) ->
                 "vllm_over_attention": _ratio(vllm_rate, only.hit_rate),
                 "jaxkv_ge_vllm": None if vllm_rate is None else ours.hit_rate >= vllm_rate,
                 "jaxkv_preemptions": ours.preemptions,
+                "jaxkv_peak_running": ours.peak_running,
                 "vllm_preemptions": None if theirs is None else theirs.preemptions,
                 "attention_only_preemptions": only.preemptions,
                 "holds_states": needed <= left,
@@ -465,14 +476,15 @@ def _factors() -> list[float]:
 
 def _print_states(states: list[dict]) -> None:
     print("\n[states] can the bytes hold the checkpoints the hits need? (one state per shared prefix open at once")
-    print("         + its attention KV) vs the bytes left beside 32 live states (their own KV not counted)")
+    print("         + its attention KV) vs the bytes left beside the most live states of jaxkv's replay (their own")
+    print("         attention KV not counted)")
     for entry in states:
         for m in entry["memories"]:
             verdict = "holds" if m["holds"] else f"does not hold: the best the bytes allow is {m['states_that_fit']}"
             print(
                 f"  {entry['kind']:<20} {m['memory']:>4}: {m['open_prefixes']} x {m['state_mib']:.1f} MiB"
                 f" + {m['prefix_kv_mib']:.1f} MiB KV = {m['needed_mib']:,.1f} MiB needed vs"
-                f" {m['left_mib']:,.1f} MiB left: {verdict}"
+                f" {m['left_mib']:,.1f} MiB left beside {m['live_states']} live: {verdict}"
                 + ("" if m["holds"] else f" of {m['open_prefixes']} states")
             )
 
