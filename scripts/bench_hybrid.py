@@ -655,9 +655,11 @@ def plot_report(report: dict, path: str) -> None:
     save_figure(PROG, fig, path)
 
 
-def print_table(section: str, rows: list[dict]) -> None:
-    """One section's rows as an aligned table under its title."""
-    title, columns = COLUMNS[section]
+def print_table(
+    section: str, rows: list[dict], tables: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = COLUMNS
+) -> None:
+    """One section's rows as an aligned table under its title (``tables``: each section's title and columns)."""
+    title, columns = tables[section]
     cells = [[header for _, header, _ in columns]]
     cells += [["n/a" if row[key] is None else format(row[key], fmt) for key, _, fmt in columns] for row in rows]
     widths = [max(len(line[c]) for line in cells) for c in range(len(columns))]
