@@ -263,3 +263,26 @@ def test_a_model_is_retrieved_by_id_and_unknown_routes_answer_openai_errors(serv
         client.models.retrieve("other")
     code, text = http(server.url, "GET", "/v1/nothing-here")
     assert code == 404 and json.loads(text)["error"]["code"] == 404
+
+
+def test_tokenize_detokenize_render_version_and_server_info_answer_as_vllm_and_sglang_routers_ask(server):
+    def post(path, body):
+        code, text = http(server.url, "POST", path, json.dumps(body).encode())
+        return code, json.loads(text)
+
+    code, tokens = post("/tokenize", {"model": "m", "prompt": PROMPT})
+    ids = load_tokenizer(server.directory).encode(PROMPT)
+    assert code == 200 and tokens == {"count": len(ids), "max_model_len": 512, "tokens": ids, "token_strs": None}
+    assert post("/detokenize", {"tokens": ids}) == (200, {"prompt": PROMPT})
+    code, chat = post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert chat["tokens"][-1] != ids[-1] and chat["count"] == len(chat["tokens"])
+    code, [rendered] = post("/v1/completions/render", {"model": "m", "prompt": PROMPT, "max_tokens": 7, "seed": 1})
+    assert code == 200 and rendered["token_ids"] == ids
+    assert rendered["sampling_params"]["max_tokens"] == 7 and rendered["sampling_params"]["seed"] == 1
+    code, chat_rendered = post("/v1/chat/completions/render", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert code == 200 and chat_rendered["token_ids"] == chat["tokens"]
+    assert post("/detokenize", {"tokens": [10**9]})[0] == 400
+    assert json.loads(http(server.url, "GET", "/version")[1])["version"]
+    for path in ("/server_info", "/get_server_info", "/get_model_info"):
+        info = json.loads(http(server.url, "GET", path)[1])
+        assert info["served_model_name"] == "m" and info["max_model_len"] == 512 and info["block_size"] == 16

@@ -29,8 +29,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxkv import __version__
 from jaxkv.models.text import TextTokenizer
-from jaxkv.server.openai_api import Answer, ApiError, ParsedRequest, parse
+from jaxkv.server.openai_api import Answer, ApiError, ParsedRequest, detokenized, parse, rendered, tokenized
 from jaxkv.serving.async_engine import AsyncEngine, EngineDeadError, EngineFullError, RequestStream
 from jaxkv.serving.engine import Engine, EngineError
 from jaxkv.serving.metrics import PrometheusMetrics
@@ -54,6 +55,8 @@ class ServerConfig:
     api_key: str | None = None
     max_requests: int = 256
     max_body_bytes: int = 1 << 20
+    model_path: str | None = None
+    """The checkpoint directory (what the server-info routes report)."""
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -186,6 +189,73 @@ def create_app(config: ServerConfig) -> FastAPI:
         if model_id != config.model_name:
             return error(ApiError(f"The model `{model_id:.200}` does not exist.", status=404, kind="NotFoundError"))
         return JSONResponse(card)
+
+    async def checked_body(request: Request) -> tuple[object, Engine]:
+        check_key(request)
+        return await read_json(request), await holder["engine"].ready()
+
+    async def render(kind: str, request: Request) -> Response:
+        try:
+            body, engine = await checked_body(request)
+            args = (kind, body, config.tokenizer, config.model_name, engine.manager.max_model_len)
+            generate = rendered(await asyncio.to_thread(parse, *args))
+        except ApiError as err:
+            return error(err)
+        return JSONResponse([generate] if kind == "completion" else generate)
+
+    @app.post("/v1/completions/render")
+    async def render_completion(request: Request) -> Response:
+        return await render("completion", request)
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(request: Request) -> Response:
+        return await render("chat", request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        try:
+            body, engine = await checked_body(request)
+            args = (body, config.tokenizer, config.model_name, engine.manager.max_model_len)
+            return JSONResponse(await asyncio.to_thread(tokenized, *args))
+        except ApiError as err:
+            return error(err)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            body, _ = await checked_body(request)
+            return JSONResponse(await asyncio.to_thread(detokenized, body, config.tokenizer, config.model_name))
+        except ApiError as err:
+            return error(err)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def server_info(request: Request) -> Response:
+        """What routers probe a worker for (vLLM's ``/server_info``, SGLang's ``/get_server_info``
+        and ``/get_model_info``): the model, its path, the context and the cache's block size."""
+        try:
+            check_key(request)
+        except ApiError as err:
+            return error(err)
+        engine = await holder["engine"].ready()
+        kv = engine.manager.config
+        return JSONResponse(
+            {
+                "served_model_name": config.model_name,
+                "model_path": config.model_path,
+                "tokenizer_path": config.model_path if config.tokenizer is not None else None,
+                "is_generation": True,
+                "max_model_len": engine.manager.max_model_len,
+                "block_size": kv.hash_block_size,
+                "num_gpu_blocks": kv.num_blocks,
+                "version": __version__,
+            }
+        )
+
+    for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> Response:

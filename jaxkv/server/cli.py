@@ -165,6 +165,7 @@ def build_app(args: argparse.Namespace) -> Any:
         api_key=args.api_key,
         max_requests=args.max_requests,
         max_body_bytes=args.max_body_bytes,
+        model_path=str(directory.resolve()),
     )
     return create_app(config)
 

@@ -179,6 +179,52 @@ def parse(
     )
 
 
+def rendered(request: ParsedRequest) -> dict[str, Any]:
+    """``request`` as vLLM's render endpoints give it (a ``GenerateRequest``): the prompt's
+    token ids and the sampling parameters under vLLM's names, what a router asks a worker for."""
+    params = request.params
+    sampling = {
+        name: getattr(params, name)
+        for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs")
+    }
+    sampling |= {"stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids)}
+    return {
+        "request_id": request.id,
+        "token_ids": request.prompt_token_ids,
+        "sampling_params": {**sampling, "ignore_eos": params.ignore_eos},
+        "model": request.model,
+        "stream": request.stream,
+        "cache_salt": request.cache_salt,
+    }
+
+
+def tokenized(body: object, tokenizer: TextTokenizer | None, model: str, max_model_len: int) -> dict[str, Any]:
+    """vLLM's ``/tokenize``: a ``prompt`` (text) or chat ``messages`` as token ids."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    if body.get("model", model) != model:
+        raise ApiError(f"The model `{body['model']!s:.200}` does not exist.", status=404, kind="NotFoundError")
+    unknown = sorted(set(body) - {"model", "prompt", "messages", "add_generation_prompt", "continue_final_message"})
+    if unknown:
+        raise ApiError(f"unknown field {unknown[0]!r:.80} for /tokenize", param=unknown[0])
+    ids = _chat_prompt(body, tokenizer) if "messages" in body else _completion_prompt(body.get("prompt"), tokenizer)
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+
+
+def detokenized(body: object, tokenizer: TextTokenizer | None, model: str) -> dict[str, Any]:
+    """vLLM's ``/detokenize``: ``tokens`` as text."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    if body.get("model", model) != model:
+        raise ApiError(f"The model `{body['model']!s:.200}` does not exist.", status=404, kind="NotFoundError")
+    tokens = body.get("tokens")
+    if tokenizer is None:
+        raise ApiError("detokenizing needs a tokenizer; this checkpoint has none", param="tokens")
+    if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < tokenizer.vocab_size for t in tokens):
+        raise ApiError(f"tokens must be a list of ids below {tokenizer.vocab_size}, got {tokens!r:.80}", param="tokens")
+    return {"prompt": tokenizer.decode(tokens)}
+
+
 def _check_fields(kind: str, body: Mapping[str, Any]) -> None:
     """Refuse, by name, a field the route does not honour (see :data:`_INERT`)."""
     honoured = _HONOURED["common"] | _HONOURED[kind]
