@@ -50,6 +50,7 @@ HOST_MODULES = [
     "jaxkv.serving.simulator",
     "jaxkv.serving.stats",
     "jaxkv.serving.metrics",  # an exporter process need not carry JAX
+    "jaxkv.serving.request_metrics",
     "jaxkv.cluster",
     "jaxkv.cluster.lockstep",
     "jaxkv.cluster.launcher",

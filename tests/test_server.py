@@ -73,7 +73,12 @@ def client(server):
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [server.url and client.models.list().data[0].id]
     assert http(server.url, "GET", "/health") == (200, '{"status":"ok"}')
-    assert "vllm:kv_cache_usage_perc" in http(server.url, "GET", "/metrics")[1]
+    client.completions.create(model="m", prompt="Hi", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    text = http(server.url, "GET", "/metrics")[1]
+    assert "vllm:kv_cache_usage_perc" in text
+    for series in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count", "generation_tokens_total"):
+        assert f'vllm:{series}{{model_name="m"}}' in text
+    assert 'vllm:request_success_total{finished_reason="length",model_name="m"}' in text
 
 
 def test_a_completion_from_text_and_from_token_ids_stops_at_eos_or_length(server, client):

@@ -3,7 +3,9 @@
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (both streamed as server-sent events with ``stream``;
 usage in the last chunk with ``stream_options.include_usage``), ``GET /metrics``
-(Prometheus, vLLM's names: :mod:`jaxkv.serving.metrics`).
+(Prometheus, vLLM's names: the engine's :mod:`jaxkv.serving.metrics` and the requests'
+:mod:`jaxkv.serving.request_metrics`), ``GET /v1/models/{id}``, ``POST /tokenize`` and
+``/detokenize``, vLLM's render routes and the server-info routes routers probe.
 
 The engine steps on its own thread (:class:`~jaxkv.serving.async_engine.AsyncEngine`);
 the HTTP side only queues commands and reads streams, so it never blocks a step.
@@ -35,6 +37,7 @@ from jaxkv.server.openai_api import Answer, ApiError, ParsedRequest, detokenized
 from jaxkv.serving.async_engine import AsyncEngine, EngineDeadError, EngineFullError, RequestStream
 from jaxkv.serving.engine import Engine, EngineError
 from jaxkv.serving.metrics import PrometheusMetrics
+from jaxkv.serving.request_metrics import RequestMetrics, RequestTimer
 
 DISCONNECT_POLL_S = 0.1
 """How often a non-streamed request checks that its client is still there."""
@@ -64,6 +67,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     when the engine cannot be built; or the caller starts one before binding (the CLI does):
     ``app.state.engine = AsyncEngine(app.state.build_engine, ...)``, awaited ready."""
     metrics = PrometheusMetrics(labels={"model_name": config.model_name})
+    request_metrics = RequestMetrics(labels=metrics.labels, registry=metrics.registry)
     holder: dict[str, AsyncEngine] = {}
 
     def build() -> Engine:
@@ -141,10 +145,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         except ApiError as err:
             return error(err)
         result = Answer(parsed, config.tokenizer)
+        timer = request_metrics.timer(len(parsed.prompt_token_ids), parsed.params.n)
         if parsed.stream:
-            return StreamingResponse(_events(stream, result), media_type="text/event-stream")
+            return StreamingResponse(_events(stream, result, timer), media_type="text/event-stream")
         try:
-            reader = asyncio.ensure_future(_read_all(stream, result))
+            reader = asyncio.ensure_future(_read_all(stream, result, timer))
             while not reader.done():
                 await asyncio.wait({reader}, timeout=DISCONNECT_POLL_S)
                 if not reader.done() and await request.is_disconnected():
@@ -274,15 +279,17 @@ def create_app(config: ServerConfig) -> FastAPI:
     return app
 
 
-async def _read_all(stream: RequestStream, result: Answer) -> None:
+async def _read_all(stream: RequestStream, result: Answer, timer: RequestTimer) -> None:
     async for delta in stream:
+        timer.observe(delta)
         result.add(delta)
 
 
-async def _events(stream: RequestStream, result: Answer) -> AsyncIterator[str]:
+async def _events(stream: RequestStream, result: Answer, timer: RequestTimer) -> AsyncIterator[str]:
     """Server-sent events of a streamed answer; leaving early (a disconnect) aborts the request."""
     try:
         async for delta in stream:
+            timer.observe(delta)
             result.add(delta)
             if delta.token_ids or delta.text or delta.finished:
                 yield f"data: {json.dumps(result.chunk(delta))}\n\n"
