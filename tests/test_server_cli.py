@@ -4,6 +4,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -107,3 +108,41 @@ def test_the_largest_fitting_length_fits_and_one_more_token_does_not(memory):
     with pytest.raises(InsufficientMemoryError, match=f"--max_model_len {fits} fits"):
         plan_or_refuse(model, memory, fits + 1)
     assert plan_or_refuse(model, memory, fits).max_model_len == fits
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_kv_events_flags_publish_stored_blocks_with_their_token_ids(checkpoint, tmp_path):
+    zmq = pytest.importorskip("zmq")
+    msgspec = pytest.importorskip("msgspec")
+    from jaxkv.server.cli import ServerThread, build_app, event_publisher
+
+    flags = ["--checkpoint", str(checkpoint), "--memory", "4MiB", "--max_model_len", "256"]
+    args = parser().parse_args([*flags, "--kv_events_endpoint", f"ipc://{tmp_path}/events", "--kv_events_topic", "kv"])
+    publisher = event_publisher(args)
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv")
+    subscriber.setsockopt(zmq.RCVTIMEO, 60_000)
+    subscriber.connect(publisher.endpoint)
+    server = ServerThread(build_app(args, publisher))
+    try:
+        time.sleep(0.5)  # the subscription reaches the publisher
+        body = json.dumps({"model": checkpoint.name, "prompt": list(range(40)), "max_tokens": 2}).encode()
+        request = urllib.request.Request(f"{server.url}/v1/completions", body, {"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=120).read()
+        topic, _, payload = subscriber.recv_multipart()
+        _, events, _ = msgspec.msgpack.decode(payload)
+        stored = [e for e in events if e["type"] == "BlockStored"]
+        assert topic == b"kv" and stored and stored[0]["token_ids"] == list(range(32)), "the prompt's 2 full blocks"
+    finally:
+        server.close()
+        subscriber.close()
+        publisher.close()
+
+
+def test_a_replay_endpoint_without_an_endpoint_is_refused(capsys):
+    from jaxkv.server.cli import event_publisher
+
+    with pytest.raises(SystemExit) as exit_:
+        event_publisher(parser().parse_args(["--checkpoint", "x", "--kv_events_replay_endpoint", "ipc:///tmp/r"]))
+    assert exit_.value.code == 2 and "needs --kv_events_endpoint" in capsys.readouterr().err

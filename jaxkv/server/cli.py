@@ -85,7 +85,41 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api_key", default=os.environ.get("JAXKV_API_KEY"), help="require this bearer key")
     p.add_argument("--access_log", action="store_true", help="log one line per HTTP request")
+    events = p.add_argument_group("KV cache events (vLLM's ZeroMQ wire format, for KV-aware routers)")
+    events.add_argument("--kv_events_endpoint", default=None, help="publish on this ZeroMQ PUB address")
+    events.add_argument("--kv_events_replay_endpoint", default=None, help="answer replays on this ROUTER address")
+    events.add_argument("--kv_events_topic", default="", help="the topic frame of every batch")
+    events.add_argument(
+        "--kv_events_curve_dir",
+        default=os.environ.get("JAXKV_CURVE_DIR"),
+        help="CURVE keys (zmq.auth files) that authenticate tcp subscribers",
+    )
+    events.add_argument(
+        "--kv_events_plaintext_tcp", action="store_true", help="allow tcp without keys, on loopback only"
+    )
     return p
+
+
+def event_publisher(args: argparse.Namespace) -> Any:
+    """The KV event publisher the flags ask for, bound now; None without ``--kv_events_endpoint``."""
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None:
+            fail("--kv_events_replay_endpoint needs --kv_events_endpoint")
+        return None
+    from jaxkv.serving.kv_events import KVEventPublisher
+    from jaxkv.serving.zmq_security import CurveKeys
+
+    try:
+        curve = None if args.kv_events_curve_dir is None else CurveKeys.load(args.kv_events_curve_dir)
+        return KVEventPublisher(
+            args.kv_events_endpoint,
+            replay_endpoint=args.kv_events_replay_endpoint,
+            topic=args.kv_events_topic,
+            curve=curve,
+            plaintext_tcp=args.kv_events_plaintext_tcp,
+        )
+    except JaxkvError as err:
+        fail(str(err))
 
 
 def largest_max_model_len(model: ServedModel, memory_bytes: int, limit: int, **plan_kwargs: Any) -> int:
@@ -120,8 +154,9 @@ def plan_or_refuse(model: ServedModel, memory_bytes: int, max_model_len: int, **
         raise InsufficientMemoryError(f"{err}; in --memory {memory_bytes:,} B {advice}") from None
 
 
-def build_app(args: argparse.Namespace) -> Any:
-    """The app for parsed ``args`` (the engine is built when the app starts)."""
+def build_app(args: argparse.Namespace, kv_events: Any = None) -> Any:
+    """The app for parsed ``args`` (the engine is built when the app starts), its engine
+    publishing on ``kv_events`` (:func:`event_publisher`) when given."""
     from jaxkv.models.checkpoint import eos_token_ids, load_pretrained
     from jaxkv.models.checkpoint_files import read_config
     from jaxkv.models.config_checks import max_positions
@@ -156,6 +191,7 @@ def build_app(args: argparse.Namespace) -> Any:
             enable_caching=not args.no_prefix_caching,
             eos_token_ids=eos_token_ids(directory),
             tokenizer=tokenizer,
+            kv_events=kv_events,
         )
 
     config = ServerConfig(
@@ -201,11 +237,20 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 async def serve(args: argparse.Namespace) -> None:
     """Build the engine, then bind and serve ``args`` until a signal stops uvicorn."""
+    kv_events = event_publisher(args)
+    try:
+        events = "" if kv_events is None else f", KV events on {kv_events.endpoint}"
+        await _serve(args, build_app(args, kv_events), events)
+    finally:
+        if kv_events is not None:
+            kv_events.close()
+
+
+async def _serve(args: argparse.Namespace, app: Any, events: str) -> None:
     import uvicorn
 
     from jaxkv.serving.async_engine import AsyncEngine, EngineDeadError
 
-    app = build_app(args)
     engine = AsyncEngine(app.state.build_engine, max_requests=args.max_requests)
     try:
         built = await engine.ready()
@@ -226,7 +271,7 @@ async def serve(args: argparse.Namespace) -> None:
         print(
             f"{PROG}: ready on http://{args.host}:{args.port}: model {app.state.config.model_name}, "
             f"max_model_len {args.max_model_len}, {config.num_blocks} blocks in {len(config.groups)} groups "
-            f"({args.memory:,} B)",
+            f"({args.memory:,} B){events}",
             flush=True,
         )
     await serving
