@@ -53,17 +53,16 @@ class SglangJaxAdapterError(JaxkvError, ValueError):
 class PrefixNode:
     """What sglang-jax calls a tree node: a cached prefix of ``length`` tokens.
 
-    A hit's node carries its blocks (a lock makes a holder request adopt them, so they
-    cannot be evicted); a request's node (``owner`` set) stands for the blocks the
+    A hit's node carries its blocks and the request that found them (a lock makes that
+    request adopt them, so they cannot be evicted); a request's node (``owner`` set) stands for the blocks the
     request itself holds, so its lock only counts."""
 
     length: int
-    token_ids: tuple[int, ...] = ()
-    salt: str | None = None
     blocks: KVCacheBlocks | None = None
+    probe: Request | None = None
     owner: str | None = None
     lock_ref: int = 0
-    holder: Request | None = None
+    held: bool = False
     id: int = field(default_factory=itertools.count().__next__)
 
 
@@ -98,6 +97,8 @@ class IncLockRefResult:
 
 def token_slots(block_ids: Sequence[int], block_size: int, start: int, end: int) -> np.ndarray:
     """The KV slots (``block_id * block_size + offset``) of tokens ``[start, end)`` as int32."""
+    if end - start <= 8:  # a decode step: plain Python beats numpy's per-call overhead
+        return np.array([block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)], np.int32)
     pos = np.arange(start, end, dtype=np.int64)
     ids = np.asarray(block_ids, dtype=np.int64)
     return (ids[pos // block_size] * block_size + pos % block_size).astype(np.int32)
@@ -112,7 +113,7 @@ def _salt(holder: Any) -> str | None:
 
 def _key(key: Any) -> tuple[list[int], str | None]:
     """Token ids and cache salt of a ``RadixKey`` (or a plain token list)."""
-    return [int(t) for t in getattr(key, "token_ids", key)], _salt(key)
+    return list(getattr(key, "token_ids", key)), _salt(key)
 
 
 class JaxkvPrefixCache:
@@ -134,7 +135,7 @@ class JaxkvPrefixCache:
         self._recurrent = manager.recurrent_group_ids()
         self._requests: dict[str, Request] = {}
         self._pending: dict[str, Request] = {}
-        self._lock_ids = itertools.count()
+        self._ids = itertools.count()
         self.root_node = PrefixNode(0, lock_ref=1)
 
     # ------------------------------------------------------------------ lookups
@@ -145,11 +146,12 @@ class JaxkvPrefixCache:
         tokens, salt = _key(params.key)
         node = self.root_node
         if not self.disable and tokens:
-            # One token past the key, so the manager's "leave the last token" cap allows all of it.
-            probe = Request("sglang-jax-match", [*tokens, tokens[-1]], cache_salt=salt)
+            # One token past the key, so the manager's "leave the last token" cap allows all of
+            # it; the probe holds the hit if the node is locked (hashed once, trusted in O(1)).
+            probe = Request(f"sglang-jax-match-{next(self._ids)}", [*tokens, tokens[-1]], cache_salt=salt)
             blocks, n = self.manager.get_computed_blocks(probe)
             if n:
-                node = PrefixNode(n, tuple(tokens[:n]), salt, blocks)
+                node = PrefixNode(n, blocks, probe)
         return MatchResult(self._node_slots(node), node, node, node)
 
     def _node_slots(self, node: PrefixNode, group: int | None = None) -> np.ndarray:
@@ -173,34 +175,34 @@ class JaxkvPrefixCache:
 
     # -------------------------------------------------------------- lock refs
     def inc_lock_ref(self, node: PrefixNode) -> IncLockRefResult:
-        """Protect ``node``'s blocks from eviction (a hit's blocks are adopted by a holder
-        request on the first lock); ``delta`` is minus the tokens that stop being evictable."""
+        """Protect ``node``'s blocks from eviction (on the first lock, the request that
+        found a hit adopts its blocks); ``delta`` is minus the tokens that stop being evictable."""
         if self.disable or node is self.root_node or node.length == 0:
             return IncLockRefResult(delta=0)
         delta = 0
-        if node.lock_ref == 0 and node.owner is None:
+        if node.lock_ref == 0 and node.probe is not None:
             assert node.blocks is not None
             pool = self.manager.pool
             delta = -self.page_size * sum(1 for b in node.blocks.blocks[self._primary] if b and pool.ref_count(b) == 0)
-            holder = Request(f"sglang-jax-lock-{next(self._lock_ids)}", [*node.token_ids, 0], cache_salt=node.salt)
-            if self.manager.allocate_slots(holder, 0, node.length, node.blocks) is None:
+            if self.manager.allocate_slots(node.probe, 0, node.length, node.blocks) is None:
                 raise SglangJaxAdapterError(f"no room to lock the {node.length}-token prefix of node {node.id}")
-            node.holder = holder
+            node.held = True
         node.lock_ref += 1
         return IncLockRefResult(delta=delta)
 
     def dec_lock_ref(self, node: PrefixNode, params: Any = None) -> int:
-        """Undo one :meth:`inc_lock_ref`; the last one frees the holder, so the blocks
+        """Undo one :meth:`inc_lock_ref`; the last one frees that request, so the blocks
         become evictable again. Returns the tokens that did."""
         if self.disable or node is self.root_node or node.length == 0:
             return 0
         if node.lock_ref <= 0:
             raise SglangJaxAdapterError(f"node {node.id} is not locked (lock_ref={node.lock_ref})")
         node.lock_ref -= 1
-        if node.lock_ref or node.holder is None:
+        if node.lock_ref or not node.held:
             return 0
-        holder, node.holder = node.holder, None
-        self.manager.free(holder)
+        node.held = False
+        assert node.probe is not None
+        self.manager.free(node.probe.request_id)
         pool = self.manager.pool
         assert node.blocks is not None
         return self.page_size * sum(1 for b in node.blocks.blocks[self._primary] if b and pool.ref_count(b) == 0)
@@ -213,12 +215,14 @@ class JaxkvPrefixCache:
         return jreq
 
     def _admission(self, req: Any) -> Request:
-        """The jaxkv request of a ``req`` that holds nothing yet, looked up in the prefix
-        cache (which sets where its recurrent checkpoints fall); kept until it is admitted."""
+        """The jaxkv request of a ``req`` that holds nothing yet, kept until it is admitted;
+        with recurrent groups looked up in the prefix cache (which sets where its
+        checkpoints fall)."""
         jreq = self._pending.get(req.rid)
         if jreq is None:
-            jreq = Request(req.rid, [int(t) for t in req.origin_input_ids], cache_salt=_salt(req))
-            self.manager.get_computed_blocks(jreq)
+            jreq = Request(req.rid, list(req.origin_input_ids), cache_salt=_salt(req))
+            if self._recurrent:
+                self.manager.get_computed_blocks(jreq)
             self._pending[req.rid] = jreq
         return jreq
 
@@ -241,10 +245,10 @@ class JaxkvPrefixCache:
             self._requests[req.rid] = jreq
             jreq.num_computed_tokens = n
         else:
-            outputs = list(getattr(req, "output_ids", ()))
+            outputs = req.output_ids
             known = len(jreq.output_token_ids)
             if len(outputs) > known:
-                jreq.append_output_token_ids(outputs[known:])
+                jreq.append_output_token_ids(list(outputs[known:]))
             if self.manager.allocate_slots(jreq, num_tokens) is None:
                 return None
         start = jreq.num_computed_tokens
@@ -312,7 +316,7 @@ class JaxkvPrefixCache:
         tokens, salt = _key(params.key)
         if self.disable or not tokens:
             return 0
-        jreq = Request(f"sglang-jax-insert-{next(self._lock_ids)}", [*tokens, 0], cache_salt=salt)
+        jreq = Request(f"sglang-jax-insert-{next(self._ids)}", [*tokens, 0], cache_salt=salt)
         blocks, n = self.manager.get_computed_blocks(jreq)
         if n < len(tokens) and self.manager.allocate_slots(jreq, len(tokens) - n, n, blocks) is None:
             raise SglangJaxAdapterError(f"no room to insert a {len(tokens)}-token key")
