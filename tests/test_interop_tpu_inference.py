@@ -29,7 +29,7 @@ from jaxkv.planner import PlanOptions, StatePoolOptions, plan_kv_cache
 from jaxkv.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 H, QH, D = 2, 4, 128
-BUCKETS = Buckets((16, 128), (4,), (16,))
+BUCKETS = Buckets((16, 128), (4,), (8,))
 
 
 @pytest.fixture(scope="module")
@@ -188,23 +188,41 @@ def test_what_their_kernels_cannot_take_is_refused_by_name():
 # ---------------------------------------------------------------- their reference kernels
 
 
-def their_attention(tpu, meta, q, k, v, pages, options):
-    """tpu-inference's reference over ``meta`` (their AttentionMetadata), jitted with the
-    metadata as host constants: it loops over the sequences in Python."""
-    fields = [
-        np.asarray(x) for x in (meta.seq_lens, meta.block_tables, meta.query_start_loc, meta.request_distribution)
-    ]
-    run = jax.jit(
-        lambda q, k, v, pages: tpu.ref_ragged_paged_attention(q, k, v, pages, *fields, sm_scale=D**-0.5, **options)
-    )
-    return run(q, k, v, pages)
+LAYERS = ("full", "window")
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""Their reference unrolls its loop over the sequences: compiled without optimizations, in half the time."""
 
 
-@functools.partial(jax.jit, static_argnums=5)
-def jaxkv_attention(cache, md, q, k, v, layer):
-    """jaxkv's reference: write the new K/V by the slot mapping, then attend."""
-    cache = ops.write_kv(cache, layer, k, v, md, impl="reference")
-    return ops.paged_attention(q, cache, layer, md, sm_scale=D**-0.5, impl="reference"), cache
+def their_step(tpu, metas, options, qkv, pages):
+    """tpu-inference's reference for each layer in turn over their ``metas``, jitted with the
+    metadata as host constants (it loops over the sequences in Python); ``pages`` are every
+    layer's (the plan puts both layers at one page position: a block id holds one group's
+    layer, so each group writes its own blocks of the one buffer)."""
+    fields = {
+        layer: [np.asarray(x) for x in (m.seq_lens, m.block_tables, m.query_start_loc, m.request_distribution)]
+        for layer, m in metas.items()
+    }
+
+    def run(qkv, pages):
+        out = {}
+        for layer in LAYERS:
+            out[layer], pages = tpu.ref_ragged_paged_attention(
+                *qkv[layer], pages, *fields[layer], sm_scale=D**-0.5, **options[layer]
+            )
+        return out, pages
+
+    return jax.jit(run, compiler_options=FAST_COMPILE)(qkv, pages)
+
+
+@jax.jit
+def jaxkv_step(cache, md, qkv):
+    """jaxkv's reference for each layer: write the new K/V by the slot mapping, then attend."""
+    out = {}
+    for layer in LAYERS:
+        q, k, v = qkv[layer]
+        cache = ops.write_kv(cache, layer, k, v, md, impl="reference")
+        out[layer] = ops.paged_attention(q, cache, layer, md, sm_scale=D**-0.5, impl="reference")
+    return out, cache
 
 
 @pytest.mark.slow
@@ -213,6 +231,7 @@ def test_their_reference_attention_over_jaxkv_steps_matches_jaxkv(tpu):
     plan = attention_plan("per_layer")
     mgr = KVCacheManager(plan, max_model_len=256)
     ours = theirs = allocate_kv_cache(plan)
+    assert ours.layer_index("full") == ours.layer_index("window") == 0
     rng = np.random.default_rng(0)
     checked = []
 
@@ -220,21 +239,22 @@ def test_their_reference_attention_over_jaxkv_steps_matches_jaxkv(tpu):
         nonlocal ours, theirs
         md, chunks = step_metadata(plan, mgr, chunks)
         real = int(md.cu_q_lens[md.num_seqs[0]])
-        for layer in ("full", "window"):
-            q = jnp.asarray(rng.standard_normal((md.num_tokens, QH, D)), jnp.float32)
-            k, v = (jnp.asarray(rng.standard_normal((md.num_tokens, H, D)), jnp.float32) for _ in "kv")
-            want, ours = jaxkv_attention(ours, md, q, k, v, layer)
-            meta = ti.attention_metadata(md, layer)
-            got, pages = their_attention(
-                tpu, meta, q, k, v, ti.layer_pages(theirs, layer), ti.attention_options(theirs, layer)
-            )
-            theirs = ti.with_layer_pages(theirs, layer, pages)
-            np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], rtol=0, atol=2e-6)
-            # Their kernel wrote the new K/V itself: the same pages as jaxkv's slot mapping, but
-            # in the null block 0, where each wrote its own padding.
-            np.testing.assert_array_equal(
-                np.asarray(ti.layer_pages(theirs, layer))[1:], np.asarray(ti.layer_pages(ours, layer))[1:]
-            )
+        qkv = {
+            layer: tuple(jnp.asarray(rng.standard_normal((md.num_tokens, n, D)), jnp.float32) for n in (QH, H, H))
+            for layer in LAYERS
+        }
+        want, ours = jaxkv_step(ours, md, qkv)
+        metas = {layer: ti.attention_metadata(md, layer) for layer in LAYERS}
+        options = {layer: ti.attention_options(theirs, layer) for layer in LAYERS}
+        got, pages = their_step(tpu, metas, options, qkv, ti.layer_pages(theirs, "full"))
+        theirs = ti.with_layer_pages(theirs, "full", pages)
+        for layer in LAYERS:
+            np.testing.assert_allclose(np.asarray(got[layer])[:real], np.asarray(want[layer])[:real], rtol=0, atol=2e-6)
+        # Their kernel wrote the new K/V itself: the same pages as jaxkv's slot mapping, but
+        # in the null block 0, where each wrote its own padding.
+        np.testing.assert_array_equal(
+            np.asarray(ti.layer_pages(theirs, "full"))[1:], np.asarray(ti.layer_pages(ours, "full"))[1:]
+        )
         checked.append([n for _, n in chunks])
         for req, n in chunks:
             req.num_computed_tokens += n
@@ -287,30 +307,42 @@ def test_their_gated_deltanet_reads_and_writes_jaxkv_state_rows(tpu):
             state_indices, distribution, has_initial_state, n_kq=NKQ, n_v=NV, d_k=DK, d_v=DV,
         )  # fmt: skip
 
+    @functools.partial(jax.jit, static_argnums=2, compiler_options=FAST_COMPILE)
+    def gdn_step(states, md, carry):
+        """The recurrent layer's step as their model code runs it, over jaxkv's rows."""
+        meta = ti.attention_metadata(md, "gdn")
+        if carry:
+            states = ti.carry_states(states, md, "gdn")
+        (buffer,) = states.layer_states("gdn")
+        new, out = gdn(
+            md.input_ids,
+            buffer,
+            meta.query_start_loc,
+            meta.mamba_state_indices,
+            meta.request_distribution,
+            meta.seq_lens,
+        )
+        return states.with_layer_states("gdn", [new]), out
+
     outputs: dict[str, dict[int, np.ndarray]] = {}
     moved = []
 
-    def step(chunks):
+    def step(chunks, check_carry=False):
         nonlocal states
         md, chunks = step_metadata(plan, mgr, chunks, state_groups=state_groups, num_states=num_state_rows(plan))
         rows = md.states_of("gdn")
-        moved.append(int(jnp.sum((rows.read_rows != rows.write_rows) & (rows.fresh == 0))))
-        meta = ti.attention_metadata(md, "gdn")
-        args = (md.input_ids, meta.query_start_loc, meta.mamba_state_indices, meta.request_distribution, meta.seq_lens)
-        if moved[-1]:  # without the carry a moved state starts from the wrong row
-            (stale,) = states.layer_states("gdn")
-            _, stale_out = gdn(args[0], stale, *args[1:])
-        states = ti.carry_states(states, md, "gdn")
-        (buffer,) = states.layer_states("gdn")
-        new, out = gdn(args[0], buffer, *args[1:])
-        states = states.with_layer_states("gdn", [new])
+        read, write, fresh = (np.asarray(x) for x in (rows.read_rows, rows.write_rows, rows.fresh))
+        moved.append(int(np.sum((read != write) & (fresh == 0))))
+        if check_carry:  # without the carry a moved state starts from the wrong row
+            _, stale = gdn_step(states, md, False)
+        states, out = gdn_step(states, md, True)
+        out, starts = np.asarray(out), np.asarray(md.cu_q_lens)
         for i, (req, n) in enumerate(chunks):
-            start = int(meta.query_start_loc[i])
             for j in range(n):
-                outputs.setdefault(req.request_id, {})[req.num_computed_tokens + j] = np.asarray(out[start + j])
+                outputs.setdefault(req.request_id, {})[req.num_computed_tokens + j] = out[starts[i] + j]
             req.num_computed_tokens += n
-        if moved[-1]:
-            assert not np.allclose(np.asarray(stale_out), np.asarray(out))
+        if check_carry:
+            assert not np.allclose(np.asarray(stale), out)
 
     a = Request("a", rng.integers(1, 1000, 110).tolist())
     first = mgr.chunk_limit(a, 0, a.num_tokens)
@@ -319,7 +351,7 @@ def test_their_gated_deltanet_reads_and_writes_jaxkv_state_rows(tpu):
     b = Request("b", a.all_token_ids[:96] + rng.integers(1, 1000, 9).tolist())
     b_chunk = admit(mgr, b)
     assert b.num_computed_tokens == 96, "resumes from a's state checkpoint"
-    step([extend(mgr, a, 1, 7), b_chunk])
+    step([extend(mgr, a, 1, 7), b_chunk], check_carry=True)
     for token in (8, 9):  # a's state moves to a new row after the checkpoint at 112
         step([extend(mgr, a, 1, token)])
     assert first == 96 and moved == [0, 1, 1, 0, 1]
