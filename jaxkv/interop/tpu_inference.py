@@ -21,9 +21,12 @@ manager and cache and calls tpu-inference's kernels:
   the page is copied out and written back: :func:`pages_copy_reason` says why.
 
 Their kernel writes the step's new K/V into the pages itself, so jaxkv's slot mapping is
-not used on this path. tpu-inference is imported only by :func:`load_tpu_inference`,
-inside :func:`tpu_inference_environment`, which supplies what its import needs off a TPU
-VM (the ``TPU_*`` variables and, when vLLM is absent, a stand-in for ``vllm.logger``).
+not used on this path (their TPU kernel also takes ``update_kv_cache=False``: then
+:func:`jaxkv.device.ops.write_kv` writes by the slot mapping and their kernel only reads).
+tpu-inference is imported only by :func:`load_tpu_inference`, inside
+:func:`tpu_inference_environment`, which supplies what its import needs off a TPU VM (the
+``TPU_*`` variables and, when vLLM is absent, a stand-in for ``vllm.logger``). What was
+checked on CPU and what needs a TPU: BUILD.md, "jaxkv inside tpu-inference".
 """
 
 from __future__ import annotations
