@@ -255,7 +255,9 @@ def test_their_reference_attention_over_jaxkv_steps_matches_jaxkv(tpu):
         np.testing.assert_array_equal(
             np.asarray(ti.layer_pages(theirs, "full"))[1:], np.asarray(ti.layer_pages(ours, "full"))[1:]
         )
-        checked.append([n for _, n in chunks])
+        tables, kv_lens = np.asarray(md.attention_of("window").block_tables), np.asarray(md.kv_lens)
+        dropped = sum(int((tables[i, : -(-kv_lens[i] // ours.block_size)] == 0).sum()) for i in range(len(chunks)))
+        checked.append(([n for _, n in chunks], dropped))
         for req, n in chunks:
             req.num_computed_tokens += n
 
@@ -271,7 +273,8 @@ def test_their_reference_attention_over_jaxkv_steps_matches_jaxkv(tpu):
     b_chunk = admit(mgr, b)
     assert b.num_computed_tokens == 32
     step([b_chunk, extend(mgr, a, 1, 6), extend(mgr, c, 1, 7)])
-    assert checked == [[40, 45], [1, 30, 28], [1, 1, 14]]
+    # (chunk sizes, window blocks already dropped to the null block in the tables their kernel read)
+    assert checked == [([40, 45], 0), ([1, 30, 28], 2), ([1, 1, 14], 4)]
 
 
 NKQ, NV, DK, DV = 1, 2, 8, 8
