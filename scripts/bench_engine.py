@@ -301,28 +301,32 @@ def engine_section(checkpoint: Checkpoint, batch_sizes: Sequence[int], peer: boo
     return rows
 
 
-def device_ms(engine: Engine, output: SchedulerOutput, repeats: int) -> float:
-    """Median wall ms of the engine's compiled step alone on ``output``'s chunks (a fresh cache)."""
-    runner = engine.runner
-    compiled = runner.lower(output.chunks).compile()
-    meta = runner.metadata(output.chunks)
-    sampling = greedy_inputs(bucket(len(output.chunks), runner.buckets.seqs, "seqs"))
-    cache = allocate_cache(engine.manager.config)
-    times = []
-    for _ in range(repeats + 1):  # the first call is a warm-up
+class DeviceStep:
+    """The engine's compiled step alone, on a fresh cache of its plan (compiled for the
+    shapes of ``output``'s chunks: every full decode step has them)."""
+
+    def __init__(self, engine: Engine, output: SchedulerOutput) -> None:
+        self._runner = engine.runner
+        self._compiled = self._runner.lower(output.chunks).compile()
+        self._sampling = greedy_inputs(bucket(len(output.chunks), self._runner.buckets.seqs, "seqs"))
+        self._cache = allocate_cache(engine.manager.config)
+
+    def seconds(self, output: SchedulerOutput) -> float:
+        """Wall seconds of one call on ``output``'s metadata (built beforehand, untimed)."""
+        meta = jax.block_until_ready(self._runner.metadata(output.chunks))
         start = time.perf_counter()
-        sampled, cache = compiled(runner.params, cache, meta, sampling)
+        sampled, self._cache = self._compiled(self._runner.params, self._cache, meta, self._sampling)
         jax.block_until_ready(sampled)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[1:])
+        return time.perf_counter() - start
 
 
 def overlap_section(checkpoint: Checkpoint) -> dict:
     """Wall ms per decode step against max(host, device) on a model whose device step is
-    comparable to the host's work. All three are wall times, so that a loaded machine
-    slows them alike: host, the same engine's step with the model stubbed
-    (:class:`PresetTokens`); device, the compiled step alone (:func:`device_ms`); wall, the
-    real step. The real step's thread CPU time is reported beside them."""
+    comparable to the host's work. All three are wall times, taken step by step in turn
+    so that a loaded machine slows them alike: wall, the real engine's step; host, the
+    step of a second engine that serves the same prompts in lockstep with the model
+    stubbed (:class:`PresetTokens`); device, the compiled step alone on the real step's
+    chunks (:class:`DeviceStep`). The real step's thread CPU time is reported beside them."""
     base = get_model_config("tiny-llama")
     config = replace(
         base,
@@ -334,26 +338,44 @@ def overlap_section(checkpoint: Checkpoint) -> dict:
     model = TinyLM(config, seed=0, name="overlap-llama")
     num_seqs, prompt_len = FLAGS.overlap_batch, FLAGS.tiny_prompt_len
     max_tokens = max_tokens_for(num_seqs, prompt_len, FLAGS.max_num_batched_tokens)
-    prompts = random_prompts(checkpoint.tokenizer, num_seqs, prompt_len, seed=1)
     outputs: list[SchedulerOutput | None] = []  # each step's, from the engine's step_check hook
-    engine = engine_for(model, checkpoint, num_seqs, prompt_len + max_tokens, step_check=outputs.append)
-    run = run_jaxkv(engine, prompts, max_tokens)
+    real = engine_for(model, checkpoint, num_seqs, prompt_len + max_tokens, step_check=outputs.append)
     stub = PresetTokens(model, checkpoint.tokenizer.encode(PRESET_TEXT))
-    host_run = run_jaxkv(engine_for(stub, checkpoint, num_seqs, prompt_len + max_tokens), prompts, max_tokens)
-    decode = next(out for out in reversed(outputs) if out is not None and out.num_tokens == num_seqs)
-    host, wall = windowed_ms(host_run.wall_s), windowed_ms(run.wall_s)
-    device = device_ms(engine, decode, FLAGS.windows)
-    bound = max(host or 0.0, device)
+    host = engine_for(stub, checkpoint, num_seqs, prompt_len + max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for prompt in random_prompts(checkpoint.tokenizer, num_seqs, prompt_len, seed=1):
+        real.add_request(prompt, params)
+        host.add_request(prompt, params)
+    times: dict[str, list[float]] = {"wall": [], "host": [], "host_cpu": [], "device": []}
+    device: DeviceStep | None = None
+    gc.collect()
+    while real.has_unfinished:
+        full = real.num_running == num_seqs and real.num_waiting == 0
+        start, wall = time.thread_time(), time.perf_counter()
+        step = real.step()
+        cpu, wall = time.thread_time() - start, time.perf_counter() - wall
+        start = time.perf_counter()
+        host_step = host.step()  # the same schedule: same prompts, budget and lengths
+        host_wall = time.perf_counter() - start
+        if full and step.num_tokens == host_step.num_tokens == num_seqs and not step.finished:
+            decode = outputs[-1]
+            assert decode is not None  # the engine passes None only at the end of generate
+            device = device or DeviceStep(real, decode)
+            for name, value in zip(times, (wall, host_wall, cpu, device.seconds(decode)), strict=True):
+                times[name].append(value)
+    ms = {name: windowed_ms(values) for name, values in times.items()}
+    bound = max(ms["host"] or 0.0, ms["device"] or 0.0)
+    wall_ms, host_ms, device_ms = ms["wall"], ms["host"], ms["device"]
     return {
         "model": f"{FLAGS.overlap_layers} layers, hidden {FLAGS.overlap_hidden}",
         "running": num_seqs,
-        "host_ms": host,
-        "host_cpu_ms": windowed_ms(run.host_s),
-        "device_ms": device,
-        "wall_ms": wall,
-        "device_over_host": device / host if host else None,
-        "wall_over_max": wall / bound if wall is not None and bound else None,
-        "serial_bound": (host + device) / bound if host is not None and bound else None,
+        "host_ms": host_ms,
+        "host_cpu_ms": ms["host_cpu"],
+        "device_ms": device_ms,
+        "wall_ms": wall_ms,
+        "device_over_host": device_ms / host_ms if device_ms is not None and host_ms else None,
+        "wall_over_max": wall_ms / bound if wall_ms is not None and bound else None,
+        "serial_bound": (host_ms + device_ms) / bound if host_ms is not None and device_ms is not None else None,
     }
 
 
