@@ -1,0 +1,464 @@
+"""jaxkv's engine loop side by side with vLLM 0.33's, host time per step (issue 40).
+
+Section ``engine``: the same requests at 8 / 32 / 64 / 128 running sequences
+(``--batch_sizes``) go through jaxkv's :class:`~jaxkv.serving.engine.Engine` and through
+vLLM 0.33's own v1 scheduler (``schedule()`` + ``update_from_output()``) and
+``OutputProcessor`` (detokenization, stop checks) with the same tokenizer, in one run
+(:mod:`jaxkv.benchmarks.vllm_engine`). vLLM runs no model: each request draws, in order,
+the tokens it drew in jaxkv's run. Timed: thread CPU time (``time.thread_time``, so the
+device's threads are not counted) of a whole ``Engine.step`` against vLLM's three phases,
+on the steps where every sequence decodes (prefill and the first ``--warmup_steps``
+decode steps left out); each figure is the median over ``--windows`` windows of the mean
+of ``--window_steps`` steps; the ratio is jaxkv / vLLM per batch size. Two settings
+(``--settings``), as issue 40's table:
+
+* ``tiny``: the tiny Llama checkpoint (``scripts/save_tiny_checkpoint.py``'s stored seed-0
+  one and its byte-level tokenizer), jaxkv's real jitted step, ``--tiny_prompt_len``
+  prompts;
+* ``stub1k``: ``--stub_prompt_len`` (1k) prompts, the model stubbed: the same checkpoint
+  behind :class:`PresetTokens`, a :class:`~jaxkv.models.protocol.ServedModel` whose
+  forward returns preset tokens (text of :data:`PRESET_TEXT`), so only host work is left
+  (the public seam: a model is a guest of the engine; the engine, plan, metadata and
+  parameters passed are the real ones).
+
+Requests ignore EOS and stream deltas; prompts are distinct random ASCII text (no prefix
+hits on either side); both sides plan the same blocks (vLLM's scheduler is given jaxkv's
+plan's block count and groups) and the same step token budget.
+
+Section ``overlap``: a step's wall time against max(host, device) on a tiny Llama-like
+model sized so that its jitted decode step takes about the host time on this CPU
+(``--overlap_layers``, ``--overlap_hidden``), at ``--overlap_batch`` sequences. Host: the
+step's thread CPU time; device: the compiled step alone on one decode step's metadata
+(the engine's own, caught by its ``step_check`` hook), wall time, a fresh cache; wall: the
+step's wall time. A loop that runs the device while the host works reaches
+wall / max(host, device) near 1 (issue 40's target: <= 1.15); one that waits is near
+(host + device) / max(host, device).
+
+    python scripts/bench_engine.py --out bench_engine.json
+    PYTHONPATH=. /work/vllm-venv/bin/python scripts/bench_engine.py --out bench_engine.json  # with vLLM
+
+Without vLLM (not importable, or ``--nopeer``) the vLLM columns read n/a. ``--quick`` is a
+smoke run (the smallest batch size, 32-token prompts, 3 windows of 2 steps). Bad input prints one
+line ``bench_engine.py: error: ...`` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+import statistics
+import string
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from save_tiny_checkpoint import EOS_TOKEN_ID, SPECIAL_TOKENS, copy_stored_checkpoint, save_tiny_tokenizer
+
+from jaxkv.benchmarks.vllm_manager import PeerError, vllm_available
+from jaxkv.commands.cli import exit_error, flags_parser, write_json
+from jaxkv.device.cache import KVCache
+from jaxkv.device.metadata import StepMetadata, bucket
+from jaxkv.device.state_cache import HybridCache
+from jaxkv.errors import JaxkvError
+from jaxkv.ints import cdiv
+from jaxkv.models.checkpoint import load_pretrained
+from jaxkv.models.protocol import ServedModel
+from jaxkv.models.text import TextTokenizer
+from jaxkv.models.tiny import TinyLM, get_model_config
+from jaxkv.serving.engine import Engine
+from jaxkv.serving.runner import allocate_cache
+from jaxkv.serving.sampler import greedy_inputs
+from jaxkv.serving.sampling_params import SamplingParams
+from jaxkv.serving.scheduler import SchedulerOutput
+
+PROG = "bench_engine.py"
+SETTINGS = ("tiny", "stub1k")
+SECTIONS = ("engine", "overlap")
+PRESET_TEXT = "The engine loop, side by side with vLLM's: schedule, execute, update, process. "
+"""What the stubbed model writes, over and over (printable ASCII: one byte token a character)."""
+BLOCK_SIZE = 16
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("sections", list(SECTIONS), f"sections to run, of {', '.join(SECTIONS)}")
+flags.DEFINE_list("settings", list(SETTINGS), f"engine: model settings, of {', '.join(SETTINGS)}")
+flags.DEFINE_list("batch_sizes", ["8", "32", "64", "128"], "engine: running sequences")
+flags.DEFINE_integer("tiny_prompt_len", 128, "engine, tiny: prompt tokens", lower_bound=1)
+flags.DEFINE_integer("stub_prompt_len", 1024, "engine, stub1k: prompt tokens", lower_bound=1)
+flags.DEFINE_integer("max_num_batched_tokens", 4096, "the step's token budget (both sides)", lower_bound=1)
+flags.DEFINE_integer("windows", 5, "timed windows; each figure is their median", lower_bound=1)
+flags.DEFINE_integer("window_steps", 4, "decode steps a window", lower_bound=1)
+flags.DEFINE_integer("warmup_steps", 3, "decode steps before the windows (compilation)", lower_bound=1)
+flags.DEFINE_integer("overlap_batch", 32, "overlap: running sequences", lower_bound=1)
+flags.DEFINE_integer("overlap_layers", 1, "overlap: the model's layers", lower_bound=1)
+flags.DEFINE_integer("overlap_hidden", 32, "overlap: the model's hidden size (MLP 4x)", lower_bound=8)
+flags.DEFINE_boolean("peer", True, "engine: drive vLLM's scheduler and output processor too when vLLM is importable")
+flags.DEFINE_boolean(
+    "quick", False, "a smoke run: the smallest batch size, 32-token prompts, a 64-token budget, 3 windows of 2 steps"
+)
+flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+class PresetTokens:
+    """``model`` with its forward replaced by preset tokens: the token after position p is
+    ``preset[(p + 1) % len(preset)]``, whatever the cache holds. Everything else (name
+    aside) is ``model``'s, so the engine plans, builds metadata and passes parameters as
+    for ``model``; the device does next to nothing."""
+
+    def __init__(self, model: ServedModel, preset: Sequence[int]) -> None:
+        self._model = model
+        self._preset = np.asarray(preset, np.int32)
+        self.name = f"{model.name} (preset tokens)"
+        self.vocab_size = model.vocab_size
+        self.params = model.params
+
+    def drew(self, outputs: Iterable[Sequence[int]], prompt_len: int) -> bool:
+        """Whether every output of a ``prompt_len``-token prompt is the preset's tokens."""
+        n = len(self._preset)
+        return all(list(out) == [int(self._preset[(prompt_len + j) % n]) for j in range(len(out))] for out in outputs)
+
+    def layer_specs(self) -> dict:
+        return self._model.layer_specs()
+
+    def partition_specs(self) -> Any:
+        return self._model.partition_specs()
+
+    def forward(
+        self, params: Any, cache: KVCache | HybridCache, meta: StepMetadata, *, impl: str | None = None
+    ) -> tuple[jax.Array, KVCache | HybridCache]:
+        preset = jnp.asarray(self._preset)
+        tokens = preset[(meta.positions[meta.logits_indices] + 1) % preset.shape[0]]
+        return 30.0 * jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32), cache
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The tiny Llama checkpoint and its tokenizer in ``path``, loaded for jaxkv."""
+
+    path: Path
+    model: ServedModel
+    tokenizer: TextTokenizer
+
+
+def tiny_checkpoint(directory: Path, max_model_len: int) -> Checkpoint:
+    """The stored seed-0 tiny Llama and the byte-level tokenizer saved to ``directory``, its
+    ``max_position_embeddings`` raised to ``max_model_len`` (RoPE runs past it; vLLM's
+    config check reads it)."""
+    import json
+
+    copy_stored_checkpoint("llama", directory)
+    save_tiny_tokenizer(directory)
+    config_file = directory / "config.json"
+    config = json.loads(config_file.read_text())
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], max_model_len)
+    config_file.write_text(json.dumps(config))
+    model = load_pretrained(directory, max_model_len=max_model_len)
+    return Checkpoint(directory, model, TextTokenizer.from_directory(directory))
+
+
+def random_prompts(tokenizer: TextTokenizer, count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` distinct prompts of ``length`` byte tokens of random ASCII text."""
+    rng = random.Random(seed)
+    alphabet = string.ascii_letters + string.digits + " .,"
+    return [tokenizer.encode("".join(rng.choices(alphabet, k=length))) for _ in range(count)]
+
+
+def max_tokens_for(num_seqs: int, prompt_len: int, budget: int) -> int:
+    """Output tokens a request asks for, so that every sequence still decodes through the
+    timed windows after the last prompt is in (the first ones decode while later
+    prompts prefill: a bound on those steps, plus warm-up, windows and one spare)."""
+    prefill_steps = cdiv(num_seqs * prompt_len, max(budget - num_seqs, 1)) + 2
+    return prefill_steps + FLAGS.warmup_steps + FLAGS.windows * FLAGS.window_steps + 2
+
+
+def windowed_ms(step_seconds: Sequence[float]) -> float | None:
+    """Median over windows of the mean of a window's steps, in ms, after the warm-up steps;
+    None if the run had too few such steps."""
+    timed = step_seconds[FLAGS.warmup_steps :]
+    k = FLAGS.window_steps
+    if len(timed) < FLAGS.windows * k:
+        return None
+    means = [statistics.fmean(timed[i * k : (i + 1) * k]) for i in range(FLAGS.windows)]
+    return 1e3 * statistics.median(means)
+
+
+@dataclass
+class JaxkvRun:
+    """Per full-decode step: thread CPU and wall seconds; the tokens each request drew."""
+
+    host_s: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    decode_output: SchedulerOutput | None = None
+
+
+def run_jaxkv(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int) -> JaxkvRun:
+    """Serve ``prompts`` to the end, step by step, timing the steps where all decode."""
+    run = JaxkvRun()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        run.tokens[engine.add_request(prompt, params, request_id=f"r{i}")] = []
+    gc.collect()
+    while engine.has_unfinished:
+        full = engine.num_running == len(prompts) and engine.num_waiting == 0
+        start, wall = time.thread_time(), time.perf_counter()
+        step = engine.step()
+        host, wall = time.thread_time() - start, time.perf_counter() - wall
+        for delta in step.deltas:
+            run.tokens[delta.request_id].extend(delta.token_ids)
+        if full and step.num_tokens == len(prompts) and not step.finished:
+            run.host_s.append(host)
+            run.wall_s.append(wall)
+    return run
+
+
+def run_vllm(checkpoint: Checkpoint, engine: Engine, prompts: Sequence[Sequence[int]], run: JaxkvRun) -> dict:
+    """The same requests through vLLM's scheduler and output processor, fed ``run``'s
+    tokens: the phases' windowed ms per full-decode step, and the scheduler's class."""
+    from jaxkv.benchmarks.vllm_engine import VllmEngineLoop
+
+    loop = VllmEngineLoop(
+        checkpoint.path,
+        engine.manager.config,
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        eos_token=SPECIAL_TOKENS[0],
+    )
+    for i, prompt in enumerate(prompts):
+        loop.add_request(f"r{i}", prompt, len(run.tokens[f"r{i}"]))
+    gc.collect()
+    phases: dict[str, list[float]] = {"schedule": [], "update": [], "output": [], "total": []}
+    while loop.has_unfinished:
+        full = len(loop.scheduler.running) == len(prompts)
+        times = loop.step(run.tokens)
+        if full and times.num_scheduled_tokens == len(prompts) and not times.num_finished:
+            for name, value in zip(
+                phases, (times.schedule_s, times.update_s, times.output_s, times.total_s), strict=True
+            ):
+                phases[name].append(value)
+    return {f"vllm_{name}_ms": windowed_ms(values) for name, values in phases.items()} | {
+        "vllm_scheduler": loop.scheduler_name
+    }
+
+
+def engine_for(model: ServedModel, checkpoint: Checkpoint, num_seqs: int, tokens_per_seq: int, **kwargs: Any) -> Engine:
+    """An engine of ``model`` for ``num_seqs`` sequences of ``tokens_per_seq`` tokens (its
+    ``max_model_len``; the cache holds them all and a quarter more), with the
+    checkpoint's tokenizer and EOS."""
+    specs = model.layer_specs().values()
+    bytes_per_token = sum(spec.page_size_bytes(BLOCK_SIZE) for spec in specs) / BLOCK_SIZE
+    blocks = num_seqs * (cdiv(tokens_per_seq, BLOCK_SIZE) + 1)
+    return Engine(
+        model,
+        memory_bytes=math.ceil(1.25 * blocks * BLOCK_SIZE * bytes_per_token),
+        max_model_len=tokens_per_seq,
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        eos_token_ids=(EOS_TOKEN_ID,),
+        tokenizer=checkpoint.tokenizer,
+        **kwargs,
+    )
+
+
+def engine_section(checkpoint: Checkpoint, batch_sizes: Sequence[int], peer: bool) -> list[dict]:
+    """One row per setting and batch size: jaxkv's host ms per step beside vLLM's phases."""
+    preset = PresetTokens(checkpoint.model, checkpoint.tokenizer.encode(PRESET_TEXT))
+    rows = []
+    for setting in FLAGS.settings:
+        model, prompt_len = (
+            (checkpoint.model, FLAGS.tiny_prompt_len) if setting == "tiny" else (preset, FLAGS.stub_prompt_len)
+        )
+        for num_seqs in batch_sizes:
+            max_tokens = max_tokens_for(num_seqs, prompt_len, FLAGS.max_num_batched_tokens)
+            engine = engine_for(model, checkpoint, num_seqs, prompt_len + max_tokens)
+            prompts = random_prompts(checkpoint.tokenizer, num_seqs, prompt_len, seed=num_seqs)
+            run = run_jaxkv(engine, prompts, max_tokens)
+            row: dict[str, Any] = {
+                "setting": setting,
+                "running": num_seqs,
+                "prompt_len": prompt_len,
+                "max_tokens": max_tokens,
+                "tokens_as_preset": preset.drew(run.tokens.values(), prompt_len) if model is preset else None,
+                "jaxkv_host_ms": windowed_ms(run.host_s),
+                "jaxkv_wall_ms": windowed_ms(run.wall_s),
+            }
+            vllm = run_vllm(checkpoint, engine, prompts, run) if peer else {}
+            row.update({k: vllm.get(k) for k in ("vllm_schedule_ms", "vllm_update_ms", "vllm_output_ms")})
+            row["vllm_total_ms"] = vllm.get("vllm_total_ms")
+            row["vllm_scheduler"] = vllm.get("vllm_scheduler")
+            host, total = row["jaxkv_host_ms"], row["vllm_total_ms"]
+            row["ratio"] = host / total if host is not None and total else None
+            rows.append(row)
+            print(f"  {setting} x{num_seqs}: jaxkv {host} ms, vLLM {total} ms", file=sys.stderr)
+    return rows
+
+
+class DeviceStep:
+    """The engine's compiled step alone, on a fresh cache of its plan (compiled for the
+    shapes of ``output``'s chunks: every full decode step has them)."""
+
+    def __init__(self, engine: Engine, output: SchedulerOutput) -> None:
+        self._runner = engine.runner
+        self._compiled = self._runner.lower(output.chunks).compile()
+        self._sampling = greedy_inputs(bucket(len(output.chunks), self._runner.buckets.seqs, "seqs"))
+        self._cache = allocate_cache(engine.manager.config)
+
+    def seconds(self, output: SchedulerOutput) -> float:
+        """Wall seconds of one call on ``output``'s metadata (built beforehand, untimed)."""
+        meta = jax.block_until_ready(self._runner.metadata(output.chunks))
+        start = time.perf_counter()
+        sampled, self._cache = self._compiled(self._runner.params, self._cache, meta, self._sampling)
+        jax.block_until_ready(sampled)
+        return time.perf_counter() - start
+
+
+def overlap_section(checkpoint: Checkpoint) -> dict:
+    """Wall ms per decode step against max(host, device) on a model whose device step is
+    comparable to the host's work. All three are wall times, taken step by step in turn
+    so that a loaded machine slows them alike: wall, the real engine's step; host, the
+    step of a second engine that serves the same prompts in lockstep with the model
+    stubbed (:class:`PresetTokens`); device, the compiled step alone on the real step's
+    chunks (:class:`DeviceStep`). The real step's thread CPU time is reported beside them."""
+    base = get_model_config("tiny-llama")
+    config = replace(
+        base,
+        vocab_size=checkpoint.model.vocab_size,
+        hidden_size=FLAGS.overlap_hidden,
+        mlp_dim=4 * FLAGS.overlap_hidden,
+        windows=(None,) * FLAGS.overlap_layers,
+    )
+    model = TinyLM(config, seed=0, name="overlap-llama")
+    num_seqs, prompt_len = FLAGS.overlap_batch, FLAGS.tiny_prompt_len
+    max_tokens = max_tokens_for(num_seqs, prompt_len, FLAGS.max_num_batched_tokens)
+    outputs: list[SchedulerOutput | None] = []  # each step's, from the engine's step_check hook
+    real = engine_for(model, checkpoint, num_seqs, prompt_len + max_tokens, step_check=outputs.append)
+    stub = PresetTokens(model, checkpoint.tokenizer.encode(PRESET_TEXT))
+    host = engine_for(stub, checkpoint, num_seqs, prompt_len + max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for prompt in random_prompts(checkpoint.tokenizer, num_seqs, prompt_len, seed=1):
+        real.add_request(prompt, params)
+        host.add_request(prompt, params)
+    times: dict[str, list[float]] = {"wall": [], "host": [], "host_cpu": [], "device": []}
+    device: DeviceStep | None = None
+    gc.collect()
+    while real.has_unfinished:
+        full = real.num_running == num_seqs and real.num_waiting == 0
+        start, wall = time.thread_time(), time.perf_counter()
+        step = real.step()
+        cpu, wall = time.thread_time() - start, time.perf_counter() - wall
+        start = time.perf_counter()
+        host_step = host.step()  # the same schedule: same prompts, budget and lengths
+        host_wall = time.perf_counter() - start
+        if full and step.num_tokens == host_step.num_tokens == num_seqs and not step.finished:
+            decode = outputs[-1]
+            assert decode is not None  # the engine passes None only at the end of generate
+            device = device or DeviceStep(real, decode)
+            for name, value in zip(times, (wall, host_wall, cpu, device.seconds(decode)), strict=True):
+                times[name].append(value)
+    ms = {name: windowed_ms(values) for name, values in times.items()}
+    bound = max(ms["host"] or 0.0, ms["device"] or 0.0)
+    wall_ms, host_ms, device_ms = ms["wall"], ms["host"], ms["device"]
+    return {
+        "model": f"{FLAGS.overlap_layers} layers, hidden {FLAGS.overlap_hidden}",
+        "running": num_seqs,
+        "host_ms": host_ms,
+        "host_cpu_ms": ms["host_cpu"],
+        "device_ms": device_ms,
+        "wall_ms": wall_ms,
+        "device_over_host": device_ms / host_ms if device_ms is not None and host_ms else None,
+        "wall_over_max": wall_ms / bound if wall_ms is not None and bound else None,
+        "serial_bound": (host_ms + device_ms) / bound if host_ms is not None and device_ms is not None else None,
+    }
+
+
+def cell(value: object, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def print_engine_table(rows: list[dict]) -> None:
+    columns = [
+        ("setting", "setting", "s"),
+        ("running", "running seqs", "d"),
+        ("jaxkv_host_ms", "jaxkv host ms/step", ".2f"),
+        ("vllm_schedule_ms", "vLLM schedule", ".2f"),
+        ("vllm_update_ms", "vLLM update", ".2f"),
+        ("vllm_output_ms", "vLLM output proc.", ".2f"),
+        ("vllm_total_ms", "vLLM total", ".2f"),
+        ("ratio", "ratio jaxkv/vLLM", ".2f"),
+    ]
+    print("[engine] thread CPU ms per decode step (median of windows)")
+    print("| " + " | ".join(title for _, title, _ in columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(cell(row[key], fmt) for key, _, fmt in columns) + " |")
+
+
+def print_overlap_table(row: dict) -> None:
+    print(f"[overlap] {row['model']}, {row['running']} sequences decoding")
+    print(
+        "| host ms (stubbed model) | host CPU ms | device ms | wall ms | device/host "
+        "| wall / max(host, device) | (host+device) / max |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    keys = ("host_ms", "host_cpu_ms", "device_ms", "wall_ms", "device_over_host", "wall_over_max", "serial_bound")
+    print("| " + " | ".join(cell(row[k], ".2f") for k in keys) + " |")
+
+
+def batch_sizes() -> list[int]:
+    try:
+        sizes = [int(b) for b in FLAGS.batch_sizes]
+    except ValueError:
+        exit_error(PROG, f"--batch_sizes must be positive ints, got {','.join(FLAGS.batch_sizes)}")
+    if not sizes or min(sizes) < 1:
+        exit_error(PROG, f"--batch_sizes must be positive ints, got {','.join(FLAGS.batch_sizes)}")
+    return sizes
+
+
+def main(argv: Sequence[str]) -> None:
+    for name, allowed in (("sections", SECTIONS), ("settings", SETTINGS)):
+        unknown = [s for s in FLAGS[name].value if s not in allowed]
+        if unknown:
+            exit_error(PROG, f"unknown {name} {unknown}; choose from {', '.join(allowed)}")
+    sizes = batch_sizes()
+    if FLAGS.quick:
+        sizes = [min(sizes)]
+        FLAGS.tiny_prompt_len = FLAGS.stub_prompt_len = 32
+        FLAGS.max_num_batched_tokens = 64
+        FLAGS.windows, FLAGS.window_steps, FLAGS.warmup_steps = 3, 2, 2
+        FLAGS.overlap_batch, FLAGS.overlap_hidden, FLAGS.overlap_layers = 8, 64, 1
+    peer = FLAGS.peer and vllm_available()
+    report: dict[str, Any] = {"peer": "vllm 0.33" if peer else None, "jax": jax.__version__, "quick": FLAGS.quick}
+    budget = FLAGS.max_num_batched_tokens
+    max_model_len = max(
+        p + max_tokens_for(b, p, budget)
+        for p, b in [(FLAGS.tiny_prompt_len, FLAGS.overlap_batch)]
+        + [(FLAGS.tiny_prompt_len if s == "tiny" else FLAGS.stub_prompt_len, max(sizes)) for s in FLAGS.settings]
+    )
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = tiny_checkpoint(Path(tmp), max_model_len)
+            for section in FLAGS.sections:
+                if section == "engine":
+                    rows = engine_section(checkpoint, sizes, peer)
+                    print_engine_table(rows)
+                    report["engine"] = {"rows": rows}
+                else:
+                    row = overlap_section(checkpoint)
+                    print_overlap_table(row)
+                    report["overlap"] = row
+    except (JaxkvError, PeerError) as err:
+        exit_error(PROG, err, status=1)
+    if FLAGS.out:
+        write_json(PROG, FLAGS.out, report)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=flags_parser(PROG))
