@@ -47,6 +47,10 @@ HOST_MODULES = [
     "jaxkv.offload.policies",
     "jaxkv.serving",
     "jaxkv.serving.scheduler",
+    "jaxkv.serving.outputs",
+    "jaxkv.serving.input_processor",
+    "jaxkv.serving.output_processor",
+    "jaxkv.server.openai_api",  # names the result types without loading the engine
     "jaxkv.serving.simulator",
     "jaxkv.serving.stats",
     "jaxkv.serving.metrics",  # an exporter process need not carry JAX

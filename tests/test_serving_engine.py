@@ -345,6 +345,17 @@ def test_abort_frees_one_request_and_the_others_finish_with_their_tokens(models,
     assert tokens(again) == [dense_tokens[name][1]], "the prefix cache stayed exact"
 
 
+def test_abort_of_an_n_request_before_its_first_token_aborts_every_sibling(models):
+    """Issue 41, finding 1: the siblings held until the first sequence's first token made
+    ``abort`` raise KeyError."""
+    eng = engine(models["tiny-llama"])
+    rid = eng.add_request(workload()[0], SamplingParams(n=3, seed=1, max_tokens=4))
+    assert eng.abort(rid) and not eng.abort(rid) and not eng.has_unfinished
+    step = eng.step()
+    assert sorted((d.index, d.finish_reason) for d in step.deltas) == [(0, "abort"), (1, "abort"), (2, "abort")]
+    assert eng.audit() == CacheAudit(0, 0)
+
+
 @pytest.mark.parametrize("hook", ["progress", "step_check"])
 def test_abort_from_a_progress_callback_or_a_step_check_drops_the_request_and_the_call_goes_on(
     models, dense_tokens, hook

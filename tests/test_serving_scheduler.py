@@ -154,6 +154,18 @@ def test_requests_finish_at_max_new_tokens_or_max_model_len_and_free_their_block
     assert mgr.num_free_blocks == 19
 
 
+def test_finish_takes_running_and_waiting_requests_out_and_frees_their_blocks():
+    mgr = make_manager(20, FULL)
+    sched = Scheduler(mgr, max_num_seqs=1, max_num_batched_tokens=64)
+    running = sched.add_request(Request("running", range(10)), 5)
+    waiting = sched.add_request(Request("waiting", range(100, 110)), 5)
+    step(sched)
+    assert sched.running == [running] and list(sched.waiting) == [waiting]
+    sched.finish([running, waiting])
+    assert not sched.has_unfinished and not mgr.has_request("running") and mgr.num_free_blocks == 19
+    sched.add_request(Request("running", range(10)), 5)  # its id is free again
+
+
 def test_block_ids_can_be_left_out_for_host_only_replays():
     sched = Scheduler(make_manager(20, FULL), record_block_ids=False)
     sched.add_request(Request("a", range(10)), 1)

@@ -64,8 +64,9 @@ from jaxkv.fleet.protocol import (
     max_request_bytes,
 )
 from jaxkv.ints import is_int
-from jaxkv.serving.engine import Engine, RequestOutput
+from jaxkv.serving.engine import Engine
 from jaxkv.serving.kv_events import KVEventPublisher
+from jaxkv.serving.outputs import RequestOutput
 from jaxkv.serving.zmq_security import CurveKeys, SecureContext
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import is_int
 from jaxkv.models.text import TextError, TextTokenizer
-from jaxkv.serving.engine import RequestDelta, TokenLogprobs
+from jaxkv.serving.outputs import RequestDelta, TokenLogprobs
 from jaxkv.serving.sampling_params import SamplingParams, SamplingParamsError
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos")

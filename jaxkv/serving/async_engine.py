@@ -5,7 +5,7 @@ builds it on a thread of its own and only that thread touches it. Callers on an
 asyncio event loop (an HTTP server) talk to it through a command queue: a request
 added while the engine steps is admitted between two steps, beside the running ones
 (no batch barrier), and an abort frees the request's blocks before the next step. Each
-step's :class:`~jaxkv.serving.engine.RequestDelta` s go back to the event loop in one
+step's :class:`~jaxkv.serving.outputs.RequestDelta` s go back to the event loop in one
 call and into each request's :class:`RequestStream`; the event loop never waits for a
 step, and the engine never waits for a reader.
 
@@ -29,7 +29,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from jaxkv.errors import JaxkvError
-from jaxkv.serving.engine import Engine, RequestDelta
+from jaxkv.serving.engine import Engine
+from jaxkv.serving.outputs import RequestDelta
 from jaxkv.serving.sampling_params import SamplingParams
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""Generation with continuous batching: scheduler, KV cache manager, runner and sampler.
+"""Generation with continuous batching: the loop schedule -> execute -> update -> process.
 
 :class:`Engine` owns a :class:`~jaxkv.core.manager.KVCacheManager`, a
 :class:`~jaxkv.serving.runner.ModelRunner` (weights and the device cache) and one
@@ -17,56 +17,72 @@ say (a bare ``max_new_tokens`` is greedy decoding): tokens are drawn on the devi
 blocks at once, what it computed staying in the prefix cache. The ``n`` sequences of
 one request share its prompt's blocks: the first is admitted alone, the others once it
 has computed the prompt, so they find every full prompt block in the prefix cache.
+
+The engine is the loop between vLLM v1's seams: requests are checked by
+:mod:`jaxkv.serving.input_processor`, scheduled by :mod:`jaxkv.serving.scheduler`
+(whose ``finish`` is the one path that frees a request's blocks), run by
+:mod:`jaxkv.serving.runner`, and turned into outputs by
+:mod:`jaxkv.serving.output_processor` (stops, text, logprobs, the ``n`` siblings); the
+result types are in :mod:`jaxkv.serving.outputs`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxkv.core.manager import KVCacheManager, KVCacheManagerError, Request, token_id_list
+from jaxkv.core.manager import KVCacheManager, Request
 from jaxkv.device.mesh import MODEL_AXIS, mesh_axis_size
 from jaxkv.device.metadata import Buckets
-from jaxkv.errors import JaxkvError, OwnerThread
+from jaxkv.errors import OwnerThread
 from jaxkv.ints import is_int
 from jaxkv.models.protocol import ServedModel
 from jaxkv.models.text import TextTokenizer, load_tokenizer
 from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, PlanOptions, StatePoolOptions, plan_kv_cache
+from jaxkv.serving.input_processor import EngineError, InputProcessor
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
+from jaxkv.serving.output_processor import LiveSequence, OutputProcessor, SampledRows
+from jaxkv.serving.outputs import (
+    CacheAudit,
+    EngineStep,
+    GenerationResult,
+    RequestDelta,
+    RequestOutput,
+    StepProgress,
+    TokenLogprobs,
+)
 from jaxkv.serving.runner import ModelRunner, default_buckets
-from jaxkv.serving.sampler import RowSampling, SampledTokens
-from jaxkv.serving.sampling_params import MAX_MASKED_STOP_IDS, FinishReason, SamplingParams
+from jaxkv.serving.sampler import RowSampling
+from jaxkv.serving.sampling_params import SamplingParams
 from jaxkv.serving.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, SeqState, check_positive_int
 from jaxkv.serving.stats import EngineStats
-from jaxkv.serving.stopping import StopChecker
 
 if TYPE_CHECKING:
     from jaxkv.serving.kv_events import KVEventPublisher
 
+__all__ = [  # the result types and EngineError live in their own modules; named here too, as before
+    "CacheAudit",
+    "Engine",
+    "EngineError",
+    "EngineStep",
+    "GenerationResult",
+    "RequestDelta",
+    "RequestOutput",
+    "StepProgress",
+    "TokenLogprobs",
+    "plan_for_model",
+    "resolve_head_dim_multiple",
+]
+
 DEFAULT_MAX_NUM_SEQS = 8
-
-
-class EngineError(JaxkvError, ValueError):
-    """An engine set-up or a generate call the engine cannot serve; nothing was run."""
-
-
-@dataclass(frozen=True)
-class CacheAudit:
-    """Blocks (device: attention blocks and state rows) held by nobody, found between
-    ``generate`` calls (both must be 0)."""
-
-    device_blocks_leaked: int
-    host_blocks_leaked: int
 
 
 def resolve_head_dim_multiple(head_dim_multiple: int | None) -> int:
@@ -122,178 +138,6 @@ def plan_for_model(
         state_pool=pool,
     )
     return plan_kv_cache(model.layer_specs(), memory_bytes, max_model_len=max_model_len, options=options)
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """A drawn token's log-probability and the ``logprobs`` most likely tokens' (the model's
-    raw distribution), most likely first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """One finished sequence (``index`` of its request's ``n``). Times are seconds from its
-    arrival (:meth:`Engine.add_request`; ``generate`` adds its prompts at the start of the call)."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
-    num_cached_tokens: int
-    num_preemptions: int
-    ttft_s: float
-    finish_s: float
-    logits: np.ndarray | None = None
-    """``(len(output_token_ids), vocab)`` float32: the logits each output token was
-    sampled from, when ``generate(..., return_logits=True)``; else None."""
-    finish_reason: FinishReason = "length"
-    index: int = 0
-    text: str | None = None
-    """The output as text (the stop string left out), when the engine has a tokenizer."""
-    logprobs: tuple[TokenLogprobs, ...] | None = None
-    """One per output token when the request asked for ``logprobs``."""
-
-
-@dataclass(frozen=True)
-class RequestDelta:
-    """What one step added to one sequence: its new tokens (none for a prefill chunk that
-    drew nothing is never reported), their text and log-probabilities, and
-    ``finish_reason`` once the sequence ended (its blocks are then free)."""
-
-    request_id: str
-    index: int
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[TokenLogprobs, ...] | None
-    finish_reason: FinishReason | None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class StepProgress:
-    """A snapshot after one engine step, for progress callbacks."""
-
-    step: int
-    elapsed_s: float
-    num_tokens: int
-    num_waiting: int
-    num_running: int
-    num_finished: int
-    num_requests: int
-    usage: float
-
-
-@dataclass(frozen=True)
-class EngineStep:
-    """What one :meth:`Engine.step` did: the sequences it finished, the new output of every
-    sequence that drew a token or ended (aborts since the last step included), the
-    tokens it computed and the KV pool usage once it was scheduled."""
-
-    finished: tuple[RequestOutput, ...]
-    num_tokens: int
-    usage: float
-    deltas: tuple[RequestDelta, ...] = ()
-
-
-def _sequence_ids(request_id: str, n: int) -> list[str]:
-    """The ids of a request's sequences: its own for one, ``id#index`` for several."""
-    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-
-
-@dataclass(frozen=True)
-class _HeldSequence:
-    """A sequence not yet handed to the scheduler (a sibling of an ``n`` > 1 request)."""
-
-    request_id: str
-    index: int
-    seed: int
-    request: Request
-    params: SamplingParams
-    arrival: float
-    return_logits: bool
-
-
-@dataclass(eq=False)
-class _LiveRequest:
-    """One sequence between :meth:`Engine.add_request` and its output (``seq`` is keyed
-    by its own id: the request's id, with ``#index`` when the request has ``n`` > 1)."""
-
-    seq: SeqState
-    request_id: str
-    index: int
-    seed: int
-    stopper: StopChecker
-    arrival: float
-    first_token: float | None = None
-    logits: list[np.ndarray] | None = None
-    logprobs: list[TokenLogprobs] | None = None
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.stopper.params
-
-    def row(self, chunk: ScheduledChunk) -> RowSampling | None:
-        """How this step draws the sequence's next token (None: the chunk draws nothing)."""
-        if not chunk.samples:
-            return None
-        position = chunk.num_computed_tokens + chunk.num_new_tokens
-        return RowSampling(self.params, self.seed, position, self.stopper.banned(self.seq.num_output_tokens))
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """What one ``generate`` call did.
-
-    ``num_cached_prompt_tokens`` counts each request's prefix-cache hit at its first
-    admission; ``num_compilations`` the step-function traces during this call.
-    """
-
-    outputs: tuple[RequestOutput, ...]
-    wall_s: float
-    num_steps: int
-    num_prompt_tokens: int
-    num_cached_prompt_tokens: int
-    num_generated_tokens: int
-    num_scheduled_tokens: int
-    num_preemptions: int
-    peak_usage: float
-    mean_usage: float
-    num_compilations: int
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.num_generated_tokens / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def scheduled_tokens_per_s(self) -> float:
-        """Prefill and decode tokens computed per second."""
-        return self.num_scheduled_tokens / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def mean_ttft_s(self) -> float:
-        return float(np.mean([o.ttft_s for o in self.outputs])) if self.outputs else 0.0
-
-    def to_dict(self) -> dict:
-        """Counters, rates and per-request outputs as a JSON-able dict."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "outputs"}
-        out.update(
-            prefix_hit_rate=self.prefix_hit_rate,
-            output_tokens_per_s=self.output_tokens_per_s,
-            scheduled_tokens_per_s=self.scheduled_tokens_per_s,
-            mean_ttft_s=self.mean_ttft_s,
-            outputs=[{k: v for k, v in dataclasses.asdict(o).items() if k != "logits"} for o in self.outputs],
-        )
-        return out
 
 
 class Engine:
@@ -399,14 +243,12 @@ class Engine:
         unit_blocks = self.manager.state_blocks if kv_config.shared_states is not None else None
         self.runner = ModelRunner(model, kv_config, buckets, mesh=mesh, model_axis=model_axis, unit_blocks=unit_blocks)
         self.connector = OffloadConnector.create(self.manager, self.runner, offload) if offload else None
-        self._ids = itertools.count()
         self._owner = OwnerThread("Engine")
+        self._inputs = InputProcessor(
+            model.vocab_size, self.manager.max_model_len, self.eos_token_ids, has_tokenizer=tokenizer is not None
+        )
+        self._outputs = OutputProcessor(self.eos_token_ids, tokenizer, self._enqueue)
         self._scheduler = self._new_scheduler()
-        self._live: dict[str, _LiveRequest] = {}  # by sequence id
-        self._requests: dict[str, list[str]] = {}  # a request's unfinished sequence ids
-        self._held: dict[str, list[_HeldSequence]] = {}  # siblings queued once the first has drawn
-        self._aborted: list[RequestDelta] = []  # reported by the next step
-        self._seeds = np.random.default_rng()
         self._aborting: set[str] | None = None  # during a step: the aborts it defers
         self._step_observers: list[Callable[[EngineStats], None]] = []
 
@@ -470,19 +312,21 @@ class Engine:
         step compiled apart, for token checks such as :mod:`jaxkv.serving.logit_check`).
         """
         self._owner.check()
-        prompts, params, salts = self._check(prompts, max_new_tokens, cache_salt)
-        if self._requests:
-            raise EngineError(f"generate needs an idle engine; {len(self._requests)} added requests are unfinished")
+        prompts, params, salts = self._inputs.check(prompts, max_new_tokens, cache_salt)
+        if self._outputs.requests:
+            raise EngineError(
+                f"generate needs an idle engine; {len(self._outputs.requests)} added requests are unfinished"
+            )
         compilations = self.runner.num_compilations
         start = time.perf_counter()
         ids = [
-            self._add(prompt, p, salt, None, return_logits)
+            self._outputs.add(prompt, p, salt, None, return_logits, start)
             for prompt, p, salt in zip(prompts, params, salts, strict=True)
         ]
         outputs: dict[tuple[str, int], RequestOutput] = {}
         steps: list[EngineStep] = []
         try:
-            while self._requests:
+            while self._outputs.requests:
                 steps.append(self.step())
                 outputs.update(((o.request_id, o.index), o) for o in steps[-1].finished)
                 if progress is not None:
@@ -533,10 +377,10 @@ class Engine:
         ``max_new_tokens``); its id, given or made. It is admitted at a later :meth:`step`,
         beside the requests running then."""
         self._owner.check()
-        [ids], [params], [salt] = self._check([prompt], max_new_tokens, cache_salt)
-        if request_id is not None and (not isinstance(request_id, str) or self._taken(request_id, params.n)):
+        [ids], [params], [salt] = self._inputs.check([prompt], max_new_tokens, cache_salt)
+        if request_id is not None and (not isinstance(request_id, str) or self._outputs.taken(request_id, params.n)):
             raise EngineError(f"request_id must be a str not already unfinished, got {request_id!r}")
-        return self._add(ids, params, salt, request_id, return_logits)
+        return self._outputs.add(ids, params, salt, request_id, return_logits, time.perf_counter())
 
     @property
     def num_running(self) -> int:
@@ -550,16 +394,17 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._outputs.requests)
 
     def step(self) -> EngineStep:
         """Run one scheduler step over the unfinished requests (nothing when there are
-        none): every sequence that drew a token reports it (:class:`RequestDelta`), one
-        that stopped is freed at once. An exception in it drops every unfinished request
-        (freed, the prefix cache exact: see the class docstring) and propagates."""
+        none): schedule, execute, update the scheduler, process the outputs. Every
+        sequence that drew a token reports it (:class:`RequestDelta`), one that stopped is
+        freed at once. An exception in it drops every unfinished request (freed, the
+        prefix cache exact: see the class docstring) and propagates."""
         self._owner.check()
-        deltas, self._aborted = self._aborted, []
-        if not self._live:
+        deltas = self._outputs.take_aborted()
+        if not self._outputs.live:
             return EngineStep((), 0, self.manager.usage, tuple(deltas))
         self._aborting = set()
         try:
@@ -570,16 +415,14 @@ class Engine:
                 usage = self.manager.usage
                 if self.connector is not None:
                     self.connector.before_step()  # reads reused blocks before the step writes them
-                live = [self._live[c.seq.request_id] for c in output.chunks]
+                live = self._outputs.sequences(output.chunks)
                 sampled, logits = self.runner.execute_sampled(
                     output.chunks,
-                    [r.row(c) for c, r in zip(output.chunks, live, strict=True)],
+                    [self._row(c, r) for c, r in zip(output.chunks, live, strict=True)],
                     with_logits=any(r.logits is not None for r in live),
                 )
                 if logits is not None:
-                    for chunk, row, request in zip(output.chunks, logits, live, strict=True):
-                        if chunk.samples and request.logits is not None:
-                            request.logits.append(row)
+                    self._outputs.add_logits(output.chunks, logits)
                 if self.connector is not None:
                     self.connector.after_step(output.chunks)
             self._publish_events()
@@ -589,22 +432,18 @@ class Engine:
             self._abort()
             raise
         aborted, self._aborting = self._aborting, None
-        now = time.perf_counter()
-        finished = []
-        for i, (chunk, request) in enumerate(zip(output.chunks, live, strict=True)):
-            if chunk.samples:
-                delta = self._take_token(request, sampled, i, chunk.seq.request_id in done, now)
-                deltas.append(delta)
-                if delta.finish_reason is not None:
-                    finished.append(self._output(request, now, delta.finish_reason))
+        host = cast(SampledRows, sampled)  # the runner reads the draws back as numpy arrays
+        processed = self._outputs.process(output.chunks, host, done, time.perf_counter())
+        self._scheduler.finish(processed.stopped)
+        deltas.extend(processed.deltas)
+        finished = processed.finished
         if aborted:  # from step_check: effective now the step is over; their outputs are dropped
             for request_id in aborted:
                 self.abort(request_id)
-            deltas.extend(self._aborted)
-            self._aborted = []
+            deltas.extend(self._outputs.take_aborted())
             finished = [out for out in finished if out.request_id not in aborted]
-        if not self._live:
-            self._release(())
+        if not self._outputs.live:
+            self._release()
         self._publish_events()  # early stops' frees (and host stores settled by _release)
         if self._step_observers:
             stats = self.stats()
@@ -612,61 +451,32 @@ class Engine:
                 observer(stats)
         return EngineStep(tuple(finished), output.num_tokens, usage, tuple(deltas))
 
-    def _take_token(
-        self, request: _LiveRequest, sampled: SampledTokens, row: int, at_limit: bool, now: float
-    ) -> RequestDelta:
-        """Record the token ``row`` of ``sampled`` drew for ``request``: its text, whether it
-        stops the sequence (then freed, unless the scheduler freed it at its limit), and
-        the first token's time (the held siblings queued then)."""
-        sid = request.seq.request_id
-        if request.first_token is None:
-            request.first_token = now
-            for held in self._held.pop(sid, ()):  # it has computed the prompt: its siblings will hit it
-                self._queue(held)
-        token = int(sampled.token_ids[row])
-        logprobs = None
-        if request.params.logprobs is not None:
-            k = request.params.logprobs
-            top = tuple(zip(sampled.top_ids[row, :k].tolist(), sampled.top_logprobs[row, :k].tolist(), strict=True))
-            logprobs = (TokenLogprobs(token, float(sampled.logprob[row]), top),)
-            assert request.logprobs is not None  # made for a request with logprobs
-            request.logprobs.append(logprobs[0])
-        text, reason = request.stopper.update(token, request.seq.num_output_tokens)
-        if reason is None and at_limit:
-            text, reason = text + request.stopper.finish(), "length"
-        elif reason is not None and not at_limit:
-            self._scheduler.remove(request.seq)
-            self.manager.free(request.seq.request)
-        if reason is not None:
-            self._forget(request)
-        return RequestDelta(request.request_id, request.index, (token,), text, logprobs, reason)
+    @staticmethod
+    def _row(chunk: ScheduledChunk, live: LiveSequence) -> RowSampling | None:
+        """How this step draws the sequence's next token (None: the chunk draws nothing)."""
+        if not chunk.samples:
+            return None
+        position = chunk.num_computed_tokens + chunk.num_new_tokens
+        return RowSampling(live.params, live.seed, position, live.stopper.banned(live.seq.num_output_tokens))
 
     def abort(self, request_id: str) -> bool:
-        """Drop one unfinished request (all its sequences): its blocks and states freed
-        (what it computed stays cached), its events published, an "abort" delta reported
-        by the next step; False when no such request is unfinished. Host-tier pins last
-        only within a step, so none is left to drop. Called during a step (from
-        ``step_check``), it takes effect when the step ends and the request gets no
-        output; a request of a ``generate`` call aborted from its ``progress`` callback is
-        left out of the call's outputs."""
+        """Drop one unfinished request (all its sequences, ``n`` > 1 siblings not yet
+        queued included): its blocks and states freed (what it computed stays cached),
+        its events published, an "abort" delta per sequence reported by the next step;
+        False when no such request is unfinished. Host-tier pins last only within a
+        step, so none is left to drop. Called during a step (from ``step_check``), it
+        takes effect when the step ends and the request gets no output; a request of a
+        ``generate`` call aborted from its ``progress`` callback is left out of the
+        call's outputs."""
         self._owner.check()
-        sids = self._requests.get(request_id) if isinstance(request_id, str) else None
-        if not sids:
+        if not isinstance(request_id, str) or request_id not in self._outputs.requests:
             return False
         if self._aborting is not None:  # inside a step: its chunks and blocks are in use
             self._aborting.add(request_id)
             return True
-        for sid in list(sids):
-            for held in self._held.pop(sid, ()):
-                self._aborted.append(RequestDelta(request_id, held.index, (), "", None, "abort"))
-            request = self._live[sid]
-            self._scheduler.remove(request.seq)
-            if self.manager.has_request(sid):
-                self.manager.free(request.seq.request)
-            self._aborted.append(RequestDelta(request_id, request.index, (), request.stopper.finish(), None, "abort"))
-            self._forget(request)
-        if not self._live:
-            self._release(())
+        self._scheduler.finish(self._outputs.abort(request_id))
+        if not self._outputs.live:
+            self._release()
         self._publish_events()
         return True
 
@@ -697,7 +507,7 @@ class Engine:
         """Forget the device prefix cache (published as ``AllBlocksCleared``); refused
         (False) while requests are unfinished."""
         self._owner.check()
-        ok = not self._live and self.manager.reset_prefix_cache()
+        ok = not self._outputs.live and self.manager.reset_prefix_cache()
         self._publish_events()
         return ok
 
@@ -709,69 +519,16 @@ class Engine:
             admission=self.connector,
         )
 
-    def _taken(self, request_id: str, n: int) -> bool:
-        """Whether ``request_id`` (or one of its ``n`` sequence ids) names an unfinished sequence."""
-        return request_id in self._requests or any(sid in self._live for sid in _sequence_ids(request_id, n))
-
-    def _add(
-        self, prompt: list[int], params: SamplingParams, salt: str | None, request_id: str | None, return_logits: bool
-    ) -> str:
-        rid = request_id
-        if rid is None:
-            rid = f"req-{next(self._ids)}"
-            while self._taken(rid, params.n):  # a made id never takes a caller's
-                rid = f"req-{next(self._ids)}"
-        arrival = time.perf_counter()
-        first = None
-        sids = _sequence_ids(rid, params.n)
-        for index, sid in enumerate(sids):
-            seed = params.seed + index if params.seed is not None else int(self._seeds.integers(2**32))
-            held = _HeldSequence(
-                rid, index, seed, Request(sid, prompt, cache_salt=salt), params, arrival, return_logits
-            )
-            if first is None:
-                first = self._queue(held)
-            else:
-                self._held.setdefault(first.seq.request_id, []).append(held)
-        self._requests[rid] = sids
-        return rid
-
-    def _queue(self, held: _HeldSequence) -> _LiveRequest:
-        """Hand one sequence to the scheduler."""
-        params = held.params
-        seq = self._scheduler.add_request(held.request, params.max_tokens or self.manager.max_model_len)
-        detokenizer = None if self.tokenizer is None else self.tokenizer.detokenizer()
-        live = _LiveRequest(
-            seq,
-            held.request_id,
-            held.index,
-            held.seed,
-            StopChecker(params, self.eos_token_ids, detokenizer),
-            held.arrival,
-            logits=[] if held.return_logits else None,
-            logprobs=[] if params.logprobs is not None else None,
-        )
-        self._live[held.request.request_id] = live
-        return live
-
-    def _forget(self, request: _LiveRequest) -> None:
-        """Drop a finished or aborted sequence from the engine's books."""
-        sid = request.seq.request_id
-        self._live.pop(sid, None)
-        sids = self._requests[request.request_id]
-        sids.remove(sid)
-        if not sids:
-            del self._requests[request.request_id]
+    def _enqueue(self, request: Request, params: SamplingParams) -> SeqState:
+        """Hand one sequence to the scheduler (the output processor's ``enqueue``)."""
+        return self._scheduler.add_request(request, params.max_tokens or self.manager.max_model_len)
 
     def _abort(self) -> None:
         """Drop every unfinished request (freeing what it holds) and start a fresh scheduler."""
         try:
-            self._release([r.seq for r in self._live.values()])
+            self._scheduler.finish(self._outputs.clear())
+            self._release()
         finally:
-            self._live.clear()
-            self._requests.clear()
-            self._held.clear()
-            self._aborted.clear()
             self._scheduler = self._new_scheduler()
 
     def audit(self) -> CacheAudit:
@@ -792,119 +549,14 @@ class Engine:
         if self.kv_events is not None:
             self.kv_events.publish_step(self.manager, self.connector)
 
-    def _release(self, seqs: Sequence[SeqState]) -> None:
-        """Settle stores, free what ``seqs`` still hold (requests dropped by an
-        exception), and replace the cache if an interrupted step consumed it."""
+    def _release(self) -> None:
+        """Settle stores, and replace the cache if an interrupted step consumed it."""
         try:
             if self.connector is not None:
                 self.connector.finish_stores()
         finally:
-            for seq in seqs:
-                if self.manager.has_request(seq.request_id):
-                    self.manager.free(seq.request)
             if not self.runner.cache_is_intact():
                 self.runner.reallocate_cache()
                 if self.connector is not None:
                     self.connector.discard_reused()
                 self.manager.reset_prefix_cache()
-
-    def _check(
-        self,
-        prompts: object,
-        max_new_tokens: object,
-        cache_salt: object,
-    ) -> tuple[list[list[int]], list[SamplingParams], list[str | None]]:
-        """Prompts as token lists, per-prompt sampling parameters and salts;
-        :class:`EngineError` naming the first bad value."""
-        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
-            prompts = list(prompts)
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
-            raise EngineError(f"prompts must be a list of token-id sequences, got {prompts!r:.80}")
-        if not len(prompts):
-            raise EngineError("generate needs at least one prompt")
-        if is_int(prompts[0]):
-            raise EngineError("prompts must be a list of prompts, got a flat list of ints (wrap one prompt in a list)")
-        n = len(prompts)
-        limits = self._per_prompt(
-            "max_new_tokens",
-            max_new_tokens,
-            n,
-            scalar=lambda v: isinstance(v, SamplingParams) or not isinstance(v, Sequence),
-        )
-        salts = self._per_prompt("cache_salt", cache_salt, n, scalar=lambda v: v is None or isinstance(v, str))
-        vocab = self.model.vocab_size
-        max_len = self.manager.max_model_len
-        out = []
-        params = []
-        for i, (prompt, limit, salt) in enumerate(zip(prompts, limits, salts, strict=True)):
-            params.append(self._params(i, limit))
-            if salt is not None and not isinstance(salt, str):
-                raise EngineError(f"prompt {i}: cache_salt must be a str or None, got {salt!r}")
-            try:
-                ids = token_id_list(prompt, f"prompt {i}")
-            except KVCacheManagerError as err:
-                raise EngineError(str(err)) from None
-            if not ids:
-                raise EngineError(f"prompt {i} is empty")
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise EngineError(f"prompt {i}: token {bad!r} is not an id in [0, {vocab})")
-            if len(ids) >= max_len:
-                raise EngineError(
-                    f"prompt {i} has {len(ids)} tokens; max_model_len={max_len} leaves no room for an output token"
-                )
-            out.append(ids)
-        return out, params, salts
-
-    def _params(self, i: int, limit: object) -> SamplingParams:
-        """Prompt ``i``'s sampling parameters (a bare limit: greedy), checked against this engine."""
-        if not isinstance(limit, SamplingParams):
-            if not is_int(limit) or limit <= 0:
-                raise EngineError(
-                    f"prompt {i}: max_new_tokens must be a positive int, got {limit!r} (or a SamplingParams)"
-                )
-            return SamplingParams.greedy(int(limit))
-        if limit.stop and self.tokenizer is None:
-            raise EngineError(f"prompt {i}: stop strings {limit.stop!r} need a tokenizer, and this engine has none")
-        vocab = self.model.vocab_size
-        bad = next((t for t in limit.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise EngineError(f"prompt {i}: stop token {bad} is not an id in [0, {vocab})")
-        stop_ids = StopChecker(limit, self.eos_token_ids, None).stop_token_ids
-        if limit.min_tokens and len(stop_ids) > MAX_MASKED_STOP_IDS:
-            raise EngineError(
-                f"prompt {i}: min_tokens={limit.min_tokens} masks at most {MAX_MASKED_STOP_IDS} stop ids, "
-                f"got {len(stop_ids)} (EOS included)"
-            )
-        return limit
-
-    @staticmethod
-    def _per_prompt(name: str, value: object, n: int, *, scalar: Callable[[object], bool]) -> list:
-        """One value per prompt: ``value`` repeated when it is a scalar, else its items."""
-        if scalar(value):
-            return [value] * n
-        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
-            raise EngineError(f"{name} must be one value or one per prompt, got {value!r:.80}")
-        if len(value) != n:
-            raise EngineError(f"{len(value)} {name} values for {n} prompts")
-        return list(value)
-
-    def _output(self, request: _LiveRequest, now: float, reason: FinishReason) -> RequestOutput:
-        seq = request.seq
-        req = seq.request
-        # A finished request was admitted (its prefix hit counted) and sampled at least once.
-        assert seq.num_cached_tokens is not None and request.first_token is not None
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=tuple(req.prompt_token_ids),
-            output_token_ids=tuple(req.output_token_ids),
-            num_cached_tokens=seq.num_cached_tokens,
-            num_preemptions=seq.num_preemptions,
-            ttft_s=request.first_token - request.arrival,
-            finish_s=now - request.arrival,
-            logits=None if request.logits is None else np.stack(request.logits),
-            finish_reason=reason,
-            index=request.index,
-            text=None if self.tokenizer is None else request.stopper.text,
-            logprobs=None if request.logprobs is None else tuple(request.logprobs),
-        )

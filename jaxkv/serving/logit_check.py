@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxkv.errors import JaxkvError
-from jaxkv.serving.engine import RequestOutput
+from jaxkv.serving.outputs import RequestOutput
 
 DEFAULT_TOLERANCE = 2.0**-4
 """Relative logit tolerance of narrow dtypes: ``max |Δlogit| <= tol * max |logit|``."""

@@ -231,13 +231,26 @@ class Scheduler:
         self._queued_ids.add(rid)
         return seq
 
-    def remove(self, seq: SeqState) -> None:
-        """Take an unfinished request out of the queues (the caller frees its blocks)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self._queued_ids.discard(seq.request_id)
+    def finish(self, seqs: Sequence[SeqState]) -> None:
+        """Retire requests that ended (stopped, reached their length, aborted, or dropped by a
+        failed step): out of the queues, their blocks freed (what they computed stays in
+        the prefix cache). The one way a request leaves the scheduler: :meth:`update`
+        retires the requests at their length through it, the engine the others."""
+        if not seqs:
+            return
+        gone = set(seqs)
+        self.running = [s for s in self.running if s not in gone]
+        if any(s in gone for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if s not in gone)
+        for seq in seqs:
+            self._queued_ids.discard(seq.request_id)
+            self._free_blocks(seq)
+
+    def _free_blocks(self, seq: SeqState) -> None:
+        """Release what ``seq`` holds in the manager (a waiting request holds nothing):
+        the only call that frees blocks, for a finished or a preempted request."""
+        if self.manager.has_request(seq.request_id):
+            self.manager.free(seq.request)
 
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -320,7 +333,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: SeqState) -> None:
-        self.manager.free(seq.request)
+        self._free_blocks(seq)
         seq.request.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -364,7 +377,7 @@ class Scheduler:
 
         ``sampled[i]`` is the token generated for ``output.chunks[i]`` (read only
         where the chunk ``samples``). A request finishes at ``max_new_tokens`` outputs
-        or at ``max_model_len`` tokens; its blocks are freed. Returns the finished.
+        or at ``max_model_len`` tokens (:meth:`finish`). Returns the finished.
         """
         if len(sampled) < len(output.chunks):
             raise SchedulerError(f"got {len(sampled)} sampled tokens for {len(output.chunks)} scheduled chunks")
@@ -381,10 +394,5 @@ class Scheduler:
         done = [
             seq for seq in sampling if seq.num_output_tokens >= seq.max_new_tokens or seq.request.num_tokens >= limit
         ]
-        if done:
-            for seq in done:
-                self.manager.free(seq.request)
-                self._queued_ids.discard(seq.request_id)
-            gone = set(done)
-            self.running = [s for s in self.running if s not in gone]
+        self.finish(done)
         return done
