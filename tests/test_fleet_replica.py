@@ -362,7 +362,7 @@ def cancel_while_waiting(local: InThisThread) -> None:
 
 def computed(local: InThisThread, request_id: str) -> int:
     """Tokens the engine computed of a client's request (its id is kept per client)."""
-    [seq] = [r.seq for key, r in local.engine._live.items() if key.endswith(f":{request_id}")]
+    [seq] = [r.seq for key, r in local.engine._outputs.live.items() if key.endswith(f":{request_id}")]
     return seq.request.num_computed_tokens
 
 
