@@ -162,6 +162,16 @@ def test_a_client_that_disconnects_aborts_its_request_and_every_block_is_freed(s
         time.sleep(0.2)
     unfinished, leaked, _ = server.engine_state()
     assert not unfinished and leaked == 0
+    metrics = http(server.url, "GET", "/metrics")[1]
+    assert 'vllm:num_requests_running{model_name="m"} 0.0' in metrics, "the gauges are true once the server is idle"
+
+
+def test_usage_names_the_prompt_tokens_found_cached(client):
+    prompt = PROMPT + "cached twice"
+    first = client.completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens_details.cached_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(prompt.encode()) - 1) // 16 * 16
 
 
 def test_bad_requests_get_openai_error_bodies(server, client):

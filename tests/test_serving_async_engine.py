@@ -78,9 +78,11 @@ def test_a_consumer_that_aborts_frees_every_block_and_its_stream_ends_with_abort
 
 def test_a_full_engine_and_a_bad_request_are_refused_at_once():
     async def main():
-        engine = AsyncEngine(build, max_requests=1)
-        stream = await engine.add(PROMPTS[0], SamplingParams.greedy(50))
-        with pytest.raises(EngineFullError, match="max_requests=1"):
+        engine = AsyncEngine(build, max_requests=3)
+        with pytest.raises(EngineFullError, match="0 sequences are unfinished; 4 more would pass max_requests=3"):
+            await engine.add(PROMPTS[0], SamplingParams(n=4, max_tokens=5))  # sequences count, not requests
+        stream = await engine.add(PROMPTS[0], SamplingParams(n=3, temperature=0.0, max_tokens=50))
+        with pytest.raises(EngineFullError, match="3 sequences are unfinished; 1 more would pass max_requests=3"):
             await engine.add(PROMPTS[1], SamplingParams.greedy(5))
         stream.abort()
         async for _ in stream:

@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
         help="the longest prompt + output, in tokens (default: the checkpoint's positions)",
     )
     p.add_argument("--max_num_seqs", type=int, default=16, help="sequences per step")
-    p.add_argument("--max_requests", type=int, default=256, help="unfinished requests before 429")
+    p.add_argument("--max_requests", type=int, default=256, help="unfinished sequences (n per request) before 429")
     p.add_argument("--max_body_bytes", type=parse_bytes, default="1MiB", help="the largest request body")
     p.add_argument("--no_prefix_caching", action="store_true", help="turn the prefix cache off")
     p.add_argument(

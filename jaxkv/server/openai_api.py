@@ -317,6 +317,7 @@ class Answer:
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
+        self.cached_tokens = 0
         self._started = [False] * n
         self._echo = tokenizer.decode(request.prompt_token_ids) if request.echo and tokenizer is not None else ""
 
@@ -326,12 +327,21 @@ class Answer:
         self.token_ids[i] += delta.token_ids
         self.logprobs[i] += delta.logprobs or ()
         self.finish[i] = delta.finish_reason
+        if i == 0 and delta.num_cached_tokens is not None:
+            self.cached_tokens = delta.num_cached_tokens
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """Token counts; ``prompt_tokens_details.cached_tokens``: the prompt tokens the first
+        sequence found in the prefix cache (known once it finished)."""
         prompt = len(self.request.prompt_token_ids)
         completion = sum(len(ids) for ids in self.token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
     def whole(self) -> dict[str, Any]:
         """The non-streamed response."""

@@ -14,9 +14,9 @@ step, and the engine never waits for a reader.
     async for delta in stream:
         print(delta.token_ids, delta.text)
 
-The number of unfinished requests is bounded (``max_requests``): one more is refused
-with :class:`EngineFullError` at once, so a server answers "busy" instead of queueing
-without end.
+The number of unfinished sequences is bounded (``max_requests``; a request of ``n``
+sequences counts ``n``): one more is refused with :class:`EngineFullError` at once, so a
+server answers "busy" instead of queueing without end.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 
 class EngineFullError(JaxkvError, RuntimeError):
-    """``max_requests`` requests are unfinished: try again later."""
+    """``max_requests`` sequences are unfinished: try again later."""
 
 
 class EngineDeadError(JaxkvError, RuntimeError):
@@ -73,6 +73,11 @@ class RequestStream:
     @property
     def finished(self) -> bool:
         return not self._unfinished
+
+    @property
+    def num_unfinished_sequences(self) -> int:
+        """The request's sequences the engine has not reported finished."""
+        return self._unrouted
 
     def abort(self) -> None:
         """Abort the request unless it has finished (its blocks are freed before the next step)."""
@@ -121,8 +126,11 @@ class AsyncEngine:
         :class:`~jaxkv.serving.engine.EngineError` for a bad one, :class:`EngineFullError`
         when ``max_requests`` are unfinished)."""
         await self.ready()
-        if len(self._streams) >= self.max_requests:
-            raise EngineFullError(f"{len(self._streams)} requests are unfinished (max_requests={self.max_requests})")
+        unfinished = sum(stream.num_unfinished_sequences for stream in self._streams.values())
+        if unfinished + params.n > self.max_requests:
+            raise EngineFullError(
+                f"{unfinished} sequences are unfinished; {params.n} more would pass max_requests={self.max_requests}"
+            )
         request_id = f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id, params.n)
         self._streams[request_id] = stream

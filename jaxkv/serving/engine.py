@@ -405,6 +405,8 @@ class Engine:
         self._owner.check()
         deltas = self._outputs.take_aborted()
         if not self._outputs.live:
+            if deltas:  # the last requests were aborted: the gauges say so now, not at the next request
+                self._observe()
             return EngineStep((), 0, self.manager.usage, tuple(deltas))
         self._aborting = set()
         try:
@@ -445,11 +447,15 @@ class Engine:
         if not self._outputs.live:
             self._release()
         self._publish_events()  # early stops' frees (and host stores settled by _release)
+        self._observe()
+        return EngineStep(tuple(finished), output.num_tokens, usage, tuple(deltas))
+
+    def _observe(self) -> None:
+        """Hand the engine's stats to every step observer."""
         if self._step_observers:
             stats = self.stats()
             for observer in self._step_observers:
                 observer(stats)
-        return EngineStep(tuple(finished), output.num_tokens, usage, tuple(deltas))
 
     @staticmethod
     def _row(chunk: ScheduledChunk, live: LiveSequence) -> RowSampling | None:

@@ -217,9 +217,11 @@ class OutputProcessor:
         text, reason = live.stopper.update(token, live.seq.num_output_tokens)
         if reason is None and at_limit:
             text, reason = text + live.stopper.finish(), "length"
+        cached = None
         if reason is not None:
             self._forget(live)
-        return RequestDelta(live.request_id, live.index, (token,), text, logprobs, reason)
+            cached = live.seq.num_cached_tokens
+        return RequestDelta(live.request_id, live.index, (token,), text, logprobs, reason, cached)
 
     def abort(self, request_id: str) -> list[SeqState]:
         """Drop one unfinished request (all its sequences, held siblings too; nothing when
@@ -233,7 +235,10 @@ class OutputProcessor:
             live = self.live.get(sid)
             if live is not None:
                 seqs.append(live.seq)
-                self._aborted.append(RequestDelta(request_id, live.index, (), live.stopper.finish(), None, "abort"))
+                finish = live.stopper.finish()
+                self._aborted.append(
+                    RequestDelta(request_id, live.index, (), finish, None, "abort", live.seq.num_cached_tokens)
+                )
                 self._forget(live)
         return seqs
 

@@ -71,6 +71,9 @@ class RequestDelta:
     text: str
     logprobs: tuple[TokenLogprobs, ...] | None
     finish_reason: FinishReason | None
+    num_cached_tokens: int | None = None
+    """On a sequence's finishing delta: the prompt tokens its first admission found cached
+    (device and host tier; None for a sequence aborted before it was admitted)."""
 
     @property
     def finished(self) -> bool:
