@@ -116,3 +116,10 @@ def test_a_tokens_bytes_are_its_part_of_a_character(tok):
     assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
     assert tok.token_bytes(ids[0]) == b"\xc3" and tok.decode([ids[0]]) == "\ufffd"
     assert tok.token_bytes(EOS_TOKEN_ID) == b"<|endoftext|>"
+
+
+def test_special_tokens_are_left_out_of_text_unless_asked_for(tok):
+    ids = [*tok.encode("Hi"), EOS_TOKEN_ID, *tok.encode("!")]
+    assert tok.decode(ids) == "Hi!" and tok.decode(ids, skip_special_tokens=False) == "Hi<|endoftext|>!"
+    detok = tok.detokenizer(skip_special_tokens=False)
+    assert "".join(detok.add([i]) for i in ids) == "Hi<|endoftext|>!"

@@ -103,6 +103,11 @@ def test_a_stop_string_ends_the_text_before_it(client):
     stop = text[5:7]
     cut = client.completions.create(model="m", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.index(stop)]
+    include = {"include_stop_str_in_output": True}
+    kept = client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop], extra_body=include
+    )
+    assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
 
 
 def test_streams_add_up_to_the_whole_answer_with_usage_last(client):

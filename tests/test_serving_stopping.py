@@ -39,6 +39,16 @@ def test_a_stop_string_ends_the_text_before_it_and_nothing_of_it_was_streamed():
     assert reason == "stop" and checker.text == "so the story ends at " == "".join(pieces)
 
 
+def test_include_stop_str_in_output_ends_the_text_after_the_earliest_longest_stop_string():
+    tok = letters()
+    params = SamplingParams(stop=["end", "the end", "xyz"], include_stop_str_in_output=True)
+    checker = StopChecker(params, (EOS,), tok.detokenizer())
+    pieces, reason = run(checker, "so the story ends at the end and more")
+    assert reason == "stop" and checker.text == "so the story end" == "".join(pieces)
+    early = StopChecker(SamplingParams(stop=["end", "e e"], include_stop_str_in_output=True), (), tok.detokenizer())
+    assert run(early, "the end")[1] == "stop" and early.text == "the e", "the first completed, whole"
+
+
 def test_text_streams_at_once_without_stop_strings_and_the_held_back_rest_comes_at_the_end():
     tok = letters()
     free = StopChecker(SamplingParams(), (), tok.detokenizer())

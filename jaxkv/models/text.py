@@ -111,9 +111,9 @@ class TextTokenizer:
                 pass
         return token.replace("\u2581", " ").encode()
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """``token_ids`` as text, special tokens left out."""
-        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """``token_ids`` as text, special tokens left out unless ``skip_special_tokens`` is False."""
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The prompt of a chat (``[{"role": ..., "content": ...}, ...]``) rendered by the
@@ -144,9 +144,9 @@ class TextTokenizer:
         except Exception as err:  # the template's own failure (a division by zero, a recursion, ...)
             raise TextError(f"the chat template failed on the messages: {type(err).__name__}: {err}"[:400]) from None
 
-    def detokenizer(self) -> IncrementalDetokenizer:
+    def detokenizer(self, *, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh :class:`IncrementalDetokenizer` over this tokenizer."""
-        return IncrementalDetokenizer(self)
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -156,8 +156,9 @@ class IncrementalDetokenizer:
     empty while a character is incomplete), :meth:`flush` whatever was held back.
     """
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer, *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # start of the window decoded for context
         self._read = 0  # tokens whose text was emitted
@@ -175,9 +176,9 @@ class IncrementalDetokenizer:
     def _emit(self, *, final: bool) -> str:
         if self._read == len(self._ids):
             return ""
-        decode = self._tokenizer.decode
-        before = decode(self._ids[self._prefix : self._read])
-        after = decode(self._ids[self._prefix :])
+        decode, skip = self._tokenizer.decode, self._skip_special_tokens
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=skip)
+        after = decode(self._ids[self._prefix :], skip_special_tokens=skip)
         if len(after) <= len(before) or (after.endswith(_PARTIAL) and not final):
             return ""
         piece = after[len(before) :]

@@ -20,7 +20,10 @@ from jaxkv.models.text import TextError, TextTokenizer
 from jaxkv.serving.outputs import RequestDelta, TokenLogprobs
 from jaxkv.serving.sampling_params import SamplingParams, SamplingParamsError
 
-_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos")
+_SAMPLING_FIELDS = (
+    *("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos"),
+    *("include_stop_str_in_output", "skip_special_tokens"),
+)
 
 _HONOURED = {
     "common": frozenset(
@@ -56,8 +59,6 @@ _INERT: dict[str, tuple[object, ...]] = {
     "best_of": (1,),
     "use_beam_search": (False,),
     "prompt_logprobs": (),
-    "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "suffix": ("",),
     "truncate_prompt_tokens": (),

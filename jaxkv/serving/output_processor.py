@@ -153,7 +153,8 @@ class OutputProcessor:
     def _queue(self, pending: PendingSequence) -> LiveSequence:
         seq = self._enqueue(pending.request, pending.params)
         params = pending.params
-        detokenizer = None if self.tokenizer is None else self.tokenizer.detokenizer()
+        skip = params.skip_special_tokens
+        detokenizer = None if self.tokenizer is None else self.tokenizer.detokenizer(skip_special_tokens=skip)
         live = LiveSequence(
             seq,
             pending.request_id,

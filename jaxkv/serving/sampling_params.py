@@ -72,8 +72,9 @@ class SamplingParams:
     old spelling) keeps every token; ``seed`` None draws a seed per sequence; with a
     seed and ``n`` > 1 sequence ``i`` uses ``seed + i``. ``max_tokens`` None: up to
     ``max_model_len``. ``stop`` strings need a tokenizer (the engine refuses them
-    without one); the text ends before the stop string, the tokens at the one that
-    completed it."""
+    without one); the text ends before the stop string (after it with
+    ``include_stop_str_in_output``), the tokens at the one that completed it. Text
+    leaves special tokens out unless ``skip_special_tokens`` is False."""
 
     n: int = 1
     temperature: float = 1.0
@@ -87,6 +88,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -111,8 +114,9 @@ class SamplingParams:
             raise SamplingParamsError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
         set_(self, "stop", self._strings(self.stop))
         set_(self, "stop_token_ids", self._ids(self.stop_token_ids))
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             set_(self, "logprobs", _count("logprobs", self.logprobs, 0))
             if self.logprobs > MAX_LOGPROBS:

@@ -5,7 +5,8 @@ ids unless ``ignore_eos``, and ``stop_token_ids``; the step never draws one befo
 ``min_tokens``: :meth:`StopChecker.banned`) or once its text contains a ``stop``
 string (checked from ``min_tokens`` on); else it runs to its length limit.
 With a tokenizer its text is streamed as pieces: the stop token's text is left out,
-the text ends before a stop string, and while stop strings are asked for the last
+the text ends before a stop string (after it with ``include_stop_str_in_output``), and
+while stop strings are asked for the last
 ``len(longest) - 1`` characters are held back (they may be the start of one), so a
 stream never shows text that a stop string later takes back.
 """
@@ -44,10 +45,12 @@ class StopChecker:
             return "", None
         text = self._pending + self._detokenizer.add([token_id])
         if self.params.stop and num_output_tokens >= self.params.min_tokens:
-            found = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+            found = [(i, -len(s)) for i, s in ((text.find(s), s) for s in self.params.stop) if i >= 0]
             if found:
+                start, minus_length = min(found)  # the earliest, the longest there
                 self._pending = ""
-                return self._emit(text[: min(found)]), "stop"
+                end = start - minus_length if self.params.include_stop_str_in_output else start
+                return self._emit(text[:end]), "stop"
         cut = max(len(text) - self._hold, 0)
         self._pending = text[cut:]
         return self._emit(text[:cut]), None
