@@ -814,3 +814,20 @@ def test_branch_ahead_lets_the_second_request_of_a_shared_prefix_hit(tokens):
     assert hits == [0, 352], "off: no state inside the shared prefix; on: 612 - 256 back, a block boundary"
     with pytest.raises(KVCacheManagerError, match="branch_ahead"):
         state_pool_manager(16, 4, branch_ahead=1)
+
+
+def test_a_shared_checkpoint_is_requeued_when_its_request_ends(tokens):
+    """It joined the free queue mid-prefill, before the request's own checkpoints: it must
+    not be evicted before them, nor before the prefix it completes."""
+    mgr = state_pool_manager(64, 8)
+    first = Request("first", tokens(0, 100))
+    serve_prompt(mgr, first)
+    mgr.free(first)
+    branch = Request("branch", tokens(0, 64) + tokens(900, 30))
+    serve_prompt(mgr, branch)
+    decode(mgr, branch, 20)  # past two more block boundaries: its own checkpoints queue after the junction
+    junction = mgr.written_block(1, branch.block_hashes[3])
+    assert junction is not None and junction in mgr.state_pool.free_block_ids()
+    assert mgr.state_pool.free_block_ids()[-1] != junction, "queued when the prefill moved past it"
+    mgr.free(branch)
+    assert mgr.state_pool.free_block_ids()[-1] == junction

@@ -570,7 +570,11 @@ class KVCacheCoordinator:
         else:
             self.pool.free_block_lists([m.release(request_id) for m in managers])
         if self._state_managers:
-            self._state_managers[0].pool.free_block_lists([m.release(request_id) for m in self._state_managers])
+            shared = [b for m in self._state_managers for b in m.shared_checkpoints(request_id)]
+            pool = self._state_managers[0].pool
+            pool.free_block_lists([m.release(request_id) for m in self._state_managers])
+            if shared:
+                pool.promote(shared)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Copies of the request's block lists, one per group."""
