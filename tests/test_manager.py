@@ -785,3 +785,49 @@ def test_a_decode_batch_refuses_a_bad_lookahead(tokens):
     admit(mgr, a)
     with pytest.raises(KVCacheManagerError, match="num_lookahead_tokens must be an int >= 0, got -1"):
         mgr.allocate_decode_slots([a], -1)
+
+
+def test_misses_are_counted_by_cause(tokens):
+    mgr = state_pool_manager(64, 8)
+    first = Request("first", tokens(0, 100))
+    serve_prompt(mgr, first)
+    mgr.free(first)
+    stats = mgr.prefix_cache_stats()
+    assert (stats.num_missed_not_cached, stats.num_missed_below_block, stats.num_missed_no_checkpoint) == (96, 4, 0)
+    assert serve_prompt(mgr, Request("branch", tokens(0, 64) + tokens(900, 30))) == 0, "no state at 64"
+    stats = mgr.prefix_cache_stats()
+    assert stats.num_missed_no_checkpoint == 64, "attention matched 64 tokens, no checkpoint there"
+    assert (stats.num_missed_not_cached, stats.num_missed_below_block) == (96 + 16, 4 + 14)
+    missed = stats.num_missed_not_cached + stats.num_missed_below_block + stats.num_missed_no_checkpoint
+    assert missed == stats.num_queried_tokens - stats.num_hit_tokens
+
+
+def test_branch_ahead_lets_the_second_request_of_a_shared_prefix_hit(tokens):
+    shared = tokens(0, 512)
+    hits = []
+    for branch_ahead in (False, True):
+        mgr = state_pool_manager(128, 8, branch_ahead=branch_ahead)
+        first = Request("first", shared + tokens(5000, 100))
+        serve_prompt(mgr, first)
+        mgr.free(first)
+        hits.append(serve_prompt(mgr, Request("second", shared + tokens(9000, 60))))
+    assert hits == [0, 352], "off: no state inside the shared prefix; on: 612 - 256 back, a block boundary"
+    with pytest.raises(KVCacheManagerError, match="branch_ahead"):
+        state_pool_manager(16, 4, branch_ahead=1)
+
+
+def test_a_shared_checkpoint_is_requeued_when_its_request_ends(tokens):
+    """It joined the free queue mid-prefill, before the request's own checkpoints: it must
+    not be evicted before them, nor before the prefix it completes."""
+    mgr = state_pool_manager(64, 8)
+    first = Request("first", tokens(0, 100))
+    serve_prompt(mgr, first)
+    mgr.free(first)
+    branch = Request("branch", tokens(0, 64) + tokens(900, 30))
+    serve_prompt(mgr, branch)
+    decode(mgr, branch, 20)  # past two more block boundaries: its own checkpoints queue after the junction
+    junction = mgr.written_block(1, branch.block_hashes[3])
+    assert junction is not None and junction in mgr.state_pool.free_block_ids()
+    assert mgr.state_pool.free_block_ids()[-1] != junction, "queued when the prefill moved past it"
+    mgr.free(branch)
+    assert mgr.state_pool.free_block_ids()[-1] == junction

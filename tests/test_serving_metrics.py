@@ -112,3 +112,21 @@ def test_an_engine_feeds_the_exporter_once_per_step():
     assert sample(metrics, "vllm:kv_cache_usage_perc") == last.kv_cache_usage
     assert last.num_running == last.num_waiting == 0
     assert sample(metrics, "vllm:external_prefix_cache_queries_total") == last.host_cache_queries > 0
+
+
+def test_missed_tokens_are_counted_by_cause():
+    metrics = PrometheusMetrics(labels=LABELS)
+    metrics(
+        stats(
+            prefix_cache_misses_no_checkpoint=32,
+            prefix_cache_misses_below_block=8,
+            prefix_cache_misses_not_cached=20,
+            host_cache_queries=20,
+            host_cache_hits=16,
+        )
+    )
+    name = "vllm:prefix_cache_misses_total"
+    assert sample(metrics, name, cause="no_checkpoint") == 32
+    assert sample(metrics, name, cause="below_block") == 8
+    assert sample(metrics, name, cause="not_cached") == 20
+    assert sample(metrics, name, cause="host_miss") == 4

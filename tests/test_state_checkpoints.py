@@ -81,3 +81,18 @@ def test_only_recurrent_groups_in_vllms_layout_cut_chunks():
     assert aligned().block_size == 16
     assert AlignedChunks(make_config(64, FULL)).block_size == 0, "attention alone"
     assert AlignedChunks(WITH_STATES).block_size == 0, "a state pool: CheckpointPolicy's positions"
+
+
+def test_branch_ahead_learns_where_prompts_diverge_and_whether_they_branch():
+    ahead = CheckpointPolicy(WITH_STATES, None, enable_caching=True, branch_ahead=True)
+    assert ahead.ahead(1000, 0, 0, 0) == 736, "before any divergence: 256 tokens back from the end"
+    assert ahead.positions(1000, 0, 0, 736) == (736, 992) and ahead.shared(1000, 0, 0, 736) == {736}
+    ahead.observe(1000, 900, True)  # a prompt left a cached chain 100 tokens before its end
+    assert ahead.ahead(500, 0, 0, 0) == 400
+    assert ahead.ahead(500, 0, 448, 448) == 0, "found its branch: it checkpoints reach instead"
+    assert ahead.ahead(500, 320, 320, 320) == 0, "extends a cached chain at its end (a chat turn)"
+    assert ahead.ahead(500, 0, 320, 448) == 400, "a branch past its hit"
+    for _ in range(2):
+        ahead.observe(1000, 900, False)  # most admissions extend chains: no guesses
+    assert ahead.ahead(500, 0, 0, 0) == 0
+    assert policy().ahead(1000, 0, 0, 0) == 0, "off by default"

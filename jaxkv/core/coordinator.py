@@ -64,11 +64,16 @@ class PrefixHit(NamedTuple):
     checkpoints, ``reach`` counts past ``length`` only at a *branch point*: where a cached
     chain goes on with other tokens, so later requests are expected to share the prefix
     up to there. A request that extends a cached chain at its end (a chat turn whose
-    previous turn's state was evicted) gets ``reach == length``."""
+    previous turn's state was evicted) gets ``reach == length``. ``matched``: how many
+    tokens full attention alone matched, branch or not (where a hit's misses begin);
+    ``diverged``: whether the prompt leaves a cached chain that goes on with other tokens
+    (at ``reach``, or at the hit's end), rather than extending one at its end."""
 
     blocks: tuple[list[int], ...]
     length: int
     reach: int
+    matched: int
+    diverged: bool
 
 
 @dataclass(frozen=True)
@@ -339,13 +344,20 @@ class KVCacheCoordinator:
             for t, hit in zip(self.types, found, strict=True):
                 for g, ids in zip(t.group_ids, hit.block_ids, strict=True):
                     blocks[g] = [0] * hit.first_real + ids if hit.first_real else ids
+        matched = length if reach is None else reach
+        retention = self._retention
         if reach is None or (
             reach > length
-            and self._retention is not None
-            and not self._retention.branches_after(block_hashes[reach // self.hash_block_size - 1])
+            and retention is not None
+            and not retention.branches_after(block_hashes[reach // self.hash_block_size - 1])
         ):
             reach = length
-        return PrefixHit(tuple(blocks), length, reach)
+        diverged = reach > length or bool(
+            length
+            and retention is not None
+            and retention.branches_after(block_hashes[length // self.hash_block_size - 1])
+        )
+        return PrefixHit(tuple(blocks), length, reach, matched, diverged)
 
     def _unwritten_state(self, found: Sequence[CacheHit]) -> bool:
         """Whether a recurrent group's hit ends on a state the open step has yet to write."""
@@ -558,7 +570,11 @@ class KVCacheCoordinator:
         else:
             self.pool.free_block_lists([m.release(request_id) for m in managers])
         if self._state_managers:
-            self._state_managers[0].pool.free_block_lists([m.release(request_id) for m in self._state_managers])
+            shared = [b for m in self._state_managers for b in m.shared_checkpoints(request_id)]
+            pool = self._state_managers[0].pool
+            pool.free_block_lists([m.release(request_id) for m in self._state_managers])
+            if shared:
+                pool.promote(shared)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Copies of the request's block lists, one per group."""

@@ -61,12 +61,24 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """Cumulative prefix-cache counters (tokens, not blocks)."""
+    """Cumulative prefix-cache counters (tokens, not blocks).
+
+    Each lookup's missed tokens (queried minus hit) are counted by cause, so a
+    structural miss tells from a bug: ``num_missed_no_checkpoint`` full attention alone
+    matched but no recurrent state was cached where the hit could end (a hybrid's
+    junction not checkpointed, or its checkpoint evicted); ``num_missed_below_block``
+    the tokens past the last whole block a hit may cover (a hit leaves the last token
+    to compute); ``num_missed_not_cached`` the rest: blocks never cached under the
+    request's hashes (another prompt, another salt) or evicted.
+    """
 
     num_requests: int
     num_queried_tokens: int
     num_hit_tokens: int
     num_resets: int
+    num_missed_no_checkpoint: int = 0
+    num_missed_below_block: int = 0
+    num_missed_not_cached: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -109,6 +121,7 @@ class KVCacheManager:
         enable_events: bool = False,
         retention: str = "vllm",
         checkpoint_interval: int | None = None,
+        branch_ahead: bool = False,
     ) -> None:
         if not isinstance(config, KVCacheConfig):
             raise KVCacheManagerError(f"config must be a KVCacheConfig, got {config!r:.80}")
@@ -117,7 +130,11 @@ class KVCacheManager:
             raise KVCacheManagerError(
                 f"max_model_len must be a positive int (here or in the config), got {max_model_len!r}"
             )
-        self._checkpoints = CheckpointPolicy(config, checkpoint_interval, enable_caching=enable_caching)
+        if not isinstance(branch_ahead, bool):
+            raise KVCacheManagerError(f"branch_ahead must be a bool, got {branch_ahead!r}")
+        self._checkpoints = CheckpointPolicy(
+            config, checkpoint_interval, enable_caching=enable_caching, branch_ahead=branch_ahead
+        )
         self._aligned_chunks = AlignedChunks(config)
         self.config = config
         self._block_sizes = tuple(g.block_size for g in config.groups)
@@ -139,6 +156,8 @@ class KVCacheManager:
         self._num_queried = 0
         self._num_hits = 0
         self._num_resets = 0
+        self._num_missed_no_checkpoint = 0
+        self._num_missed_below_block = 0
 
     # --------------------------------------------------------------- queries
     @property
@@ -215,7 +234,9 @@ class KVCacheManager:
         the prompt's resend position and last block boundary, the boundary where full attention alone
         matched (when that ran ahead of the hit, at a branch of a cached chain) and every ``checkpoint_interval``
         (:class:`~jaxkv.core.state_checkpoints.CheckpointPolicy`)."""
-        return self._checkpoints.positions(request.num_prompt_tokens, request.prefix_reach, num_computed_tokens)
+        return self._checkpoints.positions(
+            request.num_prompt_tokens, request.prefix_reach, num_computed_tokens, request.checkpoint_ahead
+        )
 
     def chunk_limit(
         self, request: Request, start: int, num_new_tokens: int, max_chunk_tokens: int | None = None
@@ -229,7 +250,9 @@ class KVCacheManager:
         default the plan's ``max_num_batched_tokens``). Unchanged without recurrent groups
         or without caching."""
         if self._checkpoints.block_size:
-            return self._checkpoints.chunk_limit(request.num_prompt_tokens, request.prefix_reach, start, num_new_tokens)
+            return self._checkpoints.chunk_limit(
+                request.num_prompt_tokens, request.prefix_reach, start, num_new_tokens, request.checkpoint_ahead
+            )
         if self._aligned_chunks.block_size and self.enable_caching:
             return self._aligned_chunks.chunk_limit(
                 request.num_prompt_tokens,
@@ -242,7 +265,17 @@ class KVCacheManager:
         return num_new_tokens
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._num_requests, self._num_queried, self._num_hits, self._num_resets)
+        no_checkpoint, below_block = self._num_missed_no_checkpoint, self._num_missed_below_block
+        not_cached = self._num_queried - self._num_hits - no_checkpoint - below_block
+        return PrefixCacheStats(
+            self._num_requests,
+            self._num_queried,
+            self._num_hits,
+            self._num_resets,
+            no_checkpoint,
+            below_block,
+            not_cached,
+        )
 
     def take_events(self) -> list[KVCacheEvent]:
         """Cache events (stored, removed, cleared) since the last call."""
@@ -271,12 +304,17 @@ class KVCacheManager:
         if not self.enable_caching:
             return self._no_blocks, 0
         self.hash_request(request)
-        blocks, n, request.prefix_reach = self.coordinator.find_longest_cache_hit(
+        blocks, n, request.prefix_reach, matched, diverged = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
+        request.checkpoint_ahead = self._checkpoints.ahead(request.num_prompt_tokens, n, request.prefix_reach, matched)
+        request.prefix_diverged = diverged if matched else None
         self._num_requests += 1
         self._num_queried += request.num_tokens
         self._num_hits += n
+        self._num_missed_no_checkpoint += matched - n
+        lcm = self.coordinator.lcm_block_size
+        self._num_missed_below_block += request.num_tokens - (request.num_tokens - 1) // lcm * lcm
         if n == 0:
             return self._no_blocks, 0
         prefix_hash = request.block_hashes[n // self.coordinator.hash_block_size - 1]
@@ -380,7 +418,10 @@ class KVCacheManager:
         if not held:
             coord.set_anchors(rid, (total_computed, request.prefix_reach))
             if self._checkpoints.block_size:
-                shared = self._checkpoints.shared(request.num_prompt_tokens, request.prefix_reach, total_computed)
+                self._checkpoints.observe(request.num_prompt_tokens, request.prefix_reach, request.prefix_diverged)
+                shared = self._checkpoints.shared(
+                    request.num_prompt_tokens, request.prefix_reach, total_computed, request.checkpoint_ahead
+                )
                 coord.set_checkpoints(rid, shared, request.num_prompt_tokens)
         new_blocks = coord.allocate(rid, num_slots, hits, num_computed)
         if record is None:

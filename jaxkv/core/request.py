@@ -201,6 +201,11 @@ class Request:
         # matched (the lookup's PrefixHit.reach), read until the next lookup: where a
         # recurrent prefill checkpoints its state, an anchor for group-aware retention.
         self.prefix_reach = 0
+        # Set by the same lookup: the branch-ahead checkpoint position of the prompt (0: none),
+        # see CheckpointPolicy.ahead.
+        self.checkpoint_ahead = 0
+        # And whether the prompt left a cached chain that goes on (None: it matched none).
+        self.prefix_diverged: bool | None = None
 
     @cached_property
     def prompt_token_ids(self) -> tuple[int, ...]:

@@ -520,6 +520,8 @@ class StatePoolManager(MambaManager):
         self._prompt_checkpoints: dict[str, int] = {}
         # Per request that adopted a hit and has not cached since: the hit's length in blocks.
         self._hit_blocks: dict[str, int] = {}
+        # Per request: the shared checkpoints it cached (block, hash), requeued when it ends.
+        self._shared_cached: dict[str, list[tuple[int, bytes]]] = {}
 
     def add_hit_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Adopt a hit; remember the checkpoint it resumes from if that is another request's continuation."""
@@ -642,6 +644,8 @@ class StatePoolManager(MambaManager):
         if kind is not None:
             super().cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
             block = self.req_blocks[request_id][end - 1]
+            if kind == "shared":
+                self._shared_cached.setdefault(request_id, []).append((block, hashes[end - 1]))
             if kind == "continuation" and self.pool.is_cached_as(block, self.group_id, hashes[end - 1]):
                 previous = self.continuation.get(request_id)
                 if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
@@ -668,7 +672,16 @@ class StatePoolManager(MambaManager):
             self.pool.demote([block])
             del self.resumed[request_id]
 
+    def shared_checkpoints(self, request_id: str) -> list[int]:
+        """The shared checkpoints the request cached that are still cached as it cached them.
+
+        One joins the free queue when the request moves past it, mid-prefill, while the
+        attention blocks it needs join when the request ends: the coordinator requeues
+        it then, so it is not evicted before the prefix it completes."""
+        return [b for b, h in self._shared_cached.get(request_id, ()) if self.pool.is_cached_as(b, self.group_id, h)]
+
     def release(self, request_id: str) -> Iterable[int]:
+        self._shared_cached.pop(request_id, None)
         self.checkpoints.pop(request_id, None)
         self.continuation.pop(request_id, None)
         self.resumed.pop(request_id, None)

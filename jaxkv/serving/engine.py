@@ -507,6 +507,9 @@ class Engine:
             host_cache_hits=host.num_loaded_tokens if host else 0,
             offload_stored_bytes=host.num_stored_bytes if host else 0,
             offload_loaded_bytes=host.num_loaded_bytes if host else 0,
+            prefix_cache_misses_no_checkpoint=cache.num_missed_no_checkpoint,
+            prefix_cache_misses_below_block=cache.num_missed_below_block,
+            prefix_cache_misses_not_cached=cache.num_missed_not_cached,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -42,6 +42,14 @@ LOOPBACK_HOST = "127.0.0.1"
 """Where :meth:`PrometheusMetrics.serve` listens unless told otherwise."""
 OFFLOAD_BYTES = "jaxkv:kv_offload_bytes"
 OFFLOAD_DIRECTIONS = {"device_to_host": "offload_stored_bytes", "host_to_device": "offload_loaded_bytes"}
+PREFIX_CACHE_MISSES = "vllm:prefix_cache_misses"
+MISS_CAUSES = {
+    "no_checkpoint": "prefix_cache_misses_no_checkpoint",
+    "below_block": "prefix_cache_misses_below_block",
+    "not_cached": "prefix_cache_misses_not_cached",
+    "host_miss": "host_cache_misses",
+}
+"""The ``cause`` label of the missed-token counter -> its :class:`EngineStats` field."""
 
 
 class MetricsUnavailableError(JaxkvError, ImportError):
@@ -79,6 +87,14 @@ class PrometheusMetrics:
         )
         for direction, field in OFFLOAD_DIRECTIONS.items():
             self._counters[field] = offload.labels(**self.labels, direction=direction)
+        misses = prometheus_client.Counter(
+            PREFIX_CACHE_MISSES,
+            "Prompt tokens not found in the prefix cache, by cause",
+            [*names, "cause"],
+            registry=self.registry,
+        )
+        for cause, field in MISS_CAUSES.items():
+            self._counters[field] = misses.labels(**self.labels, cause=cause)
         self._last: dict[str, int] = dict.fromkeys(self._counters, 0)
 
     def serve(self, port: int, *, host: str = LOOPBACK_HOST) -> Any:

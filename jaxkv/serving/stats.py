@@ -22,6 +22,11 @@ class EngineStats:
     the same for the host tier (the tokens past the device hit asked of it, and those
     loaded from it; 0 without a host tier). ``offload_stored_bytes`` and
     ``offload_loaded_bytes`` count bytes moved device -> host and host -> device.
+    The device cache's missed tokens by cause (see
+    :class:`~jaxkv.core.manager.PrefixCacheStats`): ``prefix_cache_misses_no_checkpoint``
+    (attention matched, no recurrent state there), ``prefix_cache_misses_below_block``
+    (past the last whole block), ``prefix_cache_misses_not_cached`` (never cached or
+    evicted); :attr:`host_cache_misses` the tokens the host tier was asked for and lacked.
     """
 
     kv_cache_usage: float
@@ -34,3 +39,11 @@ class EngineStats:
     host_cache_hits: int = 0
     offload_stored_bytes: int = 0
     offload_loaded_bytes: int = 0
+    prefix_cache_misses_no_checkpoint: int = 0
+    prefix_cache_misses_below_block: int = 0
+    prefix_cache_misses_not_cached: int = 0
+
+    @property
+    def host_cache_misses(self) -> int:
+        """Tokens asked of the host tier that it did not load."""
+        return self.host_cache_queries - self.host_cache_hits
