@@ -236,15 +236,16 @@ def test_bad_replica_settings_are_refused(tmp_path):
     assert ReplicaSpec.from_json(spec.to_json()) == spec
 
 
-def test_a_replica_publishes_token_ids_only_when_asked(tmp_path):
-    """Replicas started by jaxkv published every prompt's token ids in their KV events."""
+def test_a_replica_publishes_token_ids_by_default_and_leaves_them_out_when_asked(tmp_path):
+    """Replicas left token ids out by default, which Dynamo's indexer and vllm-router's
+    kv_aware policy need (issue 42): the default is now vLLM's."""
     spec = ReplicaSpec("r", ReplicaAddress.ipc(tmp_path, "r"), ENGINE)
     with spec.publisher() as publisher:
-        assert publisher.include_token_ids is False
-    asked = dataclasses.replace(spec, include_token_ids=True)
-    assert ReplicaSpec.from_json(asked.to_json()) == asked
-    with asked.publisher() as publisher:
         assert publisher.include_token_ids is True
+    without = dataclasses.replace(spec, include_token_ids=False)
+    assert ReplicaSpec.from_json(without.to_json()) == without
+    with without.publisher() as publisher:
+        assert publisher.include_token_ids is False
 
 
 def test_past_the_waiting_bound_a_request_is_refused_and_every_request_is_answered_once(replica):

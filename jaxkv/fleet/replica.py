@@ -76,15 +76,15 @@ class ReplicaError(JaxkvError, ValueError):
 @dataclass(frozen=True)
 class ReplicaSpec:
     """What a replica process serves: its name and address, the keyword arguments of
-    :meth:`Engine.build` (JSON values) and its heartbeat interval. Its KV events leave
-    the blocks' token ids out (a router needs only the hashes; the ids are the
-    prompts) unless ``include_token_ids``."""
+    :meth:`Engine.build` (JSON values) and its heartbeat interval. Its KV events carry
+    the blocks' token ids, as vLLM's do (Dynamo's indexer and vllm-router's ``kv_aware``
+    policy need them); ``include_token_ids=False`` leaves them out."""
 
     name: str
     address: ReplicaAddress
     engine: Mapping[str, Any]  # JSON values that Engine.build checks itself
     heartbeat_interval_s: float = 1.0
-    include_token_ids: bool = False
+    include_token_ids: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -106,7 +106,7 @@ class ReplicaSpec:
             ReplicaAddress(**data["address"]),
             data["engine"],
             data["heartbeat_interval_s"],
-            data.get("include_token_ids", False),
+            data.get("include_token_ids", True),
         )
 
     def publisher(self, *, curve: CurveKeys | None = None) -> KVEventPublisher:

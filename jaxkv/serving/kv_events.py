@@ -34,10 +34,16 @@ The wire format (facts from vLLM's ``vllm/distributed/kv_events.py`` and
   big-endian; the server answers with one message ``[topic, sequence number,
   payload]`` per batch it still buffers from there on (the live frames; releases
   before 0.33 left the topic out), then the end marker ``[b"", -1 as 8 signed
-  big-endian bytes, b""]``. Requests of another shape are ignored. The buffer holds
+  big-endian bytes, b""]`` (an empty third frame, exactly as vLLM sends it).
+  Requests of another shape are ignored. The buffer holds
   the last ``buffer_steps`` batches (10,000 by default); older ones are not sent, and
   nothing says so: a client sees the first sequence number it gets back. A start
   past the newest batch (any unsigned 64-bit value) gets the end marker alone.
+- Numbering: from 0 per publisher, as vLLM does. A publisher restarted on the same
+  endpoint starts again from 0: a subscriber sees the sequence numbers fall, which
+  vLLM's routers (and :class:`jaxkv.fleet.prefix_index.KVEventSubscriber`) read as a
+  restart; a router started after the replicas cached asks for a replay from 0 and
+  gets the whole buffer.
 
 jaxkv publishes the device pools' events (attention blocks and state checkpoints,
 each with its ``group_idx``) as medium ``"GPU"`` whatever the accelerator, and the
@@ -255,9 +261,7 @@ class KVEventPublisher:
         self._encoder = msgspec.msgpack.Encoder()
         self._lock = threading.Lock()  # the buffer, shared with the replay thread
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self.epoch = time.time_ns() // 1000
-        """The first sequence number: the start time in microseconds (see the module docstring)."""
-        self._next_seq = self.epoch
+        self._next_seq = 0
         self.num_bad_replay_requests = 0
         self.num_failed_replays = 0
         self._stop = threading.Event()
@@ -282,7 +286,7 @@ class KVEventPublisher:
     @property
     def num_published(self) -> int:
         """Batches published so far."""
-        return self._next_seq - self.epoch
+        return self._next_seq
 
     @property
     def next_seq(self) -> int:
@@ -336,7 +340,7 @@ class KVEventPublisher:
 
     def _answer(self, replay: zmq.Socket, frames: list[bytes]) -> None:
         """Stream the buffered batches from the requested sequence number (clamped to
-        the buffer), then the end marker (with the epoch); a request of another shape
+        the buffer), then vLLM's end marker; a request of another shape
         is counted and ignored."""
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             self.num_bad_replay_requests += 1
@@ -349,7 +353,7 @@ class KVEventPublisher:
         try:
             for seq, payload in batches:
                 replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
-            replay.send_multipart((client, b"", b"", END_SEQ, self.epoch.to_bytes(8, "big")), zmq.NOBLOCK)
+            replay.send_multipart((client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
         except zmq.ZMQError:  # the client left or its queue is full: it sees no end marker and asks again
             self.num_failed_replays += 1
 
