@@ -3,8 +3,11 @@ gives, takes requests while others run, refuses bad ones without stopping, and
 publishes the KV events and heartbeats a router follows."""
 
 import dataclasses
+import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import msgspec
 import pytest
 
@@ -23,7 +26,7 @@ from jaxkv.fleet.protocol import (  # noqa: E402
     max_frame_bytes,
     max_request_bytes,
 )
-from jaxkv.fleet.replica import Replica, ReplicaError, ReplicaSpec  # noqa: E402
+from jaxkv.fleet.replica import Replica, ReplicaError, ReplicaSpec, thread_is_compiling  # noqa: E402
 from jaxkv.fleet.router import Router  # noqa: E402
 from jaxkv.serving.engine import CacheAudit, Engine  # noqa: E402
 from jaxkv.serving.kv_events import KVEventPublisher  # noqa: E402
@@ -414,3 +417,26 @@ def test_a_flood_is_taken_a_bounded_number_of_messages_between_two_steps(local):
     answers += local.serve(30 - len(answers))
     assert sorted(a.request_id for a in answers) == sorted(f"f{i}" for i in range(30))
     assert local.engine.audit() == CacheAudit(0, 0)
+
+
+def test_a_thread_is_compiling_while_jax_traces_its_step_and_not_while_it_waits():
+    """Heartbeats say whether the serving thread is inside JAX's tracing, lowering or
+    compiling (issue 42: a first step compiling past the hang timeout was dropped);
+    checked against jax's own frames, from inside a trace."""
+    seen = []
+
+    def body(x):
+        seen.append(thread_is_compiling(threading.get_ident()))
+        return x + 1
+
+    jax.jit(body)(jnp.zeros(3))
+    assert seen == [True], "tracing a jitted function is compiling"
+    done = threading.Event()
+    waiter = threading.Thread(target=done.wait)
+    waiter.start()
+    try:
+        assert thread_is_compiling(waiter.ident) is False
+    finally:
+        done.set()
+        waiter.join()
+    assert thread_is_compiling(waiter.ident) is False, "a thread that is gone"

@@ -18,7 +18,11 @@ A replica binds four sockets, named by a :class:`ReplicaAddress`:
   request limits,
   every ``heartbeat_interval_s``, from a thread of its own: a long step (a big
   prefill on a busy host) is not read as death, while a replica that is killed or
-  closed falls silent, and one whose step hangs shows no progress.
+  closed falls silent, and one whose step hangs shows no progress. Each beat also
+  says whether the serving thread is inside JAX's tracing, lowering or compiling
+  (read from that thread's stack as the beat is sent: :func:`thread_is_compiling`),
+  so a router counts a first step that compiles for longer than its hang timeout as
+  progress, not a hang.
 - ``events`` (PUB) and ``replay`` (ROUTER): the engine's KV events in vLLM's format
   (:class:`~jaxkv.serving.kv_events.KVEventPublisher`).
 
@@ -119,6 +123,26 @@ class ReplicaSpec:
         )
 
 
+_COMPILE_MODULES = tuple(
+    os.path.join("jax", "_src", *parts)
+    for parts in (("compiler.py",), ("interpreters", "mlir.py"), ("interpreters", "partial_eval.py"))
+)
+"""Where JAX traces (partial_eval), lowers (mlir, with any Pallas/Mosaic kernel
+lowered inside) and compiles (compiler) a jitted function: a thread with a frame in
+one of them is making a step shape, not running one."""
+
+
+def thread_is_compiling(thread_id: int) -> bool:
+    """Whether thread ``thread_id`` is now inside JAX's tracing, lowering or
+    compiling (False for a thread that is gone)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_COMPILE_MODULES):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def warm_up(engine: Engine) -> None:
     """Compile every step shape of ``engine``'s default buckets (a prefill of the whole
     step budget and a decode), then forget what that cached."""
@@ -176,6 +200,7 @@ class Replica:
         self._load = 0  # running + waiting, written by the serving loop, read by the heartbeat thread
         self._steps = 0
         self._busy = False
+        self._serving_thread: int | None = None  # the thread in serve(), whose stack the beats read
         self._closed = threading.Event()
         heartbeats = self._secure.bind(zmq.PUB, "heartbeats", address.heartbeats)
         self._heartbeat = threading.Thread(
@@ -186,6 +211,7 @@ class Replica:
     def serve(self, should_stop: Callable[[], bool]) -> None:
         """The serving loop: take what arrived (waiting up to 50 ms when idle), run one
         engine step."""
+        self._serving_thread = threading.get_ident()
         while not should_stop():
             if self._requests.poll(0 if self.engine.has_unfinished else 50):
                 self._receive()
@@ -217,6 +243,7 @@ class Replica:
                     self.engine.max_num_batched_tokens,
                     self.engine.manager.max_model_len,
                     self.max_request_bytes,
+                    self._serving_thread is not None and thread_is_compiling(self._serving_thread),
                 )
                 socket.send(encoder.encode(beat))
                 if self._closed.wait(interval_s):
