@@ -25,6 +25,7 @@ from jaxkv.serving.kv_events import (  # noqa: E402
     WireAllBlocksCleared,
     WireBlockRemoved,
     WireBlockStored,
+    WireEventBatch,
     external_hash,
     wire_events,
 )
@@ -312,6 +313,30 @@ def test_a_restarted_publisher_numbers_from_0_again_so_its_restart_shows_as_a_fa
         assert [first.publish([]) for _ in range(3)] == [0, 1, 2]
     with KVEventPublisher(LOOPBACK, plaintext_tcp=True) as second:
         assert second.next_seq == 0 and second.num_published == 0
+
+
+def test_an_idle_publisher_publishes_empty_batches_so_a_late_subscriber_sees_where_the_stream_is():
+    """vllm-router replays only on a gap it sees live: behind a replica idle since the
+    router started it never learnt what the replica cached (issue 42)."""
+    with pytest.raises(KVEventsError, match="idle_batch_s must be a positive number or None, got 0"):
+        KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, idle_batch_s=0)
+    with pytest.raises(KVEventsError, match="idle_batch_s needs a replay_endpoint"):
+        KVEventPublisher(LOOPBACK, plaintext_tcp=True, idle_batch_s=0.1)
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, idle_batch_s=0.1) as pub:
+        assert pub.publish(wire_events([stored(0, (h(1),))])) == 0
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.endpoint)  # after the batch that holds the block
+        try:
+            assert sub.poll(5000), "an empty batch arrives while the publisher is idle"
+            _, seq, payload = sub.recv_multipart()
+        finally:
+            sub.close(linger=0)
+            ctx.term()
+        assert int.from_bytes(seq, "big") >= 1 and msgspec.msgpack.decode(payload, type=WireEventBatch).events == []
+        seqs = [int.from_bytes(s, "big") for s, _ in replay(pub.replay_endpoint, 0)[:-1]]
+        assert seqs[0] == 0 and seqs == list(range(len(seqs))), "the stored block comes back through the replay"
 
 
 def test_token_ids_can_be_left_out_of_stored_events():

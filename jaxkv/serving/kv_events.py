@@ -201,7 +201,7 @@ class KVEventPublisher:
     Binds ``endpoint`` (PUB) and, if given, ``replay_endpoint`` (ROUTER), e.g.
     ``ipc:///run/jaxkv/r0-events``; a ``*`` port takes a free one (read the bound
     address back from :attr:`endpoint` / :attr:`replay_endpoint`). :meth:`publish` runs
-    on the caller's thread (one thread only, like the engine); a background thread
+    on the caller's thread (the engine's); a background thread
     answers replay requests from the last ``buffer_steps`` batches, all of them (the
     replay socket's send queue holds a whole buffer per client). The replay thread
     never waits on a client: a send that would block (a client that does not read,
@@ -210,6 +210,11 @@ class KVEventPublisher:
     counted in :attr:`num_failed_replays`). ``int_block_hashes=False``
     publishes block hashes as bytes; ``include_token_ids=False`` leaves token ids out.
     ``curve`` / ``plaintext_tcp``: see :class:`~jaxkv.serving.zmq_security.SecureContext`.
+    ``idle_batch_s`` (with a replay socket): after that many seconds without a batch,
+    the replay thread publishes an empty one, so a subscriber that joined late learns
+    the stream's position and replays what it missed (vllm-router 0.1.17 replays only
+    on a gap it sees live: a replica idle since the router started stays unknown to
+    it otherwise). :meth:`publish` and that thread share the PUB socket under a lock.
     Close it (or use it as a context manager).
     """
 
@@ -226,8 +231,15 @@ class KVEventPublisher:
         hwm: int = 100_000,
         curve: CurveKeys | None = None,
         plaintext_tcp: bool = False,
+        idle_batch_s: float | None = None,
     ) -> None:
         check_endpoint("endpoint", endpoint)
+        if idle_batch_s is not None and (
+            isinstance(idle_batch_s, bool) or not isinstance(idle_batch_s, (int, float)) or not idle_batch_s > 0
+        ):
+            raise KVEventsError(f"idle_batch_s must be a positive number or None, got {idle_batch_s!r}")
+        if idle_batch_s is not None and replay_endpoint is None:
+            raise KVEventsError("idle_batch_s needs a replay_endpoint (an idle batch only tells of batches to replay)")
         if replay_endpoint is not None:
             check_endpoint("replay_endpoint", replay_endpoint)
         if not isinstance(topic, str):
@@ -259,7 +271,9 @@ class KVEventPublisher:
             raise
         self._topic = topic.encode()
         self._encoder = msgspec.msgpack.Encoder()
-        self._lock = threading.Lock()  # the buffer, shared with the replay thread
+        self._lock = threading.Lock()  # the buffer, the numbering and the PUB socket, shared with the replay thread
+        self.idle_batch_s = idle_batch_s
+        self._last_publish = time.monotonic()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = 0
         self.num_bad_replay_requests = 0
@@ -304,11 +318,12 @@ class KVEventPublisher:
             raise KVEventsError("the publisher is closed")
         batch = WireEventBatch(ts=time.time(), events=list(events), data_parallel_rank=self.data_parallel_rank)
         payload = self._encoder.encode(batch)
-        seq = self._next_seq
         with self._lock:
+            seq = self._next_seq
             self._buffer.append((seq, payload))  # before the send: a replay never lacks what went out live
-        self._next_seq += 1
-        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._next_seq += 1
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._last_publish = time.monotonic()
         return seq
 
     def publish_step(self, manager: KVCacheManager, connector: OffloadConnector | None = None) -> int | None:
@@ -337,6 +352,8 @@ class KVEventPublisher:
                     self._answer(replay, replay.recv_multipart())
             except Exception:  # whatever a client sent, the thread answers the next one
                 self.num_failed_replays += 1
+            if self.idle_batch_s is not None and time.monotonic() - self._last_publish >= self.idle_batch_s:
+                self.publish([])
 
     def _answer(self, replay: zmq.Socket, frames: list[bytes]) -> None:
         """Stream the buffered batches from the requested sequence number (clamped to
