@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from script_runs import REPO, run_script
+from script_runs import run_script
 
 pytest.importorskip("msgspec")
 pytest.importorskip("zmq")
@@ -31,8 +31,10 @@ def test_kv_aware_vllm_router_follows_replicas_that_cached_before_it_started(tmp
     venv = routers_venv()
     if venv is None:
         pytest.skip("vllm-router is not installed (pip install 'jaxkv[fleet]', or set JAXKV_ROUTERS_VENV)")
-    out = tmp_path / "routers.json"
-    args = ["--checkpoint", str(REPO / "tests" / "oracle" / "llama"), f"--routers_venv={venv}"]
+    checkpoint, out = tmp_path / "tiny-llama", tmp_path / "routers.json"
+    saved = run_script("save_tiny_checkpoint.py", "--family=llama", f"--out={checkpoint}")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    args = ["--checkpoint", str(checkpoint), f"--routers_venv={venv}"]
     args += ["--configs=vllm:kv_aware", "--num_replicas=2", "--num_conversations=4", "--turns=3", f"--out={out}"]
     result = run_script("bench_routers.py", *args, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
