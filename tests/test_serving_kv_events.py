@@ -297,7 +297,7 @@ def test_jaxkv_imports_without_the_events_extra():
     assert out.stdout.strip() == "[]"
 
 
-# --- the whole buffer, epochs, token ids, authentication ------------------------------
+# --- the whole buffer, numbering, idle batches, token ids, authentication -----------------
 def test_a_replay_brings_back_all_of_a_large_buffer_to_a_client_that_reads_late():
     with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, buffer_steps=5000) as pub:
         for i in range(5000):  # ~2 KiB a batch: 10 MiB, more than the kernel's socket buffers hold
