@@ -8,7 +8,7 @@ flight per router; prompts: one of 8 tenants' system prompts, salted per tenant,
 short random message). While they run (at fixed fractions of the requests sent):
 
 - the last replica is killed (SIGKILL) and, later, restarted on the same addresses
-  (a new process: its KV event publisher restarts with a new epoch);
+  (a new process: its KV event publisher numbers from 0 again);
 - one replica's step hangs for ``--hang_s`` seconds (its heartbeat thread goes on);
 - one replica is killed and restarted at once;
 - one replica's process is stopped (SIGSTOP) for 3 s, then continued;

@@ -3,8 +3,11 @@ gives, takes requests while others run, refuses bad ones without stopping, and
 publishes the KV events and heartbeats a router follows."""
 
 import dataclasses
+import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import msgspec
 import pytest
 
@@ -23,7 +26,7 @@ from jaxkv.fleet.protocol import (  # noqa: E402
     max_frame_bytes,
     max_request_bytes,
 )
-from jaxkv.fleet.replica import Replica, ReplicaError, ReplicaSpec  # noqa: E402
+from jaxkv.fleet.replica import Replica, ReplicaError, ReplicaSpec, thread_is_compiling  # noqa: E402
 from jaxkv.fleet.router import Router  # noqa: E402
 from jaxkv.serving.engine import CacheAudit, Engine  # noqa: E402
 from jaxkv.serving.kv_events import KVEventPublisher  # noqa: E402
@@ -236,15 +239,16 @@ def test_bad_replica_settings_are_refused(tmp_path):
     assert ReplicaSpec.from_json(spec.to_json()) == spec
 
 
-def test_a_replica_publishes_token_ids_only_when_asked(tmp_path):
-    """Replicas started by jaxkv published every prompt's token ids in their KV events."""
+def test_a_replica_publishes_token_ids_by_default_and_leaves_them_out_when_asked(tmp_path):
+    """Replicas left token ids out by default, which Dynamo's indexer and vllm-router's
+    kv_aware policy need (issue 42): the default is now vLLM's."""
     spec = ReplicaSpec("r", ReplicaAddress.ipc(tmp_path, "r"), ENGINE)
     with spec.publisher() as publisher:
-        assert publisher.include_token_ids is False
-    asked = dataclasses.replace(spec, include_token_ids=True)
-    assert ReplicaSpec.from_json(asked.to_json()) == asked
-    with asked.publisher() as publisher:
         assert publisher.include_token_ids is True
+    without = dataclasses.replace(spec, include_token_ids=False)
+    assert ReplicaSpec.from_json(without.to_json()) == without
+    with without.publisher() as publisher:
+        assert publisher.include_token_ids is False
 
 
 def test_past_the_waiting_bound_a_request_is_refused_and_every_request_is_answered_once(replica):
@@ -413,3 +417,26 @@ def test_a_flood_is_taken_a_bounded_number_of_messages_between_two_steps(local):
     answers += local.serve(30 - len(answers))
     assert sorted(a.request_id for a in answers) == sorted(f"f{i}" for i in range(30))
     assert local.engine.audit() == CacheAudit(0, 0)
+
+
+def test_a_thread_is_compiling_while_jax_traces_its_step_and_not_while_it_waits():
+    """Heartbeats say whether the serving thread is inside JAX's tracing, lowering or
+    compiling (issue 42: a first step compiling past the hang timeout was dropped);
+    checked against jax's own frames, from inside a trace."""
+    seen = []
+
+    def body(x):
+        seen.append(thread_is_compiling(threading.get_ident()))
+        return x + 1
+
+    jax.jit(body)(jnp.zeros(3))
+    assert seen == [True], "tracing a jitted function is compiling"
+    done = threading.Event()
+    waiter = threading.Thread(target=done.wait)
+    waiter.start()
+    try:
+        assert thread_is_compiling(waiter.ident) is False
+    finally:
+        done.set()
+        waiter.join()
+    assert thread_is_compiling(waiter.ident) is False, "a thread that is gone"

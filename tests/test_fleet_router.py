@@ -473,6 +473,29 @@ def test_a_replica_stuck_while_idle_is_dropped_once_a_request_waits_on_it(fakes)
         assert router.num_readmissions == 1
 
 
+def test_a_replica_compiling_past_the_hang_timeout_stays_live_and_is_dropped_once_it_stalls(fakes):
+    """A replica whose first step compiled for longer than ``hang_timeout_s`` (no step
+    counted meanwhile) was dropped as hung (issue 42): beats that say it is compiling
+    are progress; once they stop saying so, the stall is a hang again."""
+    with fakes.router(policy="round_robin", hang_timeout_s=0.5) as router:
+        rid = router.submit([1, 2, 3], 2)
+        assert [m.request_id for m in fakes.received("a")] == [rid]
+        end = time.monotonic() + 1.5  # three hang timeouts of compiling, no step
+        while time.monotonic() < end:
+            for name in ("a", "b"):
+                beat = Heartbeat(name, 1, 0, steps=5, busy=True, compiling=name == "a")
+                fakes.heartbeats[name].send(msgspec.msgpack.encode(beat))
+            router.poll(0.05)
+        assert router.live_replicas == ("a", "b") and router.in_flight("a") == 1, "compiling is alive"
+        deadline = time.monotonic() + 10
+        while router.live_replicas != ("b",):
+            assert time.monotonic() < deadline, "a replica stalled outside a compile was never dropped"
+            for name in ("a", "b"):
+                fakes.heartbeats[name].send(msgspec.msgpack.encode(Heartbeat(name, 1, 0, steps=5, busy=True)))
+            router.poll(0.05)
+        assert [m.request_id for m in fakes.received("b")] == [rid], "its request went to b"
+
+
 def test_a_replica_restarted_between_two_heartbeats_gets_its_requests_again_and_a_fresh_index(tmp_path):
     """A new ``instance`` in a replica's heartbeats was not read as a restart: its
     request in flight waited for its deadline, and the dead cache's blocks stayed in

@@ -223,6 +223,17 @@ def test_a_field_at_the_value_that_asks_nothing_is_accepted(client):
     assert answer.choices[0].text == plain.choices[0].text
 
 
+def test_a_chat_body_as_vllm_router_sends_it_is_accepted(client):
+    """vllm-router 0.1.17 adds SGLang's fields to every chat request; each was refused
+    by name (400), so no request reached a jaxkv replica through it (issue 42)."""
+    added = {"no_stop_trim": False, "separate_reasoning": True, "stream_reasoning": True}
+    added |= {"include_reasoning": True, "return_hidden_states": False, "skip_special_tokens": True}
+    messages = [{"role": "user", "content": "Hi"}]
+    answer = client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0, extra_body=added)
+    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0)
+    assert answer.choices[0].message.content == plain.choices[0].message.content
+
+
 @pytest.mark.parametrize(
     "body",
     ["[" * 50_000 + "]" * 50_000, '{"model": "m", "prompt": "Hi", "max_tokens": ' + "9" * 5000 + "}", "\xff{"],

@@ -25,6 +25,7 @@ from jaxkv.serving.kv_events import (  # noqa: E402
     WireAllBlocksCleared,
     WireBlockRemoved,
     WireBlockStored,
+    WireEventBatch,
     external_hash,
     wire_events,
 )
@@ -112,7 +113,7 @@ def engine_run():
         replayed = replay(pub.replay_endpoint, 0, b"kv")
         req = Request("probe", rounds[0][0])
         first_hashes = eng.manager.hashes_per_group(req)[0]
-        num_published, epoch = pub.num_published, pub.epoch
+        num_published = pub.num_published
     sub.close(linger=0)
     ctx.term()
     return {
@@ -120,16 +121,14 @@ def engine_run():
         "replayed": replayed,
         "first_hashes": first_hashes,
         "num_published": num_published,
-        "epoch": epoch,
     }
 
 
 def test_every_batch_is_replayed_in_order_then_the_end_marker(engine_run):
     replayed = engine_run["replayed"]
-    epoch = engine_run["epoch"]
-    assert replayed[-1] == (END, epoch.to_bytes(8, "big")), "the end marker carries the publisher's epoch"
+    assert replayed[-1] == (END, b""), "vLLM's end marker: -1 and an empty payload frame"
     seqs = [int.from_bytes(seq, "big") for seq, _ in replayed[:-1]]
-    assert seqs == list(range(epoch, epoch + engine_run["num_published"])) and seqs
+    assert seqs == list(range(engine_run["num_published"])) and seqs, "numbered from 0, as vLLM does"
 
 
 def test_live_frames_are_topic_sequence_payload_and_match_the_replay(engine_run):
@@ -173,11 +172,10 @@ def test_a_replay_answers_from_the_requested_batch_with_what_is_still_buffered()
     with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, buffer_steps=3) as pub:
         for i in range(5):
             pub.publish(wire_events([stored(0, (h(i),))]))
-        e = pub.epoch
-        seqs = lambda frames: [int.from_bytes(s, "big") - e for s, _ in frames[:-1]]  # noqa: E731
-        assert seqs(replay(pub.replay_endpoint, e + 1)) == [2, 3, 4], "1 is no longer buffered"
-        assert seqs(replay(pub.replay_endpoint, e + 3)) == [3, 4]
-        assert replay(pub.replay_endpoint, e + 9) == [(END, e.to_bytes(8, "big"))]
+        seqs = lambda frames: [int.from_bytes(s, "big") for s, _ in frames[:-1]]  # noqa: E731
+        assert seqs(replay(pub.replay_endpoint, 1)) == [2, 3, 4], "1 is no longer buffered"
+        assert seqs(replay(pub.replay_endpoint, 3)) == [3, 4]
+        assert replay(pub.replay_endpoint, 9) == [(END, b"")]
 
 
 @pytest.mark.parametrize("start", [2**63, 2**64 - 1, 2**63 + 12345])
@@ -186,9 +184,8 @@ def test_a_start_past_the_buffer_gets_the_end_marker_and_the_replay_thread_goes_
     every later replay went unanswered."""
     with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK) as pub:
         pub.publish([])
-        e = pub.epoch
-        assert replay(pub.replay_endpoint, start) == [(END, e.to_bytes(8, "big"))]
-        assert [int.from_bytes(s, "big") for s, _ in replay(pub.replay_endpoint, 0)[:-1]] == [e]
+        assert replay(pub.replay_endpoint, start) == [(END, b"")]
+        assert [int.from_bytes(s, "big") for s, _ in replay(pub.replay_endpoint, 0)[:-1]] == [0]
         assert pub.num_failed_replays == 0
 
 
@@ -207,7 +204,7 @@ def test_a_client_that_never_reads_does_not_hold_the_replay_thread():
             mute.send_multipart([b"", (0).to_bytes(8, "big")])
         time.sleep(0.5)
         start = time.monotonic()
-        frames = replay(pub.replay_endpoint, pub.epoch + 19)
+        frames = replay(pub.replay_endpoint, 19)
         waited = time.monotonic() - start
         mute.close(linger=0)
         ctx.term()
@@ -231,7 +228,7 @@ def test_malformed_replay_requests_are_counted_and_ignored():
                 break
         sock.close(linger=0)
         ctx.term()
-        assert answers == [pub.epoch.to_bytes(8, "big"), END], "only the well-formed request is answered"
+        assert answers == [(0).to_bytes(8, "big"), END], "only the well-formed request is answered"
         assert pub.num_bad_replay_requests == 2
 
 
@@ -300,21 +297,46 @@ def test_jaxkv_imports_without_the_events_extra():
     assert out.stdout.strip() == "[]"
 
 
-# --- the whole buffer, epochs, token ids, authentication ------------------------------
+# --- the whole buffer, numbering, idle batches, token ids, authentication -----------------
 def test_a_replay_brings_back_all_of_a_large_buffer_to_a_client_that_reads_late():
     with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, buffer_steps=5000) as pub:
         for i in range(5000):  # ~2 KiB a batch: 10 MiB, more than the kernel's socket buffers hold
             pub.publish(wire_events([stored(0, tuple(h(64 * i + j) for j in range(64)))]))
-        frames = replay(pub.replay_endpoint, pub.epoch, read_after_s=0.5)
+        frames = replay(pub.replay_endpoint, 0, read_after_s=0.5)
     assert len(frames) == 5001, "every buffered batch and the end marker (the send queue dropped none)"
 
 
-def test_a_restarted_publisher_continues_above_its_predecessors_sequence_numbers():
+def test_a_restarted_publisher_numbers_from_0_again_so_its_restart_shows_as_a_fall():
+    """vLLM numbers from 0 per publisher; jaxkv numbered from its start time in
+    microseconds, which routers started late refused as a gap (issue 42)."""
     with KVEventPublisher(LOOPBACK, plaintext_tcp=True) as first:
-        first.publish([])
-        last = first.next_seq
+        assert [first.publish([]) for _ in range(3)] == [0, 1, 2]
     with KVEventPublisher(LOOPBACK, plaintext_tcp=True) as second:
-        assert second.epoch >= last and second.num_published == 0
+        assert second.next_seq == 0 and second.num_published == 0
+
+
+def test_an_idle_publisher_publishes_empty_batches_so_a_late_subscriber_sees_where_the_stream_is():
+    """vllm-router replays only on a gap it sees live: behind a replica idle since the
+    router started it never learnt what the replica cached (issue 42)."""
+    with pytest.raises(KVEventsError, match="idle_batch_s must be a positive number or None, got 0"):
+        KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, idle_batch_s=0)
+    with pytest.raises(KVEventsError, match="idle_batch_s needs a replay_endpoint"):
+        KVEventPublisher(LOOPBACK, plaintext_tcp=True, idle_batch_s=0.1)
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK, idle_batch_s=0.1) as pub:
+        assert pub.publish(wire_events([stored(0, (h(1),))])) == 0
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.endpoint)  # after the batch that holds the block
+        try:
+            assert sub.poll(5000), "an empty batch arrives while the publisher is idle"
+            _, seq, payload = sub.recv_multipart()
+        finally:
+            sub.close(linger=0)
+            ctx.term()
+        assert int.from_bytes(seq, "big") >= 1 and msgspec.msgpack.decode(payload, type=WireEventBatch).events == []
+        seqs = [int.from_bytes(s, "big") for s, _ in replay(pub.replay_endpoint, 0)[:-1]]
+        assert seqs[0] == 0 and seqs == list(range(len(seqs))), "the stored block comes back through the replay"
 
 
 def test_token_ids_can_be_left_out_of_stored_events():

@@ -19,8 +19,11 @@ and raises :class:`ReplayTimeoutError`. A gap the publisher no longer buffers ca
 filled: the subscriber drops the replica's entries (the index then under-reports that
 replica, never over-reports), goes on from the oldest batch still there, and raises
 :class:`EventGapError` naming what was lost. A publisher restarted on the same endpoint
-(a new epoch, see :mod:`jaxkv.serving.kv_events`) is followed from its first batch,
-the dead cache's entries dropped first. Batches that do not decode are counted and
+(its sequence numbers fall back to 0, see :mod:`jaxkv.serving.kv_events`) is followed
+from its first batch, the dead cache's entries dropped first: a live batch numbered at
+or below the last live one can only come from a new publisher (one publisher's live
+stream rises). A live batch below the position but above the last live one is a
+duplicate of a replayed batch and is skipped. Batches that do not decode are counted and
 skipped.
 """
 
@@ -198,10 +201,9 @@ class KVEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.next_seq: int | None = None
         """The sequence number of the next batch to apply (None before the first)."""
-        self.epoch: int | None = None
-        """The publisher's epoch, from its last replay answer (None before one)."""
         self.num_resyncs = 0
-        """Publisher restarts followed (a new epoch)."""
+        """Publisher restarts followed (sequence numbers that fell)."""
+        self._last_live: int | None = None
         self.num_bad_batches = 0
         """Batches (live or replayed) that did not decode, skipped."""
         self._decoder = msgspec.msgpack.Decoder(WireEventBatch)
@@ -248,7 +250,7 @@ class KVEventSubscriber:
         batch its publisher buffers (for a replica that comes back after it was
         dropped, or restarted)."""
         self.index.drop_replica(self.replica)
-        self.next_seq = self.epoch = None
+        self.next_seq = self._last_live = None
         self._backoff_s = self._retry_at = 0.0
         self.disconnect()
         self.connect()
@@ -280,7 +282,11 @@ class KVEventSubscriber:
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self.num_bad_batches += 1
                     continue
-                applied += self._receive(int.from_bytes(frames[1], "big"), frames[2])
+                seq = int.from_bytes(frames[1], "big")
+                if self._last_live is not None and seq <= self._last_live:
+                    self._follow_restart()
+                self._last_live = seq
+                applied += self._receive(seq, frames[2])
             applied += self._advance_replay()
             wait_s = deadline - time.monotonic()
             if applied or wait_s <= 0:
@@ -307,6 +313,18 @@ class KVEventSubscriber:
             self._replay.poll(max(1, int((self._pending.deadline - time.monotonic()) * 1000)))
             applied += self._advance_replay()
         return applied
+
+    def _follow_restart(self) -> None:
+        """A new publisher on the endpoint: drop the dead cache's entries and any replay
+        under way (its answer may mix both publishers) and follow the new one from 0."""
+        self.num_resyncs += 1
+        self.index.drop_replica(self.replica)
+        if self._pending is not None and self._replay is not None:
+            self._pending = None
+            self._replay.close(linger=0)  # a late answer must not mix into the next one
+            self._open_replay()
+        self.next_seq = 0
+        self._backoff_s = self._retry_at = 0.0
 
     def _connected_sub(self) -> zmq.Socket:
         if self._sub is None:
@@ -370,8 +388,7 @@ class KVEventSubscriber:
             seq_bytes, payload = frames[-2], frames[-1]
             if seq_bytes == END_SEQ:
                 self._pending, self._backoff_s, self._retry_at = None, 0.0, 0.0
-                epoch = int.from_bytes(payload, "big") if len(payload) == 8 else None
-                return self._settle(pending, epoch)
+                return self._settle(pending)
             pending.batches.append((int.from_bytes(seq_bytes, "big"), payload))
         if time.monotonic() < pending.deadline:
             return 0
@@ -387,21 +404,13 @@ class KVEventSubscriber:
             f"{self.replay_timeout_s} s; following the live batches, no replay for {self._backoff_s:g} s"
         )
 
-    def _settle(self, pending: _PendingReplay, epoch: int | None) -> int:
+    def _settle(self, pending: _PendingReplay) -> int:
         """Apply a whole replay answer, then the live batches held meanwhile. Raises
-        :class:`EventGapError` after applying what came back if batches are lost;
-        follows a new epoch from its start."""
+        :class:`EventGapError` after applying what came back if batches are lost."""
         live = pending.held[0][0] if pending.held else None
-        restarted = epoch is not None and self.epoch is not None and epoch != self.epoch
-        if epoch is not None:
-            self.epoch = epoch
-        if restarted:  # a new publisher: follow it from its first batch
-            self.num_resyncs += 1
-            self.index.drop_replica(self.replica)
-            self.next_seq = epoch
-        elif self.next_seq is None:  # the first contact: from the oldest batch still buffered
+        if self.next_seq is None:  # the first contact: from the oldest batch still buffered
             replayed = pending.batches
-            self.next_seq = replayed[0][0] if replayed else (epoch if epoch is not None else live)
+            self.next_seq = replayed[0][0] if replayed else live
         applied, lost_at = 0, None
         for seq, payload in pending.batches:
             if self.next_seq is None:

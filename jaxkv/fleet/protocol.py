@@ -116,7 +116,10 @@ class Heartbeat(msgspec.Struct, tag=True):
     stuck while idle says "not busy"); ``instance``: a token drawn
     at its start (a new one: it restarted); ``slots`` and ``step_tokens``: its engine's
     running requests and tokens per step at most; ``max_model_len`` and
-    ``max_request_bytes``: its request limits (see the module docstring; 0: not said)."""
+    ``max_request_bytes``: its request limits (see the module docstring; 0: not said);
+    ``compiling``: its serving thread is inside JAX (tracing, lowering or compiling a
+    new step shape) as the beat is sent, progress a step count cannot show (a compile
+    can take longer than a router's hang timeout)."""
 
     replica: str
     seq: int
@@ -128,6 +131,7 @@ class Heartbeat(msgspec.Struct, tag=True):
     step_tokens: int = 0
     max_model_len: int = 0
     max_request_bytes: int = 0
+    compiling: bool = False
 
 
 ToReplica = GenerateRequest | CancelRequest | ResetPrefixCache

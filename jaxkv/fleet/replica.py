@@ -18,7 +18,11 @@ A replica binds four sockets, named by a :class:`ReplicaAddress`:
   request limits,
   every ``heartbeat_interval_s``, from a thread of its own: a long step (a big
   prefill on a busy host) is not read as death, while a replica that is killed or
-  closed falls silent, and one whose step hangs shows no progress.
+  closed falls silent, and one whose step hangs shows no progress. Each beat also
+  says whether the serving thread is inside JAX's tracing, lowering or compiling
+  (read from that thread's stack as the beat is sent: :func:`thread_is_compiling`),
+  so a router counts a first step that compiles for longer than its hang timeout as
+  progress, not a hang.
 - ``events`` (PUB) and ``replay`` (ROUTER): the engine's KV events in vLLM's format
   (:class:`~jaxkv.serving.kv_events.KVEventPublisher`).
 
@@ -77,15 +81,15 @@ class ReplicaError(JaxkvError, ValueError):
 @dataclass(frozen=True)
 class ReplicaSpec:
     """What a replica process serves: its name and address, the keyword arguments of
-    :meth:`Engine.build` (JSON values) and its heartbeat interval. Its KV events leave
-    the blocks' token ids out (a router needs only the hashes; the ids are the
-    prompts) unless ``include_token_ids``."""
+    :meth:`Engine.build` (JSON values) and its heartbeat interval. Its KV events carry
+    the blocks' token ids, as vLLM's do (Dynamo's indexer and vllm-router's ``kv_aware``
+    policy need them); ``include_token_ids=False`` leaves them out."""
 
     name: str
     address: ReplicaAddress
     engine: Mapping[str, Any]  # JSON values that Engine.build checks itself
     heartbeat_interval_s: float = 1.0
-    include_token_ids: bool = False
+    include_token_ids: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -107,7 +111,7 @@ class ReplicaSpec:
             ReplicaAddress(**data["address"]),
             data["engine"],
             data["heartbeat_interval_s"],
-            data.get("include_token_ids", False),
+            data.get("include_token_ids", True),
         )
 
     def publisher(self, *, curve: CurveKeys | None = None) -> KVEventPublisher:
@@ -118,6 +122,26 @@ class ReplicaSpec:
             include_token_ids=self.include_token_ids,
             curve=curve,
         )
+
+
+_COMPILE_MODULES = tuple(
+    os.path.join("jax", "_src", *parts)
+    for parts in (("compiler.py",), ("interpreters", "mlir.py"), ("interpreters", "partial_eval.py"))
+)
+"""Where JAX traces (partial_eval), lowers (mlir, with any Pallas/Mosaic kernel
+lowered inside) and compiles (compiler) a jitted function: a thread with a frame in
+one of them is making a step shape, not running one."""
+
+
+def thread_is_compiling(thread_id: int) -> bool:
+    """Whether thread ``thread_id`` is now inside JAX's tracing, lowering or
+    compiling (False for a thread that is gone)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_COMPILE_MODULES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def warm_up(engine: Engine) -> None:
@@ -177,6 +201,7 @@ class Replica:
         self._load = 0  # running + waiting, written by the serving loop, read by the heartbeat thread
         self._steps = 0
         self._busy = False
+        self._serving_thread: int | None = None  # the thread in serve(), whose stack the beats read
         self._closed = threading.Event()
         heartbeats = self._secure.bind(zmq.PUB, "heartbeats", address.heartbeats)
         self._heartbeat = threading.Thread(
@@ -187,6 +212,7 @@ class Replica:
     def serve(self, should_stop: Callable[[], bool]) -> None:
         """The serving loop: take what arrived (waiting up to 50 ms when idle), run one
         engine step."""
+        self._serving_thread = threading.get_ident()
         while not should_stop():
             if self._requests.poll(0 if self.engine.has_unfinished else 50):
                 self._receive()
@@ -218,6 +244,7 @@ class Replica:
                     self.engine.max_num_batched_tokens,
                     self.engine.manager.max_model_len,
                     self.max_request_bytes,
+                    self._serving_thread is not None and thread_is_compiling(self._serving_thread),
                 )
                 socket.send(encoder.encode(beat))
                 if self._closed.wait(interval_s):

@@ -38,9 +38,11 @@ router's ``request_timeout_s``); past it, it is answered and cancelled on its re
 
 Liveness, from two signs: each replica heartbeats every ``heartbeat_interval_s`` (from a
 thread of its own, so a long step does not silence it), and each heartbeat carries
-its step count. A replica not heard from for ``2 * heartbeat_interval_s``, or with
-this router's requests in flight and no step for ``hang_timeout_s`` (whatever it says
-of itself: a loop stuck while idle never steps), is dropped at the next
+its step count and whether its serving thread is compiling a step (tracing, lowering
+or compiling in JAX, which can outlast any hang timeout: a compiling replica is
+alive). A replica not heard from for ``2 * heartbeat_interval_s``, or with this
+router's requests in flight and neither a step nor a compile for ``hang_timeout_s``
+(a loop stuck while idle never steps), is dropped at the next
 :meth:`Router.poll`: the router stops sending to it, its prefixes leave the index,
 its requests in flight are cancelled on it and sent again to the live replicas (up
 to ``max_attempts`` sends each; a late answer from it is ignored; a send that fails
@@ -653,7 +655,7 @@ class Router:
     def _heartbeat(self, link: _Link, beat: Heartbeat) -> None:
         now = time.monotonic()
         restarted = bool(link.instance) and beat.instance != link.instance
-        progressed = beat.instance != link.instance or beat.steps != link.steps
+        progressed = beat.instance != link.instance or beat.steps != link.steps or beat.compiling
         link.heard = True
         link.last_heard = now
         link.reported_load = beat.load

@@ -97,6 +97,12 @@ def parser() -> argparse.ArgumentParser:
     events.add_argument(
         "--kv_events_plaintext_tcp", action="store_true", help="allow tcp without keys, on loopback only"
     )
+    events.add_argument(
+        "--kv_events_idle_batch_s",
+        type=float,
+        default=1.0,
+        help="with replay: publish an empty batch after this many idle seconds (a late router then replays)",
+    )
     return p
 
 
@@ -117,6 +123,7 @@ def event_publisher(args: argparse.Namespace) -> Any:
             topic=args.kv_events_topic,
             curve=curve,
             plaintext_tcp=args.kv_events_plaintext_tcp,
+            idle_batch_s=args.kv_events_idle_batch_s if args.kv_events_replay_endpoint else None,
         )
     except JaxkvError as err:
         fail(str(err))

@@ -73,6 +73,12 @@ _INERT: dict[str, tuple[object, ...]] = {
     "reasoning_effort": (),
     "service_tier": ("auto", "default"),
     "web_search_options": (),
+    # SGLang's, sent by vllm-router 0.1.17 on every chat request at these values (ask for nothing here)
+    "no_stop_trim": (False,),
+    "separate_reasoning": (True,),
+    "stream_reasoning": (True,),
+    "include_reasoning": (True,),
+    "return_hidden_states": (False,),
 }
 """Fields vLLM or OpenAI know that jaxkv does not implement: refused by name unless absent,
 null or at a value that asks for nothing (a penalty of 0, ``best_of`` 1, no tools)."""

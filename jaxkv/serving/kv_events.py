@@ -34,10 +34,16 @@ The wire format (facts from vLLM's ``vllm/distributed/kv_events.py`` and
   big-endian; the server answers with one message ``[topic, sequence number,
   payload]`` per batch it still buffers from there on (the live frames; releases
   before 0.33 left the topic out), then the end marker ``[b"", -1 as 8 signed
-  big-endian bytes, b""]``. Requests of another shape are ignored. The buffer holds
+  big-endian bytes, b""]`` (an empty third frame, exactly as vLLM sends it).
+  Requests of another shape are ignored. The buffer holds
   the last ``buffer_steps`` batches (10,000 by default); older ones are not sent, and
   nothing says so: a client sees the first sequence number it gets back. A start
   past the newest batch (any unsigned 64-bit value) gets the end marker alone.
+- Numbering: from 0 per publisher, as vLLM does. A publisher restarted on the same
+  endpoint starts again from 0: a subscriber sees the sequence numbers fall, which
+  vLLM's routers (and :class:`jaxkv.fleet.prefix_index.KVEventSubscriber`) read as a
+  restart; a router started after the replicas cached asks for a replay from 0 and
+  gets the whole buffer.
 
 jaxkv publishes the device pools' events (attention blocks and state checkpoints,
 each with its ``group_idx``) as medium ``"GPU"`` whatever the accelerator, and the
@@ -195,7 +201,7 @@ class KVEventPublisher:
     Binds ``endpoint`` (PUB) and, if given, ``replay_endpoint`` (ROUTER), e.g.
     ``ipc:///run/jaxkv/r0-events``; a ``*`` port takes a free one (read the bound
     address back from :attr:`endpoint` / :attr:`replay_endpoint`). :meth:`publish` runs
-    on the caller's thread (one thread only, like the engine); a background thread
+    on the caller's thread (the engine's); a background thread
     answers replay requests from the last ``buffer_steps`` batches, all of them (the
     replay socket's send queue holds a whole buffer per client). The replay thread
     never waits on a client: a send that would block (a client that does not read,
@@ -204,6 +210,11 @@ class KVEventPublisher:
     counted in :attr:`num_failed_replays`). ``int_block_hashes=False``
     publishes block hashes as bytes; ``include_token_ids=False`` leaves token ids out.
     ``curve`` / ``plaintext_tcp``: see :class:`~jaxkv.serving.zmq_security.SecureContext`.
+    ``idle_batch_s`` (with a replay socket): after that many seconds without a batch,
+    the replay thread publishes an empty one, so a subscriber that joined late learns
+    the stream's position and replays what it missed (vllm-router 0.1.17 replays only
+    on a gap it sees live: a replica idle since the router started stays unknown to
+    it otherwise). :meth:`publish` and that thread share the PUB socket under a lock.
     Close it (or use it as a context manager).
     """
 
@@ -220,8 +231,15 @@ class KVEventPublisher:
         hwm: int = 100_000,
         curve: CurveKeys | None = None,
         plaintext_tcp: bool = False,
+        idle_batch_s: float | None = None,
     ) -> None:
         check_endpoint("endpoint", endpoint)
+        if idle_batch_s is not None and (
+            isinstance(idle_batch_s, bool) or not isinstance(idle_batch_s, (int, float)) or not idle_batch_s > 0
+        ):
+            raise KVEventsError(f"idle_batch_s must be a positive number or None, got {idle_batch_s!r}")
+        if idle_batch_s is not None and replay_endpoint is None:
+            raise KVEventsError("idle_batch_s needs a replay_endpoint (an idle batch only tells of batches to replay)")
         if replay_endpoint is not None:
             check_endpoint("replay_endpoint", replay_endpoint)
         if not isinstance(topic, str):
@@ -253,11 +271,11 @@ class KVEventPublisher:
             raise
         self._topic = topic.encode()
         self._encoder = msgspec.msgpack.Encoder()
-        self._lock = threading.Lock()  # the buffer, shared with the replay thread
+        self._lock = threading.Lock()  # the buffer, the numbering and the PUB socket, shared with the replay thread
+        self.idle_batch_s = idle_batch_s
+        self._last_publish = time.monotonic()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self.epoch = time.time_ns() // 1000
-        """The first sequence number: the start time in microseconds (see the module docstring)."""
-        self._next_seq = self.epoch
+        self._next_seq = 0
         self.num_bad_replay_requests = 0
         self.num_failed_replays = 0
         self._stop = threading.Event()
@@ -282,7 +300,7 @@ class KVEventPublisher:
     @property
     def num_published(self) -> int:
         """Batches published so far."""
-        return self._next_seq - self.epoch
+        return self._next_seq
 
     @property
     def next_seq(self) -> int:
@@ -300,11 +318,12 @@ class KVEventPublisher:
             raise KVEventsError("the publisher is closed")
         batch = WireEventBatch(ts=time.time(), events=list(events), data_parallel_rank=self.data_parallel_rank)
         payload = self._encoder.encode(batch)
-        seq = self._next_seq
         with self._lock:
+            seq = self._next_seq
             self._buffer.append((seq, payload))  # before the send: a replay never lacks what went out live
-        self._next_seq += 1
-        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._next_seq += 1
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._last_publish = time.monotonic()
         return seq
 
     def publish_step(self, manager: KVCacheManager, connector: OffloadConnector | None = None) -> int | None:
@@ -333,10 +352,12 @@ class KVEventPublisher:
                     self._answer(replay, replay.recv_multipart())
             except Exception:  # whatever a client sent, the thread answers the next one
                 self.num_failed_replays += 1
+            if self.idle_batch_s is not None and time.monotonic() - self._last_publish >= self.idle_batch_s:
+                self.publish([])
 
     def _answer(self, replay: zmq.Socket, frames: list[bytes]) -> None:
         """Stream the buffered batches from the requested sequence number (clamped to
-        the buffer), then the end marker (with the epoch); a request of another shape
+        the buffer), then vLLM's end marker; a request of another shape
         is counted and ignored."""
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             self.num_bad_replay_requests += 1
@@ -349,7 +370,7 @@ class KVEventPublisher:
         try:
             for seq, payload in batches:
                 replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
-            replay.send_multipart((client, b"", b"", END_SEQ, self.epoch.to_bytes(8, "big")), zmq.NOBLOCK)
+            replay.send_multipart((client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
         except zmq.ZMQError:  # the client left or its queue is full: it sees no end marker and asks again
             self.num_failed_replays += 1
 

@@ -1,0 +1,46 @@
+"""scripts/bench_routers.py at a tiny preset: two jaxkv-server replicas behind vllm-router's
+``kv_aware`` policy, the router started after they cached and kept across a replica
+restart. Runs where vllm-router is installed (``pip install 'jaxkv[fleet]'``, or the
+environment ``JAXKV_ROUTERS_VENV`` names); skips with the reason elsewhere."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from script_runs import run_script
+
+pytest.importorskip("msgspec")
+pytest.importorskip("zmq")
+pytest.importorskip("fastapi")
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]  # three servers and a Rust router, as a user runs them
+
+
+def routers_venv() -> Path | None:
+    """The environment holding vllm-router: JAXKV_ROUTERS_VENV, else the one on PATH."""
+    named = os.environ.get("JAXKV_ROUTERS_VENV")
+    if named:
+        return Path(named) if (Path(named) / "bin" / "vllm-router").exists() else None
+    found = shutil.which("vllm-router")
+    return None if found is None else Path(found).resolve().parent.parent
+
+
+def test_kv_aware_vllm_router_follows_replicas_that_cached_before_it_started(tmp_path):
+    venv = routers_venv()
+    if venv is None:
+        pytest.skip("vllm-router is not installed (pip install 'jaxkv[fleet]', or set JAXKV_ROUTERS_VENV)")
+    checkpoint, out = tmp_path / "tiny-llama", tmp_path / "routers.json"
+    saved = run_script("save_tiny_checkpoint.py", "--family=llama", f"--out={checkpoint}")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    args = ["--checkpoint", str(checkpoint), f"--routers_venv={venv}"]
+    args += ["--configs=vllm:kv_aware", "--num_replicas=2", "--num_conversations=4", "--turns=3", f"--out={out}"]
+    result = run_script("bench_routers.py", *args, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    big, kv = report["big"], report["configs"]["vllm:kv_aware"]
+    assert big["queries"] > 0 and kv["queries"] > 0
+    # routed as the replicas' replayed events say: as many hits as one cache of both
+    assert kv["late_join_hit_rate"] >= 0.9 * big["late_join_hit_rate"], report
+    assert "vllm:kv_aware" in result.stdout
