@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxkv import __version__
+import jaxkv
 from jaxkv.models.text import TextTokenizer
 from jaxkv.server.openai_api import Answer, ApiError, ParsedRequest, detokenized, parse, rendered, tokenized
 from jaxkv.serving.async_engine import AsyncEngine, EngineDeadError, EngineFullError, RequestStream
@@ -235,7 +235,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/version")
     async def version() -> Response:
-        return JSONResponse({"version": __version__})
+        return JSONResponse({"version": jaxkv.__version__})
 
     async def server_info(request: Request) -> Response:
         """What routers probe a worker for (vLLM's ``/server_info``, SGLang's ``/get_server_info``
@@ -255,7 +255,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 "max_model_len": engine.manager.max_model_len,
                 "block_size": kv.hash_block_size,
                 "num_gpu_blocks": kv.num_blocks,
-                "version": __version__,
+                "version": jaxkv.__version__,
             }
         )
 
