@@ -10,7 +10,8 @@ Python list comparison, no numpy): an unchanged list costs nothing more, an exte
 writes its new tail, anything else (a sliding window nulling old blocks, a recurrent
 state moving, a request preempted and readmitted under its id) rewrites the row. Every
 id written is checked: an int in ``[0, limit)`` of its group, else :class:`BlockIdError`
-naming it (that group's row is then left as it was).
+naming it (that group's row is then left as it was). Ids already written are not checked
+again: an entry equal to the one written (``1.0`` or ``True`` where ``1`` was) is that id.
 
 The table is a cache of the lists, exact whatever it is told: rows of requests that
 finished are reclaimed by :meth:`BlockTables.release`, or, when the rows run out and at
