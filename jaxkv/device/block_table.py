@@ -59,9 +59,8 @@ class BlockTables:
                 entry = self._admit(request_id, request_ids)
             row, written = entry
             if lists != written:  # one comparison of every group's list, the common case: no change
-                if type(lists) is not tuple or any(type(ids) is not list for ids in lists):
-                    lists = tuple(ids if type(ids) is list else np.asarray(ids).reshape(-1).tolist() for ids in lists)
-                self._written[request_id] = (row, self._update(request_id, row, written, lists))
+                given = tuple(ids if type(ids) is list else np.asarray(ids).reshape(-1).tolist() for ids in lists)
+                self._written[request_id] = (row, self._update(request_id, row, written, given))
             out[i] = row
         return out
 
@@ -96,7 +95,7 @@ class BlockTables:
                     self.release(r)
             else:
                 self._grow_rows()
-        entry = (self._free.pop(), tuple([] for _ in self.limits))
+        entry: tuple[int, tuple[list[int], ...]] = (self._free.pop(), tuple([] for _ in self.limits))
         self._written[request_id] = entry
         return entry
 

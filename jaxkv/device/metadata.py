@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -420,7 +420,7 @@ def _unit_blocks(
 
 
 def table_limits(
-    num_groups: int, num_blocks: int | None, state_groups: Sequence[int] = (), num_states: int | None = None
+    num_groups: int, num_blocks: int | None, state_groups: Collection[int] = (), num_states: int | None = None
 ) -> tuple[int, ...]:
     """The bound of each group's block ids (exclusive): ``num_blocks``, or for a recurrent group
     ``num_states`` when the states have a pool of their own; at most the int32 range."""

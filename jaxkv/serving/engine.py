@@ -627,6 +627,7 @@ class Engine:
         logprobs = None
         if request.params.logprobs is not None:
             k = request.params.logprobs
+            assert sampled.logprob is not None and sampled.top_ids is not None and sampled.top_logprobs is not None
             top = tuple(zip(sampled.top_ids[row, :k].tolist(), sampled.top_logprobs[row, :k].tolist(), strict=True))
             logprobs = (TokenLogprobs(token, float(sampled.logprob[row]), top),)
             assert request.logprobs is not None  # made for a request with logprobs

@@ -202,7 +202,7 @@ def sample(logits: jax.Array, inputs: SamplingInputs) -> SampledTokens:
     """
     logits = logits.astype(jnp.float32)
     inputs = SamplingInputs(jnp.asarray(inputs.packed), inputs.logprobs)
-    masked = _ban(logits, inputs.banned, inputs.num_banned)
+    masked = _ban(logits, jnp.asarray(inputs.banned), jnp.asarray(inputs.num_banned))
     tokens = jax.lax.cond(
         jnp.any(inputs.temperature > 0), _draw, lambda lg, _: jnp.argmax(lg, axis=-1), masked, inputs
     ).astype(jnp.int32)
