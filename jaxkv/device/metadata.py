@@ -22,7 +22,9 @@ out-of-range scatter is silently dropped. So this builder is where ids are check
 every block id of every table must be an int in ``[0, num_blocks)`` and every new
 token's block a real (non-null) one, which puts every slot in
 ``[block_size, num_blocks * block_size)``; anything else is a :class:`BlockIdError`
-naming the value, raised before anything is sent.
+naming the value, raised before anything is sent. A serving loop passes its
+:class:`~jaxkv.device.block_table.BlockTables`, kept across steps, so that only the ids a
+request's lists gained or changed since its last step are converted and checked.
 
 **One transfer.** Every array is packed into one flat int32 numpy buffer that goes to
 the device in a single ``jax.device_put``; :class:`StepMetadata` holds that one array as
