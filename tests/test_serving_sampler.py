@@ -123,8 +123,8 @@ def test_greedy_rows_take_the_argmax_and_banned_ids_are_never_drawn():
 
 def test_logprobs_are_the_raw_distributions_top_tokens_and_the_chosen_ones():
     logits = jnp.asarray(np.random.default_rng(2).normal(size=(3, 40)), jnp.float32)
-    rows = [RowSampling(SamplingParams(temperature=1.0, top_k=2), s, 0) for s in range(3)]
-    out = _sample(logits, sampling_inputs(rows, 3))
+    rows = [RowSampling(SamplingParams(temperature=1.0, top_k=2, logprobs=1 if s else None), s, 0) for s in range(3)]
+    out = _sample(logits, sampling_inputs(rows, 3))  # one row asks: every row gets them
     raw = np.asarray(jax.nn.log_softmax(logits, -1))
     assert np.asarray(out.top_ids).tolist() == np.argsort(-raw, -1)[:, :20].tolist()
     np.testing.assert_allclose(np.asarray(out.top_logprobs), np.sort(raw, -1)[:, ::-1][:, :20], rtol=1e-6)
@@ -148,3 +148,29 @@ def test_an_all_greedy_step_sorts_nothing_and_a_mixed_step_keeps_its_greedy_rows
     ]
     mixed = np.asarray(_sample(logits, sampling_inputs(rows, 4)).token_ids)
     assert mixed[1:].tolist() == np.argmax(np.asarray(logits), -1)[1:].tolist()
+
+
+def test_a_step_where_no_row_asks_for_logprobs_computes_and_returns_none():
+    logits = jnp.asarray(np.random.default_rng(4).normal(size=(4, 48)), jnp.float32)
+    rows = [RowSampling(SamplingParams(temperature=1.0), 1, 0), None]
+    plain = sampling_inputs(rows, 4)
+    assert not plain.logprobs
+    out = _sample(logits, plain)
+    assert out.logprob is None and out.top_ids is None and out.top_logprobs is None
+    assert "top_k" not in str(jax.make_jaxpr(sample)(logits, plain))
+    asked = sampling_inputs([RowSampling(SamplingParams(temperature=1.0, logprobs=3), 1, 0), None], 4)
+    assert asked.logprobs and "top_k" in str(jax.make_jaxpr(sample)(logits, asked))
+    np.testing.assert_array_equal(_sample(logits, asked).token_ids, out.token_ids)  # the same draw
+
+
+def test_inputs_travel_as_one_int32_array_and_read_back_exactly():
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05)
+    inputs = sampling_inputs([RowSampling(params, 2**32 - 1, 11, (3, 4))], 2)
+    assert jax.tree.leaves(inputs)[0].dtype == np.int32 and len(jax.tree.leaves(inputs)) == 1
+    assert inputs.temperature.tolist() == np.float32([0.7, 0.0]).tolist() and inputs.top_k.tolist() == [5, 0]
+    assert inputs.top_p.tolist() == np.float32([0.9, 1.0]).tolist() and inputs.min_p[0] == np.float32(0.05)
+    assert inputs.seed.tolist() == [2**32 - 1, 0] and inputs.position.tolist() == [11, 0]
+    assert inputs.num_banned.tolist() == [2, 0] and inputs.banned[0, :3].tolist() == [3, 4, 0]
+    on_device = jax.jit(lambda x: (x.temperature, x.seed))(inputs)
+    assert np.asarray(on_device[0]).tolist() == inputs.temperature.tolist()
+    assert np.asarray(on_device[1]).tolist() == inputs.seed.tolist()

@@ -22,7 +22,9 @@ out-of-range scatter is silently dropped. So this builder is where ids are check
 every block id of every table must be an int in ``[0, num_blocks)`` and every new
 token's block a real (non-null) one, which puts every slot in
 ``[block_size, num_blocks * block_size)``; anything else is a :class:`BlockIdError`
-naming the value, raised before anything is sent.
+naming the value, raised before anything is sent. A serving loop passes its
+:class:`~jaxkv.device.block_table.BlockTables`, kept across steps, so that only the ids a
+request's lists gained or changed since its last step are converted and checked.
 
 **One transfer.** Every array is packed into one flat int32 numpy buffer that goes to
 the device in a single ``jax.device_put``; :class:`StepMetadata` holds that one array as
@@ -35,22 +37,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
+from jaxkv.device.block_table import BlockTables
 from jaxkv.device.cache import UnknownLayerError
-from jaxkv.errors import JaxkvError
+from jaxkv.device.metadata_errors import BlockIdError, MetadataError
 from jaxkv.ints import cdiv, check_int, is_int
 
 _MAX_BLOCKS = 2**31
 """Upper bound of block ids when the builder is not told ``num_blocks`` (int32 range)."""
-
-
-class MetadataError(JaxkvError, ValueError):
-    """The scheduled batch cannot be turned into step metadata."""
 
 
 class BucketOverflowError(MetadataError):
@@ -60,11 +59,6 @@ class BucketOverflowError(MetadataError):
 class GroupKindError(UnknownLayerError):
     """A layer's KV cache group is of the other kind: state rows asked of an attention
     layer's group, or a block table of a recurrent layer's group."""
-
-
-class BlockIdError(MetadataError):
-    """A block id (or the slot it gives) is out of range, not an int, missing, or the
-    null block where data must go."""
 
 
 def _sizes(what: str, sizes: Sequence[int]) -> tuple[int, ...]:
@@ -124,6 +118,9 @@ class ScheduledSeq:
     num_new_tokens: int
 
     def __post_init__(self) -> None:
+        computed, new = self.num_computed_tokens, self.num_new_tokens
+        if type(computed) is int and type(new) is int and computed >= 0 and new > 0:
+            return  # the common case, without the slower checks of numpy ints below
         if not (is_int(self.num_computed_tokens) and is_int(self.num_new_tokens)) or (
             self.num_computed_tokens < 0 or self.num_new_tokens <= 0
         ):
@@ -229,6 +226,12 @@ class _Packing:
         return out
 
 
+@functools.lru_cache(maxsize=256)
+def _packing(num_tokens: int, max_seqs: int, widths: tuple[int | None, ...], pages_per_state: int) -> _Packing:
+    """One :class:`_Packing` per shape, its offsets computed once (a serving loop has a few shapes)."""
+    return _Packing(num_tokens, max_seqs, widths, pages_per_state)
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepMetadata:
@@ -328,60 +331,62 @@ class StepMetadata:
         return self.packing.num_tokens
 
 
-def _new_tokens(seq: ScheduledSeq, token_ids: Sequence[int]) -> np.ndarray:
-    """The step's tokens: ``token_ids`` is all of the request's tokens or just the new ones."""
-    start, count = seq.num_computed_tokens, seq.num_new_tokens
-    ids = np.asarray(token_ids, dtype=np.int64)
-    if len(ids) >= start + count:
-        ids = ids[start : start + count]
-    elif len(ids) != count:
-        raise MetadataError(
-            f"request {seq.request_id!r}: {len(ids)} token ids, expected the new "
-            f"{count} or at least num_computed + num_new = {start + count}"
-        )
-    return ids
+def _new_tokens(seqs: Sequence[ScheduledSeq], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """The step's tokens, concatenated: ``token_ids[i]`` is all of request i's tokens or just the new ones."""
+    flat: list[int] = []
+    for seq, ids in zip(seqs, token_ids, strict=True):
+        start, count = seq.num_computed_tokens, seq.num_new_tokens
+        if len(ids) >= start + count:
+            flat.extend(ids[start : start + count])
+        elif len(ids) == count:
+            flat.extend(ids)
+        else:
+            raise MetadataError(
+                f"request {seq.request_id!r}: {len(ids)} token ids, expected the new "
+                f"{count} or at least num_computed + num_new = {start + count}"
+            )
+    return np.array(flat, dtype=np.int64)
 
 
-def _block_table(
-    seq: ScheduledSeq, blocks: Sequence[int], block_size: int, group: int, num_blocks: int | None
-) -> np.ndarray:
-    """One group's block ids of ``seq``, checked: ints in range, enough to hold its tokens."""
-    table = np.asarray(blocks).reshape(-1)
-    where = f"request {seq.request_id!r}, group {group}"
-    if table.size and (table.dtype == np.bool_ or not np.issubdtype(table.dtype, np.integer)):
-        raise BlockIdError(f"{where}: block ids must be ints, got {table.tolist()!r}")
-    table = table.astype(np.int64)
-    total = seq.num_computed_tokens + seq.num_new_tokens
-    needed = cdiv(total, block_size)
-    if len(table) < needed:
+def _check_lengths(
+    seqs: Sequence[ScheduledSeq], lengths: np.ndarray, needed: np.ndarray, group: int, block_size: int
+) -> None:
+    """:class:`BlockIdError` for the first sequence with fewer blocks than its tokens need."""
+    short = lengths < needed
+    if short.any():
+        i = int(np.argmax(short))
+        seq = seqs[i]
         raise BlockIdError(
-            f"request {seq.request_id!r} has {len(table)} blocks in group {group}, "
-            f"needs {needed} for {total} tokens of block size {block_size}"
+            f"request {seq.request_id!r} has {lengths[i]} blocks in group {group}, needs {needed[i]} for "
+            f"{seq.num_computed_tokens + seq.num_new_tokens} tokens of block size {block_size}"
         )
-    limit = num_blocks if num_blocks is not None else _MAX_BLOCKS
-    bad = (table < 0) | (table >= limit)
-    if bad.any():
-        raise BlockIdError(
-            f"{where}: block id {int(table[bad][0])} out of range [0, {limit})"
-            + ("" if num_blocks is not None else " (pass num_blocks to check the upper bound)")
-        )
-    return table
 
 
 def _state_rows(
-    seqs: Sequence[ScheduledSeq], tables: Sequence[np.ndarray], block_size: int, group: int, max_seqs: int
+    seqs: Sequence[ScheduledSeq],
+    table: np.ndarray,
+    rows: np.ndarray,
+    kv_lens: np.ndarray,
+    block_size: int,
+    group: int,
+    max_seqs: int,
 ) -> np.ndarray:
-    """(3, max_seqs): read rows, write rows and fresh flags of one recurrent group."""
+    """(3, max_seqs): read rows, write rows and fresh flags of one recurrent group
+    (:func:`state_rows` of every sequence at once, from its rows of the group's ``table``)."""
+    computed = kv_lens - np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
+    write = table[rows, -(-kv_lens // block_size) - 1]
+    if not write.all():  # then the read row, which falls back to it, is null too
+        i = int(np.argmin(write != 0))
+        raise BlockIdError(
+            f"request {seqs[i].request_id!r}, group {group}: the state after {seqs[i].num_computed_tokens} "
+            f"(+{seqs[i].num_new_tokens}) tokens maps to the null row 0"
+        )
+    read = table[rows, np.maximum(-(-computed // block_size) - 1, 0)]
     out = np.zeros((3, max_seqs), dtype=np.int64)
     out[2, len(seqs) :] = 1
-    for i, (seq, table) in enumerate(zip(seqs, tables, strict=True)):
-        read, write = state_rows(table.tolist(), seq.num_computed_tokens, seq.num_new_tokens, block_size)
-        if write == 0:  # then the read row, which falls back to it, is null too
-            raise BlockIdError(
-                f"request {seq.request_id!r}, group {group}: the state after {seq.num_computed_tokens} "
-                f"(+{seq.num_new_tokens}) tokens maps to the null row 0"
-            )
-        out[:, i] = read, write, seq.num_computed_tokens == 0
+    out[0, : len(seqs)] = np.where(computed == 0, 0, np.where(read == 0, write, read))
+    out[1, : len(seqs)] = write
+    out[2, : len(seqs)] = computed == 0
     return out
 
 
@@ -416,6 +421,16 @@ def _unit_blocks(
     return out
 
 
+def table_limits(
+    num_groups: int, num_blocks: int | None, state_groups: Collection[int] = (), num_states: int | None = None
+) -> tuple[int, ...]:
+    """The bound of each group's block ids (exclusive): ``num_blocks``, or for a recurrent group
+    ``num_states`` when the states have a pool of their own; at most the int32 range."""
+    blocks = min(num_blocks, _MAX_BLOCKS) if num_blocks is not None else _MAX_BLOCKS
+    states = min(num_states, _MAX_BLOCKS) if num_states is not None else blocks
+    return tuple(states if g in state_groups else blocks for g in range(num_groups))
+
+
 def build_step_metadata(
     seqs: Sequence[ScheduledSeq],
     token_ids: Sequence[Sequence[int]],
@@ -430,6 +445,7 @@ def build_step_metadata(
     unit_blocks: Callable[[int], Sequence[int]] | None = None,
     pages_per_state: int = 0,
     device: jax.Device | jax.sharding.Sharding | None = None,
+    tables: BlockTables | None = None,
 ) -> StepMetadata:
     """Build one step's metadata in numpy and send it to ``device`` in one transfer.
 
@@ -452,6 +468,10 @@ def build_step_metadata(
     With states in the KV pages (``shared_pages``), ``pages_per_state`` > 0 and
     ``unit_blocks`` maps a state's head block to all its blocks
     (:meth:`jaxkv.core.manager.KVCacheManager.state_blocks`); each is checked against ``num_blocks``.
+
+    ``tables`` are the caller's block tables kept across steps (a serving loop's; their
+    limits must be :func:`table_limits` of these arguments): only the ids that changed since
+    a request's last step are converted and checked. None: fresh tables for this call.
     """
     if not seqs:
         raise MetadataError("no sequences scheduled")
@@ -490,44 +510,49 @@ def build_step_metadata(
             f"pages_per_state={pages_per_state!r} must be an int >= 0, > 0 exactly when unit_blocks is given "
             f"(got {unit_blocks!r})"
         )
-    tables: list[np.ndarray | None] = []
+    limits = table_limits(num_groups, num_blocks, state_group_set, num_states)
+    if tables is None:
+        tables = BlockTables(limits)
+    elif tables.limits != limits:
+        raise MetadataError(f"the block tables bound groups' ids by {tables.limits}, this step by {limits}")
+    rows = tables.rows([s.request_id for s in seqs], block_ids)
+    n = len(seqs)
+    widths: list[int | None] = []
     states: dict[int, np.ndarray] = {}
     units: dict[int, np.ndarray] = {}
     for g, block_size in enumerate(block_sizes):
+        lengths = tables.lengths(g, rows)
+        _check_lengths(seqs, lengths, -(-kv_lens // block_size), g, block_size)
         if g in state_group_set:
-            limit = num_states if num_states is not None else num_blocks
-            rows = [_block_table(seq, ids[g], block_size, g, limit) for seq, ids in zip(seqs, block_ids, strict=True)]
-            states[g] = _state_rows(seqs, rows, block_size, g, max_seqs)
+            states[g] = _state_rows(seqs, tables.table(g), rows, kv_lens, block_size, g, max_seqs)
             if unit_blocks is not None:
                 units[g] = _unit_blocks(seqs, states[g], unit_blocks, pages_per_state, num_blocks, g, max_seqs)
-            tables.append(None)
-            continue
-        rows = [_block_table(seq, ids[g], block_size, g, num_blocks) for seq, ids in zip(seqs, block_ids, strict=True)]
-        width = bucket(max(len(r) for r in rows), buckets.blocks, f"blocks of group {g}")
-        padded = np.zeros((max_seqs, width), dtype=np.int64)
-        for i, row in enumerate(rows):
-            padded[i, : len(row)] = row
-        tables.append(padded)
+            widths.append(None)
+        else:
+            widths.append(bucket(int(lengths.max()), buckets.blocks, f"blocks of group {g}"))
 
-    packing = _Packing(num_tokens, max_seqs, tuple(None if t is None else t.shape[1] for t in tables), pages_per_state)
+    packing = _packing(num_tokens, max_seqs, tuple(widths), pages_per_state)
     offsets = packing.offsets
-    packed = np.zeros(offsets["_end"][0], dtype=np.int64)
+    packed = np.zeros(offsets["_end"][0], dtype=np.int32)
+    info = np.iinfo(np.int32)
 
     def put(name: str, values: np.ndarray) -> None:
+        if values.size and (values.max() > info.max or values.min() < info.min):
+            raise MetadataError(f"{name}: values [{values.min()}, {values.max()}] do not fit int32")
         start = offsets[name][0]
         packed[start : start + values.size] = values.reshape(-1)
 
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)])
-    seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
+    seq_of_token = np.repeat(np.arange(n), q_lens)
     positions = np.arange(total) - cu_q_lens[seq_of_token] + (kv_lens - q_lens)[seq_of_token]
-    put("input_ids", np.concatenate([_new_tokens(s, t) for s, t in zip(seqs, token_ids, strict=True)]))
+    put("input_ids", _new_tokens(seqs, token_ids))
     put("positions", positions)
     put("kv_lens", kv_lens)
-    put("cu_q_lens", np.pad(cu_q_lens, (0, max_seqs - len(seqs)), mode="edge"))
-    put("num_seqs", np.array([len(seqs)]))
+    put("cu_q_lens", np.pad(cu_q_lens, (0, max_seqs - n), mode="edge"))
+    put("num_seqs", np.array([n]))
     put("logits_indices", cu_q_lens[1:] - 1)
-    for g, (table, block_size) in enumerate(zip(tables, block_sizes, strict=True)):
-        if table is None:
+    for g, (width, block_size) in enumerate(zip(widths, block_sizes, strict=True)):
+        if width is None:
             read, write, fresh = states[g]
             put(f"read{g}", read)
             put(f"write{g}", write)
@@ -536,6 +561,11 @@ def build_step_metadata(
                 put(f"read_blocks{g}", units[g][0])
                 put(f"write_blocks{g}", units[g][1])
             continue
+        start = offsets[f"tables{g}"][0]
+        table = packed[start : start + max_seqs * width].reshape(max_seqs, width)
+        source = tables.table(g)
+        w = min(width, source.shape[1])
+        table[:n, :w] = source[rows, :w]  # ids < their limit <= 2**31: they fit int32
         block = table[seq_of_token, positions // block_size]
         null = block == 0
         if null.any():
@@ -544,12 +574,8 @@ def build_step_metadata(
                 f"request {seqs[seq_of_token[t]].request_id!r}, group {g}: new token at "
                 f"position {positions[t]} maps to the null block 0"
             )
-        put(f"tables{g}", table)
         put(f"slots{g}", block * block_size + positions % block_size)
-    info = np.iinfo(np.int32)
-    if packed.size and (packed.max() > info.max or packed.min() < info.min):
-        raise MetadataError(f"values [{packed.min()}, {packed.max()}] do not fit int32")
-    return StepMetadata(place_values(packed.astype(np.int32), device), packing, layer_map)
+    return StepMetadata(place_values(packed, device), packing, layer_map)
 
 
 def attention_metadata(

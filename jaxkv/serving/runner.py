@@ -39,9 +39,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxkv.device import ops
+from jaxkv.device.block_table import BlockTables
 from jaxkv.device.cache import KVCache, allocate_kv_cache
 from jaxkv.device.mesh import MODEL_AXIS, auto_axes, place, replicated, weight_shardings
-from jaxkv.device.metadata import Buckets, ScheduledSeq, StepMetadata, bucket, build_step_metadata
+from jaxkv.device.metadata import Buckets, ScheduledSeq, StepMetadata, bucket, build_step_metadata, table_limits
 from jaxkv.device.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
 from jaxkv.device.state_pages import StatePages, StateUnits, check_mesh, state_pages
 from jaxkv.errors import JaxkvError
@@ -233,6 +234,12 @@ class ModelRunner:
         self.block_sizes = tuple(g.block_size for g in config.groups)
         self.state_groups = tuple(i for i, g in enumerate(config.groups) if isinstance(g.spec, MambaSpec))
         self.group_layers = tuple(g.layer_names for g in config.groups)
+        self._num_states = num_state_rows(config) if self.state_groups else None
+        self._tables = BlockTables(
+            table_limits(len(config.groups), config.num_blocks, self.state_groups, self._num_states),
+            rows=max(buckets.seqs),
+            width=max(buckets.blocks),
+        )
         self.cache: KVCache | HybridCache = allocate_cache(config, self.mesh, model_axis)
         self.params = model.params
         self._meta_sharding = None if self.mesh is None else replicated(self.mesh)
@@ -254,7 +261,10 @@ class ModelRunner:
         """Seconds the host spent waiting for steps' outputs (the rest of a step is host work)."""
 
     def metadata(self, chunks: Sequence[ScheduledChunk]) -> StepMetadata:
-        """The device metadata of one step's chunks (decodes first, as the scheduler orders them)."""
+        """The device metadata of one step's chunks (decodes first, as the scheduler orders them).
+
+        Block ids go through the runner's block tables, kept across steps: only the ids a
+        request gained (or that changed) since its last step are converted and checked."""
         seqs = [ScheduledSeq(c.seq.request_id, c.num_computed_tokens, c.num_new_tokens) for c in chunks]
         shared = self.config.shared_states
         return build_step_metadata(
@@ -265,12 +275,20 @@ class ModelRunner:
             self.buckets,
             num_blocks=self.config.num_blocks,
             state_groups=self.state_groups,
-            num_states=num_state_rows(self.config) if self.state_groups else None,
+            num_states=self._num_states,
             group_layers=self.group_layers,
             unit_blocks=self.unit_blocks,
             pages_per_state=0 if shared is None else shared.pages_per_state,
             device=self._meta_sharding,
+            tables=self._tables,
         )
+
+    def release(self, request_id: str) -> bool:
+        """Forget a finished or preempted sequence's block table row (False if it had none).
+
+        Optional: the tables stay exact without it (a row whose request is gone is reclaimed
+        when rows run out), but a loop that frees a sequence's blocks may call it there."""
+        return self._tables.release(request_id)
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray:
         """Run one step; the greedy next token after each chunk's last token, ``(len(chunks),)``."""

@@ -13,7 +13,8 @@ seeded request draws the same tokens whatever shares its batch (and again after 
 preemption). Temperature 0 is the argmax of the (masked) logits: the greedy path.
 The top :data:`~jaxkv.serving.sampling_params.MAX_LOGPROBS` log-probabilities and the
 chosen token's come from the model's raw distribution (``log_softmax`` of the
-logits, before any of the masks), as vLLM reports them by default.
+logits, before any of the masks), as vLLM reports them by default; a step computes and
+returns them only when one of its rows asked (a static flag: two compiled variants at most).
 
 Ties at the top-p boundary keep every token equal to the last one kept; top-k keeps
 ties with the k-th value too (they are equally likely, none is preferred).
@@ -21,7 +22,9 @@ ties with the k-th value too (they are equally likely, none is preferred).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -30,38 +33,89 @@ import numpy as np
 
 from jaxkv.serving.sampling_params import MAX_LOGPROBS, MAX_MASKED_STOP_IDS, SamplingParams
 
+_FLOATS = ("temperature", "top_p", "min_p")
+"""The float32 columns of :class:`SamplingInputs`' packed rows (carried as their int32 bits)."""
+_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "num_banned")
+"""The packed row's first columns, one value each; the banned ids follow."""
+_AT = {name: i for i, name in enumerate(_COLUMNS)}
 
-class SamplingInputs(NamedTuple):
-    """Per-row sampling parameters of one step (``S`` rows: the step's padded sequences)."""
 
-    temperature: np.ndarray | jax.Array
-    """(S,) float32; 0: greedy."""
-    top_k: np.ndarray | jax.Array
-    """(S,) int32; 0: every token."""
-    top_p: np.ndarray | jax.Array
-    """(S,) float32 in (0, 1]."""
-    min_p: np.ndarray | jax.Array
-    """(S,) float32 in [0, 1]."""
-    seed: np.ndarray | jax.Array
-    """(S,) uint32: the row's key is ``fold_in(key(seed), position)``."""
-    position: np.ndarray | jax.Array
-    """(S,) int32: the position in its sequence of the token the row draws."""
-    banned: np.ndarray | jax.Array
-    """(S, MAX_MASKED_STOP_IDS) int32: token ids the row may not draw (the first ``num_banned``)."""
-    num_banned: np.ndarray | jax.Array
-    """(S,) int32."""
+def _column(packed: np.ndarray | jax.Array, name: str) -> np.ndarray | jax.Array:
+    """Column ``name`` of packed rows (either kind of array), in its own dtype."""
+    values = packed[:, _AT[name]]
+    dtype = np.float32 if name in _FLOATS else np.uint32 if name == "seed" else None
+    if dtype is None:
+        return values
+    if isinstance(values, np.ndarray):
+        return values.view(dtype)
+    return jax.lax.bitcast_convert_type(values, dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingInputs:
+    """Per-row sampling parameters of one step (``S`` rows: the step's padded sequences).
+
+    One int32 array ``(S, 7 + MAX_MASKED_STOP_IDS)`` carries them all (float32 and uint32
+    values as their bits), so the step's call sends one array, not eight; ``logprobs`` is
+    static: whether some row asked for log-probabilities (a step without them computes and
+    returns none; each value compiles once)."""
+
+    packed: np.ndarray | jax.Array
+    logprobs: bool = dataclasses.field(default=False, metadata={"static": True})
+
+    @property
+    def temperature(self) -> np.ndarray | jax.Array:
+        """(S,) float32; 0: greedy."""
+        return _column(self.packed, "temperature")
+
+    @property
+    def top_k(self) -> np.ndarray | jax.Array:
+        """(S,) int32; 0: every token."""
+        return _column(self.packed, "top_k")
+
+    @property
+    def top_p(self) -> np.ndarray | jax.Array:
+        """(S,) float32 in (0, 1]."""
+        return _column(self.packed, "top_p")
+
+    @property
+    def min_p(self) -> np.ndarray | jax.Array:
+        """(S,) float32 in [0, 1]."""
+        return _column(self.packed, "min_p")
+
+    @property
+    def seed(self) -> np.ndarray | jax.Array:
+        """(S,) uint32: the row's key is ``fold_in(key(seed), position)``."""
+        return _column(self.packed, "seed")
+
+    @property
+    def position(self) -> np.ndarray | jax.Array:
+        """(S,) int32: the position in its sequence of the token the row draws."""
+        return _column(self.packed, "position")
+
+    @property
+    def num_banned(self) -> np.ndarray | jax.Array:
+        """(S,) int32."""
+        return _column(self.packed, "num_banned")
+
+    @property
+    def banned(self) -> np.ndarray | jax.Array:
+        """(S, MAX_MASKED_STOP_IDS) int32: token ids the row may not draw (the first ``num_banned``)."""
+        return self.packed[:, len(_COLUMNS) :]
 
 
 class SampledTokens(NamedTuple):
-    """What the step drew, per row."""
+    """What the step drew, per row; the log-probabilities only when some row asked for them
+    (:attr:`SamplingInputs.logprobs`), else None."""
 
     token_ids: np.ndarray | jax.Array
     """(S,) int32."""
-    logprob: np.ndarray | jax.Array
+    logprob: np.ndarray | jax.Array | None = None
     """(S,) float32: the chosen token's log-probability."""
-    top_ids: np.ndarray | jax.Array
+    top_ids: np.ndarray | jax.Array | None = None
     """(S, K) int32, K = min(MAX_LOGPROBS, vocab): the most likely tokens, most likely first."""
-    top_logprobs: np.ndarray | jax.Array
+    top_logprobs: np.ndarray | jax.Array | None = None
     """(S, K) float32."""
 
 
@@ -77,24 +131,25 @@ class RowSampling(NamedTuple):
 def sampling_inputs(rows: Sequence[RowSampling | None], num_rows: int) -> SamplingInputs:
     """The step's :class:`SamplingInputs` (host arrays) for ``rows`` (None: a row that draws
     nothing this step, sampled greedily and ignored), padded to ``num_rows`` greedy rows."""
-    temperature = np.zeros(num_rows, np.float32)
-    top_k = np.zeros(num_rows, np.int32)
-    top_p = np.ones(num_rows, np.float32)
-    min_p = np.zeros(num_rows, np.float32)
-    seed = np.zeros(num_rows, np.uint32)
-    position = np.zeros(num_rows, np.int32)
-    banned = np.zeros((num_rows, MAX_MASKED_STOP_IDS), np.int32)
-    num_banned = np.zeros(num_rows, np.int32)
+    packed = np.zeros((num_rows, len(_COLUMNS) + MAX_MASKED_STOP_IDS), np.int32)
+    floats = np.zeros((num_rows, len(_FLOATS)), np.float32)  # temperature, top_p, min_p
+    floats[:, 1] = 1.0
+    seeds = np.zeros(num_rows, np.uint32)
+    logprobs = False
     for i, row in enumerate(rows):
         if row is None:
             continue
         p = row.params
-        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+        floats[i] = p.temperature, p.top_p, p.min_p
+        packed[i, _AT["top_k"]] = p.top_k
         if not p.is_greedy:  # a greedy row's key is unused: its inputs stay the same in every process
-            seed[i], position[i] = row.seed, row.position
-        banned[i, : len(row.banned)] = row.banned
-        num_banned[i] = len(row.banned)
-    return SamplingInputs(temperature, top_k, top_p, min_p, seed, position, banned, num_banned)
+            seeds[i], packed[i, _AT["position"]] = row.seed, row.position
+        packed[i, _AT["num_banned"]] = len(row.banned)
+        packed[i, len(_COLUMNS) : len(_COLUMNS) + len(row.banned)] = row.banned
+        logprobs |= p.logprobs is not None
+    packed[:, [_AT[name] for name in _FLOATS]] = floats.view(np.int32)
+    packed[:, _AT["seed"]] = seeds.view(np.int32)
+    return SamplingInputs(packed, logprobs)
 
 
 def greedy_inputs(num_rows: int) -> SamplingInputs:
@@ -142,15 +197,18 @@ def sample(logits: jax.Array, inputs: SamplingInputs) -> SampledTokens:
     """Draw one token per row of ``logits`` (S, V) as ``inputs`` say (see the module docstring).
 
     A step whose rows are all greedy takes the argmax alone: the vocabulary sort and the
-    noise of a draw run only when some row samples (a runtime branch, one compile).
+    noise of a draw run only when some row samples (a runtime branch, one compile). The
+    log-probabilities are computed only when ``inputs.logprobs`` (static) asks for them.
     """
     logits = logits.astype(jnp.float32)
-    raw = jax.nn.log_softmax(logits, axis=-1)
-    logits = _ban(logits, jnp.asarray(inputs.banned), jnp.asarray(inputs.num_banned))
-    inputs = SamplingInputs(*(jnp.asarray(field) for field in inputs))
+    inputs = SamplingInputs(jnp.asarray(inputs.packed), inputs.logprobs)
+    masked = _ban(logits, jnp.asarray(inputs.banned), jnp.asarray(inputs.num_banned))
     tokens = jax.lax.cond(
-        jnp.any(inputs.temperature > 0), _draw, lambda lg, _: jnp.argmax(lg, axis=-1), logits, inputs
+        jnp.any(inputs.temperature > 0), _draw, lambda lg, _: jnp.argmax(lg, axis=-1), masked, inputs
     ).astype(jnp.int32)
+    if not inputs.logprobs:
+        return SampledTokens(tokens)
+    raw = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, raw.shape[-1]))
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     return SampledTokens(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
