@@ -128,9 +128,7 @@ def parse(
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     _check_fields(kind, body)
-    asked = body.get("model", model)
-    if asked != model:
-        raise ApiError(f"The model `{asked!s:.200}` does not exist.", status=404, kind="NotFoundError", param="model")
+    _check_model(body, model)
     if kind == "chat":
         prompt = _chat_prompt(body, tokenizer)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -209,8 +207,7 @@ def tokenized(body: object, tokenizer: TextTokenizer | None, model: str, max_mod
     """vLLM's ``/tokenize``: a ``prompt`` (text) or chat ``messages`` as token ids."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    if body.get("model", model) != model:
-        raise ApiError(f"The model `{body['model']!s:.200}` does not exist.", status=404, kind="NotFoundError")
+    _check_model(body, model)
     unknown = sorted(set(body) - {"model", "prompt", "messages", "add_generation_prompt", "continue_final_message"})
     if unknown:
         raise ApiError(f"unknown field {unknown[0]!r:.80} for /tokenize", param=unknown[0])
@@ -222,14 +219,20 @@ def detokenized(body: object, tokenizer: TextTokenizer | None, model: str) -> di
     """vLLM's ``/detokenize``: ``tokens`` as text."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    if body.get("model", model) != model:
-        raise ApiError(f"The model `{body['model']!s:.200}` does not exist.", status=404, kind="NotFoundError")
+    _check_model(body, model)
     tokens = body.get("tokens")
     if tokenizer is None:
         raise ApiError("detokenizing needs a tokenizer; this checkpoint has none", param="tokens")
     if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < tokenizer.vocab_size for t in tokens):
         raise ApiError(f"tokens must be a list of ids below {tokenizer.vocab_size}, got {tokens!r:.80}", param="tokens")
     return {"prompt": tokenizer.decode(tokens)}
+
+
+def _check_model(body: Mapping[str, Any], model: str) -> None:
+    """A ``model`` other than the served one is vLLM's 404."""
+    asked = body.get("model", model)
+    if asked != model:
+        raise ApiError(f"The model `{asked!s:.200}` does not exist.", status=404, kind="NotFoundError", param="model")
 
 
 def _check_fields(kind: str, body: Mapping[str, Any]) -> None:

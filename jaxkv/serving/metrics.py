@@ -56,6 +56,16 @@ class MetricsUnavailableError(JaxkvError, ImportError):
     """prometheus-client is not installed (``pip install 'jaxkv[metrics]'``)."""
 
 
+def import_prometheus_client() -> Any:
+    """The prometheus_client module; :class:`MetricsUnavailableError` naming the extra without it."""
+    try:
+        import prometheus_client
+    except ImportError as err:
+        message = "Prometheus metrics need prometheus-client: pip install 'jaxkv[metrics]'"
+        raise MetricsUnavailableError(message) from err
+    return prometheus_client
+
+
 class PrometheusMetrics:
     """A step observer that exports :class:`EngineStats` as Prometheus gauges and counters.
 
@@ -65,12 +75,7 @@ class PrometheusMetrics:
     """
 
     def __init__(self, *, labels: Mapping[str, str] | None = None, registry: Any = None) -> None:
-        try:
-            import prometheus_client
-        except ImportError as err:
-            raise MetricsUnavailableError(
-                "Prometheus metrics need prometheus-client: pip install 'jaxkv[metrics]'"
-            ) from err
+        prometheus_client = import_prometheus_client()
         self.labels = dict(labels or {})
         self.registry = prometheus_client.CollectorRegistry() if registry is None else registry
         names = list(self.labels)

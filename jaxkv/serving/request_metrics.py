@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from jaxkv.serving.metrics import MetricsUnavailableError
+from jaxkv.serving.metrics import import_prometheus_client
 
 if TYPE_CHECKING:
     from jaxkv.serving.engine import RequestDelta
@@ -45,12 +45,7 @@ class RequestMetrics:
     (share the registry of the engine's :class:`~jaxkv.serving.metrics.PrometheusMetrics`)."""
 
     def __init__(self, *, labels: Mapping[str, str] | None = None, registry: Any = None) -> None:
-        try:
-            import prometheus_client
-        except ImportError as err:
-            raise MetricsUnavailableError(
-                "Prometheus metrics need prometheus-client: pip install 'jaxkv[metrics]'"
-            ) from err
+        prometheus_client = import_prometheus_client()
         self.labels = dict(labels or {})
         self.registry = prometheus_client.CollectorRegistry() if registry is None else registry
         names = list(self.labels)
