@@ -831,3 +831,25 @@ def test_a_shared_checkpoint_is_requeued_when_its_request_ends(tokens):
     assert mgr.state_pool.free_block_ids()[-1] != junction, "queued when the prefill moved past it"
     mgr.free(branch)
     assert mgr.state_pool.free_block_ids()[-1] == junction
+
+
+def test_a_running_requests_shared_checkpoint_stays_warm_while_others_churn_the_pool(tokens):
+    """Each block the request caches requeues the shared checkpoints it cached, so a
+    junction it passed mid-prefill is not evicted by other requests' states while it runs
+    (the second request of a shared prefix can arrive before the first ends)."""
+    mgr = state_pool_manager(64, 8)
+    first = Request("first", tokens(0, 100))
+    serve_prompt(mgr, first)
+    mgr.free(first)
+    branch = Request("branch", tokens(0, 64) + tokens(900, 30))
+    serve_prompt(mgr, branch)
+    junction = mgr.written_block(1, branch.block_hashes[3])
+    assert junction is not None
+    for i in range(8):
+        other = Request(f"other{i}", tokens(2000 + 100 * i, 40))
+        serve_prompt(mgr, other)
+        mgr.free(other)
+        decode(mgr, branch, 16)
+    assert mgr.written_block(1, branch.block_hashes[3]) == junction
+    second = Request("second", tokens(0, 64) + tokens(500, 20))
+    assert serve_prompt(mgr, second) == 64
