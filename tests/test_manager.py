@@ -816,18 +816,42 @@ def test_branch_ahead_lets_the_second_request_of_a_shared_prefix_hit(tokens):
         state_pool_manager(16, 4, branch_ahead=1)
 
 
-def test_a_shared_checkpoint_is_requeued_when_its_request_ends(tokens):
-    """It joined the free queue mid-prefill, before the request's own checkpoints: it must
-    not be evicted before them, nor before the prefix it completes."""
+def branch_past_a_junction(tokens) -> tuple[KVCacheManager, Request]:
+    """A state-pool manager where a running request branched off a cached 100-token chain
+    at 64 tokens (a shared junction checkpoint there) and prefilled its prompt."""
     mgr = state_pool_manager(64, 8)
     first = Request("first", tokens(0, 100))
     serve_prompt(mgr, first)
     mgr.free(first)
     branch = Request("branch", tokens(0, 64) + tokens(900, 30))
     serve_prompt(mgr, branch)
+    return mgr, branch
+
+
+def test_a_shared_checkpoint_is_requeued_when_its_request_ends(tokens):
+    """It joined the free queue mid-prefill, before the request's own checkpoints: it must
+    not be evicted before them, nor before the prefix it completes."""
+    mgr, branch = branch_past_a_junction(tokens)
     decode(mgr, branch, 20)  # past two more block boundaries: its own checkpoints queue after the junction
     junction = mgr.written_block(1, branch.block_hashes[3])
     assert junction is not None and junction in mgr.state_pool.free_block_ids()
     assert mgr.state_pool.free_block_ids()[-1] != junction, "queued when the prefill moved past it"
     mgr.free(branch)
     assert mgr.state_pool.free_block_ids()[-1] == junction
+
+
+def test_a_running_requests_shared_checkpoint_stays_warm_while_others_churn_the_pool(tokens):
+    """Each block the request caches requeues the shared checkpoints it cached, so a
+    junction it passed mid-prefill is not evicted by other requests' states while it runs
+    (the second request of a shared prefix can arrive before the first ends)."""
+    mgr, branch = branch_past_a_junction(tokens)
+    junction = mgr.written_block(1, branch.block_hashes[3])
+    assert junction is not None
+    for i in range(8):
+        other = Request(f"other{i}", tokens(2000 + 100 * i, 40))
+        serve_prompt(mgr, other)
+        mgr.free(other)
+        decode(mgr, branch, 16)
+    assert mgr.written_block(1, branch.block_hashes[3]) == junction
+    second = Request("second", tokens(0, 64) + tokens(500, 20))
+    assert serve_prompt(mgr, second) == 64

@@ -633,13 +633,17 @@ class StatePoolManager(MambaManager):
     ) -> None:
         """Cache the newest state when it sits on one of the request's checkpoint positions;
         a new continuation checkpoint demotes the previous one. The first call after a hit
-        requeues the shared checkpoints the hit passed through."""
+        requeues the shared checkpoints the hit passed through; each call that caches a
+        block requeues the shared checkpoints the request cached (they stay as warm as its
+        own KV while it runs, for a request that branches off its prefix meanwhile)."""
         num_hit_blocks = self._hit_blocks.pop(request_id, 0)
         if num_hit_blocks:
             self._promote_passed_checkpoints(hashes, num_hit_blocks)
         end = num_tokens // self.block_size
         if end <= self.num_cached.get(request_id, 0):
             return
+        if request_id in self._shared_cached:
+            self.pool.promote(self.shared_checkpoints(request_id))
         kind = self._checkpoint_kind(request_id, num_tokens) if num_tokens % self.block_size == 0 else None
         if kind is not None:
             super().cache_blocks(request_id, hashes, num_tokens, token_ids, lora_name)
@@ -676,8 +680,9 @@ class StatePoolManager(MambaManager):
         """The shared checkpoints the request cached that are still cached as it cached them.
 
         One joins the free queue when the request moves past it, mid-prefill, while the
-        attention blocks it needs join when the request ends: the coordinator requeues
-        it then, so it is not evicted before the prefix it completes."""
+        attention blocks it needs join when the request ends: it is requeued as the
+        request caches blocks and, by the coordinator, when the request ends, so it is not
+        evicted before the prefix it completes."""
         return [b for b, h in self._shared_cached.get(request_id, ()) if self.pool.is_cached_as(b, self.group_id, h)]
 
     def release(self, request_id: str) -> Iterable[int]:
