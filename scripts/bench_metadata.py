@@ -13,13 +13,15 @@ inputs, the jitted tiny forward and the read-back) at ``--call_seqs`` sequences 
 the per-call cost the trees differ in (the forward is the same).
 
 Each tree runs in a subprocess of its own (``PYTHONPATH`` = the tree), ``new`` (this one) and
-``base`` (``--base``, default ``/work/main``) alternating ``--rounds`` times; every figure is the
-median over its rounds of per-step medians, and ratios are base / new of those.
+``base`` (``--base``, another checkout; without it only this tree runs) alternating ``--rounds``
+times; every figure is the median over its rounds of per-step medians, and ratios are base / new
+of those.
+
+    PYTHONPATH=. python3 scripts/bench_metadata.py --base ../jaxkv-main --out bench_metadata.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,7 +30,24 @@ import sys
 import time
 from pathlib import Path
 
+from absl import app, flags
+
+from jaxkv.commands.cli import exit_error, flags_parser, write_json
+
+PROG = "bench_metadata.py"
 _ROOT = Path(__file__).resolve().parents[1]
+
+flags.DEFINE_string("model", "tiny-hybrid", "the tiny model whose step metadata is built")
+flags.DEFINE_list("seqs", ["8", "32", "64", "128"], "running decode sequences, one figure each")
+flags.DEFINE_integer("context", 1024, "tokens of each decoding sequence", lower_bound=1)
+flags.DEFINE_integer("steps", 30, "timed steps per figure", lower_bound=1)
+flags.DEFINE_integer("call_seqs", 8, "sequences of the whole-call figure (0: none)", lower_bound=0)
+flags.DEFINE_integer("call_context", 64, "tokens of each sequence of the whole-call figure", lower_bound=1)
+flags.DEFINE_integer("rounds", 3, "rounds of each tree, alternating", lower_bound=1)
+flags.DEFINE_string("base", None, "another jaxkv checkout to time beside this one")
+flags.DEFINE_string("out", None, "write the figures as JSON here")
+flags.DEFINE_boolean("worker", False, "(internal) time this process's tree and print JSON")
+FLAGS = flags.FLAGS
 
 
 def _decoding(model_name: str, num_seqs: int, context: int, steps: int):
@@ -60,17 +79,17 @@ def _decoding(model_name: str, num_seqs: int, context: int, steps: int):
         scheduler.update(out, [1] * len(out.chunks))
 
 
-def _worker(args: argparse.Namespace) -> dict:
+def _worker(seqs: list[int]) -> dict:
     """This process's figures (run with the tree under test first on ``sys.path``)."""
     import jax
 
     import jaxkv
 
     result: dict = {"jaxkv": str(Path(jaxkv.__file__).parent.parent), "metadata": {}, "call": {}}
-    for n in args.seqs:
-        runner, scheduler, out = _decoding(args.model, n, args.context, args.steps + 5)
+    for n in seqs:
+        runner, scheduler, out = _decoding(FLAGS.model, n, FLAGS.context, FLAGS.steps + 5)
         wall, cpu = [], []
-        for step in range(args.steps + 5):
+        for step in range(FLAGS.steps + 5):
             start, start_cpu = time.perf_counter(), time.thread_time()
             meta = runner.metadata(out.chunks)
             jax.block_until_ready(meta.packed)
@@ -80,15 +99,15 @@ def _worker(args: argparse.Namespace) -> dict:
             scheduler.update(out, [1] * len(out.chunks))
             out = scheduler.schedule()
         result["metadata"][n] = {"wall_ms": 1e3 * statistics.median(wall), "cpu_ms": 1e3 * statistics.median(cpu)}
-    if not args.call_seqs:
+    if not FLAGS.call_seqs:
         return result
-    runner, scheduler, out = _decoding(args.model, args.call_seqs, args.call_context, args.steps + 5)
+    runner, scheduler, out = _decoding(FLAGS.model, FLAGS.call_seqs, FLAGS.call_context, FLAGS.steps + 5)
     from jaxkv.serving.sampler import RowSampling
     from jaxkv.serving.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     wall = []
-    for step in range(args.steps + 5):
+    for step in range(FLAGS.steps + 5):
         rows = [RowSampling(greedy, 0, c.num_computed_tokens + 1) for c in out.chunks]
         start = time.perf_counter()
         sampled, _ = runner.execute_sampled(out.chunks, rows)
@@ -97,7 +116,7 @@ def _worker(args: argparse.Namespace) -> dict:
             wall.append(time.perf_counter() - start)
         scheduler.update(out, tokens)
         out = scheduler.schedule()
-    result["call"] = {"seqs": args.call_seqs, "context": args.call_context, "wall_ms": 1e3 * statistics.median(wall)}
+    result["call"] = {"seqs": FLAGS.call_seqs, "context": FLAGS.call_context, "wall_ms": 1e3 * statistics.median(wall)}
     return result
 
 
@@ -112,31 +131,26 @@ def _run_tree(tree: Path, argv: list[str]) -> dict:
         check=False,
     )
     if proc.returncode:
-        raise SystemExit(f"worker in {tree} failed:\n{proc.stderr[-3000:]}")
+        exit_error(PROG, f"the worker in {tree} failed: {proc.stderr.strip().splitlines()[-1:]}", status=1)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-hybrid")
-    parser.add_argument("--seqs", type=int, nargs="+", default=[8, 32, 64, 128])
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--call_seqs", type=int, default=8, help="0: no whole-call figure")
-    parser.add_argument("--call_context", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--base", type=Path, default=Path("/work/main"))
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(_worker(args)))
+def main(argv: list[str]) -> None:
+    del argv
+    try:
+        seqs = [int(n) for n in FLAGS.seqs]
+    except ValueError:
+        exit_error(PROG, f"--seqs must be ints, got {','.join(FLAGS.seqs)}")
+    if FLAGS.worker:
+        print(json.dumps(_worker(seqs)))
         return
-    argv = [a for a in sys.argv[1:] if not a.startswith("--out") and a != str(args.out)]
-    runs: dict[str, list[dict]] = {"base": [], "new": []}
-    for _ in range(args.rounds):
-        runs["base"].append(_run_tree(args.base, argv))
-        runs["new"].append(_run_tree(_ROOT, argv))
+    names = ("model", "seqs", "context", "steps", "call_seqs", "call_context")
+    argv = [f"--{name}={FLAGS[name].serialize().split('=', 1)[1]}" for name in names]
+    trees = {"new": _ROOT} if FLAGS.base is None else {"base": Path(FLAGS.base), "new": _ROOT}
+    runs: dict[str, list[dict]] = {side: [] for side in trees}
+    for _ in range(FLAGS.rounds):
+        for side, tree in trees.items():
+            runs[side].append(_run_tree(tree, argv))
 
     def med(side: str, *keys: str) -> float:
         values = []
@@ -148,39 +162,27 @@ def main() -> None:
         return statistics.median(values)
 
     rows = []
-    print(f"{args.model}, {args.context}-token decodes, medians of {args.rounds} rounds x {args.steps} steps")
-    print(f"{'seqs':>5} {'base wall ms':>13} {'new wall ms':>12} {'ratio':>6} {'base cpu ms':>12} {'new cpu ms':>11}")
-    for n in args.seqs:
+    print(f"{FLAGS.model}, {FLAGS.context}-token decodes, medians of {FLAGS.rounds} rounds x {FLAGS.steps} steps")
+    print(f"{'seqs':>5} " + " ".join(f"{side + ' wall ms':>13} {side + ' cpu ms':>12}" for side in runs) + "  ratio")
+    for n in seqs:
         key = str(n)
-        row = {
-            "seqs": n,
-            **{f"{side}_{kind}": med(side, "metadata", key, kind) for side in runs for kind in ("wall_ms", "cpu_ms")},
-        }
-        row["ratio"] = row["base_wall_ms"] / row["new_wall_ms"]
+        row: dict = {"seqs": n}
+        for side in runs:
+            for kind in ("wall_ms", "cpu_ms"):
+                row[f"{side}_{kind}"] = med(side, "metadata", key, kind)
+        ratio = row["base_wall_ms"] / row["new_wall_ms"] if "base" in runs else None
+        row["ratio"] = ratio
         rows.append(row)
-        print(
-            f"{n:>5} {row['base_wall_ms']:>13.3f} {row['new_wall_ms']:>12.3f} {row['ratio']:>5.1f}x "
-            f"{row['base_cpu_ms']:>12.3f} {row['new_cpu_ms']:>11.3f}"
-        )
-    call = {side: med(side, "call", "wall_ms") for side in runs} if args.call_seqs else {}
+        cells = " ".join(f"{row[side + '_wall_ms']:>13.3f} {row[side + '_cpu_ms']:>12.3f}" for side in runs)
+        print(f"{n:>5} {cells}  " + (f"{ratio:.1f}x" if ratio is not None else "n/a"))
+    call = {side: med(side, "call", "wall_ms") for side in runs} if FLAGS.call_seqs else {}
     if call:
-        print(
-            f"whole step call ({args.call_seqs} seqs, {args.call_context} tokens): base {call['base']:.3f} ms, "
-            f"new {call['new']:.3f} ms, saved {call['base'] - call['new']:.3f} ms"
-        )
-    if args.out:
-        args.out.write_text(
-            json.dumps(
-                {
-                    "args": vars(args) | {"base": str(args.base), "out": str(args.out)},
-                    "metadata": rows,
-                    "call_ms": call,
-                    "runs": runs,
-                },
-                indent=1,
-            )
-        )
+        sides = ", ".join(f"{side} {ms:.3f} ms" for side, ms in call.items())
+        print(f"whole step call ({FLAGS.call_seqs} seqs, {FLAGS.call_context} tokens): {sides}")
+    if FLAGS.out:
+        settings = {name: FLAGS[name].value for name in ("model", "context", "steps", "call_seqs", "rounds", "base")}
+        write_json(PROG, FLAGS.out, {"settings": settings, "metadata": rows, "call_ms": call, "runs": runs})
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main, flags_parser=flags_parser(PROG))

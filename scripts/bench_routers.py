@@ -49,9 +49,10 @@ from pathlib import Path
 
 from absl import app, flags
 
+from jaxkv.commands.cli import exit_error, flags_parser
 from jaxkv.server.cli import parse_bytes
 
-flags.DEFINE_string("checkpoint", None, "a tiny Hugging Face-format checkpoint with a tokenizer", required=True)
+flags.DEFINE_string("checkpoint", None, "a tiny Hugging Face-format checkpoint with a tokenizer (required)")
 flags.DEFINE_string("routers_venv", "/tmp/routers-venv", "the environment holding vllm-router / sglang-router")
 flags.DEFINE_list("configs", ["vllm:cache_aware", "vllm:kv_aware", "sglang:cache_aware", "vllm:round_robin"], "")
 flags.DEFINE_integer("num_replicas", 3, "jaxkv-server replicas", lower_bound=2)
@@ -68,6 +69,7 @@ flags.DEFINE_string("out", None, "write the results as JSON here")
 flags.DEFINE_float("router_settle_s", 3.0, "seconds a router runs before the first routed request", lower_bound=0)
 flags.DEFINE_string("router_logs", None, "write each router's output here")
 FLAGS = flags.FLAGS
+PROG = "bench_routers.py"
 
 HOST = "127.0.0.1"
 WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "lambda", "sigma", "omega", "river", "stone", "cloud", "light")
@@ -287,6 +289,8 @@ def run_big(turns: list, model: str) -> dict:
 
 def main(argv: list[str]) -> None:
     del argv
+    if FLAGS.checkpoint is None or not (Path(FLAGS.checkpoint) / "tokenizer.json").exists():
+        exit_error(PROG, f"--checkpoint={FLAGS.checkpoint} must be a checkpoint directory with a tokenizer.json")
     turns = trace()
     model = Path(FLAGS.checkpoint).name
     started = time.monotonic()
@@ -295,7 +299,7 @@ def main(argv: list[str]) -> None:
     for config in FLAGS.configs:
         kind, _, policy = config.partition(":")
         if kind not in ("vllm", "sglang") or not policy:
-            raise app.UsageError(f"--configs: ROUTER:POLICY with ROUTER vllm or sglang, got {config!r}")
+            exit_error(PROG, f"--configs: ROUTER:POLICY with ROUTER vllm or sglang, got {config!r}")
         missing = router_missing(kind)
         if missing is not None:
             results["configs"][config] = {"skipped": missing}
@@ -329,4 +333,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser(PROG))
