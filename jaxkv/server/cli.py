@@ -262,6 +262,9 @@ async def _serve(args: argparse.Namespace, app: Any, events: str) -> None:
     try:
         built = await engine.ready()
     except EngineDeadError as err:
+        # the engine thread ends before the process does: a daemon thread still unwinding
+        # JAX's C++ at interpreter exit aborts the process (SIGABRT) instead of exit status 2
+        await engine.close()
         fail(str(err))
     app.state.engine = engine
     if args.api_key is None and args.host not in LOOPBACK and not args.host.startswith("127."):
