@@ -121,10 +121,17 @@ def create_app(config: ServerConfig) -> FastAPI:
         except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, a 5,000-digit int, deep nesting
             raise ApiError(f"the body is not JSON this server reads: {type(err).__name__}: {err}"[:300]) from None
 
+    async def ready_engine() -> Engine:
+        """The engine once built; a dead one is a 503 (never an untyped 500)."""
+        try:
+            return await holder["engine"].ready()
+        except EngineDeadError as err:
+            raise ApiError(str(err), status=503, kind="server_error") from None
+
     async def start(kind: str, request: Request) -> tuple[ParsedRequest, RequestStream]:
         check_key(request)
         body = await read_json(request)
-        engine = await holder["engine"].ready()
+        engine = await ready_engine()
         # templates and tokenizers are the checkpoint's and the client's work: off the event loop
         parsed = await asyncio.to_thread(
             parse, kind, body, config.tokenizer, config.model_name, engine.manager.max_model_len
@@ -169,7 +176,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     async def model_card(request: Request) -> dict[str, Any]:
         check_key(request)
-        engine = await holder["engine"].ready()
+        engine = await ready_engine()
         return {
             "id": config.model_name,
             "object": "model",
@@ -197,7 +204,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     async def checked_body(request: Request) -> tuple[object, Engine]:
         check_key(request)
-        return await read_json(request), await holder["engine"].ready()
+        return await read_json(request), await ready_engine()
 
     async def render(kind: str, request: Request) -> Response:
         try:
@@ -242,9 +249,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         and ``/get_model_info``): the model, its path, the context and the cache's block size."""
         try:
             check_key(request)
+            engine = await ready_engine()
         except ApiError as err:
             return error(err)
-        engine = await holder["engine"].ready()
         kv = engine.manager.config
         return JSONResponse(
             {
