@@ -33,7 +33,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxkv
 from jaxkv.models.text import TextTokenizer
-from jaxkv.server.openai_api import Answer, ApiError, ParsedRequest, detokenized, parse, rendered, tokenized
+from jaxkv.server.openai_api import (
+    Answer,
+    ApiError,
+    ParsedRequest,
+    check_model,
+    detokenized,
+    parse,
+    rendered,
+    tokenized,
+)
 from jaxkv.serving.async_engine import AsyncEngine, EngineDeadError, EngineFullError, RequestStream
 from jaxkv.serving.engine import Engine, EngineError
 from jaxkv.serving.metrics import PrometheusMetrics
@@ -129,9 +138,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             raise ApiError(str(err), status=503, kind="server_error") from None
 
     async def start(kind: str, request: Request) -> tuple[ParsedRequest, RequestStream]:
-        check_key(request)
-        body = await read_json(request)
-        engine = await ready_engine()
+        body, engine = await checked_body(request)
         # templates and tokenizers are the checkpoint's and the client's work: off the event loop
         parsed = await asyncio.to_thread(
             parse, kind, body, config.tokenizer, config.model_name, engine.manager.max_model_len
@@ -196,10 +203,9 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def model(request: Request, model_id: str) -> Response:
         try:
             card = await model_card(request)
+            check_model(model_id, config.model_name)
         except ApiError as err:
             return error(err)
-        if model_id != config.model_name:
-            return error(ApiError(f"The model `{model_id:.200}` does not exist.", status=404, kind="NotFoundError"))
         return JSONResponse(card)
 
     async def checked_body(request: Request) -> tuple[object, Engine]:

@@ -128,7 +128,7 @@ def parse(
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     _check_fields(kind, body)
-    _check_model(body, model)
+    check_model(body.get("model", model), model)
     if kind == "chat":
         prompt = _chat_prompt(body, tokenizer)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -207,7 +207,7 @@ def tokenized(body: object, tokenizer: TextTokenizer | None, model: str, max_mod
     """vLLM's ``/tokenize``: a ``prompt`` (text) or chat ``messages`` as token ids."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    _check_model(body, model)
+    check_model(body.get("model", model), model)
     unknown = sorted(set(body) - {"model", "prompt", "messages", "add_generation_prompt", "continue_final_message"})
     if unknown:
         raise ApiError(f"unknown field {unknown[0]!r:.80} for /tokenize", param=unknown[0])
@@ -219,7 +219,7 @@ def detokenized(body: object, tokenizer: TextTokenizer | None, model: str) -> di
     """vLLM's ``/detokenize``: ``tokens`` as text."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    _check_model(body, model)
+    check_model(body.get("model", model), model)
     tokens = body.get("tokens")
     if tokenizer is None:
         raise ApiError("detokenizing needs a tokenizer; this checkpoint has none", param="tokens")
@@ -228,9 +228,8 @@ def detokenized(body: object, tokenizer: TextTokenizer | None, model: str) -> di
     return {"prompt": tokenizer.decode(tokens)}
 
 
-def _check_model(body: Mapping[str, Any], model: str) -> None:
-    """A ``model`` other than the served one is vLLM's 404."""
-    asked = body.get("model", model)
+def check_model(asked: object, model: str) -> None:
+    """A model ``asked`` for other than the one served as ``model`` is vLLM's 404."""
     if asked != model:
         raise ApiError(f"The model `{asked!s:.200}` does not exist.", status=404, kind="NotFoundError", param="model")
 
