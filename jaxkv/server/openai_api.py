@@ -23,6 +23,7 @@ from jaxkv.serving.sampling_params import SamplingParams, SamplingParamsError
 _SAMPLING_FIELDS = (
     *("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos"),
     *("include_stop_str_in_output", "skip_special_tokens"),
+    *("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"),
 )
 
 _HONOURED = {
@@ -38,11 +39,7 @@ _HONOURED = {
 """The body fields each route honours (``user`` is OpenAI's caller label: nothing to do)."""
 
 _INERT: dict[str, tuple[object, ...]] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
     "length_penalty": (1,),
-    "logit_bias": ({},),
     "allowed_token_ids": (),
     "bad_words": ([],),
     "response_format": ({"type": "text"},),
@@ -81,7 +78,7 @@ _INERT: dict[str, tuple[object, ...]] = {
     "return_hidden_states": (False,),
 }
 """Fields vLLM or OpenAI know that jaxkv does not implement: refused by name unless absent,
-null or at a value that asks for nothing (a penalty of 0, ``best_of`` 1, no tools)."""
+null or at a value that asks for nothing (``best_of`` 1, no tools)."""
 
 
 class ApiError(JaxkvError, ValueError):
@@ -191,7 +188,9 @@ def rendered(request: ParsedRequest) -> dict[str, Any]:
     sampling = {
         name: getattr(params, name)
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs")
+        + ("presence_penalty", "frequency_penalty", "repetition_penalty")
     }
+    sampling["logit_bias"] = None if params.logit_bias is None else dict(params.logit_bias)
     sampling |= {"stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids)}
     return {
         "request_id": request.id,

@@ -126,7 +126,7 @@ def _step_with_logits(
     global _num_step_traces
     _num_step_traces += 1  # runs once per trace, i.e. per compiled shape
     logits, cache = model.forward(params, cache, meta, impl=impl)
-    return sample(logits, sampling), logits, cache
+    return sample(logits, sampling, meta.input_ids[meta.logits_indices]), logits, cache
 
 
 def _step(
