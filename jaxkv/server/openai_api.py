@@ -26,6 +26,12 @@ _SAMPLING_FIELDS = (
     *("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"),
 )
 
+_RENDERED = (
+    *("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs"),
+    *("presence_penalty", "frequency_penalty", "repetition_penalty"),
+)
+"""The parameters a render endpoint gives under vLLM's names, as they are (stops and logit bias apart)."""
+
 _HONOURED = {
     "common": frozenset(
         {*_SAMPLING_FIELDS, "model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids"}
@@ -185,11 +191,7 @@ def rendered(request: ParsedRequest) -> dict[str, Any]:
     """``request`` as vLLM's render endpoints give it (a ``GenerateRequest``): the prompt's
     token ids and the sampling parameters under vLLM's names, what a router asks a worker for."""
     params = request.params
-    sampling = {
-        name: getattr(params, name)
-        for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs")
-        + ("presence_penalty", "frequency_penalty", "repetition_penalty")
-    }
+    sampling = {name: getattr(params, name) for name in _RENDERED}
     sampling["logit_bias"] = None if params.logit_bias is None else dict(params.logit_bias)
     sampling |= {"stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids)}
     return {
