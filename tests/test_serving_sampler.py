@@ -1,5 +1,7 @@
 """The device sampler against exact probabilities, and its per-row keys, masks and log-probabilities."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -235,14 +237,18 @@ def test_penalised_rows_follow_vllms_formula_and_other_rows_keep_their_logits():
     assert tokens[1] == np.argmax(logits[1])
 
 
-def test_a_host_one_token_late_sends_the_same_history():
+def test_a_host_one_token_late_sends_the_same_history_and_so_does_an_unpacked_prompt():
     prompt, outputs = [5, 6, 7], [8, 9, 10]
     params = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2)
     position = len(prompt) + len(outputs)  # the step feeds outputs[-1]
     knows_all = sampling_inputs([RowSampling(params, 0, position, (), _request(prompt, outputs))], 2)
     one_late = sampling_inputs([RowSampling(params, 0, position, (), _request(prompt, outputs[:-1]))], 2)
-    for a, b in zip(jax.tree.leaves(knows_all.penalties), jax.tree.leaves(one_late.penalties), strict=True):
-        np.testing.assert_array_equal(a, b)
+    unpacked = SimpleNamespace(num_prompt_tokens=3, all_token_ids=prompt + outputs, prompt_bytes=b"")
+    read_by_id = sampling_inputs([RowSampling(params, 0, position, (), unpacked)], 2)
+    assert _request(prompt, ()).prompt_bytes  # a Request's prompt is read from its packed bytes
+    for other in (one_late, read_by_id):
+        for a, b in zip(jax.tree.leaves(knows_all.penalties), jax.tree.leaves(other.penalties), strict=True):
+            np.testing.assert_array_equal(a, b)
     assert knows_all.penalties.counts[0].tolist() == [3, 5, 1]  # prompt 3 + outputs 8, 9; the fed one is an output
 
 

@@ -52,6 +52,11 @@ class TokenHistory(Protocol):
     @property
     def all_token_ids(self) -> Sequence[int]: ...
 
+    @property
+    def prompt_bytes(self) -> bytes:
+        """The prompt as little-endian int32, or ``b""`` when not packed."""
+        ...
+
 
 class PenaltyRow(NamedTuple):
     """One row's penalties: its parameters, the position of the token it draws, its tokens."""
@@ -83,20 +88,27 @@ def _width(n: int, least: int) -> int:
     return max(least, 1 << max(n - 1, 0).bit_length())
 
 
-def _tokens(row: PenaltyRow) -> tuple[list[int], int, bool]:
+def _tokens(row: PenaltyRow) -> tuple[np.ndarray, int, bool]:
     """The row's prompt (only when the repetition penalty reads it) and its outputs before the
     fed token, how many of them are prompt, and whether the fed token is an output.
 
     ``position`` is the draw's: the fed token sits at ``position - 1``. An output there may be
     unknown to the host yet (and what follows it), so no output from it on is read; the
-    prompt is always known and sent whole (a fed prompt token is in it)."""
+    prompt is always known and sent whole (a fed prompt token is in it), read from the
+    bytes the request's check packed when it has them (no per-token Python work)."""
     p, history = row.params, row.history
     if history is None or not p.has_penalties:
-        return [], 0, False
-    prompt = history.num_prompt_tokens
-    fed = row.position - 1
-    start = 0 if p.repetition_penalty != 1.0 else prompt
-    return list(history.all_token_ids[start : max(fed, prompt)]), prompt - start, fed >= prompt
+        return np.zeros(0, np.int32), 0, False
+    prompt, fed = history.num_prompt_tokens, row.position - 1
+    outputs = np.asarray(history.all_token_ids[prompt:fed] if fed > prompt else (), np.int32)
+    if p.repetition_penalty == 1.0:
+        return outputs, 0, fed >= prompt
+    packed = history.prompt_bytes
+    if len(packed) == 4 * prompt:
+        prompt_ids = np.frombuffer(packed, "<i4")
+    else:
+        prompt_ids = np.asarray(history.all_token_ids[:prompt], np.int32)
+    return np.concatenate([prompt_ids, outputs]), prompt, fed >= prompt
 
 
 def penalty_inputs(rows: Sequence[PenaltyRow | None], num_rows: int) -> PenaltyInputs | None:
@@ -107,7 +119,7 @@ def penalty_inputs(rows: Sequence[PenaltyRow | None], num_rows: int) -> PenaltyI
     values = np.zeros((num_rows, 3), np.float32)
     values[:, 2] = 1.0
     counts = np.zeros((num_rows, 3), np.int32)
-    histories: list[list[int]] = [[] for _ in range(num_rows)]
+    histories = [np.zeros(0, np.int32)] * num_rows
     biases: list[dict[int, float]] = [{} for _ in range(num_rows)]
     for i, row in enumerate(rows):
         if row is None:
