@@ -193,7 +193,10 @@ def test_bad_requests_get_openai_error_bodies(server, client):
 @pytest.mark.parametrize(
     ("body", "status", "says"),
     [
-        ({"presence_penalty": 0.5}, 400, "presence_penalty=0.5 is not supported"),
+        ({"presence_penalty": 2.5}, 400, "presence_penalty must be in [-2.0, 2.0], got 2.5"),
+        ({"repetition_penalty": 0}, 400, "repetition_penalty must be a finite number > 0, got 0"),
+        ({"logit_bias": {"x": 1}}, 400, "logit_bias keys must be token ids >= 0, got 'x'"),
+        ({"logit_bias": {"99999": 1}}, 400, "logit_bias token 99999 is not an id in [0, "),
         ({"tools": [{"type": "function"}]}, 400, "tools="),
         ({"response_format": {"type": "json_object"}}, 400, "response_format="),
         ({"best_of": 3}, 400, "best_of=3"),
@@ -317,3 +320,16 @@ def test_tokenize_detokenize_render_version_and_server_info_answer_as_vllm_and_s
     for path in ("/server_info", "/get_server_info", "/get_model_info"):
         info = json.loads(http(server.url, "GET", path)[1])
         assert info["served_model_name"] == "m" and info["max_model_len"] == 512 and info["block_size"] == 16
+
+
+def test_penalties_and_logit_bias_are_honoured(server, client):
+    def complete(**body):
+        body = {"ignore_eos": True, **body}
+        return client.completions.create(model="m", prompt=PROMPT, max_tokens=24, temperature=0, extra_body=body)
+
+    plain = complete().choices[0].text
+    assert complete(frequency_penalty=2.0).choices[0].text != plain
+    assert complete(repetition_penalty=0.5).choices[0].text != plain
+    tokenizer = load_tokenizer(server.directory)
+    (token,) = tokenizer.encode("q")
+    assert complete(logit_bias={str(token): 100}).choices[0].text == tokenizer.decode([token] * 24)

@@ -1,10 +1,16 @@
 """The device sampler against exact probabilities, and its per-row keys, masks and log-probabilities."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv.core.request import Request
+from jaxkv.device.metadata import Buckets
+from jaxkv.serving.engine import Engine
+from jaxkv.serving.penalties import PenaltyInputsError, apply_penalties
 from jaxkv.serving.sampler import RowSampling, greedy_inputs, sample, sampling_inputs
 from jaxkv.serving.sampling_params import SamplingParams
 
@@ -174,3 +180,129 @@ def test_inputs_travel_as_one_int32_array_and_read_back_exactly():
     on_device = jax.jit(lambda x: (x.temperature, x.seed))(inputs)
     assert np.asarray(on_device[0]).tolist() == inputs.temperature.tolist()
     assert np.asarray(on_device[1]).tolist() == inputs.seed.tolist()
+
+
+# ------------------------------------------------------------------ penalties and logit bias
+def vllm_penalised(logits, prompt, outputs, params):
+    """vLLM 0.33's formula in NumPy (``LogitBiasLogitsProcessor``, then ``apply_penalties`` with
+    ``apply_repetition_penalties_torch``): one row's logits bent by ``params``."""
+    out = np.array(logits, np.float32)
+    for token, bias in (params.logit_bias or {}).items():
+        out[token] += bias
+    counts = np.bincount(np.asarray(outputs, int), minlength=out.shape[-1]).astype(np.float32)
+    seen = counts > 0
+    seen[np.asarray(prompt, int)] = True
+    penalty = np.where(seen, params.repetition_penalty, 1.0).astype(np.float32)
+    out *= np.where(out > 0, 1.0 / penalty, penalty)
+    out -= params.frequency_penalty * counts
+    return out - params.presence_penalty * (counts > 0)
+
+
+def _request(prompt, outputs):
+    request = Request("r", list(prompt))
+    if outputs:
+        request.append_output_token_ids(list(outputs))
+    return request
+
+
+def test_penalised_rows_follow_vllms_formula_and_other_rows_keep_their_logits():
+    rng = np.random.default_rng(7)
+    vocab = 64
+    logits = rng.normal(size=(4, vocab)).astype(np.float32) * 3
+    prompt, outputs = rng.integers(vocab, size=30).tolist(), rng.integers(vocab, size=12).tolist()
+    everything = SamplingParams(
+        temperature=0.0,
+        presence_penalty=0.7,
+        frequency_penalty=-0.4,
+        repetition_penalty=1.6,
+        logit_bias={int(outputs[-1]): 5.0, 3: -100.0},
+    )
+    repeat_only = SamplingParams(temperature=0.0, repetition_penalty=0.6)
+    rows = [
+        # decoding: the step feeds the last output (position - 1), the host sends those before it
+        RowSampling(everything, 0, len(prompt) + len(outputs), (), _request(prompt, outputs)),
+        RowSampling(SamplingParams(temperature=0.0), 0, 5),
+        # the first draw: the step feeds the last prompt token, there are no outputs yet
+        RowSampling(repeat_only, 0, len(prompt), (), _request(prompt, ())),
+        None,
+    ]
+    fed = jnp.asarray([outputs[-1], 0, prompt[-1], 0], jnp.int32)
+    inputs = sampling_inputs(rows, 4)
+    bent = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), inputs.penalties, fed))
+    np.testing.assert_allclose(bent[0], vllm_penalised(logits[0], prompt, outputs, everything), rtol=1e-6)
+    np.testing.assert_allclose(bent[2], vllm_penalised(logits[2], prompt, (), repeat_only), rtol=1e-6)
+    np.testing.assert_array_equal(bent[[1, 3]], logits[[1, 3]])  # bit for bit
+    tokens = np.asarray(_sample(jnp.asarray(logits), inputs, fed).token_ids)
+    assert tokens.tolist() == np.argmax(bent, -1).tolist()  # greedy rows take the bent argmax
+    assert tokens[1] == np.argmax(logits[1])
+
+
+def test_a_host_one_token_late_sends_the_same_history_and_so_does_an_unpacked_prompt():
+    prompt, outputs = [5, 6, 7], [8, 9, 10]
+    params = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2)
+    position = len(prompt) + len(outputs)  # the step feeds outputs[-1]
+    knows_all = sampling_inputs([RowSampling(params, 0, position, (), _request(prompt, outputs))], 2)
+    one_late = sampling_inputs([RowSampling(params, 0, position, (), _request(prompt, outputs[:-1]))], 2)
+    unpacked = SimpleNamespace(num_prompt_tokens=3, all_token_ids=prompt + outputs, prompt_bytes=b"")
+    read_by_id = sampling_inputs([RowSampling(params, 0, position, (), unpacked)], 2)
+    assert _request(prompt, ()).prompt_bytes  # a Request's prompt is read from its packed bytes
+    for other in (one_late, read_by_id):
+        for a, b in zip(jax.tree.leaves(knows_all.penalties), jax.tree.leaves(other.penalties), strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert knows_all.penalties.counts[0].tolist() == [3, 5, 1]  # prompt 3 + outputs 8, 9; the fed one is an output
+
+
+def test_penalty_values_compile_nothing_and_a_step_without_them_carries_none():
+    logits = jnp.asarray(np.random.default_rng(8).normal(size=(4, 48)), jnp.float32)
+    fed = jnp.zeros(4, jnp.int32)
+    traces = []
+
+    @jax.jit
+    def step(lg, inputs, fed_ids):
+        traces.append(inputs.penalties is not None)
+        return sample(lg, inputs, fed_ids)
+
+    assert sampling_inputs([RowSampling(SamplingParams(temperature=0.0), 0, 3)], 4).penalties is None
+    step(logits, greedy_inputs(4), fed)
+    history = _request([1, 2, 3], [4])
+    for value in (0.5, 1.5, -2.0):
+        params = SamplingParams(temperature=1.0, presence_penalty=value, logit_bias={7: value})
+        step(logits, sampling_inputs([RowSampling(params, 1, 4, (), history), None], 4), fed)
+    assert traces == [False, True]  # greedy, and one penalised variant for every value
+    with pytest.raises(PenaltyInputsError, match="history"):
+        sampling_inputs([RowSampling(SamplingParams(frequency_penalty=1.0), 1, 4)], 4)
+
+
+@pytest.mark.slow
+def test_the_engine_draws_penalised_greedy_tokens_as_a_dense_forward_with_vllms_formula():
+    """A greedy request that repeats one token over and over stops repeating under a
+    frequency penalty, each token the argmax of the dense model's logits bent by vLLM's
+    formula; the unpenalised request beside it in the batch is unchanged."""
+    engine = Engine.build(
+        "tiny-llama",
+        memory_bytes=4 << 20,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        buckets=Buckets((64,), (4,), (16,)),
+    )
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 512, 12).tolist() for _ in range(5)]
+    prompt = prompts[-1]  # greedy decoding repeats token 337 from its third token on
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, frequency_penalty=2.0, repetition_penalty=1.3, logit_bias={208: 3.0}
+    )
+    plain = engine.generate([prompt], 12).outputs[0].output_token_ids
+    repeated = int(np.argmax(np.bincount(plain)))
+    assert plain.count(repeated) > 6
+    both = engine.generate([prompt, prompts[0]], [params, 12]).outputs
+    assert both[1].output_token_ids == engine.generate([prompts[0]], 12).outputs[0].output_token_ids
+    dense = jax.jit(engine.model.dense)
+    tokens = list(prompt)
+    for _ in range(12):
+        padded = np.zeros((1, 64), np.int32)
+        padded[0, : len(tokens)] = tokens
+        logits = np.asarray(dense(engine.model.params, jnp.asarray(padded)))[0, len(tokens) - 1]
+        tokens.append(int(np.argmax(vllm_penalised(logits, prompt, tokens[len(prompt) :], params))))
+    assert list(both[0].output_token_ids) == tokens[len(prompt) :]
+    assert both[0].output_token_ids.count(repeated) == 1

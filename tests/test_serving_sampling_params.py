@@ -51,8 +51,33 @@ def test_one_stop_string_is_a_list_of_one_and_top_k_minus_one_keeps_every_token(
         ({"stop": ["x"] * 90_000}, "stop may list at most 32 strings, got 90000"),
         ({"stop": ["ab" * 600]}, "stop strings may have at most 1024 characters, got one of 1200"),
         ({"stop_token_ids": list(range(5000))}, "stop_token_ids may list at most 1024 ids, got 5000"),
+        # penalties and logit bias: vLLM's ranges
+        ({"presence_penalty": 2.01}, r"presence_penalty must be in \[-2.0, 2.0\], got 2.01"),
+        ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2.0, 2.0\], got -3"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty must be a number, got nan"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0, got 0.0"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number > 0, got inf"),
+        ({"repetition_penalty": True}, "repetition_penalty must be a finite number > 0, got True"),
+        ({"logit_bias": [(1, 2.0)]}, "logit_bias must be a map of token ids to numbers"),
+        ({"logit_bias": {"-1": 2.0}}, "logit_bias keys must be token ids >= 0, got '-1'"),
+        ({"logit_bias": {"1.5": 2.0}}, "logit_bias keys must be token ids >= 0, got '1.5'"),
+        ({"logit_bias": {1: None}}, "logit_bias values must be numbers, got None for 1"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias values must be numbers, got nan for 1"),
+        ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, "logit_bias may list at most 1024 tokens, got 1025"),
     ],
 )
 def test_bad_values_are_refused_by_name(kwargs, match):
     with pytest.raises(SamplingParamsError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_penalties_default_to_neutral_and_logit_bias_reads_json_keys_clamped_as_vllm():
+    params = SamplingParams()
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert params.logit_bias is None and not params.has_penalties
+    assert SamplingParams(repetition_penalty=1.1).has_penalties and SamplingParams(presence_penalty=-2).has_penalties
+    biased = SamplingParams(logit_bias={"7": 250, 3: -0.5, "9": float("-inf")})
+    assert dict(biased.logit_bias) == {7: 100.0, 3: -0.5, 9: -100.0} and not biased.has_penalties
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    with pytest.raises(TypeError):
+        biased.logit_bias[7] = 1.0  # read-only

@@ -23,7 +23,14 @@ from jaxkv.serving.sampling_params import SamplingParams, SamplingParamsError
 _SAMPLING_FIELDS = (
     *("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos"),
     *("include_stop_str_in_output", "skip_special_tokens"),
+    *("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"),
 )
+
+_RENDERED = (
+    *("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs"),
+    *("presence_penalty", "frequency_penalty", "repetition_penalty"),
+)
+"""The parameters a render endpoint gives under vLLM's names, as they are (stops and logit bias apart)."""
 
 _HONOURED = {
     "common": frozenset(
@@ -38,11 +45,7 @@ _HONOURED = {
 """The body fields each route honours (``user`` is OpenAI's caller label: nothing to do)."""
 
 _INERT: dict[str, tuple[object, ...]] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
     "length_penalty": (1,),
-    "logit_bias": ({},),
     "allowed_token_ids": (),
     "bad_words": ([],),
     "response_format": ({"type": "text"},),
@@ -81,7 +84,7 @@ _INERT: dict[str, tuple[object, ...]] = {
     "return_hidden_states": (False,),
 }
 """Fields vLLM or OpenAI know that jaxkv does not implement: refused by name unless absent,
-null or at a value that asks for nothing (a penalty of 0, ``best_of`` 1, no tools)."""
+null or at a value that asks for nothing (``best_of`` 1, no tools)."""
 
 
 class ApiError(JaxkvError, ValueError):
@@ -188,10 +191,8 @@ def rendered(request: ParsedRequest) -> dict[str, Any]:
     """``request`` as vLLM's render endpoints give it (a ``GenerateRequest``): the prompt's
     token ids and the sampling parameters under vLLM's names, what a router asks a worker for."""
     params = request.params
-    sampling = {
-        name: getattr(params, name)
-        for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs")
-    }
+    sampling = {name: getattr(params, name) for name in _RENDERED}
+    sampling["logit_bias"] = None if params.logit_bias is None else dict(params.logit_bias)
     sampling |= {"stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids)}
     return {
         "request_id": request.id,

@@ -463,7 +463,9 @@ class Engine:
         if not chunk.samples:
             return None
         position = chunk.num_computed_tokens + chunk.num_new_tokens
-        return RowSampling(live.params, live.seed, position, live.stopper.banned(live.seq.num_output_tokens))
+        return RowSampling(
+            live.params, live.seed, position, live.stopper.banned(live.seq.num_output_tokens), live.seq.request
+        )
 
     def abort(self, request_id: str) -> bool:
         """Drop one unfinished request (all its sequences, ``n`` > 1 siblings not yet

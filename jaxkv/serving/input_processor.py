@@ -96,6 +96,9 @@ class InputProcessor:
         bad = next((t for t in limit.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise EngineError(f"prompt {i}: stop token {bad} is not an id in [0, {vocab})")
+        bad = next((t for t in limit.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise EngineError(f"prompt {i}: logit_bias token {bad} is not an id in [0, {vocab})")
         stop_ids = StopChecker(limit, self.eos_token_ids, None).stop_token_ids
         if limit.min_tokens and len(stop_ids) > MAX_MASKED_STOP_IDS:
             raise EngineError(

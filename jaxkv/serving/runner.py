@@ -51,6 +51,14 @@ from jaxkv.models.protocol import ServedModel
 from jaxkv.offload.host_buffers import HostKVBuffers
 from jaxkv.offload.transfer import Transfer, TransferEngine
 from jaxkv.planner import KVCacheConfig, pad_head_size
+from jaxkv.serving.prompt_logprobs import (
+    PromptLogprobs,
+    ScoredInputs,
+    every_position,
+    next_token_ids,
+    score_positions,
+    split_by_chunk,
+)
 from jaxkv.serving.sampler import RowSampling, SampledTokens, SamplingInputs, greedy_inputs, sample, sampling_inputs
 from jaxkv.serving.scheduler import ScheduledChunk
 from jaxkv.specs import KVCacheSpec, MambaSpec
@@ -126,7 +134,7 @@ def _step_with_logits(
     global _num_step_traces
     _num_step_traces += 1  # runs once per trace, i.e. per compiled shape
     logits, cache = model.forward(params, cache, meta, impl=impl)
-    return sample(logits, sampling), logits, cache
+    return sample(logits, sampling, meta.input_ids[meta.logits_indices]), logits, cache
 
 
 def _step(
@@ -140,6 +148,24 @@ def _step(
     """One forward step and its draw: ``(sampled, cache)``."""
     sampled, _, cache = _step_with_logits(model, impl, params, cache, meta, sampling)
     return sampled, cache
+
+
+def _step_with_prompt_logprobs(
+    model: ServedModel,
+    impl: str,
+    params: Any,
+    cache: KVCache | HybridCache,
+    meta: StepMetadata,
+    sampling: ScoredInputs,
+) -> tuple[SampledTokens, PromptLogprobs, KVCache | HybridCache]:
+    """One forward step with logits at every new token (:mod:`jaxkv.serving.prompt_logprobs`):
+    ``(sampled, each new token's successor scored, cache)``."""
+    global _num_step_traces
+    _num_step_traces += 1
+    logits, cache = model.forward(params, cache, every_position(meta), impl=impl)
+    last = meta.logits_indices
+    sampled = sample(logits[last], sampling, meta.input_ids[last])
+    return sampled, score_positions(logits, meta, jax.numpy.asarray(sampling.next_ids)), cache
 
 
 StepShardings = tuple[tuple[jax.sharding.Sharding, ...], object] | None
@@ -251,7 +277,7 @@ class ModelRunner:
             ins, rep = (params, cache, self._meta_sharding, self._meta_sharding), self._meta_sharding
             plain = _flat((ins, (rep, cache)))
             with_logits = _flat((ins, (rep, rep, cache)))
-        self._shardings = {_step: plain, _step_with_logits: with_logits}
+        self._shardings = {_step: plain, _step_with_logits: with_logits, _step_with_prompt_logprobs: with_logits}
         self._steps: dict[tuple[Callable, str], jax.stages.Wrapped] = {}
         self.num_compilations = 0
         self.dispatch_s = 0.0
@@ -307,6 +333,18 @@ class ModelRunner:
             return sampled, logits
         (sampled,) = self._run(_step, chunks, inputs)
         return sampled, None
+
+    def execute_prompt_logprobs(
+        self, chunks: Sequence[ScheduledChunk], rows: Sequence[RowSampling | None] = ()
+    ) -> tuple[SampledTokens, list[PromptLogprobs]]:
+        """Run one step as :meth:`execute_sampled` does, scoring also the token after each new
+        token (a step compiled apart: :mod:`jaxkv.serving.prompt_logprobs`): what was drawn,
+        and per chunk the :class:`PromptLogprobs` of its new tokens."""
+        num_rows = bucket(len(chunks), self.buckets.seqs, "seqs")
+        drawn = sampling_inputs(rows, num_rows)
+        inputs = ScoredInputs(drawn.packed, drawn.penalties, drawn.logprobs, next_token_ids(chunks, num_rows))
+        sampled, scored = self._run(_step_with_prompt_logprobs, chunks, inputs)
+        return sampled, split_by_chunk(scored, chunks)
 
     def _jitted(self, fn: Callable) -> jax.stages.Wrapped:
         """``fn`` jitted for this runner's model and the :mod:`jaxkv.device.ops` implementation

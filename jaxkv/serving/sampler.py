@@ -4,7 +4,7 @@ Every request's parameters are rows of :class:`SamplingInputs` (one row per sequ
 of the step, padded like the step's sequences), so a batch mixing greedy, seeded,
 top-k and top-p requests runs the same compiled function as any other batch. Per row:
 
-    logits ─► mask stop ids (while short of min_tokens) ─► / temperature
+    logits ─► mask stop ids (while short of min_tokens) ─► logit bias, penalties ─► / temperature
            ─► keep the top_k ─► keep the smallest head of mass >= top_p
            ─► keep p >= min_p · p_max ─► Gumbel-max draw with key fold_in(key(seed), position)
 
@@ -15,6 +15,9 @@ The top :data:`~jaxkv.serving.sampling_params.MAX_LOGPROBS` log-probabilities an
 chosen token's come from the model's raw distribution (``log_softmax`` of the
 logits, before any of the masks), as vLLM reports them by default; a step computes and
 returns them only when one of its rows asked (a static flag: two compiled variants at most).
+Logit bias and the presence, frequency and repetition penalties (:mod:`jaxkv.serving.penalties`)
+travel in arrays of their own only when a row of the step has one, so a step without
+them runs the variant it ran before.
 
 Ties at the top-p boundary keep every token equal to the last one kept; top-k keeps
 ties with the k-th value too (they are equally likely, none is preferred).
@@ -31,6 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.serving.penalties import (
+    PenaltyInputs,
+    PenaltyInputsError,
+    PenaltyRow,
+    TokenHistory,
+    apply_penalties,
+    penalty_inputs,
+)
 from jaxkv.serving.sampling_params import MAX_LOGPROBS, MAX_MASKED_STOP_IDS, SamplingParams
 
 _FLOATS = ("temperature", "top_p", "min_p")
@@ -59,9 +70,11 @@ class SamplingInputs:
     One int32 array ``(S, 7 + MAX_MASKED_STOP_IDS)`` carries them all (float32 and uint32
     values as their bits), so the step's call sends one array, not eight; ``logprobs`` is
     static: whether some row asked for log-probabilities (a step without them computes and
-    returns none; each value compiles once)."""
+    returns none; each value compiles once). ``penalties``: the rows' logit bias and
+    penalties, None when no row has any (:mod:`jaxkv.serving.penalties`)."""
 
     packed: np.ndarray | jax.Array
+    penalties: PenaltyInputs | None = None
     logprobs: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
@@ -120,12 +133,14 @@ class SampledTokens(NamedTuple):
 
 
 class RowSampling(NamedTuple):
-    """One sequence's draw: its parameters, seed, token position and banned ids."""
+    """One sequence's draw: its parameters, seed, token position and banned ids, and its
+    tokens (read only when its parameters have penalties: :mod:`jaxkv.serving.penalties`)."""
 
     params: SamplingParams
     seed: int
     position: int
     banned: tuple[int, ...] = ()
+    history: TokenHistory | None = None
 
 
 def sampling_inputs(rows: Sequence[RowSampling | None], num_rows: int) -> SamplingInputs:
@@ -149,7 +164,10 @@ def sampling_inputs(rows: Sequence[RowSampling | None], num_rows: int) -> Sampli
         logprobs |= p.logprobs is not None
     packed[:, [_AT[name] for name in _FLOATS]] = floats.view(np.int32)
     packed[:, _AT["seed"]] = seeds.view(np.int32)
-    return SamplingInputs(packed, logprobs)
+    penalties = penalty_inputs(
+        [None if r is None else PenaltyRow(r.params, r.position, r.history) for r in rows], num_rows
+    )
+    return SamplingInputs(packed, penalties, logprobs)
 
 
 def greedy_inputs(num_rows: int) -> SamplingInputs:
@@ -193,16 +211,22 @@ def _draw(logits: jax.Array, inputs: SamplingInputs) -> jax.Array:
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1))
 
 
-def sample(logits: jax.Array, inputs: SamplingInputs) -> SampledTokens:
-    """Draw one token per row of ``logits`` (S, V) as ``inputs`` say (see the module docstring).
+def sample(logits: jax.Array, inputs: SamplingInputs, fed_ids: jax.Array | None = None) -> SampledTokens:
+    """Draw one token per row of ``logits`` (S, V) as ``inputs`` say (see the module docstring);
+    ``fed_ids`` (S,), the token each row feeds this step, is read only by penalties
+    (:func:`~jaxkv.serving.penalties.apply_penalties`) and needed when ``inputs`` have them.
 
     A step whose rows are all greedy takes the argmax alone: the vocabulary sort and the
     noise of a draw run only when some row samples (a runtime branch, one compile). The
     log-probabilities are computed only when ``inputs.logprobs`` (static) asks for them.
     """
     logits = logits.astype(jnp.float32)
-    inputs = SamplingInputs(jnp.asarray(inputs.packed), inputs.logprobs)
+    inputs = SamplingInputs(jnp.asarray(inputs.packed), inputs.penalties, inputs.logprobs)
     masked = _ban(logits, jnp.asarray(inputs.banned), jnp.asarray(inputs.num_banned))
+    if inputs.penalties is not None:
+        if fed_ids is None:
+            raise PenaltyInputsError("penalties need the fed token ids of the step (fed_ids)")
+        masked = apply_penalties(masked, inputs.penalties, fed_ids)
     tokens = jax.lax.cond(
         jnp.any(inputs.temperature > 0), _draw, lambda lg, _: jnp.argmax(lg, axis=-1), masked, inputs
     ).astype(jnp.int32)

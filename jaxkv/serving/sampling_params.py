@@ -3,8 +3,10 @@
 :class:`SamplingParams` is what a client asks of one request: how to draw each token
 (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``), how many sequences
 (``n``), how many tokens (``max_tokens``, ``min_tokens``), when to stop (``stop``
-strings, ``stop_token_ids``, the checkpoint's EOS unless ``ignore_eos``) and how many
-top log-probabilities to return per token (``logprobs``). A bad value is a
+strings, ``stop_token_ids``, the checkpoint's EOS unless ``ignore_eos``), how to bend
+the distribution (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
+``logit_bias``: vLLM's semantics, :mod:`jaxkv.serving.penalties`) and how many top
+log-probabilities to return per token (``logprobs``). A bad value is a
 :class:`SamplingParamsError` naming it, raised by the constructor: a request never
 reaches the engine with one. Temperature 0 is greedy decoding (the argmax), the
 engine's default for a bare ``max_new_tokens``.
@@ -13,8 +15,10 @@ engine's default for a bare ``max_new_tokens``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from types import MappingProxyType
+from typing import Literal, TypeGuard
 
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int, is_int
@@ -47,14 +51,26 @@ bounded so one request cannot slow every step of the engine it shares."""
 MAX_STOP_TOKEN_IDS = 1024
 """The most ``stop_token_ids`` one request may list."""
 
+MAX_LOGIT_BIAS = 1024
+"""The most ``logit_bias`` entries one request may list (the step carries them in a row per
+sequence, padded to the widest row of the step)."""
+
+LOGIT_BIAS_LIMIT = 100.0
+"""A bias is clamped to [-100, 100], as vLLM clamps it (OpenAI's documented range)."""
+
 
 class SamplingParamsError(JaxkvError, ValueError):
     """A sampling parameter out of its range (the message names it and its value)."""
 
 
+def _is_number(value: object) -> TypeGuard[int | float]:
+    """An int or float, not a bool."""
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
 def _number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
     """``value`` as a float in ``[low, high]`` (``(low, high]`` when ``low_open``); NaN fails."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if not _is_number(value) or math.isnan(value):
         raise SamplingParamsError(f"{name} must be a number, got {value!r}")
     if value < low or value > high or (low_open and value == low):
         bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
@@ -90,6 +106,10 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -121,6 +141,13 @@ class SamplingParams:
             set_(self, "logprobs", _count("logprobs", self.logprobs, 0))
             if self.logprobs > MAX_LOGPROBS:
                 raise SamplingParamsError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs!r}")
+        set_(self, "presence_penalty", _number("presence_penalty", self.presence_penalty, -2.0, 2.0))
+        set_(self, "frequency_penalty", _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
+        repetition = self.repetition_penalty
+        if not _is_number(repetition) or not math.isfinite(repetition) or repetition <= 0:
+            raise SamplingParamsError(f"repetition_penalty must be a finite number > 0, got {repetition!r}")
+        set_(self, "repetition_penalty", float(repetition))
+        set_(self, "logit_bias", self._bias(self.logit_bias))
 
     @classmethod
     def greedy(cls, max_tokens: int) -> SamplingParams:
@@ -130,6 +157,31 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether some penalty is away from its neutral value (the step then needs the token history)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @staticmethod
+    def _bias(bias: object) -> Mapping[int, float] | None:
+        """``logit_bias`` as a read-only map of token ids (ints, or their decimal strings as JSON
+        keys send them) to biases clamped to +-:data:`LOGIT_BIAS_LIMIT`; None when empty."""
+        if bias is None:
+            return None
+        if not isinstance(bias, Mapping):
+            raise SamplingParamsError(f"logit_bias must be a map of token ids to numbers, got {bias!r:.200}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError(f"logit_bias may list at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.strip().isdecimal() else key
+            if not is_int(token) or token < 0:
+                raise SamplingParamsError(f"logit_bias keys must be token ids >= 0, got {key!r:.80}")
+            if not _is_number(value) or math.isnan(value):
+                raise SamplingParamsError(f"logit_bias values must be numbers, got {value!r:.80} for {key!r:.80}")
+            out[int(token)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+        return MappingProxyType(out) if out else None
 
     @staticmethod
     def _strings(stop: object) -> tuple[str, ...]:

@@ -1,0 +1,61 @@
+"""Prompt log-probabilities from the step variant that keeps logits at every new token,
+against the dense forward of the same model: chunked prefill and a prefix-cache hit included."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.core.manager import KVCacheManager, Request
+from jaxkv.device.metadata import Buckets
+from jaxkv.models.tiny import TinyLM, get_model_config
+from jaxkv.planner import PlanOptions, plan_kv_cache
+from jaxkv.serving.runner import ModelRunner
+from jaxkv.serving.scheduler import Scheduler
+
+pytestmark = pytest.mark.slow  # compiles a step and a dense forward
+
+
+def dense_logprobs(model: TinyLM, tokens: list[int]) -> np.ndarray:
+    """(len(tokens), vocab) log-probabilities of the next token after each one, dense."""
+    padded = np.zeros((1, 128), np.int32)
+    padded[0, : len(tokens)] = tokens
+    logits = jax.jit(model.dense)(model.params, jnp.asarray(padded))[0, : len(tokens)]
+    return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
+
+
+def test_every_prompt_token_is_scored_as_the_dense_forward_scores_it():
+    model = TinyLM(get_model_config("tiny-hybrid"), seed=0)
+    plan = plan_kv_cache(
+        model.config.layer_specs(), 2 << 20, max_model_len=256, options=PlanOptions(max_num_batched_tokens=64)
+    )
+    runner = ModelRunner(model, plan, Buckets((64,), (4,), (16,)))
+    scheduler = Scheduler(KVCacheManager(plan), max_num_seqs=4, max_num_batched_tokens=64)
+    rng = np.random.default_rng(0)
+    long, short = rng.integers(0, 512, 100).tolist(), rng.integers(0, 512, 30).tolist()
+    again = long[:64] + rng.integers(0, 512, 20).tolist()  # shares 4 full blocks with `long`
+    scored: dict[str, dict[int, tuple]] = {}
+    for batch in ([("long", long), ("short", short)], [("again", again)]):
+        for rid, prompt in batch:
+            scheduler.add_request(Request(rid, prompt), 1)
+        while scheduler.has_unfinished:
+            out = scheduler.schedule()
+            sampled, per_chunk = runner.execute_prompt_logprobs(out.chunks)
+            for chunk, lp in zip(out.chunks, per_chunk, strict=True):
+                for j in range(chunk.num_new_tokens):
+                    scored.setdefault(chunk.seq.request_id, {})[chunk.num_computed_tokens + j] = (
+                        float(lp.logprob[j]),
+                        lp.top_ids[j].tolist(),
+                        lp.top_logprobs[j],
+                    )
+            scheduler.update(out, sampled.token_ids.tolist())
+    assert runner.num_compilations == 1
+    for rid, prompt in (("long", long), ("short", short), ("again", again)):
+        dense = dense_logprobs(model, prompt)
+        first = min(scored[rid])
+        assert (first > 0) == (rid == "again")  # the hit's positions were computed by no step
+        for position in range(first, len(prompt) - 1):  # position p scores prompt token p + 1
+            logprob, top_ids, top_logprobs = scored[rid][position]
+            np.testing.assert_allclose(logprob, dense[position, prompt[position + 1]], atol=2e-4)
+            assert top_ids[:5] == np.argsort(-dense[position])[:5].tolist()
+            np.testing.assert_allclose(top_logprobs, np.sort(dense[position])[::-1][:20], atol=2e-4)
