@@ -145,6 +145,28 @@ def test_a_stop_string_ends_the_text_before_it(client):
     assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
 
 
+def test_a_chat_stream_opens_with_the_role_so_a_first_token_that_is_a_stop_still_counts(server, client):
+    """vLLM's benchmark client counted a chunk with a role as no token: a stream whose only token
+    was a stop id (empty content) read as "never received a valid chunk" (found by its prefix run)."""
+    ask = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
+    first = client.chat.completions.create(**ask, max_tokens=1, logprobs=True).choices[0].logprobs.content[0]
+    tokenizer = load_tokenizer(server.directory)
+    stop_id = next(t for t in range(tokenizer.vocab_size) if tokenizer.token_bytes(t) == bytes(first.bytes))
+    chunks = list(
+        client.chat.completions.create(**ask, max_tokens=5, n=2, stream=True, extra_body={"stop_token_ids": [stop_id]})
+    )
+    opening = [c.choices[0] for c in chunks[:2]]
+    assert [(c.index, c.delta.role, c.delta.content, c.finish_reason) for c in opening] == [
+        (0, "assistant", "", None),
+        (1, "assistant", "", None),
+    ]
+    rest = [c.choices[0] for c in chunks[2:]]
+    assert sorted((c.index, c.delta.role, c.delta.content, c.finish_reason) for c in rest) == [
+        (0, None, "", "stop"),
+        (1, None, "", "stop"),
+    ]
+
+
 def test_streams_add_up_to_the_whole_answer_with_usage_last(client):
     whole = client.chat.completions.create(
         model="m",

@@ -309,6 +309,8 @@ async def _read_all(stream: RequestStream, result: Answer, timer: RequestTimer) 
 async def _events(stream: RequestStream, result: Answer, timer: RequestTimer) -> AsyncIterator[str]:
     """Server-sent events of a streamed answer; leaving early (a disconnect) aborts the request."""
     try:
+        for opening in result.opening_chunks():
+            yield f"data: {json.dumps(opening)}\n\n"
         async for delta in stream:
             timer.observe(delta)
             result.add(delta)
