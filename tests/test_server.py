@@ -70,15 +70,50 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0)
 
 
+def scrape(server) -> dict[str, float]:
+    """``/metrics`` as {name{labels}: value}, the series of model ``m``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http(server.url, "GET", "/metrics")[1]
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    return {
+        s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()) if k != "model_name"): s.value
+        for s in samples
+        if s.labels.get("model_name") == "m"
+    }
+
+
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [server.url and client.models.list().data[0].id]
     assert http(server.url, "GET", "/health") == (200, '{"status":"ok"}')
+    before = scrape(server)
     client.completions.create(model="m", prompt="Hi", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
-    text = http(server.url, "GET", "/metrics")[1]
-    assert "vllm:kv_cache_usage_perc" in text
-    for series in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count", "generation_tokens_total"):
-        assert f'vllm:{series}{{model_name="m"}}' in text
-    assert 'vllm:request_success_total{finished_reason="length",model_name="m"}' in text
+    client.completions.create(model="m", prompt="Hi", max_tokens=2, n=2, seed=1, extra_body={"ignore_eos": True})
+    after = scrape(server)
+    grew = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert "vllm:kv_cache_usage_perc" in after and after["vllm:num_requests_waiting_by_reason{reason=capacity}"] == 0
+    assert grew["vllm:request_success_total{finished_reason=length}"] == 3, "each of n sequences is a request"
+    assert grew["vllm:generation_tokens_total"] == 3 + 2 * 2
+    assert grew["vllm:prompt_tokens_total"] == 3 * 2, "'Hi' is 2 byte tokens, processed by 3 sequences"
+    for series in (
+        "time_to_first_token",
+        "e2e_request_latency",
+        "request_queue_time",
+        "request_prefill_time",
+        "request_decode_time",
+        "request_inference_time",
+        "request_time_per_output_token",
+    ):
+        assert grew[f"vllm:{series}_seconds_count"] == 3, series
+    assert grew["vllm:inter_token_latency_seconds_count"] == 2 + 1 * 2
+    assert grew["vllm:request_params_n_count"] == 2 and grew["vllm:request_params_n_sum"] == 3
+    assert grew["vllm:request_params_max_tokens_sum"] == 3 + 2 * 2
+    assert grew["vllm:request_max_num_generation_tokens_sum"] == 3 + 2
+    assert grew["vllm:request_num_preemptions_count"] == 3 and grew["vllm:request_num_preemptions_sum"] == 0
+    assert grew["vllm:request_prompt_tokens_sum"] == 3 * 2
+    cached = grew["vllm:prompt_tokens_cached_total"]
+    assert grew["vllm:request_prefill_kv_computed_tokens_sum"] == 3 * 2 - cached
+    assert after["vllm:request_queue_time_seconds_bucket{le=7680.0}"] == after["vllm:request_queue_time_seconds_count"]
 
 
 def test_a_completion_from_text_and_from_token_ids_stops_at_eos_or_length(server, client):
@@ -108,6 +143,28 @@ def test_a_stop_string_ends_the_text_before_it(client):
         model="m", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop], extra_body=include
     )
     assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
+
+
+def test_a_chat_stream_opens_with_the_role_so_a_first_token_that_is_a_stop_still_counts(server, client):
+    """vLLM's benchmark client counted a chunk with a role as no token: a stream whose only token
+    was a stop id (empty content) read as "never received a valid chunk" (found by its prefix run)."""
+    ask = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
+    first = client.chat.completions.create(**ask, max_tokens=1, logprobs=True).choices[0].logprobs.content[0]
+    tokenizer = load_tokenizer(server.directory)
+    stop_id = next(t for t in range(tokenizer.vocab_size) if tokenizer.token_bytes(t) == bytes(first.bytes))
+    chunks = list(
+        client.chat.completions.create(**ask, max_tokens=5, n=2, stream=True, extra_body={"stop_token_ids": [stop_id]})
+    )
+    opening = [c.choices[0] for c in chunks[:2]]
+    assert [(c.index, c.delta.role, c.delta.content, c.finish_reason) for c in opening] == [
+        (0, "assistant", "", None),
+        (1, "assistant", "", None),
+    ]
+    rest = [c.choices[0] for c in chunks[2:]]
+    assert sorted((c.index, c.delta.role, c.delta.content, c.finish_reason) for c in rest) == [
+        (0, None, "", "stop"),
+        (1, None, "", "stop"),
+    ]
 
 
 def test_streams_add_up_to_the_whole_answer_with_usage_last(client):

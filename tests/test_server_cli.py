@@ -75,6 +75,7 @@ def test_a_bare_start_serves_the_checkpoint_positions_and_says_it_is_ready(check
         (["--memory", "200KiB"], "in --memory 204,800 B --max_model_len 240 fits"),
         (["--max_model_len", "4096"], "exceeds the 512 positions of config.json"),
         (["--api_key", ""], "--api_key is empty"),
+        (["--header_timeout_s", "nan"], "--header_timeout_s=nan is out of range"),
     ],
 )
 def test_what_cannot_be_served_exits_2_in_one_line_before_binding(checkpoint, flags, says):
@@ -93,7 +94,14 @@ def test_what_cannot_be_served_exits_2_in_one_line_before_binding(checkpoint, fl
 
 def test_help_names_each_default():
     text = " ".join(parser().format_help().split())
-    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 256MiB)", "(default: 1MiB)", "(default: 16)"):
+    for shown in (
+        "(default: 127.0.0.1)",
+        "(default: 8000)",
+        "(default: 256MiB)",
+        "(default: 1MiB)",
+        "(default: 16)",
+        "(default: 10.0)",
+    ):
         assert shown in text
     assert "(default: the checkpoint's positions)" in text and "(default: None)" not in text
 

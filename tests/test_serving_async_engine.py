@@ -48,9 +48,13 @@ def test_streams_give_each_requests_tokens_as_they_come_and_a_late_request_joins
         await reader
         audit = await engine.call(lambda e: e.audit())
         await engine.close()
-        return got, order, audit, delta
+        return got, order, audit, delta, (first, late)
 
-    got, order, audit, last = run(main())
+    got, order, audit, last, streams = run(main())
+    for stream in streams:  # what a server's queue, prefill and inference times are made of
+        assert stream.queued_at is not None and stream.scheduled_at(0) is not None
+        assert stream.queued_at <= stream.scheduled_at(0) and stream.num_preemptions(0) == 0
+    assert streams[0].scheduled_at(0) < streams[1].queued_at, "the late request came after the first was running"
     assert got == {0: greedy[0], 1: greedy[1]}
     assert last.finish_reason == "length"
     assert order[0][1] < 12, "the late request drew tokens while the first was still running"
@@ -84,9 +88,10 @@ def test_a_full_engine_and_a_bad_request_are_refused_at_once():
         stream = await engine.add(PROMPTS[0], SamplingParams(n=3, temperature=0.0, max_tokens=50))
         with pytest.raises(EngineFullError, match="3 sequences are unfinished; 1 more would pass max_requests=3"):
             await engine.add(PROMPTS[1], SamplingParams.greedy(5))
-        stream.abort()
-        async for _ in stream:
-            pass
+        async for delta in stream:
+            if delta.index == 0 and delta.token_ids:  # its siblings are queued once it drew: abort them
+                stream.abort()
+        assert stream.scheduled_at(0) is not None and stream.queued_at <= stream.scheduled_at(0)
         with pytest.raises(EngineError, match="token 9999 is not an id"):
             await engine.add([9999], SamplingParams.greedy(5))
         assert engine.num_unfinished == 0

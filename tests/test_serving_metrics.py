@@ -44,6 +44,7 @@ def test_gauges_and_counters_carry_vllms_names():
     assert sample(metrics, "vllm:kv_cache_usage_perc") == 0.25
     assert sample(metrics, "vllm:num_requests_running") == 3
     assert sample(metrics, "vllm:num_requests_waiting") == 1
+    assert sample(metrics, "vllm:num_requests_waiting_by_reason", reason="capacity") == 1
     assert sample(metrics, "vllm:num_preemptions_total") == 2
     assert sample(metrics, "vllm:prefix_cache_queries_total") == 100
     assert sample(metrics, "vllm:prefix_cache_hits_total") == 40

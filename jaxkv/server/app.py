@@ -76,8 +76,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     when the engine cannot be built; or the caller starts one before binding (the CLI does):
     ``app.state.engine = AsyncEngine(app.state.build_engine, ...)``, awaited ready."""
     metrics = PrometheusMetrics(labels={"model_name": config.model_name})
-    request_metrics = RequestMetrics(labels=metrics.labels, registry=metrics.registry)
     holder: dict[str, AsyncEngine] = {}
+    request_metrics: list[RequestMetrics] = []  # once the engine (its max_model_len) is built
 
     def build() -> Engine:
         engine = config.build_engine()
@@ -90,7 +90,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             app.state.engine = AsyncEngine(build, max_requests=config.max_requests)
         holder["engine"] = app.state.engine
         try:
-            await holder["engine"].ready()
+            engine = await holder["engine"].ready()
+            if not request_metrics:
+                max_model_len = engine.manager.max_model_len
+                exporter = RequestMetrics(max_model_len=max_model_len, labels=metrics.labels, registry=metrics.registry)
+                request_metrics.append(exporter)
             yield
         finally:
             await holder["engine"].close()
@@ -137,7 +141,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         except EngineDeadError as err:
             raise ApiError(str(err), status=503, kind="server_error") from None
 
-    async def start(kind: str, request: Request) -> tuple[ParsedRequest, RequestStream]:
+    async def start(kind: str, request: Request) -> tuple[ParsedRequest, RequestStream, Engine]:
         body, engine = await checked_body(request)
         # templates and tokenizers are the checkpoint's and the client's work: off the event loop
         parsed = await asyncio.to_thread(
@@ -151,15 +155,19 @@ def create_app(config: ServerConfig) -> FastAPI:
             raise ApiError(str(err), status=503, kind="server_error") from None
         except EngineError as err:
             raise ApiError(str(err)) from None
-        return parsed, stream
+        return parsed, stream, engine
 
     async def answer(kind: str, request: Request) -> Response:
+        arrival = time.monotonic()
         try:
-            parsed, stream = await start(kind, request)
+            parsed, stream, engine = await start(kind, request)
         except ApiError as err:
             return error(err)
         result = Answer(parsed, config.tokenizer)
-        timer = request_metrics.timer(len(parsed.prompt_token_ids), parsed.params.n)
+        max_tokens = parsed.params.max_tokens
+        if max_tokens is None:  # up to the context, as vLLM's front end fills it in
+            max_tokens = engine.manager.max_model_len - len(parsed.prompt_token_ids)
+        timer = request_metrics[0].timer(stream, arrival, len(parsed.prompt_token_ids), max_tokens)
         if parsed.stream:
             return StreamingResponse(_events(stream, result, timer), media_type="text/event-stream")
         try:
@@ -301,6 +309,8 @@ async def _read_all(stream: RequestStream, result: Answer, timer: RequestTimer) 
 async def _events(stream: RequestStream, result: Answer, timer: RequestTimer) -> AsyncIterator[str]:
     """Server-sent events of a streamed answer; leaving early (a disconnect) aborts the request."""
     try:
+        for opening in result.opening_chunks():
+            yield f"data: {json.dumps(opening)}\n\n"
         async for delta in stream:
             timer.observe(delta)
             result.add(delta)

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from jaxkv.planner import KVCacheConfig
 
 PROG = "jaxkv-server"
+HEADER_TIMEOUT_S = 10.0
+"""A connection waiting longer for a request's headers is closed (a stalled client holds nothing)."""
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
@@ -79,6 +81,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_num_seqs", type=int, default=16, help="sequences per step")
     p.add_argument("--max_requests", type=int, default=256, help="unfinished sequences (n per request) before 429")
     p.add_argument("--max_body_bytes", type=parse_bytes, default="1MiB", help="the largest request body")
+    p.add_argument(
+        "--header_timeout_s",
+        type=float,
+        default=HEADER_TIMEOUT_S,
+        help="close a connection whose request headers take longer to arrive (seconds)",
+    )
     p.add_argument("--no_prefix_caching", action="store_true", help="turn the prefix cache off")
     p.add_argument(
         "--served_model_name", default=None, help="the model id clients name (default: the directory's name)"
@@ -184,8 +192,8 @@ def build_app(args: argparse.Namespace, kv_events: Any = None) -> Any:
         fail(str(err))
     if args.max_model_len is None:
         fail(f"--max_model_len is needed: {directory / 'config.json'} names no max_position_embeddings")
-    for name in ("port", "max_model_len", "max_num_seqs", "max_requests"):
-        if getattr(args, name) <= 0 or (name == "port" and args.port > 65535):
+    for name in ("port", "max_model_len", "max_num_seqs", "max_requests", "header_timeout_s"):
+        if not getattr(args, name) > 0 or (name == "port" and args.port > 65535):
             fail(f"--{name}={getattr(args, name)} is out of range")
 
     def build() -> Engine:
@@ -217,14 +225,17 @@ class ServerThread:
     """``app`` served by uvicorn on a free loopback port, on a daemon thread: a live server
     inside a test or benchmark process. ``url`` answers once the constructor returns."""
 
-    def __init__(self, app: Any, *, timeout_s: float = 300.0) -> None:
+    def __init__(self, app: Any, *, timeout_s: float = 300.0, header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
         import uvicorn
+
+        from jaxkv.server.header_timeout import header_timeout_protocol
 
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.app = app
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        http = header_timeout_protocol(header_timeout_s)
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
@@ -256,6 +267,7 @@ async def serve(args: argparse.Namespace) -> None:
 async def _serve(args: argparse.Namespace, app: Any, events: str) -> None:
     import uvicorn
 
+    from jaxkv.server.header_timeout import header_timeout_protocol
     from jaxkv.serving.async_engine import AsyncEngine, EngineDeadError
 
     engine = AsyncEngine(app.state.build_engine, max_requests=args.max_requests)
@@ -270,8 +282,9 @@ async def _serve(args: argparse.Namespace, app: Any, events: str) -> None:
     if args.api_key is None and args.host not in LOOPBACK and not args.host.startswith("127."):
         print(f"{PROG}: warning: serving on {args.host} beyond loopback without --api_key", file=sys.stderr)
     log_level = "info" if args.access_log else "warning"
+    http = header_timeout_protocol(args.header_timeout_s)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=args.access_log)
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=args.access_log, http=http)
     )
     serving = asyncio.ensure_future(server.serve())
     while not server.started and not serving.done():

@@ -371,12 +371,8 @@ class Answer:
         """One stream chunk for ``delta`` (recorded first with :meth:`add`)."""
         i = delta.index
         choice: dict[str, Any] = {"index": i, "finish_reason": delta.finish_reason}
-        if self.request.kind == "chat":
-            message: dict[str, Any] = {"content": delta.text}
-            if not self._started[i]:
-                message["role"] = "assistant"
-                self._started[i] = True
-            choice["delta"] = message
+        if self.request.kind == "chat":  # the role went in the opening chunks
+            choice["delta"] = {"content": delta.text}
         else:
             choice["text"] = delta.text if self._started[i] else self._echo + delta.text
             self._started[i] = True
@@ -386,6 +382,17 @@ class Answer:
         if self.request.continuous_usage:
             return {**self._head(), "choices": [choice], "usage": self.usage}
         return {**self._head(), "choices": [choice]}
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """A chat stream's first chunks, one per choice: its role and empty content, as vLLM opens
+        one (clients count a later chunk with empty content, e.g. an EOS, as a token)."""
+        if self.request.kind != "chat":
+            return []
+        opening = {"role": "assistant", "content": ""}
+        choices = [
+            {"index": i, "delta": opening, "logprobs": None, "finish_reason": None} for i in range(len(self.texts))
+        ]
+        return [{**self._head(), "choices": [choice]} for choice in choices]
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._head(), "choices": [], "usage": self.usage}

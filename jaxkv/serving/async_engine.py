@@ -14,6 +14,12 @@ step, and the engine never waits for a reader.
     async for delta in stream:
         print(delta.token_ids, delta.text)
 
+Each stream also carries its sequences' times on the engine thread (``queued_at``: the
+engine took the request; :meth:`RequestStream.scheduled_at`: first scheduled) and
+preemptions, what a server's request metrics need (vLLM's queue, prefill and inference
+times): the engine's ``step_check`` is chained with one that notes each sequence's first
+scheduling.
+
 The number of unfinished sequences is bounded (``max_requests``; a request of ``n``
 sequences counts ``n``): one more is refused with :class:`EngineFullError` at once, so a
 server answers "busy" instead of queueing without end.
@@ -25,15 +31,28 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from jaxkv.errors import JaxkvError
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.outputs import RequestDelta
 from jaxkv.serving.sampling_params import SamplingParams
+from jaxkv.serving.scheduler import SchedulerOutput
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """What the engine thread saw of one sequence: its first scheduling or its preemptions."""
+
+    request_id: str
+    index: int
+    scheduled_at: float | None
+    num_preemptions: int | None
 
 
 class EngineFullError(JaxkvError, RuntimeError):
@@ -51,10 +70,15 @@ class RequestStream:
 
     def __init__(self, owner: AsyncEngine, request_id: str, n: int) -> None:
         self.request_id = request_id
+        self.n = n
+        self.queued_at: float | None = None
+        """When the engine took the request (``time.monotonic()``; None before)."""
         self._owner = owner
         self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._unfinished = n  # as the consumer has read
         self._unrouted = n  # as the engine has reported
+        self._scheduled: list[float | None] = [None] * n
+        self._preemptions = [0] * n
 
     def __aiter__(self) -> AsyncIterator[RequestDelta]:
         return self
@@ -79,10 +103,25 @@ class RequestStream:
         """The request's sequences the engine has not reported finished."""
         return self._unrouted
 
+    def scheduled_at(self, index: int) -> float | None:
+        """When sequence ``index`` was first scheduled (``time.monotonic()``; None: not yet)."""
+        return self._scheduled[index]
+
+    def num_preemptions(self, index: int) -> int:
+        """How often sequence ``index`` was preempted (known once it has finished)."""
+        return self._preemptions[index]
+
     def abort(self) -> None:
         """Abort the request unless it has finished (its blocks are freed before the next step)."""
         if self._unfinished:
             self._owner.abort(self.request_id)
+
+    def note(self, index: int, *, scheduled_at: float | None = None, num_preemptions: int | None = None) -> None:
+        """Record what the engine thread saw of sequence ``index`` (on the event loop)."""
+        if scheduled_at is not None:
+            self._scheduled[index] = scheduled_at
+        if num_preemptions is not None:
+            self._preemptions[index] = num_preemptions
 
     def put(self, item: RequestDelta | BaseException) -> bool:
         """Queue a delta (or an error that ends the stream), on the event loop; whether the
@@ -103,6 +142,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.max_requests = max_requests
         self._ready: asyncio.Future[Engine] = self._loop.create_future()
+        self._notes: list[Note] = []  # the engine thread's, handed over with the next deltas
+        self._scheduled: set[tuple[str, int]] = set()  # sequences scheduled and unfinished (engine thread)
         self._thread = threading.Thread(target=self._run, args=(build,), name=name, daemon=True)
         self._thread.start()
 
@@ -134,8 +175,13 @@ class AsyncEngine:
         request_id = f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id, params.n)
         self._streams[request_id] = stream
+
+        def take(engine: Engine) -> float:
+            engine.add_request(prompt, params, cache_salt=cache_salt, request_id=request_id)
+            return time.monotonic()
+
         try:
-            await self.call(lambda e: e.add_request(prompt, params, cache_salt=cache_salt, request_id=request_id))
+            stream.queued_at = await self.call(take)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -177,6 +223,7 @@ class AsyncEngine:
         except BaseException as err:
             self._loop.call_soon_threadsafe(_settle, self._ready, None, EngineDeadError(f"the engine failed: {err}"))
             return
+        engine.step_check = self._noting_schedules(engine.step_check)
         self._loop.call_soon_threadsafe(_settle, self._ready, engine, None)
         while True:
             block = not engine.has_unfinished  # idle: wait for a command
@@ -193,17 +240,44 @@ class AsyncEngine:
             try:
                 step = engine.step()
             except Exception as err:  # the engine dropped every request: each stream ends with the error
+                self._scheduled.clear()
                 self._deliver((), err)
                 continue
+            self._notes += [Note(o.request_id, o.index, None, o.num_preemptions) for o in step.finished]
+            self._scheduled.difference_update((d.request_id, d.index) for d in step.deltas if d.finished)
             self._deliver(step.deltas, None)
 
-    def _deliver(self, deltas: Sequence[RequestDelta], error: BaseException | None) -> None:
-        """Hand a step's deltas (or an error for every stream) to the event loop in one call."""
-        if deltas or error is not None:
-            self._loop.call_soon_threadsafe(self._route, tuple(deltas), error)
+    def _noting_schedules(self, check: Callable[[SchedulerOutput | None], None] | None) -> Callable[..., None]:
+        """``check`` (the engine's ``step_check``, run first) chained with a note of when each
+        sequence is first scheduled (its id is ``req-N``, or ``req-N#index`` when ``n`` > 1)."""
 
-    def _route(self, deltas: tuple[RequestDelta, ...], error: BaseException | None) -> None:
-        """On the event loop: each delta into its request's stream; a finished stream forgotten."""
+        def noting(output: SchedulerOutput | None) -> None:
+            if check is not None:
+                check(output)
+            if output is None:
+                return
+            now = time.monotonic()
+            for chunk in output.chunks:
+                request_id, _, index = chunk.seq.request_id.partition("#")
+                key = (request_id, int(index or 0))
+                if key not in self._scheduled:
+                    self._scheduled.add(key)
+                    self._notes.append(Note(*key, now, None))
+
+        return noting
+
+    def _deliver(self, deltas: Sequence[RequestDelta], error: BaseException | None) -> None:
+        """Hand a step's deltas and notes (or an error for every stream) to the event loop in one call."""
+        notes, self._notes = tuple(self._notes), []
+        if deltas or notes or error is not None:
+            self._loop.call_soon_threadsafe(self._route, tuple(deltas), notes, error)
+
+    def _route(self, deltas: tuple[RequestDelta, ...], notes: tuple[Note, ...], error: BaseException | None) -> None:
+        """On the event loop: notes and each delta into its request's stream; a finished stream forgotten."""
+        for note in notes:
+            noted = self._streams.get(note.request_id)
+            if noted is not None:
+                noted.note(note.index, scheduled_at=note.scheduled_at, num_preemptions=note.num_preemptions)
         if error is not None:
             for stream in self._streams.values():
                 stream.put(error)

@@ -38,6 +38,8 @@ COUNTERS = {
 }
 """Counter name (without the ``_total`` that Prometheus appends) -> (help, field)."""
 
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+"""vLLM's waiting requests by reason; jaxkv's wait for capacity only (``reason="capacity"``)."""
 LOOPBACK_HOST = "127.0.0.1"
 """Where :meth:`PrometheusMetrics.serve` listens unless told otherwise."""
 OFFLOAD_BYTES = "jaxkv:kv_offload_bytes"
@@ -87,6 +89,10 @@ class PrometheusMetrics:
             field: prometheus_client.Counter(name, text, names, registry=self.registry).labels(**self.labels)
             for name, (text, field) in COUNTERS.items()
         }
+        waiting = prometheus_client.Gauge(
+            WAITING_BY_REASON, "Waiting requests by reason", [*names, "reason"], registry=self.registry
+        )
+        self._waiting_for_capacity = waiting.labels(**self.labels, reason="capacity")
         offload = prometheus_client.Counter(
             OFFLOAD_BYTES, "KV bytes moved between device and host", [*names, "direction"], registry=self.registry
         )
@@ -115,6 +121,7 @@ class PrometheusMetrics:
         """Set the gauges and advance the counters to ``stats`` (a total that went down has restarted)."""
         for field, gauge in self._gauges.items():
             gauge.set(getattr(stats, field))
+        self._waiting_for_capacity.set(stats.num_waiting)
         for field, counter in self._counters.items():
             total = getattr(stats, field)
             last = self._last[field]
