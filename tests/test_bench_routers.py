@@ -44,3 +44,22 @@ def test_kv_aware_vllm_router_follows_replicas_that_cached_before_it_started(tmp
     # routed as the replicas' replayed events say: as many hits as one cache of both
     assert kv["late_join_hit_rate"] >= 0.9 * big["late_join_hit_rate"], report
     assert "vllm:kv_aware" in result.stdout
+
+
+def test_kv_aware_credits_a_hybrids_state_aware_events_and_nothing_the_replicas_recompute(tmp_path):
+    """Tiny Qwen3-Next: with state-aware events vllm-router credits the routed turn only
+    with what the replicas then hit, and it hits more than with the raw per-group events."""
+    venv = routers_venv()
+    if venv is None:
+        pytest.skip("vllm-router is not installed (pip install 'jaxkv[fleet]', or set JAXKV_ROUTERS_VENV)")
+    checkpoint, out = tmp_path / "tiny-qwen3-next", tmp_path / "routers.json"
+    saved = run_script("save_tiny_checkpoint.py", "--family=qwen3_next", f"--out={checkpoint}")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    args = ["--checkpoint", str(checkpoint), f"--routers_venv={venv}", "--configs=vllm:kv_aware"]
+    args += ["--kv_events=state_aware,raw", "--num_replicas=2", "--num_conversations=4", "--turns=2", f"--out={out}"]
+    result = run_script("bench_routers.py", *args, timeout=480)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    aware, raw = report["configs"]["vllm:kv_aware"], report["configs"]["vllm:kv_aware[raw]"]
+    assert aware["credited_tokens"] > 0 and aware["recomputed_credited_tokens"] == 0, aware
+    assert aware["hits"] > raw["hits"], report
