@@ -29,18 +29,31 @@ routing decisions, not the load, make the difference.
 The routers come from ``pip install 'jaxkv[fleet]'`` (vllm-router; sglang-router by
 hand) in the environment ``--routers_venv`` names (its ``bin/``); a router that is not
 installed is reported as skipped, with the reason.
+
+A hybrid checkpoint (recurrent layers: ``--family qwen3_next``) is served with
+state-aware KV events by default; ``--kv_events state_aware,raw`` runs ``kv_aware`` once
+per event stream (``raw``: ``jaxkv-server --kv_events_raw``, every group's blocks and
+checkpoints as recorded). For ``kv_aware`` the table adds the prompt tokens the router
+credited the chosen replica with (its ``credited_prefix_tokens``, read from its debug
+log, decision by decision) and those of them the replica then recomputed (credited
+minus the request's ``cached_tokens``, where positive):
+
+    python scripts/save_tiny_checkpoint.py --family qwen3_next --out /tmp/tiny-qwen3-next
+    PYTHONPATH=. python scripts/bench_routers.py --checkpoint /tmp/tiny-qwen3-next \\
+        --configs vllm:kv_aware --kv_events state_aware,raw --out bench_routers_hybrid.json
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -68,6 +81,11 @@ flags.DEFINE_float("start_timeout", 120.0, "seconds a server or router may take 
 flags.DEFINE_string("out", None, "write the results as JSON here")
 flags.DEFINE_float("router_settle_s", 3.0, "seconds a router runs before the first routed request", lower_bound=0)
 flags.DEFINE_string("router_logs", None, "write each router's output here")
+flags.DEFINE_list(
+    "kv_events",
+    ["state_aware"],
+    "event streams kv_aware runs with: state_aware (the default), raw (a hybrid's per-group events as recorded)",
+)
 FLAGS = flags.FLAGS
 PROG = "bench_routers.py"
 
@@ -130,6 +148,7 @@ class Server:
     """One ``jaxkv-server`` process on loopback ports, publishing KV events with replay."""
 
     memory: str
+    raw_events: bool = False
     port: int = field(default_factory=free_port)
     events: str = field(default_factory=lambda: f"tcp://{HOST}:{free_port()}")
     replay: str = field(default_factory=lambda: f"tcp://{HOST}:{free_port()}")
@@ -146,6 +165,8 @@ class Server:
         cmd = [sys.executable, "-m", "jaxkv.server", "--checkpoint", FLAGS.checkpoint, "--port", str(self.port)]
         cmd += ["--memory", self.memory, "--kv_events_endpoint", self.events]
         cmd += ["--kv_events_replay_endpoint", self.replay, "--kv_events_plaintext_tcp"]
+        if self.raw_events:
+            cmd.append("--kv_events_raw")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def wait(self) -> None:
@@ -184,8 +205,8 @@ class Server:
 
 
 @contextlib.contextmanager
-def servers(n: int, memory: str) -> Iterator[list[Server]]:
-    fleet = [Server(memory) for _ in range(n)]
+def servers(n: int, memory: str, raw_events: bool = False) -> Iterator[list[Server]]:
+    fleet = [Server(memory, raw_events) for _ in range(n)]
     try:
         for s in fleet:
             s.start()
@@ -208,7 +229,7 @@ def router_command(kind: str, policy: str, fleet: list[Server], port: int, model
                 cmd += ["--kv-event-source", f"{s.url}={s.events}", "--kv-event-replay-source", f"{s.url}={s.replay}"]
             block_size = http_json(fleet[0].url + "/server_info")["block_size"]
             cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
-        if FLAGS.router_logs:
+        if FLAGS.router_logs or policy == "kv_aware":  # kv_aware's decisions are read from its debug log
             cmd += ["--log-level", "debug"]
         return cmd
     cmd = [str(bin_dir / "python"), "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port)]
@@ -225,11 +246,35 @@ def router_missing(kind: str) -> str | None:
     return None if probe.returncode == 0 else f"no sglang_router in {FLAGS.routers_venv}"
 
 
-def chat(url: str, model: str, messages: list[dict[str, str]]) -> None:
+def chat(url: str, model: str, messages: list[dict[str, str]]) -> int:
+    """Send one chat request; the prompt tokens the serving replica found cached."""
     body = {"model": model, "messages": messages, "max_tokens": FLAGS.max_tokens, "temperature": 0}
     answer = http_json(url + "/v1/chat/completions", body)
     if "choices" not in answer:
         raise RuntimeError(f"{url}: {answer}")
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+CREDITED = re.compile(r"KV prefix decision .*credited_prefix_tokens=(\d+)")
+
+
+def credited_tokens(log: Path) -> list[int]:
+    """vllm-router ``kv_aware``'s credited prefix tokens, decision by decision, from its debug log."""
+    return [
+        int(m[1]) for line in log.read_text(errors="replace").splitlines() if (m := CREDITED.search(ANSI.sub("", line)))
+    ]
+
+
+def credit_row(credited: list[int], cached: list[int]) -> dict:
+    """Tokens the router credited and those the replicas then recomputed (None where the
+    log's decisions do not pair one to one with the requests)."""
+    row = {"credited_tokens": sum(credited), "credited": credited, "cached": cached}
+    paired = len(credited) == len(cached)
+    row["recomputed_credited_tokens"] = (
+        sum(max(0, c - hit) for c, hit in zip(credited, cached, strict=True)) if paired else None
+    )
+    return row
 
 
 def hit_rate(fleet: list[Server], before: tuple[float, float]) -> tuple[float, float, float]:
@@ -238,31 +283,33 @@ def hit_rate(fleet: list[Server], before: tuple[float, float]) -> tuple[float, f
     return hits, queries, hits / queries if queries else 0.0
 
 
-def run_fleet(kind: str, policy: str, turns: list, model: str) -> dict:
-    with servers(FLAGS.num_replicas, FLAGS.memory) as fleet:
+def run_fleet(kind: str, policy: str, turns: list, model: str, raw_events: bool = False) -> dict:
+    with servers(FLAGS.num_replicas, FLAGS.memory, raw_events) as fleet, tempfile.TemporaryDirectory() as tmp:
         for i, messages in enumerate(turns[0]):  # the replicas cache before the router starts
             chat(fleet[i % len(fleet)].url, model, messages)
         before = tuple(sum(c) for c in zip(*(s.counters() for s in fleet), strict=True))
         port = free_port()
         cmd = router_command(kind, policy, fleet, port, model)
-        log = Path(FLAGS.router_logs) / f"{kind}-{policy}.log" if FLAGS.router_logs else Path(os.devnull)
+        name = f"{kind}-{policy}{'-raw' if raw_events else ''}.log"
+        log = Path(FLAGS.router_logs or tmp) / name
         with log.open("wb") as out:
             router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
             wait_http(f"http://{HOST}:{port}/v1/models", router, f"{kind}-router")
             time.sleep(FLAGS.router_settle_s)  # the replicas' idle batches (1 s) reach it: it replays
-            for messages in turns[1]:
-                chat(f"http://{HOST}:{port}", model, messages)
+            cached = [chat(f"http://{HOST}:{port}", model, messages) for messages in turns[1]]
             late_join = hit_rate(fleet, before)
             fleet[-1].restart()
             for later in turns[2:]:
-                for messages in later:
-                    chat(f"http://{HOST}:{port}", model, messages)
+                cached += [chat(f"http://{HOST}:{port}", model, messages) for messages in later]
             total = hit_rate(fleet, before)
         finally:
             router.terminate()
             router.wait(10)
-    return {"late_join_hit_rate": late_join[2], "hits": total[0], "queries": total[1], "hit_rate": total[2]}
+        row = {"late_join_hit_rate": late_join[2], "hits": total[0], "queries": total[1], "hit_rate": total[2]}
+        if policy == "kv_aware":
+            row.update(credit_row(credited_tokens(log), cached))
+    return row
 
 
 def run_big(turns: list, model: str) -> dict:
@@ -304,9 +351,12 @@ def main(argv: list[str]) -> None:
         if missing is not None:
             results["configs"][config] = {"skipped": missing}
             continue
-        row = run_fleet(kind, policy, turns, model)
-        row["ratio"] = row["hit_rate"] / big_rate if big_rate else 0.0
-        results["configs"][config] = row
+        for events in FLAGS.kv_events if policy == "kv_aware" else ["state_aware"]:
+            if events not in ("state_aware", "raw"):
+                exit_error(PROG, f"--kv_events: state_aware or raw, got {events!r}")
+            row = run_fleet(kind, policy, turns, model, raw_events=events == "raw")
+            row["ratio"] = row["hit_rate"] / big_rate if big_rate else 0.0
+            results["configs"][config + ("[raw]" if events == "raw" else "")] = row
     results["wall_s"] = time.monotonic() - started
     results["settings"] = {
         name: FLAGS[name].value
@@ -318,16 +368,35 @@ def main(argv: list[str]) -> None:
             "num_conversations",
             "turns",
             "user_chars",
+            "max_tokens",
+            "kv_events",
         )
     }
-    print(f"{'router:policy':<22} {'late join':>10} {'hit rate':>9} {'vs big':>7}")
-    print(f"{'one big cache':<22} {results['big']['late_join_hit_rate']:>10.3f} {big_rate:>9.3f} {1.0:>7.3f}")
+    print(
+        f"{'router:policy':<22} {'late join':>10} {'hit rate':>9} {'vs big':>7}"
+        f" {'hit tokens':>10} {'credited':>9} {'recomputed':>10}"
+    )
+    big = results["big"]
+    print(f"{'one big cache':<22} {big['late_join_hit_rate']:>10.3f} {big_rate:>9.3f} {1.0:>7.3f} {big['hits']:>10.0f}")
     for config, row in results["configs"].items():
         if "skipped" in row:
             print(f"{config:<22} skipped: {row['skipped']}")
-        else:
-            print(f"{config:<22} {row['late_join_hit_rate']:>10.3f} {row['hit_rate']:>9.3f} {row['ratio']:>7.3f}")
-    print(f"({results['wall_s']:.0f} s; late join: the routed turn before the restart; hit rate: every routed turn)")
+            continue
+        line = f"{config:<22} {row['late_join_hit_rate']:>10.3f} {row['hit_rate']:>9.3f} {row['ratio']:>7.3f}"
+        line += f" {row['hits']:>10.0f}"
+        if "credited_tokens" in row:
+            recomputed = row["recomputed_credited_tokens"]
+            share = (
+                f"{recomputed / row['credited_tokens']:.1%}"
+                if recomputed is not None and row["credited_tokens"]
+                else "n/a"
+            )
+            line += f" {row['credited_tokens']:>9} {share:>10}"
+        print(line)
+    print(
+        f"({results['wall_s']:.0f} s; late join: the routed turn before the restart; hit rate: every routed turn;"
+        " recomputed: the share of credited tokens the replica recomputed)"
+    )
     if FLAGS.out:
         Path(FLAGS.out).write_text(json.dumps(results, indent=2) + "\n")
 

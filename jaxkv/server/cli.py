@@ -111,6 +111,11 @@ def parser() -> argparse.ArgumentParser:
         default=1.0,
         help="with replay: publish an empty batch after this many idle seconds (a late router then replays)",
     )
+    events.add_argument(
+        "--kv_events_raw",
+        action="store_true",
+        help="hybrids: publish every group's blocks and checkpoints as recorded, not the blocks a hit can use",
+    )
     return p
 
 
@@ -132,6 +137,7 @@ def event_publisher(args: argparse.Namespace) -> Any:
             curve=curve,
             plaintext_tcp=args.kv_events_plaintext_tcp,
             idle_batch_s=args.kv_events_idle_batch_s if args.kv_events_replay_endpoint else None,
+            state_aware=not args.kv_events_raw,
         )
     except JaxkvError as err:
         fail(str(err))

@@ -45,12 +45,17 @@ The wire format (facts from vLLM's ``vllm/distributed/kv_events.py`` and
   restart; a router started after the replicas cached asks for a replay from 0 and
   gets the whole buffer.
 
-jaxkv publishes the device pools' events (attention blocks and state checkpoints,
-each with its ``group_idx``) as medium ``"GPU"`` whatever the accelerator, and the
-host tier's as ``"CPU"``. ZeroMQ (pyzmq) and msgspec are the optional extra
-``jaxkv[events]``: only this module, :mod:`jaxkv.fleet.prefix_index` and the
-routing modules (:mod:`jaxkv.fleet.protocol`, :mod:`jaxkv.fleet.replica`,
-:mod:`jaxkv.fleet.router`) import them.
+jaxkv publishes the device pools' events as medium ``"GPU"`` whatever the accelerator,
+and the host tier's as ``"CPU"``. For a model with recurrent layers it publishes by
+default what a hit can use (:mod:`jaxkv.serving.state_aware_events`: attention blocks
+announced once a state checkpoint lets a prompt resume on their chain, withdrawn when
+none does, with no ``group_idx``), so a KV-event router credits only chains a prompt
+can resume on; ``state_aware=False`` publishes every group's blocks and checkpoints as
+the manager records them, each with its ``group_idx`` (as attention-only models always
+are). ZeroMQ (pyzmq) and msgspec are the optional extra ``jaxkv[events]``: only this
+module, :mod:`jaxkv.fleet.prefix_index` and the routing modules
+(:mod:`jaxkv.fleet.protocol`, :mod:`jaxkv.fleet.replica`, :mod:`jaxkv.fleet.router`)
+import them.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ except ModuleNotFoundError as err:
 
 from jaxkv.core.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from jaxkv.offload.catalog import KeysRemoved, KeysStored, OffloadEvent
+from jaxkv.serving.state_aware_events import StateAwareEvents
 from jaxkv.serving.zmq_security import CurveKeys, SecureContext, check_endpoint
 
 if TYPE_CHECKING:
@@ -152,11 +158,13 @@ def wire_events(
     *,
     int_hashes: bool = True,
     include_token_ids: bool = True,
+    device_group_idx: bool = True,
 ) -> list[AnyWireEvent]:
     """The wire form of one step's events: the device pools' (medium ``"GPU"``), then the
     host tier's (``"CPU"``, one event per run of keys of one group; ``block_sizes`` gives
     each group's block size). ``include_token_ids=False`` leaves stored blocks' token ids
-    out."""
+    out; ``device_group_idx=False`` the device events' group (a single-group view: state-aware
+    events)."""
 
     def ext(h: bytes) -> ExternalBlockHash:
         return external_hash(h, as_int=int_hashes)
@@ -173,11 +181,12 @@ def wire_events(
                     lora_id=None,
                     medium=MEDIUM_DEVICE,
                     lora_name=e.lora_name,
-                    group_idx=e.group,
+                    group_idx=e.group if device_group_idx else None,
                 )
             )
         elif isinstance(e, BlockRemoved):
-            out.append(WireBlockRemoved([ext(h) for h in e.block_hashes], MEDIUM_DEVICE, group_idx=e.group))
+            group_idx = e.group if device_group_idx else None
+            out.append(WireBlockRemoved([ext(h) for h in e.block_hashes], MEDIUM_DEVICE, group_idx=group_idx))
         elif isinstance(e, AllBlocksCleared):
             out.append(WireAllBlocksCleared())
     for change in host:
@@ -215,7 +224,10 @@ class KVEventPublisher:
     the stream's position and replays what it missed (vllm-router 0.1.17 replays only
     on a gap it sees live: a replica idle since the router started stays unknown to
     it otherwise). :meth:`publish` and that thread share the PUB socket under a lock.
-    Close it (or use it as a context manager).
+    ``state_aware`` (default True): :meth:`publish_step` publishes a hybrid model's
+    events through :class:`~jaxkv.serving.state_aware_events.StateAwareEvents` (what a hit
+    can use); False publishes its groups' events as recorded. Attention-only models are
+    published as recorded either way. Close it (or use it as a context manager).
     """
 
     def __init__(
@@ -232,6 +244,7 @@ class KVEventPublisher:
         curve: CurveKeys | None = None,
         plaintext_tcp: bool = False,
         idle_batch_s: float | None = None,
+        state_aware: bool = True,
     ) -> None:
         check_endpoint("endpoint", endpoint)
         if idle_batch_s is not None and (
@@ -251,6 +264,8 @@ class KVEventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self.int_block_hashes = int_block_hashes
         self.include_token_ids = include_token_ids
+        self.state_aware = state_aware
+        self._state_aware: tuple[KVCacheManager, StateAwareEvents | None] | None = None
         self._secure = SecureContext(curve, plaintext_tcp=plaintext_tcp)
         self._replay: zmq.Socket | None = None
         try:
@@ -332,17 +347,34 @@ class KVEventPublisher:
 
         The manager must record events (``enable_events=True``); so must the host
         catalogs (an :class:`~jaxkv.serving.offload_connector.OffloadConnector` made by
-        ``create`` for such a manager does).
+        ``create`` for such a manager does). A state-aware publisher follows one manager
+        from its first step on (another one is refused). The host tier's events go out as
+        recorded (not state-aware).
         """
+        device = manager.take_events()
+        transform = self._transform_for(manager)
+        if transform is not None:
+            device = transform.apply(device)
         host = connector.take_events() if connector is not None else ()
         events = wire_events(
-            manager.take_events(),
+            device,
             host,
             manager.block_sizes,
             int_hashes=self.int_block_hashes,
             include_token_ids=self.include_token_ids,
+            device_group_idx=transform is None,
         )
         return self.publish(events) if events else None
+
+    def _transform_for(self, manager: KVCacheManager) -> StateAwareEvents | None:
+        """The state-aware transform of ``manager``'s events (None: publish as recorded)."""
+        if not self.state_aware:
+            return None
+        if self._state_aware is None:
+            self._state_aware = (manager, StateAwareEvents.for_config(manager.config))
+        elif self._state_aware[0] is not manager:
+            raise KVEventsError("a state-aware publisher follows one manager; this step came from another")
+        return self._state_aware[1]
 
     # -------------------------------------------------------------- replay
     def _serve_replays(self, replay: zmq.Socket) -> None:

@@ -1,0 +1,241 @@
+"""State-aware KV events: what a hybrid model announces as cached is what a hit can use.
+
+A model with recurrent layers (Mamba, Gated DeltaNet) resumes a prompt only where every
+recurrent group holds a state checkpoint and every attention group holds the blocks
+before it. Its manager records per-group events: attention blocks stored and removed,
+and state checkpoints stored and removed under the same chained hashes. A KV-event
+router that credits every attention block it hears of credits prefixes the engine then
+recomputes (no state there). :class:`StateAwareEvents` turns the per-group stream into
+one stream a router can take at its word:
+
+- an attention block is **published** (``BlockStored``) once the whole chain from the
+  first block to it is cached in every attention group and the chain goes on, through
+  cached attention blocks, to a block where every recurrent group holds a checkpoint
+  (the block itself or a later one): a prompt that follows the chain that far resumes
+  there;
+- it is **withdrawn** (``BlockRemoved``) when that stops being true: the checkpoint is
+  evicted and no later one remains, or an attention block on the way is evicted;
+- stores name their parent, which is always published before them (a router's radix
+  tree hangs a block under its parent), so replaying the output stream from its start
+  rebuilds exactly the published set; a hash is announced once whatever the number of
+  copies the pools hold, and withdrawn once the last goes.
+
+The output is one chain of the reference group (the first attention group at the hash
+block size), marked with no group (``group=None``: a router reads it as a single-group
+model). Other attention groups at that block size must hold the chain too; groups at a
+coarser block size are not consulted (no model here has one besides its states).
+A prompt that leaves a published chain between two checkpoints is credited past the
+earlier one: the router's prefix match cannot know where the engine resumes inside a
+chain. Pure host code: no JAX, no sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from jaxkv.core.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.planner import KVCacheConfig
+from jaxkv.specs import MambaSpec
+
+
+@dataclass(eq=False)
+class _Block:
+    """One hash of the reference chain, as far as the events told of it."""
+
+    parent: bytes | None = None
+    linked: bool = False
+    """Whether a reference-group store named its parent (a state event alone does not)."""
+    block_size: int = 0
+    token_ids: tuple[int, ...] = ()
+    lora_name: str | None = None
+    children: set[bytes] = field(default_factory=set)
+    attention: list[int] = field(default_factory=list)
+    """Copies cached per attention group (the reference group first)."""
+    states: list[int] = field(default_factory=list)
+    """Checkpoints cached per recurrent group."""
+    sub: int = 0
+    """Checkpoints reachable below it: the children's :attr:`below`, summed."""
+    below: int = 0
+    """Checkpoints reachable from it through cached attention blocks, itself included (0 if not cached)."""
+
+    @property
+    def present(self) -> bool:
+        return all(self.attention)
+
+    @property
+    def checkpoint(self) -> bool:
+        return all(self.states)
+
+
+class StateAwareEvents:
+    """Turns a hybrid manager's per-group events into the blocks a hit can use (see the module doc).
+
+    ``attention_groups``: the groups whose blocks a hit needs along the whole chain, the
+    reference group (the one published) first; ``state_groups``: those that need a
+    checkpoint where the hit ends.
+    """
+
+    def __init__(self, attention_groups: Sequence[int], state_groups: Sequence[int]) -> None:
+        if not attention_groups or not state_groups:
+            raise ValueError(
+                f"state-aware events need attention and state groups, got {attention_groups!r} and {state_groups!r}"
+            )
+        self.attention_groups = tuple(attention_groups)
+        self.state_groups = tuple(state_groups)
+        self._attention_index = {g: i for i, g in enumerate(self.attention_groups)}
+        self._state_index = {g: i for i, g in enumerate(self.state_groups)}
+        self._blocks: dict[bytes, _Block] = {}
+        self._published: set[bytes] = set()
+
+    @classmethod
+    def for_config(cls, config: KVCacheConfig) -> StateAwareEvents | None:
+        """The transform for a plan's groups; None for a model without recurrent groups
+        (its events are published as recorded)."""
+        states = [i for i, g in enumerate(config.groups) if isinstance(g.spec, MambaSpec)]
+        attention = [
+            i
+            for i, g in enumerate(config.groups)
+            if not isinstance(g.spec, MambaSpec) and g.block_size == config.hash_block_size
+        ]
+        return cls(attention, states) if states and attention else None
+
+    # ------------------------------------------------------------------ queries
+    def published(self) -> frozenset[bytes]:
+        """The hashes announced as cached now."""
+        return frozenset(self._published)
+
+    # ------------------------------------------------------------- the transform
+    def apply(self, events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
+        """The output events for one step's manager events, in order."""
+        out: list[KVCacheEvent] = []
+        for e in events:
+            if isinstance(e, AllBlocksCleared):
+                self._blocks.clear()
+                self._published.clear()
+                out.append(e)
+            elif isinstance(e, BlockStored):
+                self._stored(e, out)
+            elif isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    self._count(e.group, h, -1, out)
+        return out
+
+    def _stored(self, e: BlockStored, out: list[KVCacheEvent]) -> None:
+        if e.group == self.attention_groups[0]:
+            parent = e.parent_block_hash
+            for i, h in enumerate(e.block_hashes):
+                b = self._block(h)
+                if not b.linked:
+                    b.linked, b.parent, b.block_size, b.lora_name = True, parent, e.block_size, e.lora_name
+                    b.token_ids = tuple(e.token_ids[i * e.block_size : (i + 1) * e.block_size])
+                    if parent is not None:
+                        self._block(parent).children.add(h)
+                parent = h
+        for h in e.block_hashes:
+            self._count(e.group, h, +1, out)
+
+    def _block(self, h: bytes) -> _Block:
+        b = self._blocks.get(h)
+        if b is None:
+            b = self._blocks[h] = _Block(
+                attention=[0] * len(self.attention_groups), states=[0] * len(self.state_groups)
+            )
+        return b
+
+    def _count(self, group: int, h: bytes, delta: int, out: list[KVCacheEvent]) -> None:
+        """One copy of ``h`` in ``group`` came (+1) or went (-1); announce what changed."""
+        if group in self._attention_index:
+            where, i = "attention", self._attention_index[group]
+        elif group in self._state_index:
+            where, i = "states", self._state_index[group]
+        else:
+            return
+        b = self._blocks.get(h)
+        if delta < 0 and (b is None or not getattr(b, where)[i]):
+            return  # the removal of a copy never heard of (a stream followed from its middle)
+        b = self._block(h)
+        was_present = b.present
+        getattr(b, where)[i] += delta
+        self._update(h)
+        self._republish(h, subtree=b.present != was_present, out=out)
+        self._forget(h)
+
+    def _update(self, h: bytes) -> None:
+        """Recount the checkpoints reachable from ``h`` and, while that changes, from its ancestors."""
+        while True:
+            b = self._blocks[h]
+            below = b.sub + b.checkpoint if b.present else 0
+            delta, b.below = below - b.below, below
+            if not delta or not b.linked or b.parent is None:
+                return
+            self._blocks[b.parent].sub += delta
+            h = b.parent
+
+    def _path(self, h: bytes) -> tuple[list[bytes], bool]:
+        """The chain from its first block to ``h``, and whether all of it is cached and linked."""
+        path = [h]
+        ok = True
+        b = self._blocks[h]
+        while True:
+            ok = ok and b.present and b.linked
+            if not b.linked or b.parent is None:
+                break
+            path.append(b.parent)
+            b = self._blocks[b.parent]
+        path.reverse()
+        return path, ok
+
+    def _republish(self, h: bytes, *, subtree: bool, out: list[KVCacheEvent]) -> None:
+        """Announce the changes on the chain to ``h`` and, if ``subtree``, below it."""
+        path, ok = self._path(h)
+        prefix_ok = True
+        for p in path:
+            prefix_ok = prefix_ok and self._blocks[p].present and self._blocks[p].linked
+            self._set(p, prefix_ok and self._blocks[p].below > 0, out)
+        if not subtree:
+            return
+        stack = [(c, ok) for c in self._blocks[h].children]
+        while stack:
+            c, parent_ok = stack.pop()
+            b = self._blocks[c]
+            chain_ok = parent_ok and b.present
+            want = chain_ok and b.below > 0
+            if want or c in self._published:
+                self._set(c, want, out)
+                stack.extend((g, chain_ok) for g in b.children)
+
+    def _set(self, h: bytes, want: bool, out: list[KVCacheEvent]) -> None:
+        if want == (h in self._published):
+            return
+        group = self.attention_groups[0]
+        if want:
+            self._published.add(h)
+            b = self._blocks[h]
+            last = out[-1] if out else None
+            if isinstance(last, BlockStored) and last.block_hashes[-1] == b.parent and last.lora_name == b.lora_name:
+                out[-1] = BlockStored(
+                    group,
+                    (*last.block_hashes, h),
+                    last.parent_block_hash,
+                    b.block_size,
+                    last.token_ids + b.token_ids,
+                    b.lora_name,
+                )
+            else:
+                out.append(BlockStored(group, (h,), b.parent, b.block_size, b.token_ids, b.lora_name))
+        else:
+            self._published.discard(h)
+            out.append(BlockRemoved(group, (h,)))
+
+    def _forget(self, h: bytes) -> None:
+        """Drop what is known of ``h`` (and of ancestors left empty) once nothing holds it."""
+        while h in self._blocks:
+            b = self._blocks[h]
+            if any(b.attention) or any(b.states) or b.children or h in self._published:
+                return
+            del self._blocks[h]
+            if not b.linked or b.parent is None or b.parent not in self._blocks:
+                return
+            self._blocks[b.parent].children.discard(h)
+            h = b.parent
