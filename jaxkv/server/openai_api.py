@@ -27,7 +27,7 @@ _SAMPLING_FIELDS = (
 )
 
 _RENDERED = (
-    *("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs"),
+    *("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"),
     *("presence_penalty", "frequency_penalty", "repetition_penalty"),
 )
 """The parameters a render endpoint gives under vLLM's names, as they are (stops and logit bias apart)."""
