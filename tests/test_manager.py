@@ -170,6 +170,18 @@ def test_cache_salt_and_lora_separate_tenants(tokens):
     assert mgr.get_computed_blocks(Request("e", tokens(0, 40), cache_salt="tenant-a", lora_name="x"))[1] == 0
 
 
+def test_a_request_skipping_prefix_cache_reads_finds_no_hit_but_its_blocks_are_cached(tokens):
+    mgr = make_manager(20, FULL)
+    admit(mgr, Request("a", tokens(0, 40)))
+    before = mgr.prefix_cache_stats().num_queried_tokens
+    hit, n, new = admit(mgr, Request("b", tokens(0, 40), skip_reading_prefix_cache=True))  # prompt logprobs
+    assert n == 0 and hit.get_block_ids() == ((),) and new is not None
+    assert mgr.prefix_cache_stats().num_queried_tokens == before, "a skipped lookup is not counted (vLLM)"
+    mgr.free("a")
+    mgr.free("b")
+    assert mgr.get_computed_blocks(Request("c", tokens(0, 40)))[1] == 32
+
+
 def test_caching_disabled_never_hits(tokens):
     mgr = make_manager(20, FULL, enable_caching=False)
     admit(mgr, Request("a", tokens(0, 40)))

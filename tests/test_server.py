@@ -264,7 +264,10 @@ def test_bad_requests_get_openai_error_bodies(server, client):
         ({"top_k": 2**31}, 400, "top_k must be at most"),
         ({"stop": ["x"] * 90_000}, 400, "stop may list at most 32 strings"),
         ({"prompt": "a\ud800b"}, 400, "lone surrogate"),
-        ({"echo": True, "logprobs": 1}, 400, "echo must be a bool"),
+        ({"echo": "yes"}, 400, "echo must be a bool"),
+        ({"prompt_logprobs": -1}, 400, "prompt_logprobs=-1 (the whole vocabulary) is not supported"),
+        ({"prompt_logprobs": 21}, 400, "prompt_logprobs must be at most 20"),
+        ({"prompt_logprobs": 2, "stream": True}, 400, "`prompt_logprobs` are not available when `stream=True`"),
         ({"cache_salt": ""}, 400, "cache_salt must be a non-empty string"),
         ({"stream_options": {"include_usage": True, "every": 1}}, 400, "stream_options field 'every'"),
     ],
@@ -346,6 +349,37 @@ def test_echo_and_continuous_usage_stats(client):
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
     assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens <= 5
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(client):
+    asked = {"model": "m", "prompt": PROMPT, "echo": True, "logprobs": 1, "temperature": 0}
+    only = client.completions.create(**asked, max_tokens=0)
+    lp, n = only.choices[0].logprobs, only.usage.prompt_tokens
+    assert only.choices[0].text == PROMPT and len(lp.tokens) == len(lp.token_logprobs) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)] and "".join(lp.tokens) == PROMPT
+    prompt_lps = only.choices[0].model_extra["prompt_logprobs"]
+    assert len(prompt_lps) == n and prompt_lps[0] is None
+    first = prompt_lps[1]  # the prompt token first, then the top 1
+    ((_, entry), *_) = first.items()
+    assert entry["logprob"] == lp.token_logprobs[1] and entry["decoded_token"] == lp.tokens[1] and entry["rank"] >= 1
+    more = client.completions.create(**asked, max_tokens=1)  # the prompt is cached now: scored all the same
+    plain = client.completions.create(model="m", prompt=PROMPT, logprobs=1, temperature=0, max_tokens=1)
+    mlp = more.choices[0].logprobs
+    assert more.usage.prompt_tokens_details.cached_tokens == 0
+    assert mlp.token_logprobs[:n] == lp.token_logprobs and mlp.tokens[:n] == lp.tokens
+    assert mlp.token_logprobs[n:] == plain.choices[0].logprobs.token_logprobs
+    assert more.choices[0].text == PROMPT + plain.choices[0].text
+    streamed = list(client.completions.create(**asked, max_tokens=3, stream=True))
+    tokens = [t for c in streamed for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in streamed for o in c.choices[0].logprobs.text_offset]
+    assert tokens[: n + 1] == mlp.tokens and offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    scores = chat.model_extra["prompt_logprobs"]
+    assert len(scores) == chat.usage.prompt_tokens and scores[0] is None and all(len(e) == 1 for e in scores[1:])
 
 
 def test_a_model_is_retrieved_by_id_and_unknown_routes_answer_openai_errors(server, client):

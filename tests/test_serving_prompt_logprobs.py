@@ -10,13 +10,16 @@ from jaxkv.core.manager import KVCacheManager, Request
 from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.planner import PlanOptions, plan_kv_cache
+from jaxkv.serving.engine import Engine
+from jaxkv.serving.outputs import CacheAudit
 from jaxkv.serving.runner import ModelRunner
+from jaxkv.serving.sampling_params import SamplingParams
 from jaxkv.serving.scheduler import Scheduler
 
 pytestmark = pytest.mark.slow  # compiles a step and a dense forward
 
 
-def dense_logprobs(model: TinyLM, tokens: list[int]) -> np.ndarray:
+def dense_logprobs(model, tokens: list[int]) -> np.ndarray:
     """(len(tokens), vocab) log-probabilities of the next token after each one, dense."""
     padded = np.zeros((1, 128), np.int32)
     padded[0, : len(tokens)] = tokens
@@ -40,7 +43,7 @@ def test_every_prompt_token_is_scored_as_the_dense_forward_scores_it():
             scheduler.add_request(Request(rid, prompt), 1)
         while scheduler.has_unfinished:
             out = scheduler.schedule()
-            sampled, per_chunk = runner.execute_prompt_logprobs(out.chunks)
+            sampled, _, per_chunk = runner.execute_prompt_logprobs(out.chunks)
             for chunk, lp in zip(out.chunks, per_chunk, strict=True):
                 for j in range(chunk.num_new_tokens):
                     scored.setdefault(chunk.seq.request_id, {})[chunk.num_computed_tokens + j] = (
@@ -59,3 +62,27 @@ def test_every_prompt_token_is_scored_as_the_dense_forward_scores_it():
             np.testing.assert_allclose(logprob, dense[position, prompt[position + 1]], atol=2e-4)
             assert top_ids[:5] == np.argsort(-dense[position])[:5].tolist()
             np.testing.assert_allclose(top_logprobs, np.sort(dense[position])[::-1][:20], atol=2e-4)
+
+
+def test_the_engine_returns_prompt_logprobs_as_the_dense_forward_scores_them():
+    engine = Engine.build("tiny-hybrid", memory_bytes=2 << 20, max_model_len=256, max_num_batched_tokens=64)
+    rng = np.random.default_rng(1)
+    cached = rng.integers(0, 512, 100).tolist()
+    engine.generate([cached], 1)  # leaves its 6 full blocks in the prefix cache
+    scored = cached[:96] + rng.integers(0, 512, 10).tolist()  # 106 tokens: two chunks, a 96-token hit skipped
+    plain = rng.integers(0, 512, 20).tolist()
+    ask = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3, logprobs=1)
+    result = engine.generate([scored, plain], [ask, SamplingParams.greedy(2)])
+    out, other = result.outputs
+    assert out.num_cached_tokens == 0 and other.prompt_logprobs is None
+    assert len(out.prompt_logprobs) == len(scored) and out.prompt_logprobs[0] is None
+    dense = dense_logprobs(model=engine.model, tokens=scored)
+    for position, item in enumerate(out.prompt_logprobs[1:], start=1):
+        row = dense[position - 1]
+        assert item.token_id == scored[position]
+        np.testing.assert_allclose(item.logprob, row[scored[position]], atol=2e-4)
+        target = row[scored[position]]
+        assert 1 + np.sum(row > target + 2e-4) <= item.rank <= 1 + np.sum(row > target - 2e-4)
+        assert [t for t, _ in item.top] == np.argsort(-row)[:3].tolist()
+    assert out.output_token_ids[0] == int(np.argmax(dense[len(scored) - 1]))
+    assert engine.audit() == CacheAudit(0, 0)

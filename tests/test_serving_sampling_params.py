@@ -44,6 +44,10 @@ def test_one_stop_string_is_a_list_of_one_and_top_k_minus_one_keeps_every_token(
         ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of ints >= 0"),
         ({"ignore_eos": 1}, "ignore_eos must be a bool, got 1"),
         ({"logprobs": MAX_LOGPROBS + 1}, f"logprobs must be at most {MAX_LOGPROBS}"),
+        ({"prompt_logprobs": MAX_LOGPROBS + 1}, f"prompt_logprobs must be at most {MAX_LOGPROBS}"),
+        ({"prompt_logprobs": -1}, r"prompt_logprobs=-1 \(the whole vocabulary\) is not supported"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs must be"),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs must be"),
         ({"n": True}, "n must be a positive int, got True"),
         # bounds that keep one client's request from costing the others (issue 41)
         ({"n": 200_000}, "n must be at most 128, got 200000"),

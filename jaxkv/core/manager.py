@@ -297,13 +297,17 @@ class KVCacheManager:
         """The request's longest cached prefix: its blocks per group and its length in tokens.
 
         Only full blocks hit, and at most ``num_tokens - 1`` tokens, so the last token
-        is always computed (its logits are needed).
+        is always computed (its logits are needed). A request that skips reading the prefix
+        cache (``Request.skip_reading_prefix_cache``) finds none, and is not counted.
         """
         self._owner.check()
         check_request(request)
         if not self.enable_caching:
             return self._no_blocks, 0
         self.hash_request(request)
+        if request.skip_reading_prefix_cache:
+            request.prefix_reach, request.checkpoint_ahead, request.prefix_diverged = 0, 0, None
+            return self._no_blocks, 0
         blocks, n, request.prefix_reach, matched, diverged = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )

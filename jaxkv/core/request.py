@@ -174,6 +174,7 @@ class Request:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise KVCacheManagerError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -189,6 +190,9 @@ class Request:
         self._prompt_bytes = prompt_bytes
         self._token_view = ReadOnlyTokenIds(self._token_ids)
         self.num_prompt_tokens = len(ids)
+        # A lookup finds no hit for it, so it computes its whole prompt (what scoring every
+        # prompt token needs, as vLLM's skip_reading_prefix_cache); its blocks are still cached.
+        self.skip_reading_prefix_cache = bool(skip_reading_prefix_cache)
         if cache_salt is None and lora_name is None and mm_items == ():
             self.extra_keys = NO_EXTRA_KEYS
         else:

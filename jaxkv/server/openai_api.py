@@ -27,7 +27,7 @@ _SAMPLING_FIELDS = (
 )
 
 _RENDERED = (
-    *("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs"),
+    *("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"),
     *("presence_penalty", "frequency_penalty", "repetition_penalty"),
 )
 """The parameters a render endpoint gives under vLLM's names, as they are (stops and logit bias apart)."""
@@ -35,7 +35,7 @@ _RENDERED = (
 _HONOURED = {
     "common": frozenset(
         {*_SAMPLING_FIELDS, "model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids"}
-        | {"logprobs", "cache_salt", "user"}
+        | {"logprobs", "prompt_logprobs", "cache_salt", "user"}
     ),
     "completion": frozenset({"prompt", "echo"}),
     "chat": frozenset(
@@ -61,7 +61,6 @@ _INERT: dict[str, tuple[object, ...]] = {
     "function_call": ("none",),
     "best_of": (1,),
     "use_beam_search": (False,),
-    "prompt_logprobs": (),
     "spaces_between_special_tokens": (True,),
     "suffix": ("",),
     "truncate_prompt_tokens": (),
@@ -115,7 +114,9 @@ class ParsedRequest:
     model: str
     cache_salt: str | None = None
     echo: bool = False
-    """A completion's text starts with its prompt's."""
+    """A completion's text (and its logprobs) start with its prompt's."""
+    echo_only: bool = False
+    """``echo`` with ``max_tokens`` 0: the answer is the prompt alone (one token is drawn, unshown)."""
     continuous_usage: bool = False
     """Every stream chunk carries the usage so far."""
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
@@ -146,19 +147,31 @@ def parse(
             f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} in the completion).",
             param="max_tokens",
         )
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool) or (echo and tokenizer is None):
+        raise ApiError(
+            f"echo must be a bool, supported for a checkpoint with a tokenizer; got {echo!r:.80}", param="echo"
+        )
+    stream = body.get("stream", False)
+    prompt_logprobs = body.get("prompt_logprobs")
+    if stream is True and is_int(prompt_logprobs) and prompt_logprobs != 0:
+        raise ApiError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+    if prompt_logprobs is None and echo:  # legacy echo scores the prompt with the output's logprobs, as vLLM
+        prompt_logprobs = logprobs
+    echo_only = echo and max_tokens == 0
     stop = body.get("stop")
     fields = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     try:
         params = SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=1 if echo_only else max_tokens,
             stop=() if stop is None else stop,
             stop_token_ids=body.get("stop_token_ids") or (),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             **fields,
         )
     except SamplingParamsError as err:
-        raise ApiError(str(err), param=str(err).split(" ", 1)[0]) from None
-    stream = body.get("stream", False)
+        raise ApiError(str(err), param=str(err).split(" ", 1)[0].split("=", 1)[0]) from None
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise ApiError(f"stream must be a bool and stream_options an object, got {stream!r:.80}, {options!r:.80}")
@@ -168,12 +181,6 @@ def parse(
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ApiError(f"cache_salt must be a non-empty string, got {salt!r:.80}", param="cache_salt")
-    echo = body.get("echo", False)
-    if not isinstance(echo, bool) or (echo and (logprobs is not None or tokenizer is None)):
-        raise ApiError(
-            f"echo must be a bool, supported without logprobs for a checkpoint with a tokenizer; got {echo!r:.80}",
-            param="echo",
-        )
     return ParsedRequest(
         kind,
         prompt,
@@ -183,6 +190,7 @@ def parse(
         model,
         cache_salt=salt,
         echo=echo,
+        echo_only=echo_only,
         continuous_usage=bool(options.get("continuous_usage_stats")),
     )
 
@@ -326,7 +334,9 @@ class Answer:
         self.texts = [""] * n
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+        self.prompt_logprobs: list[tuple[TokenLogprobs | None, ...] | None] = [None] * n
         self.finish: list[str | None] = [None] * n
+        self._offsets = [0] * n  # text_offset of each sequence's next reported token
         self.cached_tokens = 0
         self._started = [False] * n
         self._echo = tokenizer.decode(request.prompt_token_ids) if request.echo and tokenizer is not None else ""
@@ -336,6 +346,8 @@ class Answer:
         self.texts[i] += delta.text
         self.token_ids[i] += delta.token_ids
         self.logprobs[i] += delta.logprobs or ()
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = delta.prompt_logprobs
         self.finish[i] = delta.finish_reason
         if i == 0 and delta.num_cached_tokens is not None:
             self.cached_tokens = delta.num_cached_tokens
@@ -361,11 +373,18 @@ class Answer:
             choice: dict[str, Any] = {"index": i, "finish_reason": self.finish[i]}
             if chat:
                 choice["message"] = {"role": "assistant", "content": self.texts[i]}
+                choice["logprobs"] = self._logprobs(self.logprobs[i])
             else:
-                choice["text"] = self._echo + self.texts[i]
-            choice["logprobs"] = self._logprobs(self.logprobs[i])
+                choice["text"] = self._echo + ("" if self.request.echo_only else self.texts[i])
+                output = [] if self.request.echo_only else self.logprobs[i]
+                choice["logprobs"] = self._completion_logprobs(i, output, self.prompt_logprobs[i])
+                if self.request.params.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(self.prompt_logprobs[i])
             choices.append(choice)
-        return {**self._head(), "choices": choices, "usage": self.usage}
+        whole = {**self._head(), "choices": choices, "usage": self.usage}
+        if chat and self.request.params.prompt_logprobs is not None:
+            whole["prompt_logprobs"] = self._prompt_logprobs(self.prompt_logprobs[0])
+        return whole
 
     def chunk(self, delta: RequestDelta) -> dict[str, Any]:
         """One stream chunk for ``delta`` (recorded first with :meth:`add`)."""
@@ -373,12 +392,15 @@ class Answer:
         choice: dict[str, Any] = {"index": i, "finish_reason": delta.finish_reason}
         if self.request.kind == "chat":  # the role went in the opening chunks
             choice["delta"] = {"content": delta.text}
+            choice["logprobs"] = self._logprobs(list(delta.logprobs or ()))
         else:
-            choice["text"] = delta.text if self._started[i] else self._echo + delta.text
+            echoing = not self._started[i] and self.request.echo
+            text = "" if self.request.echo_only else delta.text
+            choice["text"] = self._echo + text if echoing else text
             self._started[i] = True
-        choice["logprobs"] = (
-            self._logprobs(list(delta.logprobs or ())) if self.request.params.logprobs is not None else None
-        )
+            prompt = delta.prompt_logprobs if echoing else None
+            output = () if self.request.echo_only else delta.logprobs or ()
+            choice["logprobs"] = self._completion_logprobs(i, output, prompt)
         if self.request.continuous_usage:
             return {**self._head(), "choices": [choice], "usage": self.usage}
         return {**self._head(), "choices": [choice]}
@@ -408,6 +430,53 @@ class Answer:
     def _bytes(self, token_id: int) -> list[int]:
         raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else str(token_id).encode()
         return list(raw)
+
+    def _logprob_entry(self, item: TokenLogprobs) -> dict[int, dict[str, Any]]:
+        """vLLM's log-probabilities of one prompt position: the token's, then the most likely
+        (a token among them listed once, where it came first)."""
+        entry = {item.token_id: {"logprob": max(item.logprob, -9999.0), "rank": item.rank}}
+        for rank, (token, logprob) in enumerate(item.top, start=1):
+            entry[token] = {"logprob": max(logprob, -9999.0), "rank": rank}
+        return {t: {**v, "decoded_token": self._token(t)} for t, v in entry.items()}
+
+    def _prompt_logprobs(self, items: Sequence[TokenLogprobs | None] | None) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs``: None for the first token, then ``{id: {logprob, rank, decoded_token}}``."""
+        return None if items is None else [None if item is None else self._logprob_entry(item) for item in items]
+
+    def _completion_logprobs(
+        self, i: int, output: Sequence[TokenLogprobs], prompt: Sequence[TokenLogprobs | None] | None
+    ) -> dict[str, Any] | None:
+        """Legacy completions logprobs of sequence ``i``'s tokens (with ``echo``, its prompt's
+        first, the first one's None; each prompt position's top ``logprobs + 1`` as vLLM gives
+        them) and their ``text_offset`` s, counted on from the last reported."""
+        k = self.request.params.logprobs
+        if k is None:
+            return None
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        for item in prompt or ():
+            if item is None:
+                values.append(None)
+                tops.append(None)
+                tokens.append(self._token(self.request.prompt_token_ids[0]))
+                continue
+            entry = list(self._logprob_entry(item).values())[: k + 1]
+            tokens.append(self._token(item.token_id))
+            values.append(max(item.logprob, -9999.0))
+            tops.append({e["decoded_token"]: e["logprob"] for e in entry})
+        out = self._logprobs(output)
+        assert out is not None  # k is not None
+        offsets = []
+        for token in tokens + out["tokens"]:
+            offsets.append(self._offsets[i])
+            self._offsets[i] += len(token)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": values + out["token_logprobs"],
+            "tokens": tokens + out["tokens"],
+            "top_logprobs": tops + out["top_logprobs"],
+        }
 
     def _logprobs(self, items: Sequence[TokenLogprobs]) -> dict[str, Any] | None:
         if self.request.params.logprobs is None:

@@ -418,11 +418,15 @@ class Engine:
                 if self.connector is not None:
                     self.connector.before_step()  # reads reused blocks before the step writes them
                 live = self._outputs.sequences(output.chunks)
-                sampled, logits = self.runner.execute_sampled(
-                    output.chunks,
-                    [self._row(c, r) for c, r in zip(output.chunks, live, strict=True)],
-                    with_logits=any(r.logits is not None for r in live),
-                )
+                rows = [self._row(c, r) for c, r in zip(output.chunks, live, strict=True)]
+                with_logits = any(r.logits is not None for r in live)
+                if any(r.scores_prompt for r in live):  # a step scoring every new token
+                    sampled, logits, scores = self.runner.execute_prompt_logprobs(
+                        output.chunks, rows, with_logits=with_logits
+                    )
+                    self._outputs.add_prompt_logprobs(output.chunks, scores)
+                else:
+                    sampled, logits = self.runner.execute_sampled(output.chunks, rows, with_logits=with_logits)
                 if logits is not None:
                     self._outputs.add_logits(output.chunks, logits)
                 if self.connector is not None:

@@ -240,11 +240,12 @@ class OffloadConnector:
     # ------------------------------------------------------------- lookups
     def _host_hit(self, request: Request, hashes: Sequence[Sequence[bytes]], start: int) -> _HostHit | None:
         """The longest run of tokens after ``start`` whose needed blocks are on host in
-        every group (whole multiples of the block sizes' lcm), or None."""
+        every group (whole multiples of the block sizes' lcm), or None (always for a request
+        that skips reading the prefix cache)."""
         mgr = self.manager
         lcm = mgr.lcm_block_size
         max_end = (request.num_tokens - 1) // lcm * lcm
-        if max_end <= start:
+        if max_end <= start or request.skip_reading_prefix_cache:
             return None
         ready = []  # per group: prefix counts of ready blocks from start's block on
         for g, bs in enumerate(mgr.block_sizes):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from jaxkv.core.manager import Request
 from jaxkv.models.text import TextTokenizer
@@ -63,10 +64,18 @@ class LiveSequence:
     first_token: float | None = None
     logits: list[np.ndarray] | None = None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """Per prompt position once scored (None before, and always for the first)."""
 
     @property
     def params(self) -> SamplingParams:
         return self.stopper.params
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its steps must score every new token: it asked for ``prompt_logprobs`` and
+        has not drawn yet (its prompt's scores go out with its first token)."""
+        return self.prompt_logprobs is not None and self.first_token is None
 
 
 class SampledRows(Protocol):
@@ -81,6 +90,20 @@ class SampledRows(Protocol):
     def top_ids(self) -> np.ndarray | None: ...
     @property
     def top_logprobs(self) -> np.ndarray | None: ...
+
+
+class PromptScores(Protocol):
+    """One chunk's scored new tokens, read back to the host
+    (:class:`~jaxkv.serving.prompt_logprobs.PromptLogprobs` as numpy arrays)."""
+
+    @property
+    def logprob(self) -> ArrayLike: ...
+    @property
+    def rank(self) -> ArrayLike: ...
+    @property
+    def top_ids(self) -> ArrayLike: ...
+    @property
+    def top_logprobs(self) -> ArrayLike: ...
 
 
 class ProcessedStep(NamedTuple):
@@ -137,7 +160,7 @@ class OutputProcessor:
                 rid,
                 index,
                 params.seed + index if params.seed is not None else int(self._seeds.integers(2**32)),
-                Request(sid, prompt, cache_salt=salt),
+                Request(sid, prompt, cache_salt=salt, skip_reading_prefix_cache=params.prompt_logprobs is not None),
                 params,
                 arrival,
                 return_logits,
@@ -164,6 +187,7 @@ class OutputProcessor:
             pending.arrival,
             logits=[] if pending.return_logits else None,
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * pending.request.num_prompt_tokens,
         )
         self.live[pending.request.request_id] = live
         return live
@@ -178,6 +202,27 @@ class OutputProcessor:
             live = self.live[chunk.seq.request_id]
             if chunk.samples and live.logits is not None:
                 live.logits.append(row)
+
+    def add_prompt_logprobs(self, chunks: Sequence[ScheduledChunk], scored: Sequence[PromptScores]) -> None:
+        """Keep, for each sequence that asked for ``prompt_logprobs`` and has not drawn yet, the
+        scores of its chunk's prompt tokens (a chunk at position ``p`` scores tokens from
+        ``p + 1``; a recomputed chunk, after a preemption, writes the same positions again)."""
+        for chunk, scores in zip(chunks, scored, strict=True):
+            live = self.live[chunk.seq.request_id]
+            if live.prompt_logprobs is None or live.first_token is not None:
+                continue
+            start = chunk.num_computed_tokens + 1
+            count = min(chunk.num_new_tokens, len(live.prompt_logprobs) - start)
+            if count <= 0:
+                continue
+            k = live.params.prompt_logprobs
+            tokens = live.seq.request.all_token_ids[start : start + count]
+            logprob, rank = np.asarray(scores.logprob)[:count].tolist(), np.asarray(scores.rank)[:count].tolist()
+            top_ids = np.asarray(scores.top_ids)[:count, :k].tolist()
+            top_logprobs = np.asarray(scores.top_logprobs)[:count, :k].tolist()
+            for j, token in enumerate(tokens):
+                top = tuple(zip(top_ids[j], top_logprobs[j], strict=True))
+                live.prompt_logprobs[start + j] = TokenLogprobs(token, logprob[j], top, rank[j])
 
     def process(
         self, chunks: Sequence[ScheduledChunk], sampled: SampledRows, at_limit: set[str], now: float
@@ -204,7 +249,10 @@ class OutputProcessor:
         """Record the token ``row`` of ``sampled`` drew for ``live``: its text, whether it
         stops the sequence, and the first token's time (the held siblings queued then)."""
         sid = live.seq.request_id
+        prompt_logprobs = None
         if live.first_token is None:
+            if live.prompt_logprobs is not None:
+                prompt_logprobs = tuple(live.prompt_logprobs)
             live.first_token = now
             for held in self._held.pop(sid, ()):  # it has computed the prompt: its siblings will hit it
                 self._queue(held)
@@ -223,7 +271,7 @@ class OutputProcessor:
         if reason is not None:
             self._forget(live)
             cached = live.seq.num_cached_tokens
-        return RequestDelta(live.request_id, live.index, (token,), text, logprobs, reason, cached)
+        return RequestDelta(live.request_id, live.index, (token,), text, logprobs, reason, cached, prompt_logprobs)
 
     def abort(self, request_id: str) -> list[SeqState]:
         """Drop one unfinished request (all its sequences, held siblings too; nothing when
@@ -287,4 +335,5 @@ class OutputProcessor:
             index=live.index,
             text=None if self.tokenizer is None else live.stopper.text,
             logprobs=None if live.logprobs is None else tuple(live.logprobs),
+            prompt_logprobs=None if live.prompt_logprobs is None else tuple(live.prompt_logprobs),
         )

@@ -34,6 +34,8 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None
+    """1 + how many tokens are more likely (given for prompt tokens, as vLLM gives it)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class RequestOutput:
     """The output as text (the stop string left out), when the engine has a tokenizer."""
     logprobs: tuple[TokenLogprobs, ...] | None = None
     """One per output token when the request asked for ``logprobs``."""
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    """One per prompt token when the request asked for ``prompt_logprobs``: None for the first
+    (nothing precedes it), then each token scored after the ones before it (vLLM's shape)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,9 @@ class RequestDelta:
     num_cached_tokens: int | None = None
     """On a sequence's finishing delta: the prompt tokens its first admission found cached
     (device and host tier; None for a sequence aborted before it was admitted)."""
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    """On a sequence's first delta, when it asked for ``prompt_logprobs``: as
+    :attr:`RequestOutput.prompt_logprobs`."""
 
     @property
     def finished(self) -> bool:

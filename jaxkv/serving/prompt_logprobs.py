@@ -5,8 +5,8 @@ prompt token ``i >= 1`` by the model's distribution after tokens ``< i``: the lo
 at position ``i - 1``. A serving step computes logits only at each sequence's last new
 token; the variant here asks the model for them at every new token
 (:func:`every_position`) and reduces them on the device to what comes back, per token:
-the log-probability of the token that follows it and the top
-:data:`~jaxkv.serving.sampling_params.MAX_LOGPROBS`. The token that follows a chunk's
+the log-probability of the token that follows it, that token's rank (vLLM reports it) and
+the top :data:`~jaxkv.serving.sampling_params.MAX_LOGPROBS`. The token that follows a chunk's
 last one is in the next chunk (chunked prefill) or is the draw: the host sends it
 (:func:`next_token_ids`), so a prompt split over steps is scored exactly as in one.
 
@@ -17,6 +17,7 @@ logits: a request that wants prompt log-probabilities must compute its whole pro
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -50,9 +51,11 @@ def every_position(meta: StepMetadata) -> StepMetadata:
 @dataclass(frozen=True)
 class ScoredInputs(SamplingInputs):
     """A step's sampling inputs and, for scoring, the token after each sequence's last new
-    one (``next_ids`` (S,) int32: :func:`next_token_ids`)."""
+    one (``next_ids`` (S,) int32: :func:`next_token_ids`); ``with_logits`` (static): the step
+    also returns the logits each token was drawn from."""
 
     next_ids: np.ndarray | jax.Array | None = None
+    with_logits: bool = dataclasses.field(default=False, metadata={"static": True})
 
 
 class PromptLogprobs(NamedTuple):
@@ -60,6 +63,8 @@ class PromptLogprobs(NamedTuple):
 
     logprob: np.ndarray | jax.Array
     """(T,) float32: log-probability of the token that follows ``t``."""
+    rank: np.ndarray | jax.Array
+    """(T,) int32: 1 + how many tokens are more likely than it."""
     top_ids: np.ndarray | jax.Array
     """(T, K) int32, K = min(MAX_LOGPROBS, vocab): the most likely next tokens, most likely first."""
     top_logprobs: np.ndarray | jax.Array
@@ -90,7 +95,8 @@ def score_positions(logits: jax.Array, meta: StepMetadata, next_ids: jax.Array) 
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, raw.shape[-1]))
     chosen = jnp.take_along_axis(raw, targets[:, None], axis=-1)[:, 0]
-    return PromptLogprobs(chosen[None], top_ids.astype(jnp.int32)[None], top_logprobs[None])
+    rank = 1 + jnp.sum(raw > chosen[:, None], axis=-1, dtype=jnp.int32)
+    return PromptLogprobs(chosen[None], rank[None], top_ids.astype(jnp.int32)[None], top_logprobs[None])
 
 
 def split_by_chunk(scored: PromptLogprobs, chunks: Sequence[ScheduledChunk]) -> list[PromptLogprobs]:

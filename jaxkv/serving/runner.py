@@ -157,15 +157,17 @@ def _step_with_prompt_logprobs(
     cache: KVCache | HybridCache,
     meta: StepMetadata,
     sampling: ScoredInputs,
-) -> tuple[SampledTokens, PromptLogprobs, KVCache | HybridCache]:
+) -> tuple[SampledTokens, PromptLogprobs, jax.Array | None, KVCache | HybridCache]:
     """One forward step with logits at every new token (:mod:`jaxkv.serving.prompt_logprobs`):
-    ``(sampled, each new token's successor scored, cache)``."""
+    ``(sampled, each new token's successor scored, the drawn rows' logits (S, vocab) when
+    ``sampling.with_logits`` else None, cache)``."""
     global _num_step_traces
     _num_step_traces += 1
     logits, cache = model.forward(params, cache, every_position(meta), impl=impl)
     last = meta.logits_indices
     sampled = sample(logits[last], sampling, meta.input_ids[last])
-    return sampled, score_positions(logits, meta, jax.numpy.asarray(sampling.next_ids)), cache
+    scored = score_positions(logits, meta, jax.numpy.asarray(sampling.next_ids))
+    return sampled, scored, logits[last] if sampling.with_logits else None, cache
 
 
 StepShardings = tuple[tuple[jax.sharding.Sharding, ...], object] | None
@@ -269,7 +271,7 @@ class ModelRunner:
         self.cache: KVCache | HybridCache = allocate_cache(config, self.mesh, model_axis)
         self.params = model.params
         self._meta_sharding = None if self.mesh is None else replicated(self.mesh)
-        plain = with_logits = None
+        plain = with_logits = scored = None
         if self.mesh is not None:
             params = weight_shardings(model.partition_specs(), self.mesh, model_axis)
             self.params = place(self.params, params)
@@ -277,7 +279,8 @@ class ModelRunner:
             ins, rep = (params, cache, self._meta_sharding, self._meta_sharding), self._meta_sharding
             plain = _flat((ins, (rep, cache)))
             with_logits = _flat((ins, (rep, rep, cache)))
-        self._shardings = {_step: plain, _step_with_logits: with_logits, _step_with_prompt_logprobs: with_logits}
+            scored = _flat((ins, (rep, rep, rep, cache)))
+        self._shardings = {_step: plain, _step_with_logits: with_logits, _step_with_prompt_logprobs: scored}
         self._steps: dict[tuple[Callable, str], jax.stages.Wrapped] = {}
         self.num_compilations = 0
         self.dispatch_s = 0.0
@@ -335,16 +338,23 @@ class ModelRunner:
         return sampled, None
 
     def execute_prompt_logprobs(
-        self, chunks: Sequence[ScheduledChunk], rows: Sequence[RowSampling | None] = ()
-    ) -> tuple[SampledTokens, list[PromptLogprobs]]:
+        self, chunks: Sequence[ScheduledChunk], rows: Sequence[RowSampling | None] = (), *, with_logits: bool = False
+    ) -> tuple[SampledTokens, np.ndarray | None, list[PromptLogprobs]]:
         """Run one step as :meth:`execute_sampled` does, scoring also the token after each new
         token (a step compiled apart: :mod:`jaxkv.serving.prompt_logprobs`): what was drawn,
-        and per chunk the :class:`PromptLogprobs` of its new tokens."""
+        the logits it was drawn from (with ``with_logits``, else None), and per chunk the
+        :class:`PromptLogprobs` of its new tokens."""
         num_rows = bucket(len(chunks), self.buckets.seqs, "seqs")
         drawn = sampling_inputs(rows, num_rows)
-        inputs = ScoredInputs(drawn.packed, drawn.penalties, drawn.logprobs, next_token_ids(chunks, num_rows))
-        sampled, scored = self._run(_step_with_prompt_logprobs, chunks, inputs)
-        return sampled, split_by_chunk(scored, chunks)
+        inputs = ScoredInputs(
+            drawn.packed,
+            drawn.penalties,
+            drawn.logprobs,
+            next_ids=next_token_ids(chunks, num_rows),
+            with_logits=with_logits,
+        )
+        sampled, scored, logits = self._run(_step_with_prompt_logprobs, chunks, inputs)
+        return sampled, logits, split_by_chunk(scored, chunks)
 
     def _jitted(self, fn: Callable) -> jax.stages.Wrapped:
         """``fn`` jitted for this runner's model and the :mod:`jaxkv.device.ops` implementation

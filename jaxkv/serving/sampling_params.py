@@ -6,7 +6,8 @@
 strings, ``stop_token_ids``, the checkpoint's EOS unless ``ignore_eos``), how to bend
 the distribution (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
 ``logit_bias``: vLLM's semantics, :mod:`jaxkv.serving.penalties`) and how many top
-log-probabilities to return per token (``logprobs``). A bad value is a
+log-probabilities to return per token (``logprobs``) and per prompt token
+(``prompt_logprobs``: :mod:`jaxkv.serving.prompt_logprobs`). A bad value is a
 :class:`SamplingParamsError` naming it, raised by the constructor: a request never
 reaches the engine with one. Temperature 0 is greedy decoding (the argmax), the
 engine's default for a bare ``max_new_tokens``.
@@ -110,6 +111,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | None = None
+    prompt_logprobs: int | None = None
+    """Score every prompt token after the first and return its log-probability with the
+    ``prompt_logprobs`` most likely tokens' (0..:data:`MAX_LOGPROBS`); such a request
+    computes its whole prompt (it reads nothing from the prefix cache, as in vLLM)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -141,6 +146,16 @@ class SamplingParams:
             set_(self, "logprobs", _count("logprobs", self.logprobs, 0))
             if self.logprobs > MAX_LOGPROBS:
                 raise SamplingParamsError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None:
+            if is_int(self.prompt_logprobs) and self.prompt_logprobs == -1:
+                raise SamplingParamsError(
+                    f"prompt_logprobs=-1 (the whole vocabulary) is not supported: at most {MAX_LOGPROBS}"
+                )
+            set_(self, "prompt_logprobs", _count("prompt_logprobs", self.prompt_logprobs, 0))
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise SamplingParamsError(
+                    f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {self.prompt_logprobs!r}"
+                )
         set_(self, "presence_penalty", _number("presence_penalty", self.presence_penalty, -2.0, 2.0))
         set_(self, "frequency_penalty", _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
         repetition = self.repetition_penalty
