@@ -36,13 +36,16 @@ def prompts(seed: int, *lengths: int) -> list[list[int]]:
     return [(shared if i % 2 else []) + rng.integers(0, 512, n).tolist() for i, n in enumerate(lengths)]
 
 
-def plan(model: TinyLM, memory_bytes: int = 4 << 20, **options) -> KVCacheConfig:
-    return plan_kv_cache(
+def plan(model: TinyLM, memory_bytes: int = 4 << 20, num_blocks: int = 24, **options) -> KVCacheConfig:
+    """A 64-token step budget; ``num_blocks`` (one max_model_len request and a few more
+    blocks: a batch preempts) for every tiny-llama engine here, so they share one compilation."""
+    config = plan_kv_cache(
         model.config.layer_specs(),
         memory_bytes,
         max_model_len=MAX_MODEL_LEN,
         options=PlanOptions(max_num_batched_tokens=64, **options),
     )
+    return dataclasses.replace(config, num_blocks=num_blocks) if num_blocks else config
 
 
 def engine(model: TinyLM, config: KVCacheConfig, async_scheduling: bool, **kwargs) -> Engine:
@@ -85,9 +88,8 @@ def test_greedy_seeded_n_logprobs_min_tokens_and_stop_ids_give_the_same_tokens(m
 
 def test_preemption_keeps_the_tokens(models):
     model = models["tiny-llama"]
-    small = dataclasses.replace(plan(model), num_blocks=18)  # one max_model_len request (16 blocks) + the null
-    params = [SamplingParams(max_tokens=40, temperature=t, seed=5) for t in (0.0, 1.0, 0.0, 0.7)]
-    sync, overlapped = both(model, small, prompts(2, 50, 40, 60, 35), params)
+    params = [SamplingParams(max_tokens=24, temperature=t, seed=5) for t in (0.0, 1.0, 0.0, 0.7)]
+    sync, overlapped = both(model, plan(model), prompts(2, 70, 60, 80, 65), params)
     assert sync.num_preemptions > 0 and overlapped.num_preemptions > 0
 
 
@@ -114,7 +116,11 @@ def test_stop_strings_cut_the_same_text(models):
 def test_a_recurrent_hybrid_gives_the_same_tokens(models):
     model = models["tiny-qwen3-next"]
     config = plan(
-        model, 8 << 20, state_layout="state_pool", state_pool=StatePoolOptions(max_num_seqs=4, checkpoint_bytes=1 << 20)
+        model,
+        8 << 20,
+        num_blocks=0,
+        state_layout="state_pool",
+        state_pool=StatePoolOptions(max_num_seqs=4, checkpoint_bytes=1 << 20),
     )
     batch = prompts(4, 40, 30, 45)
     params = [SamplingParams(max_tokens=20, temperature=t, seed=2) for t in (0.0, 1.0, 0.0)]
@@ -124,7 +130,7 @@ def test_a_recurrent_hybrid_gives_the_same_tokens(models):
 
 def test_the_host_tier_gives_the_same_tokens_and_loads_back(models):
     model = models["tiny-llama"]
-    config = dataclasses.replace(plan(model), num_blocks=24)
+    config = plan(model)
     tier = OffloadConfig(64 * config.pages.page_size_bytes * len(config.pages.layers), store="write_through")
     batch = prompts(5, 60, 70, 50)
     runs = {}
