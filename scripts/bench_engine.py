@@ -32,7 +32,9 @@ step's thread CPU time; device: the compiled step alone on one decode step's met
 (the engine's own, caught by its ``step_check`` hook), wall time, a fresh cache; wall: the
 step's wall time. A loop that runs the device while the host works reaches
 wall / max(host, device) near 1 (issue 40's target: <= 1.15); one that waits is near
-(host + device) / max(host, device).
+(host + device) / max(host, device). The section runs the synchronous loop
+(``async_scheduling=False``) and then the overlapped one (the default), in one run;
+``--noasync_scheduling`` makes the engine section's engines synchronous.
 
     python scripts/bench_engine.py --out bench_engine.json
     PYTHONPATH=. /work/vllm-venv/bin/python scripts/bench_engine.py --out bench_engine.json  # with vLLM
@@ -100,6 +102,9 @@ flags.DEFINE_integer("warmup_steps", 3, "decode steps before the windows (compil
 flags.DEFINE_integer("overlap_batch", 32, "overlap: running sequences", lower_bound=1)
 flags.DEFINE_integer("overlap_layers", 1, "overlap: the model's layers", lower_bound=1)
 flags.DEFINE_integer("overlap_hidden", 32, "overlap: the model's hidden size (MLP 4x)", lower_bound=8)
+flags.DEFINE_boolean(
+    "async_scheduling", True, "engine: the engines overlap the host with the device (the overlap section runs both)"
+)
 flags.DEFINE_boolean("peer", True, "engine: drive vLLM's scheduler and output processor too when vLLM is importable")
 flags.DEFINE_boolean(
     "quick", False, "a smoke run: the smallest batch size, 32-token prompts, a 64-token budget, 3 windows of 2 steps"
@@ -264,7 +269,7 @@ def engine_for(model: ServedModel, checkpoint: Checkpoint, num_seqs: int, tokens
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         eos_token_ids=(EOS_TOKEN_ID,),
         tokenizer=checkpoint.tokenizer,
-        **kwargs,
+        **({"async_scheduling": FLAGS.async_scheduling} | kwargs),
     )
 
 
@@ -309,24 +314,26 @@ class DeviceStep:
         self._runner = engine.runner
         self._compiled = self._runner.lower(output.chunks).compile()
         self._sampling = greedy_inputs(bucket(len(output.chunks), self._runner.buckets.seqs, "seqs"))
+        self._previous = jax.numpy.zeros(max(self._runner.buckets.seqs), jax.numpy.int32)  # no token fed
         self._cache = allocate_cache(engine.manager.config)
 
     def seconds(self, output: SchedulerOutput) -> float:
         """Wall seconds of one call on ``output``'s metadata (built beforehand, untimed)."""
         meta = jax.block_until_ready(self._runner.metadata(output.chunks))
         start = time.perf_counter()
-        sampled, self._cache = self._compiled(self._runner.params, self._cache, meta, self._sampling)
+        sampled, _, self._cache = self._compiled(self._runner.params, self._cache, meta, self._sampling, self._previous)
         jax.block_until_ready(sampled)
         return time.perf_counter() - start
 
 
-def overlap_section(checkpoint: Checkpoint) -> dict:
+def overlap_section(checkpoint: Checkpoint, async_scheduling: bool) -> dict:
     """Wall ms per decode step against max(host, device) on a model whose device step is
     comparable to the host's work. All three are wall times, taken step by step in turn
     so that a loaded machine slows them alike: wall, the real engine's step; host, the
     step of a second engine that serves the same prompts in lockstep with the model
     stubbed (:class:`PresetTokens`); device, the compiled step alone on the real step's
-    chunks (:class:`DeviceStep`). The real step's thread CPU time is reported beside them."""
+    chunks (:class:`DeviceStep`). The real step's thread CPU time is reported beside them.
+    Both engines overlap the host with the device when ``async_scheduling``."""
     base = get_model_config("tiny-llama")
     config = replace(
         base,
@@ -339,9 +346,16 @@ def overlap_section(checkpoint: Checkpoint) -> dict:
     num_seqs, prompt_len = FLAGS.overlap_batch, FLAGS.tiny_prompt_len
     max_tokens = max_tokens_for(num_seqs, prompt_len, FLAGS.max_num_batched_tokens)
     outputs: list[SchedulerOutput | None] = []  # each step's, from the engine's step_check hook
-    real = engine_for(model, checkpoint, num_seqs, prompt_len + max_tokens, step_check=outputs.append)
+    real = engine_for(
+        model,
+        checkpoint,
+        num_seqs,
+        prompt_len + max_tokens,
+        step_check=outputs.append,
+        async_scheduling=async_scheduling,
+    )
     stub = PresetTokens(model, checkpoint.tokenizer.encode(PRESET_TEXT))
-    host = engine_for(stub, checkpoint, num_seqs, prompt_len + max_tokens)
+    host = engine_for(stub, checkpoint, num_seqs, prompt_len + max_tokens, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for prompt in random_prompts(checkpoint.tokenizer, num_seqs, prompt_len, seed=1):
         real.add_request(prompt, params)
@@ -368,6 +382,7 @@ def overlap_section(checkpoint: Checkpoint) -> dict:
     wall_ms, host_ms, device_ms = ms["wall"], ms["host"], ms["device"]
     return {
         "model": f"{FLAGS.overlap_layers} layers, hidden {FLAGS.overlap_hidden}",
+        "loop": "async" if async_scheduling else "sync",
         "running": num_seqs,
         "host_ms": host_ms,
         "host_cpu_ms": ms["host_cpu"],
@@ -401,15 +416,16 @@ def print_engine_table(rows: list[dict]) -> None:
         print("| " + " | ".join(cell(row[key], fmt) for key, _, fmt in columns) + " |")
 
 
-def print_overlap_table(row: dict) -> None:
-    print(f"[overlap] {row['model']}, {row['running']} sequences decoding")
+def print_overlap_table(rows: Sequence[dict]) -> None:
+    print(f"[overlap] {rows[0]['model']}, {rows[0]['running']} sequences decoding")
     print(
-        "| host ms (stubbed model) | host CPU ms | device ms | wall ms | device/host "
+        "| loop | host ms (stubbed model) | host CPU ms | device ms | wall ms | device/host "
         "| wall / max(host, device) | (host+device) / max |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     keys = ("host_ms", "host_cpu_ms", "device_ms", "wall_ms", "device_over_host", "wall_over_max", "serial_bound")
-    print("| " + " | ".join(cell(row[k], ".2f") for k in keys) + " |")
+    for row in rows:
+        print(f"| {row['loop']} | " + " | ".join(cell(row[k], ".2f") for k in keys) + " |")
 
 
 def batch_sizes() -> list[int]:
@@ -450,10 +466,10 @@ def main(argv: Sequence[str]) -> None:
                     rows = engine_section(checkpoint, sizes, peer)
                     print_engine_table(rows)
                     report["engine"] = {"rows": rows}
-                else:
-                    row = overlap_section(checkpoint)
-                    print_overlap_table(row)
-                    report["overlap"] = row
+                else:  # the overlapped loop, with the synchronous one's figures of the same run beside it
+                    sync, overlapped = (overlap_section(checkpoint, mode) for mode in (False, True))
+                    print_overlap_table([sync, overlapped])
+                    report["overlap"] = overlapped | {"sync": sync}
     except (JaxkvError, PeerError) as err:
         exit_error(PROG, err, status=1)
     if FLAGS.out:

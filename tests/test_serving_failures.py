@@ -86,7 +86,7 @@ def fail_the_second_step_then_serve_exactly(model: TinyLM, eng: Engine, monkeypa
     batch = prompts(5, 90, 70)
     batch.append(batch[0][:64] + batch[1][:20])
     dense = dense_greedy_generate(model, batch, NEW_TOKENS)
-    execute = eng.runner.execute_sampled
+    execute = eng.runner.dispatch
     calls = iter(range(100))
 
     def failing_execute(chunks, rows, **kwargs):
@@ -94,11 +94,11 @@ def fail_the_second_step_then_serve_exactly(model: TinyLM, eng: Engine, monkeypa
             raise error("step failed")
         return execute(chunks, rows, **kwargs)
 
-    monkeypatch.setattr(eng.runner, "execute_sampled", failing_execute)
+    monkeypatch.setattr(eng.runner, "dispatch", failing_execute)
     with pytest.raises(error):
         eng.generate(batch, NEW_TOKENS)
     assert_nothing_leaked(eng)
-    monkeypatch.setattr(eng.runner, "execute_sampled", execute)
+    monkeypatch.setattr(eng.runner, "dispatch", execute)
     assert served(eng, batch) == dense
     assert served(eng, batch) == dense
     assert_nothing_leaked(eng)
@@ -143,7 +143,7 @@ def test_a_step_interrupted_after_donating_the_cache_starts_over_cleanly(models,
     eng = engine(model)
     batch = prompts(8, 60)
     served(eng, batch)
-    execute = eng.runner.execute_sampled
+    execute = eng.runner.dispatch
 
     def donate_then_fail(chunks, rows, **kwargs):
         execute(chunks, rows, **kwargs)
@@ -151,10 +151,10 @@ def test_a_step_interrupted_after_donating_the_cache_starts_over_cleanly(models,
             buf.delete()  # what an interrupt between dispatch and assignment leaves
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(eng.runner, "execute_sampled", donate_then_fail)
+    monkeypatch.setattr(eng.runner, "dispatch", donate_then_fail)
     with pytest.raises(KeyboardInterrupt):
         eng.generate(batch, NEW_TOKENS)
-    monkeypatch.setattr(eng.runner, "execute_sampled", execute)
+    monkeypatch.setattr(eng.runner, "dispatch", execute)
     assert_nothing_leaked(eng)
     result = eng.generate(batch, NEW_TOKENS)
     assert result.outputs[0].num_cached_tokens == 0  # the prefix cache was reset with the cache

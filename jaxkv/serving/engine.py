@@ -24,6 +24,21 @@ The engine is the loop between vLLM v1's seams: requests are checked by
 :mod:`jaxkv.serving.runner`, and turned into outputs by
 :mod:`jaxkv.serving.output_processor` (stops, text, logprobs, the ``n`` siblings); the
 result types are in :mod:`jaxkv.serving.outputs`.
+
+By default the loop overlaps the host with the device (vLLM's asynchronous scheduling):
+a step schedules and dispatches step N+1 before it reads back step N's tokens, which stay
+on the device and feed step N+1's decodes; the host learns them one step late. The
+scheduler counts them as placeholders (a block is cached only once its tokens are known;
+a request whose tokens in flight reach its length is not scheduled again), and a
+sequence that stopped or was aborted at step N has its step N+1 token dropped. Step N's
+output processing (stops, text, logprobs, deltas) and the host tier's stores run while
+step N+1 runs on the device::
+
+    host:   schedule N+1 | dispatch N+1 | read N | update, outputs N | schedule N+2 | ...
+    device:  ... step N ...            |  step N+1 ....................|  step N+2
+
+``async_scheduling=False`` keeps the synchronous loop (the host waits for each step's
+tokens before it schedules the next); both give the same tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +47,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import jax
 import numpy as np
@@ -49,7 +64,7 @@ from jaxkv.models.tiny import TinyLM, get_model_config
 from jaxkv.planner import TPU_HEAD_DIM_MULTIPLE, KVCacheConfig, PlanOptions, StatePoolOptions, plan_kv_cache
 from jaxkv.serving.input_processor import EngineError, InputProcessor
 from jaxkv.serving.offload_connector import OffloadConfig, OffloadConnector
-from jaxkv.serving.output_processor import LiveSequence, OutputProcessor, SampledRows
+from jaxkv.serving.output_processor import LiveSequence, OutputProcessor, ProcessedStep, SampledRows
 from jaxkv.serving.outputs import (
     CacheAudit,
     EngineStep,
@@ -59,8 +74,8 @@ from jaxkv.serving.outputs import (
     StepProgress,
     TokenLogprobs,
 )
-from jaxkv.serving.runner import ModelRunner, default_buckets
-from jaxkv.serving.sampler import RowSampling
+from jaxkv.serving.runner import Collected, InFlight, ModelRunner, default_buckets
+from jaxkv.serving.sampler import RowSampling, SampledTokens
 from jaxkv.serving.sampling_params import SamplingParams
 from jaxkv.serving.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, SeqState, check_positive_int
 from jaxkv.serving.stats import EngineStats
@@ -83,6 +98,15 @@ __all__ = [  # the result types and EngineError live in their own modules; named
 ]
 
 DEFAULT_MAX_NUM_SEQS = 8
+
+
+class _Step(NamedTuple):
+    """A dispatched step: what was scheduled, its outputs on the device, and (asynchronous
+    scheduling) the row each drawing sequence's token has in them."""
+
+    output: SchedulerOutput
+    handle: InFlight
+    rows: dict[SeqState, int]
 
 
 def resolve_head_dim_multiple(head_dim_multiple: int | None) -> int:
@@ -164,6 +188,8 @@ class Engine:
     shown to decide the same before a step runs. ``eos_token_ids`` (the checkpoint's:
     :meth:`from_pretrained` reads them) stop a sequence unless it ignores EOS;
     ``tokenizer`` gives outputs their text and lets requests stop at strings.
+    ``async_scheduling`` (default) overlaps the host with the device (see the module
+    docstring); False runs each step to its end before the next is scheduled.
 
     Single-owner, like the manager: only the creating thread may call it. Each step
     runs in :meth:`~jaxkv.core.manager.KVCacheManager.step_transaction`, so an exception
@@ -192,7 +218,10 @@ class Engine:
         step_check: Callable[[SchedulerOutput | None], None] | None = None,
         eos_token_ids: Sequence[int] = (),
         tokenizer: TextTokenizer | None = None,
+        async_scheduling: bool = True,
     ) -> None:
+        if not isinstance(async_scheduling, bool):
+            raise EngineError(f"async_scheduling must be a bool, got {async_scheduling!r}")
         if step_check is not None and not callable(step_check):
             raise EngineError(f"step_check must be None or a callable, got {step_check!r}")
         if kv_events is not None and not callable(getattr(kv_events, "publish_step", None)):
@@ -250,6 +279,8 @@ class Engine:
         self._outputs = OutputProcessor(self.eos_token_ids, tokenizer, self._enqueue)
         self._scheduler = self._new_scheduler()
         self._aborting: set[str] | None = None  # during a step: the aborts it defers
+        self.async_scheduling = async_scheduling
+        self._in_flight: _Step | None = None  # asynchronous scheduling: the step dispatched, not read back
         self._step_observers: list[Callable[[EngineStats], None]] = []
 
     @classmethod
@@ -400,8 +431,10 @@ class Engine:
         """Run one scheduler step over the unfinished requests (nothing when there are
         none): schedule, execute, update the scheduler, process the outputs. Every
         sequence that drew a token reports it (:class:`RequestDelta`), one that stopped is
-        freed at once. An exception in it drops every unfinished request (freed, the
-        prefix cache exact: see the class docstring) and propagates."""
+        freed at once. With ``async_scheduling`` the tokens reported are those of the step
+        dispatched by the previous call (read back once this call's step is dispatched).
+        An exception in it drops every unfinished request (freed, the prefix cache exact:
+        see the class docstring) and propagates."""
         self._owner.check()
         deltas = self._outputs.take_aborted()
         if not self._outputs.live:
@@ -417,29 +450,25 @@ class Engine:
                 usage = self.manager.usage
                 if self.connector is not None:
                     self.connector.before_step()  # reads reused blocks before the step writes them
-                live = self._outputs.sequences(output.chunks)
-                rows = [self._row(c, r) for c, r in zip(output.chunks, live, strict=True)]
-                with_logits = any(r.logits is not None for r in live)
-                if any(r.scores_prompt for r in live):  # a step scoring every new token
-                    sampled, logits, scores = self.runner.execute_prompt_logprobs(
-                        output.chunks, rows, with_logits=with_logits
-                    )
-                    self._outputs.add_prompt_logprobs(output.chunks, scores)
+                dispatched = self._dispatch(output)
+                if self.async_scheduling:
+                    self._scheduler.advance(output)
+                    done_step, self._in_flight = self._in_flight, dispatched
                 else:
-                    sampled, logits = self.runner.execute_sampled(output.chunks, rows, with_logits=with_logits)
-                if logits is not None:
-                    self._outputs.add_logits(output.chunks, logits)
-                if self.connector is not None:
+                    done_step = dispatched
+                read = self._read(done_step)
+                if self.connector is not None and not self.async_scheduling:
                     self.connector.after_step(output.chunks)
             self._publish_events()
-            done = {seq.request_id for seq in self._scheduler.update(output, sampled.token_ids.tolist())}
+            if done_step is None or read is None:
+                processed = ProcessedStep([], [], [])
+            else:
+                processed = self._update(done_step, read)
         except BaseException:
             self._aborting = None
             self._abort()
             raise
         aborted, self._aborting = self._aborting, None
-        host = cast(SampledRows, sampled)  # the runner reads the draws back as numpy arrays
-        processed = self._outputs.process(output.chunks, host, done, time.perf_counter())
         self._scheduler.finish(processed.stopped)
         deltas.extend(processed.deltas)
         finished = processed.finished
@@ -454,6 +483,59 @@ class Engine:
         self._observe()
         return EngineStep(tuple(finished), output.num_tokens, usage, tuple(deltas))
 
+    def _dispatch(self, output: SchedulerOutput) -> _Step | None:
+        """Queue the step's chunks on the device (None: nothing scheduled, a step whose
+        requests all wait for their tokens in flight). A decode of a token drawn by the step
+        in flight is fed that token on the device."""
+        if not output.chunks:
+            return None
+        live = self._outputs.sequences(output.chunks)
+        fed = None
+        if self._in_flight is not None:
+            rows = self._in_flight.rows
+            fed = {i: rows[c.seq] for i, c in enumerate(output.chunks) if c.seq.num_placeholders}
+        handle = self.runner.dispatch(
+            output.chunks,
+            [self._row(c, r) for c, r in zip(output.chunks, live, strict=True)],
+            with_logits=any(r.logits is not None for r in live),
+            fed=fed,
+            score_prompt=any(r.scores_prompt for r in live),  # a step scoring every new token
+        )
+        rows = {c.seq: k for k, c in enumerate(output.chunks) if c.samples} if self.async_scheduling else {}
+        return _Step(output, handle, rows)
+
+    def _read(self, step: _Step | None) -> Collected | None:
+        """Wait for a dispatched step's draws (logits, prompt scores); None for no step."""
+        return None if step is None else self.runner.collect(step.handle)
+
+    def _update(self, step: _Step, read: Collected) -> ProcessedStep:
+        """Hand a read-back step's tokens to the scheduler (lengths retire there) and the
+        output processor (stops, text, logprobs, deltas); with asynchronous scheduling, only
+        the sequences not retired since it was dispatched, and its write-through stores now."""
+        sampled, logits, scores = read
+        chunks = step.output.chunks
+        if not self.async_scheduling:
+            if scores is not None:  # before process: a first token's delta carries them
+                self._outputs.add_prompt_logprobs(chunks, scores)
+            if logits is not None:
+                self._outputs.add_logits(chunks, logits)
+            done = {seq.request_id for seq in self._scheduler.update(step.output, sampled.token_ids.tolist())}
+            host = cast(SampledRows, sampled)  # the runner reads the draws back as numpy arrays
+            return self._outputs.process(chunks, host, done, time.perf_counter())
+        held = [c for c in chunks if not c.seq.finished and self.manager.has_request(c.seq.request_id)]
+        if scores is not None:
+            scored = [i for i, c in enumerate(chunks) if not c.seq.finished]
+            self._outputs.add_prompt_logprobs([chunks[i] for i in scored], [scores[i] for i in scored])
+        keep = [i for i, c in enumerate(chunks) if c.samples and not c.seq.finished]
+        done = {seq.request_id for seq in self._scheduler.resolve(step.output, sampled.token_ids.tolist())}
+        if self.connector is not None:
+            self.connector.after_step(held)  # the tokens are known now: the blocks have their hashes
+        kept = [chunks[i] for i in keep]
+        if logits is not None:
+            self._outputs.add_logits(kept, logits[keep])
+        rows = SampledTokens(*(None if a is None else np.asarray(a)[keep] for a in sampled))  # type: ignore[arg-type]
+        return self._outputs.process(kept, cast(SampledRows, rows), done, time.perf_counter())
+
     def _observe(self) -> None:
         """Hand the engine's stats to every step observer."""
         if self._step_observers:
@@ -466,10 +548,9 @@ class Engine:
         """How this step draws the sequence's next token (None: the chunk draws nothing)."""
         if not chunk.samples:
             return None
-        position = chunk.num_computed_tokens + chunk.num_new_tokens
-        return RowSampling(
-            live.params, live.seed, position, live.stopper.banned(live.seq.num_output_tokens), live.seq.request
-        )
+        position = chunk.num_computed_tokens + chunk.num_new_tokens  # of the token drawn; the outputs before it:
+        drawn = position - live.seq.request.num_prompt_tokens  # host-known, and the token fed when one is
+        return RowSampling(live.params, live.seed, position, live.stopper.banned(drawn), live.seq.request)
 
     def abort(self, request_id: str) -> bool:
         """Drop one unfinished request (all its sequences, ``n`` > 1 siblings not yet
@@ -565,7 +646,9 @@ class Engine:
             self.kv_events.publish_step(self.manager, self.connector)
 
     def _release(self) -> None:
-        """Settle stores, and replace the cache if an interrupted step consumed it."""
+        """Drop the step in flight (its sequences are all gone), settle stores, and replace
+        the cache if an interrupted step consumed it."""
+        self._in_flight = None
         try:
             if self.connector is not None:
                 self.connector.finish_stores()

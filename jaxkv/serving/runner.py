@@ -8,12 +8,18 @@ model's params and the device :class:`~jaxkv.device.cache.KVCache` (with a
 :mod:`jaxkv.device.state_pages`).
 Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.device.metadata`: one
 host-to-device transfer, shapes padded to :class:`~jaxkv.device.metadata.Buckets`) and calls
-one jitted step function ``(params, cache, metadata, sampling) -> (sampled, cache)`` with
-the cache donated, so its buffers are updated in place. Tokens are drawn on the device
+one jitted step function ``(params, cache, metadata, sampling, previous) -> (sampled,
+drawn, cache)`` with the cache donated, so its buffers are updated in place. Tokens are drawn on the device
 (:mod:`jaxkv.serving.sampler`: each request's parameters are rows of the step's inputs,
 so no parameter set compiles anything); only ``num_seqs`` tokens and their top
 log-probabilities come back to the host (and their logits, from a step compiled apart,
 when a token check asks for them).
+
+A step may take input tokens the previous step drew without the host seeing them
+(asynchronous scheduling): :meth:`ModelRunner.dispatch` returns as soon as the step is
+queued on the device, with ``fed`` naming, for a decode chunk, the row of the previous
+step whose token it decodes; the step reads it from the previous step's ``drawn`` tokens
+(kept on the device), and :meth:`ModelRunner.collect` reads the step's draws back later.
 
 The step is traced once per bucket combination (and :mod:`jaxkv.device.ops` implementation,
 read at each step); :attr:`ModelRunner.num_compilations` counts the traces, so tests
@@ -31,10 +37,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -42,7 +49,15 @@ from jaxkv.device import ops
 from jaxkv.device.block_table import BlockTables
 from jaxkv.device.cache import KVCache, allocate_kv_cache
 from jaxkv.device.mesh import MODEL_AXIS, auto_axes, place, replicated, weight_shardings
-from jaxkv.device.metadata import Buckets, ScheduledSeq, StepMetadata, bucket, build_step_metadata, table_limits
+from jaxkv.device.metadata import (
+    Buckets,
+    ScheduledSeq,
+    StepMetadata,
+    bucket,
+    build_step_metadata,
+    place_values,
+    table_limits,
+)
 from jaxkv.device.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
 from jaxkv.device.state_pages import StatePages, StateUnits, check_mesh, state_pages
 from jaxkv.errors import JaxkvError
@@ -122,6 +137,15 @@ _num_step_traces = 0
 """Traces of the step functions in this process (one per compiled shape), all runners together."""
 
 
+def _feed(meta: StepMetadata, previous: jax.Array) -> StepMetadata:
+    """``meta`` with each input id ``-(k + 1)`` replaced by the token row ``k`` of the
+    previous step drew (``previous``: that step's drawn tokens, kept on the device)."""
+    start, _ = meta.packing.offsets["input_ids"]
+    ids = meta.input_ids
+    fed = jnp.where(ids < 0, previous[jnp.maximum(-ids - 1, 0)], ids)
+    return dataclasses.replace(meta, packed=jax.lax.dynamic_update_slice(meta.packed, fed, (start,)))
+
+
 def _step_with_logits(
     model: ServedModel,
     impl: str,
@@ -129,12 +153,19 @@ def _step_with_logits(
     cache: KVCache | HybridCache,
     meta: StepMetadata,
     sampling: SamplingInputs,
-) -> tuple[SampledTokens, jax.Array, KVCache | HybridCache]:
-    """One forward step and its draw (:func:`jaxkv.serving.sampler.sample`): ``(sampled, logits (S, vocab), cache)``."""
+    previous: jax.Array,
+) -> tuple[SampledTokens, jax.Array, jax.Array, KVCache | HybridCache]:
+    """One forward step over ``meta``'s tokens, some fed from ``previous`` (:func:`_feed`),
+    and its draw (:func:`jaxkv.serving.sampler.sample`): ``(sampled, logits (S, vocab),
+    drawn, cache)``, ``drawn`` the tokens padded to ``previous``'s length (the next step's
+    ``previous``)."""
     global _num_step_traces
     _num_step_traces += 1  # runs once per trace, i.e. per compiled shape
+    meta = _feed(meta, previous)
     logits, cache = model.forward(params, cache, meta, impl=impl)
-    return sample(logits, sampling, meta.input_ids[meta.logits_indices]), logits, cache
+    sampled = sample(logits, sampling, meta.input_ids[meta.logits_indices])
+    drawn = jnp.pad(sampled.token_ids, (0, previous.shape[0] - sampled.token_ids.shape[0]))
+    return sampled, logits, drawn, cache
 
 
 def _step(
@@ -144,10 +175,11 @@ def _step(
     cache: KVCache | HybridCache,
     meta: StepMetadata,
     sampling: SamplingInputs,
-) -> tuple[SampledTokens, KVCache | HybridCache]:
-    """One forward step and its draw: ``(sampled, cache)``."""
-    sampled, _, cache = _step_with_logits(model, impl, params, cache, meta, sampling)
-    return sampled, cache
+    previous: jax.Array,
+) -> tuple[SampledTokens, jax.Array, KVCache | HybridCache]:
+    """One forward step and its draw: ``(sampled, drawn, cache)``."""
+    sampled, _, drawn, cache = _step_with_logits(model, impl, params, cache, meta, sampling, previous)
+    return sampled, drawn, cache
 
 
 def _step_with_prompt_logprobs(
@@ -157,17 +189,20 @@ def _step_with_prompt_logprobs(
     cache: KVCache | HybridCache,
     meta: StepMetadata,
     sampling: ScoredInputs,
-) -> tuple[SampledTokens, PromptLogprobs, jax.Array | None, KVCache | HybridCache]:
+    previous: jax.Array,
+) -> tuple[SampledTokens, jax.Array | None, PromptLogprobs, jax.Array, KVCache | HybridCache]:
     """One forward step with logits at every new token (:mod:`jaxkv.serving.prompt_logprobs`):
-    ``(sampled, each new token's successor scored, the drawn rows' logits (S, vocab) when
-    ``sampling.with_logits`` else None, cache)``."""
+    ``(sampled, the drawn rows' logits (S, vocab) when ``sampling.with_logits`` else None,
+    each new token's successor scored, drawn, cache)``."""
     global _num_step_traces
     _num_step_traces += 1
+    meta = _feed(meta, previous)
     logits, cache = model.forward(params, cache, every_position(meta), impl=impl)
     last = meta.logits_indices
     sampled = sample(logits[last], sampling, meta.input_ids[last])
-    scored = score_positions(logits, meta, jax.numpy.asarray(sampling.next_ids))
-    return sampled, scored, logits[last] if sampling.with_logits else None, cache
+    scored = score_positions(logits, meta, jnp.asarray(sampling.next_ids))
+    drawn = jnp.pad(sampled.token_ids, (0, previous.shape[0] - sampled.token_ids.shape[0]))
+    return sampled, logits[last] if sampling.with_logits else None, scored, drawn, cache
 
 
 StepShardings = tuple[tuple[jax.sharding.Sharding, ...], object] | None
@@ -178,7 +213,7 @@ StepShardings = tuple[tuple[jax.sharding.Sharding, ...], object] | None
 @functools.cache
 def jitted_step(fn: Callable, model: ServedModel, impl: str, shardings: StepShardings) -> jax.stages.Wrapped:
     """``fn`` (:func:`_step` or :func:`_step_with_logits`) with its static arguments
-    bound, jitted with the cache donated: ``(params, cache, meta, sampling) -> outputs``.
+    bound, jitted with the cache donated: ``(params, cache, meta, sampling, previous) -> outputs``.
 
     Keyed by the model object (by its ``__hash__``/``__eq__``: identity unless the model
     defines them) and shared by all runners: the same model, ops implementation, bucket
@@ -188,8 +223,10 @@ def jitted_step(fn: Callable, model: ServedModel, impl: str, shardings: StepShar
     compilation, used only when logits are asked for (token checks, not serving).
     """
 
-    def step(params: Any, cache: KVCache | HybridCache, meta: StepMetadata, sampling: SamplingInputs) -> tuple:
-        return fn(model, impl, params, cache, meta, sampling)
+    def step(
+        params: Any, cache: KVCache | HybridCache, meta: StepMetadata, sampling: SamplingInputs, previous: jax.Array
+    ) -> tuple:
+        return fn(model, impl, params, cache, meta, sampling, previous)
 
     if shardings is None:
         return jax.jit(step, donate_argnums=(1,))
@@ -223,6 +260,23 @@ def allocate_cache(
     elif any(isinstance(g.spec, MambaSpec) for g in config.groups):
         cache = HybridCache(kv, allocate_state_cache(config, mesh=mesh))
     return cache if mesh is not None else jax.device_put(cache, jax.devices()[0], donate=True)
+
+
+class InFlight(NamedTuple):
+    """A dispatched step: its outputs on the device (the draws; the logits and the prompt
+    scores when asked) and its chunks (the real rows of those outputs)."""
+
+    outputs: list[Any]
+    chunks: Sequence[ScheduledChunk]
+
+
+class Collected(NamedTuple):
+    """A step read back: its draws as numpy rows of its chunks, the logits they were drawn
+    from (when asked), and per chunk the scores of its new tokens (a scoring step)."""
+
+    sampled: SampledTokens
+    logits: np.ndarray | None
+    prompt_scores: list[PromptLogprobs] | None
 
 
 class ModelRunner:
@@ -276,12 +330,15 @@ class ModelRunner:
             params = weight_shardings(model.partition_specs(), self.mesh, model_axis)
             self.params = place(self.params, params)
             cache = jax.tree.map(lambda buf: buf.sharding, self.cache)
-            ins, rep = (params, cache, self._meta_sharding, self._meta_sharding), self._meta_sharding
-            plain = _flat((ins, (rep, cache)))
-            with_logits = _flat((ins, (rep, rep, cache)))
-            scored = _flat((ins, (rep, rep, rep, cache)))
+            rep = self._meta_sharding
+            ins = (params, cache, rep, rep, rep)
+            plain = _flat((ins, (rep, rep, cache)))
+            with_logits = _flat((ins, (rep, rep, rep, cache)))
+            scored = _flat((ins, (rep, rep, rep, rep, cache)))
         self._shardings = {_step: plain, _step_with_logits: with_logits, _step_with_prompt_logprobs: scored}
         self._steps: dict[tuple[Callable, str], jax.stages.Wrapped] = {}
+        self._drawn = place_values(np.zeros(max(buckets.seqs), np.int32), self._meta_sharding)
+        """The last step's drawn tokens on the device, padded: what a fed input token reads."""
         self.num_compilations = 0
         self.dispatch_s = 0.0
         """Seconds spent in JAX's call of the jitted step (argument checks, dispatch to every
@@ -289,16 +346,29 @@ class ModelRunner:
         self.device_wait_s = 0.0
         """Seconds the host spent waiting for steps' outputs (the rest of a step is host work)."""
 
-    def metadata(self, chunks: Sequence[ScheduledChunk]) -> StepMetadata:
+    def metadata(self, chunks: Sequence[ScheduledChunk], fed: Mapping[int, int] | None = None) -> StepMetadata:
         """The device metadata of one step's chunks (decodes first, as the scheduler orders them).
 
         Block ids go through the runner's block tables, kept across steps: only the ids a
-        request gained (or that changed) since its last step are converted and checked."""
+        request gained (or that changed) since its last step are converted and checked.
+        ``fed`` maps a decode chunk's index to the row of the previous step whose drawn token
+        it decodes (its request does not hold it yet): its input id is ``-(row + 1)``."""
         seqs = [ScheduledSeq(c.seq.request_id, c.num_computed_tokens, c.num_new_tokens) for c in chunks]
+        token_ids = [c.token_ids for c in chunks]
+        for i, row in (fed or {}).items():
+            chunk = chunks[i]
+            if chunk.num_new_tokens != 1 or chunk.num_computed_tokens != chunk.seq.request.num_tokens:
+                raise RunnerError(
+                    f"chunk {i} (request {chunk.seq.request_id!r}) is fed the token the previous step drew, "
+                    "but it is not a decode of its request's next unknown token"
+                )
+            if not 0 <= row < self._drawn.shape[0]:
+                raise RunnerError(f"chunk {i} is fed row {row} of the previous step, which has {self._drawn.shape[0]}")
+            token_ids[i] = [-1 - row]
         shared = self.config.shared_states
         return build_step_metadata(
             seqs,
-            [c.token_ids for c in chunks],
+            token_ids,
             [c.block_ids for c in chunks],
             self.block_sizes,
             self.buckets,
@@ -330,12 +400,8 @@ class ModelRunner:
         """Run one step, drawing each chunk's next token as ``rows`` say (one per chunk;
         none: greedy): what was drawn, and with ``with_logits`` the float32 logits each
         token was drawn from, ``(len(chunks), vocab)`` (a step compiled apart)."""
-        inputs = sampling_inputs(rows, bucket(len(chunks), self.buckets.seqs, "seqs"))
-        if with_logits:
-            sampled, logits = self._run(_step_with_logits, chunks, inputs)
-            return sampled, logits
-        (sampled,) = self._run(_step, chunks, inputs)
-        return sampled, None
+        sampled, logits, _ = self.collect(self.dispatch(chunks, rows, with_logits=with_logits))
+        return sampled, logits
 
     def execute_prompt_logprobs(
         self, chunks: Sequence[ScheduledChunk], rows: Sequence[RowSampling | None] = (), *, with_logits: bool = False
@@ -344,17 +410,46 @@ class ModelRunner:
         token (a step compiled apart: :mod:`jaxkv.serving.prompt_logprobs`): what was drawn,
         the logits it was drawn from (with ``with_logits``, else None), and per chunk the
         :class:`PromptLogprobs` of its new tokens."""
+        sampled, logits, scores = self.collect(self.dispatch(chunks, rows, with_logits=with_logits, score_prompt=True))
+        assert scores is not None  # a scoring step returns them
+        return sampled, logits, scores
+
+    def dispatch(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        rows: Sequence[RowSampling | None] = (),
+        *,
+        with_logits: bool = False,
+        fed: Mapping[int, int] | None = None,
+        score_prompt: bool = False,
+    ) -> InFlight:
+        """Queue one step on the device (as :meth:`execute_sampled`; ``fed`` as in
+        :meth:`metadata`; with ``score_prompt`` as :meth:`execute_prompt_logprobs`) and return
+        without waiting for it: :meth:`collect` reads it back."""
         num_rows = bucket(len(chunks), self.buckets.seqs, "seqs")
-        drawn = sampling_inputs(rows, num_rows)
-        inputs = ScoredInputs(
-            drawn.packed,
-            drawn.penalties,
-            drawn.logprobs,
-            next_ids=next_token_ids(chunks, num_rows),
-            with_logits=with_logits,
-        )
-        sampled, scored, logits = self._run(_step_with_prompt_logprobs, chunks, inputs)
-        return sampled, logits, split_by_chunk(scored, chunks)
+        inputs = sampling_inputs(rows, num_rows)
+        if score_prompt:
+            scored = ScoredInputs(
+                inputs.packed,
+                inputs.penalties,
+                inputs.logprobs,
+                next_ids=next_token_ids(chunks, num_rows),
+                with_logits=with_logits,
+            )
+            return self._run(_step_with_prompt_logprobs, chunks, scored, fed)
+        return self._run(_step_with_logits if with_logits else _step, chunks, inputs, fed)
+
+    def collect(self, step: InFlight) -> Collected:
+        """Wait for a dispatched step and read it back (:class:`Collected`). Outputs are
+        replicated: each is read from this process's first copy, which is all a process holds
+        of an array whose devices span processes."""
+        start = time.perf_counter()
+        jax.block_until_ready(step.outputs)
+        self.device_wait_s += time.perf_counter() - start
+        num_rows = len(step.chunks)
+        host = [jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[:num_rows], o) for o in step.outputs]
+        scores = split_by_chunk(host[2], step.chunks) if len(host) > 2 else None
+        return Collected(host[0], host[1] if len(host) > 1 else None, scores)
 
     def _jitted(self, fn: Callable) -> jax.stages.Wrapped:
         """``fn`` jitted for this runner's model and the :mod:`jaxkv.device.ops` implementation
@@ -366,23 +461,18 @@ class ModelRunner:
             self._steps[key] = jitted_step(fn, self.model, impl, self._shardings[fn])
         return self._steps[key]
 
-    def _run(self, fn: Callable, chunks: Sequence[ScheduledChunk], sampling: SamplingInputs) -> list[Any]:
-        """Call the jitted ``fn`` on these chunks (the cache donated); its outputs' rows of the
-        chunks (a tuple of outputs stays a tuple of their rows).
-
-        Outputs are replicated: each is read from this process's first copy, which is
-        all a process holds of an array whose devices span processes."""
-        meta = self.metadata(chunks)
+    def _run(
+        self, fn: Callable, chunks: Sequence[ScheduledChunk], sampling: SamplingInputs, fed: Mapping[int, int] | None
+    ) -> InFlight:
+        """Call the jitted ``fn`` on these chunks (the cache donated), without waiting for it."""
+        meta = self.metadata(chunks, fed)
         step = self._jitted(fn)
         before = _num_step_traces
         start = time.perf_counter()
-        *outputs, self.cache = step(self.params, self.cache, meta, sampling)
-        dispatched = time.perf_counter()
-        self.dispatch_s += dispatched - start
+        *outputs, self._drawn, self.cache = step(self.params, self.cache, meta, sampling, self._drawn)
+        self.dispatch_s += time.perf_counter() - start
         self.num_compilations += _num_step_traces - before
-        jax.block_until_ready(outputs)
-        self.device_wait_s += time.perf_counter() - dispatched
-        return [jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[: len(chunks)], out) for out in outputs]
+        return InFlight(outputs, chunks)
 
     def cache_is_intact(self) -> bool:
         """False when a step was interrupted after donating the cache (its buffers are gone)."""
@@ -475,5 +565,5 @@ class ModelRunner:
         """The step lowered for these chunks' shapes (``.compile().memory_analysis()``)."""
         meta = self.metadata(chunks)
         return self._jitted(_step).lower(
-            self.params, self.cache, meta, greedy_inputs(bucket(len(chunks), self.buckets.seqs, "seqs"))
+            self.params, self.cache, meta, greedy_inputs(bucket(len(chunks), self.buckets.seqs, "seqs")), self._drawn
         )

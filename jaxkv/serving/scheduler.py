@@ -11,6 +11,15 @@ get its blocks preempts the most recently admitted one (preemption by recompute:
 blocks are freed, its progress reset, and it goes back to the head of the queue), and
 no request is admitted in a step that preempted.
 
+Asynchronous scheduling (vLLM's ``async_scheduling``): an engine may schedule step N+1
+before it knows the tokens step N drew. :meth:`Scheduler.advance` moves the chunks of a
+dispatched step on and counts each drawn token as a placeholder
+(``SeqState.num_placeholders``), so the next :meth:`~Scheduler.schedule` decodes it (the
+engine feeds the token on the device); :meth:`Scheduler.resolve` appends the tokens once
+read back and retires the requests at their length. A request the tokens in flight take
+to its length is not scheduled again; :meth:`Scheduler.update` is both at once (the
+synchronous loop). The manager caches a block only once its tokens are known.
+
 The scheduler is host-only (no JAX): :mod:`jaxkv.serving.simulator` replays traces with it and
 :mod:`jaxkv.serving.engine` drives a model with it. It asks of its manager only the calls of
 :class:`ScheduledManager`: jaxkv's :class:`~jaxkv.core.manager.KVCacheManager`, or an adapter over a peer's
@@ -126,12 +135,16 @@ class SeqState:
     """A request in flight: its manager-side ``Request`` and its generation limits.
 
     ``num_cached_tokens`` is the prefix-cache hit at first admission (None before).
+    ``num_placeholders`` counts the tokens drawn on the device and not appended yet
+    (asynchronous scheduling); ``finished`` turns True when the scheduler retires it.
     """
 
     request: Request
     max_new_tokens: int
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
+    num_placeholders: int = 0
+    finished: bool = False
 
     @property
     def request_id(self) -> str:
@@ -243,6 +256,7 @@ class Scheduler:
         if any(s in gone for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if s not in gone)
         for seq in seqs:
+            seq.finished = True
             self._queued_ids.discard(seq.request_id)
             self._free_blocks(seq)
 
@@ -271,8 +285,11 @@ class Scheduler:
                 if served == len(decoding):
                     continue
             seq = self.running[i]
+            if self._finishing(seq):  # its tokens in flight end it: retired when they are read back
+                i += 1
+                continue
             req = seq.request
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens + seq.num_placeholders - req.num_computed_tokens, budget)
             if n > 1:
                 n = self.manager.chunk_limit(req, req.num_computed_tokens, n, self.max_num_batched_tokens)
                 if not n:  # no chunk within the budget ends where the manager needs: next step
@@ -285,7 +302,7 @@ class Scheduler:
             i += 1
         if not preempted:
             budget = self._admit_waiting(budget, decodes, prefills)
-        if not (decodes or prefills) and self.waiting:
+        if not (decodes or prefills) and self.waiting and not self._in_flight():
             head = self.waiting[0].request
             message = (
                 f"request {head.request_id!r} ({head.num_tokens} tokens) cannot be admitted into an idle "
@@ -302,17 +319,32 @@ class Scheduler:
         run = []
         for seq in islice(self.running, start, start + budget):
             req = seq.request
-            if req.num_tokens - req.num_computed_tokens != 1:
+            if req.num_tokens + seq.num_placeholders - req.num_computed_tokens != 1 or (
+                seq.num_placeholders and self._finishing(seq)
+            ):
                 break
             run.append(req)
         return run
+
+    def _finishing(self, seq: SeqState) -> bool:
+        """Whether the tokens ``seq`` has in flight take it to its length (it must not be scheduled)."""
+        ahead = seq.num_placeholders
+        return bool(ahead) and (
+            seq.num_output_tokens + ahead >= seq.max_new_tokens
+            or seq.request.num_tokens + ahead >= self.manager.max_model_len
+        )
+
+    def _in_flight(self) -> bool:
+        """Whether some request waits for tokens drawn on the device (an empty step is then no deadlock:
+        reading them back retires or advances it)."""
+        return any(s.num_placeholders for s in self.running) or any(s.num_placeholders for s in self.waiting)
 
     def _add_chunk(self, seq: SeqState, n: int, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> None:
         """Record ``n`` tokens of ``seq`` as a decode (one token) or a prefill chunk."""
         req = seq.request
         start = req.num_computed_tokens
         block_ids = self.manager.get_block_ids(req.request_id) if self.record_block_ids else ()
-        chunk = ScheduledChunk(seq, start, n, block_ids, start + n == req.num_tokens)
+        chunk = ScheduledChunk(seq, start, n, block_ids, start + n == req.num_tokens + seq.num_placeholders)
         (decodes if n == 1 else prefills).append(chunk)
 
     def _allocate_running(self, seq: SeqState, n: int, preempted: list[SeqState], alone: bool) -> bool:
@@ -350,6 +382,8 @@ class Scheduler:
         mgr = self.manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_placeholders:  # preempted with a token in flight: admitted once it is known
+                break
             req = seq.request
             hit, num_hit = mgr.get_computed_blocks(req)
             if self.admission is not None:
@@ -373,24 +407,52 @@ class Scheduler:
 
     # -------------------------------------------------------------- update
     def update(self, output: SchedulerOutput, sampled: Sequence[int]) -> list[SeqState]:
-        """Advance the scheduled chunks, append sampled tokens, retire finished requests.
+        """Advance the scheduled chunks, append sampled tokens, retire finished requests
+        (the synchronous loop: :meth:`advance` and :meth:`resolve` at once).
 
         ``sampled[i]`` is the token generated for ``output.chunks[i]`` (read only
         where the chunk ``samples``). A request finishes at ``max_new_tokens`` outputs
         or at ``max_model_len`` tokens (:meth:`finish`). Returns the finished.
         """
+        sampling = self._append(output, sampled)  # a bad token: nothing changes
+        for chunk in output.chunks:
+            chunk.seq.request.num_computed_tokens += chunk.num_new_tokens
+        return self._retire(sampling)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """A step was dispatched, its tokens not yet known: advance its chunks and hold a
+        placeholder for each token it draws, so the next :meth:`schedule` decodes it."""
+        for chunk in output.chunks:
+            seq = chunk.seq
+            seq.request.num_computed_tokens += chunk.num_new_tokens
+            if chunk.samples:
+                seq.num_placeholders += 1
+
+    def resolve(self, output: SchedulerOutput, sampled: Sequence[int]) -> list[SeqState]:
+        """The tokens of a step passed to :meth:`advance`, read back: each replaces its
+        placeholder (requests retired since, stopped or aborted, drop theirs); the requests
+        at their length are retired and returned."""
+        sampling = self._append(output, sampled)
+        for seq in sampling:
+            seq.num_placeholders -= 1
+        return self._retire(sampling)
+
+    def _append(self, output: SchedulerOutput, sampled: Sequence[int]) -> list[SeqState]:
+        """Append each drawing chunk's token to its request (not to a retired one); those requests."""
         if len(sampled) < len(output.chunks):
             raise SchedulerError(f"got {len(sampled)} sampled tokens for {len(output.chunks)} scheduled chunks")
-        limit = self.manager.max_model_len
         sampling: list[SeqState] = []
         tokens = []
         for chunk, token in zip(output.chunks, sampled, strict=True):
-            if chunk.samples:
+            if chunk.samples and not chunk.seq.finished:
                 sampling.append(chunk.seq)
                 tokens.append(token)
-        self.manager.append_token_ids([seq.request for seq in sampling], tokens)  # a bad token: nothing changes
-        for chunk in output.chunks:
-            chunk.seq.request.num_computed_tokens += chunk.num_new_tokens
+        self.manager.append_token_ids([seq.request for seq in sampling], tokens)
+        return sampling
+
+    def _retire(self, sampling: list[SeqState]) -> list[SeqState]:
+        """Finish the requests of ``sampling`` at their length; those."""
+        limit = self.manager.max_model_len
         done = [
             seq for seq in sampling if seq.num_output_tokens >= seq.max_new_tokens or seq.request.num_tokens >= limit
         ]
