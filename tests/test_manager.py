@@ -815,15 +815,15 @@ def test_misses_are_counted_by_cause(tokens):
 
 
 def test_branch_ahead_lets_the_second_request_of_a_shared_prefix_hit(tokens):
-    shared = tokens(0, 512)
+    shared = tokens(0, 1536)
     hits = []
     for branch_ahead in (False, True):
-        mgr = state_pool_manager(128, 8, branch_ahead=branch_ahead)
+        mgr = state_pool_manager(256, 8, branch_ahead=branch_ahead)
         first = Request("first", shared + tokens(5000, 100))
         serve_prompt(mgr, first)
         mgr.free(first)
         hits.append(serve_prompt(mgr, Request("second", shared + tokens(9000, 60))))
-    assert hits == [0, 352], "off: no state inside the shared prefix; on: 612 - 256 back, a block boundary"
+    assert hits == [0, 608], "off: no state inside the shared prefix; on (default): 1,636 - 1,024, a block boundary"
     with pytest.raises(KVCacheManagerError, match="branch_ahead"):
         state_pool_manager(16, 4, branch_ahead=1)
 

@@ -83,16 +83,25 @@ def test_only_recurrent_groups_in_vllms_layout_cut_chunks():
     assert AlignedChunks(WITH_STATES).block_size == 0, "a state pool: CheckpointPolicy's positions"
 
 
-def test_branch_ahead_learns_where_prompts_diverge_and_whether_they_branch():
-    ahead = CheckpointPolicy(WITH_STATES, None, enable_caching=True, branch_ahead=True)
-    assert ahead.ahead(1000, 0, 0, 0) == 736, "before any divergence: 256 tokens back from the end"
-    assert ahead.positions(1000, 0, 0, 736) == (736, 992) and ahead.shared(1000, 0, 0, 736) == {736}
-    ahead.observe(1000, 900, True)  # a prompt left a cached chain 100 tokens before its end
-    assert ahead.ahead(500, 0, 0, 0) == 400
-    assert ahead.ahead(500, 0, 448, 448) == 0, "found its branch: it checkpoints reach instead"
-    assert ahead.ahead(500, 320, 320, 320) == 0, "extends a cached chain at its end (a chat turn)"
-    assert ahead.ahead(500, 0, 320, 448) == 400, "a branch past its hit"
+def test_branch_ahead_places_states_back_from_the_end_within_a_budget_while_prompts_branch():
+    config = dataclasses.replace(WITH_STATES, states=StatePool(num_states=17))  # 16 states: 4 branch-ahead
+    ahead = CheckpointPolicy(config, None, enable_caching=True)
+    assert ahead.branch_budget == 4
+    assert ahead.ahead(5000, 0, 0, 0, 0) == (896, 2944, 3968), "4096, 2048, 1024 back, on block boundaries"
+    assert ahead.positions(5000, 0, 0, (2944, 3968)) == (2944, 3968, 4992)
+    assert ahead.shared(5000, 0, 0, (2944, 3968)) == {2944, 3968}
+    assert ahead.ahead(5000, 0, 0, 0, 1) == (2944, 3968), "two running: half the budget each"
+    assert ahead.ahead(5000, 0, 0, 0, 3) == (3968,), "the most likely depth first"
+    assert ahead.ahead(5000, 0, 0, 0, 4) == (), "the budget is spent"
+    assert ahead.ahead(600, 0, 0, 0, 0) == (), "a chat turn's short prompt places none"
+    assert ahead.ahead(5000, 0, 3000, 3000, 0) == (3968,), "a branch past its hit: only past its reach"
+    assert ahead.ahead(5000, 3000, 3000, 3000, 0) == (), "extends a cached chain at its end (a chat turn)"
+    ahead.observe(True)
+    ahead.observe(None)
+    assert ahead.ahead(5000, 0, 0, 0, 0) == (896, 2944, 3968)
     for _ in range(2):
-        ahead.observe(1000, 900, False)  # most admissions extend chains: no guesses
-    assert ahead.ahead(500, 0, 0, 0) == 0
-    assert policy().ahead(1000, 0, 0, 0) == 0, "off by default"
+        ahead.observe(False)  # most admissions extend chains: no guesses
+    assert ahead.ahead(5000, 0, 0, 0, 0) == ()
+    off = CheckpointPolicy(config, None, enable_caching=True, branch_ahead=False)
+    assert off.ahead(5000, 0, 0, 0, 0) == ()
+    assert policy(config=make_config(64, FULL)).ahead(5000, 0, 0, 0, 0) == (), "no state groups"

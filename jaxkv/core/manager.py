@@ -101,8 +101,11 @@ class KVCacheManager:
     positions* (:meth:`checkpoint_positions`): the prompt's last block boundary before
     its last token (where the same prompt sent again resumes), where the prompt ends,
     where full attention alone matched further than the whole hit and a cached chain
-    branches off (so the next request sharing that prefix finds a state there), every
-    ``checkpoint_interval`` tokens of the prompt if set, and every block boundary while
+    branches off (so the next request sharing that prefix finds a state there), with
+    ``branch_ahead`` (the default) 1-4k tokens back from the end of a prompt that starts
+    or branches off a chain, within a share of the states memory holds
+    (:meth:`~jaxkv.core.state_checkpoints.CheckpointPolicy.ahead`: the second request of a
+    shared prefix hits too), every ``checkpoint_interval`` tokens of the prompt if set, and every block boundary while
     it decodes; of the request's own (all but the shared ones) only the newest stays in
     queue order once memory is full. A scheduler ends prefill chunks there
     (:meth:`chunk_limit`): a state exists only where a step ends. A running request
@@ -121,7 +124,7 @@ class KVCacheManager:
         enable_events: bool = False,
         retention: str = "vllm",
         checkpoint_interval: int | None = None,
-        branch_ahead: bool = False,
+        branch_ahead: bool = True,
     ) -> None:
         if not isinstance(config, KVCacheConfig):
             raise KVCacheManagerError(f"config must be a KVCacheConfig, got {config!r:.80}")
@@ -311,7 +314,9 @@ class KVCacheManager:
         blocks, n, request.prefix_reach, matched, diverged = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
-        request.checkpoint_ahead = self._checkpoints.ahead(request.num_prompt_tokens, n, request.prefix_reach, matched)
+        request.checkpoint_ahead = self._checkpoints.ahead(
+            request.num_prompt_tokens, n, request.prefix_reach, matched, len(self._held)
+        )
         request.prefix_diverged = diverged if matched else None
         self._num_requests += 1
         self._num_queried += request.num_tokens
@@ -422,7 +427,7 @@ class KVCacheManager:
         if not held:
             coord.set_anchors(rid, (total_computed, request.prefix_reach))
             if self._checkpoints.block_size:
-                self._checkpoints.observe(request.num_prompt_tokens, request.prefix_reach, request.prefix_diverged)
+                self._checkpoints.observe(request.prefix_diverged)
                 shared = self._checkpoints.shared(
                     request.num_prompt_tokens, request.prefix_reach, total_computed, request.checkpoint_ahead
                 )

@@ -207,7 +207,7 @@ class Request:
         self.prefix_reach = 0
         # Set by the same lookup: the branch-ahead checkpoint position of the prompt (0: none),
         # see CheckpointPolicy.ahead.
-        self.checkpoint_ahead = 0
+        self.checkpoint_ahead: tuple[int, ...] = ()
         # And whether the prompt left a cached chain that goes on (None: it matched none).
         self.prefix_diverged: bool | None = None
 

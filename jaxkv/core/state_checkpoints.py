@@ -15,7 +15,7 @@ from collections import deque
 
 from jaxkv.core.manager_errors import KVCacheManagerError
 from jaxkv.ints import is_int
-from jaxkv.planner import KVCacheConfig
+from jaxkv.planner import KVCacheConfig, SharedStates, StatePool
 from jaxkv.specs import MambaSpec
 
 
@@ -25,12 +25,29 @@ def resend_position(num_prompt_tokens: int, block_size: int) -> int:
     return (num_prompt_tokens - 1) // block_size * block_size
 
 
-DEFAULT_DIVERGENCE_DEPTH = 256
-"""Tokens back from a prompt's end where a later request is assumed to diverge before
-any has been seen to (the depth of a typical query or user turn behind a shared prefix)."""
+BRANCH_DEPTHS = (1024, 2048, 4096)
+"""Tokens back from a prompt's end where its branch-ahead checkpoints sit, most likely
+first: a later request sharing all but its last 1-4k tokens finds a state there (the
+suffixes and tails of issue 39's workloads; vLLM's align mode checkpoints every block,
+~1k tokens, and wins those hits). Deeper than a chat turn, so a chat's short prompts
+place none."""
+
+BRANCH_SHARE = 0.25
+"""The share of the states memory holds that the running requests' branch-ahead
+checkpoints may take together (each request gets its part at admission)."""
 
 DIVERGENCE_WINDOW = 32
-"""How many recent divergence depths the policy learns its branch-ahead depth from."""
+"""How many recent admissions the policy learns whether prompts branch from."""
+
+
+def num_states(config: KVCacheConfig) -> int:
+    """How many recurrent states (one group's row) the plan's memory holds, 0 without state groups."""
+    states = config.states
+    if isinstance(states, StatePool):
+        return states.num_states - 1
+    if isinstance(states, SharedStates):
+        return config.num_blocks // states.pages_per_state
+    return 0
 
 
 class CheckpointPolicy:
@@ -43,24 +60,21 @@ class CheckpointPolicy:
     hit the same prompt sent again can have), its last block boundary (where a next turn
     that extends it resumes), the boundary at ``reach`` (so the next request sharing
     that prefix finds a state there), every ``interval`` tokens if set, and with
-    ``branch_ahead`` (a named option, off by default: it cost the chat trace 0.008 at
-    vLLM's minimum memory) ``ahead``, a position placed before any branch is seen
-    (:meth:`ahead`), so the second request of a shared prefix can hit too.
+    ``branch_ahead`` (on by default) its branch-ahead positions (:meth:`ahead`), placed
+    before any branch is seen, so the second request of a shared prefix can hit too.
 
-    The branch-ahead depth is learned: each admission that matched part of a prompt
-    (:meth:`observe`) records how far from the prompt's end it diverged from the cached
-    chains, and a new prompt checkpoints that far back from its end (the deepest of the
-    last :data:`DIVERGENCE_WINDOW` depths, :data:`DEFAULT_DIVERGENCE_DEPTH` before any).
-    Whether to place one at all is learned too: only while at least half of those
-    admissions left a cached chain that goes on (requests branch off shared prefixes)
-    rather than extended one at its end (chat turns, which resume from their newest
-    state: there a guess costs a whole state and serves no one).
+    Whether to place them is learned: only while at least half of the last
+    :data:`DIVERGENCE_WINDOW` admissions that matched part of their prompt (:meth:`observe`)
+    left a cached chain that goes on (requests branch off shared prefixes) rather than
+    extended one at its end (chat turns, which resume from their newest state: there a
+    guess costs a whole state and serves no one). How many is sized by memory: the
+    running requests share :data:`BRANCH_SHARE` of the states the plan holds.
     """
 
-    __slots__ = ("_depths", "_diverged", "block_size", "branch_ahead", "enable_caching", "interval")
+    __slots__ = ("_diverged", "block_size", "branch_ahead", "branch_budget", "enable_caching", "interval")
 
     def __init__(
-        self, config: KVCacheConfig, interval: int | None, *, enable_caching: bool, branch_ahead: bool = False
+        self, config: KVCacheConfig, interval: int | None, *, enable_caching: bool, branch_ahead: bool = True
     ) -> None:
         """Refuse an ``interval`` that is not a positive multiple of the hash block size."""
         if interval is not None and (not is_int(interval) or interval <= 0 or interval % config.hash_block_size):
@@ -73,47 +87,48 @@ class CheckpointPolicy:
         self.interval = interval
         self.enable_caching = enable_caching
         self.branch_ahead = branch_ahead
-        self._depths: deque[int] = deque(maxlen=DIVERGENCE_WINDOW)
+        # States the running requests' branch-ahead checkpoints may hold together.
+        self.branch_budget = int(BRANCH_SHARE * num_states(config))
         self._diverged: deque[bool] = deque(maxlen=DIVERGENCE_WINDOW)
 
-    def observe(self, num_prompt_tokens: int, reach: int, diverged: bool | None) -> None:
-        """An admitted prompt's lookup reached ``reach`` tokens and ``diverged`` from a
-        cached chain that goes on (True), extended one (False) or matched none (None):
-        learn where from its end it left the cached chains, and how often prompts branch."""
+    def observe(self, diverged: bool | None) -> None:
+        """An admitted prompt ``diverged`` from a cached chain that goes on (True),
+        extended one (False) or matched none (None): learn how often prompts branch."""
         if diverged is not None:
             self._diverged.append(diverged)
-        if 0 < reach < num_prompt_tokens:
-            self._depths.append(num_prompt_tokens - reach)
 
-    def ahead(self, num_prompt_tokens: int, hit: int, reach: int, matched: int) -> int:
-        """The branch-ahead position of a prompt (a block boundary), 0 for none: the
-        learned divergence depth back from its end, when that lies past ``reach`` (a
-        request that found its branch checkpoints it at ``reach``). Only for a prompt
-        that starts a chain (full attention alone ``matched`` nothing) or branches off
-        one (``reach`` past the ``hit``); not for one that extends a cached chain (a
-        chat turn, whose next turn resumes from its newest state)."""
+    def ahead(self, num_prompt_tokens: int, hit: int, reach: int, matched: int, num_running: int) -> tuple[int, ...]:
+        """The branch-ahead positions of a prompt (block boundaries, in order; empty for
+        none): :data:`BRANCH_DEPTHS` back from its end, past ``reach`` (a request that
+        found its branch checkpoints it at ``reach``), as many as its share of the
+        budget with ``num_running`` other requests running. Only for a prompt that
+        starts a chain (full attention alone ``matched`` nothing) or branches off one
+        (``reach`` past the ``hit``); not for one that extends a cached chain (a chat
+        turn, whose next turn resumes from its newest state)."""
         bs = self.block_size
         if not bs or not self.enable_caching or not self.branch_ahead or (matched and reach == hit):
-            return 0
+            return ()
         if 2 * sum(self._diverged) < len(self._diverged):
-            return 0
-        depth = max(self._depths, default=DEFAULT_DIVERGENCE_DEPTH)
-        position = (num_prompt_tokens - depth) // bs * bs
-        return position if position > reach else 0
+            return ()
+        count = self.branch_budget // (num_running + 1)
+        positions = ((num_prompt_tokens - d) // bs * bs for d in BRANCH_DEPTHS[:count])
+        return tuple(sorted({p for p in positions if p > reach}))
 
-    def shared(self, num_prompt_tokens: int, reach: int, num_computed_tokens: int, ahead: int = 0) -> set[int]:
+    def shared(
+        self, num_prompt_tokens: int, reach: int, num_computed_tokens: int, ahead: tuple[int, ...] = ()
+    ) -> set[int]:
         """The positions past ``num_computed_tokens`` that other requests are expected to
-        hit: ``reach``'s block boundary, the branch-ahead position ``ahead`` and every
+        hit: ``reach``'s block boundary, the branch-ahead positions ``ahead`` and every
         ``interval`` (not the prompt's end)."""
         bs = self.block_size
         prompt_end = num_prompt_tokens // bs * bs
-        positions = {reach // bs * bs, ahead}
+        positions = {reach // bs * bs, *ahead}
         if self.interval:
             positions.update(range(self.interval, prompt_end, self.interval))
         return {p for p in positions if num_computed_tokens < p <= prompt_end}
 
     def positions(
-        self, num_prompt_tokens: int, reach: int, num_computed_tokens: int, ahead: int = 0
+        self, num_prompt_tokens: int, reach: int, num_computed_tokens: int, ahead: tuple[int, ...] = ()
     ) -> tuple[int, ...]:
         """Every checkpoint position past ``num_computed_tokens``, in order (none without
         state groups or without caching)."""
@@ -124,7 +139,9 @@ class CheckpointPolicy:
         positions.update((resend_position(num_prompt_tokens, bs), num_prompt_tokens // bs * bs))
         return tuple(sorted(p for p in positions if p > num_computed_tokens))
 
-    def chunk_limit(self, num_prompt_tokens: int, reach: int, start: int, num_new_tokens: int, ahead: int = 0) -> int:
+    def chunk_limit(
+        self, num_prompt_tokens: int, reach: int, start: int, num_new_tokens: int, ahead: tuple[int, ...] = ()
+    ) -> int:
         """``num_new_tokens`` cut so a chunk starting at ``start`` ends at the next
         checkpoint position, if one falls inside it; unchanged without state groups."""
         if num_new_tokens > 1:
