@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxkv import ops
+from jaxkv.device import metadata
 from jaxkv.device.cache import UnknownLayerError, allocate_kv_cache
 from jaxkv.device.metadata import (
     BlockIdError,
@@ -199,7 +200,7 @@ def test_ids_the_device_would_wrap_or_drop_are_refused_before_any_transfer(table
     """The ops trust slots: slot -1 would write into the last block (a -1 gather wraps)
     and a slot past the cache would be dropped. The builder refuses the block ids that
     give them, naming the value, and sends nothing."""
-    monkeypatch.setattr(jax, "device_put", lambda *a, **k: pytest.fail("sent bad metadata"))
+    monkeypatch.setattr(metadata, "place_values", lambda *a, **k: pytest.fail("sent bad metadata"))
     seq = ScheduledSeq("x", 0, 1)
     with pytest.raises(BlockIdError, match=match):
         build_step_metadata([seq], [[7]], [(table,)], [1], BUCKETS, num_blocks=20)
@@ -236,13 +237,14 @@ def test_bad_sequences_and_tokens():
         build_step_metadata([], [], [], [4], BUCKETS)
 
 
-def test_one_device_put_per_step(monkeypatch):
+def test_one_transfer_per_step(monkeypatch):
     seqs, tokens, block_ids = example()
     calls = []
-    real = jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(1) or real(*a, **k))
-    build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS)
+    real = metadata.place_values
+    monkeypatch.setattr(metadata, "place_values", lambda *a, **k: calls.append(1) or real(*a, **k))
+    md = build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS)
     assert len(calls) == 1
+    assert isinstance(md.packed, jax.Array) and len(jax.tree.leaves(md)) == 1
 
 
 def test_metadata_drives_write_and_attention_end_to_end():
