@@ -418,3 +418,14 @@ def test_each_layer_finds_its_own_group():
         build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS).group_of("local.0")  # no layer map
     with pytest.raises(MetadataError, match="group_layers names 1 groups, expected 2"):
         build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS, group_layers=layers[:1])
+
+
+def test_values_past_int32_are_refused_naming_them():
+    """The packed buffer is int32: a token id or a slot past it is refused, not wrapped."""
+    seq = ScheduledSeq("x", 0, 1)
+    with pytest.raises(MetadataError, match=r"input_ids: values \[2147483648, 2147483648\] do not fit int32"):
+        build_step_metadata([seq], [[2**31]], [([1],)], [4], BUCKETS)
+    with pytest.raises(MetadataError, match=r"slots0: values \[4294967296, 4294967296\] do not fit int32"):
+        build_step_metadata([seq], [[7]], [([2**30],)], [4], BUCKETS)  # no num_blocks: ids up to 2**31
+    md = build_step_metadata([seq], [[-3]], [([19],)], [4], BUCKETS, num_blocks=20)  # a negative id stays
+    assert host(md)["input_ids"][0] == -3 and host(md)["slots0"][0] == 76

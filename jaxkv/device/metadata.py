@@ -582,7 +582,8 @@ def build_step_metadata(
                 f"position {positions[t]} maps to the null block 0"
             )
         slots = block * block_size + positions % block_size
-        _check_int32(f"slots{g}", slots)
+        if limits[g] * block_size > _INT32.max + 1:  # else every slot is below 2**31
+            _check_int32(f"slots{g}", slots)
         put(f"slots{g}", slots)
     return StepMetadata(place_values(packed, device), packing, layer_map)
 
