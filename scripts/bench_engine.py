@@ -312,8 +312,8 @@ class DeviceStep:
         self._cache = allocate_cache(engine.manager.config)
 
     def seconds(self, output: SchedulerOutput) -> float:
-        """Wall seconds of one call on ``output``'s metadata (built beforehand, untimed)."""
-        meta = jax.block_until_ready(self._runner.metadata(output.chunks))
+        """Wall seconds of one call on ``output``'s metadata (built and sent beforehand, untimed)."""
+        meta = jax.block_until_ready(jax.device_put(self._runner.metadata(output.chunks)))
         start = time.perf_counter()
         sampled, self._cache = self._compiled(self._runner.params, self._cache, meta, self._sampling)
         jax.block_until_ready(sampled)

@@ -26,9 +26,11 @@ naming the value, raised before anything is sent. A serving loop passes its
 :class:`~jaxkv.device.block_table.BlockTables`, kept across steps, so that only the ids a
 request's lists gained or changed since its last step are converted and checked.
 
-**One transfer.** Every array is packed into one flat int32 numpy buffer that goes to
-the device in a single ``jax.device_put``; :class:`StepMetadata` holds that one array as
-its only pytree leaf, plus static offsets. Its fields (``md.kv_lens``,
+**One transfer.** Every array is packed into one flat int32 numpy buffer, which goes to
+the device in one transfer: by default the jitted step's call copies it (as it does the
+sampling inputs; on its C++ path that costs a fraction of a ``jax.device_put`` ahead of
+it), or it is placed on a given device or sharding. :class:`StepMetadata` holds that one
+array as its only pytree leaf, plus static offsets. Its fields (``md.kv_lens``,
 ``md.groups[g].block_tables``...) are slices taken where they are read: inside the
 jitted step, where static slices of an argument are free.
 """
@@ -245,13 +247,15 @@ class StepMetadata:
     groups), so a layer finds its own group's metadata (:meth:`group_of`).
     """
 
-    packed: jax.Array
+    packed: jax.Array | np.ndarray
     packing: _Packing = dataclasses.field(metadata={"static": True})
     group_layers: tuple[tuple[str, ...], ...] = dataclasses.field(default=(), metadata={"static": True})
 
     def _field(self, name: str) -> jax.Array:
+        """A field as a JAX array: a static slice inside the jitted step (free there); read
+        outside it from a host buffer, the slice is sent on its own."""
         start, shape = self.packing.offsets[name]
-        return self.packed[start : start + int(np.prod(shape))].reshape(shape)
+        return jnp.asarray(self.packed[start : start + int(np.prod(shape))].reshape(shape))
 
     @property
     def input_ids(self) -> jax.Array:
@@ -452,7 +456,8 @@ def build_step_metadata(
     device: jax.Device | jax.sharding.Sharding | None = None,
     tables: BlockTables | None = None,
 ) -> StepMetadata:
-    """Build one step's metadata in numpy and send it to ``device`` in one transfer.
+    """Build one step's metadata in numpy, packed in one buffer: a host array (``device``
+    None; the jitted call it is passed to sends it) or placed on ``device``.
 
     ``seqs`` must list decodes (one new token) before prefills (see
     :func:`decodes_first`). ``token_ids[i]`` is sequence i's tokens, all of them or
@@ -585,7 +590,7 @@ def build_step_metadata(
         if limits[g] * block_size > _INT32.max + 1:  # else every slot is below 2**31
             _check_int32(f"slots{g}", slots)
         put(f"slots{g}", slots)
-    return StepMetadata(place_values(packed, device), packing, layer_map)
+    return StepMetadata(packed if device is None else place_values(packed, device), packing, layer_map)
 
 
 def _check_int32(name: str, values: np.ndarray) -> None:
@@ -635,10 +640,7 @@ def place_values(values: np.ndarray | jax.Array, device: jax.Device | jax.shardi
     """``values`` on ``device`` (a device or a sharding; None: the default device). A
     sharding whose devices span processes is filled by each process from its own copy of
     the values (every process holding the same), never by sending the whole array to one
-    device. With no device ``jnp.asarray`` places them, as ``jax.device_put`` would (on the
-    default device, uncommitted) in about half its host time: every step's metadata goes there."""
-    if device is None:
-        return jnp.asarray(values)
+    device."""
     if isinstance(device, jax.sharding.Sharding) and not device.is_fully_addressable:
         host = np.asarray(values)
         return jax.make_array_from_callback(host.shape, device, lambda index: host[index])
