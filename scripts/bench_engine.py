@@ -9,7 +9,11 @@ the tokens it drew in jaxkv's run. Timed: thread CPU time (``time.thread_time``,
 device's threads are not counted) of a whole ``Engine.step`` against vLLM's three phases,
 on the steps where every sequence decodes (prefill and the first ``--warmup_steps``
 decode steps left out); each figure is the median over ``--windows`` windows of the mean
-of ``--window_steps`` steps; the ratio is jaxkv / vLLM per batch size. Two settings
+of ``--window_steps`` steps; the ratio is jaxkv / vLLM per batch size. jaxkv's step is also
+split (:class:`RunnerClock`) into the runner's part (metadata, sampling inputs, the jitted
+call's dispatch and read-back), which vLLM's figures leave out (its model runner is not
+run), and the rest (scheduler, output processing, the engine), whose ratio to vLLM's is
+the like-for-like one. Two settings
 (``--settings``), as issue 40's table:
 
 * ``tiny``: the tiny Llama checkpoint (``scripts/save_tiny_checkpoint.py``'s stored seed-0
@@ -197,23 +201,57 @@ def windowed_ms(step_seconds: Sequence[float]) -> float | None:
 
 @dataclass
 class JaxkvRun:
-    """Per full-decode step: thread CPU and wall seconds; the tokens each request drew."""
+    """Per full-decode step: thread CPU and wall seconds, and the thread CPU seconds inside the
+    runner; the tokens each request drew."""
 
     host_s: list[float] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)
+    runner_s: list[float] = field(default_factory=list)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     decode_output: SchedulerOutput | None = None
+
+
+class RunnerClock:
+    """Thread CPU seconds the engine spends inside its runner's step methods (step metadata,
+    sampling inputs, the jitted call's dispatch, the read-back): the part of a jaxkv step that
+    vLLM's figures here leave out (its model runner). Times whichever of :data:`METHODS` the
+    runner has, once however they call each other."""
+
+    METHODS = ("execute_sampled", "dispatch", "collect")
+
+    def __init__(self, runner: Any) -> None:
+        self.seconds = 0.0
+        self._depth = 0
+        for name in self.METHODS:
+            method = getattr(runner, name, None)
+            if method is not None:
+                setattr(runner, name, self._timed(method))
+
+    def _timed(self, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1
+            start = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if not self._depth:
+                    self.seconds += time.thread_time() - start
+
+        return timed
 
 
 def run_jaxkv(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int) -> JaxkvRun:
     """Serve ``prompts`` to the end, step by step, timing the steps where all decode."""
     run = JaxkvRun()
+    clock = RunnerClock(engine.runner)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         run.tokens[engine.add_request(prompt, params, request_id=f"r{i}")] = []
     gc.collect()
     while engine.has_unfinished:
         full = engine.num_running == len(prompts) and engine.num_waiting == 0
+        in_runner = clock.seconds
         start, wall = time.thread_time(), time.perf_counter()
         step = engine.step()
         host, wall = time.thread_time() - start, time.perf_counter() - wall
@@ -222,6 +260,7 @@ def run_jaxkv(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int)
         if full and step.num_tokens == len(prompts) and not step.finished:
             run.host_s.append(host)
             run.wall_s.append(wall)
+            run.runner_s.append(clock.seconds - in_runner)
     return run
 
 
@@ -293,14 +332,17 @@ def engine_section(checkpoint: Checkpoint, batch_sizes: Sequence[int], peer: boo
                 "max_tokens": max_tokens,
                 "tokens_as_preset": preset.drew(run.tokens.values(), prompt_len) if model is preset else None,
                 "jaxkv_host_ms": windowed_ms(run.host_s),
+                "jaxkv_runner_ms": windowed_ms(run.runner_s),
+                "jaxkv_rest_ms": windowed_ms([h - r for h, r in zip(run.host_s, run.runner_s, strict=True)]),
                 "jaxkv_wall_ms": windowed_ms(run.wall_s),
             }
             vllm = run_vllm(checkpoint, engine, prompts, run) if peer else {}
             row.update({k: vllm.get(k) for k in ("vllm_schedule_ms", "vllm_update_ms", "vllm_output_ms")})
             row["vllm_total_ms"] = vllm.get("vllm_total_ms")
             row["vllm_scheduler"] = vllm.get("vllm_scheduler")
-            host, total = row["jaxkv_host_ms"], row["vllm_total_ms"]
+            host, total, rest = row["jaxkv_host_ms"], row["vllm_total_ms"], row["jaxkv_rest_ms"]
             row["ratio"] = host / total if host is not None and total else None
+            row["rest_ratio"] = rest / total if rest is not None and total else None
             rows.append(row)
             print(f"  {setting} x{num_seqs}: jaxkv {host} ms, vLLM {total} ms", file=sys.stderr)
     return rows
@@ -318,8 +360,8 @@ class DeviceStep:
         self._cache = allocate_cache(engine.manager.config)
 
     def seconds(self, output: SchedulerOutput) -> float:
-        """Wall seconds of one call on ``output``'s metadata (built beforehand, untimed)."""
-        meta = jax.block_until_ready(self._runner.metadata(output.chunks))
+        """Wall seconds of one call on ``output``'s metadata (built and sent beforehand, untimed)."""
+        meta = jax.block_until_ready(jax.device_put(self._runner.metadata(output.chunks)))
         start = time.perf_counter()
         sampled, _, self._cache = self._compiled(self._runner.params, self._cache, meta, self._sampling, self._previous)
         jax.block_until_ready(sampled)
@@ -403,11 +445,14 @@ def print_engine_table(rows: list[dict]) -> None:
         ("setting", "setting", "s"),
         ("running", "running seqs", "d"),
         ("jaxkv_host_ms", "jaxkv host ms/step", ".2f"),
+        ("jaxkv_runner_ms", "of which runner", ".2f"),
+        ("jaxkv_rest_ms", "of which the rest", ".2f"),
         ("vllm_schedule_ms", "vLLM schedule", ".2f"),
         ("vllm_update_ms", "vLLM update", ".2f"),
         ("vllm_output_ms", "vLLM output proc.", ".2f"),
         ("vllm_total_ms", "vLLM total", ".2f"),
         ("ratio", "ratio jaxkv/vLLM", ".2f"),
+        ("rest_ratio", "rest/vLLM", ".2f"),
     ]
     print("[engine] thread CPU ms per decode step (median of windows)")
     print("| " + " | ".join(title for _, title, _ in columns) + " |")

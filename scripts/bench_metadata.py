@@ -6,7 +6,8 @@ sequences of ``--context`` tokens each, on ``--model`` (default tiny-hybrid: 5 s
 groups of window 32 and 1 full-attention group, blocks of 16). The scheduler is the real one
 (:class:`~jaxkv.serving.scheduler.Scheduler` over a :class:`~jaxkv.core.manager.KVCacheManager`);
 the model is stubbed for the metadata figure (every sampled token is 1, no forward pass), so
-only ``runner.metadata(chunks)`` plus waiting for its transfer is timed, ``--steps`` decode
+only ``runner.metadata(chunks)`` plus waiting for its transfer is timed (a tree whose metadata
+stays on the host for the step's call to send has none to wait for: the ``call`` figure has it), ``--steps`` decode
 steps in a row. ``call`` times the runner's whole step (``execute_sampled``: metadata, sampling
 inputs, the jitted tiny forward and the read-back) at ``--call_seqs`` sequences of
 ``--call_context`` tokens, where the forward pass is small: its difference between the trees is

@@ -19,7 +19,8 @@ def test_a_quick_run_without_vllm_reports_both_sections_with_vllm_columns_na(tmp
     assert [(r["setting"], r["running"]) for r in rows] == [("tiny", 8), ("stub1k", 8)]
     for row in rows:
         assert row["jaxkv_host_ms"] > 0 and row["jaxkv_wall_ms"] >= row["jaxkv_host_ms"] * 0.5
-        assert row["vllm_total_ms"] is None and row["ratio"] is None
+        assert row["vllm_total_ms"] is None and row["ratio"] is None and row["rest_ratio"] is None
+        assert 0 < row["jaxkv_runner_ms"] < row["jaxkv_host_ms"] and 0 < row["jaxkv_rest_ms"] < row["jaxkv_host_ms"]
     tiny, stub = rows
     assert tiny["tokens_as_preset"] is None and stub["tokens_as_preset"] is True  # the stub drew its preset
     overlap = report["overlap"]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxkv import ops
+from jaxkv.device import metadata
 from jaxkv.device.cache import UnknownLayerError, allocate_kv_cache
 from jaxkv.device.metadata import (
     BlockIdError,
@@ -107,7 +107,7 @@ def test_one_leaf_one_transfer_and_a_bounded_number_of_shapes():
     seqs, tokens, block_ids = example()
     md = build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS)
     (leaf,) = jax.tree_util.tree_leaves(md)
-    assert isinstance(leaf, jax.Array) and leaf.dtype == jnp.int32 and leaf.ndim == 1
+    assert isinstance(leaf, np.ndarray) and leaf.dtype == np.int32 and leaf.ndim == 1
 
     traces = []
 
@@ -199,10 +199,10 @@ def test_ids_the_device_would_wrap_or_drop_are_refused_before_any_transfer(table
     """The ops trust slots: slot -1 would write into the last block (a -1 gather wraps)
     and a slot past the cache would be dropped. The builder refuses the block ids that
     give them, naming the value, and sends nothing."""
-    monkeypatch.setattr(jax, "device_put", lambda *a, **k: pytest.fail("sent bad metadata"))
+    monkeypatch.setattr(metadata, "place_values", lambda *a, **k: pytest.fail("sent bad metadata"))
     seq = ScheduledSeq("x", 0, 1)
     with pytest.raises(BlockIdError, match=match):
-        build_step_metadata([seq], [[7]], [(table,)], [1], BUCKETS, num_blocks=20)
+        build_step_metadata([seq], [[7]], [(table,)], [1], BUCKETS, num_blocks=20, device=jax.devices()[0])
 
 
 def test_positions_and_counts_that_would_give_slot_minus_one_are_refused():
@@ -236,13 +236,17 @@ def test_bad_sequences_and_tokens():
         build_step_metadata([], [], [], [4], BUCKETS)
 
 
-def test_one_device_put_per_step(monkeypatch):
+def test_one_transfer_per_step(monkeypatch):
+    """One buffer: left on the host for the jitted call to send, or placed in one transfer."""
     seqs, tokens, block_ids = example()
     calls = []
-    real = jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(1) or real(*a, **k))
-    build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS)
-    assert len(calls) == 1
+    real = metadata.place_values
+    monkeypatch.setattr(metadata, "place_values", lambda *a, **k: calls.append(1) or real(*a, **k))
+    md = build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS)
+    assert not calls and isinstance(md.packed, np.ndarray) and len(jax.tree.leaves(md)) == 1
+    placed = build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS, device=jax.devices()[0])
+    assert len(calls) == 1 and isinstance(placed.packed, jax.Array) and len(jax.tree.leaves(placed)) == 1
+    np.testing.assert_array_equal(np.asarray(placed.packed), md.packed)
 
 
 def test_metadata_drives_write_and_attention_end_to_end():
@@ -416,3 +420,14 @@ def test_each_layer_finds_its_own_group():
         build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS).group_of("local.0")  # no layer map
     with pytest.raises(MetadataError, match="group_layers names 1 groups, expected 2"):
         build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS, group_layers=layers[:1])
+
+
+def test_values_past_int32_are_refused_naming_them():
+    """The packed buffer is int32: a token id or a slot past it is refused, not wrapped."""
+    seq = ScheduledSeq("x", 0, 1)
+    with pytest.raises(MetadataError, match=r"input_ids: values \[2147483648, 2147483648\] do not fit int32"):
+        build_step_metadata([seq], [[2**31]], [([1],)], [4], BUCKETS)
+    with pytest.raises(MetadataError, match=r"slots0: values \[4294967296, 4294967296\] do not fit int32"):
+        build_step_metadata([seq], [[7]], [([2**30],)], [4], BUCKETS)  # no num_blocks: ids up to 2**31
+    md = build_step_metadata([seq], [[-3]], [([19],)], [4], BUCKETS, num_blocks=20)  # a negative id stays
+    assert host(md)["input_ids"][0] == -3 and host(md)["slots0"][0] == 76

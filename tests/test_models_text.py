@@ -2,10 +2,13 @@
 
 import json
 import os
+import random
 
 import pytest
 from tiny_tokenizer import EOS_TOKEN_ID, save_tiny_tokenizer
+from tokenizers.decoders import DecodeStream
 
+from jaxkv.models import text
 from jaxkv.models.text import TextError, TextTokenizer, load_tokenizer
 
 
@@ -123,3 +126,53 @@ def test_special_tokens_are_left_out_of_text_unless_asked_for(tok):
     assert tok.decode(ids) == "Hi!" and tok.decode(ids, skip_special_tokens=False) == "Hi<|endoftext|>!"
     detok = tok.detokenizer(skip_special_tokens=False)
     assert "".join(detok.add([i]) for i in ids) == "Hi<|endoftext|>!"
+
+
+class _PlainDecoder:
+    """A tokenizer that is not a ``tokenizers.Tokenizer``: its detokenizer takes the Python steps."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _streamed(detok, ids):
+    return [detok.add_token(i) for i in ids] + [detok.flush()]
+
+
+def test_the_decode_stream_gives_the_python_steps_pieces(tok):
+    """Random ids (special tokens and broken UTF-8 included) and real text: the same pieces,
+    token by token, through tokenizers' DecodeStream as through the Python steps."""
+    plain = TextTokenizer(_PlainDecoder(tok.tokenizer))
+    rng = random.Random(0)
+    for trial in range(200):
+        if trial % 2:
+            ids = tok.encode("naïve café — 日本語 🙂!" * 2)
+        else:
+            ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 24))]
+        for skip in (True, False):
+            assert _streamed(tok.detokenizer(skip_special_tokens=skip), ids) == _streamed(
+                plain.detokenizer(skip_special_tokens=skip), ids
+            ), ids
+
+
+def test_a_refused_stream_goes_on_in_python(tok, monkeypatch):
+    """When the decode stream raises (tokenizers' InvalidPrefix), that token and the rest take
+    the Python steps from the same state: the text is the same as without a stream."""
+
+    class Refusing:
+        def __init__(self, skip_special_tokens):
+            self._stream, self._steps = DecodeStream(skip_special_tokens=skip_special_tokens), 0
+
+        def step(self, tokenizer, token_id):
+            self._steps += 1
+            if self._steps == 5:
+                raise Exception("Invalid prefix encountered")
+            return self._stream.step(tokenizer, token_id)
+
+    monkeypatch.setattr(text, "_decode_stream", lambda tokenizer, skip: Refusing(skip))
+    ids = tok.encode("日本語 🙂 naïve")
+    pieces = _streamed(tok.detokenizer(), ids)
+    assert "".join(pieces) == "日本語 🙂 naïve" and "\ufffd" not in "".join(pieces)

@@ -309,7 +309,7 @@ class KVCacheManager:
             return self._no_blocks, 0
         self.hash_request(request)
         if request.skip_reading_prefix_cache:
-            request.prefix_reach, request.checkpoint_ahead, request.prefix_diverged = 0, 0, None
+            request.prefix_reach, request.checkpoint_ahead, request.prefix_diverged = 0, (), None
             return self._no_blocks, 0
         blocks, n, request.prefix_reach, matched, diverged = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1

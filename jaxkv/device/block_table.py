@@ -52,17 +52,18 @@ class BlockTables:
     def rows(self, request_ids: Sequence[str], block_ids: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
         """The row of each request (``(len(request_ids),)``), after writing whatever changed of
         ``block_ids[i][g]`` (request i's ids in group g) since its row was last written."""
-        out = np.empty(len(request_ids), np.int64)
-        for i, (request_id, lists) in enumerate(zip(request_ids, block_ids, strict=True)):
-            entry = self._written.get(request_id)
+        out: list[int] = []
+        kept = self._written
+        for request_id, lists in zip(request_ids, block_ids, strict=True):
+            entry = kept.get(request_id)
             if entry is None:
                 entry = self._admit(request_id, request_ids)
             row, written = entry
             if lists != written:  # one comparison of every group's list, the common case: no change
                 given = tuple(ids if type(ids) is list else np.asarray(ids).reshape(-1).tolist() for ids in lists)
-                self._written[request_id] = (row, self._update(request_id, row, written, given))
-            out[i] = row
-        return out
+                kept[request_id] = (row, self._update(request_id, row, written, given))
+            out.append(row)
+        return np.array(out, np.int64)
 
     def lengths(self, group: int, rows: np.ndarray) -> np.ndarray:
         """The list length of each row of ``rows`` in ``group``."""

@@ -26,9 +26,11 @@ naming the value, raised before anything is sent. A serving loop passes its
 :class:`~jaxkv.device.block_table.BlockTables`, kept across steps, so that only the ids a
 request's lists gained or changed since its last step are converted and checked.
 
-**One transfer.** Every array is packed into one flat int32 numpy buffer that goes to
-the device in a single ``jax.device_put``; :class:`StepMetadata` holds that one array as
-its only pytree leaf, plus static offsets. Its fields (``md.kv_lens``,
+**One transfer.** Every array is packed into one flat int32 numpy buffer, which goes to
+the device in one transfer: by default the jitted step's call copies it (as it does the
+sampling inputs; on its C++ path that costs a fraction of a ``jax.device_put`` ahead of
+it), or it is placed on a given device or sharding. :class:`StepMetadata` holds that one
+array as its only pytree leaf, plus static offsets. Its fields (``md.kv_lens``,
 ``md.groups[g].block_tables``...) are slices taken where they are read: inside the
 jitted step, where static slices of an argument are free.
 """
@@ -37,10 +39,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.device.block_table import BlockTables
@@ -50,6 +54,7 @@ from jaxkv.ints import cdiv, check_int, is_int
 
 _MAX_BLOCKS = 2**31
 """Upper bound of block ids when the builder is not told ``num_blocks`` (int32 range)."""
+_INT32 = np.iinfo(np.int32)
 
 
 class BucketOverflowError(MetadataError):
@@ -242,13 +247,15 @@ class StepMetadata:
     groups), so a layer finds its own group's metadata (:meth:`group_of`).
     """
 
-    packed: jax.Array
+    packed: jax.Array | np.ndarray
     packing: _Packing = dataclasses.field(metadata={"static": True})
     group_layers: tuple[tuple[str, ...], ...] = dataclasses.field(default=(), metadata={"static": True})
 
     def _field(self, name: str) -> jax.Array:
+        """A field as a JAX array: a static slice inside the jitted step (free there); read
+        outside it from a host buffer, the slice is sent on its own."""
         start, shape = self.packing.offsets[name]
-        return self.packed[start : start + int(np.prod(shape))].reshape(shape)
+        return jnp.asarray(self.packed[start : start + int(np.prod(shape))].reshape(shape))
 
     @property
     def input_ids(self) -> jax.Array:
@@ -331,8 +338,10 @@ class StepMetadata:
         return self.packing.num_tokens
 
 
-def _new_tokens(seqs: Sequence[ScheduledSeq], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+def _new_tokens(seqs: Sequence[ScheduledSeq], token_ids: Sequence[Sequence[int]], q_lens: list[int]) -> np.ndarray:
     """The step's tokens, concatenated: ``token_ids[i]`` is all of request i's tokens or just the new ones."""
+    if [len(ids) for ids in token_ids] == q_lens:  # a serving loop's chunks: just the new ones
+        return np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, sum(q_lens))
     flat: list[int] = []
     for seq, ids in zip(seqs, token_ids, strict=True):
         start, count = seq.num_computed_tokens, seq.num_new_tokens
@@ -447,7 +456,8 @@ def build_step_metadata(
     device: jax.Device | jax.sharding.Sharding | None = None,
     tables: BlockTables | None = None,
 ) -> StepMetadata:
-    """Build one step's metadata in numpy and send it to ``device`` in one transfer.
+    """Build one step's metadata in numpy, packed in one buffer: a host array (``device``
+    None; the jitted call it is passed to sends it) or placed on ``device``.
 
     ``seqs`` must list decodes (one new token) before prefills (see
     :func:`decodes_first`). ``token_ids[i]`` is sequence i's tokens, all of them or
@@ -485,20 +495,21 @@ def build_step_metadata(
     layer_map = tuple(tuple(names) for names in group_layers)
     if layer_map and len(layer_map) != num_groups:
         raise MetadataError(f"group_layers names {len(layer_map)} groups, expected {num_groups}")
-    for seq, ids in zip(seqs, block_ids, strict=True):
-        if len(ids) != num_groups:
-            raise MetadataError(
-                f"request {seq.request_id!r} has block ids for {len(ids)} groups, expected {num_groups}"
-            )
-    decodes = [s.is_decode for s in seqs]
-    if sorted(decodes, reverse=True) != decodes:
-        late = seqs[decodes.index(True, decodes.index(False))]
+    if set(map(len, block_ids)) != {num_groups}:
+        seq, ids = next((s, ids) for s, ids in zip(seqs, block_ids, strict=True) if len(ids) != num_groups)
+        raise MetadataError(f"request {seq.request_id!r} has block ids for {len(ids)} groups, expected {num_groups}")
+    n = len(seqs)
+    counts = np.array([(s.num_computed_tokens, s.num_new_tokens) for s in seqs], dtype=np.int64).reshape(n, 2)
+    computed, q_lens = counts[:, 0], counts[:, 1]
+    decodes = q_lens == 1
+    if (decodes[1:] > decodes[:-1]).any():
+        late = seqs[int(np.argmax(decodes[1:] > decodes[:-1])) + 1]
         raise MetadataError(f"decode {late.request_id!r} comes after a prefill; order seqs with decodes_first()")
-    q_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
-    kv_lens = np.array([s.num_computed_tokens + s.num_new_tokens for s in seqs], dtype=np.int64)
+    kv_lens = computed + q_lens
     total = int(q_lens.sum())
     num_tokens = bucket(total, buckets.tokens, "tokens")
-    max_seqs = bucket(len(seqs), buckets.seqs, "seqs")
+    max_seqs = bucket(n, buckets.seqs, "seqs")
+    _check_int32("kv_lens", kv_lens)
 
     state_group_set = frozenset(state_groups)
     if not state_group_set <= set(range(num_groups)):
@@ -516,7 +527,6 @@ def build_step_metadata(
     elif tables.limits != limits:
         raise MetadataError(f"the block tables bound groups' ids by {tables.limits}, this step by {limits}")
     rows = tables.rows([s.request_id for s in seqs], block_ids)
-    n = len(seqs)
     widths: list[int | None] = []
     states: dict[int, np.ndarray] = {}
     units: dict[int, np.ndarray] = {}
@@ -534,23 +544,26 @@ def build_step_metadata(
     packing = _packing(num_tokens, max_seqs, tuple(widths), pages_per_state)
     offsets = packing.offsets
     packed = np.zeros(offsets["_end"][0], dtype=np.int32)
-    info = np.iinfo(np.int32)
 
     def put(name: str, values: np.ndarray) -> None:
-        if values.size and (values.max() > info.max or values.min() < info.min):
-            raise MetadataError(f"{name}: values [{values.min()}, {values.max()}] do not fit int32")
         start = offsets[name][0]
         packed[start : start + values.size] = values.reshape(-1)
 
-    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)])
-    seq_of_token = np.repeat(np.arange(n), q_lens)
-    positions = np.arange(total) - cu_q_lens[seq_of_token] + (kv_lens - q_lens)[seq_of_token]
-    put("input_ids", _new_tokens(seqs, token_ids))
+    if total == n:  # all decodes: one token each, at its computed length
+        seq_of_token, positions = np.arange(n), computed
+    else:
+        seq_of_token = np.repeat(np.arange(n), q_lens)
+        positions = np.arange(total) + (kv_lens - np.cumsum(q_lens))[seq_of_token]
+    input_ids = _new_tokens(seqs, token_ids, q_lens.tolist())
+    _check_int32("input_ids", input_ids)
+    put("input_ids", input_ids)
     put("positions", positions)
     put("kv_lens", kv_lens)
-    put("cu_q_lens", np.pad(cu_q_lens, (0, max_seqs - n), mode="edge"))
-    put("num_seqs", np.array([n]))
-    put("logits_indices", cu_q_lens[1:] - 1)
+    cu = offsets["cu_q_lens"][0]
+    np.cumsum(q_lens, out=packed[cu + 1 : cu + n + 1], dtype=np.int32)
+    packed[cu + n + 1 : cu + max_seqs + 1] = total  # padded sequences: empty
+    packed[offsets["num_seqs"][0]] = n
+    put("logits_indices", packed[cu + 1 : cu + n + 1] - 1)
     for g, (width, block_size) in enumerate(zip(widths, block_sizes, strict=True)):
         if width is None:
             read, write, fresh = states[g]
@@ -566,16 +579,24 @@ def build_step_metadata(
         source = tables.table(g)
         w = min(width, source.shape[1])
         table[:n, :w] = source[rows, :w]  # ids < their limit <= 2**31: they fit int32
-        block = table[seq_of_token, positions // block_size]
-        null = block == 0
-        if null.any():
-            t = int(np.argmax(null))
+        block = source[rows[seq_of_token], positions // block_size]
+        if not block.all():
+            t = int(np.argmin(block != 0))
             raise BlockIdError(
                 f"request {seqs[seq_of_token[t]].request_id!r}, group {g}: new token at "
                 f"position {positions[t]} maps to the null block 0"
             )
-        put(f"slots{g}", block * block_size + positions % block_size)
-    return StepMetadata(place_values(packed, device), packing, layer_map)
+        slots = block * block_size + positions % block_size
+        if limits[g] * block_size > _INT32.max + 1:  # else every slot is below 2**31
+            _check_int32(f"slots{g}", slots)
+        put(f"slots{g}", slots)
+    return StepMetadata(packed if device is None else place_values(packed, device), packing, layer_map)
+
+
+def _check_int32(name: str, values: np.ndarray) -> None:
+    """:class:`MetadataError` unless ``values`` (int64) fit int32 (the packed buffer's type)."""
+    if values.size and (values.max() > _INT32.max or values.min() < _INT32.min):
+        raise MetadataError(f"{name}: values [{values.min()}, {values.max()}] do not fit int32")
 
 
 def attention_metadata(

@@ -11,7 +11,10 @@ pieces. A byte-level token may hold part of a UTF-8 character, and a tokenizer m
 decode a token differently at the start of a text (a leading-space marker), so each
 step decodes a short window of recent tokens twice (with and without the new ones)
 and emits only the difference, holding it back while it ends in a partial character
-(the replacement character U+FFFD).
+(the replacement character U+FFFD). With a ``tokenizers.Tokenizer`` that step runs in the
+library's ``DecodeStream`` (the same two decodes and the same rule, in Rust: one call a
+token), as vLLM's fast detokenizer does; the Python steps remain for other tokenizers and
+for a stream the library refuses.
 """
 
 from __future__ import annotations
@@ -152,8 +155,9 @@ class TextTokenizer:
 class IncrementalDetokenizer:
     """Text pieces of a growing sequence of token ids (see the module docstring).
 
-    ``text`` is all text emitted so far; :meth:`add` returns the new piece (possibly
-    empty while a character is incomplete), :meth:`flush` whatever was held back.
+    ``text`` is all text emitted so far; :meth:`add` (or :meth:`add_token`, for one id)
+    returns the new piece (possibly empty while a character is incomplete), :meth:`flush`
+    whatever was held back.
     """
 
     def __init__(self, tokenizer: TextTokenizer, *, skip_special_tokens: bool = True) -> None:
@@ -162,12 +166,40 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix = 0  # start of the window decoded for context
         self._read = 0  # tokens whose text was emitted
-        self.text = ""
+        self._stream = _decode_stream(tokenizer.tokenizer, skip_special_tokens)
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
 
     def add(self, token_ids: Sequence[int]) -> str:
-        """Append ``token_ids``; the text they complete."""
-        self._ids.extend(token_ids)
-        return self._emit(final=False)
+        """Append ``token_ids``; the text they complete (with a decode stream, token by token)."""
+        if self._stream is None:
+            self._ids.extend(token_ids)
+            return self._emit(final=False)
+        return "".join([self.add_token(t) for t in token_ids])
+
+    def add_token(self, token_id: int) -> str:
+        """Append one token id; the text it completes. Through the decode stream when there
+        is one; on its refusal (a window whose text does not begin with the text before it,
+        an id it cannot take) this token and the rest go through the Python steps, whose
+        state the stream's mirrors."""
+        if self._stream is None:
+            self._ids.append(token_id)
+            return self._emit(final=False)
+        ids = self._ids
+        ids.append(token_id)
+        try:
+            piece = self._stream.step(self._tokenizer.tokenizer, int(token_id))
+        except Exception:  # tokenizers' own errors (its InvalidPrefix), an id out of range
+            self._stream = None
+            return self._emit(final=False)
+        if piece is None:
+            return ""
+        self._prefix, self._read = self._read, len(ids)
+        self._pieces.append(piece)
+        return piece
 
     def flush(self) -> str:
         """The text still held back (a partial character at the end, as U+FFFD)."""
@@ -183,8 +215,19 @@ class IncrementalDetokenizer:
             return ""
         piece = after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
-        self.text += piece
+        self._pieces.append(piece)
         return piece
+
+
+def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> Any:
+    """A ``tokenizers.decoders.DecodeStream`` for ``tokenizer`` when it is a ``tokenizers.Tokenizer``
+    and the library has one (0.21 on), else None."""
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    return DecodeStream(skip_special_tokens=skip_special_tokens) if isinstance(tokenizer, Tokenizer) else None
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> TextTokenizer | None:

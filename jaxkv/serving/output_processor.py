@@ -230,12 +230,13 @@ class OutputProcessor:
         """The tokens ``sampled`` drew for ``chunks`` (already appended by the scheduler, which
         retired the sequences ``at_limit``), as deltas; stops applied."""
         out = ProcessedStep([], [], [])
+        tokens = sampled.token_ids.tolist()
         for row, chunk in enumerate(chunks):
             if not chunk.samples:
                 continue
             sid = chunk.seq.request_id
             live = self.live[sid]
-            delta = self._take_token(live, sampled, row, sid in at_limit, now)
+            delta = self._take_token(live, tokens[row], sampled, row, sid in at_limit, now)
             out.deltas.append(delta)
             if delta.finish_reason is not None:
                 out.finished.append(self._output(live, now, delta.finish_reason))
@@ -244,19 +245,17 @@ class OutputProcessor:
         return out
 
     def _take_token(
-        self, live: LiveSequence, sampled: SampledRows, row: int, at_limit: bool, now: float
+        self, live: LiveSequence, token: int, sampled: SampledRows, row: int, at_limit: bool, now: float
     ) -> RequestDelta:
-        """Record the token ``row`` of ``sampled`` drew for ``live``: its text, whether it
-        stops the sequence, and the first token's time (the held siblings queued then)."""
-        sid = live.seq.request_id
+        """Record ``token``, what row ``row`` of ``sampled`` drew for ``live``: its text, whether
+        it stops the sequence, and the first token's time (the held siblings queued then)."""
         prompt_logprobs = None
         if live.first_token is None:
             if live.prompt_logprobs is not None:
                 prompt_logprobs = tuple(live.prompt_logprobs)
             live.first_token = now
-            for held in self._held.pop(sid, ()):  # it has computed the prompt: its siblings will hit it
+            for held in self._held.pop(live.seq.request_id, ()):  # it computed the prompt: its siblings will hit it
                 self._queue(held)
-        token = int(sampled.token_ids[row])
         logprobs = None
         if live.logprobs is not None:
             k = live.params.logprobs

@@ -27,10 +27,15 @@ class StopChecker:
         ids = set(params.stop_token_ids) if params.ignore_eos else {*params.stop_token_ids, *eos_token_ids}
         self.stop_token_ids = tuple(sorted(ids))
         self._detokenizer = detokenizer
+        self._stop = params.stop
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._pending = ""  # text decoded but not emitted (a stop string may begin in it)
-        self.text = ""
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
         """The text emitted so far."""
+        return "".join(self._pieces)
 
     def banned(self, num_output_tokens: int) -> tuple[int, ...]:
         """The ids the next draw may not be: the stop ids while short of ``min_tokens``."""
@@ -43,8 +48,13 @@ class StopChecker:
             return self.finish(), "stop"
         if self._detokenizer is None:
             return "", None
-        text = self._pending + self._detokenizer.add([token_id])
-        if self.params.stop and num_output_tokens >= self.params.min_tokens:
+        if not self._stop:  # nothing held back: the piece as decoded
+            piece = self._detokenizer.add_token(token_id)
+            if piece:
+                self._pieces.append(piece)
+            return piece, None
+        text = self._pending + self._detokenizer.add_token(token_id)
+        if num_output_tokens >= self.params.min_tokens:
             found = [(i, -len(s)) for i, s in ((text.find(s), s) for s in self.params.stop) if i >= 0]
             if found:
                 start, minus_length = min(found)  # the earliest, the longest there
@@ -63,5 +73,6 @@ class StopChecker:
         return self._emit(text)
 
     def _emit(self, piece: str) -> str:
-        self.text += piece
+        if piece:
+            self._pieces.append(piece)
         return piece
