@@ -211,3 +211,25 @@ def test_a_block_is_cached_only_once_its_last_token_is_known(models):
     assert scheduler.resolve(prefill, [7]) == [] and seq.num_placeholders == 1
     scheduler.schedule()
     assert hit(7, 7) == size and hit(8, 7) == 0
+
+
+def test_a_recurrent_hybrid_keeps_the_states_it_decodes_through(models):
+    """A chat's next turn (prompt and outputs sent again) resumes from the last state the
+    decode kept on a block boundary: as many cached tokens as the synchronous loop finds."""
+    model = models["tiny-qwen3-next"]
+    config = plan(
+        model,
+        8 << 20,
+        num_blocks=0,
+        state_layout="state_pool",
+        state_pool=StatePoolOptions(max_num_seqs=4, checkpoint_bytes=1 << 20),
+    )
+    [prompt] = prompts(5, 40)
+    hits = []
+    for mode in (False, True):
+        eng = engine(model, config, mode)
+        first = eng.generate([prompt], 30).outputs[0]
+        turn = eng.generate([prompt + list(first.output_token_ids)], 1)
+        hits.append(turn.num_cached_prompt_tokens)
+        assert eng.audit() == CacheAudit(0, 0)
+    assert hits[1] == hits[0] == 64  # the boundary at 64 tokens, decoded through

@@ -40,6 +40,7 @@ from jaxkv.core.manager import KVCacheBlocks, PrefixCacheStats, Request
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 from jaxkv.planner import KVCacheConfig
+from jaxkv.specs import MambaSpec
 
 _log = logging.getLogger(__name__)
 
@@ -220,6 +221,8 @@ class Scheduler:
         self._queued_ids: set[str] = set()  # waiting or running
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0
+        states = [g.block_size for g in manager.config.groups if isinstance(g.spec, MambaSpec)]
+        self._state_block_size = min(states) if states else None  # where a recurrent state may be kept
 
     @property
     def has_unfinished(self) -> bool:
@@ -285,7 +288,7 @@ class Scheduler:
                 if served == len(decoding):
                     continue
             seq = self.running[i]
-            if self._finishing(seq):  # its tokens in flight end it: retired when they are read back
+            if self._finishing(seq) or self._at_state_boundary(seq):
                 i += 1
                 continue
             req = seq.request
@@ -320,7 +323,7 @@ class Scheduler:
         for seq in islice(self.running, start, start + budget):
             req = seq.request
             if req.num_tokens + seq.num_placeholders - req.num_computed_tokens != 1 or (
-                seq.num_placeholders and self._finishing(seq)
+                seq.num_placeholders and (self._finishing(seq) or self._at_state_boundary(seq))
             ):
                 break
             run.append(req)
@@ -333,6 +336,14 @@ class Scheduler:
             seq.num_output_tokens + ahead >= seq.max_new_tokens
             or seq.request.num_tokens + ahead >= self.manager.max_model_len
         )
+
+    def _at_state_boundary(self, seq: SeqState) -> bool:
+        """Whether ``seq``'s decode would feed a token in flight and end on a block boundary
+        of a recurrent group: it waits a step, so that the state it writes there is kept
+        under its block's hash (which needs that token) as the synchronous loop keeps it,
+        not written over by the next decode before the token is known."""
+        size = self._state_block_size
+        return bool(seq.num_placeholders) and size is not None and (seq.request.num_computed_tokens + 1) % size == 0
 
     def _in_flight(self) -> bool:
         """Whether some request waits for tokens drawn on the device (an empty step is then no deadlock:
