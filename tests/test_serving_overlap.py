@@ -48,6 +48,17 @@ def plan(model: TinyLM, memory_bytes: int = 4 << 20, num_blocks: int = 24, **opt
     return dataclasses.replace(config, num_blocks=num_blocks) if num_blocks else config
 
 
+def state_pool_plan(model: TinyLM) -> KVCacheConfig:
+    """A recurrent hybrid's plan with a state pool of its own (checkpoints in 1 MiB)."""
+    return plan(
+        model,
+        8 << 20,
+        num_blocks=0,
+        state_layout="state_pool",
+        state_pool=StatePoolOptions(max_num_seqs=4, checkpoint_bytes=1 << 20),
+    )
+
+
 def engine(model: TinyLM, config: KVCacheConfig, async_scheduling: bool, **kwargs) -> Engine:
     return Engine(model, config, max_num_seqs=4, buckets=ONE_SHAPE, async_scheduling=async_scheduling, **kwargs)
 
@@ -115,13 +126,7 @@ def test_stop_strings_cut_the_same_text(models):
 
 def test_a_recurrent_hybrid_gives_the_same_tokens(models):
     model = models["tiny-qwen3-next"]
-    config = plan(
-        model,
-        8 << 20,
-        num_blocks=0,
-        state_layout="state_pool",
-        state_pool=StatePoolOptions(max_num_seqs=4, checkpoint_bytes=1 << 20),
-    )
+    config = state_pool_plan(model)
     batch = prompts(4, 40, 30, 45)
     params = [SamplingParams(max_tokens=20, temperature=t, seed=2) for t in (0.0, 1.0, 0.0)]
     both(model, config, batch, params)
@@ -217,13 +222,7 @@ def test_a_recurrent_hybrid_keeps_the_states_it_decodes_through(models):
     """A chat's next turn (prompt and outputs sent again) resumes from the last state the
     decode kept on a block boundary: as many cached tokens as the synchronous loop finds."""
     model = models["tiny-qwen3-next"]
-    config = plan(
-        model,
-        8 << 20,
-        num_blocks=0,
-        state_layout="state_pool",
-        state_pool=StatePoolOptions(max_num_seqs=4, checkpoint_bytes=1 << 20),
-    )
+    config = state_pool_plan(model)
     [prompt] = prompts(5, 40)
     hits = []
     for mode in (False, True):
