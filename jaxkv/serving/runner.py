@@ -337,8 +337,10 @@ class ModelRunner:
             scored = _flat((ins, (rep, rep, rep, rep, cache)))
         self._shardings = {_step: plain, _step_with_logits: with_logits, _step_with_prompt_logprobs: scored}
         self._steps: dict[tuple[Callable, str], jax.stages.Wrapped] = {}
-        self._drawn = place_values(np.zeros(max(buckets.seqs), np.int32), self._meta_sharding)
-        """The last step's drawn tokens on the device, padded: what a fed input token reads."""
+        drawn_at = self._meta_sharding if self.mesh is not None else jax.devices()[0]
+        self._drawn = place_values(np.zeros(max(buckets.seqs), np.int32), drawn_at)
+        """The last step's drawn tokens on the device, padded: what a fed input token reads
+        (committed where the cache is, as every step's output is: the first step compiles once)."""
         self.num_compilations = 0
         self.dispatch_s = 0.0
         """Seconds spent in JAX's call of the jitted step (argument checks, dispatch to every
