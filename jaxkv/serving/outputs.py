@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,11 +65,11 @@ class RequestOutput:
     (nothing precedes it), then each token scored after the ones before it (vLLM's shape)."""
 
 
-@dataclass(frozen=True)
-class RequestDelta:
+class RequestDelta(NamedTuple):
     """What one step added to one sequence: its new tokens (none for a prefill chunk that
     drew nothing is never reported), their text and log-probabilities, and
-    ``finish_reason`` once the sequence ended (its blocks are then free)."""
+    ``finish_reason`` once the sequence ended (its blocks are then free). (A NamedTuple:
+    every running sequence gets one per step, and it is cheap to build.)"""
 
     request_id: str
     index: int
