@@ -531,8 +531,7 @@ class Engine:
         done = {seq.request_id for seq in self._scheduler.resolve(step.output, sampled.token_ids.tolist())}
         if self.connector is not None:
             self.connector.after_step(held)  # the tokens are known now: the blocks have their hashes
-        rows = sampled
-        kept = chunks
+        rows, kept = sampled, list(chunks)
         if len(keep) < len(chunks):  # some sequence drew nothing or was retired since the dispatch
             kept = [chunks[i] for i in keep]
             rows = SampledTokens(*(None if a is None else np.asarray(a)[keep] for a in sampled))  # type: ignore[arg-type]
