@@ -522,7 +522,8 @@ class Engine:
             done = {seq.request_id for seq in self._scheduler.update(step.output, sampled.token_ids.tolist())}
             host = cast(SampledRows, sampled)  # the runner reads the draws back as numpy arrays
             return self._outputs.process(chunks, host, done, time.perf_counter())
-        held = [c for c in chunks if not c.seq.finished and self.manager.has_request(c.seq.request_id)]
+        if self.connector is not None:  # the sequences holding their blocks, taken before resolve retires any
+            held = [c for c in chunks if not c.seq.finished and self.manager.has_request(c.seq.request_id)]
         if scores is not None:
             scored = [i for i, c in enumerate(chunks) if not c.seq.finished]
             self._outputs.add_prompt_logprobs([chunks[i] for i in scored], [scores[i] for i in scored])
@@ -530,10 +531,13 @@ class Engine:
         done = {seq.request_id for seq in self._scheduler.resolve(step.output, sampled.token_ids.tolist())}
         if self.connector is not None:
             self.connector.after_step(held)  # the tokens are known now: the blocks have their hashes
-        kept = [chunks[i] for i in keep]
+        rows, kept = sampled, list(chunks)
+        if len(keep) < len(chunks):  # some sequence drew nothing or was retired since the dispatch
+            kept = [chunks[i] for i in keep]
+            rows = SampledTokens(*(None if a is None else np.asarray(a)[keep] for a in sampled))  # type: ignore[arg-type]
+            logits = None if logits is None else logits[keep]
         if logits is not None:
-            self._outputs.add_logits(kept, logits[keep])
-        rows = SampledTokens(*(None if a is None else np.asarray(a)[keep] for a in sampled))  # type: ignore[arg-type]
+            self._outputs.add_logits(kept, logits)
         return self._outputs.process(kept, cast(SampledRows, rows), done, time.perf_counter())
 
     def _observe(self) -> None:

@@ -356,17 +356,19 @@ class ModelRunner:
         ``fed`` maps a decode chunk's index to the row of the previous step whose drawn token
         it decodes (its request does not hold it yet): its input id is ``-(row + 1)``."""
         seqs = [ScheduledSeq(c.seq.request_id, c.num_computed_tokens, c.num_new_tokens) for c in chunks]
-        token_ids = [c.token_ids for c in chunks]
-        for i, row in (fed or {}).items():
+        fed = fed or {}
+        num_drawn = self._drawn.shape[0]
+        for i, row in fed.items():
             chunk = chunks[i]
             if chunk.num_new_tokens != 1 or chunk.num_computed_tokens != chunk.seq.request.num_tokens:
                 raise RunnerError(
                     f"chunk {i} (request {chunk.seq.request_id!r}) is fed the token the previous step drew, "
                     "but it is not a decode of its request's next unknown token"
                 )
-            if not 0 <= row < self._drawn.shape[0]:
-                raise RunnerError(f"chunk {i} is fed row {row} of the previous step, which has {self._drawn.shape[0]}")
-            token_ids[i] = [-1 - row]
+            if not 0 <= row < num_drawn:
+                raise RunnerError(f"chunk {i} is fed row {row} of the previous step, which has {num_drawn}")
+        # a fed decode's id is its row's placeholder: its request's tokens are not sliced for it
+        token_ids = [c.token_ids if i not in fed else [-1 - fed[i]] for i, c in enumerate(chunks)]
         shared = self.config.shared_states
         return build_step_metadata(
             seqs,

@@ -49,6 +49,8 @@ _FLOATS = ("temperature", "top_p", "min_p")
 _COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "num_banned")
 """The packed row's first columns, one value each; the banned ids follow."""
 _AT = {name: i for i, name in enumerate(_COLUMNS)}
+_IDLE_FLOATS = (0.0, 1.0, 0.0)
+"""Temperature, top_p and min_p of a row that draws nothing (greedy, nothing filtered)."""
 
 
 def _column(packed: np.ndarray | jax.Array, name: str) -> np.ndarray | jax.Array:
@@ -145,27 +147,45 @@ class RowSampling(NamedTuple):
 
 def sampling_inputs(rows: Sequence[RowSampling | None], num_rows: int) -> SamplingInputs:
     """The step's :class:`SamplingInputs` (host arrays) for ``rows`` (None: a row that draws
-    nothing this step, sampled greedily and ignored), padded to ``num_rows`` greedy rows."""
+    nothing this step, sampled greedily and ignored), padded to ``num_rows`` greedy rows.
+
+    The rows' values are gathered in Python lists and written column by column, so a row
+    costs no numpy item assignment (bar its banned ids, only while short of ``min_tokens``)."""
     packed = np.zeros((num_rows, len(_COLUMNS) + MAX_MASKED_STOP_IDS), np.int32)
     floats = np.zeros((num_rows, len(_FLOATS)), np.float32)  # temperature, top_p, min_p
     floats[:, 1] = 1.0
-    seeds = np.zeros(num_rows, np.uint32)
-    logprobs = False
+    row_floats: list[tuple[float, float, float]] = []
+    row_ints: list[tuple[int, int, int]] = []  # top_k, position, num_banned
+    seeds: list[int] = []
+    logprobs = penalized = False
     for i, row in enumerate(rows):
         if row is None:
+            row_floats.append(_IDLE_FLOATS)
+            row_ints.append((0, 0, 0))
+            seeds.append(0)
             continue
-        p = row.params
-        floats[i] = p.temperature, p.top_p, p.min_p
-        packed[i, _AT["top_k"]] = p.top_k
-        if not p.is_greedy:  # a greedy row's key is unused: its inputs stay the same in every process
-            seeds[i], packed[i, _AT["position"]] = row.seed, row.position
-        packed[i, _AT["num_banned"]] = len(row.banned)
-        packed[i, len(_COLUMNS) : len(_COLUMNS) + len(row.banned)] = row.banned
+        p, banned = row.params, row.banned
+        row_floats.append((p.temperature, p.top_p, p.min_p))
+        if p.is_greedy:  # a greedy row's key is unused: its inputs stay the same in every process
+            row_ints.append((p.top_k, 0, len(banned)))
+            seeds.append(0)
+        else:
+            row_ints.append((p.top_k, row.position, len(banned)))
+            seeds.append(row.seed)
+        if banned:
+            packed[i, len(_COLUMNS) : len(_COLUMNS) + len(banned)] = banned
         logprobs |= p.logprobs is not None
+        penalized |= p.has_penalties or bool(p.logit_bias)
+    n = len(row_floats)
+    if n:
+        floats[:n] = row_floats
+        packed[:n, [_AT["top_k"], _AT["position"], _AT["num_banned"]]] = row_ints
+        packed[:n, _AT["seed"]] = np.array(seeds, np.uint32).view(np.int32)
     packed[:, [_AT[name] for name in _FLOATS]] = floats.view(np.int32)
-    packed[:, _AT["seed"]] = seeds.view(np.int32)
-    penalties = penalty_inputs(
-        [None if r is None else PenaltyRow(r.params, r.position, r.history) for r in rows], num_rows
+    penalties = (
+        penalty_inputs([None if r is None else PenaltyRow(r.params, r.position, r.history) for r in rows], num_rows)
+        if penalized
+        else None
     )
     return SamplingInputs(packed, penalties, logprobs)
 
