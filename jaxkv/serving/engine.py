@@ -452,6 +452,8 @@ class Engine:
                     self.connector.before_step()  # reads reused blocks before the step writes them
                 dispatched = self._dispatch(output)
                 if self.async_scheduling:
+                    if self.connector is not None:  # the blocks with known tokens, before a later step reuses them
+                        self.connector.after_step(output.chunks)
                     self._scheduler.advance(output)
                     done_step, self._in_flight = self._in_flight, dispatched
                 else:

@@ -418,8 +418,11 @@ class OffloadConnector:
         self._store_reused()
 
     def after_step(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """Write-through: store the full blocks the step's chunks completed (on eviction: note
-        where they sit in their chains); settle done stores."""
+        """Write-through: store the full blocks the step's chunks completed whose tokens are
+        known (on eviction: note where they sit in their chains); settle done stores. With
+        asynchronous scheduling it is called twice per step: once dispatched (what its known
+        tokens complete, before a later step can reuse a checkpoint) and once its drawn
+        tokens are read back (the blocks they complete)."""
         self._owner.check()
         if self.store_policy == "on_eviction":
             for chunk in chunks:
@@ -434,7 +437,7 @@ class OffloadConnector:
                 start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
                 for g, (blocks, bs) in enumerate(zip(chunk.block_ids, self.manager.block_sizes, strict=True)):
                     states = self._tier_of[g].states  # a state row holds a checkpoint only once cached
-                    for i in range(start // bs, end // bs):
+                    for i in range(start // bs, min(end // bs, len(hashes[g]))):  # hashed: tokens known
                         if blocks[i] and (not states or self.manager.is_cached_as(g, blocks[i], hashes[g][i])):
                             block_of.setdefault((hashes[g][i], g), self._place(g, blocks[i]))
             self._store(block_of)
