@@ -1,10 +1,12 @@
 """Prompt log-probabilities from the step variant that keeps logits at every new token,
-against the dense forward of the same model: chunked prefill and a prefix-cache hit included."""
+against the dense forward of the same model (chunked prefill and a prefix-cache hit included)
+and against transformers' own logits on the stored tiny checkpoints."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_checkpoints import save_tiny_checkpoint
 
 from jaxkv.core.manager import KVCacheManager, Request
 from jaxkv.device.metadata import Buckets
@@ -85,4 +87,25 @@ def test_the_engine_returns_prompt_logprobs_as_the_dense_forward_scores_them():
         assert 1 + np.sum(row > target + 2e-4) <= item.rank <= 1 + np.sum(row > target - 2e-4)
         assert [t for t, _ in item.top] == np.argsort(-row)[:3].tolist()
     assert out.output_token_ids[0] == int(np.argmax(dense[len(scored) - 1]))
+    assert engine.audit() == CacheAudit(0, 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_prompt_logprobs_equal_transformers_log_softmax_on_the_stored_checkpoint(family, tmp_path):
+    """Every prompt position's logprob and top tokens against transformers' own logits over
+    the same sequence (stored in tests/oracle/), the prompt split over chunked prefill steps."""
+    reference = save_tiny_checkpoint(family, tmp_path)
+    engine = Engine.from_pretrained(tmp_path, memory_bytes=4 << 20, max_model_len=128, max_num_batched_tokens=16)
+    tokens = reference.dense_tokens
+    ask = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
+    [out] = engine.generate([tokens], ask).outputs
+    rows = np.asarray(jax.nn.log_softmax(jnp.asarray(reference.dense_logits, jnp.float32), -1))
+    assert len(out.prompt_logprobs) == len(tokens) and out.prompt_logprobs[0] is None
+    for position, item in enumerate(out.prompt_logprobs[1:], start=1):
+        row = rows[position - 1]
+        assert item.token_id == tokens[position]
+        np.testing.assert_allclose(item.logprob, row[tokens[position]], atol=1e-4)
+        top = np.argsort(-row)[:4]
+        if np.all(-np.diff(row[top]) > 1e-3):  # no near tie among the first four
+            assert [t for t, _ in item.top] == top[:3].tolist()
     assert engine.audit() == CacheAudit(0, 0)
