@@ -237,6 +237,29 @@ def test_penalised_rows_follow_vllms_formula_and_other_rows_keep_their_logits():
     assert tokens[1] == np.argmax(logits[1])
 
 
+@pytest.mark.oracle
+def test_repetition_penalty_and_logit_bias_bend_logits_as_transformers_processors_do():
+    """Against transformers' own logits processors (an implementation we did not write):
+    its sequence bias of single tokens, then its repetition penalty over prompt and outputs
+    (the order vLLM applies them in)."""
+    torch = pytest.importorskip("torch")
+    processors = pytest.importorskip("transformers.generation.logits_process")
+    rng = np.random.default_rng(11)
+    vocab = 64
+    logits = rng.normal(size=(2, vocab)).astype(np.float32) * 3
+    prompt, outputs = rng.integers(vocab, size=30).tolist(), rng.integers(vocab, size=12).tolist()
+    bias = {int(outputs[-1]): 5.0, 3: -7.5}
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.6, logit_bias=bias)
+    rows = [RowSampling(params, 0, len(prompt) + len(outputs), (), _request(prompt, outputs)), None]
+    fed = jnp.asarray([outputs[-1], 0], jnp.int32)
+    bent = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), sampling_inputs(rows, 2).penalties, fed))
+    ids = torch.tensor([prompt + outputs])
+    biased = processors.SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(ids, torch.tensor(logits[:1]))
+    theirs = processors.RepetitionPenaltyLogitsProcessor(1.6)(ids, biased)  # vLLM's order: bias, then repetition
+    np.testing.assert_allclose(bent[0], theirs.numpy()[0], rtol=1e-6)
+    np.testing.assert_array_equal(bent[1], logits[1])
+
+
 def test_a_host_one_token_late_sends_the_same_history_and_so_does_an_unpacked_prompt():
     prompt, outputs = [5, 6, 7], [8, 9, 10]
     params = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2)
