@@ -45,7 +45,7 @@ def test_every_prompt_token_is_scored_as_the_dense_forward_scores_it():
             scheduler.add_request(Request(rid, prompt), 1)
         while scheduler.has_unfinished:
             out = scheduler.schedule()
-            sampled, _, per_chunk = runner.execute_prompt_logprobs(out.chunks)
+            sampled, _, per_chunk = runner.collect(runner.dispatch(out.chunks, score_prompt=True))
             for chunk, lp in zip(out.chunks, per_chunk, strict=True):
                 for j in range(chunk.num_new_tokens):
                     scored.setdefault(chunk.seq.request_id, {})[chunk.num_computed_tokens + j] = (

@@ -407,17 +407,6 @@ class ModelRunner:
         sampled, logits, _ = self.collect(self.dispatch(chunks, rows, with_logits=with_logits))
         return sampled, logits
 
-    def execute_prompt_logprobs(
-        self, chunks: Sequence[ScheduledChunk], rows: Sequence[RowSampling | None] = (), *, with_logits: bool = False
-    ) -> tuple[SampledTokens, np.ndarray | None, list[PromptLogprobs]]:
-        """Run one step as :meth:`execute_sampled` does, scoring also the token after each new
-        token (a step compiled apart: :mod:`jaxkv.serving.prompt_logprobs`): what was drawn,
-        the logits it was drawn from (with ``with_logits``, else None), and per chunk the
-        :class:`PromptLogprobs` of its new tokens."""
-        sampled, logits, scores = self.collect(self.dispatch(chunks, rows, with_logits=with_logits, score_prompt=True))
-        assert scores is not None  # a scoring step returns them
-        return sampled, logits, scores
-
     def dispatch(
         self,
         chunks: Sequence[ScheduledChunk],
@@ -428,8 +417,9 @@ class ModelRunner:
         score_prompt: bool = False,
     ) -> InFlight:
         """Queue one step on the device (as :meth:`execute_sampled`; ``fed`` as in
-        :meth:`metadata`; with ``score_prompt`` as :meth:`execute_prompt_logprobs`) and return
-        without waiting for it: :meth:`collect` reads it back."""
+        :meth:`metadata`; ``score_prompt``: the step compiled apart that also scores the
+        token after each new token, :mod:`jaxkv.serving.prompt_logprobs`) and return without
+        waiting for it: :meth:`collect` reads it back."""
         num_rows = bucket(len(chunks), self.buckets.seqs, "seqs")
         inputs = sampling_inputs(rows, num_rows)
         if score_prompt:
