@@ -8,12 +8,20 @@ vLLM 0.33's own v1 scheduler (``schedule()`` + ``update_from_output()``) and
 the tokens it drew in jaxkv's run. Timed: thread CPU time (``time.thread_time``, so the
 device's threads are not counted) of a whole ``Engine.step`` against vLLM's three phases,
 on the steps where every sequence decodes (prefill and the first ``--warmup_steps``
-decode steps left out); each figure is the median over ``--windows`` windows of the mean
-of ``--window_steps`` steps; the ratio is jaxkv / vLLM per batch size. jaxkv's step is also
+decode steps left out). After one untimed run (compilation; the tokens vLLM is fed), each
+of ``--reps`` repetitions serves the requests again with a fresh engine and a fresh vLLM
+loop **stepped in turn** (a jaxkv step, then a vLLM step), so that the machine's load
+falls on both alike; the steps are averaged in ``--windows`` windows of
+``--window_steps``. Each ms figure is the median of the windows of all repetitions; the
+ratio jaxkv / vLLM is the median (and quartiles) of the ratios of paired windows (jaxkv's
+window i beside vLLM's window i of the same repetition). jaxkv's step is also
 split (:class:`RunnerClock`) into the runner's part (metadata, sampling inputs, the jitted
 call's dispatch and read-back), which vLLM's figures leave out (its model runner is not
 run), and the rest (scheduler, output processing, the engine), whose ratio to vLLM's is
-the like-for-like one. Two settings
+the like-for-like one. And the compiled step is timed alone (thread CPU) on each
+full-decode step's chunks: the CPU backend runs it on the calling thread, inside the
+runner's part, where an accelerator would run it on the device; ``(jaxkv - compiled
+step) / vLLM`` is the ratio without it. Two settings
 (``--settings``), as issue 40's table:
 
 * ``tiny``: the tiny Llama checkpoint (``scripts/save_tiny_checkpoint.py``'s stored seed-0
@@ -58,7 +66,7 @@ import string
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -102,6 +110,9 @@ flags.DEFINE_integer("stub_prompt_len", 1024, "engine, stub1k: prompt tokens", l
 flags.DEFINE_integer("max_num_batched_tokens", 4096, "the step's token budget (both sides)", lower_bound=1)
 flags.DEFINE_integer("windows", 5, "timed windows; each figure is their median", lower_bound=1)
 flags.DEFINE_integer("window_steps", 4, "decode steps a window", lower_bound=1)
+flags.DEFINE_integer(
+    "reps", 3, "engine: lockstep repetitions, each a fresh engine and vLLM loop stepped in turn", lower_bound=1
+)
 flags.DEFINE_integer("warmup_steps", 3, "decode steps before the windows (compilation)", lower_bound=1)
 flags.DEFINE_integer("overlap_batch", 32, "overlap: running sequences", lower_bound=1)
 flags.DEFINE_integer("overlap_layers", 1, "overlap: the model's layers", lower_bound=1)
@@ -188,15 +199,26 @@ def max_tokens_for(num_seqs: int, prompt_len: int, budget: int) -> int:
     return prefill_steps + FLAGS.warmup_steps + FLAGS.windows * FLAGS.window_steps + 2
 
 
-def windowed_ms(step_seconds: Sequence[float]) -> float | None:
-    """Median over windows of the mean of a window's steps, in ms, after the warm-up steps;
-    None if the run had too few such steps."""
+def window_means(step_seconds: Sequence[float]) -> list[float] | None:
+    """The mean of each window's steps, in ms, after the warm-up steps; None if the run had
+    too few such steps."""
     timed = step_seconds[FLAGS.warmup_steps :]
     k = FLAGS.window_steps
     if len(timed) < FLAGS.windows * k:
         return None
-    means = [statistics.fmean(timed[i * k : (i + 1) * k]) for i in range(FLAGS.windows)]
-    return 1e3 * statistics.median(means)
+    return [1e3 * statistics.fmean(timed[i * k : (i + 1) * k]) for i in range(FLAGS.windows)]
+
+
+def windowed_ms(step_seconds: Sequence[float]) -> float | None:
+    """Median over windows of the mean of a window's steps, in ms (see :func:`window_means`)."""
+    means = window_means(step_seconds)
+    return None if means is None else statistics.median(means)
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of ``values``."""
+    q1, q2, q3 = np.percentile(values, [25, 50, 75])
+    return float(q1), float(q2), float(q3)
 
 
 @dataclass
@@ -241,32 +263,56 @@ class RunnerClock:
         return timed
 
 
+@dataclass
+class VllmRun:
+    """Per full-decode step of vLLM's loop: thread CPU seconds of each phase; its scheduler's class."""
+
+    scheduler: str
+    schedule_s: list[float] = field(default_factory=list)
+    update_s: list[float] = field(default_factory=list)
+    output_s: list[float] = field(default_factory=list)
+    total_s: list[float] = field(default_factory=list)
+
+
+def add_requests(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, run: JaxkvRun) -> None:
+    """Queue ``prompts`` as requests ``r0``, ``r1``... that ignore EOS; their tokens go to ``run``."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        run.tokens[engine.add_request(prompt, params, request_id=f"r{i}")] = []
+
+
+def jaxkv_step(engine: Engine, clock: RunnerClock, run: JaxkvRun, num_seqs: int) -> bool:
+    """One engine step, its tokens kept in ``run``; timed there when all ``num_seqs`` decode
+    (then True)."""
+    full = engine.num_running == num_seqs and engine.num_waiting == 0
+    in_runner = clock.seconds
+    start, wall = time.thread_time(), time.perf_counter()
+    step = engine.step()
+    host, wall = time.thread_time() - start, time.perf_counter() - wall
+    for delta in step.deltas:
+        run.tokens[delta.request_id].extend(delta.token_ids)
+    if full and step.num_tokens == num_seqs and not step.finished:
+        run.host_s.append(host)
+        run.wall_s.append(wall)
+        run.runner_s.append(clock.seconds - in_runner)
+        return True
+    return False
+
+
 def run_jaxkv(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int) -> JaxkvRun:
     """Serve ``prompts`` to the end, step by step, timing the steps where all decode."""
     run = JaxkvRun()
     clock = RunnerClock(engine.runner)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        run.tokens[engine.add_request(prompt, params, request_id=f"r{i}")] = []
+    add_requests(engine, prompts, max_tokens, run)
     gc.collect()
     while engine.has_unfinished:
-        full = engine.num_running == len(prompts) and engine.num_waiting == 0
-        in_runner = clock.seconds
-        start, wall = time.thread_time(), time.perf_counter()
-        step = engine.step()
-        host, wall = time.thread_time() - start, time.perf_counter() - wall
-        for delta in step.deltas:
-            run.tokens[delta.request_id].extend(delta.token_ids)
-        if full and step.num_tokens == len(prompts) and not step.finished:
-            run.host_s.append(host)
-            run.wall_s.append(wall)
-            run.runner_s.append(clock.seconds - in_runner)
+        jaxkv_step(engine, clock, run, len(prompts))
     return run
 
 
-def run_vllm(checkpoint: Checkpoint, engine: Engine, prompts: Sequence[Sequence[int]], run: JaxkvRun) -> dict:
-    """The same requests through vLLM's scheduler and output processor, fed ``run``'s
-    tokens: the phases' windowed ms per full-decode step, and the scheduler's class."""
+def vllm_loop(checkpoint: Checkpoint, engine: Engine, prompts: Sequence[Sequence[int]], tokens: dict) -> Any:
+    """vLLM's scheduler and output processor over ``engine``'s plan and budget, with
+    ``prompts`` queued, each to draw as many tokens as ``tokens`` holds for it."""
     from jaxkv.benchmarks.vllm_engine import VllmEngineLoop
 
     loop = VllmEngineLoop(
@@ -277,20 +323,80 @@ def run_vllm(checkpoint: Checkpoint, engine: Engine, prompts: Sequence[Sequence[
         eos_token=SPECIAL_TOKENS[0],
     )
     for i, prompt in enumerate(prompts):
-        loop.add_request(f"r{i}", prompt, len(run.tokens[f"r{i}"]))
+        loop.add_request(f"r{i}", prompt, len(tokens[f"r{i}"]))
+    return loop
+
+
+def vllm_step(loop: Any, tokens: dict, run: VllmRun, num_seqs: int) -> None:
+    """One step of vLLM's loop, fed ``tokens``; its phases timed in ``run`` when all ``num_seqs`` decode."""
+    full = len(loop.scheduler.running) == num_seqs
+    times = loop.step(tokens)
+    if full and times.num_scheduled_tokens == num_seqs and not times.num_finished:
+        for values, value in zip(
+            (run.schedule_s, run.update_s, run.output_s, run.total_s),
+            (times.schedule_s, times.update_s, times.output_s, times.total_s),
+            strict=True,
+        ):
+            values.append(value)
+
+
+@dataclass
+class Rep:
+    """One lockstep repetition: jaxkv's steps, the compiled step alone on each full-decode
+    step's chunks (thread CPU: what the CPU backend runs on the calling thread, the device's
+    work on an accelerator), and vLLM's steps (None without the peer)."""
+
+    jaxkv: JaxkvRun
+    compute_s: list[float]
+    vllm: VllmRun | None
+
+
+def run_lockstep(
+    checkpoint: Checkpoint, model: ServedModel, prompts: Sequence[Sequence[int]], max_tokens: int, tokens: dict | None
+) -> Rep:
+    """A fresh engine of ``model`` and (given ``tokens``, what each request drew) a fresh
+    vLLM loop fed them serve ``prompts``, stepped in turn (a jaxkv step, then a vLLM step),
+    so that the machine's load falls on both alike."""
+    num_seqs, prompt_len = len(prompts), len(prompts[0])
+    outputs: list[SchedulerOutput | None] = []  # each step's, from the engine's step_check hook
+    engine = engine_for(model, checkpoint, num_seqs, prompt_len + max_tokens, step_check=outputs.append)
+    loop = vllm_loop(checkpoint, engine, prompts, tokens) if tokens is not None else None
+    rep = Rep(JaxkvRun(), [], VllmRun(loop.scheduler_name) if loop is not None else None)
+    clock = RunnerClock(engine.runner)
+    add_requests(engine, prompts, max_tokens, rep.jaxkv)
+    device: DeviceStep | None = None
     gc.collect()
-    phases: dict[str, list[float]] = {"schedule": [], "update": [], "output": [], "total": []}
-    while loop.has_unfinished:
-        full = len(loop.scheduler.running) == len(prompts)
-        times = loop.step(run.tokens)
-        if full and times.num_scheduled_tokens == len(prompts) and not times.num_finished:
-            for name, value in zip(
-                phases, (times.schedule_s, times.update_s, times.output_s, times.total_s), strict=True
-            ):
-                phases[name].append(value)
-    return {f"vllm_{name}_ms": windowed_ms(values) for name, values in phases.items()} | {
-        "vllm_scheduler": loop.scheduler_name
-    }
+    while engine.has_unfinished or (loop is not None and loop.has_unfinished):
+        if engine.has_unfinished and jaxkv_step(engine, clock, rep.jaxkv, num_seqs):
+            decode = outputs[-1]
+            assert decode is not None  # the engine passes None only at the end of generate
+            device = device or DeviceStep(engine, decode)
+            rep.compute_s.append(device.seconds(decode, clock=time.thread_time))
+        if loop is not None and rep.vllm is not None and loop.has_unfinished:
+            assert tokens is not None
+            vllm_step(loop, tokens, rep.vllm, num_seqs)
+    return rep
+
+
+def paired_windows(reps: Sequence[Rep], figure: Any) -> list[float]:
+    """``figure(jaxkv window ms, vLLM window ms)`` of each window of each repetition, window i
+    of jaxkv's steps paired with window i of vLLM's (neighbours in time: the loops run in turn)."""
+    out = []
+    for rep in reps:
+        if rep.vllm is None:
+            continue
+        host, vllm = window_means(rep.jaxkv.host_s), window_means(rep.vllm.total_s)
+        runner, compute = window_means(rep.jaxkv.runner_s), window_means(rep.compute_s)
+        if host is None or vllm is None or runner is None or compute is None:
+            continue
+        out += [figure(*values) for values in zip(host, runner, compute, vllm, strict=True)]
+    return out
+
+
+def pooled_ms(series: Iterable[Sequence[float]]) -> float | None:
+    """Median of the window means of all repetitions' steps, in ms."""
+    means = [m for steps in series for m in window_means(steps) or []]
+    return statistics.median(means) if means else None
 
 
 def engine_for(model: ServedModel, checkpoint: Checkpoint, num_seqs: int, tokens_per_seq: int, **kwargs: Any) -> Engine:
@@ -313,7 +419,9 @@ def engine_for(model: ServedModel, checkpoint: Checkpoint, num_seqs: int, tokens
 
 
 def engine_section(checkpoint: Checkpoint, batch_sizes: Sequence[int], peer: bool) -> list[dict]:
-    """One row per setting and batch size: jaxkv's host ms per step beside vLLM's phases."""
+    """One row per setting and batch size: jaxkv's host ms per step beside vLLM's phases,
+    over ``--reps`` lockstep repetitions after one untimed run (compilation, and the tokens
+    vLLM is fed)."""
     preset = PresetTokens(checkpoint.model, checkpoint.tokenizer.encode(PRESET_TEXT))
     rows = []
     for setting in FLAGS.settings:
@@ -322,29 +430,42 @@ def engine_section(checkpoint: Checkpoint, batch_sizes: Sequence[int], peer: boo
         )
         for num_seqs in batch_sizes:
             max_tokens = max_tokens_for(num_seqs, prompt_len, FLAGS.max_num_batched_tokens)
-            engine = engine_for(model, checkpoint, num_seqs, prompt_len + max_tokens)
             prompts = random_prompts(checkpoint.tokenizer, num_seqs, prompt_len, seed=num_seqs)
-            run = run_jaxkv(engine, prompts, max_tokens)
+            first = run_jaxkv(engine_for(model, checkpoint, num_seqs, prompt_len + max_tokens), prompts, max_tokens)
+            reps = [
+                run_lockstep(checkpoint, model, prompts, max_tokens, first.tokens if peer else None)
+                for _ in range(FLAGS.reps)
+            ]
+            runs = [rep.jaxkv for rep in reps]
+            vllm = [rep.vllm for rep in reps if rep.vllm is not None]
             row: dict[str, Any] = {
                 "setting": setting,
                 "running": num_seqs,
                 "prompt_len": prompt_len,
                 "max_tokens": max_tokens,
-                "tokens_as_preset": preset.drew(run.tokens.values(), prompt_len) if model is preset else None,
-                "jaxkv_host_ms": windowed_ms(run.host_s),
-                "jaxkv_runner_ms": windowed_ms(run.runner_s),
-                "jaxkv_rest_ms": windowed_ms([h - r for h, r in zip(run.host_s, run.runner_s, strict=True)]),
-                "jaxkv_wall_ms": windowed_ms(run.wall_s),
+                "reps": FLAGS.reps,
+                "tokens_as_preset": preset.drew(first.tokens.values(), prompt_len) if model is preset else None,
+                "tokens_same_every_rep": all(run.tokens == first.tokens for run in runs),
+                "jaxkv_host_ms": pooled_ms(run.host_s for run in runs),
+                "jaxkv_runner_ms": pooled_ms(run.runner_s for run in runs),
+                "jaxkv_rest_ms": pooled_ms(
+                    [h - r for h, r in zip(run.host_s, run.runner_s, strict=True)] for run in runs
+                ),
+                "jaxkv_compute_ms": pooled_ms(rep.compute_s for rep in reps),
+                "jaxkv_wall_ms": pooled_ms(run.wall_s for run in runs),
             }
-            vllm = run_vllm(checkpoint, engine, prompts, run) if peer else {}
-            row.update({k: vllm.get(k) for k in ("vllm_schedule_ms", "vllm_update_ms", "vllm_output_ms")})
-            row["vllm_total_ms"] = vllm.get("vllm_total_ms")
-            row["vllm_scheduler"] = vllm.get("vllm_scheduler")
-            host, total, rest = row["jaxkv_host_ms"], row["vllm_total_ms"], row["jaxkv_rest_ms"]
-            row["ratio"] = host / total if host is not None and total else None
-            row["rest_ratio"] = rest / total if rest is not None and total else None
+            for phase in ("schedule", "update", "output", "total"):
+                row[f"vllm_{phase}_ms"] = pooled_ms(getattr(v, f"{phase}_s") for v in vllm) if vllm else None
+            row["vllm_scheduler"] = vllm[0].scheduler if vllm else None
+            ratios = paired_windows(reps, lambda host, runner, compute, total: host / total)
+            rest = paired_windows(reps, lambda host, runner, compute, total: (host - runner) / total)
+            less = paired_windows(reps, lambda host, runner, compute, total: (host - compute) / total)
+            q1, median, q3 = quartiles(ratios) if ratios else (None, None, None)
+            row.update(ratio=median, ratio_q1=q1, ratio_q3=q3, num_windows=len(ratios))
+            row["rest_ratio"] = statistics.median(rest) if rest else None
+            row["less_compute_ratio"] = statistics.median(less) if less else None
             rows.append(row)
-            print(f"  {setting} x{num_seqs}: jaxkv {host} ms, vLLM {total} ms", file=sys.stderr)
+            print(f"  {setting} x{num_seqs}: jaxkv {row['jaxkv_host_ms']} ms, ratio {median}", file=sys.stderr)
     return rows
 
 
@@ -359,13 +480,14 @@ class DeviceStep:
         self._previous = jax.numpy.zeros(max(self._runner.buckets.seqs), jax.numpy.int32)  # no token fed
         self._cache = allocate_cache(engine.manager.config)
 
-    def seconds(self, output: SchedulerOutput) -> float:
-        """Wall seconds of one call on ``output``'s metadata (built and sent beforehand, untimed)."""
+    def seconds(self, output: SchedulerOutput, clock: Callable[[], float] = time.perf_counter) -> float:
+        """Seconds of ``clock`` (wall time by default) of one call on ``output``'s metadata
+        (built and sent beforehand, untimed), its outputs waited for."""
         meta = jax.block_until_ready(jax.device_put(self._runner.metadata(output.chunks)))
-        start = time.perf_counter()
+        start = clock()
         sampled, _, self._cache = self._compiled(self._runner.params, self._cache, meta, self._sampling, self._previous)
         jax.block_until_ready(sampled)
-        return time.perf_counter() - start
+        return clock() - start
 
 
 def overlap_section(checkpoint: Checkpoint, async_scheduling: bool) -> dict:
@@ -451,10 +573,17 @@ def print_engine_table(rows: list[dict]) -> None:
         ("vllm_update_ms", "vLLM update", ".2f"),
         ("vllm_output_ms", "vLLM output proc.", ".2f"),
         ("vllm_total_ms", "vLLM total", ".2f"),
+        ("jaxkv_compute_ms", "compiled step alone", ".2f"),
         ("ratio", "ratio jaxkv/vLLM", ".2f"),
+        ("ratio_q1", "ratio Q1", ".2f"),
+        ("ratio_q3", "ratio Q3", ".2f"),
         ("rest_ratio", "rest/vLLM", ".2f"),
+        ("less_compute_ratio", "(jaxkv - compiled step)/vLLM", ".2f"),
     ]
-    print("[engine] thread CPU ms per decode step (median of windows)")
+    print(
+        "[engine] thread CPU ms per decode step (median of the windows of all repetitions; "
+        "ratios: median and quartiles of paired windows)"
+    )
     print("| " + " | ".join(title for _, title, _ in columns) + " |")
     print("|" + "---|" * len(columns))
     for row in rows:
@@ -493,7 +622,7 @@ def main(argv: Sequence[str]) -> None:
         sizes = [min(sizes)]
         FLAGS.tiny_prompt_len = FLAGS.stub_prompt_len = 32
         FLAGS.max_num_batched_tokens = 64
-        FLAGS.windows, FLAGS.window_steps, FLAGS.warmup_steps = 3, 2, 2
+        FLAGS.windows, FLAGS.window_steps, FLAGS.warmup_steps, FLAGS.reps = 3, 2, 2, 1
         FLAGS.overlap_batch, FLAGS.overlap_hidden, FLAGS.overlap_layers = 8, 64, 1
     peer = FLAGS.peer and vllm_available()
     report: dict[str, Any] = {"peer": "vllm 0.33" if peer else None, "jax": jax.__version__, "quick": FLAGS.quick}

@@ -218,6 +218,28 @@ def test_positions_and_counts_that_would_give_slot_minus_one_are_refused():
             build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS, num_blocks=bad)
 
 
+def test_any_object_with_the_counts_is_taken_and_its_counts_checked_at_once(monkeypatch):
+    """A serving loop passes its scheduler's chunks as they are (no ScheduledSeq each): the
+    same metadata; bad counts are refused naming the request, before anything is sent."""
+    from typing import NamedTuple
+
+    class Chunk(NamedTuple):
+        request_id: str
+        num_computed_tokens: object
+        num_new_tokens: object
+
+    seqs, tokens, block_ids = example()
+    chunks = [Chunk(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in seqs]
+    want = host(build_step_metadata(seqs, tokens, block_ids, [4, 8], BUCKETS))
+    got = host(build_step_metadata(chunks, tokens, block_ids, [4, 8], BUCKETS))
+    assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+    monkeypatch.setattr(metadata, "place_values", lambda *a, **k: pytest.fail("sent bad metadata"))
+    for computed, new, match in ((-1, 1, "'d': num_computed_tokens=-1"), (0, 2.5, "'d'.*num_new_tokens=2.5")):
+        bad = [*chunks[:3], Chunk("d", computed, new)]
+        with pytest.raises(MetadataError, match=match):
+            build_step_metadata(bad, tokens, block_ids, [4, 8], BUCKETS, device=jax.devices()[0])
+
+
 def test_errors_are_jaxkv_errors():
     from jaxkv.errors import JaxkvError
 

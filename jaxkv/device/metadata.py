@@ -42,6 +42,7 @@ import functools
 import itertools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,21 @@ class ScheduledSeq:
     def is_decode(self) -> bool:
         """One new token: belongs to the decode part at the front of the batch."""
         return self.num_new_tokens == 1
+
+
+class StepSeq(Protocol):
+    """What the builder reads of a scheduled sequence: a :class:`ScheduledSeq`, or any object
+    with these attributes (a serving loop passes its scheduler's chunks as they are, and
+    :func:`build_step_metadata` checks their counts in numpy, all at once)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_new_tokens(self) -> int: ...
 
 
 def decodes_first(seqs: Sequence[ScheduledSeq]) -> list[int]:
@@ -338,7 +354,7 @@ class StepMetadata:
         return self.packing.num_tokens
 
 
-def _new_tokens(seqs: Sequence[ScheduledSeq], token_ids: Sequence[Sequence[int]], q_lens: list[int]) -> np.ndarray:
+def _new_tokens(seqs: Sequence[StepSeq], token_ids: Sequence[Sequence[int]], q_lens: list[int]) -> np.ndarray:
     """The step's tokens, concatenated: ``token_ids[i]`` is all of request i's tokens or just the new ones."""
     if [len(ids) for ids in token_ids] == q_lens:  # a serving loop's chunks: just the new ones
         return np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, sum(q_lens))
@@ -357,8 +373,21 @@ def _new_tokens(seqs: Sequence[ScheduledSeq], token_ids: Sequence[Sequence[int]]
     return np.array(flat, dtype=np.int64)
 
 
+def _counts(seqs: Sequence[StepSeq]) -> np.ndarray:
+    """``(n, 2)`` int64: each sequence's computed and new token counts, checked all at once
+    (ints, computed >= 0, new > 0), else :class:`MetadataError` naming the first bad one."""
+    counts = np.array([(seq.num_computed_tokens, seq.num_new_tokens) for seq in seqs])
+    if counts.dtype.kind in "iu" and counts.ndim == 2:
+        least = counts.min(axis=0)
+        if least[0] >= 0 and least[1] > 0:
+            return counts.astype(np.int64, copy=False)
+    for seq in seqs:  # the slow path, only to name the bad one
+        ScheduledSeq(seq.request_id, seq.num_computed_tokens, seq.num_new_tokens)
+    raise MetadataError(f"token counts must be ints: {counts.tolist()!r:.200}")
+
+
 def _check_lengths(
-    seqs: Sequence[ScheduledSeq], lengths: np.ndarray, needed: np.ndarray, group: int, block_size: int
+    seqs: Sequence[StepSeq], lengths: np.ndarray, needed: np.ndarray, group: int, block_size: int
 ) -> None:
     """:class:`BlockIdError` for the first sequence with fewer blocks than its tokens need."""
     short = lengths < needed
@@ -372,7 +401,7 @@ def _check_lengths(
 
 
 def _state_rows(
-    seqs: Sequence[ScheduledSeq],
+    seqs: Sequence[StepSeq],
     table: np.ndarray,
     rows: np.ndarray,
     kv_lens: np.ndarray,
@@ -400,7 +429,7 @@ def _state_rows(
 
 
 def _unit_blocks(
-    seqs: Sequence[ScheduledSeq],
+    seqs: Sequence[StepSeq],
     heads: np.ndarray,
     unit_blocks: Callable[[int], Sequence[int]],
     pages_per_state: int,
@@ -441,7 +470,7 @@ def table_limits(
 
 
 def build_step_metadata(
-    seqs: Sequence[ScheduledSeq],
+    seqs: Sequence[StepSeq],
     token_ids: Sequence[Sequence[int]],
     block_ids: Sequence[Sequence[Sequence[int]]],
     block_sizes: Sequence[int],
@@ -488,7 +517,7 @@ def build_step_metadata(
     if len(token_ids) != len(seqs) or len(block_ids) != len(seqs):
         raise MetadataError(f"{len(seqs)} seqs but {len(token_ids)} token lists and {len(block_ids)} block lists")
     num_groups = len(block_sizes)
-    if not num_groups or any(not is_int(b) or b <= 0 for b in block_sizes):
+    if not num_groups or not all((type(b) is int or is_int(b)) and b > 0 for b in block_sizes):
         raise MetadataError(f"block_sizes must be positive ints, one per group: {block_sizes!r}")
     if num_blocks is not None:
         check_int("num_blocks", num_blocks, error=MetadataError)
@@ -499,17 +528,19 @@ def build_step_metadata(
         seq, ids = next((s, ids) for s, ids in zip(seqs, block_ids, strict=True) if len(ids) != num_groups)
         raise MetadataError(f"request {seq.request_id!r} has block ids for {len(ids)} groups, expected {num_groups}")
     n = len(seqs)
-    counts = np.array([(s.num_computed_tokens, s.num_new_tokens) for s in seqs], dtype=np.int64).reshape(n, 2)
+    counts = _counts(seqs)
     computed, q_lens = counts[:, 0], counts[:, 1]
-    decodes = q_lens == 1
-    if (decodes[1:] > decodes[:-1]).any():
-        late = seqs[int(np.argmax(decodes[1:] > decodes[:-1])) + 1]
-        raise MetadataError(f"decode {late.request_id!r} comes after a prefill; order seqs with decodes_first()")
     kv_lens = computed + q_lens
     total = int(q_lens.sum())
+    if total != n:  # some prefill (every count is >= 1): decodes must come first
+        decodes = q_lens == 1
+        if (decodes[1:] > decodes[:-1]).any():
+            late = seqs[int(np.argmax(decodes[1:] > decodes[:-1])) + 1]
+            raise MetadataError(f"decode {late.request_id!r} comes after a prefill; order seqs with decodes_first()")
     num_tokens = bucket(total, buckets.tokens, "tokens")
     max_seqs = bucket(n, buckets.seqs, "seqs")
-    _check_int32("kv_lens", kv_lens)
+    if kv_lens.max() > _INT32.max:  # kv_lens >= 1: only the top can overflow
+        _check_int32("kv_lens", kv_lens)
 
     state_group_set = frozenset(state_groups)
     if not state_group_set <= set(range(num_groups)):
@@ -526,7 +557,7 @@ def build_step_metadata(
         tables = BlockTables(limits)
     elif tables.limits != limits:
         raise MetadataError(f"the block tables bound groups' ids by {tables.limits}, this step by {limits}")
-    rows = tables.rows([s.request_id for s in seqs], block_ids)
+    rows = tables.rows([seq.request_id for seq in seqs], block_ids)
     widths: list[int | None] = []
     states: dict[int, np.ndarray] = {}
     units: dict[int, np.ndarray] = {}
@@ -550,20 +581,22 @@ def build_step_metadata(
         packed[start : start + values.size] = values.reshape(-1)
 
     if total == n:  # all decodes: one token each, at its computed length
-        seq_of_token, positions = np.arange(n), computed
+        token_rows, positions = rows, computed
     else:
         seq_of_token = np.repeat(np.arange(n), q_lens)
         positions = np.arange(total) + (kv_lens - np.cumsum(q_lens))[seq_of_token]
+        token_rows = rows[seq_of_token]
     input_ids = _new_tokens(seqs, token_ids, q_lens.tolist())
     _check_int32("input_ids", input_ids)
     put("input_ids", input_ids)
     put("positions", positions)
     put("kv_lens", kv_lens)
     cu = offsets["cu_q_lens"][0]
-    np.cumsum(q_lens, out=packed[cu + 1 : cu + n + 1], dtype=np.int32)
+    ends = np.arange(1, n + 1) if total == n else np.cumsum(q_lens)
+    packed[cu + 1 : cu + n + 1] = ends
     packed[cu + n + 1 : cu + max_seqs + 1] = total  # padded sequences: empty
     packed[offsets["num_seqs"][0]] = n
-    put("logits_indices", packed[cu + 1 : cu + n + 1] - 1)
+    put("logits_indices", ends - 1)
     for g, (width, block_size) in enumerate(zip(widths, block_sizes, strict=True)):
         if width is None:
             read, write, fresh = states[g]
@@ -579,12 +612,12 @@ def build_step_metadata(
         source = tables.table(g)
         w = min(width, source.shape[1])
         table[:n, :w] = source[rows, :w]  # ids < their limit <= 2**31: they fit int32
-        block = source[rows[seq_of_token], positions // block_size]
+        block = source[token_rows, positions // block_size]
         if not block.all():
             t = int(np.argmin(block != 0))
+            seq = seqs[t if total == n else int(seq_of_token[t])]
             raise BlockIdError(
-                f"request {seqs[seq_of_token[t]].request_id!r}, group {g}: new token at "
-                f"position {positions[t]} maps to the null block 0"
+                f"request {seq.request_id!r}, group {g}: new token at position {positions[t]} maps to the null block 0"
             )
         slots = block * block_size + positions % block_size
         if limits[g] * block_size > _INT32.max + 1:  # else every slot is below 2**31

@@ -44,6 +44,7 @@ tokens before it schedules the next); both give the same tokens.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -93,6 +94,7 @@ __all__ = [  # the result types and EngineError live in their own modules; named
     "RequestOutput",
     "StepProgress",
     "TokenLogprobs",
+    "freeze_heap",
     "plan_for_model",
     "resolve_head_dim_multiple",
 ]
@@ -664,3 +666,18 @@ class Engine:
                 if self.connector is not None:
                     self.connector.discard_reused()
                 self.manager.reset_prefix_cache()
+
+
+def freeze_heap() -> int:
+    """Collect garbage once, then exempt every object alive from later collections
+    (``gc.freeze``), as vLLM's engine core does after start-up; returns how many are frozen.
+
+    Why: a full collection walks every object of the process (with a 128-sequence engine
+    and its imports, about 120,000: 45-50 ms on a CPU core, a stall of many steps), frozen
+    ones excepted. Call it once, after the engine's first steps, in a process that serves
+    that engine for its life: an engine holds reference cycles, so one frozen and dropped
+    later is never collected (its device cache included). Not automatic for that reason.
+    ``gc.unfreeze()`` undoes it."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

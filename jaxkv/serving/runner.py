@@ -51,7 +51,6 @@ from jaxkv.device.cache import KVCache, allocate_kv_cache
 from jaxkv.device.mesh import MODEL_AXIS, auto_axes, place, replicated, weight_shardings
 from jaxkv.device.metadata import (
     Buckets,
-    ScheduledSeq,
     StepMetadata,
     bucket,
     build_step_metadata,
@@ -355,7 +354,6 @@ class ModelRunner:
         request gained (or that changed) since its last step are converted and checked.
         ``fed`` maps a decode chunk's index to the row of the previous step whose drawn token
         it decodes (its request does not hold it yet): its input id is ``-(row + 1)``."""
-        seqs = [ScheduledSeq(c.seq.request_id, c.num_computed_tokens, c.num_new_tokens) for c in chunks]
         fed = fed or {}
         num_drawn = self._drawn.shape[0]
         for i, row in fed.items():
@@ -371,7 +369,7 @@ class ModelRunner:
         token_ids = [c.token_ids if i not in fed else [-1 - fed[i]] for i, c in enumerate(chunks)]
         shared = self.config.shared_states
         return build_step_metadata(
-            seqs,
+            chunks,  # their counts are checked there, all at once
             token_ids,
             [c.block_ids for c in chunks],
             self.block_sizes,

@@ -172,6 +172,12 @@ class ScheduledChunk(NamedTuple):
     samples: bool
 
     @property
+    def request_id(self) -> str:
+        """The request's id: with the counts, what step metadata reads of a chunk
+        (:class:`~jaxkv.device.metadata.StepSeq`)."""
+        return self.seq.request.request_id
+
+    @property
     def token_ids(self) -> list[int]:
         start = self.num_computed_tokens
         return self.seq.request.all_token_ids[start : start + self.num_new_tokens]
