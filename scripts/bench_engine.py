@@ -18,10 +18,10 @@ window i beside vLLM's window i of the same repetition). jaxkv's step is also
 split (:class:`RunnerClock`) into the runner's part (metadata, sampling inputs, the jitted
 call's dispatch and read-back), which vLLM's figures leave out (its model runner is not
 run), and the rest (scheduler, output processing, the engine), whose ratio to vLLM's is
-the like-for-like one. And the compiled step is timed alone (thread CPU) on each
-full-decode step's chunks: the CPU backend runs it on the calling thread, inside the
-runner's part, where an accelerator would run it on the device; ``(jaxkv - compiled
-step) / vLLM`` is the ratio without it. Two settings
+the like-for-like one; and the jitted call's own thread CPU (``ModelRunner.dispatch_cpu_s``:
+JAX's dispatch, and whatever of the computation the CPU backend runs on the calling
+thread, which an accelerator runs on the device), ``(jaxkv - jitted call) / vLLM`` the ratio
+without it. Two settings
 (``--settings``), as issue 40's table:
 
 * ``tiny``: the tiny Llama checkpoint (``scripts/save_tiny_checkpoint.py``'s stored seed-0
@@ -66,7 +66,7 @@ import string
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -223,12 +223,13 @@ def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
 
 @dataclass
 class JaxkvRun:
-    """Per full-decode step: thread CPU and wall seconds, and the thread CPU seconds inside the
-    runner; the tokens each request drew."""
+    """Per full-decode step: thread CPU and wall seconds, the thread CPU seconds inside the
+    runner and inside its jitted call (``ModelRunner.dispatch_cpu_s``); the tokens each request drew."""
 
     host_s: list[float] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)
     runner_s: list[float] = field(default_factory=list)
+    call_s: list[float] = field(default_factory=list)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     decode_output: SchedulerOutput | None = None
 
@@ -285,7 +286,7 @@ def jaxkv_step(engine: Engine, clock: RunnerClock, run: JaxkvRun, num_seqs: int)
     """One engine step, its tokens kept in ``run``; timed there when all ``num_seqs`` decode
     (then True)."""
     full = engine.num_running == num_seqs and engine.num_waiting == 0
-    in_runner = clock.seconds
+    in_runner, in_call = clock.seconds, engine.runner.dispatch_cpu_s
     start, wall = time.thread_time(), time.perf_counter()
     step = engine.step()
     host, wall = time.thread_time() - start, time.perf_counter() - wall
@@ -295,6 +296,7 @@ def jaxkv_step(engine: Engine, clock: RunnerClock, run: JaxkvRun, num_seqs: int)
         run.host_s.append(host)
         run.wall_s.append(wall)
         run.runner_s.append(clock.seconds - in_runner)
+        run.call_s.append(engine.runner.dispatch_cpu_s - in_call)
         return True
     return False
 
@@ -342,12 +344,9 @@ def vllm_step(loop: Any, tokens: dict, run: VllmRun, num_seqs: int) -> None:
 
 @dataclass
 class Rep:
-    """One lockstep repetition: jaxkv's steps, the compiled step alone on each full-decode
-    step's chunks (thread CPU: what the CPU backend runs on the calling thread, the device's
-    work on an accelerator), and vLLM's steps (None without the peer)."""
+    """One lockstep repetition: jaxkv's steps, and vLLM's (None without the peer)."""
 
     jaxkv: JaxkvRun
-    compute_s: list[float]
     vllm: VllmRun | None
 
 
@@ -358,20 +357,15 @@ def run_lockstep(
     vLLM loop fed them serve ``prompts``, stepped in turn (a jaxkv step, then a vLLM step),
     so that the machine's load falls on both alike."""
     num_seqs, prompt_len = len(prompts), len(prompts[0])
-    outputs: list[SchedulerOutput | None] = []  # each step's, from the engine's step_check hook
-    engine = engine_for(model, checkpoint, num_seqs, prompt_len + max_tokens, step_check=outputs.append)
+    engine = engine_for(model, checkpoint, num_seqs, prompt_len + max_tokens)
     loop = vllm_loop(checkpoint, engine, prompts, tokens) if tokens is not None else None
-    rep = Rep(JaxkvRun(), [], VllmRun(loop.scheduler_name) if loop is not None else None)
+    rep = Rep(JaxkvRun(), VllmRun(loop.scheduler_name) if loop is not None else None)
     clock = RunnerClock(engine.runner)
     add_requests(engine, prompts, max_tokens, rep.jaxkv)
-    device: DeviceStep | None = None
     gc.collect()
     while engine.has_unfinished or (loop is not None and loop.has_unfinished):
-        if engine.has_unfinished and jaxkv_step(engine, clock, rep.jaxkv, num_seqs):
-            decode = outputs[-1]
-            assert decode is not None  # the engine passes None only at the end of generate
-            device = device or DeviceStep(engine, decode)
-            rep.compute_s.append(device.seconds(decode, clock=time.thread_time))
+        if engine.has_unfinished:
+            jaxkv_step(engine, clock, rep.jaxkv, num_seqs)
         if loop is not None and rep.vllm is not None and loop.has_unfinished:
             assert tokens is not None
             vllm_step(loop, tokens, rep.vllm, num_seqs)
@@ -386,10 +380,10 @@ def paired_windows(reps: Sequence[Rep], figure: Any) -> list[float]:
         if rep.vllm is None:
             continue
         host, vllm = window_means(rep.jaxkv.host_s), window_means(rep.vllm.total_s)
-        runner, compute = window_means(rep.jaxkv.runner_s), window_means(rep.compute_s)
-        if host is None or vllm is None or runner is None or compute is None:
+        runner, call = window_means(rep.jaxkv.runner_s), window_means(rep.jaxkv.call_s)
+        if host is None or vllm is None or runner is None or call is None:
             continue
-        out += [figure(*values) for values in zip(host, runner, compute, vllm, strict=True)]
+        out += [figure(*values) for values in zip(host, runner, call, vllm, strict=True)]
     return out
 
 
@@ -451,19 +445,19 @@ def engine_section(checkpoint: Checkpoint, batch_sizes: Sequence[int], peer: boo
                 "jaxkv_rest_ms": pooled_ms(
                     [h - r for h, r in zip(run.host_s, run.runner_s, strict=True)] for run in runs
                 ),
-                "jaxkv_compute_ms": pooled_ms(rep.compute_s for rep in reps),
+                "jaxkv_call_ms": pooled_ms(run.call_s for run in runs),
                 "jaxkv_wall_ms": pooled_ms(run.wall_s for run in runs),
             }
             for phase in ("schedule", "update", "output", "total"):
                 row[f"vllm_{phase}_ms"] = pooled_ms(getattr(v, f"{phase}_s") for v in vllm) if vllm else None
             row["vllm_scheduler"] = vllm[0].scheduler if vllm else None
-            ratios = paired_windows(reps, lambda host, runner, compute, total: host / total)
-            rest = paired_windows(reps, lambda host, runner, compute, total: (host - runner) / total)
-            less = paired_windows(reps, lambda host, runner, compute, total: (host - compute) / total)
+            ratios = paired_windows(reps, lambda host, runner, call, total: host / total)
+            rest = paired_windows(reps, lambda host, runner, call, total: (host - runner) / total)
+            less = paired_windows(reps, lambda host, runner, call, total: (host - call) / total)
             q1, median, q3 = quartiles(ratios) if ratios else (None, None, None)
             row.update(ratio=median, ratio_q1=q1, ratio_q3=q3, num_windows=len(ratios))
             row["rest_ratio"] = statistics.median(rest) if rest else None
-            row["less_compute_ratio"] = statistics.median(less) if less else None
+            row["less_call_ratio"] = statistics.median(less) if less else None
             rows.append(row)
             print(f"  {setting} x{num_seqs}: jaxkv {row['jaxkv_host_ms']} ms, ratio {median}", file=sys.stderr)
     return rows
@@ -480,14 +474,13 @@ class DeviceStep:
         self._previous = jax.numpy.zeros(max(self._runner.buckets.seqs), jax.numpy.int32)  # no token fed
         self._cache = allocate_cache(engine.manager.config)
 
-    def seconds(self, output: SchedulerOutput, clock: Callable[[], float] = time.perf_counter) -> float:
-        """Seconds of ``clock`` (wall time by default) of one call on ``output``'s metadata
-        (built and sent beforehand, untimed), its outputs waited for."""
+    def seconds(self, output: SchedulerOutput) -> float:
+        """Wall seconds of one call on ``output``'s metadata (built and sent beforehand, untimed)."""
         meta = jax.block_until_ready(jax.device_put(self._runner.metadata(output.chunks)))
-        start = clock()
+        start = time.perf_counter()
         sampled, _, self._cache = self._compiled(self._runner.params, self._cache, meta, self._sampling, self._previous)
         jax.block_until_ready(sampled)
-        return clock() - start
+        return time.perf_counter() - start
 
 
 def overlap_section(checkpoint: Checkpoint, async_scheduling: bool) -> dict:
@@ -573,12 +566,12 @@ def print_engine_table(rows: list[dict]) -> None:
         ("vllm_update_ms", "vLLM update", ".2f"),
         ("vllm_output_ms", "vLLM output proc.", ".2f"),
         ("vllm_total_ms", "vLLM total", ".2f"),
-        ("jaxkv_compute_ms", "compiled step alone", ".2f"),
+        ("jaxkv_call_ms", "of which the jitted call", ".2f"),
         ("ratio", "ratio jaxkv/vLLM", ".2f"),
         ("ratio_q1", "ratio Q1", ".2f"),
         ("ratio_q3", "ratio Q3", ".2f"),
         ("rest_ratio", "rest/vLLM", ".2f"),
-        ("less_compute_ratio", "(jaxkv - compiled step)/vLLM", ".2f"),
+        ("less_call_ratio", "(jaxkv - jitted call)/vLLM", ".2f"),
     ]
     print(
         "[engine] thread CPU ms per decode step (median of the windows of all repetitions; "

@@ -344,6 +344,9 @@ class ModelRunner:
         self.dispatch_s = 0.0
         """Seconds spent in JAX's call of the jitted step (argument checks, dispatch to every
         device of the mesh), built metadata in hand: JAX's host time, not jaxkv's."""
+        self.dispatch_cpu_s = 0.0
+        """The same calls' thread CPU seconds: JAX's dispatch, and on the CPU backend whatever
+        of the computation it runs on the calling thread (on an accelerator, the device's)."""
         self.device_wait_s = 0.0
         """Seconds the host spent waiting for steps' outputs (the rest of a step is host work)."""
 
@@ -460,8 +463,9 @@ class ModelRunner:
         meta = self.metadata(chunks, fed)
         step = self._jitted(fn)
         before = _num_step_traces
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         *outputs, self._drawn, self.cache = step(self.params, self.cache, meta, sampling, self._drawn)
+        self.dispatch_cpu_s += time.thread_time() - cpu
         self.dispatch_s += time.perf_counter() - start
         self.num_compilations += _num_step_traces - before
         return InFlight(outputs, chunks)
