@@ -355,22 +355,30 @@ class StepMetadata:
 
 
 def _new_tokens(seqs: Sequence[StepSeq], token_ids: Sequence[Sequence[int]], q_lens: list[int]) -> np.ndarray:
-    """The step's tokens, concatenated: ``token_ids[i]`` is all of request i's tokens or just the new ones."""
+    """The step's tokens, concatenated: ``token_ids[i]`` is all of request i's tokens or just the
+    new ones; :class:`MetadataError` for ids past int32 (the packed buffer's type)."""
+    total = sum(q_lens)
     if [len(ids) for ids in token_ids] == q_lens:  # a serving loop's chunks: just the new ones
-        return np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, sum(q_lens))
-    flat: list[int] = []
-    for seq, ids in zip(seqs, token_ids, strict=True):
-        start, count = seq.num_computed_tokens, seq.num_new_tokens
-        if len(ids) >= start + count:
-            flat.extend(ids[start : start + count])
-        elif len(ids) == count:
-            flat.extend(ids)
-        else:
-            raise MetadataError(
-                f"request {seq.request_id!r}: {len(ids)} token ids, expected the new "
-                f"{count} or at least num_computed + num_new = {start + count}"
-            )
-    return np.array(flat, dtype=np.int64)
+        try:  # numpy refuses an int past int32 here: no range check after it
+            return np.fromiter(itertools.chain.from_iterable(token_ids), np.int32, total)
+        except OverflowError:
+            flat = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, total)
+    else:
+        parts: list[int] = []
+        for seq, ids in zip(seqs, token_ids, strict=True):
+            start, count = seq.num_computed_tokens, seq.num_new_tokens
+            if len(ids) >= start + count:
+                parts.extend(ids[start : start + count])
+            elif len(ids) == count:
+                parts.extend(ids)
+            else:
+                raise MetadataError(
+                    f"request {seq.request_id!r}: {len(ids)} token ids, expected the new "
+                    f"{count} or at least num_computed + num_new = {start + count}"
+                )
+        flat = np.array(parts, dtype=np.int64)
+    _check_int32("input_ids", flat)
+    return flat
 
 
 def _counts(seqs: Sequence[StepSeq]) -> np.ndarray:
@@ -586,9 +594,7 @@ def build_step_metadata(
         seq_of_token = np.repeat(np.arange(n), q_lens)
         positions = np.arange(total) + (kv_lens - np.cumsum(q_lens))[seq_of_token]
         token_rows = rows[seq_of_token]
-    input_ids = _new_tokens(seqs, token_ids, q_lens.tolist())
-    _check_int32("input_ids", input_ids)
-    put("input_ids", input_ids)
+    put("input_ids", _new_tokens(seqs, token_ids, q_lens.tolist()))
     put("positions", positions)
     put("kv_lens", kv_lens)
     cu = offsets["cu_q_lens"][0]
