@@ -381,17 +381,22 @@ def _new_tokens(seqs: Sequence[StepSeq], token_ids: Sequence[Sequence[int]], q_l
     return flat
 
 
-def _counts(seqs: Sequence[StepSeq]) -> np.ndarray:
-    """``(n, 2)`` int64: each sequence's computed and new token counts, checked all at once
-    (ints, computed >= 0, new > 0), else :class:`MetadataError` naming the first bad one."""
-    counts = np.array([(seq.num_computed_tokens, seq.num_new_tokens) for seq in seqs])
-    if counts.dtype.kind in "iu" and counts.ndim == 2:
-        least = counts.min(axis=0)
-        if least[0] >= 0 and least[1] > 0:
-            return counts.astype(np.int64, copy=False)
+def _counts(seqs: Sequence[StepSeq]) -> tuple[np.ndarray, np.ndarray]:
+    """Each sequence's computed and new token counts, int64, checked all at once (ints,
+    computed >= 0, new > 0), else :class:`MetadataError` naming the first bad one."""
+    computed = [seq.num_computed_tokens for seq in seqs]
+    new = [seq.num_new_tokens for seq in seqs]
+    try:
+        in_range = min(computed) >= 0 and min(new) > 0
+    except TypeError:  # not numbers: named below
+        in_range = False
+    if in_range:
+        arrays = np.array(computed), np.array(new)
+        if all(a.dtype.kind in "iu" for a in arrays):
+            return arrays[0].astype(np.int64, copy=False), arrays[1].astype(np.int64, copy=False)
     for seq in seqs:  # the slow path, only to name the bad one
         ScheduledSeq(seq.request_id, seq.num_computed_tokens, seq.num_new_tokens)
-    raise MetadataError(f"token counts must be ints: {counts.tolist()!r:.200}")
+    raise MetadataError(f"token counts must be ints: computed {computed!r:.100}, new {new!r:.100}")
 
 
 def _check_lengths(
@@ -536,8 +541,7 @@ def build_step_metadata(
         seq, ids = next((s, ids) for s, ids in zip(seqs, block_ids, strict=True) if len(ids) != num_groups)
         raise MetadataError(f"request {seq.request_id!r} has block ids for {len(ids)} groups, expected {num_groups}")
     n = len(seqs)
-    counts = _counts(seqs)
-    computed, q_lens = counts[:, 0], counts[:, 1]
+    computed, q_lens = _counts(seqs)
     kv_lens = computed + q_lens
     total = int(q_lens.sum())
     if total != n:  # some prefill (every count is >= 1): decodes must come first
