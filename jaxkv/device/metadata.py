@@ -145,7 +145,7 @@ class ScheduledSeq:
 class StepSeq(Protocol):
     """What the builder reads of a scheduled sequence: a :class:`ScheduledSeq`, or any object
     with these attributes (a serving loop passes its scheduler's chunks as they are, and
-    :func:`build_step_metadata` checks their counts in numpy, all at once)."""
+    :func:`build_step_metadata` checks their counts all at once)."""
 
     @property
     def request_id(self) -> str: ...
