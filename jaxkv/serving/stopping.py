@@ -37,6 +37,11 @@ class StopChecker:
         """The text emitted so far."""
         return "".join(self._pieces)
 
+    @property
+    def detokenizes(self) -> bool:
+        """Whether it has text (a detokenizer) and checks stop strings."""
+        return self._detokenizer is not None
+
     def banned(self, num_output_tokens: int) -> tuple[int, ...]:
         """The ids the next draw may not be: the stop ids while short of ``min_tokens``."""
         return self.stop_token_ids if num_output_tokens < self.params.min_tokens else ()
