@@ -598,6 +598,15 @@ class Engine:
         reported): freed now, a "stop" delta reported by the next step; its output (cut there),
         or None when it is not running (finished or aborted since, or not admitted)."""
         self._owner.check()
+        if not isinstance(request_id, str) or not is_int(index) or not is_int(num_output_tokens):
+            raise EngineError(
+                f"stop_sequence takes a request id, an index and a token count, got "
+                f"{request_id!r:.80}, {index!r:.20}, {num_output_tokens!r:.20}"
+            )
+        if num_output_tokens < 1:
+            raise EngineError(
+                f"num_output_tokens must be >= 1 (a stop string ends after a token), got {num_output_tokens}"
+            )
         if self._aborting is not None:
             raise EngineError("stop_sequence is called between steps, not from inside one")
         stopped = self._outputs.stop(request_id, index, num_output_tokens)
