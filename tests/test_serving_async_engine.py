@@ -6,6 +6,7 @@ import pytest
 
 from jaxkv.serving.async_engine import AsyncEngine, EngineFullError
 from jaxkv.serving.engine import Engine, EngineError
+from jaxkv.serving.outputs import RequestDelta
 from jaxkv.serving.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # each test builds and compiles an engine on its own thread
@@ -234,3 +235,35 @@ def test_an_abort_with_text_held_back_and_a_tokenizer_error_fail_their_own_reque
     assert "".join(d.text for d in deltas) == engine.tokenizer.decode(tokens), "the held-back text comes with the abort"
     assert good[0]["text"] == want.text and good[0]["tokens"] == list(want.output_token_ids)
     assert not unfinished and audit.device_blocks_leaked == 0
+
+
+def test_stop_sequence_ends_one_sibling_where_the_caller_says_and_frees_its_blocks(inline_engine):
+    engine = inline_engine
+    engine.set_inline_text(False)
+    try:
+        stop_one_sibling(engine)
+    finally:
+        engine.set_inline_text(True)
+
+
+def stop_one_sibling(engine: Engine) -> None:
+    rid = engine.add_request(list(range(1, 30)), SamplingParams(n=2, seed=7, max_tokens=20, ignore_eos=True))
+    with pytest.raises(EngineError, match="inline text can change only with no request unfinished"):
+        engine.set_inline_text(True)
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    last: dict[int, RequestDelta] = {}
+    while len(tokens[1]) < 6:
+        for d in engine.step().deltas:
+            tokens[d.index] += d.token_ids
+    reported = len(tokens[1])
+    output = engine.stop_sequence(rid, 1, 4)  # as if a stop string ended at its 4th token
+    assert output.finish_reason == "stop" and list(output.output_token_ids) == tokens[1][:4] and output.text is None
+    assert engine.stop_sequence(rid, 1, 4) is None, "a sequence ends once"
+    while engine.has_unfinished:
+        for d in engine.step().deltas:
+            tokens[d.index] += d.token_ids
+            last[d.index] = d
+    assert last[1].finish_reason == "stop" and last[1].token_ids == () and last[1].num_cached_tokens is not None
+    assert len(tokens[1]) == reported, "no token of it is reported after the stop"
+    assert last[0].finish_reason == "length" and len(tokens[0]) == 20, "its sibling runs on"
+    assert engine.audit().device_blocks_leaked == 0

@@ -129,31 +129,3 @@ def test_a_tokenizer_error_propagates_for_its_request_alone(tokenizer, monkeypat
     stage.drop("bad")
     assert stage.process(RequestDelta("good", 0, (token,), "", None, "length", 0)).delta.text == "a"
     assert "bad" not in stage and "good" not in stage
-
-
-@pytest.mark.slow  # compiles a tiny engine
-def test_stop_sequence_ends_one_sibling_where_the_caller_says_and_frees_its_blocks(tokenizer):
-    from jaxkv.serving.engine import Engine, EngineError
-
-    engine = Engine.build("tiny-llama", memory_bytes=4 << 20, max_model_len=256, max_num_seqs=4, tokenizer=None)
-    engine.set_inline_text(False)
-    rid = engine.add_request(list(range(1, 30)), SamplingParams(n=2, seed=7, max_tokens=20, ignore_eos=True))
-    with pytest.raises(EngineError, match="inline text can change only with no request unfinished"):
-        engine.set_inline_text(True)
-    tokens: dict[int, list[int]] = {0: [], 1: []}
-    last: dict[int, RequestDelta] = {}
-    while len(tokens[1]) < 6:
-        for d in engine.step().deltas:
-            tokens[d.index] += d.token_ids
-    reported = len(tokens[1])
-    output = engine.stop_sequence(rid, 1, 4)  # as if a stop string ended at its 4th token
-    assert output.finish_reason == "stop" and list(output.output_token_ids) == tokens[1][:4]
-    assert engine.stop_sequence(rid, 1, 4) is None, "a sequence ends once"
-    while engine.has_unfinished:
-        for d in engine.step().deltas:
-            tokens[d.index] += d.token_ids
-            last[d.index] = d
-    assert last[1].finish_reason == "stop" and last[1].token_ids == () and last[1].num_cached_tokens is not None
-    assert len(tokens[1]) == reported, "no token of it is reported after the stop"
-    assert last[0].finish_reason == "length" and len(tokens[0]) == 20, "its sibling runs on"
-    assert engine.audit().device_blocks_leaked == 0
