@@ -16,7 +16,6 @@ prompt tokens it found cached). Host only: no JAX.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from jaxkv.models.text import TextTokenizer
@@ -82,7 +81,7 @@ class TextStage:
 
     def process(self, delta: RequestDelta) -> Texted:
         """``delta`` (token ids, from the engine) with its text, as inline text would have
-        given it; a delta of a request not added passes as it is. A tokenizer error
+        given it (filled in place); a delta of a request not added passes as it is. A tokenizer error
         propagates: the request's text cannot go on (drop it and abort it)."""
         sequences = self._requests.get(delta.request_id)
         if sequences is None:
@@ -91,23 +90,25 @@ class TextStage:
         if seq.held is not None:  # stopped at a string: the engine's draws past it are dropped
             if not delta.finished:
                 return Texted(None)
-            out = dataclasses.replace(seq.held, num_cached_tokens=delta.num_cached_tokens)
+            held, seq.held = seq.held, None
+            held.num_cached_tokens = delta.num_cached_tokens
             self._done(delta.request_id, seq)
-            return Texted(out)
+            return Texted(held)
+        ended = delta.finished
         text, reason = "", None
         for token in delta.token_ids:  # one a step; none in an abort's delta
             seq.num_tokens += 1
             piece, reason = seq.stopper.update(token, seq.num_tokens)
             text += piece
-        if reason is None and delta.finished:
+        if reason is None and ended:
             text, reason = text + seq.stopper.finish(), delta.finish_reason
-        out = dataclasses.replace(delta, text=text, finish_reason=reason)
-        if reason is not None and not delta.finished:  # a stop string: the engine runs on until told
-            seq.held = out
+        delta.text, delta.finish_reason = text, reason  # the engine keeps no delta: filled in place
+        if reason is not None and not ended:  # a stop string: the engine runs on until told
+            seq.held = delta
             return Texted(None, StopAt(delta.request_id, delta.index, seq.num_tokens))
-        if delta.finished:
+        if ended:
             self._done(delta.request_id, seq)
-        return Texted(out)
+        return Texted(delta)
 
     def _done(self, request_id: str, seq: _SequenceText) -> None:
         """``seq`` had its last delta; the request is forgotten once all its sequences have."""
