@@ -145,6 +145,25 @@ def test_a_stop_string_ends_the_text_before_it(client):
     assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
 
 
+def test_a_streamed_stop_string_of_n_seeded_sequences_reports_no_token_past_it(client):
+    """The text is made on the event loop and the stop string found there a step late: the
+    stream still ends exactly there, and the tokens drawn past it count nowhere."""
+    ask = {"model": "m", "prompt": PROMPT, "max_tokens": 30, "n": 2, "seed": 4, "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(**ask)
+    stop = full.choices[1].text[6:8]
+    whole = client.completions.create(**ask, stop=[stop])
+    texts, reasons, usage = ["", ""], [None, None], None
+    for chunk in client.completions.create(**ask, stop=[stop], stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+        usage = chunk.usage or usage
+    assert whole.choices[1].finish_reason == "stop" and whole.choices[1].text == full.choices[1].text.split(stop)[0]
+    assert texts == [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert reasons == [c.finish_reason for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert usage.completion_tokens == whole.usage.completion_tokens < full.usage.completion_tokens
+
+
 def test_a_chat_stream_opens_with_the_role_so_a_first_token_that_is_a_stop_still_counts(server, client):
     """vLLM's benchmark client counted a chunk with a role as no token: a stream whose only token
     was a stop id (empty content) read as "never received a valid chunk" (found by its prefix run)."""

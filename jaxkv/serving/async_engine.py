@@ -20,6 +20,15 @@ preemptions, what a server's request metrics need (vLLM's queue, prefill and inf
 times): the engine's ``step_check`` is chained with one that notes each sequence's first
 scheduling.
 
+Text is made on the event loop, not on the engine's thread (vLLM v1 detokenizes in its
+frontend too): with a tokenizer the engine's deltas carry token ids only
+(:meth:`~jaxkv.serving.engine.Engine.set_inline_text`), and a
+:class:`~jaxkv.serving.text_stage.TextStage` gives them their text as they are routed,
+stop strings included; a stop string found there ends the sequence in the engine before
+its next step, and what the engine drew past it is never reported. A tokenizer error fails
+that request alone (its stream ends with the error, the request is aborted).
+``inline_text=True`` keeps the text on the engine's thread instead.
+
 The number of unfinished sequences is bounded (``max_requests``; a request of ``n``
 sequences counts ``n``): one more is refused with :class:`EngineFullError` at once, so a
 server answers "busy" instead of queueing without end.
@@ -37,10 +46,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from jaxkv.errors import JaxkvError
-from jaxkv.serving.engine import Engine
+from jaxkv.models.text import TextError
+from jaxkv.serving.engine import Engine, EngineError
 from jaxkv.serving.outputs import RequestDelta
 from jaxkv.serving.sampling_params import SamplingParams
 from jaxkv.serving.scheduler import SchedulerOutput
+from jaxkv.serving.text_stage import StopAt, TextStage
 
 T = TypeVar("T")
 
@@ -135,8 +146,19 @@ class AsyncEngine:
     """An engine built by ``build`` on its own thread, stepping whenever a request is
     unfinished (see the module docstring). Create it on the event loop that will use it."""
 
-    def __init__(self, build: Callable[[], Engine], *, max_requests: int = 256, name: str = "jaxkv-engine") -> None:
+    def __init__(
+        self,
+        build: Callable[[], Engine],
+        *,
+        max_requests: int = 256,
+        name: str = "jaxkv-engine",
+        inline_text: bool = False,
+    ) -> None:
+        if not isinstance(inline_text, bool):
+            raise EngineError(f"inline_text must be a bool, got {inline_text!r}")
         self._loop = asyncio.get_running_loop()
+        self.inline_text = inline_text
+        self._text: TextStage | None = None  # set with the engine, when text is made here
         self._commands: queue.SimpleQueue[Callable[[Engine], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
@@ -175,6 +197,8 @@ class AsyncEngine:
         request_id = f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id, params.n)
         self._streams[request_id] = stream
+        if self._text is not None:
+            self._text.add(request_id, params)
 
         def take(engine: Engine) -> float:
             engine.add_request(prompt, params, cache_salt=cache_salt, request_id=request_id)
@@ -184,6 +208,8 @@ class AsyncEngine:
             stream.queued_at = await self.call(take)
         except BaseException:
             self._streams.pop(request_id, None)
+            if self._text is not None:
+                self._text.drop(request_id)
             raise
         return stream
 
@@ -224,6 +250,9 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(_settle, self._ready, None, EngineDeadError(f"the engine failed: {err}"))
             return
         engine.step_check = self._noting_schedules(engine.step_check)
+        if engine.tokenizer is not None and not self.inline_text:
+            engine.set_inline_text(False)
+            self._text = TextStage(engine.tokenizer, engine.eos_token_ids)  # read on the event loop only
         self._loop.call_soon_threadsafe(_settle, self._ready, engine, None)
         while True:
             block = not engine.has_unfinished  # idle: wait for a command
@@ -279,13 +308,48 @@ class AsyncEngine:
             if noted is not None:
                 noted.note(note.index, scheduled_at=note.scheduled_at, num_preemptions=note.num_preemptions)
         if error is not None:
-            for stream in self._streams.values():
+            for request_id, stream in self._streams.items():
                 stream.put(error)
+                if self._text is not None:
+                    self._text.drop(request_id)
             self._streams.clear()
         for delta in deltas:
             target = self._streams.get(delta.request_id)
-            if target is not None and target.put(delta):
+            if target is None:
+                continue
+            if self._text is not None and delta.request_id in self._text:
+                texted = self._texted(delta, target)
+                if texted is None:
+                    continue
+                delta = texted
+            if target.put(delta):
                 del self._streams[delta.request_id]
+
+    def _texted(self, delta: RequestDelta, stream: RequestStream) -> RequestDelta | None:
+        """On the event loop: ``delta`` with its text (None: nothing to hand on yet); a stop
+        string found sends the engine a stop, a tokenizer error fails the request alone."""
+        assert self._text is not None
+        try:
+            texted = self._text.process(delta)
+        except Exception as err:  # the tokenizer's: the request's text cannot go on
+            self._text.drop(delta.request_id)
+            del self._streams[delta.request_id]
+            stream.put(TextError(f"detokenizing request {delta.request_id} failed: {err}"[:400]))
+            self.abort(delta.request_id)
+            return None
+        if texted.stop is not None:
+            self._commands.put(self._stopping(texted.stop))
+        return texted.delta
+
+    def _stopping(self, stop: StopAt) -> Callable[[Engine], None]:
+        """The engine-thread command that ends a sequence at the stop string found on the event loop."""
+
+        def run(engine: Engine) -> None:
+            output = engine.stop_sequence(stop.request_id, stop.index, stop.num_output_tokens)
+            if output is not None:  # else it finished first: its own last delta releases the text
+                self._notes.append(Note(stop.request_id, stop.index, None, output.num_preemptions))
+
+        return run
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -581,6 +581,46 @@ class Engine:
         self._publish_events()
         return True
 
+    def set_inline_text(self, inline: bool) -> None:
+        """Detokenize and check stop strings in :meth:`step` (True, the default with a
+        tokenizer) or leave both to the caller (False: deltas and outputs carry token ids only,
+        stop strings are the caller's to find, ending a sequence with :meth:`stop_sequence`;
+        :class:`~jaxkv.serving.async_engine.AsyncEngine` does so on its event loop). Refused
+        while requests are unfinished."""
+        self._owner.check()
+        if not isinstance(inline, bool):
+            raise EngineError(f"inline must be a bool, got {inline!r}")
+        if self._outputs.requests:
+            raise EngineError(f"inline text can change only with no request unfinished; {self.num_running} run")
+        self._outputs.set_inline_text(inline)
+
+    def stop_sequence(self, request_id: str, index: int, num_output_tokens: int) -> RequestOutput | None:
+        """End sequence ``index`` of ``request_id`` at a stop string the caller found after its
+        first ``num_output_tokens`` tokens (those drawn past them are dropped and never
+        reported): freed now, a "stop" delta reported by the next step; its output (cut there),
+        or None when it is not running (finished or aborted since, or not admitted)."""
+        self._owner.check()
+        if not isinstance(request_id, str) or not is_int(index) or not is_int(num_output_tokens):
+            raise EngineError(
+                f"stop_sequence takes a request id, an index and a token count, got "
+                f"{request_id!r:.80}, {index!r:.20}, {num_output_tokens!r:.20}"
+            )
+        if num_output_tokens < 1:
+            raise EngineError(
+                f"num_output_tokens must be >= 1 (a stop string ends after a token), got {num_output_tokens}"
+            )
+        if self._aborting is not None:
+            raise EngineError("stop_sequence is called between steps, not from inside one")
+        stopped = self._outputs.stop(request_id, index, num_output_tokens)
+        if stopped is None:
+            return None
+        seq, output = stopped
+        self._scheduler.finish([seq])
+        if not self._outputs.live:
+            self._release()
+        self._publish_events()
+        return output
+
     def add_step_observer(self, observer: Callable[[EngineStats], None]) -> None:
         """Call ``observer`` with :meth:`stats` after every step (a metrics exporter:
         :class:`jaxkv.serving.metrics.PrometheusMetrics`)."""

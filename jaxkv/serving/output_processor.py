@@ -11,11 +11,17 @@ stopped so the engine retires them in the scheduler (the one path that frees blo
 The ``n`` sequences of one request share its prompt's blocks: the first is queued alone,
 the others once it has drawn its first token (it has computed the prompt, so they find
 every full prompt block in the prefix cache). Host only: no JAX.
+
+With inline text off (:meth:`OutputProcessor.set_inline_text`, what
+:class:`~jaxkv.serving.async_engine.AsyncEngine` asks for) the deltas carry token ids only
+and stop strings are left to the caller, which detokenizes off the engine's thread
+(:mod:`jaxkv.serving.text_stage`) and ends a sequence at a stop string with :meth:`stop`.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -127,13 +133,21 @@ class OutputProcessor:
     def __init__(self, eos_token_ids: tuple[int, ...], tokenizer: TextTokenizer | None, enqueue: Enqueue) -> None:
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
+        self.inline_text = tokenizer is not None
+        """Whether deltas and outputs carry text and stop strings are checked here."""
         self._enqueue = enqueue
         self.live: dict[str, LiveSequence] = {}  # by sequence id
         self.requests: dict[str, list[str]] = {}  # a request's unfinished sequence ids
         self._held: dict[str, list[PendingSequence]] = {}  # siblings queued once the first has drawn
-        self._aborted: list[RequestDelta] = []  # reported by the next step
+        self._aborted: list[RequestDelta] = []  # aborts and caller's stops, reported by the next step
         self._ids = itertools.count()
         self._seeds = np.random.default_rng()
+
+    def set_inline_text(self, inline: bool) -> None:
+        """Detokenize and check stop strings here (True, with a tokenizer) or leave both to
+        the caller (False: deltas carry no text, outputs none); for the sequences added after
+        (each keeps the mode it started with)."""
+        self.inline_text = inline and self.tokenizer is not None
 
     def taken(self, request_id: str, n: int) -> bool:
         """Whether ``request_id`` (or one of its ``n`` sequence ids) names an unfinished sequence."""
@@ -176,8 +190,9 @@ class OutputProcessor:
     def _queue(self, pending: PendingSequence) -> LiveSequence:
         seq = self._enqueue(pending.request, pending.params)
         params = pending.params
-        skip = params.skip_special_tokens
-        detokenizer = None if self.tokenizer is None else self.tokenizer.detokenizer(skip_special_tokens=skip)
+        detokenizer = None
+        if self.inline_text and self.tokenizer is not None:
+            detokenizer = self.tokenizer.detokenizer(skip_special_tokens=params.skip_special_tokens)
         live = LiveSequence(
             seq,
             pending.request_id,
@@ -291,8 +306,24 @@ class OutputProcessor:
                 self._forget(live)
         return seqs
 
+    def stop(self, request_id: str, index: int, num_output_tokens: int) -> tuple[SeqState, RequestOutput] | None:
+        """End sequence ``index`` of ``request_id`` at a stop string its caller found in its text
+        after ``num_output_tokens`` tokens (the tokens drawn past them are dropped): a "stop"
+        delta for the next step, and the sequence for the scheduler to retire with its output;
+        None when it is not running (finished, aborted, or a sibling not queued yet)."""
+        for sid in self.requests.get(request_id, ()):
+            live = self.live.get(sid)
+            if live is not None and live.index == index and live.first_token is not None:
+                break
+        else:
+            return None
+        output = self._output(live, time.perf_counter(), "stop", num_output_tokens)
+        self._aborted.append(RequestDelta(request_id, index, (), "", None, "stop", live.seq.num_cached_tokens))
+        self._forget(live)
+        return live.seq, output
+
     def take_aborted(self) -> list[RequestDelta]:
-        """The abort deltas since the last call."""
+        """The abort (and caller's stop) deltas since the last call."""
         out, self._aborted = self._aborted, []
         return out
 
@@ -316,7 +347,8 @@ class OutputProcessor:
         if not sids:
             del self.requests[request_id]
 
-    def _output(self, live: LiveSequence, now: float, reason: FinishReason) -> RequestOutput:
+    def _output(self, live: LiveSequence, now: float, reason: FinishReason, cut: int | None = None) -> RequestOutput:
+        """The finished sequence's output, its first ``cut`` output tokens (None: all)."""
         seq = live.seq
         req = seq.request
         # A finished sequence was admitted (its prefix hit counted) and drew at least once.
@@ -324,15 +356,15 @@ class OutputProcessor:
         return RequestOutput(
             request_id=live.request_id,
             prompt_token_ids=tuple(req.prompt_token_ids),
-            output_token_ids=tuple(req.output_token_ids),
+            output_token_ids=tuple(req.output_token_ids[:cut]),
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
             ttft_s=live.first_token - live.arrival,
             finish_s=now - live.arrival,
-            logits=None if live.logits is None else np.stack(live.logits),
+            logits=None if live.logits is None else np.stack(live.logits[:cut]),
             finish_reason=reason,
             index=live.index,
-            text=None if self.tokenizer is None else live.stopper.text,
-            logprobs=None if live.logprobs is None else tuple(live.logprobs),
+            text=live.stopper.text if live.stopper.detokenizes else None,
+            logprobs=None if live.logprobs is None else tuple(live.logprobs[:cut]),
             prompt_logprobs=None if live.prompt_logprobs is None else tuple(live.prompt_logprobs),
         )

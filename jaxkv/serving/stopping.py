@@ -8,7 +8,9 @@ With a tokenizer its text is streamed as pieces: the stop token's text is left o
 the text ends before a stop string (after it with ``include_stop_str_in_output``), and
 while stop strings are asked for the last
 ``len(longest) - 1`` characters are held back (they may be the start of one), so a
-stream never shows text that a stop string later takes back.
+stream never shows text that a stop string later takes back. Without a detokenizer it
+stops at stop ids only: the text, and the stop strings with it, are then the caller's
+(:mod:`jaxkv.serving.text_stage` runs a checker with one off the engine's thread).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class StopChecker:
     def text(self) -> str:
         """The text emitted so far."""
         return "".join(self._pieces)
+
+    @property
+    def detokenizes(self) -> bool:
+        """Whether it has text (a detokenizer) and checks stop strings."""
+        return self._detokenizer is not None
 
     def banned(self, num_output_tokens: int) -> tuple[int, ...]:
         """The ids the next draw may not be: the stop ids while short of ``min_tokens``."""
