@@ -275,6 +275,7 @@ async def _serve(args: argparse.Namespace, app: Any, events: str) -> None:
 
     from jaxkv.server.header_timeout import header_timeout_protocol
     from jaxkv.serving.async_engine import AsyncEngine, EngineDeadError
+    from jaxkv.serving.engine import freeze_heap
 
     engine = AsyncEngine(app.state.build_engine, max_requests=args.max_requests)
     try:
@@ -285,6 +286,7 @@ async def _serve(args: argparse.Namespace, app: Any, events: str) -> None:
         await engine.close()
         fail(str(err))
     app.state.engine = engine
+    freeze_heap()  # this process serves this engine for its life: no full collection walks the start-up heap again
     if args.api_key is None and args.host not in LOOPBACK and not args.host.startswith("127."):
         print(f"{PROG}: warning: serving on {args.host} beyond loopback without --api_key", file=sys.stderr)
     log_level = "info" if args.access_log else "warning"
