@@ -26,17 +26,39 @@ model). Other attention groups at that block size must hold the chain too; group
 coarser block size are not consulted (no model here has one besides its states).
 A prompt that leaves a published chain between two checkpoints is credited past the
 earlier one: the router's prefix match cannot know where the engine resumes inside a
-chain. Pure host code: no JAX, no sockets.
+chain.
+
+The host tier (CPU offloading) follows the same rule over what the host tier and the
+device hold together: :meth:`StateAwareEvents.apply` takes the host catalogs' events as
+well, each key a copy of its block in its group, so a block counts as cached where
+either tier holds it and a checkpoint where either holds the state. Fed the device's
+events and the host's, a transform publishes the chains a hit can use with the host
+tier's help; it always holds the device-only transform's chains (the host tier only
+adds copies), so a router that ignores the medium stays consistent. Host keys name no
+parent: the chain comes from the device stores, and the links of blocks that left the
+device are kept a while (the last :data:`FORGOTTEN_LINKS`) for the host's store of them,
+which completes after the device has freed them. The engine's host hit starts where the
+device hit ends and needs the host to hold every block after it; a block evicted from
+the host but still on the device between the two counts here as held (the on-eviction
+store puts a hit's blocks on the host together, so this is rare). Pure host code: no
+JAX, no sockets.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jaxkv.core.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.offload.catalog import KeysStored, OffloadEvent
 from jaxkv.planner import KVCacheConfig
 from jaxkv.specs import MambaSpec
+
+FORGOTTEN_LINKS = 1 << 16
+"""How many links (parent, tokens) of blocks no tier holds any more are remembered, for a host store completing late."""
+
+_Link = tuple[bytes | None, int, tuple[int, ...], str | None]
 
 
 @dataclass(eq=False)
@@ -87,6 +109,7 @@ class StateAwareEvents:
         self._state_index = {g: i for i, g in enumerate(self.state_groups)}
         self._blocks: dict[bytes, _Block] = {}
         self._published: set[bytes] = set()
+        self._gone: OrderedDict[bytes, _Link] = OrderedDict()
 
     @classmethod
     def for_config(cls, config: KVCacheConfig) -> StateAwareEvents | None:
@@ -106,8 +129,9 @@ class StateAwareEvents:
         return frozenset(self._published)
 
     # ------------------------------------------------------------- the transform
-    def apply(self, events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
-        """The output events for one step's manager events, in order."""
+    def apply(self, events: Iterable[KVCacheEvent], host: Iterable[OffloadEvent] = ()) -> list[KVCacheEvent]:
+        """The output events for one step's manager events, then its host catalogs' events
+        (keys of any group; see the module doc), in order."""
         out: list[KVCacheEvent] = []
         for e in events:
             if isinstance(e, AllBlocksCleared):
@@ -119,6 +143,11 @@ class StateAwareEvents:
             elif isinstance(e, BlockRemoved):
                 for h in e.block_hashes:
                     self._count(e.group, h, -1, out)
+        for change in host:
+            delta = 1 if isinstance(change, KeysStored) else -1
+            for key, group in change.keys:
+                assert isinstance(key, bytes)  # the offload connector keys its host tier by block hash
+                self._count(group, key, delta, out)
         return out
 
     def _stored(self, e: BlockStored, out: list[KVCacheEvent]) -> None:
@@ -135,12 +164,28 @@ class StateAwareEvents:
         for h in e.block_hashes:
             self._count(e.group, h, +1, out)
 
+    def _new_block(self, h: bytes) -> _Block:
+        b = self._blocks[h] = _Block(attention=[0] * len(self.attention_groups), states=[0] * len(self.state_groups))
+        return b
+
     def _block(self, h: bytes) -> _Block:
+        """``h``'s entry, made if needed with its link (and its ancestors') if remembered."""
         b = self._blocks.get(h)
-        if b is None:
-            b = self._blocks[h] = _Block(
-                attention=[0] * len(self.attention_groups), states=[0] * len(self.state_groups)
-            )
+        if b is not None:
+            return b
+        b = child = self._new_block(h)
+        while (link := self._gone.pop(h, None)) is not None:
+            child.linked = True
+            child.parent, child.block_size, child.token_ids, child.lora_name = link
+            if child.parent is None:
+                break
+            parent = self._blocks.get(child.parent)
+            if parent is not None:
+                parent.children.add(h)
+                break
+            parent = self._new_block(child.parent)
+            parent.children.add(h)
+            h, child = child.parent, parent
         return b
 
     def _count(self, group: int, h: bytes, delta: int, out: list[KVCacheEvent]) -> None:
@@ -235,6 +280,10 @@ class StateAwareEvents:
             if any(b.attention) or any(b.states) or b.children or h in self._published:
                 return
             del self._blocks[h]
+            if b.linked:
+                self._gone[h] = (b.parent, b.block_size, b.token_ids, b.lora_name)
+                while len(self._gone) > FORGOTTEN_LINKS:
+                    self._gone.popitem(last=False)
             if not b.linked or b.parent is None or b.parent not in self._blocks:
                 return
             self._blocks[b.parent].children.discard(h)
