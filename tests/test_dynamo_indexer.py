@@ -1,6 +1,7 @@
 """NVIDIA Dynamo's standalone KV indexer (``python -m dynamo.indexer`` of ``ai-dynamo-runtime``)
 fed by jaxkv engines' KV events scores a prompt's overlap per replica as jaxkv's own
-:class:`~jaxkv.fleet.prefix_index.PrefixIndex` does. Runs where the venv that
+:class:`~jaxkv.fleet.prefix_index.PrefixIndex` does, live or joining late (by replay), for an
+attention-only model and for a hybrid's state-aware events. Runs where the venv that
 ``JAXKV_DYNAMO_VENV`` names has Dynamo (``pip install ai-dynamo-runtime==1.6.1``, no CUDA
 needed); skips with the reason elsewhere."""
 
