@@ -12,7 +12,7 @@ from jaxkv.core.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCache
 from jaxkv.offload.catalog import KeysRemoved, KeysStored
 from jaxkv.planner import plan_kv_cache
 from jaxkv.presets import get_preset
-from jaxkv.serving.state_aware_events import StateAwareEvents
+from jaxkv.serving.state_aware_events import HostTierEvents, StateAwareEvents
 
 STATE, ATTN = 0, 1
 BS = 4
@@ -105,30 +105,27 @@ def test_only_models_with_recurrent_groups_get_a_transform():
         StateAwareEvents([ATTN], [])
 
 
-def test_the_host_tier_adds_what_a_hit_can_use_with_it_and_keeps_the_links_of_blocks_the_device_freed():
-    device, with_host = StateAwareEvents([ATTN], [STATE]), StateAwareEvents([ATTN], [STATE])
-    step = [stored(ATTN, [1, 2, 3]), stored(STATE, [1])]
-    assert device.apply(step) == [BlockStored(ATTN, (h(1),), None, BS, tokens([1]), None)]
-    with_host.apply(step)
-    # a checkpoint at 3 only on host: the whole chain is usable with the host tier
-    out = with_host.apply([], [KeysStored(((h(3), STATE),))])
-    assert out == [BlockStored(ATTN, (h(2), h(3)), h(1), BS, tokens([2, 3]), None)]
-    assert with_host.apply([], [KeysRemoved(((h(3), STATE),))]) == [
-        BlockRemoved(ATTN, (h(2),)),
-        BlockRemoved(ATTN, (h(3),)),
+def test_the_host_tier_adds_chains_to_host_checkpoints_and_keeps_the_links_of_blocks_the_device_freed():
+    device, host = StateAwareEvents([ATTN], [STATE]), HostTierEvents([ATTN], [STATE])
+
+    def step(events: list[KVCacheEvent], keys: list[KeysStored | KeysRemoved] = ()) -> list[KVCacheEvent]:
+        return host.apply(events, device.apply(events), keys)
+
+    assert step([stored(ATTN, [1, 2, 3]), stored(STATE, [1])]) == [
+        BlockStored(ATTN, (h(1),), None, BS, tokens([1]), None)
+    ], "the device's chains"
+    # a checkpoint at 3 on host: the whole chain is usable with the host tier
+    assert step([], [KeysStored(((h(3), STATE),))]) == [BlockStored(ATTN, (h(2), h(3)), h(1), BS, tokens([2, 3]), None)]
+    assert step([], [KeysRemoved(((h(3), STATE),))]) == [BlockRemoved(ATTN, (h(2),)), BlockRemoved(ATTN, (h(3),))]
+    # a checkpoint at 3 on the device only, its blocks on host only: no hit ends there
+    assert step([removed(ATTN, 3), removed(ATTN, 2)], [KeysStored(((h(2), ATTN), (h(3), ATTN)))]) == []
+    assert step([stored(STATE, [3], parent=2)]) == []
+    # the device frees 3's state; host stores it after: the links came back with the host's stores
+    assert step([removed(STATE, 3)], [KeysStored(((h(3), STATE),))]) == [
+        BlockStored(ATTN, (h(2), h(3)), h(1), BS, tokens([2, 3]), None)
     ]
-    # the device frees 2 and 3 (and 3's state) before their host store completes
-    step = [stored(STATE, [3], parent=2), removed(ATTN, 3), removed(STATE, 3), removed(ATTN, 2)]
-    device.apply(step)
-    with_host.apply(step)
-    # the links come back with the host's store: announced with their parent and tokens
-    out = with_host.apply([], [KeysStored(((h(2), ATTN), (h(3), ATTN), (h(3), STATE)))])
-    assert out == [BlockStored(ATTN, (h(2), h(3)), h(1), BS, tokens([2, 3]), None)]
-    assert with_host.apply([], [KeysRemoved(((h(2), ATTN),))]) == [
-        BlockRemoved(ATTN, (h(2),)),
-        BlockRemoved(ATTN, (h(3),)),
-    ]
-    assert with_host.published() == device.published() == {h(1)}
+    assert step([], [KeysRemoved(((h(2), ATTN),))]) == [BlockRemoved(ATTN, (h(2),)), BlockRemoved(ATTN, (h(3),))]
+    assert host.published() == device.published() == {h(1)}
 
 
 def expected(parents: dict[int, int | None], attn: dict[int, int], state: dict[int, int]) -> set[bytes]:
@@ -208,10 +205,10 @@ def test_random_streams_announce_exactly_the_resumable_blocks_and_replay_to_the_
 def test_random_device_and_host_streams_announce_what_the_two_tiers_together_resume(seed):
     """Random device stores and evictions and host stores and evictions (keys announced
     once, as the host catalog does, often after the device freed the block): after every
-    step the host-aware announced set is the definition over either tier's copies, it
-    holds the device-only set, and folding its output stream gives it back."""
+    step the host tier's announced set is the device's chains and the chains cached on
+    either tier up to a checkpoint on host, and folding its output stream gives it back."""
     rng = random.Random(seed)
-    device, with_host = StateAwareEvents([ATTN], [STATE]), StateAwareEvents([ATTN], [STATE])
+    device, with_host = StateAwareEvents([ATTN], [STATE]), HostTierEvents([ATTN], [STATE])
     parents: dict[int, int | None] = {}
     dev: dict[tuple[int, int], int] = {}  # (group, block) -> device copies
     host: set[tuple[int, int]] = set()
@@ -260,10 +257,13 @@ def test_random_device_and_host_streams_announce_what_the_two_tiers_together_res
                 key = rng.choice(sorted(host))
                 host.remove(key)
                 host_step.append(KeysRemoved(((h(key[1]), key[0]),)))
-        device.apply(step)
-        stream += with_host.apply(step, host_step)
-        either = {g: {i: dev.get((g, i), 0) + ((g, i) in host) for i in parents} for g in (ATTN, STATE)}
-        assert with_host.published() == expected(parents, either[ATTN], either[STATE])
+        stream += with_host.apply(step, device.apply(step), host_step)
+        on_device = {g: {i: dev.get((g, i), 0) for i in parents} for g in (ATTN, STATE)}
+        either = {i: on_device[ATTN][i] + ((ATTN, i) in host) for i in parents}
+        on_host = {i: int((STATE, i) in host) for i in parents}
+        assert with_host.published() == expected(parents, on_device[ATTN], on_device[STATE]) | expected(
+            parents, either, on_host
+        )
         assert device.published() <= with_host.published()
         host_added += device.published() < with_host.published()
     announced: set[bytes] = set()

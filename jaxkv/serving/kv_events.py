@@ -50,9 +50,10 @@ and the host tier's as ``"CPU"``. For a model with recurrent layers it publishes
 default what a hit can use (:mod:`jaxkv.serving.state_aware_events`: attention blocks
 announced once a state checkpoint lets a prompt resume on their chain, withdrawn when
 none does, with no ``group_idx``), so a KV-event router credits only chains a prompt
-can resume on; its host tier's ``"CPU"`` events then follow the same rule over what the
-host tier and the device hold together (chains with parents and token ids, no group,
-a superset of the ``"GPU"`` chains); ``state_aware=False`` publishes every group's blocks and checkpoints as
+can resume on; its host tier's ``"CPU"`` events then announce the chains a hit can use
+with the host tier's help (:class:`~jaxkv.serving.state_aware_events.HostTierEvents`:
+chains with parents and token ids, no group, a superset of the ``"GPU"`` chains);
+``state_aware=False`` publishes every group's blocks and checkpoints as
 the manager records them, each with its ``group_idx`` (as attention-only models always
 are). ZeroMQ (pyzmq) and msgspec are the optional extra ``jaxkv[events]``: only this
 module, :mod:`jaxkv.fleet.prefix_index` and the routing modules
@@ -80,7 +81,7 @@ except ModuleNotFoundError as err:
 
 from jaxkv.core.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from jaxkv.offload.catalog import KeysRemoved, KeysStored, OffloadEvent
-from jaxkv.serving.state_aware_events import StateAwareEvents
+from jaxkv.serving.state_aware_events import HostTierEvents, StateAwareEvents
 from jaxkv.serving.zmq_security import CurveKeys, SecureContext, check_endpoint
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ class _Transforms:
 
     manager: KVCacheManager
     device: StateAwareEvents | None
-    with_host: StateAwareEvents | None
+    with_host: HostTierEvents | None
 
 
 class KVEventPublisher:
@@ -368,18 +369,19 @@ class KVEventPublisher:
         ``create`` for such a manager does). A state-aware publisher follows one manager,
         and its host tier if any, from its first step on (another manager, or a host tier
         that was not there at the first step, is refused); the host tier's events go out
-        state-aware too (what a hit can use with the host tier's help, see
-        :mod:`jaxkv.serving.state_aware_events`).
+        state-aware too (what a hit can use with the host tier's help:
+        :class:`~jaxkv.serving.state_aware_events.HostTierEvents`).
         """
         transforms = self._transforms_for(manager, connector)
         device = manager.take_events()
         host = connector.take_events() if connector is not None else []
         host_chain: list[KVCacheEvent] = []
         if transforms.device is not None:
+            device_out = transforms.device.apply(device)
             if transforms.with_host is not None:
-                host_chain = transforms.with_host.apply(device, host)
+                host_chain = transforms.with_host.apply(device, device_out, host)
                 host = []
-            device = transforms.device.apply(device)
+            device = device_out
         events = wire_events(
             device,
             host,
@@ -397,7 +399,9 @@ class KVEventPublisher:
             return _Transforms(manager, None, None)
         if self._state_aware is None:
             device = StateAwareEvents.for_config(manager.config)
-            with_host = StateAwareEvents.for_config(manager.config) if connector is not None else None
+            with_host = None
+            if device is not None and connector is not None:
+                with_host = HostTierEvents(device.attention_groups, device.state_groups)
             self._state_aware = _Transforms(manager, device, with_host)
         elif self._state_aware.manager is not manager:
             raise KVEventsError("a state-aware publisher follows one manager; this step came from another")

@@ -28,19 +28,12 @@ A prompt that leaves a published chain between two checkpoints is credited past 
 earlier one: the router's prefix match cannot know where the engine resumes inside a
 chain.
 
-The host tier (CPU offloading) follows the same rule over what the host tier and the
-device hold together: :meth:`StateAwareEvents.apply` takes the host catalogs' events as
-well, each key a copy of its block in its group, so a block counts as cached where
-either tier holds it and a checkpoint where either holds the state. Fed the device's
-events and the host's, a transform publishes the chains a hit can use with the host
-tier's help; it always holds the device-only transform's chains (the host tier only
-adds copies), so a router that ignores the medium stays consistent. Host keys name no
-parent: the chain comes from the device stores, and the links of blocks that left the
-device are kept a while (the last :data:`FORGOTTEN_LINKS`) for the host's store of them,
-which completes after the device has freed them. The engine's host hit starts where the
-device hit ends and needs the host to hold every block after it; a block evicted from
-the host but still on the device between the two counts here as held (the on-eviction
-store puts a hit's blocks on the host together, so this is rare). Pure host code: no
+The host tier (CPU offloading) is announced by :class:`HostTierEvents`: the chains a hit
+can use with the host tier's help, as the connector serves one (the device hit, then
+host blocks up to a checkpoint on host). Host keys name no parent: the chain comes from
+the device stores, and the links of blocks that left the device are kept a while (the
+last :data:`FORGOTTEN_LINKS`) for the host's store of them, which completes after the
+device has freed them. Pure host code: no
 JAX, no sockets.
 """
 
@@ -131,7 +124,7 @@ class StateAwareEvents:
     # ------------------------------------------------------------- the transform
     def apply(self, events: Iterable[KVCacheEvent], host: Iterable[OffloadEvent] = ()) -> list[KVCacheEvent]:
         """The output events for one step's manager events, then its host catalogs' events
-        (keys of any group; see the module doc), in order."""
+        (each key one more copy of its block in its group), in order."""
         out: list[KVCacheEvent] = []
         for e in events:
             if isinstance(e, AllBlocksCleared):
@@ -257,18 +250,7 @@ class StateAwareEvents:
         if want:
             self._published.add(h)
             b = self._blocks[h]
-            last = out[-1] if out else None
-            if isinstance(last, BlockStored) and last.block_hashes[-1] == b.parent and last.lora_name == b.lora_name:
-                out[-1] = BlockStored(
-                    group,
-                    (*last.block_hashes, h),
-                    last.parent_block_hash,
-                    b.block_size,
-                    last.token_ids + b.token_ids,
-                    b.lora_name,
-                )
-            else:
-                out.append(BlockStored(group, (h,), b.parent, b.block_size, b.token_ids, b.lora_name))
+            _append_store(out, BlockStored(group, (h,), b.parent, b.block_size, b.token_ids, b.lora_name))
         else:
             self._published.discard(h)
             out.append(BlockRemoved(group, (h,)))
@@ -288,3 +270,76 @@ class StateAwareEvents:
                 return
             self._blocks[b.parent].children.discard(h)
             h = b.parent
+
+
+class HostTierEvents:
+    """What a hybrid announces for its host tier (medium ``"CPU"``): the chains a hit can
+    use with the host tier's help, as one chain stream of the reference group.
+
+    The connector serves a hit as the device hit, then host blocks after it up to a
+    checkpoint on host. So a block is announced where the device alone resumes on its
+    chain (the device transform's chains, given to :meth:`apply`), or where its chain is
+    cached in the device or the host tier, block by block, and goes on through such blocks
+    to a checkpoint the host holds. The host's on-eviction store puts a hit's blocks on
+    host together with its checkpoint, so the device blocks on the way are on host too
+    (a host eviction of one of them alone is not seen here). The announced set holds the
+    device chains, so a router that ignores the medium stays consistent.
+    """
+
+    def __init__(self, attention_groups: Sequence[int], state_groups: Sequence[int]) -> None:
+        self._chains = StateAwareEvents(attention_groups, state_groups)
+        self._refs: dict[bytes, int] = {}
+        """Per hash announced, how many of the two sets hold it (device chains, host chains)."""
+
+    def published(self) -> frozenset[bytes]:
+        """The hashes announced as cached now."""
+        return frozenset(self._refs)
+
+    def apply(
+        self, events: Sequence[KVCacheEvent], device_out: Sequence[KVCacheEvent], host: Iterable[OffloadEvent]
+    ) -> list[KVCacheEvent]:
+        """The output events for one step: its manager ``events``, the device transform's
+        output for them ``device_out``, and the host catalogs' events ``host``."""
+        states = set(self._chains.state_groups)
+        kv = [e for e in events if isinstance(e, AllBlocksCleared) or e.group not in states]
+        out: list[KVCacheEvent] = []
+        for e in (*device_out, *self._chains.apply(kv, host)):
+            if isinstance(e, AllBlocksCleared):
+                self._refs.clear()
+                out.append(e)
+            elif isinstance(e, BlockStored):
+                parent = e.parent_block_hash
+                for i, h in enumerate(e.block_hashes):
+                    self._refs[h] = self._refs.get(h, 0) + 1
+                    if self._refs[h] == 1:
+                        tokens = e.token_ids[i * e.block_size : (i + 1) * e.block_size]
+                        _append_store(out, BlockStored(e.group, (h,), parent, e.block_size, tokens, e.lora_name))
+                    parent = h
+            elif isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    self._refs[h] -= 1
+                    if not self._refs[h]:
+                        del self._refs[h]
+                        out.append(BlockRemoved(e.group, (h,)))
+        return out
+
+
+def _append_store(out: list[KVCacheEvent], e: BlockStored) -> None:
+    """Append a one-block store, joined to the run before it when it continues it."""
+    last = out[-1] if out else None
+    if (
+        isinstance(last, BlockStored)
+        and last.block_hashes[-1] == e.parent_block_hash
+        and last.lora_name == e.lora_name
+        and last.group == e.group
+    ):
+        out[-1] = BlockStored(
+            e.group,
+            (*last.block_hashes, *e.block_hashes),
+            last.parent_block_hash,
+            e.block_size,
+            last.token_ids + e.token_ids,
+            e.lora_name,
+        )
+    else:
+        out.append(e)
