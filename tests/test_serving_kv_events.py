@@ -18,6 +18,8 @@ from jaxkv.core import pool  # noqa: E402
 from jaxkv.core.manager import Request  # noqa: E402
 from jaxkv.device.metadata import Buckets  # noqa: E402
 from jaxkv.offload.catalog import KeysRemoved, KeysStored  # noqa: E402
+from jaxkv.planner import plan_kv_cache  # noqa: E402
+from jaxkv.presets import get_preset  # noqa: E402
 from jaxkv.serving.engine import Engine  # noqa: E402
 from jaxkv.serving.kv_events import (  # noqa: E402
     KVEventPublisher,
@@ -251,6 +253,62 @@ def test_host_events_become_cpu_events_one_per_group_run():
         WireBlockStored([3], None, [], 32, None, "CPU", None, group_idx=1),
         WireBlockRemoved([1], "CPU", group_idx=0),
     ]
+
+
+def test_a_host_chain_becomes_cpu_events_with_parents_and_tokens_and_no_group():
+    chain = [stored(1, (h(1), h(2)), parent=h(0)), pool.BlockRemoved(1, (h(2),)), pool.AllBlocksCleared()]
+    assert wire_events([], host_chain=chain) == [
+        WireBlockStored([1, 2], 0, list(range(32)), 16, None, "CPU", None),
+        WireBlockRemoved([2], "CPU"),
+    ], "a reset goes out with the device's events, once"
+
+
+class FakeHybrid:
+    """A hybrid manager's (and host tier's) surface for publish_step: its plan and recorded events."""
+
+    def __init__(self) -> None:
+        self.config = plan_kv_cache(get_preset("qwen3-next-80b"), 8 << 30, max_model_len=4096)
+        self.block_sizes = [g.block_size for g in self.config.groups]
+        self.events: list = []
+
+    def take_events(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+
+def test_a_hybrids_host_tier_publishes_what_a_hit_can_use_with_it():
+    manager, connector = FakeHybrid(), FakeHybrid()
+    attn, state = 1, 0  # the plan's groups: full attention, Gated DeltaNet
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True, replay_endpoint=LOOPBACK) as pub:
+        manager.events = [stored(attn, (h(1), h(2))), stored(state, (h(1),))]
+        assert pub.publish_step(manager, connector) == 0
+        connector.events = [KeysStored(((h(2), state),))]  # the checkpoint at 2 reached host only
+        assert pub.publish_step(manager, connector) == 1
+        other = FakeHybrid()
+        other.events = [stored(attn, (h(9),))]
+        with pytest.raises(KVEventsError, match="one manager"):
+            pub.publish_step(other, connector)
+        assert other.events, "a refused step takes nothing"
+        (_, first), (_, second), _ = replay(pub.replay_endpoint, 0)
+    device = WireBlockStored([1], None, list(range(16)), 16, None, "GPU", None)
+    with_host = WireBlockStored([1], None, list(range(16)), 16, None, "CPU", None)
+    assert msgspec.msgpack.decode(first, type=WireEventBatch).events == [device, with_host]
+    assert msgspec.msgpack.decode(second, type=WireEventBatch).events == [
+        WireBlockStored([2], 1, list(range(16, 32)), 16, None, "CPU", None)
+    ], "host keys name no parent: the chain comes from the device's stores"
+
+
+def test_a_state_aware_publisher_refuses_a_host_tier_it_did_not_follow_from_the_start():
+    manager, connector = FakeHybrid(), FakeHybrid()
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True) as pub:
+        manager.events = [stored(1, (h(1),)), stored(0, (h(1),))]
+        pub.publish_step(manager)
+        manager.events = [pool.BlockRemoved(1, (h(1),))]
+        with pytest.raises(KVEventsError, match="host tier"):
+            pub.publish_step(manager, connector)
+        assert manager.events, "a refused step takes nothing"
+    with KVEventPublisher(LOOPBACK, plaintext_tcp=True, state_aware=False) as raw:
+        assert raw.publish_step(manager, connector) == 0  # raw events follow no host tier
 
 
 def test_hashes_may_be_published_as_bytes():

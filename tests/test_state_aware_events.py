@@ -9,9 +9,10 @@ import random
 import pytest
 
 from jaxkv.core.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.offload.catalog import KeysRemoved, KeysStored
 from jaxkv.planner import plan_kv_cache
 from jaxkv.presets import get_preset
-from jaxkv.serving.state_aware_events import StateAwareEvents
+from jaxkv.serving.state_aware_events import HostTierEvents, StateAwareEvents
 
 STATE, ATTN = 0, 1
 BS = 4
@@ -104,6 +105,29 @@ def test_only_models_with_recurrent_groups_get_a_transform():
         StateAwareEvents([ATTN], [])
 
 
+def test_the_host_tier_adds_chains_to_host_checkpoints_and_keeps_the_links_of_blocks_the_device_freed():
+    device, host = StateAwareEvents([ATTN], [STATE]), HostTierEvents([ATTN], [STATE])
+
+    def step(events: list[KVCacheEvent], keys: list[KeysStored | KeysRemoved] = ()) -> list[KVCacheEvent]:
+        return host.apply(events, device.apply(events), keys)
+
+    assert step([stored(ATTN, [1, 2, 3]), stored(STATE, [1])]) == [
+        BlockStored(ATTN, (h(1),), None, BS, tokens([1]), None)
+    ], "the device's chains"
+    # a checkpoint at 3 on host: the whole chain is usable with the host tier
+    assert step([], [KeysStored(((h(3), STATE),))]) == [BlockStored(ATTN, (h(2), h(3)), h(1), BS, tokens([2, 3]), None)]
+    assert step([], [KeysRemoved(((h(3), STATE),))]) == [BlockRemoved(ATTN, (h(2),)), BlockRemoved(ATTN, (h(3),))]
+    # a checkpoint at 3 on the device only, its blocks on host only: no hit ends there
+    assert step([removed(ATTN, 3), removed(ATTN, 2)], [KeysStored(((h(2), ATTN), (h(3), ATTN)))]) == []
+    assert step([stored(STATE, [3], parent=2)]) == []
+    # the device frees 3's state; host stores it after: the links came back with the host's stores
+    assert step([removed(STATE, 3)], [KeysStored(((h(3), STATE),))]) == [
+        BlockStored(ATTN, (h(2), h(3)), h(1), BS, tokens([2, 3]), None)
+    ]
+    assert step([], [KeysRemoved(((h(2), ATTN),))]) == [BlockRemoved(ATTN, (h(2),)), BlockRemoved(ATTN, (h(3),))]
+    assert host.published() == device.published() == {h(1)}
+
+
 def expected(parents: dict[int, int | None], attn: dict[int, int], state: dict[int, int]) -> set[bytes]:
     """The definition, by brute force: the chain to the block cached, and a checkpoint on
     or after it reachable through cached blocks."""
@@ -175,3 +199,74 @@ def test_random_streams_announce_exactly_the_resumable_blocks_and_replay_to_the_
     fold(announced, stream)
     assert announced == t.published()
     assert announced  # the stream was not empty all along
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_device_and_host_streams_announce_what_the_two_tiers_together_resume(seed):
+    """Random device stores and evictions and host stores and evictions (keys announced
+    once, as the host catalog does, often after the device freed the block): after every
+    step the host tier's announced set is the device's chains and the chains cached on
+    either tier up to a checkpoint on host, and folding its output stream gives it back."""
+    rng = random.Random(seed)
+    device, with_host = StateAwareEvents([ATTN], [STATE]), HostTierEvents([ATTN], [STATE])
+    parents: dict[int, int | None] = {}
+    dev: dict[tuple[int, int], int] = {}  # (group, block) -> device copies
+    host: set[tuple[int, int]] = set()
+    in_flight: list[tuple[int, int]] = []  # freed by the device, its host store not complete yet
+    stream: list[KVCacheEvent] = []
+    host_added = 0  # steps where the host tier made more resumable than the device alone
+
+    def held(group: int) -> list[int]:
+        return [i for (g, i), n in dev.items() if g == group and n]
+
+    for _ in range(300):
+        step: list[KVCacheEvent] = []
+        host_step: list[KeysStored | KeysRemoved] = []
+        for _ in range(rng.randint(1, 4)):
+            kind = rng.random()
+            if kind < 0.35:  # a request caches a chain on device, from a cached block (or the root) on
+                start = rng.choice([None, *held(ATTN)])
+                ids = list(range(len(parents) + 1, len(parents) + 1 + rng.randint(1, 4)))
+                parent = start
+                for i in ids:
+                    parents[i], parent = parent, i
+                    dev[ATTN, i] = dev.get((ATTN, i), 0) + 1
+                step.append(stored(ATTN, ids, start))
+                if rng.random() < 0.7:
+                    c = rng.choice(ids)
+                    dev[STATE, c] = dev.get((STATE, c), 0) + 1
+                    step.append(stored(STATE, [c], parents[c]))
+            elif kind < 0.55 and parents:  # evicted from device
+                group = rng.choice([ATTN, STATE])
+                if held(group):
+                    i = rng.choice(held(group))
+                    dev[group, i] -= 1
+                    step.append(removed(group, i))
+                    if rng.random() < 0.6:
+                        in_flight.append((group, i))
+            elif kind < 0.8 and parents:  # a store to host completes, mostly of what the device freed
+                key = (
+                    in_flight.pop(0)
+                    if in_flight and rng.random() < 0.8
+                    else (rng.choice([ATTN, STATE]), rng.choice(list(parents)))
+                )
+                if key not in host:
+                    host.add(key)
+                    host_step.append(KeysStored(((h(key[1]), key[0]),)))
+            elif host:  # evicted from host
+                key = rng.choice(sorted(host))
+                host.remove(key)
+                host_step.append(KeysRemoved(((h(key[1]), key[0]),)))
+        stream += with_host.apply(step, device.apply(step), host_step)
+        on_device = {g: {i: dev.get((g, i), 0) for i in parents} for g in (ATTN, STATE)}
+        either = {i: on_device[ATTN][i] + ((ATTN, i) in host) for i in parents}
+        on_host = {i: int((STATE, i) in host) for i in parents}
+        assert with_host.published() == expected(parents, on_device[ATTN], on_device[STATE]) | expected(
+            parents, either, on_host
+        )
+        assert device.published() <= with_host.published()
+        host_added += device.published() < with_host.published()
+    announced: set[bytes] = set()
+    fold(announced, stream)
+    assert announced == with_host.published()
+    assert host_added > 0

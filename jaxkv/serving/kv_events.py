@@ -50,7 +50,10 @@ and the host tier's as ``"CPU"``. For a model with recurrent layers it publishes
 default what a hit can use (:mod:`jaxkv.serving.state_aware_events`: attention blocks
 announced once a state checkpoint lets a prompt resume on their chain, withdrawn when
 none does, with no ``group_idx``), so a KV-event router credits only chains a prompt
-can resume on; ``state_aware=False`` publishes every group's blocks and checkpoints as
+can resume on; its host tier's ``"CPU"`` events then announce the chains a hit can use
+with the host tier's help (:class:`~jaxkv.serving.state_aware_events.HostTierEvents`:
+chains with parents and token ids, no group, a superset of the ``"GPU"`` chains);
+``state_aware=False`` publishes every group's blocks and checkpoints as
 the manager records them, each with its ``group_idx`` (as attention-only models always
 are). ZeroMQ (pyzmq) and msgspec are the optional extra ``jaxkv[events]``: only this
 module, :mod:`jaxkv.fleet.prefix_index` and the routing modules
@@ -65,6 +68,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jaxkv.errors import JaxkvError, raise_missing_extra
@@ -77,7 +81,7 @@ except ModuleNotFoundError as err:
 
 from jaxkv.core.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from jaxkv.offload.catalog import KeysRemoved, KeysStored, OffloadEvent
-from jaxkv.serving.state_aware_events import StateAwareEvents
+from jaxkv.serving.state_aware_events import HostTierEvents, StateAwareEvents
 from jaxkv.serving.zmq_security import CurveKeys, SecureContext, check_endpoint
 
 if TYPE_CHECKING:
@@ -159,18 +163,24 @@ def wire_events(
     int_hashes: bool = True,
     include_token_ids: bool = True,
     device_group_idx: bool = True,
+    host_chain: Iterable[KVCacheEvent] = (),
 ) -> list[AnyWireEvent]:
     """The wire form of one step's events: the device pools' (medium ``"GPU"``), then the
     host tier's (``"CPU"``, one event per run of keys of one group; ``block_sizes`` gives
-    each group's block size). ``include_token_ids=False`` leaves stored blocks' token ids
-    out; ``device_group_idx=False`` the device events' group (a single-group view: state-aware
-    events)."""
+    each group's block size), then ``host_chain``: state-aware events of the chains a hit
+    can use with the host tier (``"CPU"``, no group, with parents and token ids; a reset
+    in it is left out, the device's goes out). ``include_token_ids=False`` leaves stored
+    blocks' token ids out; ``device_group_idx=False`` the device events' group (a
+    single-group view: state-aware events)."""
 
     def ext(h: bytes) -> ExternalBlockHash:
         return external_hash(h, as_int=int_hashes)
 
     out: list[AnyWireEvent] = []
-    for e in device:
+    chains = [(e, MEDIUM_DEVICE, device_group_idx) for e in device]
+    chains += [(e, MEDIUM_HOST, False) for e in host_chain if not isinstance(e, AllBlocksCleared)]
+    for e, medium, with_group in chains:
+        group_idx = e.group if with_group and not isinstance(e, AllBlocksCleared) else None
         if isinstance(e, BlockStored):
             out.append(
                 WireBlockStored(
@@ -179,14 +189,13 @@ def wire_events(
                     token_ids=list(e.token_ids) if include_token_ids else [],
                     block_size=e.block_size,
                     lora_id=None,
-                    medium=MEDIUM_DEVICE,
+                    medium=medium,
                     lora_name=e.lora_name,
-                    group_idx=e.group if device_group_idx else None,
+                    group_idx=group_idx,
                 )
             )
         elif isinstance(e, BlockRemoved):
-            group_idx = e.group if device_group_idx else None
-            out.append(WireBlockRemoved([ext(h) for h in e.block_hashes], MEDIUM_DEVICE, group_idx=group_idx))
+            out.append(WireBlockRemoved([ext(h) for h in e.block_hashes], medium, group_idx=group_idx))
         elif isinstance(e, AllBlocksCleared):
             out.append(WireAllBlocksCleared())
     for change in host:
@@ -202,6 +211,16 @@ def wire_events(
             elif isinstance(change, KeysRemoved):
                 out.append(WireBlockRemoved(hashes, MEDIUM_HOST, group_idx=group))
     return out
+
+
+@dataclass(frozen=True)
+class _Transforms:
+    """A state-aware publisher's transforms of one manager's events: the device's alone,
+    and the device's with the host tier's (None: published as recorded)."""
+
+    manager: KVCacheManager
+    device: StateAwareEvents | None
+    with_host: HostTierEvents | None
 
 
 class KVEventPublisher:
@@ -265,7 +284,7 @@ class KVEventPublisher:
         self.int_block_hashes = int_block_hashes
         self.include_token_ids = include_token_ids
         self.state_aware = state_aware
-        self._state_aware: tuple[KVCacheManager, StateAwareEvents | None] | None = None
+        self._state_aware: _Transforms | None = None
         self._secure = SecureContext(curve, plaintext_tcp=plaintext_tcp)
         self._replay: zmq.Socket | None = None
         try:
@@ -347,34 +366,50 @@ class KVEventPublisher:
 
         The manager must record events (``enable_events=True``); so must the host
         catalogs (an :class:`~jaxkv.serving.offload_connector.OffloadConnector` made by
-        ``create`` for such a manager does). A state-aware publisher follows one manager
-        from its first step on (another one is refused). The host tier's events go out as
-        recorded (not state-aware).
+        ``create`` for such a manager does). A state-aware publisher follows one manager,
+        and its host tier if any, from its first step on (another manager, or a host tier
+        that was not there at the first step, is refused); the host tier's events go out
+        state-aware too (what a hit can use with the host tier's help:
+        :class:`~jaxkv.serving.state_aware_events.HostTierEvents`).
         """
+        transforms = self._transforms_for(manager, connector)
         device = manager.take_events()
-        transform = self._transform_for(manager)
-        if transform is not None:
-            device = transform.apply(device)
-        host = connector.take_events() if connector is not None else ()
+        host = connector.take_events() if connector is not None else []
+        host_chain: list[KVCacheEvent] = []
+        if transforms.device is not None:
+            device_out = transforms.device.apply(device)
+            if transforms.with_host is not None:
+                host_chain = transforms.with_host.apply(device, device_out, host)
+                host = []
+            device = device_out
         events = wire_events(
             device,
             host,
             manager.block_sizes,
             int_hashes=self.int_block_hashes,
             include_token_ids=self.include_token_ids,
-            device_group_idx=transform is None,
+            device_group_idx=transforms.device is None,
+            host_chain=host_chain,
         )
         return self.publish(events) if events else None
 
-    def _transform_for(self, manager: KVCacheManager) -> StateAwareEvents | None:
-        """The state-aware transform of ``manager``'s events (None: publish as recorded)."""
+    def _transforms_for(self, manager: KVCacheManager, connector: OffloadConnector | None) -> _Transforms:
+        """The state-aware transforms of ``manager``'s events (none: publish as recorded)."""
         if not self.state_aware:
-            return None
+            return _Transforms(manager, None, None)
         if self._state_aware is None:
-            self._state_aware = (manager, StateAwareEvents.for_config(manager.config))
-        elif self._state_aware[0] is not manager:
+            device = StateAwareEvents.for_config(manager.config)
+            with_host = None
+            if device is not None and connector is not None:
+                with_host = HostTierEvents(device.attention_groups, device.state_groups)
+            self._state_aware = _Transforms(manager, device, with_host)
+        elif self._state_aware.manager is not manager:
             raise KVEventsError("a state-aware publisher follows one manager; this step came from another")
-        return self._state_aware[1]
+        elif connector is not None and self._state_aware.device is not None and self._state_aware.with_host is None:
+            raise KVEventsError(
+                "a state-aware publisher follows a host tier from its first step on; this step brought one"
+            )
+        return self._state_aware
 
     # -------------------------------------------------------------- replay
     def _serve_replays(self, replay: zmq.Socket) -> None:

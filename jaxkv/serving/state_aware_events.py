@@ -26,17 +26,32 @@ model). Other attention groups at that block size must hold the chain too; group
 coarser block size are not consulted (no model here has one besides its states).
 A prompt that leaves a published chain between two checkpoints is credited past the
 earlier one: the router's prefix match cannot know where the engine resumes inside a
-chain. Pure host code: no JAX, no sockets.
+chain.
+
+The host tier (CPU offloading) is announced by :class:`HostTierEvents`: the chains a hit
+can use with the host tier's help, as the connector serves one (the device hit, then
+host blocks up to a checkpoint on host). Host keys name no parent: the chain comes from
+the device stores, and the links of blocks that left the device are kept a while (the
+last :data:`FORGOTTEN_LINKS`) for the host's store of them, which completes after the
+device has freed them. Pure host code: no
+JAX, no sockets.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jaxkv.core.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.offload.catalog import KeysStored, OffloadEvent
 from jaxkv.planner import KVCacheConfig
 from jaxkv.specs import MambaSpec
+
+FORGOTTEN_LINKS = 1 << 16
+"""How many links (parent, tokens) of blocks no tier holds any more are remembered, for a host store completing late."""
+
+_Link = tuple[bytes | None, int, tuple[int, ...], str | None]
 
 
 @dataclass(eq=False)
@@ -87,6 +102,7 @@ class StateAwareEvents:
         self._state_index = {g: i for i, g in enumerate(self.state_groups)}
         self._blocks: dict[bytes, _Block] = {}
         self._published: set[bytes] = set()
+        self._gone: OrderedDict[bytes, _Link] = OrderedDict()
 
     @classmethod
     def for_config(cls, config: KVCacheConfig) -> StateAwareEvents | None:
@@ -106,8 +122,9 @@ class StateAwareEvents:
         return frozenset(self._published)
 
     # ------------------------------------------------------------- the transform
-    def apply(self, events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
-        """The output events for one step's manager events, in order."""
+    def apply(self, events: Iterable[KVCacheEvent], host: Iterable[OffloadEvent] = ()) -> list[KVCacheEvent]:
+        """The output events for one step's manager events, then its host catalogs' events
+        (each key one more copy of its block in its group), in order."""
         out: list[KVCacheEvent] = []
         for e in events:
             if isinstance(e, AllBlocksCleared):
@@ -119,6 +136,11 @@ class StateAwareEvents:
             elif isinstance(e, BlockRemoved):
                 for h in e.block_hashes:
                     self._count(e.group, h, -1, out)
+        for change in host:
+            delta = 1 if isinstance(change, KeysStored) else -1
+            for key, group in change.keys:
+                assert isinstance(key, bytes)  # the offload connector keys its host tier by block hash
+                self._count(group, key, delta, out)
         return out
 
     def _stored(self, e: BlockStored, out: list[KVCacheEvent]) -> None:
@@ -135,12 +157,28 @@ class StateAwareEvents:
         for h in e.block_hashes:
             self._count(e.group, h, +1, out)
 
+    def _new_block(self, h: bytes) -> _Block:
+        b = self._blocks[h] = _Block(attention=[0] * len(self.attention_groups), states=[0] * len(self.state_groups))
+        return b
+
     def _block(self, h: bytes) -> _Block:
+        """``h``'s entry, made if needed with its link (and its ancestors') if remembered."""
         b = self._blocks.get(h)
-        if b is None:
-            b = self._blocks[h] = _Block(
-                attention=[0] * len(self.attention_groups), states=[0] * len(self.state_groups)
-            )
+        if b is not None:
+            return b
+        b = child = self._new_block(h)
+        while (link := self._gone.pop(h, None)) is not None:
+            child.linked = True
+            child.parent, child.block_size, child.token_ids, child.lora_name = link
+            if child.parent is None:
+                break
+            parent = self._blocks.get(child.parent)
+            if parent is not None:
+                parent.children.add(h)
+                break
+            parent = self._new_block(child.parent)
+            parent.children.add(h)
+            h, child = child.parent, parent
         return b
 
     def _count(self, group: int, h: bytes, delta: int, out: list[KVCacheEvent]) -> None:
@@ -212,18 +250,7 @@ class StateAwareEvents:
         if want:
             self._published.add(h)
             b = self._blocks[h]
-            last = out[-1] if out else None
-            if isinstance(last, BlockStored) and last.block_hashes[-1] == b.parent and last.lora_name == b.lora_name:
-                out[-1] = BlockStored(
-                    group,
-                    (*last.block_hashes, h),
-                    last.parent_block_hash,
-                    b.block_size,
-                    last.token_ids + b.token_ids,
-                    b.lora_name,
-                )
-            else:
-                out.append(BlockStored(group, (h,), b.parent, b.block_size, b.token_ids, b.lora_name))
+            _append_store(out, BlockStored(group, (h,), b.parent, b.block_size, b.token_ids, b.lora_name))
         else:
             self._published.discard(h)
             out.append(BlockRemoved(group, (h,)))
@@ -235,7 +262,84 @@ class StateAwareEvents:
             if any(b.attention) or any(b.states) or b.children or h in self._published:
                 return
             del self._blocks[h]
+            if b.linked:
+                self._gone[h] = (b.parent, b.block_size, b.token_ids, b.lora_name)
+                while len(self._gone) > FORGOTTEN_LINKS:
+                    self._gone.popitem(last=False)
             if not b.linked or b.parent is None or b.parent not in self._blocks:
                 return
             self._blocks[b.parent].children.discard(h)
             h = b.parent
+
+
+class HostTierEvents:
+    """What a hybrid announces for its host tier (medium ``"CPU"``): the chains a hit can
+    use with the host tier's help, as one chain stream of the reference group.
+
+    The connector serves a hit as the device hit, then host blocks after it up to a
+    checkpoint on host. So a block is announced where the device alone resumes on its
+    chain (the device transform's chains, given to :meth:`apply`), or where its chain is
+    cached in the device or the host tier, block by block, and goes on through such blocks
+    to a checkpoint the host holds. The host's on-eviction store puts a hit's blocks on
+    host together with its checkpoint, so the device blocks on the way are on host too
+    (a host eviction of one of them alone is not seen here). The announced set holds the
+    device chains, so a router that ignores the medium stays consistent.
+    """
+
+    def __init__(self, attention_groups: Sequence[int], state_groups: Sequence[int]) -> None:
+        self._chains = StateAwareEvents(attention_groups, state_groups)
+        self._refs: dict[bytes, int] = {}
+        """Per hash announced, how many of the two sets hold it (device chains, host chains)."""
+
+    def published(self) -> frozenset[bytes]:
+        """The hashes announced as cached now."""
+        return frozenset(self._refs)
+
+    def apply(
+        self, events: Sequence[KVCacheEvent], device_out: Sequence[KVCacheEvent], host: Iterable[OffloadEvent]
+    ) -> list[KVCacheEvent]:
+        """The output events for one step: its manager ``events``, the device transform's
+        output for them ``device_out``, and the host catalogs' events ``host``."""
+        states = set(self._chains.state_groups)
+        kv = [e for e in events if isinstance(e, AllBlocksCleared) or e.group not in states]
+        out: list[KVCacheEvent] = []
+        for e in (*device_out, *self._chains.apply(kv, host)):
+            if isinstance(e, AllBlocksCleared):
+                self._refs.clear()
+                out.append(e)
+            elif isinstance(e, BlockStored):
+                parent = e.parent_block_hash
+                for i, h in enumerate(e.block_hashes):
+                    self._refs[h] = self._refs.get(h, 0) + 1
+                    if self._refs[h] == 1:
+                        tokens = e.token_ids[i * e.block_size : (i + 1) * e.block_size]
+                        _append_store(out, BlockStored(e.group, (h,), parent, e.block_size, tokens, e.lora_name))
+                    parent = h
+            elif isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    self._refs[h] -= 1
+                    if not self._refs[h]:
+                        del self._refs[h]
+                        out.append(BlockRemoved(e.group, (h,)))
+        return out
+
+
+def _append_store(out: list[KVCacheEvent], e: BlockStored) -> None:
+    """Append a one-block store, joined to the run before it when it continues it."""
+    last = out[-1] if out else None
+    if (
+        isinstance(last, BlockStored)
+        and last.block_hashes[-1] == e.parent_block_hash
+        and last.lora_name == e.lora_name
+        and last.group == e.group
+    ):
+        out[-1] = BlockStored(
+            e.group,
+            (*last.block_hashes, *e.block_hashes),
+            last.parent_block_hash,
+            e.block_size,
+            last.token_ids + e.token_ids,
+            e.lora_name,
+        )
+    else:
+        out.append(e)
