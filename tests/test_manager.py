@@ -814,6 +814,35 @@ def test_misses_are_counted_by_cause(tokens):
     assert missed == stats.num_queried_tokens - stats.num_hit_tokens
 
 
+def test_a_prefix_evicted_by_pressure_is_counted_apart_from_one_never_cached(tokens):
+    mgr = make_manager(9, FULL)  # 8 usable blocks of 16 tokens
+    first = Request("first", tokens(0, 100))
+    serve_prompt(mgr, first)
+    mgr.free(first)
+    pusher = Request("pusher", tokens(500, 128))
+    serve_prompt(mgr, pusher)  # takes all 8 blocks: first's 6 cached blocks are evicted
+    mgr.free(pusher)
+    before = mgr.prefix_cache_stats()
+    assert before.num_missed_evicted == 0, "nothing was evicted before pusher's lookup"
+    again = Request("again", tokens(0, 100))
+    assert serve_prompt(mgr, again) == 0
+    stats = mgr.prefix_cache_stats()
+    assert stats.num_missed_evicted - before.num_missed_evicted == 96, "first's 6 whole blocks: cached, then evicted"
+    assert stats.num_missed_not_cached == before.num_missed_not_cached
+    mgr.free(again)
+    assert serve_prompt(mgr, Request("other", tokens(900, 100))) == 0
+    after = mgr.prefix_cache_stats()
+    assert after.num_missed_not_cached - stats.num_missed_not_cached == 96, "never cached"
+    assert after.num_missed_evicted == stats.num_missed_evicted
+    missed = (
+        after.num_missed_not_cached
+        + after.num_missed_evicted
+        + after.num_missed_below_block
+        + after.num_missed_no_checkpoint
+    )
+    assert missed == after.num_queried_tokens - after.num_hit_tokens
+
+
 def test_branch_ahead_lets_the_second_request_of_a_shared_prefix_hit(tokens):
     shared = tokens(0, 1536)
     hits = []

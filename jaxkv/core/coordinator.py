@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from jaxkv.core.evicted_hashes import EvictedHashes
 from jaxkv.core.pool import NULL_BLOCK, AllBlocksCleared, BlockPool, KVCacheEvent, ReuseListener
 from jaxkv.core.single_type import (
     NEVER,
@@ -187,6 +188,11 @@ class KVCacheCoordinator:
         self._counting_managers = [m for m, _, _ in self._counting]
         self._maps = [self.managers[t.group_ids[0]].pool.hash_maps(t.group_ids) for t in types]
         self._has_state_types = any(issubclass(t.manager_cls, MambaManager) for t in types)
+        # Full attention's evicted hashes (its hits bound every other group's), to count evicted misses.
+        self._evicted: EvictedHashes | None = None
+        if types[0].manager_cls is FullAttentionManager:
+            self._evicted = EvictedHashes(types[0].group_ids[0], config.num_blocks)
+            self.pool.add_reuse_listener(self._evicted.on_evict)
 
     def _state_manager(self, group_id: int, group: KVCacheGroup, shared: SharedStates | None) -> StatePoolManager:
         """The manager of a state group: its states are pages of the shared pool, or rows of the state pool."""
@@ -358,6 +364,16 @@ class KVCacheCoordinator:
             and retention.branches_after(block_hashes[length // self.hash_block_size - 1])
         )
         return PrefixHit(tuple(blocks), length, reach, matched, diverged)
+
+    def evicted_tokens(self, block_hashes: Sequence[bytes], matched: int, limit: int) -> int:
+        """Of the tokens from ``matched`` (where full attention's hit ended) to ``limit``, how
+        many lead on from it through blocks that were cached and evicted (0 without full attention)."""
+        evicted = self._evicted
+        if evicted is None or matched >= limit:
+            return 0
+        t = self.types[0]
+        bs = t.block_size
+        return min(evicted.run(_hashes_of_type(t, block_hashes), matched // bs, limit // bs) * bs, limit - matched)
 
     def _unwritten_state(self, found: Sequence[CacheHit]) -> bool:
         """Whether a recurrent group's hit ends on a state the open step has yet to write."""
