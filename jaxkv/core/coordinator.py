@@ -36,12 +36,16 @@ from jaxkv.core.single_type import (
     StatePoolManager,
     manager_class_for,
 )
+from jaxkv.core.state_checkpoints import num_states
 from jaxkv.core.state_retention import CheckpointRetention
 from jaxkv.errors import JaxkvError
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, SharedStates
 from jaxkv.specs import KVCacheSpec
 
 RETENTION_RULES = ("vllm", "group_aware")
+RETAINED_SHARE = 0.125
+"""The share of the states memory holds that retained junction checkpoints may take
+(:meth:`~jaxkv.core.single_type.StatePoolManager.remove_skipped_blocks`)."""
 """How a hybrid model's unreferenced blocks queue for eviction.
 
 ``vllm``: as vLLM v1 (the default; same decisions): blocks join the free queue when
@@ -163,6 +167,9 @@ class KVCacheCoordinator:
                 [m.group_id for m in self._state_managers],
             )
             self.pool.add_reuse_listener(self._retention.on_evict)
+            # Junction checkpoints that served many hits, held back from eviction while the free queue lasts.
+            for state_manager in self._state_managers:
+                state_manager.max_retained = int(RETAINED_SHARE * num_states(config))
         # The config guarantees every block size is a multiple of the smallest.
         self.hash_block_size = config.hash_block_size
         self.lcm_block_size = math.lcm(*(g.block_size for g in groups))
@@ -586,9 +593,10 @@ class KVCacheCoordinator:
         else:
             self.pool.free_block_lists([m.release(request_id) for m in managers])
         if self._state_managers:
-            shared = [b for m in self._state_managers for b in m.shared_checkpoints(request_id)]
-            pool = self._state_managers[0].pool
-            pool.free_block_lists([m.release(request_id) for m in self._state_managers])
+            states = self._state_managers
+            shared = [b for m in states for b in m.shared_checkpoints(request_id)]
+            pool = states[0].pool
+            pool.free_block_lists([m.release(request_id) for m in states])
             if shared:
                 pool.promote(shared)
 

@@ -146,6 +146,11 @@ class BlockPool:
         """Whether the block waits to be handed out (free queue or retained)."""
         return block_id in self._free or block_id in self._retained
 
+    @property
+    def num_retained(self) -> int:
+        """Retained entries (a unit counts once): see :meth:`retain_blocks`."""
+        return len(self._retained)
+
     def is_retained(self, block_id: int) -> bool:
         """Whether the block is unreferenced but held back from eviction (see :meth:`retain_blocks`)."""
         return block_id in self._retained
@@ -359,13 +364,21 @@ class BlockPool:
         them. Uncached ones join the free queue's head as in :meth:`free_blocks`."""
         ref_cnt = self.ref_cnt
         block_hash = self.block_hash
+        units = self._units
         cached: list[int] = []
         uncached: list[int] = []
         for b in block_ids:
             r = ref_cnt[b] - 1
             ref_cnt[b] = r
             if r == 0:
-                (uncached if block_hash[b] is None else cached).append(b)
+                if block_hash[b] is None:
+                    uncached.append(b)
+                    if units and b in units:
+                        uncached.extend(self._dissolve(b))
+                else:
+                    cached.append(b)
+                    if units and b in units:
+                        self._unit_free += len(units[b])
         self._num_cached_free += sum(map(self._size, cached))
         self._retained.append(cached)
         self._free.prepend(uncached)
@@ -414,13 +427,18 @@ class BlockPool:
 
     def demote(self, block_ids: Iterable[int]) -> None:
         """Move the unreferenced ones among these blocks to the free queue's head: still
-        cached, but the first to be handed out (a state checkpoint a newer one supersedes).
+        cached, but the first to be handed out (a state checkpoint a newer one supersedes;
+        a retained one is no longer held back).
         While the pool has empty free blocks (:attr:`num_empty_free_blocks`) for them and
         for the demotions deferred before, nothing moves yet: handing them out before
         empty blocks would evict what memory still has room for. The first call that
         finds no such room moves the deferred ones (still cached as they were) too."""
         deferred = self._deferred_demotions
+        retained = self._retained
         for b in block_ids:
+            if b in retained:  # held back no longer: back in the queue, to be demoted as the others
+                retained.remove(b)
+                self._free.append([b])
             deferred.append((b, self.block_hash[b]))
             self._deferred_size += self._size(b)
         if len(deferred) > self.num_blocks:  # keep those still cached as they were, once each
