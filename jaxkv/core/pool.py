@@ -323,33 +323,40 @@ class BlockPool:
         """:meth:`free_blocks` of each list in turn (one per group, as vLLM frees a
         request group by group), in one pass: cached blocks reach the tail in list
         order, each list's uncached blocks the head, the last list's first."""
-        ref_cnt = self.ref_cnt
-        block_hash = self.block_hash
-        units = self._units
         cached: list[int] = []
         uncached_per_list = []
         for ids in block_lists:
-            uncached = []
-            for b in ids:
-                r = ref_cnt[b] - 1
-                ref_cnt[b] = r
-                if r == 0:
-                    if block_hash[b] is None:
-                        uncached.append(b)
-                        if units and b in units:
-                            uncached.extend(self._dissolve(b))
-                    else:
-                        cached.append(b)
-                        if units and b in units:
-                            self._unit_free += len(units[b])
-                            self._num_cached_free += len(units[b])
+            uncached: list[int] = []
+            self._release(ids, cached, uncached)
             uncached_per_list.append(uncached)
-        self._num_cached_free += len(cached)
         self._free.append(cached)
         if len(uncached_per_list) == 1:
             self._free.prepend(uncached_per_list[0])
         else:
             self._free.prepend([b for uncached in reversed(uncached_per_list) for b in uncached])
+
+    def _release(self, block_ids: Iterable[int], cached: list[int], uncached: list[int]) -> None:
+        """Drop one reference from each block; those reaching zero go to ``cached`` (counted
+        free and cached, a unit with its other blocks) or ``uncached`` (a unit dissolved)."""
+        ref_cnt = self.ref_cnt
+        block_hash = self.block_hash
+        units = self._units
+        num_cached = 0
+        for b in block_ids:
+            r = ref_cnt[b] - 1
+            ref_cnt[b] = r
+            if r == 0:
+                if block_hash[b] is None:
+                    uncached.append(b)
+                    if units and b in units:
+                        uncached.extend(self._dissolve(b))
+                else:
+                    cached.append(b)
+                    num_cached += 1
+                    if units and b in units:
+                        self._unit_free += len(units[b])
+                        num_cached += len(units[b])
+        self._num_cached_free += num_cached
 
     def _dissolve(self, head: int) -> list[int]:
         """Detach an unreferenced unit's other blocks (now plain free blocks) and return them."""
@@ -362,24 +369,9 @@ class BlockPool:
         """Drop one reference from each block; cached ones reaching zero are *retained*:
         evictable only once the free queue is empty, until :meth:`free_in_order` queues
         them. Uncached ones join the free queue's head as in :meth:`free_blocks`."""
-        ref_cnt = self.ref_cnt
-        block_hash = self.block_hash
-        units = self._units
         cached: list[int] = []
         uncached: list[int] = []
-        for b in block_ids:
-            r = ref_cnt[b] - 1
-            ref_cnt[b] = r
-            if r == 0:
-                if block_hash[b] is None:
-                    uncached.append(b)
-                    if units and b in units:
-                        uncached.extend(self._dissolve(b))
-                else:
-                    cached.append(b)
-                    if units and b in units:
-                        self._unit_free += len(units[b])
-        self._num_cached_free += sum(map(self._size, cached))
+        self._release(block_ids, cached, uncached)
         self._retained.append(cached)
         self._free.prepend(uncached)
 
