@@ -199,7 +199,7 @@ class KVCacheCoordinator:
         self._evicted: EvictedHashes | None = None
         if types[0].manager_cls is FullAttentionManager:
             self._evicted = EvictedHashes(types[0].group_ids[0], config.num_blocks)
-            self.pool.add_reuse_listener(self._evicted.on_evict)
+            self.pool.track_evictions(self._evicted)
 
     def _state_manager(self, group_id: int, group: KVCacheGroup, shared: SharedStates | None) -> StatePoolManager:
         """The manager of a state group: its states are pages of the shared pool, or rows of the state pool."""

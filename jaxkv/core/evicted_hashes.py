@@ -3,14 +3,16 @@
 A prompt's missed tokens past its hit are either a prefix no one cached (another prompt,
 another salt) or one that was cached and pushed out by memory pressure: the second is a
 retention miss a user can act on (more memory, a host tier), the first is not. The pool
-tells its reuse listeners of every cached block it hands out again; this keeps the hashes
-of the last ``capacity`` such blocks of one group (as many as the pool holds: a "ghost"
-of the cache), oldest forgotten first. Explicit evictions (a reset, a rolled-back step)
-do not pass through it. Host-only: no JAX.
+hands this the hashes of one group's cached blocks it hands out again, one batch per
+allocation (:meth:`~jaxkv.core.pool.BlockPool.track_evictions`); it keeps the last
+``capacity`` of them (as many as the pool holds: a "ghost" of the cache), the first
+evicted forgotten first. Explicit evictions (a reset, a rolled-back step) do not pass
+through it. Host-only: no JAX.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 
@@ -20,20 +22,21 @@ class EvictedHashes:
     def __init__(self, group: int, capacity: int) -> None:
         self.group = group
         self.capacity = capacity
-        self._hashes: dict[bytes, None] = {}
+        self._hashes: set[bytes] = set()
+        self._order: deque[bytes] = deque()  # oldest first: a hash evicted again keeps its first place
 
     def __len__(self) -> int:
         return len(self._hashes)
 
-    def on_evict(self, block_id: int, block_hash: bytes, group: int) -> None:
-        """A pool reuse listener: ``block_id``, cached as ``block_hash`` for ``group``, is being evicted."""
-        if group != self.group:
-            return
-        hashes = self._hashes
-        hashes.pop(block_hash, None)
-        hashes[block_hash] = None
-        if len(hashes) > self.capacity:
-            del hashes[next(iter(hashes))]
+    def add(self, block_hashes: Sequence[bytes]) -> None:
+        """Blocks of ``group`` cached as ``block_hashes`` were just evicted for reuse."""
+        hashes, order = self._hashes, self._order
+        for h in block_hashes:
+            if h not in hashes:
+                hashes.add(h)
+                order.append(h)
+        while len(order) > self.capacity:
+            hashes.discard(order.popleft())
 
     def run(self, hashes: Sequence[bytes], start: int, stop: int) -> int:
         """How many of ``hashes[start:stop]``, from ``start`` on, were evicted (the run stops at

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from jaxkv.core.evicted_hashes import EvictedHashes
 from jaxkv.core.free_queue import FreeBlockQueue
 from jaxkv.errors import JaxkvError
 
@@ -110,6 +111,7 @@ class BlockPool:
         # as long as it is still N.
         self.num_evictions = 0
         self._reuse_listeners: list[ReuseListener] = []
+        self._ghost: EvictedHashes | None = None  # see track_evictions
         # Blocks cached since begin_journal(), while a journal is open (else None).
         self._journal: set[int] | None = None
         # Unit head -> its other blocks; and how many such blocks sit behind queued heads.
@@ -214,6 +216,11 @@ class BlockPool:
         """Call ``listener`` for each cached block about to be handed out again."""
         self._reuse_listeners.append(listener)
 
+    def track_evictions(self, ghost: EvictedHashes) -> None:
+        """Hand ``ghost`` the hashes of its group's cached blocks handed out again, a batch
+        per allocation (cheaper than a reuse listener called per block)."""
+        self._ghost = ghost
+
     def remove_reuse_listener(self, listener: ReuseListener) -> None:
         """Stop calling a listener added by :meth:`add_reuse_listener`."""
         self._reuse_listeners.remove(listener)
@@ -245,16 +252,22 @@ class BlockPool:
         block_hash = self.block_hash
         journal = self._journal
         evictions = self.num_evictions
+        ghost = self._ghost
+        gone: list[bytes] = []
         for b in popped:
             h = block_hash[b]
             if h is not None:
                 if journal is None or b not in journal:  # a journaled block's KV is not written yet
                     for listener in self._reuse_listeners:
                         listener(b, h, self.block_group[b])
+                    if ghost is not None and self.block_group[b] == ghost.group:
+                        gone.append(h)
                 self._evict(b)
             ref_cnt[b] = 1
         if self.num_evictions != evictions:  # one record per call: this is the allocation hot path
             _log.debug("evicted %d cached block(s) to hand out %d", self.num_evictions - evictions, len(popped))
+            if gone and ghost is not None:
+                ghost.add(gone)
 
     def _take_dissolving(self, n: int) -> list[int]:
         """:meth:`_take` where popped heads of free units bring their other blocks along
