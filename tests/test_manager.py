@@ -843,26 +843,34 @@ def test_a_prefix_evicted_by_pressure_is_counted_apart_from_one_never_cached(tok
     assert missed == after.num_queried_tokens - after.num_hit_tokens
 
 
-def test_a_checkpoint_that_served_hits_is_retained_past_churn_that_evicts_plain_ones(tokens):
+def test_a_checkpoint_lru_lost_once_that_served_hits_is_retained_past_churn(tokens):
     system = tokens(0, 64)
 
-    def churned(hits: int) -> tuple[int, int]:
+    def churned(evicted_once: bool, hits: int) -> tuple[int, int]:
         """(retained states, the late request's hit) after ``hits`` hits on the system prompt's
         checkpoint at 64 and prompts sharing nothing whose checkpoints cycle through every state."""
         mgr = state_pool_manager(400, 17, checkpoint_interval=16)  # 16 states: 2 may be retained
-        for i in range(hits + 1):
+        others = iter(range(1000))
+
+        def churn() -> None:
+            for _ in range(20):
+                req = Request(f"other{next(others)}", tokens(5000 + 200 * next(others), 40))
+                serve_prompt(mgr, req)
+                mgr.free(req)
+
+        for i in range(hits + 1 + evicted_once):
             req = Request(f"user{i}", system + tokens(1000 + 100 * i, 40))
-            assert serve_prompt(mgr, req) == (64 if i else 0)
+            assert serve_prompt(mgr, req) == (0 if i <= evicted_once else 64)
             mgr.free(req)
+            if evicted_once and i == 0:
+                churn()  # the checkpoint is lost in LRU order, and the next prompt writes it again
         retained = mgr.state_pool.num_retained
-        for i in range(20):
-            req = Request(f"other{i}", tokens(5000 + 200 * i, 40))
-            serve_prompt(mgr, req)
-            mgr.free(req)
+        churn()
         return retained, serve_prompt(mgr, Request("late", system + tokens(9000, 40)))
 
-    assert churned(2) == (1, 64), "served two hits: its last holder retained it, and it outlived the churn"
-    assert churned(1) == (0, 0), "one hit: queued as any checkpoint, evicted by the churn"
+    assert churned(True, 2) == (1, 64), "lost once, then two hits: its last holder retained it, it outlived the churn"
+    assert churned(False, 2) == (0, 0), "never lost: plain LRU order, evicted by the churn"
+    assert churned(True, 1) == (0, 0), "one hit: plain LRU order"
 
 
 def test_branch_ahead_lets_the_second_request_of_a_shared_prefix_hit(tokens):

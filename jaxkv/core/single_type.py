@@ -481,6 +481,8 @@ class MambaManager(SingleTypeManager):
 PROVEN_HITS = 2
 """Hits a state checkpoint must have served before it is retained (see
 :meth:`StatePoolManager.remove_skipped_blocks`)."""
+SHARED_SEEN_LIMIT = 1 << 16
+"""Shared checkpoint hashes remembered to tell one cached again after an eviction (~4 MB)."""
 
 
 class StatePoolManager(MambaManager):
@@ -531,6 +533,9 @@ class StatePoolManager(MambaManager):
         self._served: dict[int, tuple[bytes | None, int]] = {}
         # Per request that adopted a hit: the (index, block) of the checkpoint it resumed from, until it leaves span.
         self._resumed_from: dict[str, tuple[int, int]] = {}
+        # Hashes of the shared checkpoints cached, and of those cached again after an eviction.
+        self._shared_seen: set[bytes] = set()
+        self._rewritten: set[bytes] = set()
         # Retained entries the pool may hold at most before no more checkpoint is retained (set by the coordinator).
         self.max_retained = 0
 
@@ -666,6 +671,7 @@ class StatePoolManager(MambaManager):
             block = self.req_blocks[request_id][end - 1]
             if kind == "shared":
                 self._shared_cached.setdefault(request_id, []).append((block, hashes[end - 1]))
+                self._note_shared(hashes[end - 1])
             if kind == "continuation" and self.pool.is_cached_as(block, self.group_id, hashes[end - 1]):
                 previous = self.continuation.get(request_id)
                 if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
@@ -704,8 +710,9 @@ class StatePoolManager(MambaManager):
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the states behind the request's newest; the checkpoint it resumed from is
         *retained* instead (evicted only once the free queue is empty) when the request was
-        its last holder and it served :data:`PROVEN_HITS` hits: a junction many prompts
-        resume from outranks one request's continuation and the KV no one reused, within
+        its last holder, it served :data:`PROVEN_HITS` hits, and plain LRU order already lost
+        it once (it was cached again after an eviction): a junction many prompts resume from
+        outranks one request's continuation and the KV no one reused, within
         :attr:`max_retained` retained entries in the pool."""
         resumed = self._resumed_from.get(request_id)
         if resumed is not None:
@@ -719,10 +726,20 @@ class StatePoolManager(MambaManager):
                     self.pool.retain_blocks([block])
         super().remove_skipped_blocks(request_id, num_computed_tokens)
 
+    def _note_shared(self, block_hash: bytes) -> None:
+        """A shared checkpoint was cached under ``block_hash``: a second time means plain LRU order lost it once."""
+        seen = self._shared_seen
+        if block_hash in seen:
+            self._rewritten.add(block_hash)
+        elif len(seen) >= SHARED_SEEN_LIMIT:  # bounded memory: forget them wholesale
+            seen.clear()
+            self._rewritten.clear()
+        seen.add(block_hash)
+
     def _retains(self, block: int) -> bool:
         """Whether checkpoint ``block``, leaving its last holder's span, is retained (see
         :meth:`remove_skipped_blocks`): not a continuation, still cached as when it served
-        :data:`PROVEN_HITS` hits, and the pool under its cap of retained entries."""
+        :data:`PROVEN_HITS` hits, cached before under its hash, and the pool under its cap."""
         pool = self.pool
         h = pool.block_hash[block]
         served_hash, served = self._served[block]
@@ -730,6 +747,7 @@ class StatePoolManager(MambaManager):
             h is not None
             and served_hash == h
             and served >= PROVEN_HITS
+            and h in self._rewritten
             and pool.ref_count(block) == 1
             and pool.num_retained < self.max_retained
             and self._continuations.get(block) != h
