@@ -26,7 +26,9 @@ mean of jaxkv / attention-only over every row (issue 39's target: >= 0.85), and 
 whether the bytes left beside the live states of jaxkv's replay (the most running at once)
 can hold the checkpoints its hits need (one state per shared prefix open at once, with that
 prefix's attention KV; the live requests' own attention KV is not counted, so "left" is an
-upper bound). Last, the admission count of
+upper bound), and jaxkv's missed tokens by cause (no checkpoint at the junction, evicted,
+never cached, below one block: what retention could still win is the evicted column). Last,
+the admission count of
 ``bench_hybrid.py``'s capacity section: requests of 929 and 1,360 tokens an idle manager
 admits at once at vLLM's minimum memory for 8,192 tokens, jaxkv against vLLM.
 
@@ -328,7 +330,9 @@ def run_kind(kind: str, work: Workload, factors: Sequence[float], peer: bool) ->
     for factor in factors:
         memory = int(factor * low)
         config = plan_kv_cache(specs, memory, max_model_len=max_model_len)
-        ours = replay(KVCacheManager(config), trace)
+        manager = KVCacheManager(config)
+        ours = replay(manager, trace)
+        causes = manager.prefix_cache_stats()
         only = replay(
             KVCacheManager(plan_kv_cache(attention_layers(specs), memory, max_model_len=max_model_len)), trace
         )
@@ -362,6 +366,8 @@ def run_kind(kind: str, work: Workload, factors: Sequence[float], peer: bool) ->
                 "max_model_len": max_model_len,
                 "requests": len(trace),
                 "prompt_tokens": ours.prompt_tokens,
+                "jaxkv_queried_tokens": causes.num_queried_tokens,
+                "jaxkv_hit_tokens": causes.num_hit_tokens,
                 "attention_only_hit_rate": only.hit_rate,
                 "jaxkv_hit_rate": ours.hit_rate,
                 "vllm_hit_rate": vllm_rate,
@@ -369,6 +375,10 @@ def run_kind(kind: str, work: Workload, factors: Sequence[float], peer: bool) ->
                 "vllm_over_attention": _ratio(vllm_rate, only.hit_rate),
                 "jaxkv_ge_vllm": None if vllm_rate is None else ours.hit_rate >= vllm_rate,
                 "jaxkv_preemptions": ours.preemptions,
+                "jaxkv_missed_no_checkpoint": causes.num_missed_no_checkpoint,
+                "jaxkv_missed_evicted": causes.num_missed_evicted,
+                "jaxkv_missed_not_cached": causes.num_missed_not_cached,
+                "jaxkv_missed_below_block": causes.num_missed_below_block,
                 "jaxkv_peak_running": ours.peak_running,
                 "vllm_preemptions": None if theirs is None else theirs.preemptions,
                 "attention_only_preemptions": only.preemptions,
@@ -443,6 +453,20 @@ COLUMNS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
             ("jaxkv_ge_vllm", "jaxkv>=vLLM", ""),
             ("holds_states", "bytes hold", ""),
             ("jaxkv_preemptions", "preempt", "d"),
+        ),
+    ),
+    "misses": (
+        f"{PRESET} jaxkv's looked-up tokens by outcome (the manager's counters, a preempted request's second "
+        "lookup included; see PrefixCacheStats)",
+        (
+            ("kind", "kind", "s"),
+            ("memory", "memory", "s"),
+            ("jaxkv_queried_tokens", "queried", "d"),
+            ("jaxkv_hit_tokens", "hit", "d"),
+            ("jaxkv_missed_no_checkpoint", "no_checkpoint", "d"),
+            ("jaxkv_missed_evicted", "evicted", "d"),
+            ("jaxkv_missed_not_cached", "not_cached", "d"),
+            ("jaxkv_missed_below_block", "below_block", "d"),
         ),
     ),
     "admission": (
@@ -535,6 +559,7 @@ def main(argv: Sequence[str]) -> None:
         exit_error(PROG, err)
     report["wall_s"] = time.perf_counter() - start
     print_table("workloads", rows, COLUMNS)
+    print_table("misses", rows, COLUMNS)
     _print_states(states)
     _print_summary(report["summary"])
     print_table("admission", report["admission"], COLUMNS)

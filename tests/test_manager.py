@@ -814,6 +814,65 @@ def test_misses_are_counted_by_cause(tokens):
     assert missed == stats.num_queried_tokens - stats.num_hit_tokens
 
 
+def test_a_prefix_evicted_by_pressure_is_counted_apart_from_one_never_cached(tokens):
+    mgr = make_manager(9, FULL)  # 8 usable blocks of 16 tokens
+    first = Request("first", tokens(0, 100))
+    serve_prompt(mgr, first)
+    mgr.free(first)
+    pusher = Request("pusher", tokens(500, 128))
+    serve_prompt(mgr, pusher)  # takes all 8 blocks: first's 6 cached blocks are evicted
+    mgr.free(pusher)
+    before = mgr.prefix_cache_stats()
+    assert before.num_missed_evicted == 0, "nothing was evicted before pusher's lookup"
+    again = Request("again", tokens(0, 100))
+    assert serve_prompt(mgr, again) == 0
+    stats = mgr.prefix_cache_stats()
+    assert stats.num_missed_evicted - before.num_missed_evicted == 96, "first's 6 whole blocks: cached, then evicted"
+    assert stats.num_missed_not_cached == before.num_missed_not_cached
+    mgr.free(again)
+    assert serve_prompt(mgr, Request("other", tokens(900, 100))) == 0
+    after = mgr.prefix_cache_stats()
+    assert after.num_missed_not_cached - stats.num_missed_not_cached == 96, "never cached"
+    assert after.num_missed_evicted == stats.num_missed_evicted
+    missed = (
+        after.num_missed_not_cached
+        + after.num_missed_evicted
+        + after.num_missed_below_block
+        + after.num_missed_no_checkpoint
+    )
+    assert missed == after.num_queried_tokens - after.num_hit_tokens
+
+
+def test_a_checkpoint_lru_lost_once_that_served_hits_is_retained_past_churn(tokens):
+    system = tokens(0, 64)
+
+    def churned(evicted_once: bool, hits: int) -> tuple[int, int]:
+        """(retained states, the late request's hit) after ``hits`` hits on the system prompt's
+        checkpoint at 64 and prompts sharing nothing whose checkpoints cycle through every state."""
+        mgr = state_pool_manager(400, 17, checkpoint_interval=16)  # 16 states: 2 may be retained
+        others = iter(range(1000))
+
+        def churn() -> None:
+            for _ in range(20):
+                req = Request(f"other{next(others)}", tokens(5000 + 200 * next(others), 40))
+                serve_prompt(mgr, req)
+                mgr.free(req)
+
+        for i in range(hits + 1 + evicted_once):
+            req = Request(f"user{i}", system + tokens(1000 + 100 * i, 40))
+            assert serve_prompt(mgr, req) == (0 if i <= evicted_once else 64)
+            mgr.free(req)
+            if evicted_once and i == 0:
+                churn()  # the checkpoint is lost in LRU order, and the next prompt writes it again
+        retained = mgr.state_pool.num_retained
+        churn()
+        return retained, serve_prompt(mgr, Request("late", system + tokens(9000, 40)))
+
+    assert churned(True, 2) == (1, 64), "lost once, then two hits: its last holder retained it, it outlived the churn"
+    assert churned(False, 2) == (0, 0), "never lost: plain LRU order, evicted by the churn"
+    assert churned(True, 1) == (0, 0), "one hit: plain LRU order"
+
+
 def test_branch_ahead_lets_the_second_request_of_a_shared_prefix_hit(tokens):
     shared = tokens(0, 1536)
     hits = []

@@ -383,3 +383,22 @@ def test_empty_free_blocks_count_what_taking_evicts_nothing_of_with_units():
     pool.evict_blocks([block])
     assert pool.num_empty_free_blocks == 8
     assert pool.reset_prefix_cache() and pool.num_empty_free_blocks == 11
+
+
+def test_a_retained_unit_counts_its_blocks_free_and_a_demotion_queues_it_first():
+    pool = BlockPool(8)
+    head = pool.get_new_unit(3)
+    pool.cache_blocks(0, [head], [h(1)], 0, 1)
+    pool.retain_blocks([head])
+    assert pool.is_retained(head) and pool.num_retained == 1
+    assert pool.num_free_blocks == 7, "the retained unit's three blocks count free"
+    pool.touch([head])
+    assert pool.num_free_blocks == 4 and pool.num_retained == 0
+    pool.retain_blocks([head])
+    rest = pool.get_new_blocks(4)
+    pool.cache_blocks(0, rest, [h(2), h(3), h(4), h(5)], 0, 4)
+    pool.free_blocks(rest)
+    pool.demote([head])  # its prefix is gone: held back no longer, and taken first (no empty block is left)
+    assert not pool.is_retained(head) and pool.free_block_ids()[0] == head
+    taken = pool.get_new_blocks(3)
+    assert head in taken and not pool.is_cached(head), "the head's state is evicted before any plain block"

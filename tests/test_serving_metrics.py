@@ -122,6 +122,7 @@ def test_missed_tokens_are_counted_by_cause():
             prefix_cache_misses_no_checkpoint=32,
             prefix_cache_misses_below_block=8,
             prefix_cache_misses_not_cached=20,
+            prefix_cache_misses_evicted=12,
             host_cache_queries=20,
             host_cache_hits=16,
         )
@@ -130,4 +131,5 @@ def test_missed_tokens_are_counted_by_cause():
     assert sample(metrics, name, cause="no_checkpoint") == 32
     assert sample(metrics, name, cause="below_block") == 8
     assert sample(metrics, name, cause="not_cached") == 20
+    assert sample(metrics, name, cause="evicted") == 12
     assert sample(metrics, name, cause="host_miss") == 4

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from jaxkv.core.evicted_hashes import EvictedHashes
 from jaxkv.core.pool import NULL_BLOCK, AllBlocksCleared, BlockPool, KVCacheEvent, ReuseListener
 from jaxkv.core.single_type import (
     NEVER,
@@ -35,12 +36,16 @@ from jaxkv.core.single_type import (
     StatePoolManager,
     manager_class_for,
 )
+from jaxkv.core.state_checkpoints import num_states
 from jaxkv.core.state_retention import CheckpointRetention
 from jaxkv.errors import JaxkvError
 from jaxkv.planner import KVCacheConfig, KVCacheGroup, SharedStates
 from jaxkv.specs import KVCacheSpec
 
 RETENTION_RULES = ("vllm", "group_aware")
+RETAINED_SHARE = 0.125
+"""The share of the states memory holds that retained junction checkpoints may take
+(:meth:`~jaxkv.core.single_type.StatePoolManager.remove_skipped_blocks`)."""
 """How a hybrid model's unreferenced blocks queue for eviction.
 
 ``vllm``: as vLLM v1 (the default; same decisions): blocks join the free queue when
@@ -162,6 +167,9 @@ class KVCacheCoordinator:
                 [m.group_id for m in self._state_managers],
             )
             self.pool.add_reuse_listener(self._retention.on_evict)
+            # Junction checkpoints that served many hits, held back from eviction while the free queue lasts.
+            for state_manager in self._state_managers:
+                state_manager.max_retained = int(RETAINED_SHARE * num_states(config))
         # The config guarantees every block size is a multiple of the smallest.
         self.hash_block_size = config.hash_block_size
         self.lcm_block_size = math.lcm(*(g.block_size for g in groups))
@@ -187,6 +195,11 @@ class KVCacheCoordinator:
         self._counting_managers = [m for m, _, _ in self._counting]
         self._maps = [self.managers[t.group_ids[0]].pool.hash_maps(t.group_ids) for t in types]
         self._has_state_types = any(issubclass(t.manager_cls, MambaManager) for t in types)
+        # Full attention's evicted hashes (its hits bound every other group's), to count evicted misses.
+        self._evicted: EvictedHashes | None = None
+        if types[0].manager_cls is FullAttentionManager:
+            self._evicted = EvictedHashes(types[0].group_ids[0], config.num_blocks)
+            self.pool.track_evictions(self._evicted)
 
     def _state_manager(self, group_id: int, group: KVCacheGroup, shared: SharedStates | None) -> StatePoolManager:
         """The manager of a state group: its states are pages of the shared pool, or rows of the state pool."""
@@ -358,6 +371,16 @@ class KVCacheCoordinator:
             and retention.branches_after(block_hashes[length // self.hash_block_size - 1])
         )
         return PrefixHit(tuple(blocks), length, reach, matched, diverged)
+
+    def evicted_tokens(self, block_hashes: Sequence[bytes], matched: int, limit: int) -> int:
+        """Of the tokens from ``matched`` (where full attention's hit ended) to ``limit``, how
+        many lead on from it through blocks that were cached and evicted (0 without full attention)."""
+        evicted = self._evicted
+        if evicted is None or matched >= limit:
+            return 0
+        t = self.types[0]
+        bs = t.block_size
+        return min(evicted.run(_hashes_of_type(t, block_hashes), matched // bs, limit // bs) * bs, limit - matched)
 
     def _unwritten_state(self, found: Sequence[CacheHit]) -> bool:
         """Whether a recurrent group's hit ends on a state the open step has yet to write."""
@@ -570,9 +593,10 @@ class KVCacheCoordinator:
         else:
             self.pool.free_block_lists([m.release(request_id) for m in managers])
         if self._state_managers:
-            shared = [b for m in self._state_managers for b in m.shared_checkpoints(request_id)]
-            pool = self._state_managers[0].pool
-            pool.free_block_lists([m.release(request_id) for m in self._state_managers])
+            states = self._state_managers
+            shared = [b for m in states for b in m.shared_checkpoints(request_id)]
+            pool = states[0].pool
+            pool.free_block_lists([m.release(request_id) for m in states])
             if shared:
                 pool.promote(shared)
 

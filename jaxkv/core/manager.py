@@ -68,8 +68,11 @@ class PrefixCacheStats:
     matched but no recurrent state was cached where the hit could end (a hybrid's
     junction not checkpointed, or its checkpoint evicted); ``num_missed_below_block``
     the tokens past the last whole block a hit may cover (a hit leaves the last token
-    to compute); ``num_missed_not_cached`` the rest: blocks never cached under the
-    request's hashes (another prompt, another salt) or evicted.
+    to compute); ``num_missed_evicted`` the tokens past full attention's hit whose blocks
+    were cached under the request's hashes and evicted by memory pressure (as far as the
+    run of evicted blocks goes, remembered for as many blocks as the pool holds);
+    ``num_missed_not_cached`` the rest: blocks never cached under the request's hashes
+    (another prompt, another salt) or evicted longer ago.
     """
 
     num_requests: int
@@ -79,6 +82,7 @@ class PrefixCacheStats:
     num_missed_no_checkpoint: int = 0
     num_missed_below_block: int = 0
     num_missed_not_cached: int = 0
+    num_missed_evicted: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -161,6 +165,7 @@ class KVCacheManager:
         self._num_resets = 0
         self._num_missed_no_checkpoint = 0
         self._num_missed_below_block = 0
+        self._num_missed_evicted = 0
 
     # --------------------------------------------------------------- queries
     @property
@@ -269,7 +274,8 @@ class KVCacheManager:
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         no_checkpoint, below_block = self._num_missed_no_checkpoint, self._num_missed_below_block
-        not_cached = self._num_queried - self._num_hits - no_checkpoint - below_block
+        evicted = self._num_missed_evicted
+        not_cached = self._num_queried - self._num_hits - no_checkpoint - below_block - evicted
         return PrefixCacheStats(
             self._num_requests,
             self._num_queried,
@@ -278,6 +284,7 @@ class KVCacheManager:
             no_checkpoint,
             below_block,
             not_cached,
+            evicted,
         )
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -323,7 +330,9 @@ class KVCacheManager:
         self._num_hits += n
         self._num_missed_no_checkpoint += matched - n
         lcm = self.coordinator.lcm_block_size
-        self._num_missed_below_block += request.num_tokens - (request.num_tokens - 1) // lcm * lcm
+        limit = (request.num_tokens - 1) // lcm * lcm
+        self._num_missed_below_block += request.num_tokens - limit
+        self._num_missed_evicted += self.coordinator.evicted_tokens(request.block_hashes, matched, limit)
         if n == 0:
             return self._no_blocks, 0
         prefix_hash = request.block_hashes[n // self.coordinator.hash_block_size - 1]

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from jaxkv.core.evicted_hashes import EvictedHashes
 from jaxkv.core.free_queue import FreeBlockQueue
 from jaxkv.errors import JaxkvError
 
@@ -110,6 +111,7 @@ class BlockPool:
         # as long as it is still N.
         self.num_evictions = 0
         self._reuse_listeners: list[ReuseListener] = []
+        self._ghost: EvictedHashes | None = None  # see track_evictions
         # Blocks cached since begin_journal(), while a journal is open (else None).
         self._journal: set[int] | None = None
         # Unit head -> its other blocks; and how many such blocks sit behind queued heads.
@@ -145,6 +147,11 @@ class BlockPool:
     def is_free(self, block_id: int) -> bool:
         """Whether the block waits to be handed out (free queue or retained)."""
         return block_id in self._free or block_id in self._retained
+
+    @property
+    def num_retained(self) -> int:
+        """Retained entries (a unit counts once): see :meth:`retain_blocks`."""
+        return len(self._retained)
 
     def is_retained(self, block_id: int) -> bool:
         """Whether the block is unreferenced but held back from eviction (see :meth:`retain_blocks`)."""
@@ -209,6 +216,11 @@ class BlockPool:
         """Call ``listener`` for each cached block about to be handed out again."""
         self._reuse_listeners.append(listener)
 
+    def track_evictions(self, ghost: EvictedHashes) -> None:
+        """Hand ``ghost`` the hashes of its group's cached blocks handed out again, a batch
+        per allocation (cheaper than a reuse listener called per block)."""
+        self._ghost = ghost
+
     def remove_reuse_listener(self, listener: ReuseListener) -> None:
         """Stop calling a listener added by :meth:`add_reuse_listener`."""
         self._reuse_listeners.remove(listener)
@@ -240,16 +252,22 @@ class BlockPool:
         block_hash = self.block_hash
         journal = self._journal
         evictions = self.num_evictions
+        ghost = self._ghost
+        gone: list[bytes] = []
         for b in popped:
             h = block_hash[b]
             if h is not None:
                 if journal is None or b not in journal:  # a journaled block's KV is not written yet
                     for listener in self._reuse_listeners:
                         listener(b, h, self.block_group[b])
+                    if ghost is not None and self.block_group[b] == ghost.group:
+                        gone.append(h)
                 self._evict(b)
             ref_cnt[b] = 1
         if self.num_evictions != evictions:  # one record per call: this is the allocation hot path
             _log.debug("evicted %d cached block(s) to hand out %d", self.num_evictions - evictions, len(popped))
+            if gone and ghost is not None:
+                ghost.add(gone)
 
     def _take_dissolving(self, n: int) -> list[int]:
         """:meth:`_take` where popped heads of free units bring their other blocks along
@@ -318,33 +336,40 @@ class BlockPool:
         """:meth:`free_blocks` of each list in turn (one per group, as vLLM frees a
         request group by group), in one pass: cached blocks reach the tail in list
         order, each list's uncached blocks the head, the last list's first."""
-        ref_cnt = self.ref_cnt
-        block_hash = self.block_hash
-        units = self._units
         cached: list[int] = []
         uncached_per_list = []
         for ids in block_lists:
-            uncached = []
-            for b in ids:
-                r = ref_cnt[b] - 1
-                ref_cnt[b] = r
-                if r == 0:
-                    if block_hash[b] is None:
-                        uncached.append(b)
-                        if units and b in units:
-                            uncached.extend(self._dissolve(b))
-                    else:
-                        cached.append(b)
-                        if units and b in units:
-                            self._unit_free += len(units[b])
-                            self._num_cached_free += len(units[b])
+            uncached: list[int] = []
+            self._release(ids, cached, uncached)
             uncached_per_list.append(uncached)
-        self._num_cached_free += len(cached)
         self._free.append(cached)
         if len(uncached_per_list) == 1:
             self._free.prepend(uncached_per_list[0])
         else:
             self._free.prepend([b for uncached in reversed(uncached_per_list) for b in uncached])
+
+    def _release(self, block_ids: Iterable[int], cached: list[int], uncached: list[int]) -> None:
+        """Drop one reference from each block; those reaching zero go to ``cached`` (counted
+        free and cached, a unit with its other blocks) or ``uncached`` (a unit dissolved)."""
+        ref_cnt = self.ref_cnt
+        block_hash = self.block_hash
+        units = self._units
+        num_cached = 0
+        for b in block_ids:
+            r = ref_cnt[b] - 1
+            ref_cnt[b] = r
+            if r == 0:
+                if block_hash[b] is None:
+                    uncached.append(b)
+                    if units and b in units:
+                        uncached.extend(self._dissolve(b))
+                else:
+                    cached.append(b)
+                    num_cached += 1
+                    if units and b in units:
+                        self._unit_free += len(units[b])
+                        num_cached += len(units[b])
+        self._num_cached_free += num_cached
 
     def _dissolve(self, head: int) -> list[int]:
         """Detach an unreferenced unit's other blocks (now plain free blocks) and return them."""
@@ -357,16 +382,9 @@ class BlockPool:
         """Drop one reference from each block; cached ones reaching zero are *retained*:
         evictable only once the free queue is empty, until :meth:`free_in_order` queues
         them. Uncached ones join the free queue's head as in :meth:`free_blocks`."""
-        ref_cnt = self.ref_cnt
-        block_hash = self.block_hash
         cached: list[int] = []
         uncached: list[int] = []
-        for b in block_ids:
-            r = ref_cnt[b] - 1
-            ref_cnt[b] = r
-            if r == 0:
-                (uncached if block_hash[b] is None else cached).append(b)
-        self._num_cached_free += sum(map(self._size, cached))
+        self._release(block_ids, cached, uncached)
         self._retained.append(cached)
         self._free.prepend(uncached)
 
@@ -414,13 +432,18 @@ class BlockPool:
 
     def demote(self, block_ids: Iterable[int]) -> None:
         """Move the unreferenced ones among these blocks to the free queue's head: still
-        cached, but the first to be handed out (a state checkpoint a newer one supersedes).
+        cached, but the first to be handed out (a state checkpoint a newer one supersedes;
+        a retained one is no longer held back).
         While the pool has empty free blocks (:attr:`num_empty_free_blocks`) for them and
         for the demotions deferred before, nothing moves yet: handing them out before
         empty blocks would evict what memory still has room for. The first call that
         finds no such room moves the deferred ones (still cached as they were) too."""
         deferred = self._deferred_demotions
+        retained = self._retained
         for b in block_ids:
+            if b in retained:  # held back no longer: back in the queue, to be demoted as the others
+                retained.remove(b)
+                self._free.append([b])
             deferred.append((b, self.block_hash[b]))
             self._deferred_size += self._size(b)
         if len(deferred) > self.num_blocks:  # keep those still cached as they were, once each

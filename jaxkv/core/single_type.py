@@ -478,6 +478,13 @@ class MambaManager(SingleTypeManager):
         self.num_cached[request_id] = end
 
 
+PROVEN_HITS = 2
+"""Hits a state checkpoint must have served before it is retained (see
+:meth:`StatePoolManager.remove_skipped_blocks`)."""
+SHARED_SEEN_LIMIT = 1 << 16
+"""Shared checkpoint hashes remembered to tell one cached again after an eviction (~4 MB)."""
+
+
 class StatePoolManager(MambaManager):
     """Recurrent state drawn from a pool of its own (the planner's ``state_pool`` layout),
     or as units of ``pages_per_block`` blocks of the attention pool (``shared_pages``).
@@ -522,11 +529,25 @@ class StatePoolManager(MambaManager):
         self._hit_blocks: dict[str, int] = {}
         # Per request: the shared checkpoints it cached (block, hash), requeued when it ends.
         self._shared_cached: dict[str, list[tuple[int, bytes]]] = {}
+        # Per checkpoint a hit resumed from: the hash it was cached under then, and how many hits it served.
+        self._served: dict[int, tuple[bytes | None, int]] = {}
+        # Per request that adopted a hit: the (index, block) of the checkpoint it resumed from, until it leaves span.
+        self._resumed_from: dict[str, tuple[int, int]] = {}
+        # Hashes of the shared checkpoints cached, and of those cached again after an eviction.
+        self._shared_seen: set[bytes] = set()
+        self._rewritten: set[bytes] = set()
+        # Retained entries the pool may hold at most before no more checkpoint is retained (set by the coordinator).
+        self.max_retained = 0
 
     def add_hit_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Adopt a hit; remember the checkpoint it resumes from if that is another request's continuation."""
         super().add_hit_blocks(request_id, block_ids)
         state = block_ids[-1] if block_ids else NULL_BLOCK
+        if state:
+            served = self._served.get(state)
+            h = self.pool.block_hash[state]
+            self._served[state] = (h, served[1] + 1 if served is not None and served[0] == h else 1)
+            self._resumed_from[request_id] = (len(block_ids) - 1, state)
         h = self._continuations.get(state)
         if h is not None and self.pool.is_cached_as(state, self.group_id, h):
             self.resumed[request_id] = (state, h)
@@ -650,6 +671,7 @@ class StatePoolManager(MambaManager):
             block = self.req_blocks[request_id][end - 1]
             if kind == "shared":
                 self._shared_cached.setdefault(request_id, []).append((block, hashes[end - 1]))
+                self._note_shared(hashes[end - 1])
             if kind == "continuation" and self.pool.is_cached_as(block, self.group_id, hashes[end - 1]):
                 previous = self.continuation.get(request_id)
                 if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
@@ -685,8 +707,55 @@ class StatePoolManager(MambaManager):
         evicted before the prefix it completes."""
         return [b for b, h in self._shared_cached.get(request_id, ()) if self.pool.is_cached_as(b, self.group_id, h)]
 
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the states behind the request's newest; the checkpoint it resumed from is
+        *retained* instead (evicted only once the free queue is empty) when the request was
+        its last holder, it served :data:`PROVEN_HITS` hits, and plain LRU order already lost
+        it once (it was cached again after an eviction): a junction many prompts resume from
+        outranks one request's continuation and the KV no one reused, within
+        :attr:`max_retained` retained entries in the pool."""
+        resumed = self._resumed_from.get(request_id)
+        if resumed is not None:
+            index, block = resumed
+            start, stop = self._skip_range(request_id, num_computed_tokens)
+            blocks = self.req_blocks[request_id]
+            if start <= index < stop:
+                del self._resumed_from[request_id]
+                if blocks[index] == block and self._retains(block):
+                    blocks[index] = NULL_BLOCK
+                    self.pool.retain_blocks([block])
+        super().remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def _note_shared(self, block_hash: bytes) -> None:
+        """A shared checkpoint was cached under ``block_hash``: a second time means plain LRU order lost it once."""
+        seen = self._shared_seen
+        if block_hash in seen:
+            self._rewritten.add(block_hash)
+        elif len(seen) >= SHARED_SEEN_LIMIT:  # bounded memory: forget them wholesale
+            seen.clear()
+            self._rewritten.clear()
+        seen.add(block_hash)
+
+    def _retains(self, block: int) -> bool:
+        """Whether checkpoint ``block``, leaving its last holder's span, is retained (see
+        :meth:`remove_skipped_blocks`): not a continuation, still cached as when it served
+        :data:`PROVEN_HITS` hits, cached before under its hash, and the pool under its cap."""
+        pool = self.pool
+        h = pool.block_hash[block]
+        served_hash, served = self._served[block]
+        return (
+            h is not None
+            and served_hash == h
+            and served >= PROVEN_HITS
+            and h in self._rewritten
+            and pool.ref_count(block) == 1
+            and pool.num_retained < self.max_retained
+            and self._continuations.get(block) != h
+        )
+
     def release(self, request_id: str) -> Iterable[int]:
         self._shared_cached.pop(request_id, None)
+        self._resumed_from.pop(request_id, None)
         self.checkpoints.pop(request_id, None)
         self.continuation.pop(request_id, None)
         self.resumed.pop(request_id, None)

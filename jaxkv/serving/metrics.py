@@ -49,6 +49,7 @@ MISS_CAUSES = {
     "no_checkpoint": "prefix_cache_misses_no_checkpoint",
     "below_block": "prefix_cache_misses_below_block",
     "not_cached": "prefix_cache_misses_not_cached",
+    "evicted": "prefix_cache_misses_evicted",
     "host_miss": "host_cache_misses",
 }
 """The ``cause`` label of the missed-token counter -> its :class:`EngineStats` field."""
