@@ -292,6 +292,7 @@ def run_fleet(kind: str, policy: str, turns: list, model: str, raw_events: bool 
         cmd = router_command(kind, policy, fleet, port, model)
         name = f"{kind}-{policy}{'-raw' if raw_events else ''}.log"
         log = Path(FLAGS.router_logs or tmp) / name
+        log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("wb") as out:
             router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:

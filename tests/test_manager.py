@@ -887,6 +887,34 @@ def test_branch_ahead_lets_the_second_request_of_a_shared_prefix_hit(tokens):
         state_pool_manager(16, 4, branch_ahead=1)
 
 
+def test_a_branch_point_lets_the_next_chat_under_the_same_system_prompt_hit_it(tokens):
+    """The server names a chat's system-prompt end: a state waits there before any other
+    chat has branched off it (branch-ahead places none this short)."""
+    system = tokens(0, 200)
+    hits = []
+    for points in ((), (200,)):
+        mgr = state_pool_manager(64, 8)
+        first = Request("first", system + tokens(5000, 50), branch_points=points)
+        serve_prompt(mgr, first)
+        mgr.free(first)
+        hits.append(serve_prompt(mgr, Request("second", system + tokens(9000, 40))))
+    assert hits == [0, 192], "the block boundary at or below 200"
+
+
+@pytest.mark.parametrize(
+    ("points", "match"),
+    [
+        ([10], r"branch point 10 is not a position in \(0, 10\)"),
+        ([0], "branch point 0"),
+        ("ab", "branch_points must be a sequence"),
+        (list(range(1, 18)), "17 branch_points, at most 16"),
+    ],
+)
+def test_bad_branch_points_are_refused_naming_them(points, match):
+    with pytest.raises(KVCacheManagerError, match=match):
+        Request("r", list(range(10)), branch_points=points)
+
+
 def branch_past_a_junction(tokens) -> tuple[KVCacheManager, Request]:
     """A state-pool manager where a running request branched off a cached 100-token chain
     at 64 tokens (a shared junction checkpoint there) and prefilled its prompt."""

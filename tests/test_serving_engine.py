@@ -506,3 +506,12 @@ def test_sampling_params_that_need_what_the_engine_lacks_are_refused(models):
     with pytest.raises(EngineError, match="masks at most 32 stop ids, got 40"):
         eng.add_request([1, 2], SamplingParams(min_tokens=1))
     assert not eng.has_unfinished
+
+
+def test_bad_branch_points_are_refused_before_anything_is_queued(models):
+    eng = engine(models["tiny-llama"])
+    with pytest.raises(EngineError, match=r"branch point 3 is not a position in \(0, 3\)"):
+        eng.add_request([1, 2, 3], 2, branch_points=[3])
+    assert not eng.has_unfinished
+    eng.add_request([1, 2, 3], 2, branch_points=[2])
+    assert eng.has_unfinished

@@ -105,3 +105,9 @@ def test_branch_ahead_places_states_back_from_the_end_within_a_budget_while_prom
     off = CheckpointPolicy(config, None, enable_caching=True, branch_ahead=False)
     assert off.ahead(5000, 0, 0, 0, 0) == ()
     assert policy(config=make_config(64, FULL)).ahead(5000, 0, 0, 0, 0) == (), "no state groups"
+
+
+def test_branch_points_place_states_at_block_boundaries_past_the_hit():
+    assert policy().branch_positions((40, 100, 130), 32) == (96, 128), "40 rounds down to the hit, not past it"
+    assert policy(enable_caching=False).branch_positions((100,), 0) == ()
+    assert policy(config=make_config(64, FULL)).branch_positions((100,), 0) == (), "no state groups"

@@ -321,9 +321,10 @@ class KVCacheManager:
         blocks, n, request.prefix_reach, matched, diverged = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
-        request.checkpoint_ahead = self._checkpoints.ahead(
-            request.num_prompt_tokens, n, request.prefix_reach, matched, len(self._held)
-        )
+        ahead = self._checkpoints.ahead(request.num_prompt_tokens, n, request.prefix_reach, matched, len(self._held))
+        if request.branch_points:
+            ahead = tuple(sorted({*ahead, *self._checkpoints.branch_positions(request.branch_points, n)}))
+        request.checkpoint_ahead = ahead
         request.prefix_diverged = diverged if matched else None
         self._num_requests += 1
         self._num_queried += request.num_tokens

@@ -18,6 +18,25 @@ from jaxkv.core.manager_errors import KVCacheManagerError
 from jaxkv.core.prompt_digests import PromptDigests
 from jaxkv.ints import is_int
 
+MAX_BRANCH_POINTS = 16
+"""The most branch points a request names (each may cost a recurrent state)."""
+
+
+def checked_branch_points(points: object, num_prompt_tokens: int, name: str) -> tuple[int, ...]:
+    """``points`` as sorted distinct positions inside a prompt of ``num_prompt_tokens``
+    tokens (``0 < p < num_prompt_tokens``), at most :data:`MAX_BRANCH_POINTS`;
+    :class:`KVCacheManagerError` naming the first bad value."""
+    if isinstance(points, (str, bytes)) or not isinstance(points, (Sequence, np.ndarray)):
+        raise KVCacheManagerError(f"{name}: branch_points must be a sequence of positions, got {points!r:.80}")
+    if len(points) > MAX_BRANCH_POINTS:
+        raise KVCacheManagerError(f"{name}: {len(points)} branch_points, at most {MAX_BRANCH_POINTS}")
+    for p in points:
+        if not is_int(p) or not 0 < p < num_prompt_tokens:
+            raise KVCacheManagerError(
+                f"{name}: branch point {p!r} is not a position in (0, {num_prompt_tokens}) of its prompt"
+            )
+    return tuple(sorted({int(p) for p in points}))
+
 
 class ReadOnlyTokenIds(Sequence[int]):
     """A read-only view of a request's token ids (slices come back as lists, ids as ints).
@@ -175,12 +194,16 @@ class Request:
         lora_name: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
         skip_reading_prefix_cache: bool = False,
+        branch_points: Sequence[int] = (),
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise KVCacheManagerError(f"request_id must be a non-empty str, got {request_id!r}")
         ids, prompt_bytes = _checked_token_ids(prompt_token_ids, f"request {request_id!r}: prompt_token_ids")
         if not ids:
             raise KVCacheManagerError(f"request {request_id!r} has an empty prompt")
+        # Where later prompts are likely to branch off this one (a chat's message boundaries):
+        # a recurrent prefill checkpoints its state there (CheckpointPolicy.branch_positions).
+        self.branch_points = checked_branch_points(branch_points, len(ids), f"request {request_id!r}")
         self.request_id = request_id
         # The ids live in an array("I"): a long prompt as a list is thousands of
         # references for every garbage collection to visit while the request lives.
@@ -205,8 +228,8 @@ class Request:
         # matched (the lookup's PrefixHit.reach), read until the next lookup: where a
         # recurrent prefill checkpoints its state, an anchor for group-aware retention.
         self.prefix_reach = 0
-        # Set by the same lookup: the branch-ahead checkpoint position of the prompt (0: none),
-        # see CheckpointPolicy.ahead.
+        # Set by the same lookup: the prompt's branch-ahead checkpoint positions and those at
+        # its branch points past the hit (CheckpointPolicy.ahead, .branch_positions).
         self.checkpoint_ahead: tuple[int, ...] = ()
         # And whether the prompt left a cached chain that goes on (None: it matched none).
         self.prefix_diverged: bool | None = None

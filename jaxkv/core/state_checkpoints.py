@@ -114,6 +114,17 @@ class CheckpointPolicy:
         positions = ((num_prompt_tokens - d) // bs * bs for d in BRANCH_DEPTHS[:count])
         return tuple(sorted({p for p in positions if p > reach}))
 
+    def branch_positions(self, branch_points: tuple[int, ...], hit: int) -> tuple[int, ...]:
+        """The block boundaries at or below a prompt's ``branch_points`` past its ``hit``
+        (in order): where the caller expects later prompts to leave this one (a chat's
+        message boundaries), so a state waits there before any branch is seen. Not learned
+        and not budgeted like :meth:`ahead`: the caller names few, and a later request that
+        shares the prefix finds the state and places none."""
+        bs = self.block_size
+        if not bs or not self.enable_caching:
+            return ()
+        return tuple(sorted({p // bs * bs for p in branch_points if p // bs * bs > hit}))
+
     def shared(
         self, num_prompt_tokens: int, reach: int, num_computed_tokens: int, ahead: tuple[int, ...] = ()
     ) -> set[int]:

@@ -148,7 +148,12 @@ def create_app(config: ServerConfig) -> FastAPI:
             parse, kind, body, config.tokenizer, config.model_name, engine.manager.max_model_len
         )
         try:
-            stream = await holder["engine"].add(parsed.prompt_token_ids, parsed.params, cache_salt=parsed.cache_salt)
+            stream = await holder["engine"].add(
+                parsed.prompt_token_ids,
+                parsed.params,
+                cache_salt=parsed.cache_salt,
+                branch_points=parsed.branch_points,
+            )
         except EngineFullError as err:
             raise ApiError(str(err), status=429, kind="rate_limit_error") from None
         except EngineDeadError as err:

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import is_int
 from jaxkv.models.text import TextError, TextTokenizer
@@ -119,6 +121,8 @@ class ParsedRequest:
     """``echo`` with ``max_tokens`` 0: the answer is the prompt alone (one token is drawn, unshown)."""
     continuous_usage: bool = False
     """Every stream chunk carries the usage so far."""
+    branch_points: tuple[int, ...] = ()
+    """A chat's message boundaries where later chats likely leave this prompt (:func:`branch_points`)."""
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -133,8 +137,10 @@ def parse(
         raise ApiError("the request body must be a JSON object")
     _check_fields(kind, body)
     check_model(body.get("model", model), model)
+    points: tuple[int, ...] = ()
     if kind == "chat":
-        prompt = _chat_prompt(body, tokenizer)
+        prompt, messages = _chat_prompt(body, tokenizer)
+        points = branch_points(messages, prompt, tokenizer) if tokenizer is not None else ()
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         logprobs = _chat_logprobs(body)
     else:
@@ -192,6 +198,7 @@ def parse(
         echo=echo,
         echo_only=echo_only,
         continuous_usage=bool(options.get("continuous_usage_stats")),
+        branch_points=points,
     )
 
 
@@ -220,7 +227,7 @@ def tokenized(body: object, tokenizer: TextTokenizer | None, model: str, max_mod
     unknown = sorted(set(body) - {"model", "prompt", "messages", "add_generation_prompt", "continue_final_message"})
     if unknown:
         raise ApiError(f"unknown field {unknown[0]!r:.80} for /tokenize", param=unknown[0])
-    ids = _chat_prompt(body, tokenizer) if "messages" in body else _completion_prompt(body.get("prompt"), tokenizer)
+    ids = _chat_prompt(body, tokenizer)[0] if "messages" in body else _completion_prompt(body.get("prompt"), tokenizer)
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
 
 
@@ -271,9 +278,10 @@ def _completion_prompt(prompt: object, tokenizer: TextTokenizer | None) -> list[
     raise ApiError(f"prompt must be a string or a non-empty list of token ids, got {prompt!r:.80}", param="prompt")
 
 
-def _chat_prompt(body: Mapping[str, Any], tokenizer: TextTokenizer | None) -> list[int]:
-    """The chat's prompt ids: text parts of a message's ``content`` joined by newlines (as
-    vLLM joins them); ``continue_final_message`` leaves the last message open."""
+def _chat_prompt(body: Mapping[str, Any], tokenizer: TextTokenizer | None) -> tuple[list[int], list[Any]]:
+    """The chat's prompt ids (text parts of a message's ``content`` joined by newlines, as
+    vLLM joins them; ``continue_final_message`` leaves the last message open) and its
+    messages so joined."""
     messages = body.get("messages")
     if tokenizer is None:
         raise ApiError("chat needs a tokenizer and chat template; this checkpoint has none", param="messages")
@@ -296,9 +304,39 @@ def _chat_prompt(body: Mapping[str, Any], tokenizer: TextTokenizer | None) -> li
             if end < 0:
                 raise ApiError("continue_final_message: the template does not render the last message's content")
             text = text[: end + len(content)]
-        return tokenizer.encode(text)
+        ids = tokenizer.encode(text)
     except TextError as err:
         raise ApiError(str(err), param="messages") from None
+    return ids, messages
+
+
+BRANCH_ROLES = ("system", "developer")
+"""Roles of the leading messages that many chats share (the instructions)."""
+
+
+def branch_points(messages: Sequence[Any], ids: Sequence[int], tokenizer: TextTokenizer) -> tuple[int, ...]:
+    """Where later chats are likely to leave this prompt: after its leading instructions
+    (:data:`BRANCH_ROLES`: other conversations under the same system prompt) and before
+    its last message (the same history with another last message: a retry, an agent's
+    next call). Each is the prompt's tokens in common with the chat cut there, rendered
+    alone, so a template that renders a prefix differently gives a shorter, still exact
+    position; one the template refuses gives none. A recurrent model checkpoints its
+    state at these, so such a chat resumes there instead of from the start."""
+    lead = next((i for i, m in enumerate(messages) if m.get("role") not in BRANCH_ROLES), len(messages))
+    points = set()
+    for cut in {lead, len(messages) - 1}:
+        if not 0 < cut < len(messages):
+            continue
+        try:
+            prefix = tokenizer.encode(tokenizer.apply_chat_template(messages[:cut], add_generation_prompt=False))
+        except TextError:
+            continue
+        n = min(len(prefix), len(ids))
+        differ = np.flatnonzero(np.asarray(prefix[:n]) != np.asarray(ids[:n]))
+        common = int(differ[0]) if differ.size else n
+        if 0 < common < len(ids):
+            points.add(common)
+    return tuple(sorted(points))
 
 
 def _text_message(message: object) -> object:

@@ -183,7 +183,12 @@ class AsyncEngine:
         return len(self._streams)
 
     async def add(
-        self, prompt: Sequence[int], params: SamplingParams, *, cache_salt: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        branch_points: Sequence[int] = (),
     ) -> RequestStream:
         """Queue a request; its stream once the engine accepted it (the engine's
         :class:`~jaxkv.serving.engine.EngineError` for a bad one, :class:`EngineFullError`
@@ -201,7 +206,9 @@ class AsyncEngine:
             self._text.add(request_id, params)
 
         def take(engine: Engine) -> float:
-            engine.add_request(prompt, params, cache_salt=cache_salt, request_id=request_id)
+            engine.add_request(
+                prompt, params, cache_salt=cache_salt, request_id=request_id, branch_points=branch_points
+            )
             return time.monotonic()
 
         try:

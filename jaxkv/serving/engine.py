@@ -54,7 +54,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxkv.core.manager import KVCacheManager, Request
+from jaxkv.core.manager import KVCacheManager, KVCacheManagerError, Request
+from jaxkv.core.request import checked_branch_points
 from jaxkv.device.mesh import MODEL_AXIS, mesh_axis_size
 from jaxkv.device.metadata import Buckets
 from jaxkv.errors import OwnerThread
@@ -405,15 +406,22 @@ class Engine:
         cache_salt: str | None = None,
         request_id: str | None = None,
         return_logits: bool = False,
+        branch_points: Sequence[int] = (),
     ) -> str:
         """Queue one request (checked as ``generate`` checks a prompt; greedy for a bare
         ``max_new_tokens``); its id, given or made. It is admitted at a later :meth:`step`,
-        beside the requests running then."""
+        beside the requests running then. ``branch_points``: positions of the prompt where
+        later prompts are likely to leave it (a chat's message boundaries, as the server
+        passes them); a recurrent model checkpoints its state there."""
         self._owner.check()
         [ids], [params], [salt] = self._inputs.check([prompt], max_new_tokens, cache_salt)
+        try:
+            points = checked_branch_points(branch_points, len(ids), "add_request")
+        except KVCacheManagerError as err:
+            raise EngineError(str(err)) from None
         if request_id is not None and (not isinstance(request_id, str) or self._outputs.taken(request_id, params.n)):
             raise EngineError(f"request_id must be a str not already unfinished, got {request_id!r}")
-        return self._outputs.add(ids, params, salt, request_id, return_logits, time.perf_counter())
+        return self._outputs.add(ids, params, salt, request_id, return_logits, time.perf_counter(), points)
 
     @property
     def num_running(self) -> int:

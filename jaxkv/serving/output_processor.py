@@ -161,6 +161,7 @@ class OutputProcessor:
         request_id: str | None,
         return_logits: bool,
         arrival: float,
+        branch_points: tuple[int, ...] = (),
     ) -> str:
         """Take a checked request: its first sequence queued now, its siblings held; its id."""
         rid = request_id
@@ -174,7 +175,13 @@ class OutputProcessor:
                 rid,
                 index,
                 params.seed + index if params.seed is not None else int(self._seeds.integers(2**32)),
-                Request(sid, prompt, cache_salt=salt, skip_reading_prefix_cache=params.prompt_logprobs is not None),
+                Request(
+                    sid,
+                    prompt,
+                    cache_salt=salt,
+                    skip_reading_prefix_cache=params.prompt_logprobs is not None,
+                    branch_points=branch_points,
+                ),
                 params,
                 arrival,
                 return_logits,
