@@ -445,23 +445,27 @@ def test_penalties_and_logit_bias_are_honoured(server, client):
     assert complete(logit_bias={str(token): 100}).choices[0].text == tokenizer.decode([token] * 24)
 
 
-def test_a_chat_names_its_system_prompt_end_and_its_last_message_start_as_branch_points(tmp_path):
+def test_a_chat_names_its_system_prompt_end_and_a_last_message_after_no_answer_as_branch_points(tmp_path):
     """Where later chats leave this one: the recurrent model checkpoints its state there."""
     from jaxkv.server.openai_api import parse
 
     save_tiny_tokenizer(tmp_path)
     tokenizer = load_tokenizer(tmp_path)
     system = {"role": "system", "content": "You answer in one word."}
-    history = [system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    chat = [*history, {"role": "user", "content": "and now?"}]
+    document = [system, {"role": "user", "content": "A long document."}]
+    turns = [*document, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and now?"}]
 
     def cut(messages):
         return len(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False)))
 
-    parsed = parse("chat", {"messages": chat}, tokenizer, "m")
-    assert parsed.branch_points == (cut([system]), cut(history))
-    assert parsed.prompt_token_ids[: cut(history)] == tokenizer.encode(
-        tokenizer.apply_chat_template(history, add_generation_prompt=False)
+    def points(messages):
+        return parse("chat", {"messages": messages}, tokenizer, "m").branch_points
+
+    question = [*document, {"role": "user", "content": "Its title?"}]
+    assert points(question) == (cut([system]), cut(document)), "another question on the same document"
+    assert parse("chat", {"messages": question}, tokenizer, "m").prompt_token_ids[: cut(document)] == (
+        tokenizer.encode(tokenizer.apply_chat_template(document, add_generation_prompt=False))
     )
-    assert parse("chat", {"messages": chat[1:2]}, tokenizer, "m").branch_points == (), "one message: no cut inside"
+    assert points(turns) == (cut([system]),), "after the model's answer its own state is there already"
+    assert points(document[1:]) == (), "one message: no cut inside"
     assert parse("completion", {"prompt": "hi"}, tokenizer, "m").branch_points == ()

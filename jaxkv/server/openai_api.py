@@ -317,14 +317,19 @@ BRANCH_ROLES = ("system", "developer")
 def branch_points(messages: Sequence[Any], ids: Sequence[int], tokenizer: TextTokenizer) -> tuple[int, ...]:
     """Where later chats are likely to leave this prompt: after its leading instructions
     (:data:`BRANCH_ROLES`: other conversations under the same system prompt) and before
-    its last message (the same history with another last message: a retry, an agent's
-    next call). Each is the prompt's tokens in common with the chat cut there, rendered
-    alone, so a template that renders a prefix differently gives a shorter, still exact
-    position; one the template refuses gives none. A recurrent model checkpoints its
-    state at these, so such a chat resumes there instead of from the start."""
+    its last message unless an assistant message comes right before it (the same
+    messages with another last one, as a document and then a question; after the model's
+    own turn the engine has a state where that turn ended already). Each is the prompt's
+    tokens in common with the chat cut there, rendered alone, so a template that renders a
+    prefix differently gives a shorter, still exact position; one the template refuses
+    gives none. A recurrent model checkpoints its state at these, so such a chat resumes
+    there instead of from the start."""
     lead = next((i for i, m in enumerate(messages) if m.get("role") not in BRANCH_ROLES), len(messages))
+    cuts = {lead}
+    if len(messages) > 1 and messages[-2].get("role") != "assistant":
+        cuts.add(len(messages) - 1)
     points = set()
-    for cut in {lead, len(messages) - 1}:
+    for cut in cuts:
         if not 0 < cut < len(messages):
             continue
         try:
