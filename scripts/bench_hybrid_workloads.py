@@ -14,23 +14,29 @@ chat traces):
   tool output of 100-2,000 tokens;
 * ``forks``: bursts of branches off one conversation, more branches than states fit.
 
-Each trace runs three ways in the same bytes, in one run: jaxkv with its defaults (the
-plan :func:`~jaxkv.planner.plan_kv_cache` picks, :class:`~jaxkv.core.manager.KVCacheManager`
-as the Engine builds it), vLLM 0.33's own manager in align mode with its engine's defaults
+Each trace runs three ways in the same bytes, in one run: jaxkv with its defaults (the plan
+:func:`~jaxkv.planner.plan_kv_cache` picks, :class:`~jaxkv.core.manager.KVCacheManager` as
+the Engine builds it), vLLM 0.33's own manager in align mode with its engine's defaults
 (:class:`~jaxkv.benchmarks.vllm_manager.VllmManager`) and the attention-only twin (the
-model's attention layers alone). Memory: each ``--memories`` factor times vLLM's minimum
-memory for the trace's longest request (``bench_hybrid.vllm_minimum_memory``'s rule: 32
-requests' state blocks in vLLM's layout, two per recurrent group in align mode, and that
-request's attention blocks). Replays run at most 32 requests at once. The summary gives the
-mean of jaxkv / attention-only over every row (issue 39's target: >= 0.85), and per kind
-whether the bytes left beside the live states of jaxkv's replay (the most running at once)
-can hold the checkpoints its hits need (one state per shared prefix open at once, with that
-prefix's attention KV; the live requests' own attention KV is not counted, so "left" is an
-upper bound), and jaxkv's missed tokens by cause (no checkpoint at the junction, evicted,
-never cached, below one block: what retention could still win is the evicted column). Last,
-the admission count of
-``bench_hybrid.py``'s capacity section: requests of 929 and 1,360 tokens an idle manager
-admits at once at vLLM's minimum memory for 8,192 tokens, jaxkv against vLLM.
+model's attention layers alone). A fourth replay, the ``jaxkv chat`` column, gives jaxkv
+each request's chat message boundaries (``branch_points``, as ``jaxkv-server`` names them
+from a chat template: the end of ``short_behind_prefix``'s and an agent's system prompt,
+``prefix_once``'s prefix as if it were the chat's messages but the last, whose start follows
+no turn of the model's; a fork's last message follows the base's answer, where a state
+already is, and ``near_duplicate``'s cuts are no message boundary: none); the default column
+passes none, as a caller of the manager does by default. Memory: each ``--memories`` factor
+times vLLM's minimum memory for the trace's longest request
+(``bench_hybrid.vllm_minimum_memory``'s rule: 32 requests' state blocks in vLLM's layout,
+two per recurrent group in align mode, and that request's attention blocks). Replays run at
+most 32 requests at once. The summary gives the mean of jaxkv / attention-only over every
+row (issue 39's target: >= 0.85), and per kind whether the bytes left beside the live states
+of jaxkv's replay (the most running at once) can hold the checkpoints its hits need (one
+state per shared prefix open at once, with that prefix's attention KV; the live requests'
+own attention KV is not counted, so "left" is an upper bound), and jaxkv's missed tokens by
+cause (no checkpoint at the junction, evicted, never cached, below one block: what retention
+could still win is the evicted column). Last, the admission count of ``bench_hybrid.py``'s
+capacity section: requests of 929 and 1,360 tokens an idle manager admits at once at vLLM's
+minimum memory for 8,192 tokens, jaxkv against vLLM.
 
     PYTHONPATH=. python scripts/bench_hybrid_workloads.py --out workloads.json
 
@@ -41,6 +47,7 @@ n/a), ``--quick`` (small traces: a smoke run, not the benchmark's figures), ``--
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import sys
@@ -195,7 +202,10 @@ def prefix_once(rng: np.random.Generator, scale: Scale) -> Workload:
         arrivals = (start, start + float(rng.exponential(2.0)))
         for k, arrival in enumerate(arrivals):
             prompt = prefix + _tokens(rng, _log_between(rng, 16, 1024))
-            work.add(TraceRequest(f"pair{p}-{k}", arrival, prompt, _between(rng, OUTPUT_LEN)), f"pair{p}", len(prefix))
+            request = TraceRequest(
+                f"pair{p}-{k}", arrival, prompt, _between(rng, OUTPUT_LEN), branch_points=[len(prefix)]
+            )
+            work.add(request, f"pair{p}", len(prefix))
     return work.sorted()
 
 
@@ -224,7 +234,10 @@ def short_behind_prefix(rng: np.random.Generator, scale: Scale) -> Workload:
     for r in range(scale.short_prompts):
         s = int(rng.integers(SYSTEM_PROMPTS))
         prompt = systems[s] + _tokens(rng, _between(rng, (16, 96)))
-        work.add(TraceRequest(f"sys{s}-q{r}", arrival, prompt, _between(rng, OUTPUT_LEN)), f"sys{s}", len(systems[s]))
+        request = TraceRequest(
+            f"sys{s}-q{r}", arrival, prompt, _between(rng, OUTPUT_LEN), branch_points=[len(systems[s])]
+        )
+        work.add(request, f"sys{s}", len(systems[s]))
         arrival += float(rng.exponential(1 / 40))
     return work.sorted()
 
@@ -241,7 +254,11 @@ def agent(rng: np.random.Generator, scale: Scale) -> Workload:
         arrival = start
         for k in range(scale.turns):
             rid, num_out = f"agent{c}-turn{k}", _between(rng, (32, 160))
-            work.add(TraceRequest(rid, arrival, context, num_out), f"agent{c}", len(context))
+            work.add(
+                TraceRequest(rid, arrival, context, num_out, branch_points=[1024]),
+                f"agent{c}",
+                len(context),
+            )
             context = context + output_token_ids(rid, num_out) + _tokens(rng, _between(rng, scale.tool_output_len))
             arrival += float(rng.exponential(3.0))
     return work.sorted()
@@ -288,6 +305,11 @@ class Side:
     wall_s: float
 
 
+def unnamed(trace: Sequence[TraceRequest]) -> list[TraceRequest]:
+    """``trace`` without its branch points: what a caller of the manager passes by default."""
+    return [dataclasses.replace(r, branch_points=()) for r in trace]
+
+
 def replay(manager: ScheduledManager, trace: Sequence[TraceRequest]) -> Side:
     """``trace`` through the scheduler on ``manager`` (32 running at most, as bench_hybrid replays)."""
     start = time.perf_counter()
@@ -331,8 +353,9 @@ def run_kind(kind: str, work: Workload, factors: Sequence[float], peer: bool) ->
         memory = int(factor * low)
         config = plan_kv_cache(specs, memory, max_model_len=max_model_len)
         manager = KVCacheManager(config)
-        ours = replay(manager, trace)
+        ours = replay(manager, unnamed(trace))
         causes = manager.prefix_cache_stats()
+        chat = replay(KVCacheManager(config), trace)
         only = replay(
             KVCacheManager(plan_kv_cache(attention_layers(specs), memory, max_model_len=max_model_len)), trace
         )
@@ -374,6 +397,9 @@ def run_kind(kind: str, work: Workload, factors: Sequence[float], peer: bool) ->
                 "jaxkv_over_attention": _ratio(ours.hit_rate, only.hit_rate),
                 "vllm_over_attention": _ratio(vllm_rate, only.hit_rate),
                 "jaxkv_ge_vllm": None if vllm_rate is None else ours.hit_rate >= vllm_rate,
+                "jaxkv_chat_hit_rate": chat.hit_rate,
+                "jaxkv_chat_over_attention": _ratio(chat.hit_rate, only.hit_rate),
+                "jaxkv_chat_ge_vllm": None if vllm_rate is None else chat.hit_rate >= vllm_rate,
                 "jaxkv_preemptions": ours.preemptions,
                 "jaxkv_missed_no_checkpoint": causes.num_missed_no_checkpoint,
                 "jaxkv_missed_evicted": causes.num_missed_evicted,
@@ -383,7 +409,7 @@ def run_kind(kind: str, work: Workload, factors: Sequence[float], peer: bool) ->
                 "vllm_preemptions": None if theirs is None else theirs.preemptions,
                 "attention_only_preemptions": only.preemptions,
                 "holds_states": needed <= left,
-                "wall_s": ours.wall_s + only.wall_s + (0.0 if theirs is None else theirs.wall_s),
+                "wall_s": ours.wall_s + chat.wall_s + only.wall_s + (0.0 if theirs is None else theirs.wall_s),
             }
         )
     return rows, {"kind": kind, "memories": holds}
@@ -429,6 +455,8 @@ def summary(rows: list[dict]) -> dict:
         "mean_vllm_over_attention": mean("vllm_over_attention"),
         "target": TARGET_OVER_ATTENTION,
         "jaxkv_ge_vllm_rows": sum(r["jaxkv_ge_vllm"] for r in compared) if compared else None,
+        "mean_jaxkv_chat_over_attention": mean("jaxkv_chat_over_attention"),
+        "jaxkv_chat_ge_vllm_rows": sum(r["jaxkv_chat_ge_vllm"] for r in compared) if compared else None,
         "compared_rows": len(compared),
         "jaxkv_ge_095_rows": sum((r["jaxkv_over_attention"] or 0) >= HOLDS_TARGET for r in rows),
         "holds_rows": sum(r["holds_states"] for r in rows),
@@ -451,6 +479,8 @@ COLUMNS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
             ("jaxkv_over_attention", "jaxkv/attn", ".3f"),
             ("vllm_over_attention", "vLLM/attn", ".3f"),
             ("jaxkv_ge_vllm", "jaxkv>=vLLM", ""),
+            ("jaxkv_chat_hit_rate", "jaxkv chat", ".3f"),
+            ("jaxkv_chat_over_attention", "chat/attn", ".3f"),
             ("holds_states", "bytes hold", ""),
             ("jaxkv_preemptions", "preempt", "d"),
         ),
@@ -523,6 +553,11 @@ def _print_summary(total: dict) -> None:
         f" jaxkv >= vLLM on {total['jaxkv_ge_vllm_rows'] if total['compared_rows'] else 'n/a'}"
         f" of {total['compared_rows']}; jaxkv/attn >= {HOLDS_TARGET} on {total['jaxkv_ge_095_rows']}"
         f" ({total['holds_ge_095_rows']} of the {total['holds_rows']} rows whose bytes hold the states)"
+    )
+    print(
+        f"          with the chats' message boundaries named (jaxkv chat): mean jaxkv/attn"
+        f" {fmt(total['mean_jaxkv_chat_over_attention'])}, >= vLLM on"
+        f" {total['jaxkv_chat_ge_vllm_rows'] if total['compared_rows'] else 'n/a'} of {total['compared_rows']}"
     )
 
 

@@ -39,10 +39,16 @@ def test_a_quick_run_reports_every_kind_at_both_memories_sanely_and_repeatably(t
         assert row["attention_only_hit_rate"] >= row["jaxkv_hit_rate"]  # no states to hold: the most the bytes allow
         assert row["jaxkv_over_attention"] == row["jaxkv_hit_rate"] / row["attention_only_hit_rate"]
         assert row["vllm_hit_rate"] is None and row["vllm_over_attention"] is None and row["jaxkv_ge_vllm"] is None
+        assert 0 <= row["jaxkv_chat_hit_rate"] <= row["attention_only_hit_rate"]
     ratios = [r["jaxkv_over_attention"] for r in rows]
     summary = report["summary"]
     assert summary["mean_jaxkv_over_attention"] == pytest.approx(sum(ratios) / len(ratios))
     assert summary["mean_vllm_over_attention"] is None and summary["compared_rows"] == 0
+    chat = {r["kind"]: r["jaxkv_chat_over_attention"] for r in rows if r["memory"] == "2x"}
+    assert chat["near_duplicate"] == rows[3]["jaxkv_over_attention"], "no message boundary named: the default's run"
+    assert summary["mean_jaxkv_chat_over_attention"] == pytest.approx(
+        sum(r["jaxkv_chat_over_attention"] for r in rows) / len(rows)
+    )
     assert summary["jaxkv_ge_095_rows"] == sum(r >= 0.95 for r in ratios)
     assert summary["holds_rows"] == sum(r["holds_states"] for r in rows) >= summary["holds_ge_095_rows"]
     assert report["vllm"] is None and report["kinds"] == KINDS and report["memories"] == ["1", "2"]

@@ -230,11 +230,16 @@ def test_bad_simulator_arguments_are_named():
 
 # ------------------------------------------------------------- JSON traces
 def test_json_trace_round_trip(tmp_path):
-    trace = [*chat_trace()[:5], TraceRequest("salted", 3.5, [1, 2, 3], 4, cache_salt="t1", lora_name="sql")]
+    trace = [
+        *chat_trace()[:5],
+        TraceRequest("salted", 3.5, [1, 2, 3], 4, cache_salt="t1", lora_name="sql"),
+        TraceRequest("chat", 4.0, [1, 2, 3], 4, branch_points=[2, 1]),
+    ]
     path = tmp_path / "trace.json"
     save_trace(path, trace)
     assert load_trace(path) == trace
-    assert json.loads(path.read_text())[-1] == {
+    assert json.loads(path.read_text())[-1]["branch_points"] == [1, 2]
+    assert json.loads(path.read_text())[-2] == {
         "request_id": "salted",
         "arrival_time": 3.5,
         "prompt_token_ids": [1, 2, 3],
@@ -263,6 +268,7 @@ GOOD = {"request_id": "r0", "arrival_time": 0, "prompt_token_ids": [1, 2], "max_
         ([{**GOOD, "prompt_token_ids": []}], r"field 'prompt_token_ids' must be a non-empty list"),
         ([{**GOOD, "request_id": 5}], r"\[0\]: field 'request_id'"),
         ([{**GOOD, "cache_salt": 3}], r"field 'cache_salt' must be a UTF-8 str or null"),
+        ([{**GOOD, "branch_points": [2]}], r"request 'r0': field: branch point 2 is not a position in \(0, 2\)"),
         ([GOOD, GOOD], r"entry \[1\]: duplicate request_id 'r0'"),
         ([{**GOOD, "max_output_tokens": 1e11}], r"field 'max_output_tokens' must be a.* int.*, got 100000000000.0"),
         ([{**GOOD, "max_output_tokens": True}], r"field 'max_output_tokens' must be a.* int.*, got True"),

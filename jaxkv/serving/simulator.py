@@ -16,7 +16,8 @@ jumps to the next arrival (idle time costs no steps).
 Trace files are UTF-8 JSON: a list of objects, one per request, with the fields of
 :class:`TraceRequest` (``request_id`` non-empty str, ``arrival_time`` finite number >= 0,
 ``prompt_token_ids`` non-empty list of ints in [0, 2**31), ``max_output_tokens``
-int >= 1, and optionally ``cache_salt`` and ``lora_name``, str or null). Anything
+int >= 1, and optionally ``cache_salt`` and ``lora_name``, str or null, and
+``branch_points``, a list of positions inside the prompt: ``Request.branch_points``). Anything
 else in a file (bad bytes, bad JSON, a wrong type, a missing or unknown field, a
 number too large to read) raises :class:`TraceError` naming the file, the entry and
 the value; only an unreadable file raises ``OSError``.
@@ -49,7 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxkv.core.hashing import MAX_TOKEN_ID
-from jaxkv.core.manager import Request
+from jaxkv.core.manager import KVCacheManagerError, Request
+from jaxkv.core.request import checked_branch_points
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int, check_int_range, is_int
 from jaxkv.serving.scheduler import (
@@ -90,6 +92,7 @@ MAX_NUM_BLOCKS = 1 << 24
 
 _REQUIRED_FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "max_output_tokens")
 _OPTIONAL_FIELDS = ("cache_salt", "lora_name")
+_FIELDS = (*_REQUIRED_FIELDS, *_OPTIONAL_FIELDS, "branch_points")
 
 
 class TraceError(JaxkvError, ValueError):
@@ -166,6 +169,9 @@ class TraceRequest:
     max_output_tokens: int
     cache_salt: str | None = None
     lora_name: str | None = None
+    branch_points: tuple[int, ...] = ()
+    """Where later prompts may leave this one (a chat's message boundaries, as
+    ``jaxkv-server`` names them): :class:`~jaxkv.core.request.Request`'s."""
 
     def __post_init__(self) -> None:
         rid = self.request_id
@@ -180,6 +186,11 @@ class TraceRequest:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and _is_utf8(value)):
                 raise TraceError(f"{where}field {name!r} must be a UTF-8 str or null, got {value!r:.80}")
+        try:
+            points = checked_branch_points(self.branch_points, len(self.prompt_token_ids), f"{where}field")
+        except KVCacheManagerError as err:
+            raise TraceError(str(err)) from None
+        object.__setattr__(self, "branch_points", points)
 
     def to_json(self) -> dict[str, object]:
         """The request as a JSON-able object of the trace file schema."""
@@ -190,6 +201,8 @@ class TraceRequest:
             "max_output_tokens": self.max_output_tokens,
         }
         out.update({name: getattr(self, name) for name in _OPTIONAL_FIELDS if getattr(self, name) is not None})
+        if self.branch_points:
+            out["branch_points"] = list(self.branch_points)
         return out
 
 
@@ -265,9 +278,9 @@ def _request_from_json(obj: object) -> TraceRequest:
     missing = [name for name in _REQUIRED_FIELDS if name not in obj]
     if missing:
         raise TraceError(f"missing field {missing[0]!r}")
-    unknown = sorted(set(obj) - set(_REQUIRED_FIELDS) - set(_OPTIONAL_FIELDS))
+    unknown = sorted(set(obj) - set(_FIELDS))
     if unknown:
-        raise TraceError(f"unknown field {unknown[0]!r}; valid: {', '.join(_REQUIRED_FIELDS + _OPTIONAL_FIELDS)}")
+        raise TraceError(f"unknown field {unknown[0]!r}; valid: {', '.join(_FIELDS)}")
     return TraceRequest(**obj)
 
 
@@ -492,7 +505,13 @@ class _Replay:
             self.clock = max(self.clock, self.pending[0].arrival_time)
         while self.pending and self.pending[0].arrival_time <= self.clock:
             req = self.pending.popleft()
-            request = Request(req.request_id, req.prompt_token_ids, cache_salt=req.cache_salt, lora_name=req.lora_name)
+            request = Request(
+                req.request_id,
+                req.prompt_token_ids,
+                cache_salt=req.cache_salt,
+                lora_name=req.lora_name,
+                branch_points=req.branch_points,
+            )
             # Generation stops at max_model_len: draw no more tokens than fit (a trace may
             # ask for 10**11); the scheduler still sees the request's own limit, so a
             # request stopped by max_model_len counts in num_capped.
