@@ -43,9 +43,6 @@ from jaxkv.planner import KVCacheConfig, KVCacheGroup, SharedStates
 from jaxkv.specs import KVCacheSpec
 
 RETENTION_RULES = ("vllm", "group_aware")
-RETAINED_SHARE = 0.125
-"""The share of the states memory holds that retained junction checkpoints may take
-(:meth:`~jaxkv.core.single_type.StatePoolManager.remove_skipped_blocks`)."""
 """How a hybrid model's unreferenced blocks queue for eviction.
 
 ``vllm``: as vLLM v1 (the default; same decisions): blocks join the free queue when
@@ -57,6 +54,10 @@ matched: the points a later request sharing the prefix is likely to hit) are ret
 while the request runs, evicted only once nothing else is free; when the request ends,
 all its blocks of every group queue position by position, last position first, so a
 prefix keeps the window blocks that make it a hit."""
+
+RETAINED_SHARE = 0.125
+"""The share of the states memory holds that retained junction checkpoints may take
+(:meth:`~jaxkv.core.single_type.StatePoolManager.remove_skipped_blocks`)."""
 
 
 class CoordinatorError(JaxkvError, ValueError):
