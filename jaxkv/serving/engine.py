@@ -583,10 +583,7 @@ class Engine:
         if self._aborting is not None:  # inside a step: its chunks and blocks are in use
             self._aborting.add(request_id)
             return True
-        self._scheduler.finish(self._outputs.abort(request_id))
-        if not self._outputs.live:
-            self._release()
-        self._publish_events()
+        self._finish(self._outputs.abort(request_id))
         return True
 
     def set_inline_text(self, inline: bool) -> None:
@@ -623,11 +620,16 @@ class Engine:
         if stopped is None:
             return None
         seq, output = stopped
-        self._scheduler.finish([seq])
+        self._finish([seq])
+        return output
+
+    def _finish(self, seqs: list[SeqState]) -> None:
+        """Free ``seqs`` between steps (through the scheduler, the one path that frees),
+        settle the engine once no sequence is live, and publish the events."""
+        self._scheduler.finish(seqs)
         if not self._outputs.live:
             self._release()
         self._publish_events()
-        return output
 
     def add_step_observer(self, observer: Callable[[EngineStats], None]) -> None:
         """Call ``observer`` with :meth:`stats` after every step (a metrics exporter:
