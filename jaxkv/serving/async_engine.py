@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 from jaxkv.errors import JaxkvError
 from jaxkv.models.text import TextError
 from jaxkv.serving.engine import Engine, EngineError
+from jaxkv.serving.output_processor import sequence_key
 from jaxkv.serving.outputs import RequestDelta
 from jaxkv.serving.sampling_params import SamplingParams
 from jaxkv.serving.scheduler import SchedulerOutput
@@ -294,8 +295,7 @@ class AsyncEngine:
                 return
             now = time.monotonic()
             for chunk in output.chunks:
-                request_id, _, index = chunk.seq.request_id.partition("#")
-                key = (request_id, int(index or 0))
+                key = sequence_key(chunk.seq.request_id)
                 if key not in self._scheduled:
                     self._scheduled.add(key)
                     self._notes.append(Note(*key, now, None))

@@ -42,6 +42,13 @@ def sequence_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
 
+def sequence_key(sequence_id: str) -> tuple[str, int]:
+    """The request id and index of a sequence id that :func:`sequence_ids` made from a
+    request id holding no ``#``."""
+    request_id, _, index = sequence_id.partition("#")
+    return request_id, int(index or 0)
+
+
 @dataclass(frozen=True)
 class PendingSequence:
     """A sequence not yet handed to the scheduler (a sibling of an ``n`` > 1 request waits
