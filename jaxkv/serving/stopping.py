@@ -29,7 +29,6 @@ class StopChecker:
         ids = set(params.stop_token_ids) if params.ignore_eos else {*params.stop_token_ids, *eos_token_ids}
         self.stop_token_ids = tuple(sorted(ids))
         self._detokenizer = detokenizer
-        self._stop = params.stop
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._pending = ""  # text decoded but not emitted (a stop string may begin in it)
         self._pieces: list[str] = []
@@ -55,7 +54,7 @@ class StopChecker:
             return self.finish(), "stop"
         if self._detokenizer is None:
             return "", None
-        if not self._stop:  # nothing held back: the piece as decoded
+        if not self.params.stop:  # nothing held back: the piece as decoded
             piece = self._detokenizer.add_token(token_id)
             if piece:
                 self._pieces.append(piece)
