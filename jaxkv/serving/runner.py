@@ -11,7 +11,9 @@ host-to-device transfer, shapes padded to :class:`~jaxkv.device.metadata.Buckets
 one jitted step function ``(params, cache, metadata, sampling, previous) -> (sampled,
 drawn, cache)`` with the cache donated, so its buffers are updated in place. Tokens are drawn on the device
 (:mod:`jaxkv.serving.sampler`: each request's parameters are rows of the step's inputs,
-so no parameter set compiles anything); only ``num_seqs`` tokens and their top
+so no parameter set compiles anything; the rows are kept on the device across steps,
+:class:`~jaxkv.serving.sampler.SamplingBatch`, re-sent only when a row's parameters change,
+and the step sets each row's position from its metadata); only ``num_seqs`` tokens and their top
 log-probabilities come back to the host (and their logits, from a step compiled apart,
 when a token check asks for them).
 

@@ -19,6 +19,10 @@ Logit bias and the presence, frequency and repetition penalties (:mod:`jaxkv.ser
 travel in arrays of their own only when a row of the step has one, so a step without
 them runs the variant it ran before.
 
+A serving loop keeps its step's rows on the device (:class:`SamplingBatch`): they change
+only when a row's parameters, seed or banned ids do, since the step fills in the positions
+from its metadata (:func:`at_positions`); a steady decode step sends no sampling input.
+
 Ties at the top-p boundary keep every token equal to the last one kept; top-k keeps
 ties with the k-th value too (they are equally likely, none is preferred).
 """
@@ -208,7 +212,7 @@ class SamplingBatch:
     time (its token history grows each step) and not kept. ``place`` puts the packed rows
     where the step reads them (every step the same placement: nothing recompiles)."""
 
-    def __init__(self, place: Callable[[np.ndarray], jax.Array]) -> None:
+    def __init__(self, place: Callable[[np.ndarray | jax.Array], jax.Array]) -> None:
         self._place = place
         self._key: list | None = None
         self._inputs: SamplingInputs | None = None
