@@ -42,7 +42,7 @@ import functools
 import itertools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -489,14 +489,8 @@ def build_step_metadata(
     block_sizes: Sequence[int],
     buckets: Buckets,
     *,
-    num_blocks: int | None = None,
-    state_groups: Sequence[int] = (),
-    num_states: int | None = None,
-    group_layers: Sequence[Sequence[str]] = (),
-    unit_blocks: Callable[[int], Sequence[int]] | None = None,
-    pages_per_state: int = 0,
-    device: jax.Device | jax.sharding.Sharding | None = None,
     tables: BlockTables | None = None,
+    **settings: Any,
 ) -> StepMetadata:
     """Build one step's metadata in numpy, packed in one buffer: a host array (``device``
     None; the jitted call it is passed to sends it) or placed on ``device``.
@@ -524,19 +518,9 @@ def build_step_metadata(
     ``tables`` are the caller's block tables kept across steps (a serving loop's; their
     limits must be :func:`table_limits` of these arguments): only the ids that changed since
     a request's last step are converted and checked. None: fresh tables for this call.
+    ``settings``: the keywords of :class:`MetadataBuilder` (``num_blocks`` to ``device``).
     """
-    builder = MetadataBuilder(
-        block_sizes,
-        buckets,
-        num_blocks=num_blocks,
-        state_groups=state_groups,
-        num_states=num_states,
-        group_layers=group_layers,
-        unit_blocks=unit_blocks,
-        pages_per_state=pages_per_state,
-        device=device,
-    )
-    return builder.build(seqs, token_ids, block_ids, tables)
+    return MetadataBuilder(block_sizes, buckets, **settings).build(seqs, token_ids, block_ids, tables)
 
 
 class MetadataBuilder:
