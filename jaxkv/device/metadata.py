@@ -42,7 +42,7 @@ import functools
 import itertools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -489,14 +489,8 @@ def build_step_metadata(
     block_sizes: Sequence[int],
     buckets: Buckets,
     *,
-    num_blocks: int | None = None,
-    state_groups: Sequence[int] = (),
-    num_states: int | None = None,
-    group_layers: Sequence[Sequence[str]] = (),
-    unit_blocks: Callable[[int], Sequence[int]] | None = None,
-    pages_per_state: int = 0,
-    device: jax.Device | jax.sharding.Sharding | None = None,
     tables: BlockTables | None = None,
+    **settings: Any,
 ) -> StepMetadata:
     """Build one step's metadata in numpy, packed in one buffer: a host array (``device``
     None; the jitted call it is passed to sends it) or placed on ``device``.
@@ -524,116 +518,164 @@ def build_step_metadata(
     ``tables`` are the caller's block tables kept across steps (a serving loop's; their
     limits must be :func:`table_limits` of these arguments): only the ids that changed since
     a request's last step are converted and checked. None: fresh tables for this call.
+    ``settings``: the keywords of :class:`MetadataBuilder` (``num_blocks`` to ``device``).
     """
-    if not seqs:
-        raise MetadataError("no sequences scheduled")
-    if len(token_ids) != len(seqs) or len(block_ids) != len(seqs):
-        raise MetadataError(f"{len(seqs)} seqs but {len(token_ids)} token lists and {len(block_ids)} block lists")
-    num_groups = len(block_sizes)
-    if not num_groups or not all((type(b) is int or is_int(b)) and b > 0 for b in block_sizes):
-        raise MetadataError(f"block_sizes must be positive ints, one per group: {block_sizes!r}")
-    if num_blocks is not None:
-        check_int("num_blocks", num_blocks, error=MetadataError)
-    layer_map = tuple(tuple(names) for names in group_layers)
-    if layer_map and len(layer_map) != num_groups:
-        raise MetadataError(f"group_layers names {len(layer_map)} groups, expected {num_groups}")
-    if set(map(len, block_ids)) != {num_groups}:
-        seq, ids = next((s, ids) for s, ids in zip(seqs, block_ids, strict=True) if len(ids) != num_groups)
-        raise MetadataError(f"request {seq.request_id!r} has block ids for {len(ids)} groups, expected {num_groups}")
-    n = len(seqs)
-    computed, q_lens = _counts(seqs)
-    kv_lens = computed + q_lens
-    total = int(q_lens.sum())
-    if total != n:  # some prefill (every count is >= 1): decodes must come first
-        decodes = q_lens == 1
-        if (decodes[1:] > decodes[:-1]).any():
-            late = seqs[int(np.argmax(decodes[1:] > decodes[:-1])) + 1]
-            raise MetadataError(f"decode {late.request_id!r} comes after a prefill; order seqs with decodes_first()")
-    num_tokens = bucket(total, buckets.tokens, "tokens")
-    max_seqs = bucket(n, buckets.seqs, "seqs")
-    if kv_lens.max() > _INT32.max:  # kv_lens >= 1: only the top can overflow
-        _check_int32("kv_lens", kv_lens)
+    return MetadataBuilder(block_sizes, buckets, **settings).build(seqs, token_ids, block_ids, tables)
 
-    state_group_set = frozenset(state_groups)
-    if not state_group_set <= set(range(num_groups)):
-        raise MetadataError(f"state_groups {sorted(state_group_set)} are not all groups of {num_groups}")
-    if num_states is not None:
-        check_int("num_states", num_states, error=MetadataError)
-    if not is_int(pages_per_state) or pages_per_state < 0 or (pages_per_state > 0) != (unit_blocks is not None):
-        raise MetadataError(
-            f"pages_per_state={pages_per_state!r} must be an int >= 0, > 0 exactly when unit_blocks is given "
-            f"(got {unit_blocks!r})"
-        )
-    limits = table_limits(num_groups, num_blocks, state_group_set, num_states)
-    if tables is None:
-        tables = BlockTables(limits)
-    elif tables.limits != limits:
-        raise MetadataError(f"the block tables bound groups' ids by {tables.limits}, this step by {limits}")
-    rows = tables.rows([seq.request_id for seq in seqs], block_ids)
-    widths: list[int | None] = []
-    states: dict[int, np.ndarray] = {}
-    units: dict[int, np.ndarray] = {}
-    for g, block_size in enumerate(block_sizes):
-        lengths = tables.lengths(g, rows)
-        _check_lengths(seqs, lengths, -(-kv_lens // block_size), g, block_size)
-        if g in state_group_set:
-            states[g] = _state_rows(seqs, tables.table(g), rows, kv_lens, block_size, g, max_seqs)
-            if unit_blocks is not None:
-                units[g] = _unit_blocks(seqs, states[g], unit_blocks, pages_per_state, num_blocks, g, max_seqs)
-            widths.append(None)
-        else:
-            widths.append(bucket(int(lengths.max()), buckets.blocks, f"blocks of group {g}"))
 
-    packing = _packing(num_tokens, max_seqs, tuple(widths), pages_per_state)
-    offsets = packing.offsets
-    packed = np.zeros(offsets["_end"][0], dtype=np.int32)
+class MetadataBuilder:
+    """:func:`build_step_metadata` with the arguments that stay the same from step to step
+    (a runner's block sizes, buckets, pools, groups, device) checked once, here, so that a
+    serving loop's step pays only for its sequences (:meth:`build`)."""
 
-    def put(name: str, values: np.ndarray) -> None:
-        start = offsets[name][0]
-        packed[start : start + values.size] = values.reshape(-1)
-
-    if total == n:  # all decodes: one token each, at its computed length
-        token_rows, positions = rows, computed
-    else:
-        seq_of_token = np.repeat(np.arange(n), q_lens)
-        positions = np.arange(total) + (kv_lens - np.cumsum(q_lens))[seq_of_token]
-        token_rows = rows[seq_of_token]
-    put("input_ids", _new_tokens(seqs, token_ids, q_lens.tolist()))
-    put("positions", positions)
-    put("kv_lens", kv_lens)
-    cu = offsets["cu_q_lens"][0]
-    ends = np.arange(1, n + 1) if total == n else np.cumsum(q_lens)
-    packed[cu + 1 : cu + n + 1] = ends
-    packed[cu + n + 1 : cu + max_seqs + 1] = total  # padded sequences: empty
-    packed[offsets["num_seqs"][0]] = n
-    put("logits_indices", ends - 1)
-    for g, (width, block_size) in enumerate(zip(widths, block_sizes, strict=True)):
-        if width is None:
-            read, write, fresh = states[g]
-            put(f"read{g}", read)
-            put(f"write{g}", write)
-            put(f"fresh{g}", fresh)
-            if g in units:
-                put(f"read_blocks{g}", units[g][0])
-                put(f"write_blocks{g}", units[g][1])
-            continue
-        start = offsets[f"tables{g}"][0]
-        table = packed[start : start + max_seqs * width].reshape(max_seqs, width)
-        source = tables.table(g)
-        w = min(width, source.shape[1])
-        table[:n, :w] = source[rows, :w]  # ids < their limit <= 2**31: they fit int32
-        block = source[token_rows, positions // block_size]
-        if not block.all():
-            t = int(np.argmin(block != 0))
-            seq = seqs[t if total == n else int(seq_of_token[t])]
-            raise BlockIdError(
-                f"request {seq.request_id!r}, group {g}: new token at position {positions[t]} maps to the null block 0"
+    def __init__(
+        self,
+        block_sizes: Sequence[int],
+        buckets: Buckets,
+        *,
+        num_blocks: int | None = None,
+        state_groups: Sequence[int] = (),
+        num_states: int | None = None,
+        group_layers: Sequence[Sequence[str]] = (),
+        unit_blocks: Callable[[int], Sequence[int]] | None = None,
+        pages_per_state: int = 0,
+        device: jax.Device | jax.sharding.Sharding | None = None,
+    ) -> None:
+        num_groups = len(block_sizes)
+        if not num_groups or not all((type(b) is int or is_int(b)) and b > 0 for b in block_sizes):
+            raise MetadataError(f"block_sizes must be positive ints, one per group: {block_sizes!r}")
+        if num_blocks is not None:
+            check_int("num_blocks", num_blocks, error=MetadataError)
+        self.layer_map = tuple(tuple(names) for names in group_layers)
+        if self.layer_map and len(self.layer_map) != num_groups:
+            raise MetadataError(f"group_layers names {len(self.layer_map)} groups, expected {num_groups}")
+        self.state_groups = frozenset(state_groups)
+        if not self.state_groups <= set(range(num_groups)):
+            raise MetadataError(f"state_groups {sorted(self.state_groups)} are not all groups of {num_groups}")
+        if num_states is not None:
+            check_int("num_states", num_states, error=MetadataError)
+        if not is_int(pages_per_state) or pages_per_state < 0 or (pages_per_state > 0) != (unit_blocks is not None):
+            raise MetadataError(
+                f"pages_per_state={pages_per_state!r} must be an int >= 0, > 0 exactly when unit_blocks is given "
+                f"(got {unit_blocks!r})"
             )
-        slots = block * block_size + positions % block_size
-        if limits[g] * block_size > _INT32.max + 1:  # else every slot is below 2**31
-            _check_int32(f"slots{g}", slots)
-        put(f"slots{g}", slots)
-    return StepMetadata(packed if device is None else place_values(packed, device), packing, layer_map)
+        self.block_sizes = tuple(int(b) for b in block_sizes)
+        self.buckets = buckets
+        self.num_blocks = num_blocks
+        self.unit_blocks = unit_blocks
+        self.pages_per_state = pages_per_state
+        self.device = device
+        self.limits = table_limits(num_groups, num_blocks, self.state_groups, num_states)
+        """Each group's bound on its block ids (what the caller's :class:`BlockTables` must have)."""
+
+    def build(
+        self,
+        seqs: Sequence[StepSeq],
+        token_ids: Sequence[Sequence[int]],
+        block_ids: Sequence[Sequence[Sequence[int]]],
+        tables: BlockTables | None = None,
+    ) -> StepMetadata:
+        """One step's metadata (see :func:`build_step_metadata`)."""
+        if not seqs:
+            raise MetadataError("no sequences scheduled")
+        if len(token_ids) != len(seqs) or len(block_ids) != len(seqs):
+            raise MetadataError(f"{len(seqs)} seqs but {len(token_ids)} token lists and {len(block_ids)} block lists")
+        block_sizes, buckets, limits = self.block_sizes, self.buckets, self.limits
+        num_groups = len(block_sizes)
+        if set(map(len, block_ids)) != {num_groups}:
+            seq, ids = next((s, ids) for s, ids in zip(seqs, block_ids, strict=True) if len(ids) != num_groups)
+            raise MetadataError(
+                f"request {seq.request_id!r} has block ids for {len(ids)} groups, expected {num_groups}"
+            )
+        n = len(seqs)
+        computed, q_lens = _counts(seqs)
+        kv_lens = computed + q_lens
+        total = int(q_lens.sum())
+        if total != n:  # some prefill (every count is >= 1): decodes must come first
+            decodes = q_lens == 1
+            if (decodes[1:] > decodes[:-1]).any():
+                late = seqs[int(np.argmax(decodes[1:] > decodes[:-1])) + 1]
+                raise MetadataError(
+                    f"decode {late.request_id!r} comes after a prefill; order seqs with decodes_first()"
+                )
+        num_tokens = bucket(total, buckets.tokens, "tokens")
+        max_seqs = bucket(n, buckets.seqs, "seqs")
+        if kv_lens.max() > _INT32.max:  # kv_lens >= 1: only the top can overflow
+            _check_int32("kv_lens", kv_lens)
+        state_group_set, unit_blocks = self.state_groups, self.unit_blocks
+        if tables is None:
+            tables = BlockTables(limits)
+        elif tables.limits != limits:
+            raise MetadataError(f"the block tables bound groups' ids by {tables.limits}, this step by {limits}")
+        rows = tables.rows([seq.request_id for seq in seqs], block_ids)
+        widths: list[int | None] = []
+        states: dict[int, np.ndarray] = {}
+        units: dict[int, np.ndarray] = {}
+        for g, block_size in enumerate(block_sizes):
+            lengths = tables.lengths(g, rows)
+            _check_lengths(seqs, lengths, -(-kv_lens // block_size), g, block_size)
+            if g in state_group_set:
+                states[g] = _state_rows(seqs, tables.table(g), rows, kv_lens, block_size, g, max_seqs)
+                if unit_blocks is not None:
+                    units[g] = _unit_blocks(
+                        seqs, states[g], unit_blocks, self.pages_per_state, self.num_blocks, g, max_seqs
+                    )
+                widths.append(None)
+            else:
+                widths.append(bucket(int(lengths.max()), buckets.blocks, f"blocks of group {g}"))
+
+        packing = _packing(num_tokens, max_seqs, tuple(widths), self.pages_per_state)
+        offsets = packing.offsets
+        packed = np.zeros(offsets["_end"][0], dtype=np.int32)
+
+        def put(name: str, values: np.ndarray) -> None:
+            start = offsets[name][0]
+            packed[start : start + values.size] = values.reshape(-1)
+
+        if total == n:  # all decodes: one token each, at its computed length
+            token_rows, positions = rows, computed
+        else:
+            seq_of_token = np.repeat(np.arange(n), q_lens)
+            positions = np.arange(total) + (kv_lens - np.cumsum(q_lens))[seq_of_token]
+            token_rows = rows[seq_of_token]
+        put("input_ids", _new_tokens(seqs, token_ids, q_lens.tolist()))
+        put("positions", positions)
+        put("kv_lens", kv_lens)
+        cu = offsets["cu_q_lens"][0]
+        ends = np.arange(1, n + 1) if total == n else np.cumsum(q_lens)
+        packed[cu + 1 : cu + n + 1] = ends
+        packed[cu + n + 1 : cu + max_seqs + 1] = total  # padded sequences: empty
+        packed[offsets["num_seqs"][0]] = n
+        put("logits_indices", ends - 1)
+        for g, (width, block_size) in enumerate(zip(widths, block_sizes, strict=True)):
+            if width is None:
+                read, write, fresh = states[g]
+                put(f"read{g}", read)
+                put(f"write{g}", write)
+                put(f"fresh{g}", fresh)
+                if g in units:
+                    put(f"read_blocks{g}", units[g][0])
+                    put(f"write_blocks{g}", units[g][1])
+                continue
+            start = offsets[f"tables{g}"][0]
+            table = packed[start : start + max_seqs * width].reshape(max_seqs, width)
+            source = tables.table(g)
+            w = min(width, source.shape[1])
+            table[:n, :w] = source[rows, :w]  # ids < their limit <= 2**31: they fit int32
+            block = source[token_rows, positions // block_size]
+            if not block.all():
+                t = int(np.argmin(block != 0))
+                seq = seqs[t if total == n else int(seq_of_token[t])]
+                raise BlockIdError(
+                    f"request {seq.request_id!r}, group {g}: new token at position {positions[t]} "
+                    "maps to the null block 0"
+                )
+            slots = block * block_size + positions % block_size
+            if limits[g] * block_size > _INT32.max + 1:  # else every slot is below 2**31
+                _check_int32(f"slots{g}", slots)
+            put(f"slots{g}", slots)
+        device = self.device
+        return StepMetadata(packed if device is None else place_values(packed, device), packing, self.layer_map)
 
 
 def _check_int32(name: str, values: np.ndarray) -> None:

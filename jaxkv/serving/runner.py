@@ -11,7 +11,9 @@ host-to-device transfer, shapes padded to :class:`~jaxkv.device.metadata.Buckets
 one jitted step function ``(params, cache, metadata, sampling, previous) -> (sampled,
 drawn, cache)`` with the cache donated, so its buffers are updated in place. Tokens are drawn on the device
 (:mod:`jaxkv.serving.sampler`: each request's parameters are rows of the step's inputs,
-so no parameter set compiles anything); only ``num_seqs`` tokens and their top
+so no parameter set compiles anything; the rows are kept on the device across steps,
+:class:`~jaxkv.serving.sampler.SamplingBatch`, re-sent only when a row's parameters change,
+and the step sets each row's position from its metadata); only ``num_seqs`` tokens and their top
 log-probabilities come back to the host (and their logits, from a step compiled apart,
 when a token check asks for them).
 
@@ -51,11 +53,10 @@ from jaxkv.device.cache import KVCache, allocate_kv_cache
 from jaxkv.device.mesh import MODEL_AXIS, auto_axes, place, replicated, weight_shardings
 from jaxkv.device.metadata import (
     Buckets,
+    MetadataBuilder,
     StepMetadata,
     bucket,
-    build_step_metadata,
     place_values,
-    table_limits,
 )
 from jaxkv.device.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
 from jaxkv.device.state_pages import StatePages, StateUnits, check_mesh, state_pages
@@ -73,7 +74,15 @@ from jaxkv.serving.prompt_logprobs import (
     score_positions,
     split_by_chunk,
 )
-from jaxkv.serving.sampler import RowSampling, SampledTokens, SamplingInputs, greedy_inputs, sample, sampling_inputs
+from jaxkv.serving.sampler import (
+    RowSampling,
+    SampledTokens,
+    SamplingBatch,
+    SamplingInputs,
+    at_positions,
+    greedy_inputs,
+    sample,
+)
 from jaxkv.serving.scheduler import ScheduledChunk
 from jaxkv.specs import KVCacheSpec, MambaSpec
 
@@ -162,6 +171,7 @@ def _step_with_logits(
     _num_step_traces += 1  # runs once per trace, i.e. per compiled shape
     meta = _feed(meta, previous)
     logits, cache = model.forward(params, cache, meta, impl=impl)
+    sampling = at_positions(sampling, meta.positions[meta.logits_indices] + 1)
     sampled = sample(logits, sampling, meta.input_ids[meta.logits_indices])
     drawn = jnp.pad(sampled.token_ids, (0, previous.shape[0] - sampled.token_ids.shape[0]))
     return sampled, logits, drawn, cache
@@ -198,7 +208,7 @@ def _step_with_prompt_logprobs(
     meta = _feed(meta, previous)
     logits, cache = model.forward(params, cache, every_position(meta), impl=impl)
     last = meta.logits_indices
-    sampled = sample(logits[last], sampling, meta.input_ids[last])
+    sampled = sample(logits[last], at_positions(sampling, meta.positions[last] + 1), meta.input_ids[last])
     scored = score_positions(logits, meta, jnp.asarray(sampling.next_ids))
     drawn = jnp.pad(sampled.token_ids, (0, previous.shape[0] - sampled.token_ids.shape[0]))
     return sampled, logits[last] if sampling.with_logits else None, scored, drawn, cache
@@ -261,6 +271,12 @@ def allocate_cache(
     return cache if mesh is not None else jax.device_put(cache, jax.devices()[0], donate=True)
 
 
+def _local(x: jax.Array) -> np.ndarray:
+    """A replicated output as numpy: the array itself when this process holds all of it (no
+    shard object made), else this process's first copy."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
 class InFlight(NamedTuple):
     """A dispatched step: its outputs on the device (the draws; the logits and the prompt
     scores when asked) and its chunks (the real rows of those outputs)."""
@@ -316,14 +332,23 @@ class ModelRunner:
         self.state_groups = tuple(i for i, g in enumerate(config.groups) if isinstance(g.spec, MambaSpec))
         self.group_layers = tuple(g.layer_names for g in config.groups)
         self._num_states = num_state_rows(config) if self.state_groups else None
-        self._tables = BlockTables(
-            table_limits(len(config.groups), config.num_blocks, self.state_groups, self._num_states),
-            rows=max(buckets.seqs),
-            width=max(buckets.blocks),
-        )
         self.cache: KVCache | HybridCache = allocate_cache(config, self.mesh, model_axis)
         self.params = model.params
         self._meta_sharding = None if self.mesh is None else replicated(self.mesh)
+        shared = config.shared_states
+        self._builder = MetadataBuilder(
+            self.block_sizes,
+            buckets,
+            num_blocks=config.num_blocks,
+            state_groups=self.state_groups,
+            num_states=self._num_states,
+            group_layers=self.group_layers,
+            unit_blocks=unit_blocks,
+            pages_per_state=0 if shared is None else shared.pages_per_state,
+            device=self._meta_sharding,
+        )
+        """The step metadata's builder, its constant arguments checked once."""
+        self._tables = BlockTables(self._builder.limits, rows=max(buckets.seqs), width=max(buckets.blocks))
         plain = with_logits = scored = None
         if self.mesh is not None:
             params = weight_shardings(model.partition_specs(), self.mesh, model_axis)
@@ -340,6 +365,8 @@ class ModelRunner:
         self._drawn = place_values(np.zeros(max(buckets.seqs), np.int32), drawn_at)
         """The last step's drawn tokens on the device, padded: what a fed input token reads
         (committed where the cache is, as every step's output is: the first step compiles once)."""
+        self._sampling = SamplingBatch(functools.partial(place_values, device=drawn_at))
+        """The sampling inputs kept across steps (re-sent only when the rows' parameters change)."""
         self.num_compilations = 0
         self.dispatch_s = 0.0
         """Seconds spent in JAX's call of the jitted step (argument checks, dispatch to every
@@ -370,22 +397,7 @@ class ModelRunner:
                 raise RunnerError(f"chunk {i} is fed row {row} of the previous step, which has {num_drawn}")
         # a fed decode's id is its row's placeholder: its request's tokens are not sliced for it
         token_ids = [c.token_ids if i not in fed else [-1 - fed[i]] for i, c in enumerate(chunks)]
-        shared = self.config.shared_states
-        return build_step_metadata(
-            chunks,  # their counts are checked there, all at once
-            token_ids,
-            [c.block_ids for c in chunks],
-            self.block_sizes,
-            self.buckets,
-            num_blocks=self.config.num_blocks,
-            state_groups=self.state_groups,
-            num_states=self._num_states,
-            group_layers=self.group_layers,
-            unit_blocks=self.unit_blocks,
-            pages_per_state=0 if shared is None else shared.pages_per_state,
-            device=self._meta_sharding,
-            tables=self._tables,
-        )
+        return self._builder.build(chunks, token_ids, [c.block_ids for c in chunks], self._tables)
 
     def release(self, request_id: str) -> bool:
         """Forget a finished or preempted sequence's block table row (False if it had none).
@@ -422,7 +434,7 @@ class ModelRunner:
         token after each new token, :mod:`jaxkv.serving.prompt_logprobs`) and return without
         waiting for it: :meth:`collect` reads it back."""
         num_rows = bucket(len(chunks), self.buckets.seqs, "seqs")
-        inputs = sampling_inputs(rows, num_rows)
+        inputs = self._sampling.inputs(rows, num_rows)
         if score_prompt:
             scored = ScoredInputs(
                 inputs.packed,
@@ -442,7 +454,7 @@ class ModelRunner:
         jax.block_until_ready(step.outputs)
         self.device_wait_s += time.perf_counter() - start
         num_rows = len(step.chunks)
-        host = [jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[:num_rows], o) for o in step.outputs]
+        host = [jax.tree.map(lambda x: _local(x)[:num_rows], o) for o in step.outputs]
         scores = split_by_chunk(host[2], step.chunks) if len(host) > 2 else None
         return Collected(host[0], host[1] if len(host) > 1 else None, scores)
 

@@ -19,6 +19,10 @@ Logit bias and the presence, frequency and repetition penalties (:mod:`jaxkv.ser
 travel in arrays of their own only when a row of the step has one, so a step without
 them runs the variant it ran before.
 
+A serving loop keeps its step's rows on the device (:class:`SamplingBatch`): they change
+only when a row's parameters, seed or banned ids do, since the step fills in the positions
+from its metadata (:func:`at_positions`); a steady decode step sends no sampling input.
+
 Ties at the top-p boundary keep every token equal to the last one kept; top-k keeps
 ties with the k-th value too (they are equally likely, none is preferred).
 """
@@ -26,7 +30,7 @@ ties with the k-th value too (they are equally likely, none is preferred).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -188,6 +192,41 @@ def sampling_inputs(rows: Sequence[RowSampling | None], num_rows: int) -> Sampli
         else None
     )
     return SamplingInputs(packed, penalties, logprobs)
+
+
+def at_positions(inputs: SamplingInputs, positions: jax.Array) -> SamplingInputs:
+    """``inputs`` with each row's ``position`` column set to ``positions`` (S,) (traced: the
+    step derives them from its metadata, so kept inputs need no update as sequences grow)."""
+    packed = jnp.asarray(inputs.packed).at[:, _AT["position"]].set(positions.astype(jnp.int32))
+    return dataclasses.replace(inputs, packed=packed)
+
+
+class SamplingBatch:
+    """A step's sampling inputs kept across steps, as vLLM's persistent input batch keeps its
+    sampling parameters: the packed rows are rebuilt, and sent to the device, only when the
+    step's rows differ from the last step's in what they hold (parameters, seed, banned ids,
+    the padded row count); a steady decode step reuses the device array as it is.
+
+    The rows' positions are left out of that comparison: the step sets them from its
+    metadata (:func:`at_positions`). A step with penalties or logit bias is rebuilt every
+    time (its token history grows each step) and not kept. ``place`` puts the packed rows
+    where the step reads them (every step the same placement: nothing recompiles)."""
+
+    def __init__(self, place: Callable[[np.ndarray | jax.Array], jax.Array]) -> None:
+        self._place = place
+        self._key: list | None = None
+        self._inputs: SamplingInputs | None = None
+
+    def inputs(self, rows: Sequence[RowSampling | None], num_rows: int) -> SamplingInputs:
+        """The step's :class:`SamplingInputs` for ``rows`` padded to ``num_rows`` (as
+        :func:`sampling_inputs`, the packed rows on the device); positions unset."""
+        key = [num_rows, *(None if r is None else (r.params, r.seed, r.banned) for r in rows)]
+        if key == self._key and self._inputs is not None:
+            return self._inputs
+        host = sampling_inputs(rows, num_rows)
+        inputs = SamplingInputs(self._place(host.packed), host.penalties, host.logprobs)
+        self._key, self._inputs = (key, inputs) if host.penalties is None else (None, None)
+        return inputs
 
 
 def greedy_inputs(num_rows: int) -> SamplingInputs:
