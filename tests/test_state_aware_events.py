@@ -4,6 +4,7 @@ does, and the output stream replayed from its start rebuilds exactly what is ann
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -106,7 +107,8 @@ def test_only_models_with_recurrent_groups_get_a_transform():
 
 
 def test_the_host_tier_adds_chains_to_host_checkpoints_and_keeps_the_links_of_blocks_the_device_freed():
-    device, host = StateAwareEvents([ATTN], [STATE]), HostTierEvents([ATTN], [STATE])
+    device = StateAwareEvents([ATTN], [STATE])
+    host = HostTierEvents(device)
 
     def step(events: list[KVCacheEvent], keys: list[KeysStored | KeysRemoved] = ()) -> list[KVCacheEvent]:
         return host.apply(events, device.apply(events), keys)
@@ -128,43 +130,105 @@ def test_the_host_tier_adds_chains_to_host_checkpoints_and_keeps_the_links_of_bl
     assert host.published() == device.published() == {h(1)}
 
 
-def expected(parents: dict[int, int | None], attn: dict[int, int], state: dict[int, int]) -> set[bytes]:
-    """The definition, by brute force: the chain to the block cached, and a checkpoint on
-    or after it reachable through cached blocks."""
+def test_a_branch_point_is_announced_only_with_its_own_checkpoint():
+    """Under the branch-point rule two cached branches below a block without a checkpoint
+    withdraw it and its chain (a prompt leaving there would resume before it), until it
+    or a block above it holds one."""
+    t = StateAwareEvents([ATTN], [STATE], branch_points=True)
+    t.apply([stored(ATTN, [1, 2, 3]), stored(STATE, [3], parent=2)])
+    assert t.published() == {h(1), h(2), h(3)}
+    out = t.apply([stored(ATTN, [4], parent=2)])
+    assert out == [], "a branch that reaches no checkpoint does not count"
+    out = t.apply([stored(STATE, [4], parent=2)])
+    assert sorted(e.block_hashes for e in out) == [(h(1),), (h(2),), (h(3),)]
+    assert all(isinstance(e, BlockRemoved) for e in out)
+    assert t.apply([stored(STATE, [1])]) == [BlockStored(ATTN, (h(1),), None, BS, tokens([1]), None)]
+    t.apply([stored(STATE, [2], parent=1)])
+    assert t.published() == {h(i) for i in (1, 2, 3, 4)}
+    out = t.apply([removed(STATE, 2)])
+    assert sorted(e.block_hashes for e in out) == [(h(2),), (h(3),), (h(4),)]
+    assert t.published() == {h(1)}
+    assert t.apply([removed(ATTN, 4)]) == [BlockStored(ATTN, (h(2), h(3)), h(1), BS, tokens([2, 3]), None)]
 
-    def chain_ok(i: int) -> bool:
-        while True:
-            if not attn.get(i):
-                return False
-            p = parents[i]
-            if p is None:
-                return True
-            i = p
 
+def test_the_host_tier_counts_where_the_device_resumes_as_a_branch_points_checkpoint():
+    """Two branches with checkpoints on host below block 2: the device's checkpoint at 2
+    (its chain on device) is where a prompt leaving at 2 resumes, so both branches are
+    announced; without it, 2 is a branch point with no checkpoint and all is withdrawn;
+    with one branch left, its chain is announced again."""
+    device = StateAwareEvents([ATTN], [STATE])
+    host = HostTierEvents(device)
+
+    def step(events: list[KVCacheEvent], keys: list[KeysStored | KeysRemoved] = ()) -> list[KVCacheEvent]:
+        return host.apply(events, device.apply(events), keys)
+
+    step([stored(ATTN, [1, 2, 3]), stored(ATTN, [4, 5], parent=2), stored(STATE, [2], parent=1)])
+    assert host.published() == device.published() == {h(1), h(2)}
+    step([], [KeysStored(((h(3), STATE), (h(5), STATE)))])
+    assert host.published() == {h(i) for i in (1, 2, 3, 4, 5)}
+    out = step([removed(STATE, 2)])
+    assert host.published() == device.published() == frozenset()
+    assert sorted(e.block_hashes for e in out) == [(h(i),) for i in (1, 2, 3, 4, 5)]
+    step([], [KeysRemoved(((h(5), STATE),))])
+    assert host.published() == {h(1), h(2), h(3)}
+
+
+def expected(
+    parents: dict[int, int | None], attn: dict[int, int], state: dict[int, int], *, branch_points: bool = False
+) -> set[bytes]:
+    """The definition, by brute force: the chain to the block cached (under the
+    branch-point rule: good, block by block), and a checkpoint on or after it reachable
+    through cached blocks. A block is good when it is cached and holds a checkpoint, or
+    exactly one child reaches a checkpoint and that child is good."""
     children: dict[int, list[int]] = {}
     for c, p in parents.items():
         if p is not None:
             children.setdefault(p, []).append(c)
 
+    @functools.cache
     def reaches_checkpoint(i: int) -> bool:
         if not attn.get(i):
             return False
         return bool(state.get(i)) or any(reaches_checkpoint(c) for c in children.get(i, ()))
 
+    @functools.cache
+    def good(i: int) -> bool:
+        if not attn.get(i):
+            return False
+        if state.get(i):
+            return True
+        live = [c for c in children.get(i, ()) if reaches_checkpoint(c)]
+        return len(live) == 1 and good(live[0])
+
+    usable = good if branch_points else (lambda i: bool(attn.get(i)))
+
+    ok: dict[int | None, bool] = {None: True}
+
+    def chain_ok(i: int | None) -> bool:
+        path = []
+        while i not in ok:
+            path.append(i)
+            i = parents[i]
+        for j in reversed(path):
+            ok[j] = ok[parents[j]] and usable(j)
+        return ok[path[0]] if path else ok[i]
+
     return {h(i) for i in parents if chain_ok(i) and reaches_checkpoint(i)}
 
 
+@pytest.mark.parametrize("branch_points", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_streams_announce_exactly_the_resumable_blocks_and_replay_to_the_same_set(seed):
+def test_random_streams_announce_exactly_the_resumable_blocks_and_replay_to_the_same_set(seed, branch_points):
     """A pool's worth of random stores and evictions over branching chains: after every
     step the announced set is the brute-force definition, and folding the whole output
     stream (a late subscriber replaying from 0) gives that set, parents first."""
     rng = random.Random(seed)
-    t = StateAwareEvents([ATTN], [STATE])
+    t = StateAwareEvents([ATTN], [STATE], branch_points=branch_points)
     parents: dict[int, int | None] = {}
     attn: dict[int, int] = {}
     state: dict[int, int] = {}
     stream: list[KVCacheEvent] = []
+    announcing = pruned = 0  # steps announcing something; steps where branch points withdrew some
     for _ in range(300):
         step: list[KVCacheEvent] = []
         for _ in range(rng.randint(1, 4)):
@@ -177,16 +241,18 @@ def test_random_streams_announce_exactly_the_resumable_blocks_and_replay_to_the_
                     parents[i], parent = parent, i
                     attn[i] = attn.get(i, 0) + 1
                 step.append(stored(ATTN, ids, start))
-                if rng.random() < 0.7:
-                    c = rng.choice(ids)
+                if rng.random() < 0.7:  # a checkpoint on the new blocks, or at the branch point
+                    c = rng.choice(ids if start is None or rng.random() < 0.7 else [start])
                     state[c] = state.get(c, 0) + 1
                     step.append(stored(STATE, [c], parents[c]))
             elif kind < 0.55 and attn:  # another copy of a known block, or a recomputed one
                 i = rng.choice(list(parents))
                 attn[i] = attn.get(i, 0) + 1
                 step.append(stored(ATTN, [i], parents[i]))
-            elif kind < 0.8 and any(attn.values()):
-                i = rng.choice([i for i in attn if attn[i]])
+            elif kind < 0.8 and any(attn.values()):  # mostly a leaf, as a pool evicts
+                cached = [i for i in attn if attn[i]]
+                inner = {parents[i] for i in cached}
+                i = rng.choice([i for i in cached if i not in inner] if rng.random() < 0.7 else cached)
                 attn[i] -= 1
                 step.append(removed(ATTN, i))
             elif any(state.values()):
@@ -194,11 +260,13 @@ def test_random_streams_announce_exactly_the_resumable_blocks_and_replay_to_the_
                 state[i] -= 1
                 step.append(removed(STATE, i))
         stream += t.apply(step)
-        assert t.published() == expected(parents, attn, state)
+        assert t.published() == expected(parents, attn, state, branch_points=branch_points)
+        announcing += bool(t.published())
+        pruned += t.published() < expected(parents, attn, state)
     announced: set[bytes] = set()
     fold(announced, stream)
     assert announced == t.published()
-    assert announced  # the stream was not empty all along
+    assert announcing > 0 and (pruned > 0) == branch_points  # the rule mattered where it applies
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -208,7 +276,8 @@ def test_random_device_and_host_streams_announce_what_the_two_tiers_together_res
     step the host tier's announced set is the device's chains and the chains cached on
     either tier up to a checkpoint on host, and folding its output stream gives it back."""
     rng = random.Random(seed)
-    device, with_host = StateAwareEvents([ATTN], [STATE]), HostTierEvents([ATTN], [STATE])
+    device = StateAwareEvents([ATTN], [STATE])
+    with_host = HostTierEvents(device)
     parents: dict[int, int | None] = {}
     dev: dict[tuple[int, int], int] = {}  # (group, block) -> device copies
     host: set[tuple[int, int]] = set()
@@ -259,11 +328,11 @@ def test_random_device_and_host_streams_announce_what_the_two_tiers_together_res
                 host_step.append(KeysRemoved(((h(key[1]), key[0]),)))
         stream += with_host.apply(step, device.apply(step), host_step)
         on_device = {g: {i: dev.get((g, i), 0) for i in parents} for g in (ATTN, STATE)}
+        device_chains = expected(parents, on_device[ATTN], on_device[STATE])
         either = {i: on_device[ATTN][i] + ((ATTN, i) in host) for i in parents}
-        on_host = {i: int((STATE, i) in host) for i in parents}
-        assert with_host.published() == expected(parents, on_device[ATTN], on_device[STATE]) | expected(
-            parents, either, on_host
-        )
+        # a hit ends at a checkpoint on host, or where the device resumes (its chain on device)
+        ends = {i: int((STATE, i) in host or (on_device[STATE][i] > 0 and h(i) in device_chains)) for i in parents}
+        assert with_host.published() == device_chains | expected(parents, either, ends, branch_points=True)
         assert device.published() <= with_host.published()
         host_added += device.published() < with_host.published()
     announced: set[bytes] = set()

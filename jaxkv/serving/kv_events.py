@@ -401,7 +401,7 @@ class KVEventPublisher:
             device = StateAwareEvents.for_config(manager.config)
             with_host = None
             if device is not None and connector is not None:
-                with_host = HostTierEvents(device.attention_groups, device.state_groups)
+                with_host = HostTierEvents(device)
             self._state_aware = _Transforms(manager, device, with_host)
         elif self._state_aware.manager is not manager:
             raise KVEventsError("a state-aware publisher follows one manager; this step came from another")

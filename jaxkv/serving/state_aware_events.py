@@ -28,9 +28,17 @@ A prompt that leaves a published chain between two checkpoints is credited past 
 earlier one: the router's prefix match cannot know where the engine resumes inside a
 chain.
 
+With ``branch_points=True`` a block where cached branches split must hold its own
+checkpoint: a block is *good* when it is cached and holds a checkpoint, or exactly one of
+its children reaches a checkpoint through cached blocks and that child is good; a block
+is published when every block of its chain is good (and it reaches a checkpoint). A
+prompt that leaves the tree at a branch point then resumes where it is credited; the
+first divergence from a single chain is still credited past the last checkpoint.
+
 The host tier (CPU offloading) is announced by :class:`HostTierEvents`: the chains a hit
 can use with the host tier's help, as the connector serves one (the device hit, then
-host blocks up to a checkpoint on host). Host keys name no parent: the chain comes from
+host blocks up to a checkpoint on host), under the branch-point rule (where the device
+resumes counts as a checkpoint). Host keys name no parent: the chain comes from
 the device stores, and the links of blocks that left the device are kept a while (the
 last :data:`FORGOTTEN_LINKS`) for the host's store of them, which completes after the
 device has freed them. Pure host code: no
@@ -69,10 +77,18 @@ class _Block:
     """Copies cached per attention group (the reference group first)."""
     states: list[int] = field(default_factory=list)
     """Checkpoints cached per recurrent group."""
+    elsewhere: bool = False
+    """Whether a hit ends here through another tier (its owner says so: the device resumes here)."""
     sub: int = 0
     """Checkpoints reachable below it: the children's :attr:`below`, summed."""
     below: int = 0
     """Checkpoints reachable from it through cached attention blocks, itself included (0 if not cached)."""
+    live: int = 0
+    """Children whose :attr:`below` is positive."""
+    usable_live: int = 0
+    """Of those, the usable ones."""
+    usable: bool = False
+    """Whether its chain may run on through it: cached, and under the branch-point rule good."""
 
     @property
     def present(self) -> bool:
@@ -80,7 +96,7 @@ class _Block:
 
     @property
     def checkpoint(self) -> bool:
-        return all(self.states)
+        return self.elsewhere or all(self.states)
 
 
 class StateAwareEvents:
@@ -88,16 +104,20 @@ class StateAwareEvents:
 
     ``attention_groups``: the groups whose blocks a hit needs along the whole chain, the
     reference group (the one published) first; ``state_groups``: those that need a
-    checkpoint where the hit ends.
+    checkpoint where the hit ends; ``branch_points``: whether a block where cached
+    branches split is published only with its own checkpoint (see the module doc).
     """
 
-    def __init__(self, attention_groups: Sequence[int], state_groups: Sequence[int]) -> None:
+    def __init__(
+        self, attention_groups: Sequence[int], state_groups: Sequence[int], *, branch_points: bool = False
+    ) -> None:
         if not attention_groups or not state_groups:
             raise ValueError(
                 f"state-aware events need attention and state groups, got {attention_groups!r} and {state_groups!r}"
             )
         self.attention_groups = tuple(attention_groups)
         self.state_groups = tuple(state_groups)
+        self.branch_points = branch_points
         self._attention_index = {g: i for i, g in enumerate(self.attention_groups)}
         self._state_index = {g: i for i, g in enumerate(self.state_groups)}
         self._blocks: dict[bytes, _Block] = {}
@@ -120,6 +140,12 @@ class StateAwareEvents:
     def published(self) -> frozenset[bytes]:
         """The hashes announced as cached now."""
         return frozenset(self._published)
+
+    def resumes_at(self, h: bytes) -> bool:
+        """Whether a hit can end at ``h``: a checkpoint there in every recurrent group and
+        its whole chain cached."""
+        b = self._blocks.get(h)
+        return b is not None and b.checkpoint and self._path(h)[1]
 
     # ------------------------------------------------------------- the transform
     def apply(self, events: Iterable[KVCacheEvent], host: Iterable[OffloadEvent] = ()) -> list[KVCacheEvent]:
@@ -151,6 +177,7 @@ class StateAwareEvents:
                 if not b.linked:
                     b.linked, b.parent, b.block_size, b.lora_name = True, parent, e.block_size, e.lora_name
                     b.token_ids = tuple(e.token_ids[i * e.block_size : (i + 1) * e.block_size])
+                    b.below, b.usable = 0, False  # what it adds to its parent, counted below by _count
                     if parent is not None:
                         self._block(parent).children.add(h)
                 parent = h
@@ -192,22 +219,41 @@ class StateAwareEvents:
         b = self._blocks.get(h)
         if delta < 0 and (b is None or not getattr(b, where)[i]):
             return  # the removal of a copy never heard of (a stream followed from its middle)
-        b = self._block(h)
-        was_present = b.present
-        getattr(b, where)[i] += delta
-        self._update(h)
-        self._republish(h, subtree=b.present != was_present, out=out)
+        getattr(self._block(h), where)[i] += delta
+        self._changed(h, out)
+
+    def mark_elsewhere(self, h: bytes, resumes: bool) -> list[KVCacheEvent]:
+        """Say whether a hit ends at ``h`` through another tier (a checkpoint of ``h`` this
+        stream does not count); the output events for the change."""
+        b = self._blocks.get(h)
+        out: list[KVCacheEvent] = []
+        if (b.elsewhere if b is not None else False) != resumes:
+            self._block(h).elsewhere = resumes
+            self._changed(h, out)
+        return out
+
+    def _changed(self, h: bytes, out: list[KVCacheEvent]) -> None:
+        """``h``'s copies or checkpoints changed: recount, announce what changed, forget what is gone."""
+        self._republish(h, self._update(h), out)
         self._forget(h)
 
-    def _update(self, h: bytes) -> None:
-        """Recount the checkpoints reachable from ``h`` and, while that changes, from its ancestors."""
+    def _update(self, h: bytes) -> bytes | None:
+        """Recount the checkpoints reachable from ``h`` and whether it is usable and, while
+        that changes, from its ancestors; the highest block whose usability changed."""
+        top = None
         while True:
             b = self._blocks[h]
-            below = b.sub + b.checkpoint if b.present else 0
-            delta, b.below = below - b.below, below
-            if not delta or not b.linked or b.parent is None:
-                return
-            self._blocks[b.parent].sub += delta
+            was_below, was_usable = b.below, b.usable
+            b.below = b.sub + b.checkpoint if b.present else 0
+            b.usable = b.present and (not self.branch_points or b.checkpoint or (b.live == 1 and b.usable_live == 1))
+            if b.usable != was_usable:
+                top = h
+            if (b.below, b.usable) == (was_below, was_usable) or not b.linked or b.parent is None:
+                return top
+            parent = self._blocks[b.parent]
+            parent.sub += b.below - was_below
+            parent.live += (b.below > 0) - (was_below > 0)
+            parent.usable_live += (b.below > 0 and b.usable) - (was_below > 0 and was_usable)
             h = b.parent
 
     def _path(self, h: bytes) -> tuple[list[bytes], bool]:
@@ -224,20 +270,24 @@ class StateAwareEvents:
         path.reverse()
         return path, ok
 
-    def _republish(self, h: bytes, *, subtree: bool, out: list[KVCacheEvent]) -> None:
-        """Announce the changes on the chain to ``h`` and, if ``subtree``, below it."""
-        path, ok = self._path(h)
+    def _republish(self, h: bytes, top: bytes | None, out: list[KVCacheEvent]) -> None:
+        """Announce the changes on the chain to ``h`` and below ``top`` (a block on that
+        chain whose usability changed, if any: the chain is walked down to it, then its
+        subtree, which holds the rest of the chain)."""
+        path, _ = self._path(h)
         prefix_ok = True
         for p in path:
-            prefix_ok = prefix_ok and self._blocks[p].present and self._blocks[p].linked
+            prefix_ok = prefix_ok and self._blocks[p].usable and self._blocks[p].linked
             self._set(p, prefix_ok and self._blocks[p].below > 0, out)
-        if not subtree:
+            if p == top:
+                break
+        if top is None:
             return
-        stack = [(c, ok) for c in self._blocks[h].children]
+        stack = [(c, prefix_ok) for c in self._blocks[top].children]
         while stack:
             c, parent_ok = stack.pop()
             b = self._blocks[c]
-            chain_ok = parent_ok and b.present
+            chain_ok = parent_ok and b.usable
             want = chain_ok and b.below > 0
             if want or c in self._published:
                 self._set(c, want, out)
@@ -259,7 +309,7 @@ class StateAwareEvents:
         """Drop what is known of ``h`` (and of ancestors left empty) once nothing holds it."""
         while h in self._blocks:
             b = self._blocks[h]
-            if any(b.attention) or any(b.states) or b.children or h in self._published:
+            if any(b.attention) or any(b.states) or b.elsewhere or b.children or h in self._published:
                 return
             del self._blocks[h]
             if b.linked:
@@ -280,14 +330,19 @@ class HostTierEvents:
     checkpoint on host. So a block is announced where the device alone resumes on its
     chain (the device transform's chains, given to :meth:`apply`), or where its chain is
     cached in the device or the host tier, block by block, and goes on through such blocks
-    to a checkpoint the host holds. The host's on-eviction store puts a hit's blocks on
-    host together with its checkpoint, so the device blocks on the way are on host too
-    (a host eviction of one of them alone is not seen here). The announced set holds the
-    device chains, so a router that ignores the medium stays consistent.
+    to a checkpoint the host holds or a block the device resumes at (a checkpoint there,
+    its chain on device), under the branch-point rule: where cached branches split, the
+    block needs such a checkpoint of its own (a prompt leaving there resumes there). The
+    host's on-eviction store puts a hit's blocks on host together with its checkpoint, so
+    the device blocks on the way are on host too (a host eviction of one of them alone is
+    not seen here). The announced set holds the device chains, so a router that ignores
+    the medium stays consistent.
     """
 
-    def __init__(self, attention_groups: Sequence[int], state_groups: Sequence[int]) -> None:
-        self._chains = StateAwareEvents(attention_groups, state_groups)
+    def __init__(self, device: StateAwareEvents) -> None:
+        self.device = device
+        """The device transform, whose output :meth:`apply` is given."""
+        self._chains = StateAwareEvents(device.attention_groups, device.state_groups, branch_points=True)
         self._refs: dict[bytes, int] = {}
         """Per hash announced, how many of the two sets hold it (device chains, host chains)."""
 
@@ -299,11 +354,22 @@ class HostTierEvents:
         self, events: Sequence[KVCacheEvent], device_out: Sequence[KVCacheEvent], host: Iterable[OffloadEvent]
     ) -> list[KVCacheEvent]:
         """The output events for one step: its manager ``events``, the device transform's
-        output for them ``device_out``, and the host catalogs' events ``host``."""
+        output for them ``device_out`` (:attr:`device` has applied them), and the host
+        catalogs' events ``host``."""
         states = set(self._chains.state_groups)
         kv = [e for e in events if isinstance(e, AllBlocksCleared) or e.group not in states]
+        chains = self._chains.apply(kv, host)
+        # where the device resumes changes only with a device checkpoint or the device's chains
+        touched = dict.fromkeys(
+            h
+            for e in (*(e for e in events if not isinstance(e, AllBlocksCleared) and e.group in states), *device_out)
+            if not isinstance(e, AllBlocksCleared)
+            for h in e.block_hashes
+        )
+        for h in touched:
+            chains += self._chains.mark_elsewhere(h, self.device.resumes_at(h))
         out: list[KVCacheEvent] = []
-        for e in (*device_out, *self._chains.apply(kv, host)):
+        for e in (*device_out, *chains):
             if isinstance(e, AllBlocksCleared):
                 self._refs.clear()
                 out.append(e)
