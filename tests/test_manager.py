@@ -814,6 +814,31 @@ def test_misses_are_counted_by_cause(tokens):
     assert missed == stats.num_queried_tokens - stats.num_hit_tokens
 
 
+def test_a_salt_mismatch_is_counted_apart_from_a_prompt_never_cached(tokens):
+    mgr = make_manager(64, FULL)
+
+    def miss(request_id, prompt, salt):
+        before = mgr.prefix_cache_stats()
+        request = Request(request_id, prompt, cache_salt=salt)
+        hit = serve_prompt(mgr, request)
+        mgr.free(request)
+        after = mgr.prefix_cache_stats()
+        return (
+            hit,
+            after.num_missed_salt - before.num_missed_salt,
+            after.num_missed_not_cached - before.num_missed_not_cached,
+        )
+
+    assert miss("plain", tokens(0, 100), None) == (0, 0, 96)
+    assert miss("x-a", tokens(0, 100), "a") == (0, 96, 0), "the unsalted prompt's 6 whole blocks are cached"
+    assert miss("y-a", tokens(2000, 100), "a") == (0, 0, 96), "never cached, under any salt"
+    assert miss("y-b", tokens(2000, 40) + tokens(700, 60), "b") == (0, 32, 64), "2 blocks shared with salt a's prompt"
+    assert miss("x-a-again", tokens(0, 100), "a") == (96, 0, 0), "its own salt hits"
+    stats = mgr.prefix_cache_stats()
+    missed = stats.num_missed_not_cached + stats.num_missed_salt + stats.num_missed_below_block
+    assert missed == stats.num_queried_tokens - stats.num_hit_tokens
+
+
 def test_a_prefix_evicted_by_pressure_is_counted_apart_from_one_never_cached(tokens):
     mgr = make_manager(9, FULL)  # 8 usable blocks of 16 tokens
     first = Request("first", tokens(0, 100))

@@ -383,6 +383,18 @@ class KVCacheCoordinator:
         bs = t.block_size
         return min(evicted.run(_hashes_of_type(t, block_hashes), matched // bs, limit // bs) * bs, limit - matched)
 
+    def full_attention_hit(self, block_hashes: Sequence[bytes], limit: int) -> int:
+        """Tokens full attention alone has cached from the start of the chain ``block_hashes``,
+        at most ``limit`` (0 without full attention)."""
+        t = self.types[0]
+        if t.manager_cls is not FullAttentionManager:
+            return 0
+        hashes = _hashes_of_type(t, block_hashes)
+        hit = FullAttentionManager.find_longest_cache_hit(
+            self._maps[0], hashes, limit // t.block_size, t.spec, t.block_size
+        )
+        return hit.num_blocks * t.block_size
+
     def _unwritten_state(self, found: Sequence[CacheHit]) -> bool:
         """Whether a recurrent group's hit ends on a state the open step has yet to write."""
         return any(
