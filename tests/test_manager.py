@@ -964,6 +964,36 @@ def test_a_shared_checkpoint_is_requeued_when_its_request_ends(tokens):
     assert mgr.state_pool.free_block_ids()[-1] == junction
 
 
+@pytest.mark.parametrize("branching", [False, True])
+def test_a_running_requests_newest_continuation_is_demoted_only_while_prompts_branch_and_none_resumes(
+    tokens, branching
+):
+    """Kept at the queue's tail while a request runs, each running request's newest
+    continuation holds a state's bytes; once 8 admissions left cached chains and none
+    extended one at its end (no turn resumes where a request ended), a request admitted then
+    demotes it as it decodes past it, and requeues the one it ends with when it ends."""
+    mgr = state_pool_manager(256, 6)
+    base = Request("base", tokens(0, 64))
+    serve_prompt(mgr, base)
+    mgr.free(base)
+    for i in range(8 if branching else 0):
+        branch = Request(f"branch{i}", tokens(0, 32) + tokens(1000 + 100 * i, 20))
+        serve_prompt(mgr, branch)
+        mgr.free(branch)
+    request = Request("request", tokens(5000, 40))
+    serve_prompt(mgr, request)
+    decode(mgr, request, 10)  # past its continuation at 48
+    newest = mgr.written_block(1, request.block_hashes[2])
+    queue = mgr.state_pool.free_block_ids()
+    assert newest is not None and newest in queue
+    if branching:
+        assert newest in queue[:2], "demoted: first to go, behind the one it superseded"
+    else:
+        assert queue[-1] == newest, "warm: a later turn resumes from it"
+    mgr.free(request)
+    assert mgr.state_pool.free_block_ids()[-1] == newest
+
+
 def test_a_running_requests_shared_checkpoint_stays_warm_while_others_churn_the_pool(tokens):
     """Each block the request caches requeues the shared checkpoints it cached, so a
     junction it passed mid-prefill is not evicted by other requests' states while it runs

@@ -325,6 +325,7 @@ class KVCacheManager:
         self.hash_request(request)
         if request.skip_reading_prefix_cache:
             request.prefix_reach, request.checkpoint_ahead, request.prefix_diverged = 0, (), None
+            request.prefix_extends = None
             return self._no_blocks, 0
         blocks, n, request.prefix_reach, matched, diverged = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
@@ -334,6 +335,7 @@ class KVCacheManager:
             ahead = tuple(sorted({*ahead, *self._checkpoints.branch_positions(request.branch_points, n)}))
         request.checkpoint_ahead = ahead
         request.prefix_diverged = diverged if matched else None
+        request.prefix_extends = self.coordinator.extends_chain(request.block_hashes, matched)
         self._num_requests += 1
         self._num_queried += request.num_tokens
         self._num_hits += n
@@ -467,11 +469,12 @@ class KVCacheManager:
         if not held:
             coord.set_anchors(rid, (total_computed, request.prefix_reach))
             if self._checkpoints.block_size:
-                self._checkpoints.observe(request.prefix_diverged)
+                warm = self._checkpoints.continuations_resumed()
+                self._checkpoints.observe(request.prefix_diverged, request.prefix_extends)
                 shared = self._checkpoints.shared(
                     request.num_prompt_tokens, request.prefix_reach, total_computed, request.checkpoint_ahead
                 )
-                coord.set_checkpoints(rid, shared, request.num_prompt_tokens)
+                coord.set_checkpoints(rid, shared, request.num_prompt_tokens, warm_continuation=warm)
         new_blocks = coord.allocate(rid, num_slots, hits, num_computed)
         if record is None:
             record = self._held[rid] = HeldRequest(request)
