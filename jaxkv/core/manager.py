@@ -116,8 +116,11 @@ class KVCacheManager:
     (:meth:`~jaxkv.core.state_checkpoints.CheckpointPolicy.ahead`: the second request of a
     shared prefix hits too), every ``checkpoint_interval`` tokens of the prompt if set, and every block boundary while
     it decodes; of the request's own (all but the shared ones) only the newest stays in
-    queue order once memory is full. A scheduler ends prefill chunks there
-    (:meth:`chunk_limit`): a state exists only where a step ends. A running request
+    queue order once memory is full, and not even that while it runs when recent prompts
+    branch off cached chains and almost none extends one at its end
+    (:meth:`~jaxkv.core.state_checkpoints.CheckpointPolicy.continuations_resumed`). A
+    scheduler ends prefill chunks there (:meth:`chunk_limit`): a state exists only where a
+    step ends. A running request
     holds its live state and, while the pool has room, the checkpoint its next step
     reads; when the pool is short that checkpoint is
     written over (what :func:`jaxkv.planner.held_blocks` counts).
