@@ -814,6 +814,31 @@ def test_misses_are_counted_by_cause(tokens):
     assert missed == stats.num_queried_tokens - stats.num_hit_tokens
 
 
+def test_a_salt_mismatch_is_counted_apart_from_a_prompt_never_cached(tokens):
+    mgr = make_manager(64, FULL)
+
+    def miss(request_id, prompt, salt):
+        before = mgr.prefix_cache_stats()
+        request = Request(request_id, prompt, cache_salt=salt)
+        hit = serve_prompt(mgr, request)
+        mgr.free(request)
+        after = mgr.prefix_cache_stats()
+        return (
+            hit,
+            after.num_missed_salt - before.num_missed_salt,
+            after.num_missed_not_cached - before.num_missed_not_cached,
+        )
+
+    assert miss("plain", tokens(0, 100), None) == (0, 0, 96)
+    assert miss("x-a", tokens(0, 100), "a") == (0, 96, 0), "the unsalted prompt's 6 whole blocks are cached"
+    assert miss("y-a", tokens(2000, 100), "a") == (0, 0, 96), "never cached, under any salt"
+    assert miss("y-b", tokens(2000, 40) + tokens(700, 60), "b") == (0, 32, 64), "2 blocks shared with salt a's prompt"
+    assert miss("x-a-again", tokens(0, 100), "a") == (96, 0, 0), "its own salt hits"
+    stats = mgr.prefix_cache_stats()
+    missed = stats.num_missed_not_cached + stats.num_missed_salt + stats.num_missed_below_block
+    assert missed == stats.num_queried_tokens - stats.num_hit_tokens
+
+
 def test_a_prefix_evicted_by_pressure_is_counted_apart_from_one_never_cached(tokens):
     mgr = make_manager(9, FULL)  # 8 usable blocks of 16 tokens
     first = Request("first", tokens(0, 100))
@@ -937,6 +962,36 @@ def test_a_shared_checkpoint_is_requeued_when_its_request_ends(tokens):
     assert mgr.state_pool.free_block_ids()[-1] != junction, "queued when the prefill moved past it"
     mgr.free(branch)
     assert mgr.state_pool.free_block_ids()[-1] == junction
+
+
+@pytest.mark.parametrize("branching", [False, True])
+def test_a_running_requests_newest_continuation_is_demoted_only_while_prompts_branch_and_none_resumes(
+    tokens, branching
+):
+    """Kept at the queue's tail while a request runs, each running request's newest
+    continuation holds a state's bytes; once 8 admissions left cached chains and none
+    extended one at its end (no turn resumes where a request ended), a request admitted then
+    demotes it as it decodes past it, and requeues the one it ends with when it ends."""
+    mgr = state_pool_manager(256, 6)
+    base = Request("base", tokens(0, 64))
+    serve_prompt(mgr, base)
+    mgr.free(base)
+    for i in range(8 if branching else 0):
+        branch = Request(f"branch{i}", tokens(0, 32) + tokens(1000 + 100 * i, 20))
+        serve_prompt(mgr, branch)
+        mgr.free(branch)
+    request = Request("request", tokens(5000, 40))
+    serve_prompt(mgr, request)
+    decode(mgr, request, 10)  # past its continuation at 48
+    newest = mgr.written_block(1, request.block_hashes[2])
+    queue = mgr.state_pool.free_block_ids()
+    assert newest is not None and newest in queue
+    if branching:
+        assert newest in queue[:2], "demoted: first to go, behind the one it superseded"
+    else:
+        assert queue[-1] == newest, "warm: a later turn resumes from it"
+    mgr.free(request)
+    assert mgr.state_pool.free_block_ids()[-1] == newest
 
 
 def test_a_running_requests_shared_checkpoint_stays_warm_while_others_churn_the_pool(tokens):

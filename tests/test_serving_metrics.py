@@ -123,6 +123,7 @@ def test_missed_tokens_are_counted_by_cause():
             prefix_cache_misses_below_block=8,
             prefix_cache_misses_not_cached=20,
             prefix_cache_misses_evicted=12,
+            prefix_cache_misses_salt=16,
             host_cache_queries=20,
             host_cache_hits=16,
         )
@@ -132,4 +133,5 @@ def test_missed_tokens_are_counted_by_cause():
     assert sample(metrics, name, cause="below_block") == 8
     assert sample(metrics, name, cause="not_cached") == 20
     assert sample(metrics, name, cause="evicted") == 12
+    assert sample(metrics, name, cause="salt") == 16
     assert sample(metrics, name, cause="host_miss") == 4

@@ -111,3 +111,19 @@ def test_branch_points_place_states_at_block_boundaries_past_the_hit():
     assert policy().branch_positions((40, 100, 130), 32) == (96, 128), "40 rounds down to the hit, not past it"
     assert policy(enable_caching=False).branch_positions((100,), 0) == ()
     assert policy(config=make_config(64, FULL)).branch_positions((100,), 0) == (), "no state groups"
+
+
+def test_continuations_stay_warm_unless_recent_admissions_branch_and_none_extends_a_chain():
+    p = policy()
+    assert p.continuations_resumed(), "nothing observed yet: keep them warm"
+    for _ in range(7):
+        p.observe(True, False)
+    assert p.continuations_resumed(), "fewer than 8 admissions matched a chain"
+    p.observe(None, None)  # matched nothing: not an observation
+    assert p.continuations_resumed()
+    p.observe(True, False)
+    assert not p.continuations_resumed(), "8 branched off chains, none extended one"
+    p.observe(False, True)
+    assert not p.continuations_resumed(), "1 of 9 extended a chain: below an eighth"
+    p.observe(False, True)
+    assert p.continuations_resumed(), "2 of 10 extended a chain at its end: turns resume"

@@ -383,6 +383,29 @@ class KVCacheCoordinator:
         bs = t.block_size
         return min(evicted.run(_hashes_of_type(t, block_hashes), matched // bs, limit // bs) * bs, limit - matched)
 
+    def extends_chain(self, block_hashes: Sequence[bytes], matched: int) -> bool | None:
+        """Whether a prompt whose full attention matched ``matched`` tokens of ``block_hashes``
+        extends a cached chain at its end (no cached attention block goes on past there, as a
+        chat turn resumes its previous turn) rather than leaving it; None when it matched
+        nothing or the model has no state checkpoints. Full attention's match alone decides,
+        so whether states were kept does not feed back into it."""
+        retention = self._retention
+        if not matched or retention is None:
+            return None
+        return not retention.branches_after(block_hashes[matched // self.hash_block_size - 1])
+
+    def full_attention_hit(self, block_hashes: Sequence[bytes], limit: int) -> int:
+        """Tokens full attention alone has cached from the start of the chain ``block_hashes``,
+        at most ``limit`` (0 without full attention)."""
+        t = self.types[0]
+        if t.manager_cls is not FullAttentionManager:
+            return 0
+        hashes = _hashes_of_type(t, block_hashes)
+        hit = FullAttentionManager.find_longest_cache_hit(
+            self._maps[0], hashes, limit // t.block_size, t.spec, t.block_size
+        )
+        return hit.num_blocks * t.block_size
+
     def _unwritten_state(self, found: Sequence[CacheHit]) -> bool:
         """Whether a recurrent group's hit ends on a state the open step has yet to write."""
         return any(
@@ -576,11 +599,14 @@ class KVCacheCoordinator:
                 if m.skips_blocks:
                     m.set_anchors(request_id, anchors)
 
-    def set_checkpoints(self, request_id: str, shared: Iterable[int], num_prompt_tokens: int) -> None:
-        """The request's state checkpoint positions (see
-        :meth:`~jaxkv.core.single_type.StatePoolManager.set_checkpoints`); a no-op without a state pool."""
+    def set_checkpoints(
+        self, request_id: str, shared: Iterable[int], num_prompt_tokens: int, *, warm_continuation: bool = True
+    ) -> None:
+        """The request's state checkpoint positions and whether its newest continuation stays
+        warm while it runs (see :meth:`~jaxkv.core.single_type.StatePoolManager.set_checkpoints`);
+        a no-op without a state pool."""
         for m in self._state_managers:
-            m.set_checkpoints(request_id, shared, num_prompt_tokens)
+            m.set_checkpoints(request_id, shared, num_prompt_tokens, warm_continuation=warm_continuation)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group, in one pass over each pool."""
@@ -595,7 +621,7 @@ class KVCacheCoordinator:
             self.pool.free_block_lists([m.release(request_id) for m in managers])
         if self._state_managers:
             states = self._state_managers
-            shared = [b for m in states for b in m.shared_checkpoints(request_id)]
+            shared = [b for m in states for b in (*m.shared_checkpoints(request_id), *m.cold_continuation(request_id))]
             pool = states[0].pool
             pool.free_block_lists([m.release(request_id) for m in states])
             if shared:

@@ -37,6 +37,7 @@ from jaxkv.core.pool import NULL_BLOCK, BlockPool, KVCacheEvent, ReuseListener
 from jaxkv.core.prompt_digests import PromptDigests
 from jaxkv.core.request import ReadOnlyTokenIds, Request, append_checked_token_ids, token_id_list
 from jaxkv.core.request_checks import check_counts, check_external, check_hit, check_new_request, check_request
+from jaxkv.core.salted_prefixes import SaltedPrefixes
 from jaxkv.core.single_type import MambaManager
 from jaxkv.core.state_checkpoints import AlignedChunks, CheckpointPolicy
 from jaxkv.errors import OwnerThread
@@ -71,8 +72,11 @@ class PrefixCacheStats:
     to compute); ``num_missed_evicted`` the tokens past full attention's hit whose blocks
     were cached under the request's hashes and evicted by memory pressure (as far as the
     run of evicted blocks goes, remembered for as many blocks as the pool holds);
-    ``num_missed_not_cached`` the rest: blocks never cached under the request's hashes
-    (another prompt, another salt) or evicted longer ago.
+    ``num_missed_salt`` a salted request's tokens, from its first block on, that full
+    attention holds for the same prompt under another salt or none (asked only on a miss at
+    the first block of a salted request that is not an evicted prefix: the memo of
+    :mod:`jaxkv.core.salted_prefixes`); ``num_missed_not_cached`` the rest: blocks never
+    cached under the request's hashes (another prompt) or evicted longer ago.
     """
 
     num_requests: int
@@ -83,6 +87,7 @@ class PrefixCacheStats:
     num_missed_below_block: int = 0
     num_missed_not_cached: int = 0
     num_missed_evicted: int = 0
+    num_missed_salt: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -111,8 +116,11 @@ class KVCacheManager:
     (:meth:`~jaxkv.core.state_checkpoints.CheckpointPolicy.ahead`: the second request of a
     shared prefix hits too), every ``checkpoint_interval`` tokens of the prompt if set, and every block boundary while
     it decodes; of the request's own (all but the shared ones) only the newest stays in
-    queue order once memory is full. A scheduler ends prefill chunks there
-    (:meth:`chunk_limit`): a state exists only where a step ends. A running request
+    queue order once memory is full, and not even that while it runs when recent prompts
+    branch off cached chains and almost none extends one at its end
+    (:meth:`~jaxkv.core.state_checkpoints.CheckpointPolicy.continuations_resumed`). A
+    scheduler ends prefill chunks there (:meth:`chunk_limit`): a state exists only where a
+    step ends. A running request
     holds its live state and, while the pool has room, the checkpoint its next step
     reads; when the pool is short that checkpoint is
     written over (what :func:`jaxkv.planner.held_blocks` counts).
@@ -155,6 +163,7 @@ class KVCacheManager:
         self._no_blocks = KVCacheBlocks(tuple(() for _ in config.groups))
         self._hasher_key = (self.hasher.block_size, self.hasher.algo)
         self._prompt_digests = PromptDigests(self.hasher.block_bytes)
+        self._salted_prefixes = SaltedPrefixes(self.hasher.block_bytes)
         self._owner = OwnerThread("KVCacheManager")
         # Requests holding blocks, by id, with their event thresholds: a second live
         # request with the same id is refused.
@@ -166,6 +175,7 @@ class KVCacheManager:
         self._num_missed_no_checkpoint = 0
         self._num_missed_below_block = 0
         self._num_missed_evicted = 0
+        self._num_missed_salt = 0
 
     # --------------------------------------------------------------- queries
     @property
@@ -274,8 +284,8 @@ class KVCacheManager:
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         no_checkpoint, below_block = self._num_missed_no_checkpoint, self._num_missed_below_block
-        evicted = self._num_missed_evicted
-        not_cached = self._num_queried - self._num_hits - no_checkpoint - below_block - evicted
+        evicted, salt = self._num_missed_evicted, self._num_missed_salt
+        not_cached = self._num_queried - self._num_hits - no_checkpoint - below_block - evicted - salt
         return PrefixCacheStats(
             self._num_requests,
             self._num_queried,
@@ -285,6 +295,7 @@ class KVCacheManager:
             below_block,
             not_cached,
             evicted,
+            salt,
         )
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -317,6 +328,7 @@ class KVCacheManager:
         self.hash_request(request)
         if request.skip_reading_prefix_cache:
             request.prefix_reach, request.checkpoint_ahead, request.prefix_diverged = 0, (), None
+            request.prefix_extends = None
             return self._no_blocks, 0
         blocks, n, request.prefix_reach, matched, diverged = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
@@ -326,6 +338,7 @@ class KVCacheManager:
             ahead = tuple(sorted({*ahead, *self._checkpoints.branch_positions(request.branch_points, n)}))
         request.checkpoint_ahead = ahead
         request.prefix_diverged = diverged if matched else None
+        request.prefix_extends = self.coordinator.extends_chain(request.block_hashes, matched)
         self._num_requests += 1
         self._num_queried += request.num_tokens
         self._num_hits += n
@@ -333,11 +346,33 @@ class KVCacheManager:
         lcm = self.coordinator.lcm_block_size
         limit = (request.num_tokens - 1) // lcm * lcm
         self._num_missed_below_block += request.num_tokens - limit
-        self._num_missed_evicted += self.coordinator.evicted_tokens(request.block_hashes, matched, limit)
+        evicted = self.coordinator.evicted_tokens(request.block_hashes, matched, limit)
+        self._num_missed_evicted += evicted
+        if request.cache_salt is not None:
+            self._count_salt_miss(request, matched or evicted, limit)
         if n == 0:
             return self._no_blocks, 0
         prefix_hash = request.block_hashes[n // self.coordinator.hash_block_size - 1]
         return KVCacheBlocks(blocks, self.coordinator.num_evictions, request.request_id, prefix_hash), n
+
+    def _count_salt_miss(self, request: Request, found: int, limit: int) -> None:
+        """A salted request was looked up: remember its salt and, when its own hashes
+        ``found`` nothing cached or evicted, count as missed by salt the tokens full attention
+        holds for the same prompt under another salt or none (up to ``limit``)."""
+        prompt, extra = request.prompt_bytes, request.extra_keys
+        salted = self._salted_prefixes
+        first = self.coordinator.lcm_block_size
+        stop = min(limit, len(prompt) // 4 // first * first)
+        if not found and stop:
+            best = 0
+            for other in salted.others(prompt, extra):
+                hashes: list[bytes] = []
+                self.hasher.extend_bytes(hashes, prompt[: first * 4], other)
+                if self.coordinator.full_attention_hit(hashes, first):
+                    self.hasher.extend_bytes(hashes, prompt[: stop * 4], other)
+                    best = max(best, self.coordinator.full_attention_hit(hashes, stop))
+            self._num_missed_salt += best
+        salted.note(prompt, extra)
 
     def allocate_slots(
         self,
@@ -437,11 +472,12 @@ class KVCacheManager:
         if not held:
             coord.set_anchors(rid, (total_computed, request.prefix_reach))
             if self._checkpoints.block_size:
-                self._checkpoints.observe(request.prefix_diverged)
+                warm = self._checkpoints.continuations_resumed()
+                self._checkpoints.observe(request.prefix_diverged, request.prefix_extends)
                 shared = self._checkpoints.shared(
                     request.num_prompt_tokens, request.prefix_reach, total_computed, request.checkpoint_ahead
                 )
-                coord.set_checkpoints(rid, shared, request.num_prompt_tokens)
+                coord.set_checkpoints(rid, shared, request.num_prompt_tokens, warm_continuation=warm)
         new_blocks = coord.allocate(rid, num_slots, hits, num_computed)
         if record is None:
             record = self._held[rid] = HeldRequest(request)

@@ -233,6 +233,9 @@ class Request:
         self.checkpoint_ahead: tuple[int, ...] = ()
         # And whether the prompt left a cached chain that goes on (None: it matched none).
         self.prefix_diverged: bool | None = None
+        # And whether full attention's match ended where its cached chain ends (a chat turn
+        # resuming its previous turn; None: it matched none, or the model has no checkpoints).
+        self.prefix_extends: bool | None = None
 
     @cached_property
     def prompt_token_ids(self) -> tuple[int, ...]:

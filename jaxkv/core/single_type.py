@@ -538,6 +538,8 @@ class StatePoolManager(MambaManager):
         self._rewritten: set[bytes] = set()
         # Retained entries the pool may hold at most before no more checkpoint is retained (set by the coordinator).
         self.max_retained = 0
+        # Per request whose newest continuation is not kept warm while it runs: the last one demoted.
+        self._cold: dict[str, int] = {}
 
     def add_hit_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Adopt a hit; remember the checkpoint it resumes from if that is another request's continuation."""
@@ -567,11 +569,17 @@ class StatePoolManager(MambaManager):
         if passed:
             self.pool.promote(passed)
 
-    def set_checkpoints(self, request_id: str, shared: Iterable[int], num_prompt_tokens: int) -> None:
+    def set_checkpoints(
+        self, request_id: str, shared: Iterable[int], num_prompt_tokens: int, *, warm_continuation: bool = True
+    ) -> None:
         """The request's checkpoint positions (block multiples): ``shared`` ones, and its
         continuation checkpoints: the prompt's last block boundary and, past the prompt,
-        every block boundary it decodes through."""
+        every block boundary it decodes through. Without ``warm_continuation`` its newest
+        continuation is demoted as soon as it decodes past it (no later turn is expected to
+        resume mid-run; see :meth:`cold_continuation` for the one it ends with)."""
         self.checkpoints[request_id] = (frozenset(shared), num_prompt_tokens)
+        if not warm_continuation:
+            self._cold[request_id] = NULL_BLOCK
 
     def set_anchors(self, request_id: str, anchors: Sequence[int]) -> None:
         """No retention anchors: this group's prefix hits are its checkpoints."""
@@ -725,6 +733,32 @@ class StatePoolManager(MambaManager):
                     blocks[index] = NULL_BLOCK
                     self.pool.retain_blocks([block])
         super().remove_skipped_blocks(request_id, num_computed_tokens)
+        if request_id in self._cold and num_computed_tokens > self.checkpoints[request_id][1]:
+            self._cool(request_id)
+
+    def _cool(self, request_id: str) -> None:
+        """Demote a cold request's newest continuation once it has let go of it (each once):
+        it is superseded within a block of decoding, and kept at the queue's tail, as each
+        running request's would be, it holds a state's bytes that cached prefixes need."""
+        newest = self.continuation.get(request_id)
+        if newest is None or self._cold[request_id] == newest[0]:
+            return
+        block, h = newest
+        if self.pool.is_free(block) and self.pool.is_cached_as(block, self.group_id, h):
+            self.pool.demote([block])
+            self._cold[request_id] = block
+
+    def cold_continuation(self, request_id: str) -> list[int]:
+        """A cold request's newest continuation, if still cached: the coordinator requeues it
+        as recently used when the request ends (where a next turn would resume after all)."""
+        newest = self.continuation.get(request_id)
+        if (
+            request_id not in self._cold
+            or newest is None
+            or not self.pool.is_cached_as(newest[0], self.group_id, newest[1])
+        ):
+            return []
+        return [newest[0]]
 
     def _note_shared(self, block_hash: bytes) -> None:
         """A shared checkpoint was cached under ``block_hash``: a second time means plain LRU order lost it once."""
@@ -754,6 +788,7 @@ class StatePoolManager(MambaManager):
         )
 
     def release(self, request_id: str) -> Iterable[int]:
+        self._cold.pop(request_id, None)
         self._shared_cached.pop(request_id, None)
         self._resumed_from.pop(request_id, None)
         self.checkpoints.pop(request_id, None)

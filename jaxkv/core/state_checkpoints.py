@@ -39,6 +39,12 @@ checkpoints may take together (each request gets its part at admission)."""
 DIVERGENCE_WINDOW = 32
 """How many recent admissions the policy learns whether prompts branch from."""
 
+RESUME_MIN_OBSERVED = 8
+RESUME_SHARE = 1 / 8
+"""A running request's newest continuation is kept warm unless at least
+:data:`RESUME_MIN_OBSERVED` of the recent admissions matched a cached chain and fewer than
+this share of them extended one at its end (see :meth:`CheckpointPolicy.continuations_resumed`)."""
+
 
 def num_states(config: KVCacheConfig) -> int:
     """How many recurrent states (one group's row) the plan's memory holds, 0 without state groups."""
@@ -71,7 +77,15 @@ class CheckpointPolicy:
     running requests share :data:`BRANCH_SHARE` of the states the plan holds.
     """
 
-    __slots__ = ("_diverged", "block_size", "branch_ahead", "branch_budget", "enable_caching", "interval")
+    __slots__ = (
+        "_diverged",
+        "_extended",
+        "block_size",
+        "branch_ahead",
+        "branch_budget",
+        "enable_caching",
+        "interval",
+    )
 
     def __init__(
         self, config: KVCacheConfig, interval: int | None, *, enable_caching: bool, branch_ahead: bool = True
@@ -90,12 +104,28 @@ class CheckpointPolicy:
         # States the running requests' branch-ahead checkpoints may hold together.
         self.branch_budget = int(BRANCH_SHARE * num_states(config))
         self._diverged: deque[bool] = deque(maxlen=DIVERGENCE_WINDOW)
+        self._extended: deque[bool] = deque(maxlen=DIVERGENCE_WINDOW)
 
-    def observe(self, diverged: bool | None) -> None:
+    def observe(self, diverged: bool | None, extends: bool | None = None) -> None:
         """An admitted prompt ``diverged`` from a cached chain that goes on (True),
-        extended one (False) or matched none (None): learn how often prompts branch."""
+        extended one (False) or matched none (None): learn how often prompts branch; and
+        whether full attention alone found it ``extends`` a cached chain at its end (a chat
+        turn resuming the previous one: None when it matched none), to learn whether
+        continuations are resumed."""
         if diverged is not None:
             self._diverged.append(diverged)
+        if extends is not None:
+            self._extended.append(extends)
+
+    def continuations_resumed(self) -> bool:
+        """Whether a request admitted now keeps its newest continuation checkpoint warm while
+        it runs (a later turn resumes from where it ended): yes unless at least
+        :data:`RESUME_MIN_OBSERVED` recent admissions matched a cached chain and fewer than
+        :data:`RESUME_SHARE` of them extended one at its end (requests branch off shared
+        prefixes and no turn follows: there the newest state of every running request, kept
+        warm, holds a state's bytes each that the prefixes they share need)."""
+        extended = self._extended
+        return len(extended) < RESUME_MIN_OBSERVED or sum(extended) >= RESUME_SHARE * len(extended)
 
     def ahead(self, num_prompt_tokens: int, hit: int, reach: int, matched: int, num_running: int) -> tuple[int, ...]:
         """The branch-ahead positions of a prompt (block boundaries, in order; empty for

@@ -656,6 +656,7 @@ class Engine:
             prefix_cache_misses_below_block=cache.num_missed_below_block,
             prefix_cache_misses_not_cached=cache.num_missed_not_cached,
             prefix_cache_misses_evicted=cache.num_missed_evicted,
+            prefix_cache_misses_salt=cache.num_missed_salt,
         )
 
     def reset_prefix_cache(self) -> bool:

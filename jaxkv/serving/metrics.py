@@ -50,6 +50,7 @@ MISS_CAUSES = {
     "below_block": "prefix_cache_misses_below_block",
     "not_cached": "prefix_cache_misses_not_cached",
     "evicted": "prefix_cache_misses_evicted",
+    "salt": "prefix_cache_misses_salt",
     "host_miss": "host_cache_misses",
 }
 """The ``cause`` label of the missed-token counter -> its :class:`EngineStats` field."""

@@ -26,8 +26,9 @@ class EngineStats:
     :class:`~jaxkv.core.manager.PrefixCacheStats`): ``prefix_cache_misses_no_checkpoint``
     (attention matched, no recurrent state there), ``prefix_cache_misses_below_block``
     (past the last whole block), ``prefix_cache_misses_evicted`` (cached, then evicted by
-    memory pressure), ``prefix_cache_misses_not_cached`` (never cached, e.g. another prompt
-    or salt, or evicted long ago); :attr:`host_cache_misses` the tokens the host tier was
+    memory pressure), ``prefix_cache_misses_salt`` (a salted prompt's tokens cached under
+    another salt or none), ``prefix_cache_misses_not_cached`` (never cached, e.g. another
+    prompt, or evicted long ago); :attr:`host_cache_misses` the tokens the host tier was
     asked for and lacked.
     """
 
@@ -45,6 +46,7 @@ class EngineStats:
     prefix_cache_misses_below_block: int = 0
     prefix_cache_misses_not_cached: int = 0
     prefix_cache_misses_evicted: int = 0
+    prefix_cache_misses_salt: int = 0
 
     @property
     def host_cache_misses(self) -> int:
