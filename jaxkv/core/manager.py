@@ -530,9 +530,10 @@ class KVCacheManager:
             return
         coord = self.coordinator
         self.hash_request(request)
-        coord.cache_late_blocks(
-            request.request_id, request.block_hashes, known, request.all_token_ids, request.lora_name
-        )
+        with coord.caching_late():
+            coord.cache_blocks(
+                request.request_id, request.block_hashes, known, request.all_token_ids, request.lora_name
+            )
         held.update_thresholds(coord, self.max_model_len, grew=False, filled=True, skipped=False)
 
     def append_token_ids(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None:
