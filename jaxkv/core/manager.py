@@ -434,7 +434,7 @@ class KVCacheManager:
             hits = self._external_hits(hits, total_computed)
         if not coord.can_allocate(rid, num_slots, hits, num_computed):
             return None
-        if held and self.enable_caching:
+        if held:
             self._cache_late(cast(HeldRequest, record))
         if not held:
             coord.set_anchors(rid, (total_computed, request.prefix_reach))
@@ -519,11 +519,12 @@ class KVCacheManager:
         """Cache the held request's computed blocks whose last tokens became known since it
         was last allocated (the overlapped loop feeds a decode the token the step before
         drew, read back a step later, so the block that decode completes gets its hash a
-        step late). Called once an allocation is known to fit and before it places the
-        request's next state: a recurrent state on a block boundary is then kept as a
-        checkpoint, as the synchronous loop keeps it (the next state takes a fresh row, or
-        writes over it where the pool is short, so the allocation still fits: a state
-        group's count in ``can_allocate`` is the same either way)."""
+        step late; without caching ``next_full`` is never reached). Called once an
+        allocation is known to fit and before it places the request's next state: a
+        recurrent state on a block boundary is then kept as a checkpoint, as the synchronous
+        loop keeps it (the next state takes a fresh row, or writes over it where the pool
+        is short, so the allocation still fits: a state group's count in ``can_allocate``
+        is the same either way)."""
         request = held.request
         known = min(request.num_computed_tokens, request.num_tokens)
         if known < held.next_full:
@@ -562,9 +563,10 @@ class KVCacheManager:
         if caching:
             held_requests = self._held
             for request in requests:
-                held = held_requests.get(request.request_id)
-                if held is not None and held.request is request and request.num_tokens > request.num_computed_tokens:
-                    self._cache_late(held)
+                if request.num_tokens > request.num_computed_tokens:
+                    held = held_requests.get(request.request_id)
+                    if held is not None and held.request is request:
+                        self._cache_late(held)
 
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted)."""
