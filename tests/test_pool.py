@@ -119,6 +119,24 @@ def test_a_rolled_back_journal_uncaches_only_the_blocks_cached_inside_it():
     assert pool.rollback_journal() == 0 and pool.cached[0] == {h(1): a, h(2): b}
 
 
+def test_a_block_cached_late_counts_as_written_yet_a_rollback_drops_it():
+    """Cached inside caching_late (its data written by a step dispatched before the open one):
+    not journaled (a hit, a host copy, an overwrite in place may use it), dropped on rollback."""
+    pool = BlockPool(6)
+    a, b, c = pool.get_new_blocks(3)
+    with pool.caching_late():  # no journal open: a plain cache
+        pool.cache_blocks(0, [a], [h(1)], 0, 1)
+    for close, cached in ((pool.rollback_journal, {h(1): a}), (pool.commit_journal, {h(1): a, h(2): b, h(3): c})):
+        pool.begin_journal()
+        with pool.caching_late():
+            pool.cache_blocks(0, [b], [h(2)], 0, 1)
+        pool.cache_blocks(0, [c], [h(3)], 0, 1)
+        assert not pool.is_journaled(b) and pool.written_block(0, h(2)) == b
+        assert pool.is_journaled(c) and pool.written_block(0, h(3)) is None
+        close()
+        assert pool.cached[0] == cached
+
+
 def test_the_same_hash_in_two_groups_maps_to_two_blocks():
     pool = BlockPool(4, num_groups=2)
     x, y = pool.get_new_blocks(2)

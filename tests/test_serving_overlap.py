@@ -172,11 +172,13 @@ def test_an_abort_with_a_step_in_flight_frees_everything_and_the_others_keep_the
     assert kept[True] == kept[False]
 
 
-def test_an_exception_between_dispatch_and_read_back_loses_nothing(models, monkeypatch):
-    model = models["tiny-llama"]
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-next"])
+def test_an_exception_between_dispatch_and_read_back_loses_nothing(models, monkeypatch, name):
+    model = models[name]
+    config = plan(model) if name == "tiny-llama" else state_pool_plan(model)  # decodes through state boundaries
     batch = prompts(7, 40, 50)
-    expected = outputs(engine(model, plan(model), False).generate(batch, 8))
-    eng = engine(model, plan(model), True)
+    expected = outputs(engine(model, config, False).generate(batch, 8))
+    eng = engine(model, config, True)
     collect = eng.runner.collect
     calls = iter(range(100))
 
@@ -220,15 +222,67 @@ def test_a_block_is_cached_only_once_its_last_token_is_known(models):
 
 def test_a_recurrent_hybrid_keeps_the_states_it_decodes_through(models):
     """A chat's next turn (prompt and outputs sent again) resumes from the last state the
-    decode kept on a block boundary: as many cached tokens as the synchronous loop finds."""
+    decode kept on a block boundary: as many cached tokens as the synchronous loop finds,
+    with no step skipped for it (the decode through each boundary feeds its token in flight)."""
     model = models["tiny-qwen3-next"]
     config = state_pool_plan(model)
     [prompt] = prompts(5, 40)
-    hits = []
+    hits, steps = [], []
     for mode in (False, True):
         eng = engine(model, config, mode)
+        steps.append(0)
+        eng.add_step_observer(lambda _: steps.__setitem__(-1, steps[-1] + 1))
         first = eng.generate([prompt], 30).outputs[0]
         turn = eng.generate([prompt + list(first.output_token_ids)], 1)
         hits.append(turn.num_cached_prompt_tokens)
         assert eng.audit() == CacheAudit(0, 0)
     assert hits[1] == hits[0] == 64  # the boundary at 64 tokens, decoded through
+    assert steps[1] == steps[0] + 2 > 2, steps  # the overlapped loop's last step of each call reads back alone
+
+
+def test_a_state_on_a_block_boundary_is_kept_once_its_fed_token_is_read_back(models):
+    """The decode that ends on a state block boundary feeds a token in flight (not skipped):
+    the state is cached at the sequence's next allocation, before its next state is placed
+    (a fresh row, the boundary's row left intact), as written yet dropped if that step
+    fails; a sequence whose last decode ends there has it cached when its last token comes."""
+    config = state_pool_plan(models["tiny-qwen3-next"])
+    [group] = KVCacheManager(config).recurrent_group_ids()
+    size = config.groups[group].block_size
+    prompt = list(range(1, size))  # the first decode feeds position size - 1: it ends on the boundary
+
+    def to_the_boundary(max_tokens: int, step: int) -> tuple[KVCacheManager, Scheduler, object, object]:
+        manager = KVCacheManager(config)
+        scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+        scheduler.add_request(Request("r", prompt), max_tokens)
+        outputs = []
+        for _ in range(2):
+            with manager.step_transaction():
+                outputs.append(scheduler.schedule())
+                scheduler.advance(outputs[-1])
+        prefill, decode = outputs
+        assert [(c.num_computed_tokens, c.num_new_tokens) for c in decode.chunks] == [(size - 1, 1)]
+        assert scheduler.resolve(prefill, [step]) == []
+        return manager, scheduler, decode.chunks[0].block_ids[group][-1], decode
+
+    def hit(manager: KVCacheManager, *tail: int) -> int:
+        return manager.get_computed_blocks(Request("probe", prompt + list(tail)))[1]
+
+    manager, scheduler, row, _ = to_the_boundary(8, 7)
+    assert hit(manager, 7, 7) == 0, "not cached before the next allocation"
+    with manager.step_transaction():
+        [chunk] = scheduler.schedule().chunks
+        assert hit(manager, 7, 7) == size  # written by the step dispatched before: a hit already
+    assert chunk.block_ids[group][0] == row and chunk.block_ids[group][1] not in (0, row)
+    assert hit(manager, 7, 7) == size and hit(manager, 8, 7) == 0
+
+    manager, scheduler, row, _ = to_the_boundary(8, 7)
+    with pytest.raises(KeyboardInterrupt), manager.step_transaction():
+        scheduler.schedule()
+        raise KeyboardInterrupt  # the step that wrote the state fails as it is read back
+    assert hit(manager, 7, 7) == 0
+
+    manager, scheduler, row, decode = to_the_boundary(2, 7)  # its decode draws its last token
+    with manager.step_transaction():
+        assert scheduler.schedule().chunks == ()
+    assert [s.request_id for s in scheduler.resolve(decode, [9])] == ["r"]
+    assert hit(manager, 7, 9) == size and manager.num_requests == 0

@@ -571,6 +571,17 @@ class KVCacheCoordinator:
                     end = m.num_cached.get(request_id, 0)
                     retention.record(m.group_id, m.req_blocks[request_id], hashes, start, end)
 
+    @contextlib.contextmanager
+    def caching_late(self) -> Iterator[None]:
+        """Blocks cached inside the scope were computed by steps dispatched before the open
+        one and their hashes became known only now (the overlapped loop reads a drawn token
+        back one step after the step that fed it): cached as written in an open journal,
+        dropped if it rolls back (see :meth:`~jaxkv.core.pool.BlockPool.caching_late`)."""
+        with contextlib.ExitStack() as scope:
+            for p in self.pools:
+                scope.enter_context(p.caching_late())
+            yield
+
     def thresholds(self, request_id: str) -> tuple[int, int, int]:
         """The request's next event thresholds (after a real allocation): its slot
         capacity, the tokens at which a block becomes full, the computed tokens at which

@@ -469,6 +469,8 @@ class KVCacheManager:
             hits = self._external_hits(hits, total_computed)
         if not coord.can_allocate(rid, num_slots, hits, num_computed):
             return None
+        if held:
+            self._cache_late(cast(HeldRequest, record))
         if not held:
             coord.set_anchors(rid, (total_computed, request.prefix_reach))
             if self._checkpoints.block_size:
@@ -532,10 +534,11 @@ class KVCacheManager:
         grows = end + num_lookahead_tokens > held.capacity
         skips = computed >= held.next_skip
         new_blocks: tuple[Sequence[int], ...] = self._no_blocks.blocks
+        num_slots = min(end + num_lookahead_tokens, self.max_model_len)
+        if grows and not coord.can_allocate(rid, num_slots, None, computed):
+            return None
+        self._cache_late(held)
         if grows:
-            num_slots = min(end + num_lookahead_tokens, self.max_model_len)
-            if not coord.can_allocate(rid, num_slots, None, computed):
-                return None
             new_blocks = coord.allocate(rid, num_slots, None, computed)
         elif skips:  # every group has the slots already
             coord.remove_skipped_blocks(rid, computed)
@@ -548,10 +551,35 @@ class KVCacheManager:
         held.update_thresholds(coord, self.max_model_len, grew=grows, filled=fills, skipped=skips)
         return new_blocks
 
+    def _cache_late(self, held: HeldRequest) -> None:
+        """Cache the held request's computed blocks whose last tokens became known since it
+        was last allocated (the overlapped loop feeds a decode the token the step before
+        drew, read back a step later, so the block that decode completes gets its hash a
+        step late; without caching ``next_full`` is never reached). Called once an
+        allocation is known to fit and before it places the request's next state: a
+        recurrent state on a block boundary is then kept as a checkpoint, as the synchronous
+        loop keeps it (the next state takes a fresh row, or writes over it where the pool
+        is short, so the allocation still fits: a state group's count in ``can_allocate``
+        is the same either way)."""
+        request = held.request
+        known = min(request.num_computed_tokens, request.num_tokens)
+        if known < held.next_full:
+            return
+        coord = self.coordinator
+        self.hash_request(request)
+        with coord.caching_late():
+            coord.cache_blocks(
+                request.request_id, request.block_hashes, known, request.all_token_ids, request.lora_name
+            )
+        held.update_thresholds(coord, self.max_model_len, grew=False, filled=True, skipped=False)
+
     def append_token_ids(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None:
         """Append one generated token to each request (``token_ids[i]`` to ``requests[i]``):
         a decode step's outputs in one call. A block that fills is hashed when the manager
-        next needs its hash (the allocation that caches it, a lookup), as for any request.
+        next needs its hash (the allocation that caches it, a lookup), as for any request;
+        a held request that now has more tokens than computed (no step in flight extends
+        it, e.g. one at its length) has its computed blocks cached if a token appended here
+        completed one (:meth:`_cache_late`).
 
         Checks everything first: a bad id or request raises a typed error naming it and
         appends nothing. ``token_ids``: a list or 1-D array of ints.
@@ -568,6 +596,13 @@ class KVCacheManager:
                 if caching:
                     self.hash_request(request)  # claims it for this hasher, or refuses another's
         append_checked_token_ids(requests, ids)
+        if caching:
+            held_requests = self._held
+            for request in requests:
+                if request.num_tokens > request.num_computed_tokens:
+                    held = held_requests.get(request.request_id)
+                    if held is not None and held.request is request:
+                        self._cache_late(held)
 
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (finished or preempted)."""

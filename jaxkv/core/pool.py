@@ -21,8 +21,9 @@ hash -> block id.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from jaxkv.core.evicted_hashes import EvictedHashes
@@ -112,8 +113,10 @@ class BlockPool:
         self.num_evictions = 0
         self._reuse_listeners: list[ReuseListener] = []
         self._ghost: EvictedHashes | None = None  # see track_evictions
-        # Blocks cached since begin_journal(), while a journal is open (else None).
+        # Blocks cached since begin_journal(), while a journal is open (else None); and
+        # those cached late (see caching_late): written, yet dropped too on a rollback.
         self._journal: set[int] | None = None
+        self._late: set[int] | None = None
         # Unit head -> its other blocks; and how many such blocks sit behind queued heads.
         self._units: dict[int, list[int]] = {}
         self._unit_free = 0
@@ -573,8 +576,9 @@ class BlockPool:
             m.clear()
         for d in self._copies:
             d.clear()
-        if self._journal is not None:
-            self._journal.clear()
+        for journal in (self._journal, self._late):
+            if journal is not None:
+                journal.clear()
         self.block_hash = [None] * self.num_blocks
         self.block_group = [-1] * self.num_blocks
         self._num_cached_free = 0
@@ -594,21 +598,39 @@ class BlockPool:
         """Record the blocks cached from now on, until :meth:`commit_journal` or
         :meth:`rollback_journal` (a step whose KV writes may still fail)."""
         self._journal = set()
+        self._late = set()
 
     def commit_journal(self) -> None:
         """The journaled blocks hold their KV: keep them cached; close the journal."""
-        self._journal = None
+        self._journal = self._late = None
 
     def rollback_journal(self) -> int:
         """Drop the hashes of the journaled blocks still cached (their KV was never
-        written); close the journal and return how many were dropped."""
-        journal, self._journal = self._journal or set(), None
+        written), those cached late among them; close the journal and return how many were dropped."""
+        journal, late = self._journal or set(), self._late or set()
+        self._journal = self._late = None
         n = 0
-        for b in journal:
+        for b in journal | late:
             if self.block_hash[b] is not None:
                 self._evict(b)
                 n += 1
         return n
+
+    @contextlib.contextmanager
+    def caching_late(self) -> Iterator[None]:
+        """Blocks cached inside the scope hold data a step dispatched earlier writes (their
+        hash became known a step late, with the token read back): inside an open journal
+        they count as written (hits, host copies, a state written over in place may use
+        them), yet a rollback drops them too, since that step may still fail."""
+        journal = self._journal
+        if journal is None or self._late is None:
+            yield
+            return
+        self._journal = self._late
+        try:
+            yield
+        finally:
+            self._journal = journal
 
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]

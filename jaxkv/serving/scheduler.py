@@ -18,7 +18,10 @@ dispatched step on and counts each drawn token as a placeholder
 engine feeds the token on the device); :meth:`Scheduler.resolve` appends the tokens once
 read back and retires the requests at their length. A request the tokens in flight take
 to its length is not scheduled again; :meth:`Scheduler.update` is both at once (the
-synchronous loop). The manager caches a block only once its tokens are known.
+synchronous loop). The manager caches a block only once its tokens are known: a block a
+decode completed with a token in flight is cached at the sequence's next allocation (before
+its next state is placed, so a recurrent state on a block boundary is kept as the
+synchronous loop keeps it) or, for a sequence no step extends, when the token is appended.
 
 The scheduler is host-only (no JAX): :mod:`jaxkv.serving.simulator` replays traces with it and
 :mod:`jaxkv.serving.engine` drives a model with it. It asks of its manager only the calls of
@@ -40,7 +43,6 @@ from jaxkv.core.manager import KVCacheBlocks, PrefixCacheStats, Request
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import check_int
 from jaxkv.planner import KVCacheConfig
-from jaxkv.specs import MambaSpec
 
 _log = logging.getLogger(__name__)
 
@@ -227,8 +229,6 @@ class Scheduler:
         self._queued_ids: set[str] = set()  # waiting or running
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0
-        states = [g.block_size for g in manager.config.groups if isinstance(g.spec, MambaSpec)]
-        self._state_block_size = min(states) if states else None  # where a recurrent state may be kept
 
     @property
     def has_unfinished(self) -> bool:
@@ -294,7 +294,7 @@ class Scheduler:
                 if served == len(decoding):
                     continue
             seq = self.running[i]
-            if self._finishing(seq) or self._at_state_boundary(seq):
+            if self._finishing(seq):
                 i += 1
                 continue
             req = seq.request
@@ -329,7 +329,7 @@ class Scheduler:
         for seq in islice(self.running, start, start + budget):
             req = seq.request
             if req.num_tokens + seq.num_placeholders - req.num_computed_tokens != 1 or (
-                seq.num_placeholders and (self._finishing(seq) or self._at_state_boundary(seq))
+                seq.num_placeholders and self._finishing(seq)
             ):
                 break
             run.append(req)
@@ -342,14 +342,6 @@ class Scheduler:
             seq.num_output_tokens + ahead >= seq.max_new_tokens
             or seq.request.num_tokens + ahead >= self.manager.max_model_len
         )
-
-    def _at_state_boundary(self, seq: SeqState) -> bool:
-        """Whether ``seq``'s decode would feed a token in flight and end on a block boundary
-        of a recurrent group: it waits a step, so that the state it writes there is kept
-        under its block's hash (which needs that token) as the synchronous loop keeps it,
-        not written over by the next decode before the token is known."""
-        size = self._state_block_size
-        return bool(seq.num_placeholders) and size is not None and (seq.request.num_computed_tokens + 1) % size == 0
 
     def _in_flight(self) -> bool:
         """Whether some request waits for tokens drawn on the device (an empty step is then no deadlock:
