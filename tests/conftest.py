@@ -3,7 +3,9 @@
 
 The CPU backend gets 8 devices (tensor-parallel tests build meshes of 1, 2, 4 and 8 of
 them); the flag must be set before jax is first imported, hence here, first. Everything
-else keeps running on ``jax.devices()[0]``, the default device.
+else keeps running on ``jax.devices()[0]``, the default device. The README's command runs
+the suite in two pytest-xdist workers (whole files each: module fixtures build once); on an
+accelerator they share it, so a worker does not preallocate most of its memory.
 """
 
 import gc
@@ -14,6 +16,8 @@ import sys
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
 ).strip()
+if "PYTEST_XDIST_WORKER" in os.environ:  # workers share one accelerator: none may take most of its memory
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import secrets
 
