@@ -101,7 +101,7 @@ def test_a_removal_never_heard_of_and_other_groups_change_nothing():
 def test_only_models_with_recurrent_groups_get_a_transform():
     assert StateAwareEvents.for_config(plan_kv_cache(get_preset("llama-3.1-8b"), 1 << 30, max_model_len=4096)) is None
     t = StateAwareEvents.for_config(plan_kv_cache(get_preset("qwen3-next-80b"), 8 << 30, max_model_len=4096))
-    assert t is not None and t.state_groups and t.attention_groups
+    assert t is not None and t.state_groups and t.attention_groups and t.dead_branches and t.branch_points
     with pytest.raises(ValueError, match="attention and state groups"):
         StateAwareEvents([ATTN], [])
 
@@ -151,6 +151,27 @@ def test_a_branch_point_is_announced_only_with_its_own_checkpoint():
     assert t.apply([removed(ATTN, 4)]) == [BlockStored(ATTN, (h(2), h(3)), h(1), BS, tokens([2, 3]), None)]
 
 
+def test_a_cached_branch_that_reaches_no_checkpoint_withdraws_the_block_it_leaves_until_that_holds_one():
+    """Under the dead-branch rule (:meth:`StateAwareEvents.for_config` builds it) a
+    cached block 4 below block 2 with no checkpoint after it withdraws 2's chain: a prompt
+    following 4 would be credited 1 and 2 and resume at the start. A checkpoint after 4,
+    or at 2, or 4's eviction makes the chain published again."""
+    t = StateAwareEvents([ATTN], [STATE], dead_branches=True)
+    t.apply([stored(ATTN, [1, 2, 3]), stored(STATE, [3], parent=2)])
+    assert t.published() == {h(1), h(2), h(3)}
+    out = t.apply([stored(ATTN, [4], parent=2)])
+    assert sorted(e.block_hashes for e in out) == [(h(1),), (h(2),), (h(3),)]
+    assert all(isinstance(e, BlockRemoved) for e in out)
+    t.apply([stored(STATE, [4], parent=2)])
+    assert t.published() == {h(i) for i in (1, 2, 3, 4)}, "two branches with checkpoints are fine"
+    t.apply([removed(STATE, 4)])
+    assert t.published() == frozenset()
+    t.apply([stored(STATE, [2], parent=1)])
+    assert t.published() == {h(1), h(2), h(3)}, "a prompt following 4 resumes at 2's own checkpoint"
+    t.apply([removed(STATE, 2)])
+    assert t.apply([removed(ATTN, 4)]) == [BlockStored(ATTN, (h(1), h(2), h(3)), None, BS, tokens([1, 2, 3]), None)]
+
+
 def test_the_host_tier_counts_where_the_device_resumes_as_a_branch_points_checkpoint():
     """Two branches with checkpoints on host below block 2: the device's checkpoint at 2
     (its chain on device) is where a prompt leaving at 2 resumes, so both branches are
@@ -174,12 +195,18 @@ def test_the_host_tier_counts_where_the_device_resumes_as_a_branch_points_checkp
 
 
 def expected(
-    parents: dict[int, int | None], attn: dict[int, int], state: dict[int, int], *, branch_points: bool = False
+    parents: dict[int, int | None],
+    attn: dict[int, int],
+    state: dict[int, int],
+    *,
+    branch_points: bool = False,
+    dead_branches: bool = False,
 ) -> set[bytes]:
-    """The definition, by brute force: the chain to the block cached (under the
-    branch-point rule: good, block by block), and a checkpoint on or after it reachable
-    through cached blocks. A block is good when it is cached and holds a checkpoint, or
-    exactly one child reaches a checkpoint and that child is good."""
+    """The definition, by brute force: the chain to the block cached (under either rule:
+    good, block by block), and a checkpoint on or after it reachable through cached
+    blocks. A block is good when it is cached and holds a checkpoint, or (branch points)
+    exactly one child reaches a checkpoint and that child is good and (dead branches)
+    every cached child reaches a checkpoint and is good."""
     children: dict[int, list[int]] = {}
     for c, p in parents.items():
         if p is not None:
@@ -197,10 +224,13 @@ def expected(
             return False
         if state.get(i):
             return True
-        live = [c for c in children.get(i, ()) if reaches_checkpoint(c)]
-        return len(live) == 1 and good(live[0])
+        kids = children.get(i, ())
+        live = [c for c in kids if reaches_checkpoint(c)]
+        return (not branch_points or (len(live) == 1 and good(live[0]))) and (
+            not dead_branches or all(reaches_checkpoint(c) and good(c) for c in kids if attn.get(c))
+        )
 
-    usable = good if branch_points else (lambda i: bool(attn.get(i)))
+    usable = good if branch_points or dead_branches else (lambda i: bool(attn.get(i)))
 
     ok: dict[int | None, bool] = {None: True}
 
@@ -216,19 +246,24 @@ def expected(
     return {h(i) for i in parents if chain_ok(i) and reaches_checkpoint(i)}
 
 
-@pytest.mark.parametrize("branch_points", [False, True])
+@pytest.mark.parametrize(
+    ("branch_points", "dead_branches"), [(False, False), (True, False), (False, True), (True, True)]
+)
 @pytest.mark.parametrize("seed", range(4))
-def test_random_streams_announce_exactly_the_resumable_blocks_and_replay_to_the_same_set(seed, branch_points):
+def test_random_streams_announce_exactly_the_resumable_blocks_and_replay_to_the_same_set(
+    seed, branch_points, dead_branches
+):
     """A pool's worth of random stores and evictions over branching chains: after every
-    step the announced set is the brute-force definition, and folding the whole output
-    stream (a late subscriber replaying from 0) gives that set, parents first."""
+    step the announced set is the brute-force definition (under each rule), and folding
+    the whole output stream (a late subscriber replaying from 0) gives that set, parents first."""
     rng = random.Random(seed)
-    t = StateAwareEvents([ATTN], [STATE], branch_points=branch_points)
+    rules = {"branch_points": branch_points, "dead_branches": dead_branches}
+    t = StateAwareEvents([ATTN], [STATE], **rules)
     parents: dict[int, int | None] = {}
     attn: dict[int, int] = {}
     state: dict[int, int] = {}
     stream: list[KVCacheEvent] = []
-    announcing = pruned = 0  # steps announcing something; steps where branch points withdrew some
+    announcing = pruned = 0  # steps announcing something; steps where the rules withdrew some
     for _ in range(300):
         step: list[KVCacheEvent] = []
         for _ in range(rng.randint(1, 4)):
@@ -260,23 +295,25 @@ def test_random_streams_announce_exactly_the_resumable_blocks_and_replay_to_the_
                 state[i] -= 1
                 step.append(removed(STATE, i))
         stream += t.apply(step)
-        assert t.published() == expected(parents, attn, state, branch_points=branch_points)
+        assert t.published() == expected(parents, attn, state, **rules)
         announcing += bool(t.published())
         pruned += t.published() < expected(parents, attn, state)
     announced: set[bytes] = set()
     fold(announced, stream)
     assert announced == t.published()
-    assert announcing > 0 and (pruned > 0) == branch_points  # the rule mattered where it applies
+    assert announcing > 0 and (pruned > 0) == (branch_points or dead_branches)  # the rules mattered where they apply
 
 
+@pytest.mark.parametrize("dead_branches", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_device_and_host_streams_announce_what_the_two_tiers_together_resume(seed):
+def test_random_device_and_host_streams_announce_what_the_two_tiers_together_resume(seed, dead_branches):
     """Random device stores and evictions and host stores and evictions (keys announced
     once, as the host catalog does, often after the device freed the block): after every
     step the host tier's announced set is the device's chains and the chains cached on
-    either tier up to a checkpoint on host, and folding its output stream gives it back."""
+    either tier up to a checkpoint on host or where the device resumes, under the device's
+    rules, and folding its output stream gives it back."""
     rng = random.Random(seed)
-    device = StateAwareEvents([ATTN], [STATE])
+    device = StateAwareEvents([ATTN], [STATE], dead_branches=dead_branches)
     with_host = HostTierEvents(device)
     parents: dict[int, int | None] = {}
     dev: dict[tuple[int, int], int] = {}  # (group, block) -> device copies
@@ -287,6 +324,14 @@ def test_random_device_and_host_streams_announce_what_the_two_tiers_together_res
 
     def held(group: int) -> list[int]:
         return [i for (g, i), n in dev.items() if g == group and n]
+
+    def on_chain(i: int | None) -> bool:
+        """Whether the chain from the first block to ``i`` is on device."""
+        while i is not None:
+            if not dev.get((ATTN, i)):
+                return False
+            i = parents[i]
+        return True
 
     for _ in range(300):
         step: list[KVCacheEvent] = []
@@ -328,11 +373,12 @@ def test_random_device_and_host_streams_announce_what_the_two_tiers_together_res
                 host_step.append(KeysRemoved(((h(key[1]), key[0]),)))
         stream += with_host.apply(step, device.apply(step), host_step)
         on_device = {g: {i: dev.get((g, i), 0) for i in parents} for g in (ATTN, STATE)}
-        device_chains = expected(parents, on_device[ATTN], on_device[STATE])
+        device_chains = expected(parents, on_device[ATTN], on_device[STATE], dead_branches=dead_branches)
         either = {i: on_device[ATTN][i] + ((ATTN, i) in host) for i in parents}
-        # a hit ends at a checkpoint on host, or where the device resumes (its chain on device)
-        ends = {i: int((STATE, i) in host or (on_device[STATE][i] > 0 and h(i) in device_chains)) for i in parents}
-        assert with_host.published() == device_chains | expected(parents, either, ends, branch_points=True)
+        # a hit ends at a checkpoint on host, or where the device resumes (a checkpoint, its chain on device)
+        ends = {i: int((STATE, i) in host or (on_device[STATE][i] > 0 and on_chain(i))) for i in parents}
+        host_chains = expected(parents, either, ends, branch_points=True, dead_branches=dead_branches)
+        assert with_host.published() == device_chains | host_chains
         assert device.published() <= with_host.published()
         host_added += device.published() < with_host.published()
     announced: set[bytes] = set()

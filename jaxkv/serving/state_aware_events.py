@@ -28,20 +28,32 @@ A prompt that leaves a published chain between two checkpoints is credited past 
 earlier one: the router's prefix match cannot know where the engine resumes inside a
 chain.
 
-With ``branch_points=True`` a block where cached branches split must hold its own
-checkpoint: a block is *good* when it is cached and holds a checkpoint, or exactly one of
-its children reaches a checkpoint through cached blocks and that child is good; a block
-is published when every block of its chain is good (and it reaches a checkpoint). A
-prompt that leaves the tree at a branch point then resumes where it is credited; the
-first divergence from a single chain is still credited past the last checkpoint.
+Two rules narrow that down; :meth:`StateAwareEvents.for_config` builds both. Each makes
+a block without a checkpoint of its own *good* only in some cases; a block is published
+when every block of its chain is good (and it reaches a checkpoint):
+
+- ``dead_branches``: each of its cached children reaches a checkpoint through cached
+  blocks and is good. A cached branch that reaches no checkpoint (a chat whose own
+  checkpoint was evicted while its attention blocks stay, the common case in a small
+  state pool) would otherwise leave the block published by another branch's deeper
+  checkpoint, and the chat's next turn, following its own branch, would be credited the
+  shared prefix and recompute it (the router's credit ends at the last published block,
+  the engine resumes at the last checkpoint before it). With this rule a prompt that
+  follows cached blocks is credited only what it hits; only one leaving the cached
+  tree can be credited past where it resumes.
+- ``branch_points``: exactly one of its children reaches a checkpoint through cached
+  blocks, and that child is good. A block where such branches split is published only
+  with its own checkpoint, so a prompt leaving the cached tree there (a chat whose own
+  chain was evicted) resumes where it is credited; the first divergence from a single
+  chain is still credited past the last checkpoint.
 
 The host tier (CPU offloading) is announced by :class:`HostTierEvents`: the chains a hit
 can use with the host tier's help, as the connector serves one (the device hit, then
 host blocks up to a checkpoint on host), under the branch-point rule (where the device
-resumes counts as a checkpoint). Host keys name no parent: the chain comes from
-the device stores, and the links of blocks that left the device are kept a while (the
-last :data:`FORGOTTEN_LINKS`) for the host's store of them, which completes after the
-device has freed them. Pure host code: no
+resumes counts as a checkpoint) and the device transform's dead-branch rule. Host keys
+name no parent: the chain comes from the device stores, and the links of blocks that
+left the device are kept a while (the last :data:`FORGOTTEN_LINKS`) for the host's
+store of them, which completes after the device has freed them. Pure host code: no
 JAX, no sockets.
 """
 
@@ -83,12 +95,16 @@ class _Block:
     """Checkpoints reachable below it: the children's :attr:`below`, summed."""
     below: int = 0
     """Checkpoints reachable from it through cached attention blocks, itself included (0 if not cached)."""
+    cached: int = 0
+    """Children cached in every attention group (:attr:`present`)."""
+    counted_present: bool = False
+    """Whether its parent's :attr:`cached` counts it."""
     live: int = 0
     """Children whose :attr:`below` is positive."""
     usable_live: int = 0
     """Of those, the usable ones."""
     usable: bool = False
-    """Whether its chain may run on through it: cached, and under the branch-point rule good."""
+    """Whether its chain may run on through it: cached, and good under the rules in force."""
 
     @property
     def present(self) -> bool:
@@ -105,11 +121,18 @@ class StateAwareEvents:
     ``attention_groups``: the groups whose blocks a hit needs along the whole chain, the
     reference group (the one published) first; ``state_groups``: those that need a
     checkpoint where the hit ends; ``branch_points``: whether a block where cached
-    branches split is published only with its own checkpoint (see the module doc).
+    branches split is published only with its own checkpoint; ``dead_branches``: whether a
+    block with a cached branch that reaches no checkpoint is published only with its own
+    checkpoint (see the module doc; :meth:`for_config` sets both).
     """
 
     def __init__(
-        self, attention_groups: Sequence[int], state_groups: Sequence[int], *, branch_points: bool = False
+        self,
+        attention_groups: Sequence[int],
+        state_groups: Sequence[int],
+        *,
+        branch_points: bool = False,
+        dead_branches: bool = False,
     ) -> None:
         if not attention_groups or not state_groups:
             raise ValueError(
@@ -118,6 +141,7 @@ class StateAwareEvents:
         self.attention_groups = tuple(attention_groups)
         self.state_groups = tuple(state_groups)
         self.branch_points = branch_points
+        self.dead_branches = dead_branches
         self._attention_index = {g: i for i, g in enumerate(self.attention_groups)}
         self._state_index = {g: i for i, g in enumerate(self.state_groups)}
         self._blocks: dict[bytes, _Block] = {}
@@ -126,15 +150,15 @@ class StateAwareEvents:
 
     @classmethod
     def for_config(cls, config: KVCacheConfig) -> StateAwareEvents | None:
-        """The transform for a plan's groups; None for a model without recurrent groups
-        (its events are published as recorded)."""
+        """The transform for a plan's groups, under the branch-point and dead-branch rules;
+        None for a model without recurrent groups (its events are published as recorded)."""
         states = [i for i, g in enumerate(config.groups) if isinstance(g.spec, MambaSpec)]
         attention = [
             i
             for i, g in enumerate(config.groups)
             if not isinstance(g.spec, MambaSpec) and g.block_size == config.hash_block_size
         ]
-        return cls(attention, states) if states and attention else None
+        return cls(attention, states, branch_points=True, dead_branches=True) if states and attention else None
 
     # ------------------------------------------------------------------ queries
     def published(self) -> frozenset[bytes]:
@@ -177,7 +201,8 @@ class StateAwareEvents:
                 if not b.linked:
                     b.linked, b.parent, b.block_size, b.lora_name = True, parent, e.block_size, e.lora_name
                     b.token_ids = tuple(e.token_ids[i * e.block_size : (i + 1) * e.block_size])
-                    b.below, b.usable = 0, False  # what it adds to its parent, counted below by _count
+                    # what it adds to its parent, counted below by _count
+                    b.below, b.usable, b.counted_present = 0, False, False
                     if parent is not None:
                         self._block(parent).children.add(h)
                 parent = h
@@ -243,14 +268,23 @@ class StateAwareEvents:
         top = None
         while True:
             b = self._blocks[h]
-            was_below, was_usable = b.below, b.usable
-            b.below = b.sub + b.checkpoint if b.present else 0
-            b.usable = b.present and (not self.branch_points or b.checkpoint or (b.live == 1 and b.usable_live == 1))
+            was_below, was_usable, was_present = b.below, b.usable, b.counted_present
+            present = b.counted_present = b.present
+            b.below = b.sub + b.checkpoint if present else 0
+            b.usable = present and (
+                b.checkpoint
+                or (
+                    (not self.branch_points or (b.live == 1 and b.usable_live == 1))
+                    and (not self.dead_branches or b.cached == b.usable_live)
+                )
+            )
             if b.usable != was_usable:
                 top = h
-            if (b.below, b.usable) == (was_below, was_usable) or not b.linked or b.parent is None:
+            unchanged = (b.below, b.usable, present) == (was_below, was_usable, was_present)
+            if unchanged or not b.linked or b.parent is None:
                 return top
             parent = self._blocks[b.parent]
+            parent.cached += present - was_present
             parent.sub += b.below - was_below
             parent.live += (b.below > 0) - (was_below > 0)
             parent.usable_live += (b.below > 0 and b.usable) - (was_below > 0 and was_usable)
@@ -342,7 +376,9 @@ class HostTierEvents:
     def __init__(self, device: StateAwareEvents) -> None:
         self.device = device
         """The device transform, whose output :meth:`apply` is given."""
-        self._chains = StateAwareEvents(device.attention_groups, device.state_groups, branch_points=True)
+        self._chains = StateAwareEvents(
+            device.attention_groups, device.state_groups, branch_points=True, dead_branches=device.dead_branches
+        )
         self._refs: dict[bytes, int] = {}
         """Per hash announced, how many of the two sets hold it (device chains, host chains)."""
 
