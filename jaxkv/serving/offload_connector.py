@@ -58,6 +58,7 @@ blocking the loop (:meth:`OffloadConnector.finish_stores`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections import OrderedDict
@@ -72,7 +73,8 @@ from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import is_int
 from jaxkv.offload.catalog import OffloadEvent, OffloadingManager, OffloadKey, PolicyOffloadingManager
 from jaxkv.offload.host_blocks import HostBlockBackend
-from jaxkv.offload.host_buffers import HostKVBuffers
+from jaxkv.offload.host_buffers import HostKVBuffers, blocks_in_budget, row_format, row_sharding
+from jaxkv.offload.persistent import PersistentHostTier
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
 from jaxkv.serving.runner import DevicePlace, ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
@@ -93,6 +95,11 @@ class OffloadConfig:
 
     For a model with recurrent state in a state pool, ``state_host_bytes`` of it hold
     state checkpoints (None: the device's share of state memory).
+
+    ``path``: the tier survives the process in a file mapping and a journal
+    (:mod:`jaxkv.offload.persistent`), reloaded at start; ``model_id`` names the weights
+    (a file written for another model, or layout, block size, hash algorithm or seed,
+    is never read). Attention-only models, one shard of a block per process.
     """
 
     host_bytes: int
@@ -102,6 +109,8 @@ class OffloadConfig:
     fail_store: FailureHook | None = None
     fail_load: FailureHook | None = None
     state_host_bytes: int | None = None
+    path: str | None = None
+    model_id: str = ""
 
     def __post_init__(self) -> None:
         if not is_int(self.host_bytes) or self.host_bytes <= 0:
@@ -115,6 +124,10 @@ class OffloadConfig:
             raise ConnectorError(
                 f"state_host_bytes must be an int in [0, host_bytes={self.host_bytes:,}], got {self.state_host_bytes!r}"
             )
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            raise ConnectorError(f"path must be None or a file path, got {self.path!r}")
+        if self.path is not None and self.memory_kind not in (None, "numpy"):
+            raise ConnectorError(f"a host tier in a file is a numpy mapping, not memory_kind={self.memory_kind!r}")
         for name in ("fail_store", "fail_load"):
             hook = getattr(self, name)
             if hook is not None and not callable(hook):
@@ -177,6 +190,7 @@ class OffloadConnector:
         store: str = "on_eviction",
         *,
         states: tuple[OffloadingManager, TransferEngine] | None = None,
+        persistent: PersistentHostTier | None = None,
     ) -> None:
         if store not in STORE_POLICIES:
             raise ConnectorError(f"unknown store policy {store!r}; valid: {', '.join(STORE_POLICIES)}")
@@ -205,6 +219,14 @@ class OffloadConnector:
         self._chains: OrderedDict[bytes, tuple[list[bytes], int]] = OrderedDict()
         state_rows = manager.state_pool.num_blocks if manager.state_pool is not None else 0
         self._max_chains = 4 * (manager.pool.num_blocks + state_rows)
+        self.persistent = persistent
+        if persistent is not None:
+            if recurrent:
+                raise ConnectorError(f"groups {recurrent} hold recurrent state: a host tier in a file holds KV only")
+            if not isinstance(offload, PolicyOffloadingManager):
+                raise ConnectorError(f"a host tier in a file reloads into a PolicyOffloadingManager, got {offload!r}")
+            offload.restore(persistent.entries)
+            attention.host_blocks.update(persistent.entries)
         if store == "on_eviction":
             manager.add_reuse_listener(self._on_reuse)
 
@@ -222,9 +244,49 @@ class OffloadConnector:
             pool = runner.state_host_buffers(state_bytes, memory_kind=config.memory_kind)
             states = cls._tier_parts(pool, config, manager.enable_events)
             host_bytes -= state_bytes
-        host_buffers = runner.host_buffers(host_bytes, memory_kind=config.memory_kind)
+        persistent = None
+        if config.path is None:
+            host_buffers = runner.host_buffers(host_bytes, memory_kind=config.memory_kind)
+        else:
+            if states is not None:
+                raise ConnectorError(
+                    f"groups {manager.recurrent_group_ids()} hold recurrent state: a host tier in a file holds KV only"
+                )
+            persistent, host_buffers = cls._persistent_buffers(manager, runner, config, host_bytes)
         offload, transfers = cls._tier_parts(host_buffers, config, manager.enable_events)
-        return cls(manager, runner, offload, transfers, config.store, states=states)
+        try:
+            return cls(manager, runner, offload, transfers, config.store, states=states, persistent=persistent)
+        except BaseException:
+            if persistent is not None:
+                persistent.close()
+            raise
+
+    @staticmethod
+    def _persistent_buffers(
+        manager: KVCacheManager, runner: ModelRunner, config: OffloadConfig, host_bytes: int
+    ) -> tuple[PersistentHostTier, HostKVBuffers]:
+        """The files of ``config.path`` and host buffers mapped onto them."""
+        assert config.path is not None
+        shape, dtype = row_format(runner.kv_cache)
+        num_blocks = blocks_in_budget(host_bytes, int(np.prod(shape)) * dtype.itemsize)
+        hasher = manager.hasher
+        fingerprint = {
+            "format": 1,
+            "model": config.model_id,
+            "layout": runner.kv_cache.layout,
+            "block_sizes": list(manager.block_sizes),
+            "hash_algo": hasher.algo,
+            "hash_root": hashlib.sha256(hasher.root).hexdigest(),  # the root commits to the seed (never stored)
+        }
+        persistent = PersistentHostTier(config.path, fingerprint, num_blocks, shape, dtype)
+        try:
+            buffers = HostKVBuffers(
+                num_blocks, shape, dtype, sharding=row_sharding(runner.kv_cache), backing=persistent.rows
+            )
+        except BaseException:
+            persistent.close()
+            raise
+        return persistent, buffers
 
     @staticmethod
     def _tier_parts(
@@ -463,6 +525,8 @@ class OffloadConnector:
             self.stats.num_skipped_stores += len(keys)
             return
         if plan.evicted:
+            if self.persistent is not None and not tier.states:
+                self.persistent.removed(plan.evicted)  # before their host blocks are written again
             tier.transfers.release([tier.host_blocks.pop(k) for k in plan.evicted])
         if not plan.keys_to_store:
             return
@@ -495,6 +559,8 @@ class OffloadConnector:
         """Mark a store's keys ready or drop them (freeing their host blocks)."""
         if ok:
             tier.offload.complete_store(ok, success=True)
+            if self.persistent is not None and not tier.states:  # their bytes are in the mapping now
+                self.persistent.stored(ok, [tier.host_blocks[k] for k in ok])
         if failed:
             tier.offload.complete_store(failed, success=False)
             tier.transfers.release([tier.host_blocks.pop(k) for k in failed])
@@ -508,6 +574,13 @@ class OffloadConnector:
         """Host-tier events (keys stored, keys removed) of every catalog since the last call."""
         self._owner.check()
         return [e for tier in self._tiers for e in tier.offload.take_events()]
+
+    def close(self) -> None:
+        """Settle the stores and release a host tier's files (nothing to do without a path)."""
+        self._owner.check()
+        self.finish_stores()
+        if self.persistent is not None:
+            self.persistent.close()
 
     # ---------------------------------------------------------------- audit
     def num_leaked_host_blocks(self) -> int:
