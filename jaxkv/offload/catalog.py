@@ -21,6 +21,10 @@ from jaxkv.offload.policies import EvictionPolicy, make_policy
 
 _log = logging.getLogger(__name__)
 
+STORE_POLICIES = ("on_eviction", "write_through")
+"""When device blocks are stored to host: as the pool reuses them, or once filled
+(:mod:`jaxkv.serving.offload_connector`)."""
+
 OffloadKey = tuple[Hashable, int]
 """(block hash, KV cache group)."""
 

@@ -113,8 +113,11 @@ class PersistentHostTier:
             "dtype": self.dtype.str,
             "num_blocks": num_blocks,
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.journal_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.journal_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:
+            raise PersistentTierError(f"cannot open the host tier file {self.journal_path}: {err.strerror}") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -71,7 +71,13 @@ import numpy as np
 from jaxkv.core.manager import KVCacheBlocks, KVCacheManager, Request
 from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import is_int
-from jaxkv.offload.catalog import OffloadEvent, OffloadingManager, OffloadKey, PolicyOffloadingManager
+from jaxkv.offload.catalog import (
+    STORE_POLICIES,
+    OffloadEvent,
+    OffloadingManager,
+    OffloadKey,
+    PolicyOffloadingManager,
+)
 from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.host_buffers import HostKVBuffers, blocks_in_budget, row_format, row_sharding
 from jaxkv.offload.persistent import PersistentHostTier
@@ -80,9 +86,6 @@ from jaxkv.serving.runner import DevicePlace, ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
 
 _log = logging.getLogger(__name__)
-
-STORE_POLICIES = ("on_eviction", "write_through")
-"""When device blocks are stored to host: as the pool reuses them, or once filled."""
 
 
 class ConnectorError(JaxkvError, ValueError):
@@ -574,6 +577,21 @@ class OffloadConnector:
         """Host-tier events (keys stored, keys removed) of every catalog since the last call."""
         self._owner.check()
         return [e for tier in self._tiers for e in tier.offload.take_events()]
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Host blocks of attention KV the tier has in all (vLLM's ``num_cpu_blocks``)."""
+        return self._tiers[0].transfers.buffers.num_blocks
+
+    @property
+    def num_held_host_blocks(self) -> int:
+        """Host blocks of attention KV holding a key now (stored, being stored or pinned)."""
+        return self._tiers[0].offload.num_allocated_places()
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the tier's blocks take (attention blocks and state rows)."""
+        return sum(t.transfers.buffers.num_blocks * t.transfers.buffers.block_bytes for t in self._tiers)
 
     def close(self) -> None:
         """Settle the stores and release a host tier's files (nothing to do without a path)."""
