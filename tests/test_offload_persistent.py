@@ -35,13 +35,14 @@ def test_recorded_keys_and_bytes_come_back_and_removed_ones_do_not(tmp_path):
     t = tier(tmp_path / "host")
     rows = t.rows((5, *ROW), np.float32)
     rows[1], rows[2] = 1.0, 2.0
-    t.stored([key(1), key(2)], [1, 2])
+    t.stored([key(1), key(2)], [1, 2], [(None, (1, 2)), (key(1)[0], (3, 4))])
     t.removed([key(1)])
     rows[1] = 3.0
-    t.stored([key(3)], [1])
+    t.stored([key(3)], [1], [None])
     t.close()  # the mapping is not flushed on purpose: a killed process leaves its page cache
     again = tier(tmp_path / "host")
     assert again.entries == {key(2): 2, key(3): 1}
+    assert again.infos == {key(2): (key(1)[0], (3, 4))}  # what its event carries: parent, token ids
     assert again.num_dropped_bytes == 0
     rows = again.rows((5, *ROW), np.float32)
     assert (rows[2] == 2.0).all() and (rows[1] == 3.0).all()
@@ -50,8 +51,8 @@ def test_recorded_keys_and_bytes_come_back_and_removed_ones_do_not(tmp_path):
 
 def test_a_torn_tail_is_dropped_and_the_journal_compacted(tmp_path, caplog):
     t = tier(tmp_path / "host")
-    t.stored([key(1)], [1])
-    t.stored([key(2)], [2])
+    t.stored([key(1)], [1], [None])
+    t.stored([key(2)], [2], [None])
     t.close()
     journal = tmp_path / "host.journal"
     data = journal.read_bytes()
@@ -82,7 +83,7 @@ def test_a_torn_tail_is_dropped_and_the_journal_compacted(tmp_path, caplog):
 def test_a_file_written_by_something_else_is_never_read(tmp_path, caplog, change, named):
     t = tier(tmp_path / "host")
     t.rows((5, *ROW), np.float32)[1] = 7.0
-    t.stored([key(1)], [1])
+    t.stored([key(1)], [1], [None])
     t.close()
     with caplog.at_level(logging.WARNING, logger="jaxkv.offload.persistent"):
         other = tier(tmp_path / "host", **change)
@@ -118,8 +119,8 @@ def engine(model: TinyLM, path, model_id: str = "tiny-llama@0", kv_events=None) 
     return Engine(model, plan, max_num_seqs=4, buckets=ONE_SHAPE, offload=config, kv_events=kv_events)
 
 
-def replayed_cpu_hashes(endpoint: str) -> list[int]:
-    """The host-tier ("CPU") block hashes stored in the batches a replay from 0 answers."""
+def replayed_cpu_blocks(endpoint: str) -> list[tuple[int, int | None, list[int]]]:
+    """The host-tier ("CPU") blocks (hash, parent, token ids) stored in the batches a replay from 0 answers."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     try:
@@ -133,7 +134,8 @@ def replayed_cpu_hashes(endpoint: str) -> list[int]:
                 return hashes
             for event in msgspec.msgpack.decode(payload)[1]:
                 if event["type"] == "BlockStored" and event["medium"] == "CPU":
-                    hashes += event["block_hashes"]
+                    assert len(event["block_hashes"]) == 1
+                    hashes.append((event["block_hashes"][0], event.get("parent_block_hash"), event["token_ids"]))
     finally:
         sock.close(linger=0)
         ctx.term()
@@ -151,8 +153,12 @@ def test_an_engine_restarted_on_the_file_hits_its_host_tier_with_the_cold_tokens
         reloaded = again.connector.persistent.entries
         assert len(reloaded) >= 6
         # announced before any request: a router that kept running credits them again
-        announced = replayed_cpu_hashes(publisher.replay_endpoint)
-        assert sorted(announced) == sorted(external_hash(h) for h, _ in reloaded)
+        announced = replayed_cpu_blocks(publisher.replay_endpoint)
+        chain = [external_hash(h) for h, _ in reloaded]
+        # the prompt's blocks, parents first, each with its tokens: what a router indexes
+        assert announced == [
+            (h, chain[i - 1] if i else None, prompt[16 * i : 16 * i + 16]) for i, h in enumerate(chain)
+        ]
         out = again.generate([prompt], 4).outputs[0]
     assert out.output_token_ids == cold
     assert out.num_cached_tokens == 96  # every full block but the last token's, from the file

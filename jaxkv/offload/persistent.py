@@ -6,8 +6,10 @@ behind. ``PATH.journal`` says which key each host block holds: a header (the
 fingerprint of what wrote the file: model, dtype, block shape and count, hash algorithm
 and seed), then one record per change, appended with one ``write``:
 
-- *stored* ``(key, host block)``, written only once the block's bytes are in the
-  mapping (the store has settled), so a block is findable only once its KV is written;
+- *stored* ``(key, host block)``, with the block's parent hash and token ids where known
+  (so the reloaded block is announced as the KV event a router indexes), written only
+  once the block's bytes are in the mapping (the store has settled), so a block is
+  findable only once its KV is written;
 - *removed* ``key``, written before its host block can be written again.
 
 Each record ends with a CRC-32 of itself. At start the journal is replayed up to its
@@ -44,50 +46,64 @@ _log = logging.getLogger(__name__)
 
 MAGIC = b"JAXKVHT1"
 _HEADER_LEN = struct.Struct("<I")
-_RECORD = struct.Struct("<BHIB")  # op, group, host block, hash length; then the hash, then a CRC-32
+_RECORD = struct.Struct("<BHIBBH")  # op, group, host block, hash, parent and token counts; then those, then a CRC-32
 _CRC = struct.Struct("<I")
 _STORED, _REMOVED = 1, 2
 
 Key = tuple[Hashable, int]
 """(block hash as bytes, group): the offloading catalog's key."""
 
+BlockInfo = tuple[bytes | None, tuple[int, ...]]
+"""A block's parent hash (None: the first block) and token ids: what its KV event carries."""
+
 
 class PersistentTierError(JaxkvError, ValueError):
     """The persistent host tier's files cannot be used (held by another process, unreadable)."""
 
 
-def _record(op: int, key: Key, host_block: int) -> bytes:
+def _record(op: int, key: Key, host_block: int, info: BlockInfo | None = None) -> bytes:
     block_hash, group = key
-    if not isinstance(block_hash, bytes) or len(block_hash) > 255:
+    parent, tokens = info or (None, ())
+    parent = parent or b""
+    if not isinstance(block_hash, bytes) or len(block_hash) > 255 or len(parent) > 255:
         raise PersistentTierError(f"a persistent host tier keys blocks by hashes of <= 255 bytes, got {block_hash!r}")
-    body = _RECORD.pack(op, group, host_block, len(block_hash)) + block_hash
+    head = _RECORD.pack(op, group, host_block, len(block_hash), len(parent), len(tokens))
+    body = head + block_hash + parent + struct.pack(f"<{len(tokens)}I", *tokens)
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def _replay(data: bytes, num_blocks: int) -> tuple[dict[Key, int], int]:
-    """The live keys and their host blocks after the records in ``data``, and how many
-    bytes of it were whole, valid records (the rest is a torn or corrupt tail)."""
+def _replay(data: bytes, num_blocks: int) -> tuple[dict[Key, int], dict[Key, BlockInfo], int]:
+    """The live keys and their host blocks after the records in ``data``, what their events
+    carry, and how many bytes of ``data`` were whole, valid records (the rest is a torn or
+    corrupt tail)."""
     live: dict[Key, int] = {}
+    infos: dict[Key, BlockInfo] = {}
     holder: dict[int, Key] = {}
     pos = 0
     while pos + _RECORD.size <= len(data):
-        op, group, host_block, hash_len = _RECORD.unpack_from(data, pos)
-        end = pos + _RECORD.size + hash_len
+        op, group, host_block, hash_len, parent_len, num_tokens = _RECORD.unpack_from(data, pos)
+        start = pos + _RECORD.size
+        end = start + hash_len + parent_len + 4 * num_tokens
         if end + _CRC.size > len(data) or _CRC.unpack_from(data, end)[0] != zlib.crc32(data[pos:end]):
             break
         if op not in (_STORED, _REMOVED) or (op == _STORED and not 1 <= host_block <= num_blocks):
             break
-        key: Key = (bytes(data[pos + _RECORD.size : end]), group)
+        key: Key = (bytes(data[start : start + hash_len]), group)
         old = live.pop(key, None)
+        infos.pop(key, None)
         if old is not None:
             holder.pop(old, None)
         if op == _STORED:
             prior = holder.pop(host_block, None)  # a host block holds one key
             if prior is not None:
                 live.pop(prior)
+                infos.pop(prior, None)
             live[key], holder[host_block] = host_block, key
+            if num_tokens:
+                parent = bytes(data[start + hash_len : start + hash_len + parent_len]) or None
+                infos[key] = (parent, struct.unpack_from(f"<{num_tokens}I", data, start + hash_len + parent_len))
         pos = end + _CRC.size
-    return live, pos
+    return live, infos, pos
 
 
 class PersistentHostTier:
@@ -124,7 +140,7 @@ class PersistentHostTier:
             os.close(self._fd)
             raise PersistentTierError(f"{self.journal_path} is held by another process") from None
         try:
-            self.entries, self.num_dropped_bytes = self._load()
+            self.entries, self.infos, self.num_dropped_bytes = self._load()
             self._rows = self._map()
         except BaseException:
             os.close(self._fd)
@@ -157,10 +173,11 @@ class PersistentHostTier:
             return "; ".join(f"{k}: file {written.get(k)!r}, this server {self.fingerprint.get(k)!r}" for k in diff)
         return None
 
-    def _load(self) -> tuple[dict[Key, int], int]:
+    def _load(self) -> tuple[dict[Key, int], dict[Key, BlockInfo], int]:
         """Replay the journal (cold when it is not this tier's), then rewrite it compacted."""
         data = self.journal_path.read_bytes()
         entries: dict[Key, int] = {}
+        infos: dict[Key, BlockInfo] = {}
         dropped = 0
         if data:
             why = self._mismatch(data)
@@ -169,14 +186,14 @@ class PersistentHostTier:
                 self.path.unlink(missing_ok=True)
             else:
                 body = data[len(self._header()) :]
-                entries, whole = _replay(body, self.num_blocks)
+                entries, infos, whole = _replay(body, self.num_blocks)
                 dropped = len(body) - whole
                 if dropped:
                     _log.warning("host tier journal %s: dropped a torn tail of %d bytes", self.journal_path, dropped)
         if entries and (not self.path.exists() or self.path.stat().st_size != self._nbytes()):
             _log.warning("host tier file %s is missing or of another size: starts cold", self.path)
-            entries = {}
-        compacted = self._header() + b"".join(_record(_STORED, k, b) for k, b in entries.items())
+            entries, infos = {}, {}
+        compacted = self._header() + b"".join(_record(_STORED, k, b, infos.get(k)) for k, b in entries.items())
         tmp = self.journal_path.with_name(self.journal_path.name + ".tmp")
         tmp.write_bytes(compacted)
         os.replace(tmp, self.journal_path)  # the lock stays on the old inode: take it on the new one
@@ -186,7 +203,7 @@ class PersistentHostTier:
         self._fd = fd
         if entries:
             _log.info("host tier %s reloaded %d block(s)", self.path, len(entries))
-        return entries, dropped
+        return entries, infos, dropped
 
     def _nbytes(self) -> int:
         return int(np.prod(self.shape)) * self.dtype.itemsize
@@ -202,10 +219,12 @@ class PersistentHostTier:
             raise PersistentTierError(f"{self.path} holds {self.shape} {self.dtype}, asked for {shape} {dtype}")
         return self._rows
 
-    def stored(self, keys: Sequence[Key], host_blocks: Sequence[int]) -> None:
-        """Record that ``keys`` are in ``host_blocks`` (call once their bytes are written)."""
+    def stored(self, keys: Sequence[Key], host_blocks: Sequence[int], infos: Sequence[BlockInfo | None]) -> None:
+        """Record that ``keys`` are in ``host_blocks``, with their parents and token ids where
+        known (call once their bytes are written)."""
         if keys:
-            os.write(self._fd, b"".join(_record(_STORED, k, b) for k, b in zip(keys, host_blocks, strict=True)))
+            records = (_record(_STORED, *r) for r in zip(keys, host_blocks, infos, strict=True))
+            os.write(self._fd, b"".join(records))
 
     def removed(self, keys: Sequence[Key]) -> None:
         """Record that ``keys`` left the tier (call before their host blocks are written again)."""

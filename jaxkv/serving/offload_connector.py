@@ -80,7 +80,7 @@ from jaxkv.offload.catalog import (
 )
 from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.host_buffers import HostKVBuffers, blocks_in_budget, row_format, row_sharding
-from jaxkv.offload.persistent import PersistentHostTier
+from jaxkv.offload.persistent import BlockInfo, PersistentHostTier
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
 from jaxkv.serving.runner import DevicePlace, ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
@@ -219,7 +219,8 @@ class OffloadConnector:
         # Block hash -> (a request's block hashes, its index there): where a reused block
         # sits in its chain. Only hashes the device holds get reused: the oldest entries go
         # beyond four per device block (a device block holds one hash).
-        self._chains: OrderedDict[bytes, tuple[list[bytes], int]] = OrderedDict()
+        self._chains: OrderedDict[bytes, tuple[list[bytes], int, Sequence[int]]] = OrderedDict()
+        self._host_info: dict[OffloadKey, BlockInfo] = {}  # a host key's parent and token ids, where known
         state_rows = manager.state_pool.num_blocks if manager.state_pool is not None else 0
         self._max_chains = 4 * (manager.pool.num_blocks + state_rows)
         self.persistent = persistent
@@ -230,6 +231,7 @@ class OffloadConnector:
                 raise ConnectorError(f"a host tier in a file reloads into a PolicyOffloadingManager, got {offload!r}")
             offload.restore(persistent.entries)
             attention.host_blocks.update(persistent.entries)
+            self._host_info.update(persistent.infos)
         if store == "on_eviction":
             manager.add_reuse_listener(self._on_reuse)
 
@@ -441,12 +443,10 @@ class OffloadConnector:
             self._store_hit_ending_at(block_hash, group)
 
     def _remember_chain(self, request: Request, lo: int, hi: int) -> None:
-        """Record where the request's hash blocks ``lo..hi-1`` sit in its chain (on-eviction only)."""
-        if self.store_policy != "on_eviction":
-            return
-        hashes, chains = request.block_hashes, self._chains
+        """Record where the request's hash blocks ``lo..hi-1`` sit in its chain, and its tokens."""
+        hashes, chains, tokens = request.block_hashes, self._chains, request.all_token_ids
         for i in range(lo, min(hi, len(hashes))):
-            chains[hashes[i]] = (hashes, i)
+            chains[hashes[i]] = (hashes, i, tokens)
             chains.move_to_end(hashes[i])
         while len(chains) > self._max_chains:
             chains.popitem(last=False)
@@ -459,7 +459,7 @@ class OffloadConnector:
         chain = self._chains.get(block_hash)
         if chain is None:
             return
-        hashes, index = chain
+        hashes, index, _ = chain
         mgr, lcm = self.manager, self.manager.lcm_block_size
         end = (index + 1) * self._hash_block_size // lcm * lcm
         found: dict[OffloadKey, DevicePlace] = {}
@@ -489,12 +489,11 @@ class OffloadConnector:
         tokens complete, before a later step can reuse a checkpoint) and once its drawn
         tokens are read back (the blocks they complete)."""
         self._owner.check()
-        if self.store_policy == "on_eviction":
-            for chunk in chunks:
-                request = chunk.seq.request
-                self.manager.hash_request(request)
-                start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
-                self._remember_chain(request, start // self._hash_block_size, end // self._hash_block_size)
+        for chunk in chunks:
+            request = chunk.seq.request
+            self.manager.hash_request(request)
+            start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
+            self._remember_chain(request, start // self._hash_block_size, end // self._hash_block_size)
         if self.store_policy == "write_through":
             block_of: dict[OffloadKey, DevicePlace] = {}
             for chunk in chunks:
@@ -531,9 +530,16 @@ class OffloadConnector:
             if self.persistent is not None and not tier.states:
                 self.persistent.removed(plan.evicted)  # before their host blocks are written again
             tier.transfers.release([tier.host_blocks.pop(k) for k in plan.evicted])
+            for key in plan.evicted:
+                self._host_info.pop(key, None)
         if not plan.keys_to_store:
             return
         tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
+        if not tier.states:
+            for key in plan.keys_to_store:
+                info = self._block_info(key)
+                if info is not None:
+                    self._host_info[key] = info
         places = [block_of[k] for k in plan.keys_to_store]
         try:
             if tier.states:
@@ -563,10 +569,12 @@ class OffloadConnector:
         if ok:
             tier.offload.complete_store(ok, success=True)
             if self.persistent is not None and not tier.states:  # their bytes are in the mapping now
-                self.persistent.stored(ok, [tier.host_blocks[k] for k in ok])
+                self.persistent.stored(ok, [tier.host_blocks[k] for k in ok], [self._host_info.get(k) for k in ok])
         if failed:
             tier.offload.complete_store(failed, success=False)
             tier.transfers.release([tier.host_blocks.pop(k) for k in failed])
+            for key in failed:
+                self._host_info.pop(key, None)
         self.stats.num_stored_blocks += len(ok)
         self.stats.num_stored_bytes += len(ok) * tier.transfers.buffers.block_bytes
         self.stats.num_failed_stores += len(failed)
@@ -577,6 +585,22 @@ class OffloadConnector:
         """Host-tier events (keys stored, keys removed) of every catalog since the last call."""
         self._owner.check()
         return [e for tier in self._tiers for e in tier.offload.take_events()]
+
+    def _block_info(self, key: OffloadKey) -> BlockInfo | None:
+        """A device block's parent hash and token ids, from the chain its request computed (None: unknown)."""
+        block_hash, group = key
+        chain = self._chains.get(block_hash) if isinstance(block_hash, bytes) else None
+        if chain is None:
+            return None
+        hashes, index, tokens = chain
+        stride, size = self._strides[group], self._hash_block_size
+        parent = hashes[index - stride] if index >= stride else None
+        return parent, tuple(tokens[(index + 1 - stride) * size : (index + 1) * size])
+
+    def host_block_info(self, key: OffloadKey) -> BlockInfo | None:
+        """An attention block's parent hash and token ids while it is on host, where known: what
+        its host-tier KV event carries (a router indexes blocks by their tokens)."""
+        return self._host_info.get(key)
 
     @property
     def num_host_blocks(self) -> int:
