@@ -13,6 +13,7 @@ import zmq
 
 from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
+from jaxkv.offload import persistent
 from jaxkv.offload.persistent import PersistentHostTier, PersistentTierError
 from jaxkv.planner import PlanOptions, plan_kv_cache
 from jaxkv.serving.engine import Engine
@@ -93,6 +94,22 @@ def test_a_file_written_by_something_else_is_never_read(tmp_path, caplog, change
     other.close()
 
 
+def test_a_long_journal_is_compacted_to_the_live_keys(tmp_path):
+    t = tier(tmp_path / "host")
+    for i in range(50):
+        t.stored([key(i)], [1 + i % 4], [(None, (i,))])
+        t.removed([key(i)])
+    t.stored([key(99)], [2], [(None, (99,))])
+    assert t.wants_compaction
+    t.compact({key(99): 2}, {key(99): (None, (99,))})
+    assert not t.wants_compaction
+    t.stored([key(98)], [3], [None])
+    t.close()
+    again = tier(tmp_path / "host")
+    assert again.entries == {key(99): 2, key(98): 3} and again.infos == {key(99): (None, (99,))}
+    again.close()
+
+
 def test_one_process_holds_the_files(tmp_path):
     t = tier(tmp_path / "host")
     with pytest.raises(PersistentTierError, match="held by another process"):
@@ -141,7 +158,8 @@ def replayed_cpu_blocks(endpoint: str) -> list[tuple[int, int | None, list[int]]
         ctx.term()
 
 
-def test_an_engine_restarted_on_the_file_hits_its_host_tier_with_the_cold_tokens(llama, tmp_path):
+def test_an_engine_restarted_on_the_file_hits_its_host_tier_with_the_cold_tokens(llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(persistent, "RECORDS_PER_BLOCK", 0)  # compacted at every settled store: it keeps the keys
     prompt = np.random.default_rng(3).integers(0, 512, 100).tolist()
     cold = tuple(dense_greedy_generate(llama, [prompt], 4)[0])
     first = engine(llama, tmp_path / "host")

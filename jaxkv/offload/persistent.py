@@ -14,7 +14,8 @@ and seed), then one record per change, appended with one ``write``:
 
 Each record ends with a CRC-32 of itself. At start the journal is replayed up to its
 first torn or corrupt record; that record and everything after it are dropped (never
-loaded), and the journal is rewritten compacted (the live keys only, atomically). A
+loaded), and the journal is rewritten compacted (the live keys only, atomically; the
+owner does the same past four records per host block: :meth:`PersistentHostTier.compact`). A
 journal whose header does not match the fingerprint (another model, dtype, block size
 or count, layout, hash algorithm or seed) is never read: the tier starts cold, with a
 warning naming the mismatch, and both files are recreated. The host tier is a cache,
@@ -45,6 +46,8 @@ from jaxkv.errors import JaxkvError
 _log = logging.getLogger(__name__)
 
 MAGIC = b"JAXKVHT1"
+RECORDS_PER_BLOCK = 4
+"""The journal is compacted once it holds more records than this per host block (plus slack)."""
 _HEADER_LEN = struct.Struct("<I")
 _RECORD = struct.Struct("<BHIBBH")  # op, group, host block, hash, parent and token counts; then those, then a CRC-32
 _CRC = struct.Struct("<I")
@@ -139,6 +142,7 @@ class PersistentHostTier:
         except BlockingIOError:
             os.close(self._fd)
             raise PersistentTierError(f"{self.journal_path} is held by another process") from None
+        self._num_records = 0
         try:
             self.entries, self.infos, self.num_dropped_bytes = self._load()
             self._rows = self._map()
@@ -193,6 +197,13 @@ class PersistentHostTier:
         if entries and (not self.path.exists() or self.path.stat().st_size != self._nbytes()):
             _log.warning("host tier file %s is missing or of another size: starts cold", self.path)
             entries, infos = {}, {}
+        self._rewrite(entries, infos)
+        if entries:
+            _log.info("host tier %s reloaded %d block(s)", self.path, len(entries))
+        return entries, infos, dropped
+
+    def _rewrite(self, entries: dict[Key, int], infos: dict[Key, BlockInfo]) -> None:
+        """Replace the journal, atomically, by the header and one record per live key."""
         compacted = self._header() + b"".join(_record(_STORED, k, b, infos.get(k)) for k, b in entries.items())
         tmp = self.journal_path.with_name(self.journal_path.name + ".tmp")
         tmp.write_bytes(compacted)
@@ -201,9 +212,7 @@ class PersistentHostTier:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.close(self._fd)
         self._fd = fd
-        if entries:
-            _log.info("host tier %s reloaded %d block(s)", self.path, len(entries))
-        return entries, infos, dropped
+        self._num_records = len(entries)
 
     def _nbytes(self) -> int:
         return int(np.prod(self.shape)) * self.dtype.itemsize
@@ -225,11 +234,22 @@ class PersistentHostTier:
         if keys:
             records = (_record(_STORED, *r) for r in zip(keys, host_blocks, infos, strict=True))
             os.write(self._fd, b"".join(records))
+            self._num_records += len(keys)
 
     def removed(self, keys: Sequence[Key]) -> None:
         """Record that ``keys`` left the tier (call before their host blocks are written again)."""
         if keys:
             os.write(self._fd, b"".join(_record(_REMOVED, k, 0) for k in keys))
+            self._num_records += len(keys)
+
+    @property
+    def wants_compaction(self) -> bool:
+        """Whether the journal holds over :data:`RECORDS_PER_BLOCK` records per host block (then :meth:`compact`)."""
+        return self._num_records > RECORDS_PER_BLOCK * (self.num_blocks + 16)
+
+    def compact(self, entries: dict[Key, int], infos: dict[Key, BlockInfo]) -> None:
+        """Rewrite the journal as the live ``entries`` (stored and settled keys) and their ``infos``."""
+        self._rewrite(entries, infos)
 
     def close(self) -> None:
         """Release the files (the mapping's writes stay in the page cache)."""

@@ -570,6 +570,9 @@ class OffloadConnector:
             tier.offload.complete_store(ok, success=True)
             if self.persistent is not None and not tier.states:  # their bytes are in the mapping now
                 self.persistent.stored(ok, [tier.host_blocks[k] for k in ok], [self._host_info.get(k) for k in ok])
+                if self.persistent.wants_compaction:
+                    ready = {k: b for k, b in tier.host_blocks.items() if tier.offload.lookup([k]) == 1}
+                    self.persistent.compact(ready, {k: self._host_info[k] for k in ready if k in self._host_info})
         if failed:
             tier.offload.complete_store(failed, success=False)
             tier.transfers.release([tier.host_blocks.pop(k) for k in failed])
