@@ -158,6 +158,7 @@ def replayed_cpu_blocks(endpoint: str) -> list[tuple[int, int | None, list[int]]
         ctx.term()
 
 
+@pytest.mark.slow  # two engines' first steps compile
 def test_an_engine_restarted_on_the_file_hits_its_host_tier_with_the_cold_tokens(llama, tmp_path, monkeypatch):
     monkeypatch.setattr(persistent, "RECORDS_PER_BLOCK", 0)  # compacted at every settled store: it keeps the keys
     prompt = np.random.default_rng(3).integers(0, 512, 100).tolist()
@@ -188,6 +189,7 @@ def test_an_engine_restarted_on_the_file_hits_its_host_tier_with_the_cold_tokens
     other.connector.close()
 
 
+@pytest.mark.slow  # builds a tiny Qwen3-Next engine
 def test_a_hybrid_is_refused_a_host_tier_in_a_file(tmp_path):
     model = TinyLM(get_model_config("tiny-qwen3-next"), seed=0)
     plan = plan_kv_cache(
