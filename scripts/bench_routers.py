@@ -30,6 +30,17 @@ The routers come from ``pip install 'jaxkv[fleet]'`` (vllm-router; sglang-router
 hand) in the environment ``--routers_venv`` names (its ``bin/``); a router that is not
 installed is reported as skipped, with the reason.
 
+``--host_tiers none,memory,file`` runs each configuration once per host tier: none;
+``memory`` (``jaxkv-server --kv_offloading_size`` of ``--kv_offloading_size`` each, stored
+on eviction); ``file`` (the same kept in a file per replica, ``--kv_offloading_path``,
+written through: the restarted replica reloads it and announces the reloaded blocks).
+With a host tier the hit rate counts the host tier's hits too
+(``vllm:external_prefix_cache_hits_total``), and one big cache gets the replicas' host
+memory together (in memory: it is never restarted), so the comparison stays fair on bytes:
+
+    PYTHONPATH=. python scripts/bench_routers.py --checkpoint /tmp/tiny-llama \\
+        --routers_venv /tmp/routers-venv --host_tiers none,memory,file --out bench_routers_host.json
+
 A hybrid checkpoint (recurrent layers: ``--family qwen3_next``) is served with
 state-aware KV events by default; ``--kv_events state_aware,raw`` runs ``kv_aware`` once
 per event stream (``raw``: ``jaxkv-server --kv_events_raw``, every group's blocks and
@@ -86,10 +97,19 @@ flags.DEFINE_list(
     ["state_aware"],
     "event streams kv_aware runs with: state_aware (the default), raw (a hybrid's per-group events as recorded)",
 )
+flags.DEFINE_string("kv_offloading_size", "2MiB", "host tier of one replica (one big cache: all of theirs)")
+flags.DEFINE_list(
+    "host_tiers",
+    ["none"],
+    "host tiers each configuration runs with: none, memory (--kv_offloading_size), file (the same, kept in a file "
+    "per replica with --kv_offloading_path, so the restarted replica reloads it)",
+)
 FLAGS = flags.FLAGS
+HOST_TIERS = ("none", "memory", "file")
 PROG = "bench_routers.py"
 
 HOST = "127.0.0.1"
+WIDTH = 34
 WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "lambda", "sigma", "omega", "river", "stone", "cloud", "light")
 REPLY = "noted, go on"
 """What the client resends as the assistant's turn (the tiny model's text is noise)."""
@@ -149,6 +169,10 @@ class Server:
 
     memory: str
     raw_events: bool = False
+    host_tier: str | None = None
+    """``--kv_offloading_size`` (None: no host tier)."""
+    host_file: str | None = None
+    """``--kv_offloading_path``: kept across a restart."""
     port: int = field(default_factory=free_port)
     events: str = field(default_factory=lambda: f"tcp://{HOST}:{free_port()}")
     replay: str = field(default_factory=lambda: f"tcp://{HOST}:{free_port()}")
@@ -167,6 +191,10 @@ class Server:
         cmd += ["--kv_events_replay_endpoint", self.replay, "--kv_events_plaintext_tcp"]
         if self.raw_events:
             cmd.append("--kv_events_raw")
+        if self.host_tier is not None:
+            cmd += ["--kv_offloading_size", self.host_tier]
+        if self.host_file is not None:
+            cmd += ["--kv_offloading_path", self.host_file]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def wait(self) -> None:
@@ -174,12 +202,12 @@ class Server:
         wait_http(self.url + "/health", self.proc, f"jaxkv-server on {self.port}")
 
     def counters(self) -> tuple[float, float]:
-        """Hits and queries (tokens) of every process so far."""
+        """Hits (device and host tier) and queries (tokens) of every process so far."""
         hits, queries = self.hits, self.queries
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
             for line in resp.read().decode().splitlines():
-                if line.startswith("vllm:prefix_cache_hits_total"):
-                    hits += float(line.split()[-1])
+                if line.startswith(("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")):
+                    hits += float(line.split()[-1])  # the device's hits and the host tier's
                 elif line.startswith("vllm:prefix_cache_queries_total"):
                     queries += float(line.split()[-1])
         return hits, queries
@@ -205,8 +233,13 @@ class Server:
 
 
 @contextlib.contextmanager
-def servers(n: int, memory: str, raw_events: bool = False) -> Iterator[list[Server]]:
-    fleet = [Server(memory, raw_events) for _ in range(n)]
+def servers(
+    n: int, memory: str, raw_events: bool = False, host_tier: str | None = None, in_files: bool = False
+) -> Iterator[list[Server]]:
+    """``n`` servers of ``memory`` each, with a host tier of ``host_tier`` bytes each (None: none),
+    each kept in a file of its own (``in_files``) that outlives a restart."""
+    files = tempfile.TemporaryDirectory()
+    fleet = [Server(memory, raw_events, host_tier, f"{files.name}/host{i}" if in_files else None) for i in range(n)]
     try:
         for s in fleet:
             s.start()
@@ -216,6 +249,7 @@ def servers(n: int, memory: str, raw_events: bool = False) -> Iterator[list[Serv
     finally:
         for s in fleet:
             s.stop()
+        files.cleanup()
 
 
 def router_command(kind: str, policy: str, fleet: list[Server], port: int, model: str) -> list[str]:
@@ -283,14 +317,25 @@ def hit_rate(fleet: list[Server], before: tuple[float, float]) -> tuple[float, f
     return hits, queries, hits / queries if queries else 0.0
 
 
-def run_fleet(kind: str, policy: str, turns: list, model: str, raw_events: bool = False) -> dict:
-    with servers(FLAGS.num_replicas, FLAGS.memory, raw_events) as fleet, tempfile.TemporaryDirectory() as tmp:
+def run_fleet(
+    kind: str, policy: str, turns: list, model: str, raw_events: bool = False, host_tier: str = "none"
+) -> dict:
+    with (
+        servers(
+            FLAGS.num_replicas,
+            FLAGS.memory,
+            raw_events,
+            None if host_tier == "none" else str(parse_bytes(FLAGS.kv_offloading_size)),
+            in_files=host_tier == "file",
+        ) as fleet,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         for i, messages in enumerate(turns[0]):  # the replicas cache before the router starts
             chat(fleet[i % len(fleet)].url, model, messages)
         before = tuple(sum(c) for c in zip(*(s.counters() for s in fleet), strict=True))
         port = free_port()
         cmd = router_command(kind, policy, fleet, port, model)
-        name = f"{kind}-{policy}{'-raw' if raw_events else ''}.log"
+        name = f"{kind}-{policy}{'-raw' if raw_events else ''}-{host_tier}.log"
         log = Path(FLAGS.router_logs or tmp) / name
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("wb") as out:
@@ -313,9 +358,11 @@ def run_fleet(kind: str, policy: str, turns: list, model: str, raw_events: bool 
     return row
 
 
-def run_big(turns: list, model: str) -> dict:
+def run_big(turns: list, model: str, host_tier: str) -> dict:
+    """One server with the replicas' memory (and host tiers, in memory: it is never restarted) together."""
     big = str(parse_bytes(FLAGS.memory) * FLAGS.num_replicas)
-    with servers(1, big) as (server,):
+    host = None if host_tier == "none" else str(parse_bytes(FLAGS.kv_offloading_size) * FLAGS.num_replicas)
+    with servers(1, big, host_tier=host) as (server,):
         for messages in turns[0]:
             chat(server.url, model, messages)
         before = server.counters()
@@ -328,6 +375,7 @@ def run_big(turns: list, model: str) -> dict:
         total = hit_rate([server], before)
     return {
         "memory": big,
+        "host_tier": server.host_tier,
         "late_join_hit_rate": late_join[2],
         "hits": total[0],
         "queries": total[1],
@@ -342,28 +390,22 @@ def main(argv: list[str]) -> None:
     turns = trace()
     model = Path(FLAGS.checkpoint).name
     started = time.monotonic()
-    results: dict = {"big": run_big(turns, model), "configs": {}}
-    big_rate = results["big"]["hit_rate"]
-    for config in FLAGS.configs:
-        kind, _, policy = config.partition(":")
-        if kind not in ("vllm", "sglang") or not policy:
-            exit_error(PROG, f"--configs: ROUTER:POLICY with ROUTER vllm or sglang, got {config!r}")
-        missing = router_missing(kind)
-        if missing is not None:
-            results["configs"][config] = {"skipped": missing}
-            continue
-        for events in FLAGS.kv_events if policy == "kv_aware" else ["state_aware"]:
-            if events not in ("state_aware", "raw"):
-                exit_error(PROG, f"--kv_events: state_aware or raw, got {events!r}")
-            row = run_fleet(kind, policy, turns, model, raw_events=events == "raw")
-            row["ratio"] = row["hit_rate"] / big_rate if big_rate else 0.0
-            results["configs"][config + ("[raw]" if events == "raw" else "")] = row
+    bad = [t for t in FLAGS.host_tiers if t not in HOST_TIERS]
+    if bad or not FLAGS.host_tiers:
+        exit_error(PROG, f"--host_tiers: some of {', '.join(HOST_TIERS)}, got {FLAGS.host_tiers}")
+    results: dict = {"configs": {}}
+    for host_tier in FLAGS.host_tiers:
+        big = "big" if host_tier == "none" else "big+host"
+        if big not in results:
+            results[big] = run_big(turns, model, host_tier)
+        run_configs(results, turns, model, host_tier, results[big]["hit_rate"])
     results["wall_s"] = time.monotonic() - started
     results["settings"] = {
         name: FLAGS[name].value
         for name in (
             "num_replicas",
             "memory",
+            "kv_offloading_size",
             "num_tenants",
             "system_chars",
             "num_conversations",
@@ -373,17 +415,47 @@ def main(argv: list[str]) -> None:
             "kv_events",
         )
     }
+    print_table(results)
+    if FLAGS.out:
+        Path(FLAGS.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def run_configs(results: dict, turns: list, model: str, host_tier: str, big_rate: float) -> None:
+    """Every ``--configs`` entry (``kv_aware`` once per ``--kv_events`` stream) with ``host_tier``."""
+    suffix = "" if host_tier == "none" else f" +host {host_tier}"
+    for config in FLAGS.configs:
+        kind, _, policy = config.partition(":")
+        if kind not in ("vllm", "sglang") or not policy:
+            exit_error(PROG, f"--configs: ROUTER:POLICY with ROUTER vllm or sglang, got {config!r}")
+        missing = router_missing(kind)
+        if missing is not None:
+            results["configs"][config + suffix] = {"skipped": missing}
+            continue
+        for events in FLAGS.kv_events if policy == "kv_aware" else ["state_aware"]:
+            if events not in ("state_aware", "raw"):
+                exit_error(PROG, f"--kv_events: state_aware or raw, got {events!r}")
+            row = run_fleet(kind, policy, turns, model, raw_events=events == "raw", host_tier=host_tier)
+            row["ratio"] = row["hit_rate"] / big_rate if big_rate else 0.0
+            row["host_tier"] = host_tier
+            results["configs"][config + ("[raw]" if events == "raw" else "") + suffix] = row
+
+
+def print_table(results: dict) -> None:
     print(
-        f"{'router:policy':<22} {'late join':>10} {'hit rate':>9} {'vs big':>7}"
+        f"{'router:policy':<{WIDTH}} {'late join':>10} {'hit rate':>9} {'vs big':>7}"
         f" {'hit tokens':>10} {'credited':>9} {'recomputed':>10}"
     )
-    big = results["big"]
-    print(f"{'one big cache':<22} {big['late_join_hit_rate']:>10.3f} {big_rate:>9.3f} {1.0:>7.3f} {big['hits']:>10.0f}")
+    for key, name in (("big", "one big cache"), ("big+host", "one big cache +host")):
+        big = results.get(key)
+        if big is None:
+            continue
+        line = f"{name:<{WIDTH}} {big['late_join_hit_rate']:>10.3f} {big['hit_rate']:>9.3f} {1.0:>7.3f}"
+        print(f"{line} {big['hits']:>10.0f}")
     for config, row in results["configs"].items():
         if "skipped" in row:
-            print(f"{config:<22} skipped: {row['skipped']}")
+            print(f"{config:<{WIDTH}} skipped: {row['skipped']}")
             continue
-        line = f"{config:<22} {row['late_join_hit_rate']:>10.3f} {row['hit_rate']:>9.3f} {row['ratio']:>7.3f}"
+        line = f"{config:<{WIDTH}} {row['late_join_hit_rate']:>10.3f} {row['hit_rate']:>9.3f} {row['ratio']:>7.3f}"
         line += f" {row['hits']:>10.0f}"
         if "credited_tokens" in row:
             recomputed = row["recomputed_credited_tokens"]
@@ -398,8 +470,6 @@ def main(argv: list[str]) -> None:
         f"({results['wall_s']:.0f} s; late join: the routed turn before the restart; hit rate: every routed turn;"
         " recomputed: the share of credited tokens the replica recomputed)"
     )
-    if FLAGS.out:
-        Path(FLAGS.out).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

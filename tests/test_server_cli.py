@@ -1,6 +1,9 @@
-"""``jaxkv-server`` started as a user starts it: bare, then with flags it must refuse before binding."""
+"""``jaxkv-server`` started as a user starts it: bare, then with flags it must refuse before binding, then
+with a host tier kept in a file across a SIGKILL (the restarted server announces the reloaded blocks in
+its KV events, a late replay included, and serves the prompt from them)."""
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -154,3 +157,75 @@ def test_a_replay_endpoint_without_an_endpoint_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         event_publisher(parser().parse_args(["--checkpoint", "x", "--kv_events_replay_endpoint", "ipc:///tmp/r"]))
     assert exit_.value.code == 2 and "needs --kv_events_endpoint" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the host tier, kept in a file
+def get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=60) as answer:
+        return answer.read()
+
+
+def complete(url: str, model: str, prompt: list[int]) -> int:
+    """The prompt tokens served from cache (device or host)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.load(answer)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def replayed_cpu_blocks(endpoint: str) -> int:
+    zmq = pytest.importorskip("zmq")
+    msgspec = pytest.importorskip("msgspec")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        count = 0
+        while True:
+            assert sock.poll(30_000), "no replay answer"
+            _, _, seq, payload = sock.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return count
+            for event in msgspec.msgpack.decode(payload)[1]:
+                if event["type"] == "BlockStored" and event["medium"] == "CPU":
+                    count += len(event["block_hashes"])
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_server_killed_and_restarted_on_its_file_announces_and_serves_the_reloaded_blocks(checkpoint, tmp_path):
+    port, events, replay = free_port(), f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    cmd = [*SERVER, "--checkpoint", str(checkpoint), "--port", str(port), "--memory", "4MiB"]
+    cmd += ["--max_model_len", "256", "--kv_offloading_size", "1MiB", "--kv_offloading_path", str(tmp_path / "host")]
+    cmd += ["--kv_events_endpoint", events, "--kv_events_replay_endpoint", replay]
+    url, prompt = f"http://127.0.0.1:{port}", list(range(1, 101))
+
+    def start() -> tuple[subprocess.Popen, str]:
+        server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=repo_env())
+        ready = server.stdout.readline()
+        assert ready.startswith("jaxkv-server: ready"), ready + server.stderr.read()
+        return server, ready
+
+    server, ready = start()
+    try:
+        assert ", host tier 85 blocks (1,044,480 B, kept in" in ready and "0 reloaded" in ready, ready
+        info = json.loads(get(f"{url}/server_info"))
+        assert info["num_cpu_blocks"] == 85 and info["kv_offloading_path"] == str(tmp_path / "host")
+        assert complete(url, checkpoint.name, prompt) == 0
+        metrics = get(f"{url}/metrics").decode()
+        assert f'jaxkv:kv_offload_blocks{{kind="capacity",model_name="{checkpoint.name}"}} 85.0' in metrics
+        assert 'kind="held"' in metrics
+        server.send_signal(signal.SIGKILL)
+        server.wait(60)
+        server, ready = start()
+        assert "6 reloaded" in ready, ready  # the prompt's 6 full blocks, written through
+        assert replayed_cpu_blocks(replay) == 6  # announced before any request, in the replay too
+        assert complete(url, checkpoint.name, prompt) == 96
+        assert "vllm:external_prefix_cache_hits_total" in get(f"{url}/metrics").decode()
+    finally:
+        server.terminate()
+        server.wait(60)

@@ -150,16 +150,23 @@ def test_the_batches_decode_with_vllms_schema(engine_run):
     events = [e for b in batches for e in b.events]
     kinds = {(type(e).__name__, getattr(e, "medium", None)) for e in events}
     assert kinds == {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "CPU")}
-    device_stored = set()
+    device_stored: dict[int, tuple[int | None, list[int]]] = {}  # hash -> parent, token ids
+    host_stored = 0
     for e in events:
         assert e.group_idx == 0
         assert all(isinstance(x, int) and 0 <= x < 1 << 64 for x in e.block_hashes)
         if isinstance(e, BlockStored) and e.medium == "GPU":
             assert len(e.token_ids) == e.block_size * len(e.block_hashes) and e.block_size == 16
             assert e.parent_block_hash is None or e.parent_block_hash in device_stored
-            device_stored.update(e.block_hashes)
+            parents = [e.parent_block_hash, *e.block_hashes[:-1]]
+            for i, (h, parent) in enumerate(zip(e.block_hashes, parents, strict=True)):
+                device_stored[h] = (parent, e.token_ids[16 * i : 16 * i + 16])
         elif isinstance(e, BlockStored):
-            assert e.token_ids == [] and e.parent_block_hash is None and e.block_size == 16
+            # written through: each host block carries the parent and tokens its device block had
+            assert len(e.block_hashes) == 1 and e.block_size == 16
+            assert device_stored[e.block_hashes[0]] == (e.parent_block_hash, e.token_ids)
+            host_stored += 1
+    assert host_stored
 
 
 def test_published_hashes_are_the_low_64_bits_of_jaxkvs(engine_run):

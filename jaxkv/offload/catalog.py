@@ -16,10 +16,14 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from jaxkv.errors import JaxkvError
-from jaxkv.offload.host_blocks import Backend
+from jaxkv.offload.host_blocks import Backend, HostBlockBackend
 from jaxkv.offload.policies import EvictionPolicy, make_policy
 
 _log = logging.getLogger(__name__)
+
+STORE_POLICIES = ("on_eviction", "write_through")
+"""When device blocks are stored to host: as the pool reuses them, or once filled
+(:mod:`jaxkv.serving.offload_connector`)."""
 
 OffloadKey = tuple[Hashable, int]
 """(block hash, KV cache group)."""
@@ -127,6 +131,20 @@ class PolicyOffloadingManager(OffloadingManager):
         self.enable_events = enable_events
         self._entries: dict[OffloadKey, _Entry] = {}
         self._events: list[OffloadEvent] = []
+
+    def restore(self, entries: dict[OffloadKey, int]) -> None:
+        """Hold ``entries`` (key -> place) ready, as a tier reloaded at start does (an empty
+        catalog over a :class:`~jaxkv.offload.host_blocks.HostBlockBackend`); announced as stored."""
+        if self._entries:
+            raise OffloadError(f"restore needs an empty catalog; it holds {len(self._entries)} keys")
+        if not isinstance(self.backend, HostBlockBackend):
+            raise OffloadError(f"restore needs a HostBlockBackend, got {type(self.backend).__name__}")
+        self.backend.claim(list(entries.values()))
+        self.policy.admit(list(entries), [])
+        for key, place in entries.items():
+            self._entries[key] = _Entry(place, ready=True)
+        if entries and self.enable_events:
+            self._events.append(KeysStored(tuple(entries)))
 
     # -------------------------------------------------------------- queries
     def __len__(self) -> int:

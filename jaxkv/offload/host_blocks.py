@@ -70,6 +70,16 @@ class HostBlockBackend(Backend):
         self._allocated.update(out)
         return out
 
+    def claim(self, places: Sequence[int]) -> None:
+        """Allocate these free places (a reloaded tier's); raises, changing nothing, on one not free."""
+        places = list(places)
+        free = set(self._free)
+        bad = [s for s in places if s not in free]
+        if bad or len(set(places)) != len(places):
+            raise HostBlocksError(f"host blocks not free (or repeated): {bad or places}")
+        self._free = [s for s in self._free if s not in set(places)]
+        self._allocated.update(places)
+
     def free(self, places: Sequence[int]) -> None:
         places = list(places)
         bad = [s for s in places if s not in self._allocated]

@@ -30,7 +30,7 @@ one that completes after its host block was reused is recognised as stale.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -218,7 +218,8 @@ def _shard_on(rows: jax.Array, device: jax.Device) -> jax.Array:
 class HostKVBuffers:
     """Host buffers of ``num_blocks`` host blocks (+ the scratch host block 0), one per
     distinct shard of ``sharding`` (the staged rows', see :func:`row_sharding`; default:
-    all on ``device``), and the host blocks' generations."""
+    all on ``device``), and the host blocks' generations. ``backing(shape, dtype)`` supplies
+    the numpy buffer of a one-shard pool (a file mapping: :mod:`jaxkv.offload.persistent`)."""
 
     def __init__(
         self,
@@ -229,10 +230,15 @@ class HostKVBuffers:
         memory_kind: str | None = None,
         device: jax.Device | None = None,
         sharding: Sharding | None = None,
+        backing: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
     ) -> None:
         check_int("num_blocks", num_blocks, minimum=1, error=HostBuffersError)
         self.sharding = sharding or SingleDeviceSharding(device or jax.devices()[0])
         self.device = min(self.sharding.addressable_devices, key=_device_id)
+        if backing is not None:
+            if memory_kind not in (None, "numpy"):
+                raise HostBuffersError(f"a backed host buffer is a numpy array, not memory_kind={memory_kind!r}")
+            memory_kind = "numpy"
         if memory_kind is None:
             memory_kind = "pinned_host" if pinned_host_supported(self.device) else "numpy"
         if memory_kind not in MEMORY_KINDS:
@@ -251,11 +257,17 @@ class HostKVBuffers:
             assert index is not None  # jax gives every addressable device an index (its typing allows None)
             shards.setdefault(tuple((i.start, i.stop) for i in index), []).append(device)
         shard_shape = self.sharding.shard_shape(full)
+        if backing is not None and len(shards) != 1:
+            raise HostBuffersError(f"a backed host buffer holds one shard of a block, this cache has {len(shards)}")
         self._shards = []
         for key, devices in shards.items():
             index = (slice(None), *tuple(slice(start, stop) for start, stop in key[1:]))
-            zeros = np.zeros(shard_shape, self.dtype)
-            buffer = jax.device_put(zeros, _host_sharding(devices[0])) if memory_kind == "pinned_host" else zeros
+            if backing is not None:
+                buffer = backing(shard_shape, self.dtype)
+            elif memory_kind == "pinned_host":
+                buffer = jax.device_put(np.zeros(shard_shape, self.dtype), _host_sharding(devices[0]))
+            else:
+                buffer = np.zeros(shard_shape, self.dtype)
             self._shards.append(_Shard(index, devices, buffer))
         self.generation = np.zeros(num_blocks + 1, np.int64)
 

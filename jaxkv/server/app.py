@@ -28,7 +28,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import generate_latest
+from prometheus_client import Gauge, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxkv
@@ -92,6 +92,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         try:
             engine = await holder["engine"].ready()
             if not request_metrics:
+                host_tier_gauges(engine, metrics)
                 max_model_len = engine.manager.max_model_len
                 exporter = RequestMetrics(max_model_len=max_model_len, labels=metrics.labels, registry=metrics.registry)
                 request_metrics.append(exporter)
@@ -271,7 +272,8 @@ def create_app(config: ServerConfig) -> FastAPI:
             engine = await ready_engine()
         except ApiError as err:
             return error(err)
-        kv = engine.manager.config
+        kv, connector = engine.manager.config, engine.connector
+        persistent = None if connector is None else connector.persistent
         return JSONResponse(
             {
                 "served_model_name": config.model_name,
@@ -281,6 +283,9 @@ def create_app(config: ServerConfig) -> FastAPI:
                 "max_model_len": engine.manager.max_model_len,
                 "block_size": kv.hash_block_size,
                 "num_gpu_blocks": kv.num_blocks,
+                "num_cpu_blocks": 0 if connector is None else connector.num_host_blocks,
+                "kv_offloading_size": 0 if connector is None else connector.host_bytes,
+                "kv_offloading_path": None if persistent is None else str(persistent.path),
                 "version": jaxkv.__version__,
             }
         )
@@ -303,6 +308,21 @@ def create_app(config: ServerConfig) -> FastAPI:
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def host_tier_gauges(engine: Engine, metrics: PrometheusMetrics) -> None:
+    """``jaxkv:kv_offload_blocks{kind="capacity"|"held"}``: the host tier's blocks, read at each scrape."""
+    connector = engine.connector
+    if connector is None:
+        return
+    gauge = Gauge(
+        "jaxkv:kv_offload_blocks",
+        "Host-tier KV blocks: in all (capacity), holding a block now (held)",
+        [*metrics.labels, "kind"],
+        registry=metrics.registry,
+    )
+    gauge.labels(**metrics.labels, kind="capacity").set(connector.num_host_blocks)
+    gauge.labels(**metrics.labels, kind="held").set_function(lambda: connector.num_held_host_blocks)
 
 
 async def _read_all(stream: RequestStream, result: Answer, timer: RequestTimer) -> None:

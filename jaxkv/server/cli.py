@@ -1,17 +1,22 @@
-"""``jaxkv-server --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--memory 1GiB] [--max_model_len N]``.
+"""``jaxkv-server --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--memory 1GiB] [--max_model_len N]``
+``[--kv_offloading_size 4GiB [--kv_offloading_path FILE]]``.
 
 Serves one Hugging Face-format checkpoint directory over OpenAI's API on loopback
 unless told otherwise. ``--max_model_len`` defaults to the checkpoint's positions. The
 engine is built before the port is bound: bad flags, a bad checkpoint or a memory that
 cannot hold one request of ``max_model_len`` tokens (the message names the largest
 length that fits) are one line on stderr and exit status 2; once serving, one line says
-where, what and in which plan.
+where, what and in which plan. ``--kv_offloading_size`` adds a host tier of that much
+CPU memory (:class:`~jaxkv.serving.offload_connector.OffloadConfig`); with
+``--kv_offloading_path`` it lives in a file a restarted server reloads
+(:mod:`jaxkv.offload.persistent`) and announces in its KV events.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
 import socket
 import sys
@@ -22,10 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from jaxkv.errors import JaxkvError
+from jaxkv.offload.catalog import STORE_POLICIES
 
 if TYPE_CHECKING:
     from jaxkv.models.protocol import ServedModel
     from jaxkv.planner import KVCacheConfig
+    from jaxkv.serving.offload_connector import OffloadConfig
 
 PROG = "jaxkv-server"
 HEADER_TIMEOUT_S = 10.0
@@ -93,6 +100,25 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api_key", default=os.environ.get("JAXKV_API_KEY"), help="require this bearer key")
     p.add_argument("--access_log", action="store_true", help="log one line per HTTP request")
+    host = p.add_argument_group("Host tier (KV blocks offloaded to CPU memory, as vLLM's --kv-offloading-size)")
+    host.add_argument(
+        "--kv_offloading_size", type=parse_bytes, default=None, help="host memory for offloaded KV blocks, e.g. 4GiB"
+    )
+    host.add_argument(
+        "--kv_offloading_policy", choices=("lru", "arc"), default="lru", help="which host blocks are evicted first"
+    )
+    host.add_argument(
+        "--kv_offloading_store",
+        choices=STORE_POLICIES,
+        default=None,
+        help="when device blocks go to host: as the device evicts them, or once computed "
+        "(default: write_through with --kv_offloading_path, which then holds what a restart loses; else on_eviction)",
+    )
+    host.add_argument(
+        "--kv_offloading_path",
+        default=None,
+        help="keep the host tier in this file (and PATH.journal): a restarted server reloads it and announces it",
+    )
     events = p.add_argument_group("KV cache events (vLLM's ZeroMQ wire format, for KV-aware routers)")
     events.add_argument("--kv_events_endpoint", default=None, help="publish on this ZeroMQ PUB address")
     events.add_argument("--kv_events_replay_endpoint", default=None, help="answer replays on this ROUTER address")
@@ -175,6 +201,40 @@ def plan_or_refuse(model: ServedModel, memory_bytes: int, max_model_len: int, **
         raise InsufficientMemoryError(f"{err}; in --memory {memory_bytes:,} B {advice}") from None
 
 
+def checkpoint_identity(directory: Path) -> str:
+    """What names a checkpoint's weights for a host tier kept in a file: a digest of its
+    ``config.json`` and of the names, sizes and modification times of its weight files."""
+    digest = hashlib.sha256((directory / "config.json").read_bytes())
+    for weights in sorted(directory.glob("*.safetensors")) + sorted(directory.glob("*.bin")):
+        stat = weights.stat()
+        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def offload_config(args: argparse.Namespace, directory: Path) -> OffloadConfig | None:
+    """The host tier the flags ask for (None without ``--kv_offloading_size``); refused in one line."""
+    from jaxkv.serving.offload_connector import OffloadConfig
+
+    if args.kv_offloading_size is None:
+        if args.kv_offloading_path is not None:
+            fail("--kv_offloading_path needs --kv_offloading_size (the host memory the file maps)")
+        return None
+    if args.no_prefix_caching:
+        fail("--kv_offloading_size needs the prefix cache: the host tier is keyed by block hashes")
+    persistent = args.kv_offloading_path is not None
+    store = args.kv_offloading_store or ("write_through" if persistent else "on_eviction")
+    try:
+        return OffloadConfig(
+            args.kv_offloading_size,
+            policy=args.kv_offloading_policy,
+            store=store,
+            path=args.kv_offloading_path,
+            model_id=checkpoint_identity(directory) if persistent else "",
+        )
+    except JaxkvError as err:
+        fail(str(err).replace("host_bytes", "--kv_offloading_size"))
+
+
 def build_app(args: argparse.Namespace, kv_events: Any = None) -> Any:
     """The app for parsed ``args`` (the engine is built when the app starts), its engine
     publishing on ``kv_events`` (:func:`event_publisher`) when given."""
@@ -202,6 +262,8 @@ def build_app(args: argparse.Namespace, kv_events: Any = None) -> Any:
         if not getattr(args, name) > 0 or (name == "port" and args.port > 65535):
             fail(f"--{name}={getattr(args, name)} is out of range")
 
+    offload = offload_config(args, directory)
+
     def build() -> Engine:
         model = load_pretrained(directory, max_model_len=args.max_model_len)
         plan = plan_or_refuse(model, args.memory, args.max_model_len, max_num_seqs=args.max_num_seqs)
@@ -213,6 +275,7 @@ def build_app(args: argparse.Namespace, kv_events: Any = None) -> Any:
             eos_token_ids=eos_token_ids(directory),
             tokenizer=tokenizer,
             kv_events=kv_events,
+            offload=offload,
         )
 
     config = ServerConfig(
@@ -259,6 +322,16 @@ class ServerThread:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def host_tier(engine: Any) -> str:
+    """The ready line's words for the engine's host tier ("" without one)."""
+    connector = engine.connector
+    if connector is None:
+        return ""
+    kept = "" if connector.persistent is None else f", kept in {connector.persistent.path}"
+    reloaded = "" if connector.persistent is None else f", {len(connector.persistent.entries)} reloaded"
+    return f", host tier {connector.num_host_blocks} blocks ({connector.host_bytes:,} B{kept}{reloaded})"
+
+
 async def serve(args: argparse.Namespace) -> None:
     """Build the engine, then bind and serve ``args`` until a signal stops uvicorn."""
     kv_events = event_publisher(args)
@@ -302,7 +375,7 @@ async def _serve(args: argparse.Namespace, app: Any, events: str) -> None:
         print(
             f"{PROG}: ready on http://{args.host}:{args.port}: model {app.state.config.model_name}, "
             f"max_model_len {args.max_model_len}, {config.num_blocks} blocks in {len(config.groups)} groups "
-            f"({args.memory:,} B){events}",
+            f"({args.memory:,} B){host_tier(built)}{events}",
             flush=True,
         )
     await serving

@@ -285,6 +285,7 @@ class Engine:
         self.async_scheduling = async_scheduling
         self._in_flight: _Step | None = None  # asynchronous scheduling: the step dispatched, not read back
         self._step_observers: list[Callable[[EngineStats], None]] = []
+        self._publish_events()  # a host tier reloaded from its file announces its blocks at once
 
     @classmethod
     def build(cls, model_name: str = "tiny-hybrid", *, seed: int = 0, **kwargs: Any) -> Engine:

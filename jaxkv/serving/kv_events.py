@@ -28,7 +28,8 @@ The wire format (facts from vLLM's ``vllm/distributed/kv_events.py`` and
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` the bytes themselves. A stored run's
   parent is the hash of the block before its first, None at the start of a request.
 - Medium: ``"GPU"`` for the device cache. Host (CPU offloading) blocks are published
-  as ``"CPU"``, without parent or token ids.
+  as ``"CPU"``, without parent or token ids (jaxkv adds them where it knows them: a
+  router that indexes blocks by their tokens can then credit the host tier).
 - Replay: an optional ROUTER socket. A client (REQ, or DEALER sending an empty
   delimiter frame first) sends the first sequence number it wants as 8 bytes
   big-endian; the server answers with one message ``[topic, sequence number,
@@ -67,7 +68,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +81,8 @@ except ModuleNotFoundError as err:
     raise_missing_extra(err, ("msgspec", "zmq"), "KV events need pyzmq and msgspec: pip install 'jaxkv[events]'")
 
 from jaxkv.core.pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from jaxkv.offload.catalog import KeysRemoved, KeysStored, OffloadEvent
+from jaxkv.offload.catalog import KeysRemoved, KeysStored, OffloadEvent, OffloadKey
+from jaxkv.offload.persistent import BlockInfo
 from jaxkv.serving.state_aware_events import HostTierEvents, StateAwareEvents
 from jaxkv.serving.zmq_security import CurveKeys, SecureContext, check_endpoint
 
@@ -164,14 +166,19 @@ def wire_events(
     include_token_ids: bool = True,
     device_group_idx: bool = True,
     host_chain: Iterable[KVCacheEvent] = (),
+    host_info: Callable[[OffloadKey], BlockInfo | None] | None = None,
 ) -> list[AnyWireEvent]:
     """The wire form of one step's events: the device pools' (medium ``"GPU"``), then the
     host tier's (``"CPU"``, one event per run of keys of one group; ``block_sizes`` gives
     each group's block size), then ``host_chain``: state-aware events of the chains a hit
     can use with the host tier (``"CPU"``, no group, with parents and token ids; a reset
-    in it is left out, the device's goes out). ``include_token_ids=False`` leaves stored
-    blocks' token ids out; ``device_group_idx=False`` the device events' group (a
-    single-group view: state-aware events)."""
+    in it is left out, the device's goes out). ``host_info(key)`` gives a stored host
+    key's parent and token ids where known (the connector's
+    :meth:`~jaxkv.serving.offload_connector.OffloadConnector.host_block_info`): such a key
+    goes out as an event of its own carrying them, which a router indexing blocks by
+    their tokens needs. ``include_token_ids=False`` leaves stored blocks' token ids out;
+    ``device_group_idx=False`` the device events' group (a single-group view:
+    state-aware events)."""
 
     def ext(h: bytes) -> ExternalBlockHash:
         return external_hash(h, as_int=int_hashes)
@@ -201,9 +208,28 @@ def wire_events(
     for change in host:
         for group, keys in itertools.groupby(change.keys, key=lambda k: k[1]):
             hashes = []
-            for h, _ in keys:
+            for key in keys:
+                h = key[0]
                 assert isinstance(h, bytes)  # the offload connector keys its host tier by block hash
-                hashes.append(ext(h))
+                info = host_info(key) if host_info is not None and isinstance(change, KeysStored) else None
+                if info is None:
+                    hashes.append(ext(h))
+                    continue
+                parent, tokens = info
+                out.append(
+                    WireBlockStored(
+                        [ext(h)],
+                        None if parent is None else ext(parent),
+                        list(tokens) if include_token_ids else [],
+                        block_sizes[group],
+                        None,
+                        MEDIUM_HOST,
+                        None,
+                        group_idx=group,
+                    )
+                )
+            if not hashes:
+                continue
             if isinstance(change, KeysStored):
                 out.append(
                     WireBlockStored(hashes, None, [], block_sizes[group], None, MEDIUM_HOST, None, group_idx=group)
@@ -390,6 +416,7 @@ class KVEventPublisher:
             include_token_ids=self.include_token_ids,
             device_group_idx=transforms.device is None,
             host_chain=host_chain,
+            host_info=connector.host_block_info if connector is not None and host else None,
         )
         return self.publish(events) if events else None
 

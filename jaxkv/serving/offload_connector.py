@@ -58,6 +58,7 @@ blocking the loop (:meth:`OffloadConnector.finish_stores`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections import OrderedDict
@@ -70,17 +71,21 @@ import numpy as np
 from jaxkv.core.manager import KVCacheBlocks, KVCacheManager, Request
 from jaxkv.errors import JaxkvError, OwnerThread
 from jaxkv.ints import is_int
-from jaxkv.offload.catalog import OffloadEvent, OffloadingManager, OffloadKey, PolicyOffloadingManager
+from jaxkv.offload.catalog import (
+    STORE_POLICIES,
+    OffloadEvent,
+    OffloadingManager,
+    OffloadKey,
+    PolicyOffloadingManager,
+)
 from jaxkv.offload.host_blocks import HostBlockBackend
-from jaxkv.offload.host_buffers import HostKVBuffers
+from jaxkv.offload.host_buffers import HostKVBuffers, blocks_in_budget, row_format, row_sharding
+from jaxkv.offload.persistent import BlockInfo, PersistentHostTier
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
 from jaxkv.serving.runner import DevicePlace, ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
 
 _log = logging.getLogger(__name__)
-
-STORE_POLICIES = ("on_eviction", "write_through")
-"""When device blocks are stored to host: as the pool reuses them, or once filled."""
 
 
 class ConnectorError(JaxkvError, ValueError):
@@ -93,6 +98,11 @@ class OffloadConfig:
 
     For a model with recurrent state in a state pool, ``state_host_bytes`` of it hold
     state checkpoints (None: the device's share of state memory).
+
+    ``path``: the tier survives the process in a file mapping and a journal
+    (:mod:`jaxkv.offload.persistent`), reloaded at start; ``model_id`` names the weights
+    (a file written for another model, or layout, block size, hash algorithm or seed,
+    is never read). Attention-only models, one shard of a block per process.
     """
 
     host_bytes: int
@@ -102,6 +112,8 @@ class OffloadConfig:
     fail_store: FailureHook | None = None
     fail_load: FailureHook | None = None
     state_host_bytes: int | None = None
+    path: str | None = None
+    model_id: str = ""
 
     def __post_init__(self) -> None:
         if not is_int(self.host_bytes) or self.host_bytes <= 0:
@@ -115,6 +127,10 @@ class OffloadConfig:
             raise ConnectorError(
                 f"state_host_bytes must be an int in [0, host_bytes={self.host_bytes:,}], got {self.state_host_bytes!r}"
             )
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            raise ConnectorError(f"path must be None or a file path, got {self.path!r}")
+        if self.path is not None and self.memory_kind not in (None, "numpy"):
+            raise ConnectorError(f"a host tier in a file is a numpy mapping, not memory_kind={self.memory_kind!r}")
         for name in ("fail_store", "fail_load"):
             hook = getattr(self, name)
             if hook is not None and not callable(hook):
@@ -177,6 +193,7 @@ class OffloadConnector:
         store: str = "on_eviction",
         *,
         states: tuple[OffloadingManager, TransferEngine] | None = None,
+        persistent: PersistentHostTier | None = None,
     ) -> None:
         if store not in STORE_POLICIES:
             raise ConnectorError(f"unknown store policy {store!r}; valid: {', '.join(STORE_POLICIES)}")
@@ -202,9 +219,19 @@ class OffloadConnector:
         # Block hash -> (a request's block hashes, its index there): where a reused block
         # sits in its chain. Only hashes the device holds get reused: the oldest entries go
         # beyond four per device block (a device block holds one hash).
-        self._chains: OrderedDict[bytes, tuple[list[bytes], int]] = OrderedDict()
+        self._chains: OrderedDict[bytes, tuple[list[bytes], int, Sequence[int]]] = OrderedDict()
+        self._host_info: dict[OffloadKey, BlockInfo] = {}  # a host key's parent and token ids, where known
         state_rows = manager.state_pool.num_blocks if manager.state_pool is not None else 0
         self._max_chains = 4 * (manager.pool.num_blocks + state_rows)
+        self.persistent = persistent
+        if persistent is not None:
+            if recurrent:
+                raise ConnectorError(f"groups {recurrent} hold recurrent state: a host tier in a file holds KV only")
+            if not isinstance(offload, PolicyOffloadingManager):
+                raise ConnectorError(f"a host tier in a file reloads into a PolicyOffloadingManager, got {offload!r}")
+            offload.restore(persistent.entries)
+            attention.host_blocks.update(persistent.entries)
+            self._host_info.update(persistent.infos)
         if store == "on_eviction":
             manager.add_reuse_listener(self._on_reuse)
 
@@ -222,9 +249,49 @@ class OffloadConnector:
             pool = runner.state_host_buffers(state_bytes, memory_kind=config.memory_kind)
             states = cls._tier_parts(pool, config, manager.enable_events)
             host_bytes -= state_bytes
-        host_buffers = runner.host_buffers(host_bytes, memory_kind=config.memory_kind)
+        persistent = None
+        if config.path is None:
+            host_buffers = runner.host_buffers(host_bytes, memory_kind=config.memory_kind)
+        else:
+            if states is not None:
+                raise ConnectorError(
+                    f"groups {manager.recurrent_group_ids()} hold recurrent state: a host tier in a file holds KV only"
+                )
+            persistent, host_buffers = cls._persistent_buffers(manager, runner, config, host_bytes)
         offload, transfers = cls._tier_parts(host_buffers, config, manager.enable_events)
-        return cls(manager, runner, offload, transfers, config.store, states=states)
+        try:
+            return cls(manager, runner, offload, transfers, config.store, states=states, persistent=persistent)
+        except BaseException:
+            if persistent is not None:
+                persistent.close()
+            raise
+
+    @staticmethod
+    def _persistent_buffers(
+        manager: KVCacheManager, runner: ModelRunner, config: OffloadConfig, host_bytes: int
+    ) -> tuple[PersistentHostTier, HostKVBuffers]:
+        """The files of ``config.path`` and host buffers mapped onto them."""
+        assert config.path is not None
+        shape, dtype = row_format(runner.kv_cache)
+        num_blocks = blocks_in_budget(host_bytes, int(np.prod(shape)) * dtype.itemsize)
+        hasher = manager.hasher
+        fingerprint = {
+            "format": 1,
+            "model": config.model_id,
+            "layout": runner.kv_cache.layout,
+            "block_sizes": list(manager.block_sizes),
+            "hash_algo": hasher.algo,
+            "hash_root": hashlib.sha256(hasher.root).hexdigest(),  # the root commits to the seed (never stored)
+        }
+        persistent = PersistentHostTier(config.path, fingerprint, num_blocks, shape, dtype)
+        try:
+            buffers = HostKVBuffers(
+                num_blocks, shape, dtype, sharding=row_sharding(runner.kv_cache), backing=persistent.rows
+            )
+        except BaseException:
+            persistent.close()
+            raise
+        return persistent, buffers
 
     @staticmethod
     def _tier_parts(
@@ -376,12 +443,10 @@ class OffloadConnector:
             self._store_hit_ending_at(block_hash, group)
 
     def _remember_chain(self, request: Request, lo: int, hi: int) -> None:
-        """Record where the request's hash blocks ``lo..hi-1`` sit in its chain (on-eviction only)."""
-        if self.store_policy != "on_eviction":
-            return
-        hashes, chains = request.block_hashes, self._chains
+        """Record where the request's hash blocks ``lo..hi-1`` sit in its chain, and its tokens."""
+        hashes, chains, tokens = request.block_hashes, self._chains, request.all_token_ids
         for i in range(lo, min(hi, len(hashes))):
-            chains[hashes[i]] = (hashes, i)
+            chains[hashes[i]] = (hashes, i, tokens)
             chains.move_to_end(hashes[i])
         while len(chains) > self._max_chains:
             chains.popitem(last=False)
@@ -394,7 +459,7 @@ class OffloadConnector:
         chain = self._chains.get(block_hash)
         if chain is None:
             return
-        hashes, index = chain
+        hashes, index, _ = chain
         mgr, lcm = self.manager, self.manager.lcm_block_size
         end = (index + 1) * self._hash_block_size // lcm * lcm
         found: dict[OffloadKey, DevicePlace] = {}
@@ -424,12 +489,11 @@ class OffloadConnector:
         tokens complete, before a later step can reuse a checkpoint) and once its drawn
         tokens are read back (the blocks they complete)."""
         self._owner.check()
-        if self.store_policy == "on_eviction":
-            for chunk in chunks:
-                request = chunk.seq.request
-                self.manager.hash_request(request)
-                start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
-                self._remember_chain(request, start // self._hash_block_size, end // self._hash_block_size)
+        for chunk in chunks:
+            request = chunk.seq.request
+            self.manager.hash_request(request)
+            start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
+            self._remember_chain(request, start // self._hash_block_size, end // self._hash_block_size)
         if self.store_policy == "write_through":
             block_of: dict[OffloadKey, DevicePlace] = {}
             for chunk in chunks:
@@ -463,10 +527,19 @@ class OffloadConnector:
             self.stats.num_skipped_stores += len(keys)
             return
         if plan.evicted:
+            if self.persistent is not None and not tier.states:
+                self.persistent.removed(plan.evicted)  # before their host blocks are written again
             tier.transfers.release([tier.host_blocks.pop(k) for k in plan.evicted])
+            for key in plan.evicted:
+                self._host_info.pop(key, None)
         if not plan.keys_to_store:
             return
         tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
+        if not tier.states:
+            for key in plan.keys_to_store:
+                info = self._block_info(key)
+                if info is not None:
+                    self._host_info[key] = info
         places = [block_of[k] for k in plan.keys_to_store]
         try:
             if tier.states:
@@ -495,9 +568,16 @@ class OffloadConnector:
         """Mark a store's keys ready or drop them (freeing their host blocks)."""
         if ok:
             tier.offload.complete_store(ok, success=True)
+            if self.persistent is not None and not tier.states:  # their bytes are in the mapping now
+                self.persistent.stored(ok, [tier.host_blocks[k] for k in ok], [self._host_info.get(k) for k in ok])
+                if self.persistent.wants_compaction:
+                    ready = {k: b for k, b in tier.host_blocks.items() if tier.offload.lookup([k]) == 1}
+                    self.persistent.compact(ready, {k: self._host_info[k] for k in ready if k in self._host_info})
         if failed:
             tier.offload.complete_store(failed, success=False)
             tier.transfers.release([tier.host_blocks.pop(k) for k in failed])
+            for key in failed:
+                self._host_info.pop(key, None)
         self.stats.num_stored_blocks += len(ok)
         self.stats.num_stored_bytes += len(ok) * tier.transfers.buffers.block_bytes
         self.stats.num_failed_stores += len(failed)
@@ -508,6 +588,44 @@ class OffloadConnector:
         """Host-tier events (keys stored, keys removed) of every catalog since the last call."""
         self._owner.check()
         return [e for tier in self._tiers for e in tier.offload.take_events()]
+
+    def _block_info(self, key: OffloadKey) -> BlockInfo | None:
+        """A device block's parent hash and token ids, from the chain its request computed (None: unknown)."""
+        block_hash, group = key
+        chain = self._chains.get(block_hash) if isinstance(block_hash, bytes) else None
+        if chain is None:
+            return None
+        hashes, index, tokens = chain
+        stride, size = self._strides[group], self._hash_block_size
+        parent = hashes[index - stride] if index >= stride else None
+        return parent, tuple(tokens[(index + 1 - stride) * size : (index + 1) * size])
+
+    def host_block_info(self, key: OffloadKey) -> BlockInfo | None:
+        """An attention block's parent hash and token ids while it is on host, where known: what
+        its host-tier KV event carries (a router indexes blocks by their tokens)."""
+        return self._host_info.get(key)
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Host blocks of attention KV the tier has in all (vLLM's ``num_cpu_blocks``)."""
+        return self._tiers[0].transfers.buffers.num_blocks
+
+    @property
+    def num_held_host_blocks(self) -> int:
+        """Host blocks of attention KV holding a key now (stored, being stored or pinned)."""
+        return self._tiers[0].offload.num_allocated_places()
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the tier's blocks take (attention blocks and state rows)."""
+        return sum(t.transfers.buffers.num_blocks * t.transfers.buffers.block_bytes for t in self._tiers)
+
+    def close(self) -> None:
+        """Settle the stores and release a host tier's files (nothing to do without a path)."""
+        self._owner.check()
+        self.finish_stores()
+        if self.persistent is not None:
+            self.persistent.close()
 
     # ---------------------------------------------------------------- audit
     def num_leaked_host_blocks(self) -> int:
