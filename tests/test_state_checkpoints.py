@@ -92,7 +92,8 @@ def test_branch_ahead_places_states_back_from_the_end_within_a_budget_while_prom
     assert ahead.shared(5000, 0, 0, (2944, 3968)) == {2944, 3968}
     assert ahead.ahead(5000, 0, 0, 0, 1) == (2944, 3968), "two running: half the budget each"
     assert ahead.ahead(5000, 0, 0, 0, 3) == (3968,), "the most likely depth first"
-    assert ahead.ahead(5000, 0, 0, 0, 4) == (), "the budget is spent"
+    assert ahead.ahead(5000, 0, 0, 0, 4) == (3968,), "the budget spent: still the most likely depth"
+    assert ahead.ahead(5000, 0, 0, 0, 40) == (3968,), "at memory's floor the one guess a second request hits"
     assert ahead.ahead(600, 0, 0, 0, 0) == (), "a chat turn's short prompt places none"
     assert ahead.ahead(5000, 0, 3000, 3000, 0) == (3968,), "a branch past its hit: only past its reach"
     assert ahead.ahead(5000, 3000, 3000, 3000, 0) == (), "extends a cached chain at its end (a chat turn)"

@@ -34,7 +34,9 @@ place none."""
 
 BRANCH_SHARE = 0.25
 """The share of the states memory holds that the running requests' branch-ahead
-checkpoints may take together (each request gets its part at admission)."""
+checkpoints may take together (each request gets its part at admission, and at least
+the most likely depth: at vLLM's minimum memory the share rounds to none per request,
+and there the one guess is what the second request of a shared prefix hits)."""
 
 DIVERGENCE_WINDOW = 32
 """How many recent admissions the policy learns whether prompts branch from."""
@@ -131,7 +133,7 @@ class CheckpointPolicy:
         """The branch-ahead positions of a prompt (block boundaries, in order; empty for
         none): :data:`BRANCH_DEPTHS` back from its end, past ``reach`` (a request that
         found its branch checkpoints it at ``reach``), as many as its share of the
-        budget with ``num_running`` other requests running. Only for a prompt that
+        budget with ``num_running`` other requests running, and at least one. Only for a prompt that
         starts a chain (full attention alone ``matched`` nothing) or branches off one
         (``reach`` past the ``hit``); not for one that extends a cached chain (a chat
         turn, whose next turn resumes from its newest state)."""
@@ -140,7 +142,7 @@ class CheckpointPolicy:
             return ()
         if 2 * sum(self._diverged) < len(self._diverged):
             return ()
-        count = self.branch_budget // (num_running + 1)
+        count = max(1, self.branch_budget // (num_running + 1))
         positions = ((num_prompt_tokens - d) // bs * bs for d in BRANCH_DEPTHS[:count])
         return tuple(sorted({p for p in positions if p > reach}))
 
@@ -148,8 +150,10 @@ class CheckpointPolicy:
         """The block boundaries at or below a prompt's ``branch_points`` past its ``hit``
         (in order): where the caller expects later prompts to leave this one (a chat's
         message boundaries), so a state waits there before any branch is seen. Not learned
-        and not budgeted like :meth:`ahead`: the caller names few, and a later request that
-        shares the prefix finds the state and places none."""
+        and not budgeted like :meth:`ahead`, and in its place: the caller names few and
+        knows where its prompts branch (a guess beside them holds a state's bytes that
+        the named ones need), and a later request that shares the prefix finds the state
+        and places none."""
         bs = self.block_size
         if not bs or not self.enable_caching:
             return ()
