@@ -907,7 +907,7 @@ def test_branch_ahead_lets_the_second_request_of_a_shared_prefix_hit(tokens):
         serve_prompt(mgr, first)
         mgr.free(first)
         hits.append(serve_prompt(mgr, Request("second", shared + tokens(9000, 60))))
-    assert hits == [0, 608], "off: no state inside the shared prefix; on (default): 1,636 - 1,024, a block boundary"
+    assert hits == [0, 1376], "off: no state inside the shared prefix; on (default): 1,636 - 256, a block boundary"
     with pytest.raises(KVCacheManagerError, match="branch_ahead"):
         state_pool_manager(16, 4, branch_ahead=1)
 
@@ -935,7 +935,7 @@ def test_named_branch_points_replace_the_branch_ahead_guesses(tokens):
     mgr = state_pool_manager(256, 8)
     mgr.get_computed_blocks(guessed)
     mgr.get_computed_blocks(named)
-    assert guessed.checkpoint_ahead == (608,), "1,636 - 1,024, a block boundary"
+    assert guessed.checkpoint_ahead == (608, 1376), "1,636 - 1,024 and - 256, block boundaries"
     assert named.checkpoint_ahead == (1536,), "the named position alone"
 
 
