@@ -111,8 +111,9 @@ class KVCacheManager:
     its last token (where the same prompt sent again resumes), where the prompt ends,
     where full attention alone matched further than the whole hit and a cached chain
     branches off (so the next request sharing that prefix finds a state there), with
-    ``branch_ahead`` (the default) 1-4k tokens back from the end of a prompt that starts
-    or branches off a chain, within a share of the states memory holds (at least one), or
+    ``branch_ahead`` (the default) 256 to 2,048 tokens back from the end of a prompt longer
+    than 1,024 tokens that starts or branches off a chain, within a share of the states memory
+    holds (at least one; two where it starts a chain), or
     instead at the ``Request.branch_points`` its caller names
     (:meth:`~jaxkv.core.state_checkpoints.CheckpointPolicy.ahead`: the second request of a
     shared prefix hits too), every ``checkpoint_interval`` tokens of the prompt if set, and every block boundary while
