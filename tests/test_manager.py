@@ -907,7 +907,7 @@ def test_branch_ahead_lets_the_second_request_of_a_shared_prefix_hit(tokens):
         serve_prompt(mgr, first)
         mgr.free(first)
         hits.append(serve_prompt(mgr, Request("second", shared + tokens(9000, 60))))
-    assert hits == [0, 608], "off: no state inside the shared prefix; on (default): 1,636 - 1,024, a block boundary"
+    assert hits == [0, 1376], "off: no state inside the shared prefix; on (default): 1,636 - 256, a block boundary"
     with pytest.raises(KVCacheManagerError, match="branch_ahead"):
         state_pool_manager(16, 4, branch_ahead=1)
 
@@ -924,6 +924,19 @@ def test_a_branch_point_lets_the_next_chat_under_the_same_system_prompt_hit_it(t
         mgr.free(first)
         hits.append(serve_prompt(mgr, Request("second", system + tokens(9000, 40))))
     assert hits == [0, 192], "the block boundary at or below 200"
+
+
+def test_named_branch_points_replace_the_branch_ahead_guesses(tokens):
+    """A caller that names where its prompts branch (a chat's message boundaries) gets states
+    there and no guess beside them: a guess holds a state's bytes the named ones need."""
+    prompt = tokens(0, 1536) + tokens(5000, 100)
+    guessed = Request("guessed", prompt)
+    named = Request("named", prompt, branch_points=[1536])
+    mgr = state_pool_manager(256, 8)
+    mgr.get_computed_blocks(guessed)
+    mgr.get_computed_blocks(named)
+    assert guessed.checkpoint_ahead == (608, 1376), "1,636 - 1,024 and - 256, block boundaries"
+    assert named.checkpoint_ahead == (1536,), "the named position alone"
 
 
 @pytest.mark.parametrize(
@@ -971,7 +984,7 @@ def test_a_running_requests_newest_continuation_is_demoted_only_while_prompts_br
     """Kept at the queue's tail while a request runs, each running request's newest
     continuation holds a state's bytes; once 8 admissions left cached chains and none
     extended one at its end (no turn resumes where a request ended), a request admitted then
-    demotes it as it decodes past it, and requeues the one it ends with when it ends."""
+    demotes it as it decodes past it, and leaves it demoted when it ends."""
     mgr = state_pool_manager(256, 6)
     base = Request("base", tokens(0, 64))
     serve_prompt(mgr, base)
@@ -991,7 +1004,33 @@ def test_a_running_requests_newest_continuation_is_demoted_only_while_prompts_br
     else:
         assert queue[-1] == newest, "warm: a later turn resumes from it"
     mgr.free(request)
-    assert mgr.state_pool.free_block_ids()[-1] == newest
+    queue = mgr.state_pool.free_block_ids()
+    if branching:
+        cached = [b for b in queue if mgr.state_pool.is_cached(b)]
+        assert newest in cached[:2], "no turn is expected to resume it: behind the one it superseded, still first"
+    else:
+        assert queue[-1] == newest
+
+
+def test_a_cold_requests_last_continuation_is_demoted_when_it_ends_on_it(tokens):
+    """A request admitted while prompts branch and none resumes, ending on the continuation
+    it cached last (before decoding past it), demotes it when it ends: kept at the queue's
+    tail, one such state per finished request holds the bytes that shared prefixes need."""
+    mgr = state_pool_manager(256, 6)
+    base = Request("base", tokens(0, 64))
+    serve_prompt(mgr, base)
+    mgr.free(base)
+    for i in range(8):
+        branch = Request(f"branch{i}", tokens(0, 32) + tokens(1000 + 100 * i, 20))
+        serve_prompt(mgr, branch)
+        mgr.free(branch)
+    request = Request("request", tokens(5000, 48))
+    serve_prompt(mgr, request)
+    end = mgr.written_block(1, request.block_hashes[2])
+    assert end is not None and end not in mgr.state_pool.free_block_ids(), "its prompt's end, still its state"
+    mgr.free(request)
+    assert mgr.written_block(1, request.block_hashes[2]) == end, "still cached"
+    assert mgr.state_pool.free_block_ids()[-1] != end, "not at the tail"
 
 
 def test_a_running_requests_shared_checkpoint_stays_warm_while_others_churn_the_pool(tokens):

@@ -287,6 +287,21 @@ def test_a_demotion_waits_while_empty_blocks_are_left_then_goes_first():
     assert pool.free_block_ids() == [3, 2, 1] and pool.is_cached(3) and pool.is_cached(2)
 
 
+def test_a_block_demoted_twice_while_empty_blocks_are_left_moves_once():
+    """Two policies may demote one state (a request's last continuation when it ends, and
+    its attention prefix evicted): the queue counts it once."""
+    pool = BlockPool(6)
+    ids = pool.get_new_blocks(3)
+    pool.cache_blocks(0, ids, [h(1), h(2), h(3)], 0, 3)
+    pool.free_blocks(ids)
+    pool.demote([3])
+    pool.demote([3])
+    assert pool.get_new_blocks(2) == [4, 5]
+    pool.demote([2])
+    assert pool.free_block_ids() == [3, 2, 1] and pool.num_free_blocks == 3
+    assert sorted(pool.get_new_blocks(3)) == [1, 2, 3] and pool.num_free_blocks == 0
+
+
 def test_promoted_free_blocks_go_last_and_held_ones_stay_held():
     pool = BlockPool(6)
     ids = pool.get_new_blocks(3)

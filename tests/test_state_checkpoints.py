@@ -87,18 +87,20 @@ def test_branch_ahead_places_states_back_from_the_end_within_a_budget_while_prom
     config = dataclasses.replace(WITH_STATES, states=StatePool(num_states=17))  # 16 states: 4 branch-ahead
     ahead = CheckpointPolicy(config, None, enable_caching=True)
     assert ahead.branch_budget == 4
-    assert ahead.ahead(5000, 0, 0, 0, 0) == (896, 2944, 3968), "4096, 2048, 1024 back, on block boundaries"
+    assert ahead.ahead(5000, 0, 0, 0, 0) == (2944, 3968, 4736), "2048, 1024, 256 back, on block boundaries"
     assert ahead.positions(5000, 0, 0, (2944, 3968)) == (2944, 3968, 4992)
     assert ahead.shared(5000, 0, 0, (2944, 3968)) == {2944, 3968}
-    assert ahead.ahead(5000, 0, 0, 0, 1) == (2944, 3968), "two running: half the budget each"
-    assert ahead.ahead(5000, 0, 0, 0, 3) == (3968,), "the most likely depth first"
-    assert ahead.ahead(5000, 0, 0, 0, 4) == (), "the budget is spent"
-    assert ahead.ahead(600, 0, 0, 0, 0) == (), "a chat turn's short prompt places none"
-    assert ahead.ahead(5000, 0, 3000, 3000, 0) == (3968,), "a branch past its hit: only past its reach"
+    assert ahead.ahead(5000, 0, 0, 0, 1) == (3968, 4736), "two running: half the budget each, most likely first"
+    assert ahead.ahead(5000, 0, 0, 0, 3) == (3968, 4736), "a prompt that starts a chain: still two"
+    assert ahead.ahead(5000, 0, 0, 0, 40) == (3968, 4736), "at memory's floor the guesses a second request hits"
+    assert ahead.ahead(1024, 0, 0, 0, 0) == (), "no longer than the first depth (a chat turn): none"
+    assert ahead.ahead(5000, 0, 3000, 3000, 0) == (3968, 4736), "a branch past its hit: only past its reach"
+    assert ahead.ahead(5000, 0, 3000, 3000, 3) == (3968,), "a branch: its share of the budget"
+    assert ahead.ahead(5000, 0, 3000, 3000, 40) == (3968,), "a branch with the budget spent: still the most likely"
     assert ahead.ahead(5000, 3000, 3000, 3000, 0) == (), "extends a cached chain at its end (a chat turn)"
     ahead.observe(True)
     ahead.observe(None)
-    assert ahead.ahead(5000, 0, 0, 0, 0) == (896, 2944, 3968)
+    assert ahead.ahead(5000, 0, 0, 0, 0) == (2944, 3968, 4736)
     for _ in range(2):
         ahead.observe(False)  # most admissions extend chains: no guesses
     assert ahead.ahead(5000, 0, 0, 0, 0) == ()

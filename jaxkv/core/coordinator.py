@@ -620,7 +620,9 @@ class KVCacheCoordinator:
             m.set_checkpoints(request_id, shared, num_prompt_tokens, warm_continuation=warm_continuation)
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks in every group, in one pass over each pool."""
+        """Release the request's blocks in every group, in one pass over each pool; the
+        shared state checkpoints it cached are requeued as recently used, a cold request's
+        last continuation (see :meth:`StatePoolManager.cold_continuation`) is demoted."""
         managers = self._attention_managers
         if self.retention == "group_aware":
             entries = [e for m in managers for e in m.release_by_position(request_id)]
@@ -632,11 +634,14 @@ class KVCacheCoordinator:
             self.pool.free_block_lists([m.release(request_id) for m in managers])
         if self._state_managers:
             states = self._state_managers
-            shared = [b for m in states for b in (*m.shared_checkpoints(request_id), *m.cold_continuation(request_id))]
+            shared = [b for m in states for b in m.shared_checkpoints(request_id)]
+            cold = [b for m in states for b in m.cold_continuation(request_id)]
             pool = states[0].pool
             pool.free_block_lists([m.release(request_id) for m in states])
             if shared:
                 pool.promote(shared)
+            if cold:
+                pool.demote(cold)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Copies of the request's block lists, one per group."""

@@ -111,14 +111,17 @@ class KVCacheManager:
     its last token (where the same prompt sent again resumes), where the prompt ends,
     where full attention alone matched further than the whole hit and a cached chain
     branches off (so the next request sharing that prefix finds a state there), with
-    ``branch_ahead`` (the default) 1-4k tokens back from the end of a prompt that starts
-    or branches off a chain, within a share of the states memory holds
+    ``branch_ahead`` (the default) 256 to 2,048 tokens back from the end of a prompt longer
+    than 1,024 tokens that starts or branches off a chain, within a share of the states memory
+    holds (at least one; two where it starts a chain), or
+    instead at the ``Request.branch_points`` its caller names
     (:meth:`~jaxkv.core.state_checkpoints.CheckpointPolicy.ahead`: the second request of a
     shared prefix hits too), every ``checkpoint_interval`` tokens of the prompt if set, and every block boundary while
     it decodes; of the request's own (all but the shared ones) only the newest stays in
-    queue order once memory is full, and not even that while it runs when recent prompts
-    branch off cached chains and almost none extends one at its end
-    (:meth:`~jaxkv.core.state_checkpoints.CheckpointPolicy.continuations_resumed`). A
+    queue order once memory is full, and not even that when recent prompts branch off
+    cached chains and almost none extends one at its end
+    (:meth:`~jaxkv.core.state_checkpoints.CheckpointPolicy.continuations_resumed`): then
+    it is demoted as the request decodes past it, and the one it ends with when it ends. A
     scheduler ends prefill chunks there (:meth:`chunk_limit`): a state exists only where a
     step ends. A running request
     holds its live state and, while the pool has room, the checkpoint its next step
@@ -333,9 +336,12 @@ class KVCacheManager:
         blocks, n, request.prefix_reach, matched, diverged = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
-        ahead = self._checkpoints.ahead(request.num_prompt_tokens, n, request.prefix_reach, matched, len(self._held))
         if request.branch_points:
-            ahead = tuple(sorted({*ahead, *self._checkpoints.branch_positions(request.branch_points, n)}))
+            ahead = self._checkpoints.branch_positions(request.branch_points, n)
+        else:
+            ahead = self._checkpoints.ahead(
+                request.num_prompt_tokens, n, request.prefix_reach, matched, len(self._held)
+            )
         request.checkpoint_ahead = ahead
         request.prefix_diverged = diverged if matched else None
         request.prefix_extends = self.coordinator.extends_chain(request.block_hashes, matched)

@@ -463,9 +463,10 @@ class BlockPool:
         self._free.append(self._unqueue(block_ids))
 
     def _unqueue(self, block_ids: Iterable[int]) -> list[int]:
-        """Take the queued ones among these blocks out of the free queue; return them in order."""
+        """Take the queued ones among these blocks out of the free queue; return them in order
+        (a block given twice, as one demoted twice before memory filled, moves once)."""
         free = self._free
-        moved = [b for b in block_ids if b in free]
+        moved = [b for b in dict.fromkeys(block_ids) if b in free]
         for b in moved:
             free.remove(b)
         return moved

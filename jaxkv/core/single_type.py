@@ -749,12 +749,13 @@ class StatePoolManager(MambaManager):
             self._cold[request_id] = block
 
     def cold_continuation(self, request_id: str) -> list[int]:
-        """A cold request's newest continuation, if still cached: the coordinator requeues it
-        as recently used when the request ends (where a next turn would resume after all)."""
+        """A cold request's newest continuation, if still cached and not demoted yet: the
+        coordinator demotes it when the request ends (no turn is expected to resume it)."""
         newest = self.continuation.get(request_id)
         if (
             request_id not in self._cold
             or newest is None
+            or self._cold[request_id] == newest[0]
             or not self.pool.is_cached_as(newest[0], self.group_id, newest[1])
         ):
             return []

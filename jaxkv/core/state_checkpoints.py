@@ -25,16 +25,27 @@ def resend_position(num_prompt_tokens: int, block_size: int) -> int:
     return (num_prompt_tokens - 1) // block_size * block_size
 
 
-BRANCH_DEPTHS = (1024, 2048, 4096)
+BRANCH_DEPTHS = (1024, 256, 2048)
 """Tokens back from a prompt's end where its branch-ahead checkpoints sit, most likely
-first: a later request sharing all but its last 1-4k tokens finds a state there (the
+first: a later request sharing all but its last 1-2k tokens finds a state there (the
 suffixes and tails of issue 39's workloads; vLLM's align mode checkpoints every block,
-~1k tokens, and wins those hits). Deeper than a chat turn, so a chat's short prompts
-place none."""
+~1k tokens, and wins those hits), and one sharing all but its last 256 finds one 768
+tokens nearer its branch. A prompt no longer than the first depth (a chat turn) places none:
+a guess 256 back sat inside chats' system prompts, and hits passing through kept those
+dead states warm (chat at vLLM's minimum memory 0.731 -> 0.724)."""
+
+START_GUESSES = 2
+"""Branch-ahead checkpoints a prompt that starts a chain places at least (a branching one:
+one). Its chain is the one later prompts branch off (the first of a pair); a branching
+prompt's guesses serve only a third. With one guess 1,024 back, a suffix of 16-1,024 tokens
+after a 1-4k prefix loses ~800 tokens per hit; the second, 256 back, halves that for the
+suffixes it covers."""
 
 BRANCH_SHARE = 0.25
 """The share of the states memory holds that the running requests' branch-ahead
-checkpoints may take together (each request gets its part at admission)."""
+checkpoints may take together (each request gets its part at admission, and at least
+the most likely depths (:data:`START_GUESSES`): at vLLM's minimum memory the share rounds
+to none per request, and there the guesses are what the second request of a shared prefix hits)."""
 
 DIVERGENCE_WINDOW = 32
 """How many recent admissions the policy learns whether prompts branch from."""
@@ -131,16 +142,23 @@ class CheckpointPolicy:
         """The branch-ahead positions of a prompt (block boundaries, in order; empty for
         none): :data:`BRANCH_DEPTHS` back from its end, past ``reach`` (a request that
         found its branch checkpoints it at ``reach``), as many as its share of the
-        budget with ``num_running`` other requests running. Only for a prompt that
+        budget with ``num_running`` other requests running, and at least
+        :data:`START_GUESSES` for a prompt that starts a chain, one for one that branches. Only for a prompt that
         starts a chain (full attention alone ``matched`` nothing) or branches off one
         (``reach`` past the ``hit``); not for one that extends a cached chain (a chat
         turn, whose next turn resumes from its newest state)."""
         bs = self.block_size
-        if not bs or not self.enable_caching or not self.branch_ahead or (matched and reach == hit):
+        if (
+            not bs
+            or not self.enable_caching
+            or not self.branch_ahead
+            or (matched and reach == hit)
+            or num_prompt_tokens <= BRANCH_DEPTHS[0]
+        ):
             return ()
         if 2 * sum(self._diverged) < len(self._diverged):
             return ()
-        count = self.branch_budget // (num_running + 1)
+        count = max(1 if matched else START_GUESSES, self.branch_budget // (num_running + 1))
         positions = ((num_prompt_tokens - d) // bs * bs for d in BRANCH_DEPTHS[:count])
         return tuple(sorted({p for p in positions if p > reach}))
 
@@ -148,8 +166,10 @@ class CheckpointPolicy:
         """The block boundaries at or below a prompt's ``branch_points`` past its ``hit``
         (in order): where the caller expects later prompts to leave this one (a chat's
         message boundaries), so a state waits there before any branch is seen. Not learned
-        and not budgeted like :meth:`ahead`: the caller names few, and a later request that
-        shares the prefix finds the state and places none."""
+        and not budgeted like :meth:`ahead`, and in its place: the caller names few and
+        knows where its prompts branch (a guess beside them holds a state's bytes that
+        the named ones need), and a later request that shares the prefix finds the state
+        and places none."""
         bs = self.block_size
         if not bs or not self.enable_caching:
             return ()
