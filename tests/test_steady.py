@@ -19,7 +19,12 @@ BUCKETS = Buckets((8, 64), (8,), (16, 32))
 def settings(shared: bool) -> dict:
     """The builder's keywords: states in rows of their own, or kept in the KV pages (units of 2)."""
     if shared:
-        return {"num_blocks": 50, "state_groups": (2,), "unit_blocks": lambda head: [head, head + 1], "pages_per_state": 2}
+        return {
+            "num_blocks": 50,
+            "state_groups": (2,),
+            "unit_blocks": lambda head: [head, head + 1],
+            "pages_per_state": 2,
+        }
     return {"num_blocks": 50, "state_groups": (2,), "num_states": 30}
 
 

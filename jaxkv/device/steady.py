@@ -48,7 +48,7 @@ class _Record(NamedTuple):
 
     request_ids: list[str]
     next_computed: list[int]
-    token_ids: list[list[int]]
+    token_ids: list[Sequence[int]]
     meta: StepMetadata
 
 
@@ -65,6 +65,8 @@ class SteadyDecode:
         self._record: _Record | None = None
         self.idle = self._delta(0, [])
         """The delta of a step built in full: :func:`advance` leaves its metadata as it is."""
+        self._plain = self._delta(1, [])
+        """The delta of a steady step that changes nothing else (never written: the call copies it)."""
         self._enabled = all(
             g in builder.state_groups or limit * size <= _INT32.max + 1
             for g, (limit, size) in enumerate(zip(builder.limits, builder.block_sizes, strict=True))
@@ -91,8 +93,8 @@ class SteadyDecode:
         tables: BlockTables,
     ) -> tuple[StepMetadata, np.ndarray, _Record] | None:
         """The kept metadata, the delta that advances it to this step's and this step's record;
-        None: build this step in full. The record is taken out (a failed step leaves none);
-        ``tables`` get this step's lists either way."""
+        None: build this step in full (``tables`` may hold this step's lists already; a build
+        reads them as they are). The record is taken out: a step that fails leaves none."""
         last, self._record = self._record, None
         if last is None or not self._enabled or len(seqs) != len(last.request_ids):
             return None
@@ -133,7 +135,7 @@ class SteadyDecode:
                 return None
         if len(pairs) > self._capacity:
             return None
-        delta = self._delta(1, pairs)
+        delta = self._delta(1, pairs) if pairs else self._plain
         return meta, delta, _Record(last.request_ids, [c + 1 for c in computed], list(token_ids), meta)
 
     def _moved(

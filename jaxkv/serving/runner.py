@@ -496,7 +496,7 @@ class ModelRunner:
         (:mod:`jaxkv.device.steady`), any other is built in full."""
         token_ids = self._token_ids(chunks, fed)
         block_ids = [c.block_ids for c in chunks]
-        plan = None if fn is _step_with_prompt_logprobs else self._steady.plan(chunks, token_ids, block_ids, self._tables)
+        plan = self._steady.plan(chunks, token_ids, block_ids, self._tables)
         if plan is None:
             meta = self._builder.build(chunks, token_ids, block_ids, self._tables)
             delta, record = self._steady.idle, self._steady.start(chunks, token_ids, meta)
