@@ -7,9 +7,12 @@ model's params and the device :class:`~jaxkv.device.cache.KVCache` (with a
 ``shared_pages`` the states live in the KV pages and the HybridCache holds their layout,
 :mod:`jaxkv.device.state_pages`).
 Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.device.metadata`: one
-host-to-device transfer, shapes padded to :class:`~jaxkv.device.metadata.Buckets`) and calls
-one jitted step function ``(params, cache, metadata, sampling, previous) -> (sampled,
-drawn, cache)`` with the cache donated, so its buffers are updated in place. Tokens are drawn on the device
+host-to-device transfer, shapes padded to :class:`~jaxkv.device.metadata.Buckets`), or, for a
+steady decode step (the last step's sequences, each one token further), advances the last
+step's metadata, kept on the device, by a small delta of what changed
+(:mod:`jaxkv.device.steady`), and calls one jitted step function ``(params, cache, metadata,
+delta, sampling, previous) -> (sampled, metadata, drawn, cache)`` with the cache donated, so
+its buffers are updated in place. Tokens are drawn on the device
 (:mod:`jaxkv.serving.sampler`: each request's parameters are rows of the step's inputs,
 so no parameter set compiles anything; the rows are kept on the device across steps,
 :class:`~jaxkv.serving.sampler.SamplingBatch`, re-sent only when a row's parameters change,
