@@ -152,25 +152,22 @@ class SteadyDecode:
         """For the sequences ``moved`` in group ``g`` (crossing into a new block, or a changed
         list): whether each new token finds a real block, and for a recurrent group the pairs of
         their new state rows (and units); False: build the step in full (which names the error)."""
-        at = np.asarray(moved)
-        position = np.asarray(computed)[at]
-        index = position // size  # the new token's block; a state's write block (kv = position + 1)
-        lengths = tables.lengths(g, rows[at])
-        if (lengths <= index).any():
-            return False
-        table = tables.table(g)
-        write = table[rows[at], index]
-        if not write.all():
-            return False
-        if g not in self._builder.state_groups:
-            return True
-        read = table[rows[at], (position - 1) // size]  # the state after the computed tokens
-        read = np.where(read == 0, write, read)
-        k = self._builder.pages_per_state
-        for i, r, w in zip(moved, read.tolist(), write.tolist(), strict=True):
-            pairs += [(offsets[f"read{g}"][0] + i, r), (offsets[f"write{g}"][0] + i, w)]
+        table, lengths = tables.table(g), tables.lengths(g, rows).tolist()
+        state, k = g in self._builder.state_groups, self._builder.pages_per_state
+        for i in moved:  # a few a step: scalar reads beat numpy's per-call cost
+            position, row = computed[i], int(rows[i])
+            index = position // size  # the new token's block; a state's write block (kv = position + 1)
+            if lengths[i] <= index:
+                return False
+            write = int(table[row, index])
+            if not write:
+                return False
+            if not state:
+                continue
+            read = int(table[row, (position - 1) // size]) or write  # the state after the computed tokens
+            pairs += [(offsets[f"read{g}"][0] + i, read), (offsets[f"write{g}"][0] + i, write)]
             if k:
-                for name, head in ((f"read_blocks{g}", r), (f"write_blocks{g}", w)):
+                for name, head in ((f"read_blocks{g}", read), (f"write_blocks{g}", write)):
                     units = self._unit(head)
                     if units is None:
                         return False
