@@ -478,7 +478,10 @@ class DeviceStep:
         """Wall seconds of one call on ``output``'s metadata (built and sent beforehand, untimed)."""
         meta = jax.block_until_ready(jax.device_put(self._runner.metadata(output.chunks)))
         start = time.perf_counter()
-        sampled, _, self._cache = self._compiled(self._runner.params, self._cache, meta, self._sampling, self._previous)
+        runner = self._runner
+        sampled, _, _, self._cache = self._compiled(
+            runner.params, self._cache, meta, runner.idle_delta, self._sampling, self._previous
+        )
         jax.block_until_ready(sampled)
         return time.perf_counter() - start
 

@@ -28,6 +28,9 @@ import numpy as np
 
 from jaxkv.device.metadata_errors import BlockIdError
 
+Change = tuple[int, int, int, int]
+"""One entry of a block table that a step changed: ``(request index in the step, group, index, id)``."""
+
 
 class BlockTables:
     """Per group, a host ``(rows, width)`` int64 table of requests' block ids, padded with the null block 0.
@@ -49,19 +52,31 @@ class BlockTables:
         """Requests holding a row."""
         return len(self._written)
 
-    def rows(self, request_ids: Sequence[str], block_ids: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
+    def rows(
+        self,
+        request_ids: Sequence[str],
+        block_ids: Sequence[Sequence[Sequence[int]]],
+        changes: list[Change] | None = None,
+    ) -> np.ndarray:
         """The row of each request (``(len(request_ids),)``), after writing whatever changed of
-        ``block_ids[i][g]`` (request i's ids in group g) since its row was last written."""
+        ``block_ids[i][g]`` (request i's ids in group g) since its row was last written.
+
+        ``changes``, when given, gets one :data:`Change` ``(i, g, j, id)`` per entry j of request
+        i's row in group g that this call wrote with a different id (0 past a list that shrank):
+        what a copy of the rows as they were (a device copy of the step's tables) must be given."""
         out: list[int] = []
         kept = self._written
-        for request_id, lists in zip(request_ids, block_ids, strict=True):
+        for i, (request_id, lists) in enumerate(zip(request_ids, block_ids, strict=True)):
             entry = kept.get(request_id)
             if entry is None:
                 entry = self._admit(request_id, request_ids)
             row, written = entry
             if lists != written:  # one comparison of every group's list, the common case: no change
                 given = tuple(ids if type(ids) is list else np.asarray(ids).reshape(-1).tolist() for ids in lists)
-                kept[request_id] = (row, self._update(request_id, row, written, given))
+                now = self._update(request_id, row, written, given)
+                kept[request_id] = (row, now)
+                if changes is not None:
+                    changes.extend(_diff(i, written, now))
             out.append(row)
         return np.array(out, np.int64)
 
@@ -130,6 +145,20 @@ class BlockTables:
         table[row, len(ids) :] = 0
         self._lengths[group, row] = len(ids)
         return ids
+
+
+def _diff(i: int, before: tuple[list[int], ...], after: tuple[list[int], ...]) -> list[Change]:
+    """The entries of request ``i``'s rows that differ between ``before`` and ``after`` (0 past a list's end)."""
+    out: list[Change] = []
+    for g, (old, new) in enumerate(zip(before, after, strict=True)):
+        if old == new:
+            continue
+        start = len(old) if new[: len(old)] == old else 0
+        for j in range(start, max(len(old), len(new))):
+            value = int(new[j]) if j < len(new) else 0
+            if j >= len(old) or old[j] != value:
+                out.append((i, g, j, value))
+    return out
 
 
 def _checked(ids: list[int], limit: int, request_id: str, group: int) -> list[int] | np.ndarray:

@@ -42,7 +42,7 @@ import functools
 import itertools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, TypedDict, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -482,6 +482,18 @@ def table_limits(
     return tuple(states if g in state_groups else blocks for g in range(num_groups))
 
 
+class BuilderSettings(TypedDict, total=False):
+    """The keywords of :class:`MetadataBuilder` (and so of :func:`build_step_metadata`), typed for its callers."""
+
+    num_blocks: int | None
+    state_groups: Sequence[int]
+    num_states: int | None
+    group_layers: Sequence[Sequence[str]]
+    unit_blocks: Callable[[int], Sequence[int]] | None
+    pages_per_state: int
+    device: jax.Device | jax.sharding.Sharding | None
+
+
 def build_step_metadata(
     seqs: Sequence[StepSeq],
     token_ids: Sequence[Sequence[int]],
@@ -490,7 +502,7 @@ def build_step_metadata(
     buckets: Buckets,
     *,
     tables: BlockTables | None = None,
-    **settings: Any,
+    **settings: Unpack[BuilderSettings],
 ) -> StepMetadata:
     """Build one step's metadata in numpy, packed in one buffer: a host array (``device``
     None; the jitted call it is passed to sends it) or placed on ``device``.

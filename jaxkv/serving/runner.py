@@ -7,9 +7,12 @@ model's params and the device :class:`~jaxkv.device.cache.KVCache` (with a
 ``shared_pages`` the states live in the KV pages and the HybridCache holds their layout,
 :mod:`jaxkv.device.state_pages`).
 Each step it builds the metadata of the scheduled chunks (:mod:`jaxkv.device.metadata`: one
-host-to-device transfer, shapes padded to :class:`~jaxkv.device.metadata.Buckets`) and calls
-one jitted step function ``(params, cache, metadata, sampling, previous) -> (sampled,
-drawn, cache)`` with the cache donated, so its buffers are updated in place. Tokens are drawn on the device
+host-to-device transfer, shapes padded to :class:`~jaxkv.device.metadata.Buckets`), or, for a
+steady decode step (the last step's sequences, each one token further), advances the last
+step's metadata, kept on the device, by a small delta of what changed
+(:mod:`jaxkv.device.steady`), and calls one jitted step function ``(params, cache, metadata,
+delta, sampling, previous) -> (sampled, metadata, drawn, cache)`` with the cache donated, so
+its buffers are updated in place. Tokens are drawn on the device
 (:mod:`jaxkv.serving.sampler`: each request's parameters are rows of the step's inputs,
 so no parameter set compiles anything; the rows are kept on the device across steps,
 :class:`~jaxkv.serving.sampler.SamplingBatch`, re-sent only when a row's parameters change,
@@ -60,6 +63,7 @@ from jaxkv.device.metadata import (
 )
 from jaxkv.device.state_cache import HybridCache, StateCache, allocate_state_cache, num_state_rows
 from jaxkv.device.state_pages import StatePages, StateUnits, check_mesh, state_pages
+from jaxkv.device.steady import SteadyDecode, advance
 from jaxkv.errors import JaxkvError
 from jaxkv.ints import cdiv
 from jaxkv.models.protocol import ServedModel
@@ -220,9 +224,14 @@ StepShardings = tuple[tuple[jax.sharding.Sharding, ...], object] | None
 
 
 @functools.cache
-def jitted_step(fn: Callable, model: ServedModel, impl: str, shardings: StepShardings) -> jax.stages.Wrapped:
+def jitted_step(
+    fn: Callable, model: ServedModel, impl: str, block_sizes: tuple[int, ...], shardings: StepShardings
+) -> jax.stages.Wrapped:
     """``fn`` (:func:`_step` or :func:`_step_with_logits`) with its static arguments
-    bound, jitted with the cache donated: ``(params, cache, meta, sampling, previous) -> outputs``.
+    bound, jitted with the cache donated: ``(params, cache, meta, delta, sampling, previous) ->
+    (*outputs, packed, drawn, cache)``. ``meta`` is first advanced by ``delta``
+    (:func:`jaxkv.device.steady.advance`, ``block_sizes`` the groups'), and ``packed`` is the
+    advanced metadata, kept on the device for the next step's delta.
 
     Keyed by the model object (by its ``__hash__``/``__eq__``: identity unless the model
     defines them) and shared by all runners: the same model, ops implementation, bucket
@@ -233,9 +242,16 @@ def jitted_step(fn: Callable, model: ServedModel, impl: str, shardings: StepShar
     """
 
     def step(
-        params: Any, cache: KVCache | HybridCache, meta: StepMetadata, sampling: SamplingInputs, previous: jax.Array
+        params: Any,
+        cache: KVCache | HybridCache,
+        meta: StepMetadata,
+        delta: jax.Array,
+        sampling: SamplingInputs,
+        previous: jax.Array,
     ) -> tuple:
-        return fn(model, impl, params, cache, meta, sampling, previous)
+        meta = advance(meta, delta, block_sizes)
+        *outputs, drawn, cache = fn(model, impl, params, cache, meta, sampling, previous)
+        return (*outputs, meta.packed, drawn, cache)
 
     if shardings is None:
         return jax.jit(step, donate_argnums=(1,))
@@ -336,6 +352,7 @@ class ModelRunner:
         self.params = model.params
         self._meta_sharding = None if self.mesh is None else replicated(self.mesh)
         shared = config.shared_states
+        drawn_at = self._meta_sharding if self.mesh is not None else jax.devices()[0]
         self._builder = MetadataBuilder(
             self.block_sizes,
             buckets,
@@ -345,9 +362,12 @@ class ModelRunner:
             group_layers=self.group_layers,
             unit_blocks=unit_blocks,
             pages_per_state=0 if shared is None else shared.pages_per_state,
-            device=self._meta_sharding,
+            device=drawn_at,
         )
-        """The step metadata's builder, its constant arguments checked once."""
+        """The step metadata's builder, its constant arguments checked once (the metadata placed
+        where a step's kept metadata is, so a built step and an advanced one compile once)."""
+        self._steady = SteadyDecode(self._builder, capacity=2 * max(buckets.seqs) + 8)
+        """The last step's metadata kept on the device, and a steady decode step's delta from it."""
         self._tables = BlockTables(self._builder.limits, rows=max(buckets.seqs), width=max(buckets.blocks))
         plain = with_logits = scored = None
         if self.mesh is not None:
@@ -355,13 +375,12 @@ class ModelRunner:
             self.params = place(self.params, params)
             cache = jax.tree.map(lambda buf: buf.sharding, self.cache)
             rep = self._meta_sharding
-            ins = (params, cache, rep, rep, rep)
-            plain = _flat((ins, (rep, rep, cache)))
-            with_logits = _flat((ins, (rep, rep, rep, cache)))
-            scored = _flat((ins, (rep, rep, rep, rep, cache)))
+            ins = (params, cache, rep, rep, rep, rep)
+            plain = _flat((ins, (rep, rep, rep, cache)))
+            with_logits = _flat((ins, (rep, rep, rep, rep, cache)))
+            scored = _flat((ins, (rep, rep, rep, rep, rep, cache)))
         self._shardings = {_step: plain, _step_with_logits: with_logits, _step_with_prompt_logprobs: scored}
         self._steps: dict[tuple[Callable, str], jax.stages.Wrapped] = {}
-        drawn_at = self._meta_sharding if self.mesh is not None else jax.devices()[0]
         self._drawn = place_values(np.zeros(max(buckets.seqs), np.int32), drawn_at)
         """The last step's drawn tokens on the device, padded: what a fed input token reads
         (committed where the cache is, as every step's output is: the first step compiles once)."""
@@ -384,6 +403,10 @@ class ModelRunner:
         request gained (or that changed) since its last step are converted and checked.
         ``fed`` maps a decode chunk's index to the row of the previous step whose drawn token
         it decodes (its request does not hold it yet): its input id is ``-(row + 1)``."""
+        return self._builder.build(chunks, self._token_ids(chunks, fed), [c.block_ids for c in chunks], self._tables)
+
+    def _token_ids(self, chunks: Sequence[ScheduledChunk], fed: Mapping[int, int] | None) -> list[list[int]]:
+        """Each chunk's new tokens; a fed decode's is its row's placeholder (see :meth:`metadata`)."""
         fed = fed or {}
         num_drawn = self._drawn.shape[0]
         for i, row in fed.items():
@@ -396,14 +419,14 @@ class ModelRunner:
             if not 0 <= row < num_drawn:
                 raise RunnerError(f"chunk {i} is fed row {row} of the previous step, which has {num_drawn}")
         # a fed decode's id is its row's placeholder: its request's tokens are not sliced for it
-        token_ids = [c.token_ids if i not in fed else [-1 - fed[i]] for i, c in enumerate(chunks)]
-        return self._builder.build(chunks, token_ids, [c.block_ids for c in chunks], self._tables)
+        return [c.token_ids if i not in fed else [-1 - fed[i]] for i, c in enumerate(chunks)]
 
     def release(self, request_id: str) -> bool:
         """Forget a finished or preempted sequence's block table row (False if it had none).
 
         Optional: the tables stay exact without it (a row whose request is gone is reclaimed
         when rows run out), but a loop that frees a sequence's blocks may call it there."""
+        self._steady.forget()
         return self._tables.release(request_id)
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray:
@@ -465,21 +488,32 @@ class ModelRunner:
         impl = ops.implementation_setting()
         key = (fn, impl)
         if key not in self._steps:
-            self._steps[key] = jitted_step(fn, self.model, impl, self._shardings[fn])
+            self._steps[key] = jitted_step(fn, self.model, impl, self.block_sizes, self._shardings[fn])
         return self._steps[key]
 
     def _run(
         self, fn: Callable, chunks: Sequence[ScheduledChunk], sampling: SamplingInputs, fed: Mapping[int, int] | None
     ) -> InFlight:
-        """Call the jitted ``fn`` on these chunks (the cache donated), without waiting for it."""
-        meta = self.metadata(chunks, fed)
+        """Call the jitted ``fn`` on these chunks (the cache donated), without waiting for it: a
+        steady decode step advances the last step's metadata on the device
+        (:mod:`jaxkv.device.steady`), any other is built in full."""
+        token_ids = self._token_ids(chunks, fed)
+        block_ids = [c.block_ids for c in chunks]
+        plan = self._steady.plan(chunks, token_ids, block_ids, self._tables)
+        if plan is None:
+            meta = self._builder.build(chunks, token_ids, block_ids, self._tables)
+            delta, record = self._steady.idle, self._steady.start(chunks, token_ids, meta)
+        else:
+            meta, delta, record = plan
         step = self._jitted(fn)
         before = _num_step_traces
         start, cpu = time.perf_counter(), time.thread_time()
-        *outputs, self._drawn, self.cache = step(self.params, self.cache, meta, sampling, self._drawn)
+        sent = delta if self.mesh is None else place_values(delta, self._meta_sharding)
+        *outputs, packed, self._drawn, self.cache = step(self.params, self.cache, meta, sent, sampling, self._drawn)
         self.dispatch_cpu_s += time.thread_time() - cpu
         self.dispatch_s += time.perf_counter() - start
         self.num_compilations += _num_step_traces - before
+        self._steady.keep(record, packed)
         return InFlight(outputs, chunks)
 
     def cache_is_intact(self) -> bool:
@@ -572,6 +606,11 @@ class ModelRunner:
     def lower(self, chunks: Sequence[ScheduledChunk]) -> jax.stages.Lowered:
         """The step lowered for these chunks' shapes (``.compile().memory_analysis()``)."""
         meta = self.metadata(chunks)
-        return self._jitted(_step).lower(
-            self.params, self.cache, meta, greedy_inputs(bucket(len(chunks), self.buckets.seqs, "seqs")), self._drawn
-        )
+        sampling = greedy_inputs(bucket(len(chunks), self.buckets.seqs, "seqs"))
+        return self._jitted(_step).lower(self.params, self.cache, meta, self.idle_delta, sampling, self._drawn)
+
+    @property
+    def idle_delta(self) -> np.ndarray:
+        """The delta a step built in full is called with (its metadata as it is): what a caller
+        of :meth:`lower`'s compiled step passes after the metadata."""
+        return self._steady.idle
