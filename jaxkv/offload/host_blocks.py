@@ -73,11 +73,11 @@ class HostBlockBackend(Backend):
     def claim(self, places: Sequence[int]) -> None:
         """Allocate these free places (a reloaded tier's); raises, changing nothing, on one not free."""
         places = list(places)
-        free = set(self._free)
+        free, taken = set(self._free), set(places)
         bad = [s for s in places if s not in free]
-        if bad or len(set(places)) != len(places):
+        if bad or len(taken) != len(places):
             raise HostBlocksError(f"host blocks not free (or repeated): {bad or places}")
-        self._free = [s for s in self._free if s not in set(places)]
+        self._free = [s for s in self._free if s not in taken]
         self._allocated.update(places)
 
     def free(self, places: Sequence[int]) -> None:
