@@ -224,6 +224,8 @@ class OffloadConnector:
         state_rows = manager.state_pool.num_blocks if manager.state_pool is not None else 0
         self._max_chains = 4 * (manager.pool.num_blocks + state_rows)
         self.persistent = persistent
+        self._keeps_block_info = persistent is not None or manager.enable_events
+        """Whether a host block's parent and token ids are kept: only its KV events and the journal read them."""
         if persistent is not None:
             if recurrent:
                 raise ConnectorError(f"groups {recurrent} hold recurrent state: a host tier in a file holds KV only")
@@ -443,7 +445,10 @@ class OffloadConnector:
             self._store_hit_ending_at(block_hash, group)
 
     def _remember_chain(self, request: Request, lo: int, hi: int) -> None:
-        """Record where the request's hash blocks ``lo..hi-1`` sit in its chain, and its tokens."""
+        """Record where the request's hash blocks ``lo..hi-1`` sit in its chain, and its tokens
+        (for on-eviction stores, and for host blocks' parents and token ids where they are kept)."""
+        if self.store_policy != "on_eviction" and not self._keeps_block_info:
+            return
         hashes, chains, tokens = request.block_hashes, self._chains, request.all_token_ids
         for i in range(lo, min(hi, len(hashes))):
             chains[hashes[i]] = (hashes, i, tokens)
@@ -535,7 +540,7 @@ class OffloadConnector:
         if not plan.keys_to_store:
             return
         tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
-        if not tier.states:
+        if not tier.states and self._keeps_block_info:
             for key in plan.keys_to_store:
                 info = self._block_info(key)
                 if info is not None:
