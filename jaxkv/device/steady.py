@@ -20,6 +20,10 @@ tokens, the packed buffer the step read, on the device). For the next step it de
   (:meth:`~jaxkv.device.metadata.MetadataBuilder.build`, exact and checked) with the idle delta
   (:attr:`SteadyDecode.idle`: :func:`advance` is then the identity).
 
+The two deltas that carry no pairs (idle, and a steady step that changes nothing else: most
+steps) are placed on the device once, given ``place``, so such a step's call sends nothing
+from the host; a delta with pairs is made per step.
+
 The checks of a full build hold on the steady path too: an id is checked once when the
 block tables write it, and a step whose new token would need a block it lacks (or the null
 block) is sent down the full path, which raises the error naming it. A step's outputs give
@@ -30,7 +34,7 @@ step is dispatched; a step that fails leaves no record, so the next one is built
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -57,16 +61,21 @@ class SteadyDecode:
 
     ``capacity`` bounds the pairs one delta carries (a step with more takes the full path). A
     delta is an int32 array ``(1 + 2 * capacity,)``: the flag (1: advance, 0: as built), then
-    the pairs' offsets in the packed buffer (padding: the int32 maximum, past any buffer), then their values."""
+    the pairs' offsets in the packed buffer (padding: the int32 maximum, past any buffer), then their values.
+    ``place`` puts the two constant deltas (:attr:`idle`, and a steady step's without pairs) where
+    the step reads them, once (None: they stay numpy arrays, sent by each call)."""
 
-    def __init__(self, builder: MetadataBuilder, capacity: int) -> None:
+    def __init__(
+        self, builder: MetadataBuilder, capacity: int, place: Callable[[np.ndarray], jax.Array] | None = None
+    ) -> None:
         self._builder = builder
         self._capacity = capacity
         self._record: _Record | None = None
-        self.idle = self._delta(0, [])
+        idle, plain = self._delta(0, []), self._delta(1, [])
+        self.idle: np.ndarray | jax.Array = idle if place is None else place(idle)
         """The delta of a step built in full: :func:`advance` leaves its metadata as it is."""
-        self._plain = self._delta(1, [])
-        """The delta of a steady step that changes nothing else (never written: the call copies it)."""
+        self._plain: np.ndarray | jax.Array = plain if place is None else place(plain)
+        """The delta of a steady step that changes nothing else (never written, never donated)."""
         self._enabled = all(
             g in builder.state_groups or limit * size <= _INT32.max + 1
             for g, (limit, size) in enumerate(zip(builder.limits, builder.block_sizes, strict=True))
@@ -91,7 +100,7 @@ class SteadyDecode:
         token_ids: Sequence[Sequence[int]],
         block_ids: Sequence[Sequence[Sequence[int]]],
         tables: BlockTables,
-    ) -> tuple[StepMetadata, np.ndarray, _Record] | None:
+    ) -> tuple[StepMetadata, np.ndarray | jax.Array, _Record] | None:
         """The kept metadata, the delta that advances it to this step's and this step's record;
         None: build this step in full (``tables`` may hold this step's lists already; a build
         reads them as they are). The record is taken out: a step that fails leaves none."""
@@ -192,7 +201,11 @@ class SteadyDecode:
 
     def keep(self, record: _Record | None, packed: jax.Array) -> None:
         """Record a dispatched step, ``packed`` the metadata its call gave back (on the device)."""
-        self._record = None if record is None else record._replace(meta=dataclasses.replace(record.meta, packed=packed))
+        if record is None:
+            self._record = None
+            return
+        meta = record.meta  # a StepMetadata made directly: dataclasses.replace costs more than the rest of keep
+        self._record = record._replace(meta=StepMetadata(packed, meta.packing, meta.group_layers))
 
 
 def advance(meta: StepMetadata, delta: jax.Array, block_sizes: Sequence[int]) -> StepMetadata:
