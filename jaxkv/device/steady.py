@@ -44,7 +44,7 @@ import numpy as np
 from jaxkv.device.block_table import BlockTables, Change
 from jaxkv.device.metadata import MetadataBuilder, StepMetadata, StepSeq, bucket
 
-_INT32 = np.iinfo(np.int32)
+_INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 
 class _Record(NamedTuple):
@@ -77,12 +77,12 @@ class SteadyDecode:
         self._plain: np.ndarray | jax.Array = plain if place is None else place(plain)
         """The delta of a steady step that changes nothing else (never written, never donated)."""
         self._enabled = all(
-            g in builder.state_groups or limit * size <= _INT32.max + 1
+            g in builder.state_groups or limit * size <= _INT32_MAX + 1
             for g, (limit, size) in enumerate(zip(builder.limits, builder.block_sizes, strict=True))
         )
 
     def _delta(self, flag: int, pairs: list[tuple[int, int]]) -> np.ndarray:
-        out = np.full(1 + 2 * self._capacity, _INT32.max, np.int32)  # padding pairs: past any buffer
+        out = np.full(1 + 2 * self._capacity, _INT32_MAX, np.int32)  # padding pairs: past any buffer
         out[0] = flag
         if pairs:
             offsets, values = zip(*pairs, strict=True)
@@ -112,7 +112,7 @@ class SteadyDecode:
             computed != last.next_computed
             or any(s.num_new_tokens != 1 for s in seqs)
             or [s.request_id for s in seqs] != last.request_ids
-            or max(computed) >= _INT32.max
+            or max(computed) >= _INT32_MAX
         ):
             return None
         meta = last.meta
@@ -122,7 +122,7 @@ class SteadyDecode:
             start = offsets["input_ids"][0]
             for i, (ids, before) in enumerate(zip(token_ids, last.token_ids, strict=True)):
                 if ids != before:
-                    if len(ids) != 1 or type(ids[0]) is not int or not _INT32.min <= ids[0] <= _INT32.max:
+                    if len(ids) != 1 or type(ids[0]) is not int or not _INT32_MIN <= ids[0] <= _INT32_MAX:
                         return None
                     pairs.append((start + i, ids[0]))
         changes: list[Change] = []
@@ -139,7 +139,7 @@ class SteadyDecode:
             if bucket(int(tables.lengths(g, rows).max()), self._builder.buckets.blocks, "blocks") != widths[g]:
                 return None
         for g, size in enumerate(self._builder.block_sizes):
-            moved = [i for i, c in enumerate(computed) if c % size == 0 or (i, g) in changed]
+            moved = [i for i, c in enumerate(computed) if c % size == 0 or (changed and (i, g) in changed)]
             if moved and not self._moved(g, size, moved, computed, rows, tables, offsets, pairs):
                 return None
         if len(pairs) > self._capacity:
@@ -188,7 +188,7 @@ class SteadyDecode:
         """The blocks of the state unit headed by ``head``; None unless what a full build accepts."""
         assert self._builder.unit_blocks is not None  # pages_per_state > 0
         blocks = [int(b) for b in self._builder.unit_blocks(head)]
-        limit = self._builder.num_blocks if self._builder.num_blocks is not None else _INT32.max
+        limit = self._builder.num_blocks if self._builder.num_blocks is not None else _INT32_MAX
         if len(blocks) != self._builder.pages_per_state or any(b <= 0 or b >= limit for b in blocks):
             return None
         return blocks
