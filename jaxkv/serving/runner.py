@@ -487,10 +487,10 @@ class ModelRunner:
         def rows(x: jax.Array) -> np.ndarray:
             return read(x)[:num_rows]
 
-        host = [SampledTokens(*(None if x is None else rows(x) for x in sampled))]
-        host += [jax.tree.map(rows, o) for o in rest]
-        scores = split_by_chunk(host[2], step.chunks) if len(host) > 2 else None
-        return Collected(host[0], host[1] if len(host) > 1 else None, scores)
+        drawn = SampledTokens(rows(sampled.token_ids), *(None if x is None else rows(x) for x in sampled[1:]))
+        host = [jax.tree.map(rows, o) for o in rest]
+        scores = split_by_chunk(host[1], step.chunks) if len(host) > 1 else None
+        return Collected(drawn, host[0] if host else None, scores)
 
     def _jitted(self, fn: Callable) -> jax.stages.Wrapped:
         """``fn`` jitted for this runner's model and the :mod:`jaxkv.device.ops` implementation
