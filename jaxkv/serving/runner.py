@@ -12,7 +12,8 @@ steady decode step (the last step's sequences, each one token further), advances
 step's metadata, kept on the device, by a small delta of what changed
 (:mod:`jaxkv.device.steady`), and calls one jitted step function ``(params, cache, metadata,
 delta, sampling, previous) -> (sampled, metadata, drawn, cache)`` with the cache donated, so
-its buffers are updated in place. Tokens are drawn on the device
+its buffers are updated in place (the tokens come out once, as ``drawn``; ``sampled`` holds the
+log-probabilities when asked). Tokens are drawn on the device
 (:mod:`jaxkv.serving.sampler`: each request's parameters are rows of the step's inputs,
 so no parameter set compiles anything; the rows are kept on the device across steps,
 :class:`~jaxkv.serving.sampler.SamplingBatch`, re-sent only when a row's parameters change,
