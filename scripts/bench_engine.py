@@ -479,10 +479,10 @@ class DeviceStep:
         meta = jax.block_until_ready(jax.device_put(self._runner.metadata(output.chunks)))
         start = time.perf_counter()
         runner = self._runner
-        sampled, _, _, self._cache = self._compiled(
+        _, _, drawn, self._cache = self._compiled(
             runner.params, self._cache, meta, runner.idle_delta, self._sampling, self._previous
         )
-        jax.block_until_ready(sampled)
+        jax.block_until_ready(drawn)
         return time.perf_counter() - start
 
 

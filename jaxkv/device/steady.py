@@ -20,6 +20,10 @@ tokens, the packed buffer the step read, on the device). For the next step it de
   (:meth:`~jaxkv.device.metadata.MetadataBuilder.build`, exact and checked) with the idle delta
   (:attr:`SteadyDecode.idle`: :func:`advance` is then the identity).
 
+The two deltas that carry no pairs (idle, and a steady step that changes nothing else: most
+steps) are placed on the device once, given ``place``, so such a step's call sends nothing
+from the host; a delta with pairs is made per step.
+
 The checks of a full build hold on the steady path too: an id is checked once when the
 block tables write it, and a step whose new token would need a block it lacks (or the null
 block) is sent down the full path, which raises the error naming it. A step's outputs give
@@ -30,7 +34,7 @@ step is dispatched; a step that fails leaves no record, so the next one is built
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -40,7 +44,7 @@ import numpy as np
 from jaxkv.device.block_table import BlockTables, Change
 from jaxkv.device.metadata import MetadataBuilder, StepMetadata, StepSeq, bucket
 
-_INT32 = np.iinfo(np.int32)
+_INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 
 class _Record(NamedTuple):
@@ -57,23 +61,28 @@ class SteadyDecode:
 
     ``capacity`` bounds the pairs one delta carries (a step with more takes the full path). A
     delta is an int32 array ``(1 + 2 * capacity,)``: the flag (1: advance, 0: as built), then
-    the pairs' offsets in the packed buffer (padding: the int32 maximum, past any buffer), then their values."""
+    the pairs' offsets in the packed buffer (padding: the int32 maximum, past any buffer), then their values.
+    ``place`` puts the two constant deltas (:attr:`idle`, and a steady step's without pairs) where
+    the step reads them, once (None: they stay numpy arrays, sent by each call)."""
 
-    def __init__(self, builder: MetadataBuilder, capacity: int) -> None:
+    def __init__(
+        self, builder: MetadataBuilder, capacity: int, place: Callable[[np.ndarray], jax.Array] | None = None
+    ) -> None:
         self._builder = builder
         self._capacity = capacity
         self._record: _Record | None = None
-        self.idle = self._delta(0, [])
+        idle, plain = self._delta(0, []), self._delta(1, [])
+        self.idle: np.ndarray | jax.Array = idle if place is None else place(idle)
         """The delta of a step built in full: :func:`advance` leaves its metadata as it is."""
-        self._plain = self._delta(1, [])
-        """The delta of a steady step that changes nothing else (never written: the call copies it)."""
+        self._plain: np.ndarray | jax.Array = plain if place is None else place(plain)
+        """The delta of a steady step that changes nothing else (never written, never donated)."""
         self._enabled = all(
-            g in builder.state_groups or limit * size <= _INT32.max + 1
+            g in builder.state_groups or limit * size <= _INT32_MAX + 1
             for g, (limit, size) in enumerate(zip(builder.limits, builder.block_sizes, strict=True))
         )
 
     def _delta(self, flag: int, pairs: list[tuple[int, int]]) -> np.ndarray:
-        out = np.full(1 + 2 * self._capacity, _INT32.max, np.int32)  # padding pairs: past any buffer
+        out = np.full(1 + 2 * self._capacity, _INT32_MAX, np.int32)  # padding pairs: past any buffer
         out[0] = flag
         if pairs:
             offsets, values = zip(*pairs, strict=True)
@@ -91,7 +100,7 @@ class SteadyDecode:
         token_ids: Sequence[Sequence[int]],
         block_ids: Sequence[Sequence[Sequence[int]]],
         tables: BlockTables,
-    ) -> tuple[StepMetadata, np.ndarray, _Record] | None:
+    ) -> tuple[StepMetadata, np.ndarray | jax.Array, _Record] | None:
         """The kept metadata, the delta that advances it to this step's and this step's record;
         None: build this step in full (``tables`` may hold this step's lists already; a build
         reads them as they are). The record is taken out: a step that fails leaves none."""
@@ -103,7 +112,7 @@ class SteadyDecode:
             computed != last.next_computed
             or any(s.num_new_tokens != 1 for s in seqs)
             or [s.request_id for s in seqs] != last.request_ids
-            or max(computed) >= _INT32.max
+            or max(computed) >= _INT32_MAX
         ):
             return None
         meta = last.meta
@@ -113,7 +122,7 @@ class SteadyDecode:
             start = offsets["input_ids"][0]
             for i, (ids, before) in enumerate(zip(token_ids, last.token_ids, strict=True)):
                 if ids != before:
-                    if len(ids) != 1 or type(ids[0]) is not int or not _INT32.min <= ids[0] <= _INT32.max:
+                    if len(ids) != 1 or type(ids[0]) is not int or not _INT32_MIN <= ids[0] <= _INT32_MAX:
                         return None
                     pairs.append((start + i, ids[0]))
         changes: list[Change] = []
@@ -130,7 +139,7 @@ class SteadyDecode:
             if bucket(int(tables.lengths(g, rows).max()), self._builder.buckets.blocks, "blocks") != widths[g]:
                 return None
         for g, size in enumerate(self._builder.block_sizes):
-            moved = [i for i, c in enumerate(computed) if c % size == 0 or (i, g) in changed]
+            moved = [i for i, c in enumerate(computed) if c % size == 0 or (changed and (i, g) in changed)]
             if moved and not self._moved(g, size, moved, computed, rows, tables, offsets, pairs):
                 return None
         if len(pairs) > self._capacity:
@@ -179,7 +188,7 @@ class SteadyDecode:
         """The blocks of the state unit headed by ``head``; None unless what a full build accepts."""
         assert self._builder.unit_blocks is not None  # pages_per_state > 0
         blocks = [int(b) for b in self._builder.unit_blocks(head)]
-        limit = self._builder.num_blocks if self._builder.num_blocks is not None else _INT32.max
+        limit = self._builder.num_blocks if self._builder.num_blocks is not None else _INT32_MAX
         if len(blocks) != self._builder.pages_per_state or any(b <= 0 or b >= limit for b in blocks):
             return None
         return blocks
@@ -192,7 +201,11 @@ class SteadyDecode:
 
     def keep(self, record: _Record | None, packed: jax.Array) -> None:
         """Record a dispatched step, ``packed`` the metadata its call gave back (on the device)."""
-        self._record = None if record is None else record._replace(meta=dataclasses.replace(record.meta, packed=packed))
+        if record is None:
+            self._record = None
+            return
+        meta = record.meta  # a StepMetadata made directly: dataclasses.replace costs more than the rest of keep
+        self._record = record._replace(meta=StepMetadata(packed, meta.packing, meta.group_layers))
 
 
 def advance(meta: StepMetadata, delta: jax.Array, block_sizes: Sequence[int]) -> StepMetadata:

@@ -502,17 +502,18 @@ class Engine:
         in flight is fed that token on the device."""
         if not output.chunks:
             return None
-        live = self._outputs.sequences(output.chunks)
         fed = None
         if self._in_flight is not None:
-            rows = self._in_flight.rows
-            fed = {i: rows[c.seq] for i, c in enumerate(output.chunks) if c.seq.num_placeholders}
+            in_flight = self._in_flight.rows
+            fed = {i: in_flight[c.seq] for i, c in enumerate(output.chunks) if c.seq.num_placeholders}
+        sampling: list[RowSampling | None] = []
+        with_logits = score_prompt = False  # score_prompt: a step scoring every new token
+        for chunk, live in zip(output.chunks, self._outputs.sequences(output.chunks), strict=True):
+            sampling.append(self._row(chunk, live))
+            with_logits = with_logits or live.logits is not None
+            score_prompt = score_prompt or live.scores_prompt
         handle = self.runner.dispatch(
-            output.chunks,
-            [self._row(c, r) for c, r in zip(output.chunks, live, strict=True)],
-            with_logits=any(r.logits is not None for r in live),
-            fed=fed,
-            score_prompt=any(r.scores_prompt for r in live),  # a step scoring every new token
+            output.chunks, sampling, with_logits=with_logits, fed=fed, score_prompt=score_prompt
         )
         rows = {c.seq: k for k, c in enumerate(output.chunks) if c.samples} if self.async_scheduling else {}
         return _Step(output, handle, rows)

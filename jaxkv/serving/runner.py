@@ -12,7 +12,8 @@ steady decode step (the last step's sequences, each one token further), advances
 step's metadata, kept on the device, by a small delta of what changed
 (:mod:`jaxkv.device.steady`), and calls one jitted step function ``(params, cache, metadata,
 delta, sampling, previous) -> (sampled, metadata, drawn, cache)`` with the cache donated, so
-its buffers are updated in place. Tokens are drawn on the device
+its buffers are updated in place (the tokens come out once, as ``drawn``; ``sampled`` holds the
+log-probabilities when asked). Tokens are drawn on the device
 (:mod:`jaxkv.serving.sampler`: each request's parameters are rows of the step's inputs,
 so no parameter set compiles anything; the rows are kept on the device across steps,
 :class:`~jaxkv.serving.sampler.SamplingBatch`, re-sent only when a row's parameters change,
@@ -231,7 +232,8 @@ def jitted_step(
     bound, jitted with the cache donated: ``(params, cache, meta, delta, sampling, previous) ->
     (*outputs, packed, drawn, cache)``. ``meta`` is first advanced by ``delta``
     (:func:`jaxkv.device.steady.advance`, ``block_sizes`` the groups'), and ``packed`` is the
-    advanced metadata, kept on the device for the next step's delta.
+    advanced metadata, kept on the device for the next step's delta. The drawn tokens come out
+    once, as ``drawn`` (padded; the first output's ``token_ids`` is None): one output buffer less.
 
     Keyed by the model object (by its ``__hash__``/``__eq__``: identity unless the model
     defines them) and shared by all runners: the same model, ops implementation, bucket
@@ -250,8 +252,8 @@ def jitted_step(
         previous: jax.Array,
     ) -> tuple:
         meta = advance(meta, delta, block_sizes)
-        *outputs, drawn, cache = fn(model, impl, params, cache, meta, sampling, previous)
-        return (*outputs, meta.packed, drawn, cache)
+        sampled, *outputs, drawn, cache = fn(model, impl, params, cache, meta, sampling, previous)
+        return (sampled._replace(token_ids=None), *outputs, meta.packed, drawn, cache)
 
     if shardings is None:
         return jax.jit(step, donate_argnums=(1,))
@@ -366,8 +368,11 @@ class ModelRunner:
         )
         """The step metadata's builder, its constant arguments checked once (the metadata placed
         where a step's kept metadata is, so a built step and an advanced one compile once)."""
-        self._steady = SteadyDecode(self._builder, capacity=2 * max(buckets.seqs) + 8)
-        """The last step's metadata kept on the device, and a steady decode step's delta from it."""
+        self._steady = SteadyDecode(
+            self._builder, capacity=2 * max(buckets.seqs) + 8, place=functools.partial(place_values, device=drawn_at)
+        )
+        """The last step's metadata kept on the device, and a steady decode step's delta from it
+        (the deltas without pairs placed once: a steady step's call then sends nothing)."""
         self._tables = BlockTables(self._builder.limits, rows=max(buckets.seqs), width=max(buckets.blocks))
         plain = with_logits = scored = None
         if self.mesh is not None:
@@ -473,13 +478,20 @@ class ModelRunner:
         """Wait for a dispatched step and read it back (:class:`Collected`). Outputs are
         replicated: each is read from this process's first copy, which is all a process holds
         of an array whose devices span processes."""
+        sampled, *rest = step.outputs
         start = time.perf_counter()
-        jax.block_until_ready(step.outputs)
+        sampled.token_ids.block_until_ready()  # one call's outputs: all ready once one is
         self.device_wait_s += time.perf_counter() - start
         num_rows = len(step.chunks)
-        host = [jax.tree.map(lambda x: _local(x)[:num_rows], o) for o in step.outputs]
-        scores = split_by_chunk(host[2], step.chunks) if len(host) > 2 else None
-        return Collected(host[0], host[1] if len(host) > 1 else None, scores)
+        read = np.asarray if self.mesh is None else _local  # without a mesh every output is whole here
+
+        def rows(x: jax.Array) -> np.ndarray:
+            return read(x)[:num_rows]
+
+        drawn = SampledTokens(rows(sampled.token_ids), *(None if x is None else rows(x) for x in sampled[1:]))
+        host = [jax.tree.map(rows, o) for o in rest]
+        scores = split_by_chunk(host[1], step.chunks) if len(host) > 1 else None
+        return Collected(drawn, host[0] if host else None, scores)
 
     def _jitted(self, fn: Callable) -> jax.stages.Wrapped:
         """``fn`` jitted for this runner's model and the :mod:`jaxkv.device.ops` implementation
@@ -508,13 +520,19 @@ class ModelRunner:
         step = self._jitted(fn)
         before = _num_step_traces
         start, cpu = time.perf_counter(), time.thread_time()
-        sent = delta if self.mesh is None else place_values(delta, self._meta_sharding)
-        *outputs, packed, self._drawn, self.cache = step(self.params, self.cache, meta, sent, sampling, self._drawn)
+        sent = (
+            delta
+            if self.mesh is None or not isinstance(delta, np.ndarray)
+            else place_values(delta, self._meta_sharding)
+        )
+        sampled, *outputs, packed, self._drawn, self.cache = step(
+            self.params, self.cache, meta, sent, sampling, self._drawn
+        )
         self.dispatch_cpu_s += time.thread_time() - cpu
         self.dispatch_s += time.perf_counter() - start
         self.num_compilations += _num_step_traces - before
         self._steady.keep(record, packed)
-        return InFlight(outputs, chunks)
+        return InFlight([sampled._replace(token_ids=self._drawn), *outputs], chunks)
 
     def cache_is_intact(self) -> bool:
         """False when a step was interrupted after donating the cache (its buffers are gone)."""
@@ -610,7 +628,7 @@ class ModelRunner:
         return self._jitted(_step).lower(self.params, self.cache, meta, self.idle_delta, sampling, self._drawn)
 
     @property
-    def idle_delta(self) -> np.ndarray:
+    def idle_delta(self) -> np.ndarray | jax.Array:
         """The delta a step built in full is called with (its metadata as it is): what a caller
         of :meth:`lower`'s compiled step passes after the metadata."""
         return self._steady.idle
