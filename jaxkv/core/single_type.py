@@ -708,6 +708,8 @@ class StatePoolManager(MambaManager):
                 self._note_shared(hashes[end - 1])
                 if num_tokens in self._guess_positions.get(request_id, ()):
                     self._guesses[block] = hashes[end - 1]
+                else:  # cached again as a junction: no longer a guess
+                    self._guesses.pop(block, None)
             if kind == "continuation" and self.pool.is_cached_as(block, self.group_id, hashes[end - 1]):
                 previous = self.continuation.get(request_id)
                 if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
