@@ -914,7 +914,8 @@ def test_branch_ahead_lets_the_second_request_of_a_shared_prefix_hit(tokens):
 
 def test_a_branch_point_lets_the_next_chat_under_the_same_system_prompt_hit_it(tokens):
     """The server names a chat's system-prompt end: a state waits there before any other
-    chat has branched off it (branch-ahead places none this short)."""
+    chat has branched off it (branch-ahead's one guess in so short a prompt, 128 back from
+    its end, finds less)."""
     system = tokens(0, 200)
     hits = []
     for points in ((), (200,)):
@@ -923,7 +924,35 @@ def test_a_branch_point_lets_the_next_chat_under_the_same_system_prompt_hit_it(t
         serve_prompt(mgr, first)
         mgr.free(first)
         hits.append(serve_prompt(mgr, Request("second", system + tokens(9000, 40))))
-    assert hits == [0, 192], "the block boundary at or below 200"
+    assert hits == [112, 192], "the guess 250 - 128 on a block boundary; the named one at or below 200"
+
+
+def test_a_short_prompts_guess_is_hit_once_then_not_kept_warm_behind_the_junction(tokens):
+    """A short prompt that starts a chain guesses a state 128 back from its end: the second
+    prompt on the same system prompt resumes there and reveals the junction; a later hit
+    through the junction leaves the guess where it was in the free queue (it serves no one
+    now), while a shared checkpoint passed through is requeued (see the test above)."""
+    mgr = state_pool_manager(64, 8)
+    system = tokens(0, 200)
+    first = Request("first", system + tokens(5000, 50))
+    serve_prompt(mgr, first)
+    mgr.free(first)
+    second = Request("second", system + tokens(9000, 40))
+    assert serve_prompt(mgr, second) == 112, "250 - 128 on a block boundary"
+    mgr.free(second)
+    guess = mgr.state_pool.cached[1][first.block_hashes[6]]
+    junction = mgr.state_pool.cached[1][second.block_hashes[11]]
+    other = Request("other", tokens(2000, 40))
+    serve_prompt(mgr, other)
+    mgr.free(other)
+    before = mgr.state_pool.free_block_ids()
+    third = Request("third", system + tokens(7000, 30))
+    hit, n = mgr.get_computed_blocks(third)
+    assert n == 192 and hit.blocks[1][-1] == junction
+    assert mgr.allocate_slots(third, third.num_tokens - n, n, hit) is not None
+    after = mgr.state_pool.free_block_ids()
+    assert after.index(guess) <= before.index(guess), "not requeued as recently used"
+    assert after.index(guess) < len(after) - 1
 
 
 def test_named_branch_points_replace_the_branch_ahead_guesses(tokens):

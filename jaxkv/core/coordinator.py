@@ -611,13 +611,22 @@ class KVCacheCoordinator:
                     m.set_anchors(request_id, anchors)
 
     def set_checkpoints(
-        self, request_id: str, shared: Iterable[int], num_prompt_tokens: int, *, warm_continuation: bool = True
+        self,
+        request_id: str,
+        shared: Iterable[int],
+        num_prompt_tokens: int,
+        *,
+        warm_continuation: bool = True,
+        guesses: Iterable[int] = (),
     ) -> None:
-        """The request's state checkpoint positions and whether its newest continuation stays
-        warm while it runs (see :meth:`~jaxkv.core.single_type.StatePoolManager.set_checkpoints`);
-        a no-op without a state pool."""
+        """The request's state checkpoint positions (``guesses``: those only hits ending on
+        them keep warm), and whether its newest continuation stays warm while it runs (see
+        :meth:`~jaxkv.core.single_type.StatePoolManager.set_checkpoints`); a no-op without a
+        state pool."""
         for m in self._state_managers:
-            m.set_checkpoints(request_id, shared, num_prompt_tokens, warm_continuation=warm_continuation)
+            m.set_checkpoints(
+                request_id, shared, num_prompt_tokens, warm_continuation=warm_continuation, guesses=guesses
+            )
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group, in one pass over each pool; the

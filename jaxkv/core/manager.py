@@ -485,7 +485,9 @@ class KVCacheManager:
                 shared = self._checkpoints.shared(
                     request.num_prompt_tokens, request.prefix_reach, total_computed, request.checkpoint_ahead
                 )
-                coord.set_checkpoints(rid, shared, request.num_prompt_tokens, warm_continuation=warm)
+                ahead = request.checkpoint_ahead
+                guesses = () if request.branch_points else self._checkpoints.unwarmed(request.num_prompt_tokens, ahead)
+                coord.set_checkpoints(rid, shared, request.num_prompt_tokens, warm_continuation=warm, guesses=guesses)
         new_blocks = coord.allocate(rid, num_slots, hits, num_computed)
         if record is None:
             record = self._held[rid] = HeldRequest(request)

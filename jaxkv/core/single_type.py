@@ -540,6 +540,9 @@ class StatePoolManager(MambaManager):
         self.max_retained = 0
         # Per request whose newest continuation is not kept warm while it runs: the last one demoted.
         self._cold: dict[str, int] = {}
+        # Per request: its guess positions (set_checkpoints); per block cached at one: its hash (one entry a block).
+        self._guess_positions: dict[str, frozenset[int]] = {}
+        self._guesses: dict[int, bytes] = {}
 
     def add_hit_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Adopt a hit; remember the checkpoint it resumes from if that is another request's continuation."""
@@ -558,26 +561,49 @@ class StatePoolManager(MambaManager):
 
     def _promote_passed_checkpoints(self, hashes: Sequence[bytes], num_blocks: int) -> None:
         """Requeue as recently used the shared checkpoints cached before block ``num_blocks - 1``
-        of the chain ``hashes`` (those a hit ending there passed through)."""
+        of the chain ``hashes`` (those a hit ending there passed through), but not one of the
+        ``guesses`` (:meth:`set_checkpoints`) that no hit ended on yet, or that lies behind a
+        junction on the same chain (a shared checkpoint that is no guess, the hit's own end
+        included): a request sharing that far resumes at the junction, so the guess serves
+        no one, and kept as warm as the prefix it would hold a state's bytes for good."""
         (cached,) = self.pool.hash_maps((self.group_id,))
-        continuations = self._continuations
-        passed = []
-        for h in hashes[: num_blocks - 1]:
+        continuations, guesses = self._continuations, self._guesses
+        passed: list[tuple[int, bool]] = []
+        for h in hashes[:num_blocks]:
             b = cached.get(h)
             if b is not None and continuations.get(b) != h:
-                passed.append(b)
-        if passed:
-            self.pool.promote(passed)
+                passed.append((b, guesses.get(b) == h))
+        junction = max((i for i, (_, guess) in enumerate(passed) if not guess), default=-1)
+        if passed and cached.get(hashes[num_blocks - 1]) == passed[-1][0]:
+            passed.pop()
+        served = self._served
+        promote = [
+            b
+            for i, (b, guess) in enumerate(passed)
+            if not guess or (i > junction and served.get(b, (None, 0))[0] == self.pool.block_hash[b])
+        ]
+        if promote:
+            self.pool.promote(promote)
 
     def set_checkpoints(
-        self, request_id: str, shared: Iterable[int], num_prompt_tokens: int, *, warm_continuation: bool = True
+        self,
+        request_id: str,
+        shared: Iterable[int],
+        num_prompt_tokens: int,
+        *,
+        warm_continuation: bool = True,
+        guesses: Iterable[int] = (),
     ) -> None:
-        """The request's checkpoint positions (block multiples): ``shared`` ones, and its
+        """The request's checkpoint positions (block multiples): ``shared`` ones (``guesses``
+        among them: placed before any branch was seen, kept warm by hits passing through only
+        as :meth:`_promote_passed_checkpoints` says), and its
         continuation checkpoints: the prompt's last block boundary and, past the prompt,
         every block boundary it decodes through. Without ``warm_continuation`` its newest
         continuation is demoted as soon as it decodes past it (no later turn is expected to
         resume mid-run; see :meth:`cold_continuation` for the one it ends with)."""
         self.checkpoints[request_id] = (frozenset(shared), num_prompt_tokens)
+        if guesses:
+            self._guess_positions[request_id] = frozenset(guesses)
         if not warm_continuation:
             self._cold[request_id] = NULL_BLOCK
 
@@ -680,6 +706,10 @@ class StatePoolManager(MambaManager):
             if kind == "shared":
                 self._shared_cached.setdefault(request_id, []).append((block, hashes[end - 1]))
                 self._note_shared(hashes[end - 1])
+                if num_tokens in self._guess_positions.get(request_id, ()):
+                    self._guesses[block] = hashes[end - 1]
+                else:  # cached again as a junction: no longer a guess
+                    self._guesses.pop(block, None)
             if kind == "continuation" and self.pool.is_cached_as(block, self.group_id, hashes[end - 1]):
                 previous = self.continuation.get(request_id)
                 if previous is not None and self.pool.is_cached_as(previous[0], self.group_id, previous[1]):
@@ -790,6 +820,7 @@ class StatePoolManager(MambaManager):
 
     def release(self, request_id: str) -> Iterable[int]:
         self._cold.pop(request_id, None)
+        self._guess_positions.pop(request_id, None)
         self._shared_cached.pop(request_id, None)
         self._resumed_from.pop(request_id, None)
         self.checkpoints.pop(request_id, None)

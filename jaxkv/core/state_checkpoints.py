@@ -30,9 +30,19 @@ BRANCH_DEPTHS = (1024, 256, 2048)
 first: a later request sharing all but its last 1-2k tokens finds a state there (the
 suffixes and tails of issue 39's workloads; vLLM's align mode checkpoints every block,
 ~1k tokens, and wins those hits), and one sharing all but its last 256 finds one 768
-tokens nearer its branch. A prompt no longer than the first depth (a chat turn) places none:
-a guess 256 back sat inside chats' system prompts, and hits passing through kept those
-dead states warm (chat at vLLM's minimum memory 0.731 -> 0.724)."""
+tokens nearer its branch. A prompt no longer than the first depth (a chat turn) places none
+of these: a guess 256 back sat inside chats' system prompts, and hits passing through kept
+those dead states warm (chat at vLLM's minimum memory 0.731 -> 0.724); one that starts a
+chain places one :data:`SHORT_DEPTH` back instead."""
+
+SHORT_DEPTH = 128
+"""Tokens back from the end of a prompt no longer than the first branch depth where it places
+its one guess, only when it starts a chain (a system prompt and a short query, the first of a
+tenant's chats): the second prompt on that system prompt resumes there instead of computing
+it all (short_behind_prefix, queries of 16-96 tokens: 0.980 -> 0.996 of attention-only). Only
+hits that end on it keep it warm (:meth:`CheckpointPolicy.unwarmed`): one inside a chat's
+first message, passed through by each later turn, held a dead state's bytes (chat at vLLM's
+minimum memory 0.731 -> 0.727)."""
 
 START_GUESSES = 2
 """Branch-ahead checkpoints a prompt that starts a chain places at least (a branching one:
@@ -143,24 +153,38 @@ class CheckpointPolicy:
         none): :data:`BRANCH_DEPTHS` back from its end, past ``reach`` (a request that
         found its branch checkpoints it at ``reach``), as many as its share of the
         budget with ``num_running`` other requests running, and at least
-        :data:`START_GUESSES` for a prompt that starts a chain, one for one that branches. Only for a prompt that
-        starts a chain (full attention alone ``matched`` nothing) or branches off one
-        (``reach`` past the ``hit``); not for one that extends a cached chain (a chat
-        turn, whose next turn resumes from its newest state)."""
+        :data:`START_GUESSES` for a prompt that starts a chain, one for one that branches;
+        for a prompt no longer than the first depth, one :data:`SHORT_DEPTH` back when it
+        starts a chain and none otherwise. Only for a prompt that starts a chain (full
+        attention alone ``matched`` nothing) or branches off one (``reach`` past the
+        ``hit``); not for one that extends a cached chain (a chat turn, whose next turn
+        resumes from its newest state)."""
         bs = self.block_size
         if (
             not bs
             or not self.enable_caching
             or not self.branch_ahead
             or (matched and reach == hit)
-            or num_prompt_tokens <= BRANCH_DEPTHS[0]
+            or (matched and num_prompt_tokens <= BRANCH_DEPTHS[0])
         ):
             return ()
         if 2 * sum(self._diverged) < len(self._diverged):
             return ()
-        count = max(1 if matched else START_GUESSES, self.branch_budget // (num_running + 1))
-        positions = ((num_prompt_tokens - d) // bs * bs for d in BRANCH_DEPTHS[:count])
+        if num_prompt_tokens <= BRANCH_DEPTHS[0]:
+            depths: tuple[int, ...] = (SHORT_DEPTH,)
+        else:
+            count = max(1 if matched else START_GUESSES, self.branch_budget // (num_running + 1))
+            depths = BRANCH_DEPTHS[:count]
+        positions = ((num_prompt_tokens - d) // bs * bs for d in depths)
         return tuple(sorted({p for p in positions if p > reach}))
+
+    def unwarmed(self, num_prompt_tokens: int, ahead: tuple[int, ...]) -> tuple[int, ...]:
+        """The branch-ahead positions ``ahead`` of a prompt that a hit passing through does
+        not keep warm unless one ended there before: a short prompt's (:data:`SHORT_DEPTH`).
+        A long prompt's stay as warm as the prefix they sit in: treating them alike cost
+        forks at vLLM's minimum memory 0.989 -> 0.964 of attention-only and prefix_once at
+        2x 0.644 -> 0.625 (issue 39's workloads, seed 0)."""
+        return ahead if num_prompt_tokens <= BRANCH_DEPTHS[0] else ()
 
     def branch_positions(self, branch_points: tuple[int, ...], hit: int) -> tuple[int, ...]:
         """The block boundaries at or below a prompt's ``branch_points`` past its ``hit``
