@@ -80,6 +80,7 @@ from jaxkv.offload.catalog import (
 )
 from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.host_buffers import HostKVBuffers, blocks_in_budget, row_format, row_sharding
+from jaxkv.offload.peers import PeerTiers
 from jaxkv.offload.persistent import BlockInfo, PersistentHostTier
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
 from jaxkv.serving.runner import DevicePlace, ModelRunner
@@ -103,6 +104,9 @@ class OffloadConfig:
     (:mod:`jaxkv.offload.persistent`), reloaded at start; ``model_id`` names the weights
     (a file written for another model, or layout, block size, hash algorithm or seed,
     is never read). Attention-only models, one shard of a block per process.
+
+    ``peers``: a glob naming other processes' tier files (``path`` excluded) whose blocks
+    a prefix hit may copy into this tier (:mod:`jaxkv.offload.peers`); needs ``path``.
     """
 
     host_bytes: int
@@ -114,6 +118,7 @@ class OffloadConfig:
     state_host_bytes: int | None = None
     path: str | None = None
     model_id: str = ""
+    peers: str | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.host_bytes) or self.host_bytes <= 0:
@@ -129,6 +134,8 @@ class OffloadConfig:
             )
         if self.path is not None and (not isinstance(self.path, str) or not self.path):
             raise ConnectorError(f"path must be None or a file path, got {self.path!r}")
+        if self.peers is not None and (not isinstance(self.peers, str) or not self.peers or self.path is None):
+            raise ConnectorError(f"peers must be None or a glob, with a path of this tier's own; got {self.peers!r}")
         if self.path is not None and self.memory_kind not in (None, "numpy"):
             raise ConnectorError(f"a host tier in a file is a numpy mapping, not memory_kind={self.memory_kind!r}")
         for name in ("fail_store", "fail_load"):
@@ -152,6 +159,8 @@ class ConnectorStats:
     num_failed_stores: int = 0
     num_skipped_stores: int = 0
     num_stored_bytes: int = 0
+    num_peer_blocks: int = 0
+    num_peer_dropped: int = 0
 
 
 @dataclass
@@ -194,6 +203,7 @@ class OffloadConnector:
         *,
         states: tuple[OffloadingManager, TransferEngine] | None = None,
         persistent: PersistentHostTier | None = None,
+        peers: PeerTiers | None = None,
     ) -> None:
         if store not in STORE_POLICIES:
             raise ConnectorError(f"unknown store policy {store!r}; valid: {', '.join(STORE_POLICIES)}")
@@ -224,6 +234,9 @@ class OffloadConnector:
         state_rows = manager.state_pool.num_blocks if manager.state_pool is not None else 0
         self._max_chains = 4 * (manager.pool.num_blocks + state_rows)
         self.persistent = persistent
+        self.peers = peers
+        if peers is not None and persistent is None:
+            raise ConnectorError("a host tier reads its peers' files only with a file of its own (a path)")
         self._keeps_block_info = persistent is not None or manager.enable_events
         """Whether a host block's parent and token ids are kept: only its KV events and the journal read them."""
         if persistent is not None:
@@ -260,9 +273,14 @@ class OffloadConnector:
                     f"groups {manager.recurrent_group_ids()} hold recurrent state: a host tier in a file holds KV only"
                 )
             persistent, host_buffers = cls._persistent_buffers(manager, runner, config, host_bytes)
+        peers = None
+        if persistent is not None and config.peers is not None:
+            peers = PeerTiers(config.peers, persistent.path, persistent.fingerprint, persistent.shape, persistent.dtype)
         offload, transfers = cls._tier_parts(host_buffers, config, manager.enable_events)
         try:
-            return cls(manager, runner, offload, transfers, config.store, states=states, persistent=persistent)
+            return cls(
+                manager, runner, offload, transfers, config.store, states=states, persistent=persistent, peers=peers
+            )
         except BaseException:
             if persistent is not None:
                 persistent.close()
@@ -336,6 +354,68 @@ class OffloadConnector:
         keys = tuple((hashes[g][i], g) for g in range(len(hashes)) for i in mgr.needed_blocks(g, start, end))
         return _HostHit(start, end, keys)
 
+    def _copy_from_peers(self, request: Request, hashes: Sequence[Sequence[bytes]], start: int) -> None:
+        """Copy into this tier the blocks after ``start`` that it lacks and a peer holds, up to
+        the first one no tier holds in each group (at most half the tier's blocks): then the
+        host hit and its load run as for the tier's own blocks. A copy that fails or that the
+        peer may have overwritten is dropped (a miss); the copies are journaled, and announced
+        in KV events, as this tier's own stores."""
+        assert self.peers is not None
+        mgr, tier = self.manager, self._tiers[0]
+        max_end = (request.num_tokens - 1) // mgr.lcm_block_size * mgr.lcm_block_size
+        if max_end <= start or request.skip_reading_prefix_cache:
+            return
+        held: list[OffloadKey] = []
+        wanted: list[OffloadKey] = []
+        refreshed = False
+        for g, bs in enumerate(mgr.block_sizes):
+            for i in range(start // bs, max_end // bs):
+                key: OffloadKey = (hashes[g][i], g)
+                if tier.offload.lookup([key]) == 1:
+                    held.append(key)
+                    continue
+                if not refreshed:
+                    self.peers.refresh()
+                    refreshed = True
+                if not self.peers.holds(key):
+                    break
+                wanted.append(key)
+        wanted = wanted[: max(1, self.num_host_blocks // 2)]
+        if not wanted:
+            return
+        plan = tier.offload.prepare_store(held + wanted)  # evicts none of the prefix's blocks
+        if plan is None:
+            return
+        self._evicted(tier, plan.evicted)
+        tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
+        ok: list[OffloadKey] = []
+        failed: list[OffloadKey] = []
+        try:
+            copies = self.peers.read(plan.keys_to_store)
+            rows, places = [], []
+            for key, place, copy in zip(plan.keys_to_store, plan.where, copies, strict=True):
+                if copy is None:
+                    failed.append(key)
+                    continue
+                row, info = copy
+                rows.append(row)
+                places.append(place)
+                ok.append(key)
+                if info is not None:
+                    self._host_info[key] = info
+            if ok:
+                buffers = tier.transfers.buffers
+                buffers.bump(places)  # this tier owns them now: an older store into them is stale
+                buffers.commit(np.asarray(places, np.int64), np.stack(rows))
+        except BaseException:
+            ok, failed = [], list(plan.keys_to_store)
+            raise
+        finally:
+            self._settle(tier, ok, ok, ())
+            self._unstore(tier, failed)
+            self.stats.num_peer_blocks += len(ok)
+            self.stats.num_peer_dropped += len(failed)
+
     def _touch_prefix(self, request: Request, hashes: Sequence[Sequence[bytes]]) -> None:
         """Refresh the host recency of every full block of the request's prompt."""
         keys: list[OffloadKey] = []
@@ -355,6 +435,8 @@ class OffloadConnector:
         self._owner.check()
         mgr = self.manager
         hashes = mgr.hashes_per_group(request)
+        if self.peers is not None:
+            self._copy_from_peers(request, hashes, num_hit)
         host = self._host_hit(request, hashes, num_hit)
         if host is not None:
             pinned = []  # pinned: nothing below can evict them
@@ -531,12 +613,7 @@ class OffloadConnector:
         if plan is None:
             self.stats.num_skipped_stores += len(keys)
             return
-        if plan.evicted:
-            if self.persistent is not None and not tier.states:
-                self.persistent.removed(plan.evicted)  # before their host blocks are written again
-            tier.transfers.release([tier.host_blocks.pop(k) for k in plan.evicted])
-            for key in plan.evicted:
-                self._host_info.pop(key, None)
+        self._evicted(tier, plan.evicted)
         if not plan.keys_to_store:
             return
         tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
@@ -555,6 +632,15 @@ class OffloadConnector:
             self._settle(tier, plan.keys_to_store, (), plan.keys_to_store)
             raise
         self._pending.append(_PendingStore(tier, plan.keys_to_store, transfer))
+
+    def _evicted(self, tier: _Tier, keys: Sequence[OffloadKey]) -> None:
+        """Free the host blocks of keys a store plan evicted (journaled as removed first)."""
+        if keys:
+            if self.persistent is not None and not tier.states:
+                self.persistent.removed(keys)  # before their host blocks are written again
+            tier.transfers.release([tier.host_blocks.pop(k) for k in keys])
+            for key in keys:
+                self._host_info.pop(key, None)
 
     def finish_stores(self, wait: bool = True) -> None:
         """Settle issued stores: all of them (``wait``), or those already done."""
@@ -578,16 +664,20 @@ class OffloadConnector:
                 if self.persistent.wants_compaction:
                     ready = {k: b for k, b in tier.host_blocks.items() if tier.offload.lookup([k]) == 1}
                     self.persistent.compact(ready, {k: self._host_info[k] for k in ready if k in self._host_info})
-        if failed:
-            tier.offload.complete_store(failed, success=False)
-            tier.transfers.release([tier.host_blocks.pop(k) for k in failed])
-            for key in failed:
-                self._host_info.pop(key, None)
+        self._unstore(tier, failed)
         self.stats.num_stored_blocks += len(ok)
         self.stats.num_stored_bytes += len(ok) * tier.transfers.buffers.block_bytes
         self.stats.num_failed_stores += len(failed)
         if failed:
             _log.warning("%d host-tier store(s) failed; those blocks are not kept on host", len(failed))
+
+    def _unstore(self, tier: _Tier, keys: Sequence[OffloadKey]) -> None:
+        """Drop keys still being stored and free their host blocks."""
+        if keys:
+            tier.offload.complete_store(keys, success=False)
+            tier.transfers.release([tier.host_blocks.pop(k) for k in keys])
+            for key in keys:
+                self._host_info.pop(key, None)
 
     def take_events(self) -> list[OffloadEvent]:
         """Host-tier events (keys stored, keys removed) of every catalog since the last call."""
