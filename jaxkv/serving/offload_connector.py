@@ -19,6 +19,14 @@ read as garbage KV. Any exception during admission leaves nothing held. Every ad
 refreshes the host recency of the request's prefix, as vLLM does on each lookup, so a
 prefix served from the device does not age out of the host tier.
 
+With peers (``OffloadConfig.peers``: other processes' host-tier files on this machine,
+:mod:`jaxkv.offload.peers`), the blocks after the device hit that this tier lacks and a
+peer holds are first copied into host blocks of its own (each copy checked against the
+peer's journal), loaded as its own, and freed once the load is issued: a block stays in
+the host tier of the replica that computed it, so the fleet's tiers hold it once. Staged
+blocks are neither journaled nor kept (their store and removal are this tier's KV events
+of that step, without token ids, which a router indexes as nothing).
+
 Stores (``OffloadConfig.store``, see :data:`STORE_POLICIES`):
 
 - ``on_eviction`` (default): a cached device block is stored when the pool hands it out
@@ -354,17 +362,18 @@ class OffloadConnector:
         keys = tuple((hashes[g][i], g) for g in range(len(hashes)) for i in mgr.needed_blocks(g, start, end))
         return _HostHit(start, end, keys)
 
-    def _copy_from_peers(self, request: Request, hashes: Sequence[Sequence[bytes]], start: int) -> None:
-        """Copy into this tier the blocks after ``start`` that it lacks and a peer holds, up to
-        the first one no tier holds in each group (at most half the tier's blocks): then the
-        host hit and its load run as for the tier's own blocks. A copy that fails or that the
-        peer may have overwritten is dropped (a miss); the copies are journaled, and announced
-        in KV events, as this tier's own stores."""
+    def _stage_from_peers(self, request: Request, hashes: Sequence[Sequence[bytes]], start: int) -> list[OffloadKey]:
+        """Copy into host blocks of this tier the blocks after ``start`` that it lacks and a
+        peer holds, up to the first one no tier holds in each group (at most half the tier's
+        blocks), so the host hit and its load run as for the tier's own blocks; returns the
+        keys staged (:meth:`_unstage` frees them once loaded: a block stays in the host tier
+        of the replica that computed it, never duplicated in another's). A copy that fails, or
+        that the peer may have overwritten while it was read, is not staged (a miss)."""
         assert self.peers is not None
         mgr, tier = self.manager, self._tiers[0]
         max_end = (request.num_tokens - 1) // mgr.lcm_block_size * mgr.lcm_block_size
         if max_end <= start or request.skip_reading_prefix_cache:
-            return
+            return []
         held: list[OffloadKey] = []
         wanted: list[OffloadKey] = []
         refreshed = False
@@ -382,39 +391,42 @@ class OffloadConnector:
                 wanted.append(key)
         wanted = wanted[: max(1, self.num_host_blocks // 2)]
         if not wanted:
-            return
+            return []
         plan = tier.offload.prepare_store(held + wanted)  # evicts none of the prefix's blocks
         if plan is None:
-            return
+            return []
         self._evicted(tier, plan.evicted)
         tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
         ok: list[OffloadKey] = []
-        failed: list[OffloadKey] = []
         try:
             copies = self.peers.read(plan.keys_to_store)
             rows, places = [], []
             for key, place, copy in zip(plan.keys_to_store, plan.where, copies, strict=True):
-                if copy is None:
-                    failed.append(key)
-                    continue
-                row, info = copy
-                rows.append(row)
-                places.append(place)
-                ok.append(key)
-                if info is not None:
-                    self._host_info[key] = info
+                if copy is not None:
+                    rows.append(copy[0])
+                    places.append(place)
+                    ok.append(key)
             if ok:
                 buffers = tier.transfers.buffers
                 buffers.bump(places)  # this tier owns them now: an older store into them is stale
                 buffers.commit(np.asarray(places, np.int64), np.stack(rows))
         except BaseException:
-            ok, failed = [], list(plan.keys_to_store)
+            ok = []
             raise
         finally:
-            self._settle(tier, ok, ok, ())
-            self._unstore(tier, failed)
+            tier.offload.complete_store(ok, success=True)
+            self._unstore(tier, [k for k in plan.keys_to_store if k not in set(ok)])
             self.stats.num_peer_blocks += len(ok)
-            self.stats.num_peer_dropped += len(failed)
+            self.stats.num_peer_dropped += len(plan.keys_to_store) - len(ok)
+        return ok
+
+    def _unstage(self, keys: Sequence[OffloadKey]) -> None:
+        """Free the host blocks staged for a load (its rows were read at issue)."""
+        tier = self._tiers[0]
+        keys = [k for k in keys if tier.offload.lookup([k]) == 1]  # an allocation's store may have evicted some
+        if keys:
+            tier.offload.remove(keys)
+            tier.transfers.release([tier.host_blocks.pop(k) for k in keys])
 
     def _touch_prefix(self, request: Request, hashes: Sequence[Sequence[bytes]]) -> None:
         """Refresh the host recency of every full block of the request's prompt."""
@@ -435,8 +447,16 @@ class OffloadConnector:
         self._owner.check()
         mgr = self.manager
         hashes = mgr.hashes_per_group(request)
-        if self.peers is not None:
-            self._copy_from_peers(request, hashes, num_hit)
+        staged = [] if self.peers is None else self._stage_from_peers(request, hashes, num_hit)
+        try:
+            return self._allocate_admitted(request, hit, num_hit, budget, hashes)
+        finally:
+            self._unstage(staged)
+
+    def _allocate_admitted(
+        self, request: Request, hit: KVCacheBlocks, num_hit: int, budget: int, hashes: Sequence[Sequence[bytes]]
+    ) -> int | None:
+        mgr = self.manager
         host = self._host_hit(request, hashes, num_hit)
         if host is not None:
             pinned = []  # pinned: nothing below can evict them
