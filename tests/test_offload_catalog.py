@@ -11,7 +11,6 @@ from jaxkv.offload.catalog import (
     NotPinnedError,
     NotReadyError,
     NotStoredError,
-    OffloadError,
     PolicyOffloadingManager,
 )
 from jaxkv.offload.host_blocks import HostBlockBackend
@@ -154,20 +153,6 @@ def test_events_stored_and_removed_each_once(name):
     assert events[0] == KeysStored(tuple(keys(0, 1)))
     assert len(events) == 2 and isinstance(events[1], KeysRemoved) and len(events[1].keys) == 1
     assert mgr.take_events() == []
-
-
-def test_remove_frees_ready_keys_and_refuses_any_other_changing_nothing(name):
-    mgr = stored(name, 3, 0, 1)
-    mgr.prepare_store(keys(2))  # being stored
-    mgr.prepare_load(keys(1))  # pinned
-    before = snapshot(mgr)
-    for bad in (1, 2, 7):
-        with pytest.raises(OffloadError, match=f"h{bad}"):
-            mgr.remove(keys(0, bad))
-        assert snapshot(mgr) == before
-    mgr.remove(keys(0))
-    assert mgr.lookup(keys(0)) == 0 and mgr.backend.num_free == 1 and key(0) not in mgr.policy.resident()
-    assert mgr.take_events() == [KeysRemoved((key(0),))]
 
 
 # ---------------------------------------------------------------- random sequences

@@ -183,7 +183,7 @@ def engine(model: TinyLM, path, peers=None) -> Engine:
     plan = plan_kv_cache(
         model.config.layer_specs(), 2 << 20, max_model_len=256, options=PlanOptions(max_num_batched_tokens=64)
     )
-    config = OffloadConfig(1 << 20, store="write_through", path=str(path), model_id="tiny-llama@0", peers=peers)
+    config = OffloadConfig(4 << 20, store="write_through", path=str(path), model_id="tiny-llama@0", peers=peers)
     return Engine(model, plan, max_num_seqs=4, buckets=ONE_SHAPE, offload=config)
 
 
@@ -201,7 +201,9 @@ def test_an_engine_serves_a_prompt_its_peer_computed_with_the_cold_tokens(llama,
         assert out.num_cached_tokens == 96  # every full block but the last token's, copied from a's file
         assert b.connector.stats.num_peer_blocks == 6 and b.connector.stats.num_peer_dropped == 0
         assert b.connector.peers.paths == (str((tmp_path / "a.kv").resolve()),)
-        assert b.connector.num_held_host_blocks == 0  # staged for the load, then freed: a's file keeps them
+        assert b.connector.num_held_host_blocks == 0  # loaded through staging rows: a's file keeps them
+        assert b.connector.num_host_blocks == 64 - 16  # the catalog's: a quarter are staging rows
+        assert a.connector.num_host_blocks == 64
         assert b.audit().host_blocks_leaked == 0
     finally:
         b.connector.close()

@@ -99,10 +99,6 @@ class OffloadingManager(ABC):
         """Mark stored keys ready; on failure drop the keys still being stored."""
 
     @abstractmethod
-    def remove(self, keys: Sequence[OffloadKey]) -> None:
-        """Drop ready, unpinned keys and free their places."""
-
-    @abstractmethod
     def take_events(self) -> list[OffloadEvent]:
         """Return and clear the events since the last call."""
 
@@ -236,18 +232,6 @@ class PolicyOffloadingManager(OffloadingManager):
             return
         self.policy.discard(pending)
         self.backend.free([self._entries.pop(key).place for key in pending])
-
-    def remove(self, keys: Sequence[OffloadKey]) -> None:
-        """Drop ready, unpinned keys and free their places (a host block staged for one load);
-        a key in another state raises naming it and changes nothing."""
-        bad = [key for key in keys if self.state(key) != "ready"]
-        if bad:
-            raise OffloadError(f"only ready, unpinned keys can be removed; {bad[0]!r} is {self.state(bad[0])}")
-        keys = list(dict.fromkeys(keys))
-        self.policy.discard(keys)
-        self.backend.free([self._entries.pop(key).place for key in keys])
-        if keys and self.enable_events:
-            self._events.append(KeysRemoved(tuple(keys)))
 
     def take_events(self) -> list[OffloadEvent]:
         events, self._events = self._events, []

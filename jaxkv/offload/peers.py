@@ -4,10 +4,10 @@ Each replica keeps its own host tier in a file (:mod:`jaxkv.offload.persistent`)
 peers (``jaxkv-server --kv_offloading_peers GLOB``), a replica also tails the journals
 of the tier files ``GLOB`` names (its own excluded, found again every ``rescan_s`` so a
 peer that starts or restarts later is picked up). A prefix hit on a peer's blocks is
-staged: copied into host blocks of the replica's own, loaded, and freed
-(:meth:`jaxkv.serving.offload_connector.OffloadConnector.allocate_admitted`), so each block
-stays in the host tier of the replica that computed it and the fleet's tiers hold it once,
-as instances sharing one LMCache backend do.
+staged: copied into staging rows of the replica's host buffers and loaded from there
+(:mod:`jaxkv.serving.offload_connector`), so each block stays in the host tier of the
+replica that computed it and the fleet's tiers hold it once, as instances sharing one
+LMCache backend do.
 
 A peer is read as its owner writes it: a journal record *stored* only once the block's
 bytes are in the mapping, *removed* before its host block is written again. So a copy is

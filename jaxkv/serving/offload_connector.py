@@ -21,11 +21,11 @@ prefix served from the device does not age out of the host tier.
 
 With peers (``OffloadConfig.peers``: other processes' host-tier files on this machine,
 :mod:`jaxkv.offload.peers`), the blocks after the device hit that this tier lacks and a
-peer holds are first copied into host blocks of its own (each copy checked against the
-peer's journal), loaded as its own, and freed once the load is issued: a block stays in
-the host tier of the replica that computed it, so the fleet's tiers hold it once. Staged
-blocks are neither journaled nor kept (their store and removal are this tier's KV events
-of that step, without token ids, which a router indexes as nothing).
+peer holds are copied into staging rows of its host buffers (each copy checked against
+the peer's journal) and loaded with the tier's own: the last quarter of the tier's host
+blocks (at most one longest prompt's), which its catalog never hands out, so a peer hit evicts nothing and a block stays
+in the host tier of the replica that computed it (the fleet's tiers hold it once). Staged
+rows are neither journaled nor announced.
 
 Stores (``OffloadConfig.store``, see :data:`STORE_POLICIES`):
 
@@ -95,6 +95,10 @@ from jaxkv.serving.runner import DevicePlace, ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
 
 _log = logging.getLogger(__name__)
+
+STAGING_SHARE = 4
+"""With peers, 1/STAGING_SHARE of the host blocks (at least one, at most one ``max_model_len``
+prompt's) are staging rows for peer hits."""
 
 
 class ConnectorError(JaxkvError, ValueError):
@@ -212,6 +216,7 @@ class OffloadConnector:
         states: tuple[OffloadingManager, TransferEngine] | None = None,
         persistent: PersistentHostTier | None = None,
         peers: PeerTiers | None = None,
+        staging_rows: Sequence[int] = (),
     ) -> None:
         if store not in STORE_POLICIES:
             raise ConnectorError(f"unknown store policy {store!r}; valid: {', '.join(STORE_POLICIES)}")
@@ -243,8 +248,10 @@ class OffloadConnector:
         self._max_chains = 4 * (manager.pool.num_blocks + state_rows)
         self.persistent = persistent
         self.peers = peers
-        if peers is not None and persistent is None:
-            raise ConnectorError("a host tier reads its peers' files only with a file of its own (a path)")
+        if peers is not None and (persistent is None or not staging_rows):
+            raise ConnectorError("a host tier reads its peers' files only with a file of its own and staging rows")
+        self._staging_rows = list(staging_rows)
+        """Host blocks past the catalog's, where a peer's blocks are copied for one load."""
         self._keeps_block_info = persistent is not None or manager.enable_events
         """Whether a host block's parent and token ids are kept: only its KV events and the journal read them."""
         if persistent is not None:
@@ -252,9 +259,12 @@ class OffloadConnector:
                 raise ConnectorError(f"groups {recurrent} hold recurrent state: a host tier in a file holds KV only")
             if not isinstance(offload, PolicyOffloadingManager):
                 raise ConnectorError(f"a host tier in a file reloads into a PolicyOffloadingManager, got {offload!r}")
-            offload.restore(persistent.entries)
-            attention.host_blocks.update(persistent.entries)
-            self._host_info.update(persistent.infos)
+            staging = set(self._staging_rows)
+            kept = {k: b for k, b in persistent.entries.items() if b not in staging}
+            persistent.removed([k for k in persistent.entries if k not in kept])  # before a staging copy lands there
+            offload.restore(kept)
+            attention.host_blocks.update(kept)
+            self._host_info.update((k, i) for k, i in persistent.infos.items() if k in kept)
         if store == "on_eviction":
             manager.add_reuse_listener(self._on_reuse)
 
@@ -281,13 +291,24 @@ class OffloadConnector:
                     f"groups {manager.recurrent_group_ids()} hold recurrent state: a host tier in a file holds KV only"
                 )
             persistent, host_buffers = cls._persistent_buffers(manager, runner, config, host_bytes)
-        peers = None
+        peers, staging = None, range(0)
         if persistent is not None and config.peers is not None:
             peers = PeerTiers(config.peers, persistent.path, persistent.fingerprint, persistent.shape, persistent.dtype)
-        offload, transfers = cls._tier_parts(host_buffers, config, manager.enable_events)
+            prompt = sum(-(-manager.max_model_len // bs) for bs in manager.block_sizes)  # one prompt's blocks
+            capacity = host_buffers.num_blocks - min(max(1, host_buffers.num_blocks // STAGING_SHARE), prompt)
+            staging = range(capacity + 1, host_buffers.num_blocks + 1)
+        offload, transfers = cls._tier_parts(host_buffers, config, manager.enable_events, len(staging))
         try:
             return cls(
-                manager, runner, offload, transfers, config.store, states=states, persistent=persistent, peers=peers
+                manager,
+                runner,
+                offload,
+                transfers,
+                config.store,
+                states=states,
+                persistent=persistent,
+                peers=peers,
+                staging_rows=staging,
             )
         except BaseException:
             if persistent is not None:
@@ -323,9 +344,11 @@ class OffloadConnector:
 
     @staticmethod
     def _tier_parts(
-        pool: HostKVBuffers, config: OffloadConfig, enable_events: bool
+        pool: HostKVBuffers, config: OffloadConfig, enable_events: bool, num_staging: int = 0
     ) -> tuple[OffloadingManager, TransferEngine]:
-        offload = PolicyOffloadingManager(HostBlockBackend(pool.num_blocks), config.policy, enable_events=enable_events)
+        """The catalog of the pool's host blocks but its last ``num_staging`` (staging rows), and its transfers."""
+        backend = HostBlockBackend(pool.num_blocks - num_staging)
+        offload = PolicyOffloadingManager(backend, config.policy, enable_events=enable_events)
         return offload, TransferEngine(pool, fail_store=config.fail_store, fail_load=config.fail_load)
 
     def _split(self, keys: Sequence[OffloadKey]) -> list[tuple[_Tier, list[OffloadKey]]]:
@@ -333,10 +356,12 @@ class OffloadConnector:
         return [(tier, [k for k in keys if self._tier_of[k[1]] is tier]) for tier in self._tiers]
 
     # ------------------------------------------------------------- lookups
-    def _host_hit(self, request: Request, hashes: Sequence[Sequence[bytes]], start: int) -> _HostHit | None:
+    def _host_hit(
+        self, request: Request, hashes: Sequence[Sequence[bytes]], start: int, staged: dict[OffloadKey, int]
+    ) -> _HostHit | None:
         """The longest run of tokens after ``start`` whose needed blocks are on host in
         every group (whole multiples of the block sizes' lcm), or None (always for a request
-        that skips reading the prefix cache)."""
+        that skips reading the prefix cache); ``staged`` keys count as held."""
         mgr = self.manager
         lcm = mgr.lcm_block_size
         max_end = (request.num_tokens - 1) // lcm * lcm
@@ -346,7 +371,7 @@ class OffloadConnector:
         for g, bs in enumerate(mgr.block_sizes):
             lo, hi = start // bs, max_end // bs
             offload = self._tier_of[g].offload
-            flags = [offload.lookup([(hashes[g][i], g)]) == 1 for i in range(lo, hi)]
+            flags = [offload.lookup([(hashes[g][i], g)]) == 1 or (hashes[g][i], g) in staged for i in range(lo, hi)]
             ready.append((lo, np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])))
 
         def covered(end: int) -> bool:
@@ -362,26 +387,24 @@ class OffloadConnector:
         keys = tuple((hashes[g][i], g) for g in range(len(hashes)) for i in mgr.needed_blocks(g, start, end))
         return _HostHit(start, end, keys)
 
-    def _stage_from_peers(self, request: Request, hashes: Sequence[Sequence[bytes]], start: int) -> list[OffloadKey]:
-        """Copy into host blocks of this tier the blocks after ``start`` that it lacks and a
-        peer holds, up to the first one no tier holds in each group (at most half the tier's
-        blocks), so the host hit and its load run as for the tier's own blocks; returns the
-        keys staged (:meth:`_unstage` frees them once loaded: a block stays in the host tier
-        of the replica that computed it, never duplicated in another's). A copy that fails, or
-        that the peer may have overwritten while it was read, is not staged (a miss)."""
+    def _stage_from_peers(
+        self, request: Request, hashes: Sequence[Sequence[bytes]], start: int
+    ) -> dict[OffloadKey, int]:
+        """Copy into the staging rows the blocks after ``start`` that the tier lacks and a peer
+        holds, up to the first one no tier holds in each group (as many as there are staging
+        rows); the keys staged and their rows. A copy that fails, or that the peer may have
+        overwritten while it was read, is not staged (a miss)."""
         assert self.peers is not None
         mgr, tier = self.manager, self._tiers[0]
         max_end = (request.num_tokens - 1) // mgr.lcm_block_size * mgr.lcm_block_size
         if max_end <= start or request.skip_reading_prefix_cache:
-            return []
-        held: list[OffloadKey] = []
+            return {}
         wanted: list[OffloadKey] = []
         refreshed = False
         for g, bs in enumerate(mgr.block_sizes):
             for i in range(start // bs, max_end // bs):
                 key: OffloadKey = (hashes[g][i], g)
                 if tier.offload.lookup([key]) == 1:
-                    held.append(key)
                     continue
                 if not refreshed:
                     self.peers.refresh()
@@ -389,44 +412,20 @@ class OffloadConnector:
                 if not self.peers.holds(key):
                     break
                 wanted.append(key)
-        wanted = wanted[: max(1, self.num_host_blocks // 2)]
+        wanted = wanted[: len(self._staging_rows)]
         if not wanted:
-            return []
-        plan = tier.offload.prepare_store(held + wanted)  # evicts none of the prefix's blocks
-        if plan is None:
-            return []
-        self._evicted(tier, plan.evicted)
-        tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
-        ok: list[OffloadKey] = []
-        try:
-            copies = self.peers.read(plan.keys_to_store)
-            rows, places = [], []
-            for key, place, copy in zip(plan.keys_to_store, plan.where, copies, strict=True):
-                if copy is not None:
-                    rows.append(copy[0])
-                    places.append(place)
-                    ok.append(key)
-            if ok:
-                buffers = tier.transfers.buffers
-                buffers.bump(places)  # this tier owns them now: an older store into them is stale
-                buffers.commit(np.asarray(places, np.int64), np.stack(rows))
-        except BaseException:
-            ok = []
-            raise
-        finally:
-            tier.offload.complete_store(ok, success=True)
-            self._unstore(tier, [k for k in plan.keys_to_store if k not in set(ok)])
-            self.stats.num_peer_blocks += len(ok)
-            self.stats.num_peer_dropped += len(plan.keys_to_store) - len(ok)
-        return ok
-
-    def _unstage(self, keys: Sequence[OffloadKey]) -> None:
-        """Free the host blocks staged for a load (its rows were read at issue)."""
-        tier = self._tiers[0]
-        keys = [k for k in keys if tier.offload.lookup([k]) == 1]  # an allocation's store may have evicted some
-        if keys:
-            tier.offload.remove(keys)
-            tier.transfers.release([tier.host_blocks.pop(k) for k in keys])
+            return {}
+        copies = self.peers.read(wanted)
+        staged = {k: c[0] for k, c in zip(wanted, copies, strict=True) if c is not None}
+        self.stats.num_peer_blocks += len(staged)
+        self.stats.num_peer_dropped += len(wanted) - len(staged)
+        if not staged:
+            return {}
+        rows = self._staging_rows[: len(staged)]
+        buffers = tier.transfers.buffers
+        buffers.bump(rows)  # an older load's rows were read at its issue
+        buffers.commit(np.asarray(rows, np.int64), np.stack(list(staged.values())))
+        return dict(zip(staged, rows, strict=True))
 
     def _touch_prefix(self, request: Request, hashes: Sequence[Sequence[bytes]]) -> None:
         """Refresh the host recency of every full block of the request's prompt."""
@@ -447,24 +446,17 @@ class OffloadConnector:
         self._owner.check()
         mgr = self.manager
         hashes = mgr.hashes_per_group(request)
-        staged = [] if self.peers is None else self._stage_from_peers(request, hashes, num_hit)
-        try:
-            return self._allocate_admitted(request, hit, num_hit, budget, hashes)
-        finally:
-            self._unstage(staged)
-
-    def _allocate_admitted(
-        self, request: Request, hit: KVCacheBlocks, num_hit: int, budget: int, hashes: Sequence[Sequence[bytes]]
-    ) -> int | None:
-        mgr = self.manager
-        host = self._host_hit(request, hashes, num_hit)
+        staged = {} if self.peers is None else self._stage_from_peers(request, hashes, num_hit)
+        host = self._host_hit(request, hashes, num_hit, staged)
         if host is not None:
             pinned = []  # pinned: nothing below can evict them
             try:
                 host_blocks: dict[OffloadKey, int] = {}
                 for tier, keys in self._split(host.keys):
-                    host_blocks.update(zip(keys, tier.offload.prepare_load(keys), strict=True))
-                    pinned.append((tier, keys))
+                    own = [k for k in keys if k not in staged]
+                    host_blocks.update(zip(own, tier.offload.prepare_load(own), strict=True))
+                    host_blocks.update((k, staged[k]) for k in keys if k in staged)
+                    pinned.append((tier, own))
                 num_ext = host.end - host.start
                 n = mgr.chunk_limit(request, host.end, min(request.num_tokens - host.end, budget))
                 if n and mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext) is not None:
@@ -722,8 +714,8 @@ class OffloadConnector:
 
     @property
     def num_host_blocks(self) -> int:
-        """Host blocks of attention KV the tier has in all (vLLM's ``num_cpu_blocks``)."""
-        return self._tiers[0].transfers.buffers.num_blocks
+        """Host blocks of attention KV the tier keeps (vLLM's ``num_cpu_blocks``; staging rows excluded)."""
+        return self._tiers[0].transfers.buffers.num_blocks - len(self._staging_rows)
 
     @property
     def num_held_host_blocks(self) -> int:
