@@ -82,7 +82,10 @@ def test_a_peer_that_starts_later_is_found_and_one_that_vanishes_is_a_miss(pair,
     assert not peers.holds(key(3)) and str(c.path.resolve()) not in peers.paths
 
 
-def test_a_block_the_peer_reuses_while_it_is_copied_is_dropped(pair, tmp_path):
+@pytest.fixture
+def racing(pair, tmp_path):
+    """``a`` holding keys 1 and 2, ``b``'s reader of it, and ``race(action)``: run the owner's
+    ``action`` between a read's copy and its check (the race, made deterministic)."""
     a, b = pair
     put(a, 1, 1, 1.0)
     put(a, 2, 2, 2.0)
@@ -90,36 +93,42 @@ def test_a_block_the_peer_reuses_while_it_is_copied_is_dropped(pair, tmp_path):
     peers.refresh()
     poll = peers._poll
 
-    def evict_during_the_copy(peer):
+    def race(action):
+        def in_between(peer):
+            action()
+            return poll(peer)
+
+        peers._poll = in_between if action is not None else poll
+
+    return a, peers, race
+
+
+def test_a_block_the_peer_reuses_while_it_is_copied_is_dropped(racing):
+    a, peers, race = racing
+
+    def evict():
         a.removed([key(1)])  # the owner's order: removed, then the new bytes, then stored
         put(a, 5, 1, 9.0)
-        return poll(peer)
 
-    peers._poll = evict_during_the_copy  # runs between the copy and its check
+    race(evict)
     torn, kept = peers.read([key(1), key(2)])
     assert torn is None  # a copy that may hold 9.0 is never returned
     assert kept is not None and (kept[0] == 2.0).all()
-    peers._poll = poll
+    race(None)
     [(row, _)] = peers.read([key(5)])
     assert (row == 9.0).all()
 
 
-def test_a_peers_compaction_is_read_again_from_its_start(pair, tmp_path):
-    a, b = pair
-    put(a, 1, 1, 1.0)
-    put(a, 2, 2, 2.0)
-    peers = reader(b, tmp_path / "*.kv")
-    peers.refresh()
-    poll = peers._poll
+def test_a_peers_compaction_is_read_again_from_its_start(racing):
+    a, peers, race = racing
 
-    def compact_during_the_copy(peer):
+    def compact():
         a.removed([key(1)])
         a.compact({key(2): 2}, {key(2): (None, (2, 3))})  # a new journal (os.replace: a new inode)
-        return poll(peer)
 
-    peers._poll = compact_during_the_copy
+    race(compact)
     assert peers.read([key(2)]) == [None]  # across a new inode a copy is not trusted
-    peers._poll = poll
+    race(None)
     peers.refresh()
     assert not peers.holds(key(1))
     [(row, info)] = peers.read([key(2)])

@@ -357,7 +357,11 @@ class OffloadConnector:
 
     # ------------------------------------------------------------- lookups
     def _host_hit(
-        self, request: Request, hashes: Sequence[Sequence[bytes]], start: int, staged: dict[OffloadKey, int]
+        self,
+        request: Request,
+        hashes: Sequence[Sequence[bytes]],
+        start: int,
+        staged: dict[OffloadKey, int] | None = None,
     ) -> _HostHit | None:
         """The longest run of tokens after ``start`` whose needed blocks are on host in
         every group (whole multiples of the block sizes' lcm), or None (always for a request
@@ -367,6 +371,7 @@ class OffloadConnector:
         max_end = (request.num_tokens - 1) // lcm * lcm
         if max_end <= start or request.skip_reading_prefix_cache:
             return None
+        staged = staged or {}
         ready = []  # per group: prefix counts of ready blocks from start's block on
         for g, bs in enumerate(mgr.block_sizes):
             lo, hi = start // bs, max_end // bs
