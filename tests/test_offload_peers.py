@@ -200,7 +200,7 @@ def engine(model: TinyLM, path, peers=None) -> Engine:
 def test_an_engine_serves_a_prompt_its_peer_computed_with_the_cold_tokens(llama, tmp_path):
     prompt = np.random.default_rng(5).integers(0, 512, 100).tolist()
     cold = tuple(dense_greedy_generate(llama, [prompt], 4)[0])
-    a = engine(llama, tmp_path / "a.kv")
+    a = engine(llama, tmp_path / "a.kv", peers=str(tmp_path / "*.kv"))  # the fleet: every replica reads the others
     b = engine(llama, tmp_path / "b.kv", peers=str(tmp_path / "*.kv"))
     try:
         assert a.generate([prompt], 4).outputs[0].output_token_ids == cold
@@ -211,8 +211,8 @@ def test_an_engine_serves_a_prompt_its_peer_computed_with_the_cold_tokens(llama,
         assert b.connector.stats.num_peer_blocks == 6 and b.connector.stats.num_peer_dropped == 0
         assert b.connector.peers.paths == (str((tmp_path / "a.kv").resolve()),)
         assert b.connector.num_held_host_blocks == 0  # loaded through staging rows: a's file keeps them
-        assert b.connector.num_host_blocks == 64 - 16  # the catalog's: a quarter are staging rows
-        assert a.connector.num_host_blocks == 64
+        assert b.connector.num_host_blocks == a.connector.num_host_blocks == 64  # staging rows come on top
+        assert b.connector.host_bytes == (64 + 16) * (4 << 20) // 64  # 16 staging rows beyond the 4 MiB
         assert b.audit().host_blocks_leaked == 0
     finally:
         b.connector.close()

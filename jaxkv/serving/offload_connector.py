@@ -22,8 +22,9 @@ prefix served from the device does not age out of the host tier.
 With peers (``OffloadConfig.peers``: other processes' host-tier files on this machine,
 :mod:`jaxkv.offload.peers`), the blocks after the device hit that this tier lacks and a
 peer holds are copied into staging rows of its host buffers (each copy checked against
-the peer's journal) and loaded with the tier's own: the last quarter of the tier's host
-blocks (at most one longest prompt's), which its catalog never hands out, so a peer hit evicts nothing and a block stays
+the peer's journal) and loaded with the tier's own: rows past the tier's host blocks (a
+quarter as many, at most one longest prompt's, beyond ``host_bytes``: transient copies, not
+cache), which its catalog never hands out, so a peer hit evicts nothing and a block stays
 in the host tier of the replica that computed it (the fleet's tiers hold it once). Staged
 rows are neither journaled nor announced.
 
@@ -97,8 +98,8 @@ from jaxkv.serving.scheduler import ScheduledChunk
 _log = logging.getLogger(__name__)
 
 STAGING_SHARE = 4
-"""With peers, 1/STAGING_SHARE of the host blocks (at least one, at most one ``max_model_len``
-prompt's) are staging rows for peer hits."""
+"""With peers, a host tier in a file gets staging rows for peer hits beyond its size: a
+1/STAGING_SHARE of its blocks (at least one, at most one ``max_model_len`` prompt's)."""
 
 
 class ConnectorError(JaxkvError, ValueError):
@@ -290,13 +291,11 @@ class OffloadConnector:
                 raise ConnectorError(
                     f"groups {manager.recurrent_group_ids()} hold recurrent state: a host tier in a file holds KV only"
                 )
-            persistent, host_buffers = cls._persistent_buffers(manager, runner, config, host_bytes)
+            persistent, host_buffers, num_staging = cls._persistent_buffers(manager, runner, config, host_bytes)
         peers, staging = None, range(0)
         if persistent is not None and config.peers is not None:
             peers = PeerTiers(config.peers, persistent.path, persistent.fingerprint, persistent.shape, persistent.dtype)
-            prompt = sum(-(-manager.max_model_len // bs) for bs in manager.block_sizes)  # one prompt's blocks
-            capacity = host_buffers.num_blocks - min(max(1, host_buffers.num_blocks // STAGING_SHARE), prompt)
-            staging = range(capacity + 1, host_buffers.num_blocks + 1)
+            staging = range(host_buffers.num_blocks - num_staging + 1, host_buffers.num_blocks + 1)
         offload, transfers = cls._tier_parts(host_buffers, config, manager.enable_events, len(staging))
         try:
             return cls(
@@ -318,11 +317,17 @@ class OffloadConnector:
     @staticmethod
     def _persistent_buffers(
         manager: KVCacheManager, runner: ModelRunner, config: OffloadConfig, host_bytes: int
-    ) -> tuple[PersistentHostTier, HostKVBuffers]:
-        """The files of ``config.path`` and host buffers mapped onto them."""
+    ) -> tuple[PersistentHostTier, HostKVBuffers, int]:
+        """The files of ``config.path``, host buffers mapped onto them, and how many of their
+        last rows are staging rows (with peers: beyond ``host_bytes``, see :data:`STAGING_SHARE`)."""
         assert config.path is not None
         shape, dtype = row_format(runner.kv_cache)
         num_blocks = blocks_in_budget(host_bytes, int(np.prod(shape)) * dtype.itemsize)
+        num_staging = 0
+        if config.peers is not None:
+            prompt = sum(-(-manager.max_model_len // bs) for bs in manager.block_sizes)  # one prompt's blocks
+            num_staging = min(max(1, num_blocks // STAGING_SHARE), prompt)
+            num_blocks += num_staging
         hasher = manager.hasher
         fingerprint = {
             "format": 1,
@@ -340,7 +345,7 @@ class OffloadConnector:
         except BaseException:
             persistent.close()
             raise
-        return persistent, buffers
+        return persistent, buffers, num_staging
 
     @staticmethod
     def _tier_parts(
