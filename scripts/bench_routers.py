@@ -113,6 +113,12 @@ flags.DEFINE_list(
     "per replica with --kv_offloading_path, so the restarted replica reloads it), shared (the files, each replica "
     "reading the others' with --kv_offloading_peers)",
 )
+flags.DEFINE_enum(
+    "kv_offloading_store",
+    None,
+    ["on_eviction", "write_through"],
+    "the replicas' --kv_offloading_store (default: the server's, write_through with a file)",
+)
 FLAGS = flags.FLAGS
 HOST_TIERS = ("none", "memory", "file", "shared")
 PROG = "bench_routers.py"
@@ -208,6 +214,8 @@ class Server:
             cmd += ["--kv_offloading_path", self.host_file]
         if self.peers is not None:
             cmd += ["--kv_offloading_peers", self.peers]
+        if self.host_file is not None and FLAGS.kv_offloading_store is not None:
+            cmd += ["--kv_offloading_store", FLAGS.kv_offloading_store]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def wait(self) -> None:
@@ -437,6 +445,7 @@ def main(argv: list[str]) -> None:
             "user_chars",
             "max_tokens",
             "kv_events",
+            "kv_offloading_store",
         )
     }
     print_table(results)
