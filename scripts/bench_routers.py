@@ -33,13 +33,21 @@ installed is reported as skipped, with the reason.
 ``--host_tiers none,memory,file`` runs each configuration once per host tier: none;
 ``memory`` (``jaxkv-server --kv_offloading_size`` of ``--kv_offloading_size`` each, stored
 on eviction); ``file`` (the same kept in a file per replica, ``--kv_offloading_path``,
-written through: the restarted replica reloads it and announces the reloaded blocks).
+written through: the restarted replica reloads it and announces the reloaded blocks);
+``shared`` (the same files, in one directory, each replica reading the others' as peers,
+``--kv_offloading_peers DIR/*.kv``: a prefix hit copies the blocks its own tiers lack from
+another replica's file, so a request routed away from its chat's replica still hits).
 With a host tier the hit rate counts the host tier's hits too
 (``vllm:external_prefix_cache_hits_total``), and one big cache gets the replicas' host
 memory together (in memory: it is never restarted), so the comparison stays fair on bytes:
 
     PYTHONPATH=. python scripts/bench_routers.py --checkpoint /tmp/tiny-llama \\
         --routers_venv /tmp/routers-venv --host_tiers none,memory,file --out bench_routers_host.json
+    PYTHONPATH=. python scripts/bench_routers.py --checkpoint /tmp/tiny-llama --routers_venv /tmp/routers-venv \\
+        --configs vllm:kv_aware,vllm:cache_aware --host_tiers file,shared --out bench_routers_shared.json
+
+With ``shared`` the fleet holds the same bytes as one big cache +host (each replica its own
+``--kv_offloading_size``; a block copied from a peer takes a host block of the copier's own).
 
 A hybrid checkpoint (recurrent layers: ``--family qwen3_next``) is served with
 state-aware KV events by default; ``--kv_events state_aware,raw`` runs ``kv_aware`` once
@@ -102,10 +110,17 @@ flags.DEFINE_list(
     "host_tiers",
     ["none"],
     "host tiers each configuration runs with: none, memory (--kv_offloading_size), file (the same, kept in a file "
-    "per replica with --kv_offloading_path, so the restarted replica reloads it)",
+    "per replica with --kv_offloading_path, so the restarted replica reloads it), shared (the files, each replica "
+    "reading the others' with --kv_offloading_peers)",
+)
+flags.DEFINE_enum(
+    "kv_offloading_store",
+    None,
+    ["on_eviction", "write_through"],
+    "the replicas' --kv_offloading_store (default: the server's, write_through with a file)",
 )
 FLAGS = flags.FLAGS
-HOST_TIERS = ("none", "memory", "file")
+HOST_TIERS = ("none", "memory", "file", "shared")
 PROG = "bench_routers.py"
 
 HOST = "127.0.0.1"
@@ -173,6 +188,8 @@ class Server:
     """``--kv_offloading_size`` (None: no host tier)."""
     host_file: str | None = None
     """``--kv_offloading_path``: kept across a restart."""
+    peers: str | None = None
+    """``--kv_offloading_peers``: the other replicas' files it reads."""
     port: int = field(default_factory=free_port)
     events: str = field(default_factory=lambda: f"tcp://{HOST}:{free_port()}")
     replay: str = field(default_factory=lambda: f"tcp://{HOST}:{free_port()}")
@@ -195,6 +212,10 @@ class Server:
             cmd += ["--kv_offloading_size", self.host_tier]
         if self.host_file is not None:
             cmd += ["--kv_offloading_path", self.host_file]
+        if self.peers is not None:
+            cmd += ["--kv_offloading_peers", self.peers]
+        if self.host_file is not None and FLAGS.kv_offloading_store is not None:
+            cmd += ["--kv_offloading_store", FLAGS.kv_offloading_store]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def wait(self) -> None:
@@ -234,12 +255,22 @@ class Server:
 
 @contextlib.contextmanager
 def servers(
-    n: int, memory: str, raw_events: bool = False, host_tier: str | None = None, in_files: bool = False
+    n: int,
+    memory: str,
+    raw_events: bool = False,
+    host_tier: str | None = None,
+    in_files: bool = False,
+    shared: bool = False,
 ) -> Iterator[list[Server]]:
     """``n`` servers of ``memory`` each, with a host tier of ``host_tier`` bytes each (None: none),
-    each kept in a file of its own (``in_files``) that outlives a restart."""
+    each kept in a file of its own (``in_files``) that outlives a restart, read by the others
+    (``shared``)."""
     files = tempfile.TemporaryDirectory()
-    fleet = [Server(memory, raw_events, host_tier, f"{files.name}/host{i}" if in_files else None) for i in range(n)]
+    peers = f"{files.name}/*.kv" if shared else None
+    fleet = [
+        Server(memory, raw_events, host_tier, f"{files.name}/replica{i}.kv" if in_files else None, peers)
+        for i in range(n)
+    ]
     try:
         for s in fleet:
             s.start()
@@ -326,7 +357,8 @@ def run_fleet(
             FLAGS.memory,
             raw_events,
             None if host_tier == "none" else str(parse_bytes(FLAGS.kv_offloading_size)),
-            in_files=host_tier == "file",
+            in_files=host_tier in ("file", "shared"),
+            shared=host_tier == "shared",
         ) as fleet,
         tempfile.TemporaryDirectory() as tmp,
     ):
@@ -413,6 +445,7 @@ def main(argv: list[str]) -> None:
             "user_chars",
             "max_tokens",
             "kv_events",
+            "kv_offloading_store",
         )
     }
     print_table(results)

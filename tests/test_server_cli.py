@@ -165,12 +165,17 @@ def get(url: str) -> bytes:
         return answer.read()
 
 
+def answer(url: str, model: str, prompt: list[int], max_tokens: int = 1) -> dict:
+    """The completion's JSON body."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.load(reply)
+
+
 def complete(url: str, model: str, prompt: list[int]) -> int:
     """The prompt tokens served from cache (device or host)."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as answer:
-        return json.load(answer)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return answer(url, model, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def replayed_cpu_blocks(endpoint: str) -> int:
@@ -229,3 +234,30 @@ def test_a_server_killed_and_restarted_on_its_file_announces_and_serves_the_relo
     finally:
         server.terminate()
         server.wait(60)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_replica_serves_from_the_host_tier_file_of_a_peer_on_the_machine(checkpoint, tmp_path):
+    ports = free_port(), free_port()
+    servers = []
+    for i, port in enumerate(ports):
+        cmd = [*SERVER, "--checkpoint", str(checkpoint), "--port", str(port), "--memory", "4MiB"]
+        cmd += ["--max_model_len", "256", "--kv_offloading_size", "1MiB"]
+        cmd += ["--kv_offloading_path", str(tmp_path / f"r{i}.kv"), "--kv_offloading_peers", str(tmp_path / "*.kv")]
+        servers.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=repo_env()))
+    try:
+        for server in servers:
+            ready = server.stdout.readline()
+            assert ready.startswith("jaxkv-server: ready") and ", peers " in ready, ready + server.stderr.read()
+        (a, b), prompt = [f"http://127.0.0.1:{p}" for p in ports], list(range(1, 101))
+        first = answer(a, checkpoint.name, prompt, max_tokens=4)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        again = answer(b, checkpoint.name, prompt, max_tokens=4)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # copied from r0.kv
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert json.loads(get(f"{b}/server_info"))["kv_offloading_peers"] == [str((tmp_path / "r0.kv").resolve())]
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(60)

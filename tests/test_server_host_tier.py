@@ -16,6 +16,8 @@ from jaxkv.server.cli import offload_config, parser
         (["--kv_offloading_size", "100000GiB"], "--kv_offloading_size=107,374,182,400,000 exceeds this host's"),
         (["--kv_offloading_size", "1MiB", "--kv_offloading_policy", "fifo"], "invalid choice: 'fifo'"),
         (["--kv_offloading_size", "lots"], "'lots' is not a size"),
+        (["--kv_offloading_peers", "/tmp/*.kv"], "--kv_offloading_peers needs --kv_offloading_size"),
+        (["--kv_offloading_size", "1MiB", "--kv_offloading_peers", "/tmp/*.kv"], "needs --kv_offloading_path"),
     ],
 )
 def test_a_host_tier_the_server_cannot_have_is_refused_in_one_line(tmp_path, capsys, flags, says):
@@ -36,5 +38,12 @@ def test_the_file_defaults_to_write_through_and_names_the_weights(tmp_path):
     )
     kept = offload_config(args, tmp_path)
     assert kept.store == "write_through" and kept.path == "f" and len(kept.model_id) == 64
+    assert kept.peers is None
+    shared = offload_config(parser().parse_args([*args_list(tmp_path), "--kv_offloading_peers", "d/*.kv"]), tmp_path)
+    assert shared.peers == "d/*.kv" and shared.path == "f"
     (tmp_path / "config.json").write_text('{"hidden_size": 8}')
     assert offload_config(args, tmp_path).model_id != kept.model_id
+
+
+def args_list(tmp_path) -> list[str]:
+    return ["--checkpoint", str(tmp_path), "--kv_offloading_size", "1MiB", "--kv_offloading_path", "f"]

@@ -75,38 +75,78 @@ def _record(op: int, key: Key, host_block: int, info: BlockInfo | None = None) -
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def _replay(data: bytes, num_blocks: int) -> tuple[dict[Key, int], dict[Key, BlockInfo], int]:
-    """The live keys and their host blocks after the records in ``data``, what their events
-    carry, and how many bytes of ``data`` were whole, valid records (the rest is a torn or
-    corrupt tail)."""
-    live: dict[Key, int] = {}
-    infos: dict[Key, BlockInfo] = {}
-    holder: dict[int, Key] = {}
-    pos = 0
-    while pos + _RECORD.size <= len(data):
-        op, group, host_block, hash_len, parent_len, num_tokens = _RECORD.unpack_from(data, pos)
-        start = pos + _RECORD.size
-        end = start + hash_len + parent_len + 4 * num_tokens
-        if end + _CRC.size > len(data) or _CRC.unpack_from(data, end)[0] != zlib.crc32(data[pos:end]):
-            break
-        if op not in (_STORED, _REMOVED) or (op == _STORED and not 1 <= host_block <= num_blocks):
-            break
-        key: Key = (bytes(data[start : start + hash_len]), group)
-        old = live.pop(key, None)
-        infos.pop(key, None)
+class JournalState:
+    """The live keys of a journal's records, applied as they come (a tier's replay at
+    start, or a reader tailing another process's journal: :mod:`jaxkv.offload.peers`)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.live: dict[Key, int] = {}
+        self.infos: dict[Key, BlockInfo] = {}
+        self.version: dict[Key, int] = {}
+        """Live key -> the number of the record that stored it (a key removed and stored again gets a new one)."""
+        self._holder: dict[int, Key] = {}
+        self._num_records = 0
+
+    def apply(self, data: bytes | memoryview) -> int:
+        """Apply the whole, valid records at the start of ``data``; how many bytes they took
+        (the rest is a torn or corrupt tail, or a record still being written)."""
+        pos = 0
+        while pos + _RECORD.size <= len(data):
+            op, group, host_block, hash_len, parent_len, num_tokens = _RECORD.unpack_from(data, pos)
+            start = pos + _RECORD.size
+            end = start + hash_len + parent_len + 4 * num_tokens
+            if end + _CRC.size > len(data) or _CRC.unpack_from(data, end)[0] != zlib.crc32(data[pos:end]):
+                break
+            if op not in (_STORED, _REMOVED) or (op == _STORED and not 1 <= host_block <= self.num_blocks):
+                break
+            key: Key = (bytes(data[start : start + hash_len]), group)
+            self._drop(key)
+            if op == _STORED:
+                prior = self._holder.get(host_block)  # a host block holds one key
+                if prior is not None:
+                    self._drop(prior)
+                self.live[key], self._holder[host_block] = host_block, key
+                self.version[key] = self._num_records
+                if num_tokens:
+                    parent = bytes(data[start + hash_len : start + hash_len + parent_len]) or None
+                    tokens = struct.unpack_from(f"<{num_tokens}I", data, start + hash_len + parent_len)
+                    self.infos[key] = (parent, tokens)
+            self._num_records += 1
+            pos = end + _CRC.size
+        return pos
+
+    def _drop(self, key: Key) -> None:
+        old = self.live.pop(key, None)
+        self.infos.pop(key, None)
+        self.version.pop(key, None)
         if old is not None:
-            holder.pop(old, None)
-        if op == _STORED:
-            prior = holder.pop(host_block, None)  # a host block holds one key
-            if prior is not None:
-                live.pop(prior)
-                infos.pop(prior, None)
-            live[key], holder[host_block] = host_block, key
-            if num_tokens:
-                parent = bytes(data[start + hash_len : start + hash_len + parent_len]) or None
-                infos[key] = (parent, struct.unpack_from(f"<{num_tokens}I", data, start + hash_len + parent_len))
-        pos = end + _CRC.size
-    return live, infos, pos
+            self._holder.pop(old, None)
+
+
+def header(fingerprint: dict[str, Any]) -> bytes:
+    """A journal's header for a tier of ``fingerprint``."""
+    text = json.dumps(fingerprint, sort_keys=True).encode()
+    return MAGIC + _HEADER_LEN.pack(len(text)) + text + _CRC.pack(zlib.crc32(text))
+
+
+def header_mismatch(data: bytes, fingerprint: dict[str, Any]) -> str | None:
+    """Why the journal ``data`` starts with no header of ``fingerprint`` (None: it does)."""
+    start = len(MAGIC) + _HEADER_LEN.size
+    if len(data) < start or data[: len(MAGIC)] != MAGIC:
+        return "no jaxkv host-tier header"
+    (n,) = _HEADER_LEN.unpack_from(data, len(MAGIC))
+    text = data[start : start + n]
+    if len(text) != n or len(data) < start + n + _CRC.size or _CRC.unpack_from(data, start + n)[0] != zlib.crc32(text):
+        return "a torn header"
+    try:
+        written = json.loads(text)
+    except ValueError:
+        return "an unreadable header"
+    diff = [k for k in sorted(set(written) | set(fingerprint)) if written.get(k) != fingerprint.get(k)]
+    if diff:
+        return "; ".join(f"{k}: file {written.get(k)!r}, this server {fingerprint.get(k)!r}" for k in diff)
+    return None
 
 
 class PersistentHostTier:
@@ -151,32 +191,6 @@ class PersistentHostTier:
             raise
 
     # ---------------------------------------------------------------- start
-    def _header(self) -> bytes:
-        text = json.dumps(self.fingerprint, sort_keys=True).encode()
-        return MAGIC + _HEADER_LEN.pack(len(text)) + text + _CRC.pack(zlib.crc32(text))
-
-    def _mismatch(self, data: bytes) -> str | None:
-        """Why the journal's header is not this tier's (None: it is)."""
-        start = len(MAGIC) + _HEADER_LEN.size
-        if len(data) < start or data[: len(MAGIC)] != MAGIC:
-            return "no jaxkv host-tier header"
-        (n,) = _HEADER_LEN.unpack_from(data, len(MAGIC))
-        text = data[start : start + n]
-        if (
-            len(text) != n
-            or len(data) < start + n + _CRC.size
-            or _CRC.unpack_from(data, start + n)[0] != zlib.crc32(text)
-        ):
-            return "a torn header"
-        try:
-            written = json.loads(text)
-        except ValueError:
-            return "an unreadable header"
-        diff = [k for k in sorted(set(written) | set(self.fingerprint)) if written.get(k) != self.fingerprint.get(k)]
-        if diff:
-            return "; ".join(f"{k}: file {written.get(k)!r}, this server {self.fingerprint.get(k)!r}" for k in diff)
-        return None
-
     def _load(self) -> tuple[dict[Key, int], dict[Key, BlockInfo], int]:
         """Replay the journal (cold when it is not this tier's), then rewrite it compacted."""
         data = self.journal_path.read_bytes()
@@ -184,14 +198,15 @@ class PersistentHostTier:
         infos: dict[Key, BlockInfo] = {}
         dropped = 0
         if data:
-            why = self._mismatch(data)
+            why = header_mismatch(data, self.fingerprint)
             if why is not None:
                 _log.warning("host tier file %s starts cold: it was written by something else (%s)", self.path, why)
                 self.path.unlink(missing_ok=True)
             else:
-                body = data[len(self._header()) :]
-                entries, infos, whole = _replay(body, self.num_blocks)
-                dropped = len(body) - whole
+                body = data[len(header(self.fingerprint)) :]
+                state = JournalState(self.num_blocks)
+                dropped = len(body) - state.apply(body)
+                entries, infos = state.live, state.infos
                 if dropped:
                     _log.warning("host tier journal %s: dropped a torn tail of %d bytes", self.journal_path, dropped)
         if entries and (not self.path.exists() or self.path.stat().st_size != self._nbytes()):
@@ -204,7 +219,9 @@ class PersistentHostTier:
 
     def _rewrite(self, entries: dict[Key, int], infos: dict[Key, BlockInfo]) -> None:
         """Replace the journal, atomically, by the header and one record per live key."""
-        compacted = self._header() + b"".join(_record(_STORED, k, b, infos.get(k)) for k, b in entries.items())
+        compacted = header(self.fingerprint) + b"".join(
+            _record(_STORED, k, b, infos.get(k)) for k, b in entries.items()
+        )
         tmp = self.journal_path.with_name(self.journal_path.name + ".tmp")
         tmp.write_bytes(compacted)
         os.replace(tmp, self.journal_path)  # the lock stays on the old inode: take it on the new one
@@ -219,6 +236,8 @@ class PersistentHostTier:
 
     def _map(self) -> np.ndarray:
         fresh = not self.path.exists() or self.path.stat().st_size != self._nbytes()
+        if fresh:  # a new inode: a peer that maps the old file (:mod:`jaxkv.offload.peers`) never sees it truncated
+            self.path.unlink(missing_ok=True)
         return np.memmap(self.path, dtype=self.dtype, mode="w+" if fresh else "r+", shape=self.shape)
 
     # ---------------------------------------------------------------- use

@@ -286,6 +286,9 @@ def create_app(config: ServerConfig) -> FastAPI:
                 "num_cpu_blocks": 0 if connector is None else connector.num_host_blocks,
                 "kv_offloading_size": 0 if connector is None else connector.host_bytes,
                 "kv_offloading_path": None if persistent is None else str(persistent.path),
+                "kv_offloading_peers": []
+                if connector is None or connector.peers is None
+                else list(connector.peers.paths),
                 "version": jaxkv.__version__,
             }
         )

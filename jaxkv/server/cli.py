@@ -1,5 +1,5 @@
 """``jaxkv-server --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--memory 1GiB] [--max_model_len N]``
-``[--kv_offloading_size 4GiB [--kv_offloading_path FILE]]``.
+``[--kv_offloading_size 4GiB [--kv_offloading_path FILE [--kv_offloading_peers GLOB]]]``.
 
 Serves one Hugging Face-format checkpoint directory over OpenAI's API on loopback
 unless told otherwise. ``--max_model_len`` defaults to the checkpoint's positions. The
@@ -9,7 +9,9 @@ length that fits) are one line on stderr and exit status 2; once serving, one li
 where, what and in which plan. ``--kv_offloading_size`` adds a host tier of that much
 CPU memory (:class:`~jaxkv.serving.offload_connector.OffloadConfig`); with
 ``--kv_offloading_path`` it lives in a file a restarted server reloads
-(:mod:`jaxkv.offload.persistent`) and announces in its KV events.
+(:mod:`jaxkv.offload.persistent`) and announces in its KV events; with
+``--kv_offloading_peers`` it also copies prefix hits from the other replicas' files on
+this machine (:mod:`jaxkv.offload.peers`).
 """
 
 from __future__ import annotations
@@ -119,6 +121,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="keep the host tier in this file (and PATH.journal): a restarted server reloads it and announces it",
     )
+    host.add_argument(
+        "--kv_offloading_peers",
+        default=None,
+        metavar="GLOB",
+        help="other replicas' --kv_offloading_path files on this machine (this server's own excluded, found again "
+        "every second) whose blocks a prefix hit copies into this server's host tier, e.g. '/dev/shm/kv/*.kv'",
+    )
     events = p.add_argument_group("KV cache events (vLLM's ZeroMQ wire format, for KV-aware routers)")
     events.add_argument("--kv_events_endpoint", default=None, help="publish on this ZeroMQ PUB address")
     events.add_argument("--kv_events_replay_endpoint", default=None, help="answer replays on this ROUTER address")
@@ -218,10 +227,14 @@ def offload_config(args: argparse.Namespace, directory: Path) -> OffloadConfig |
     if args.kv_offloading_size is None:
         if args.kv_offloading_path is not None:
             fail("--kv_offloading_path needs --kv_offloading_size (the host memory the file maps)")
+        if args.kv_offloading_peers is not None:
+            fail("--kv_offloading_peers needs --kv_offloading_size and --kv_offloading_path (a file of its own)")
         return None
     if args.no_prefix_caching:
         fail("--kv_offloading_size needs the prefix cache: the host tier is keyed by block hashes")
     persistent = args.kv_offloading_path is not None
+    if args.kv_offloading_peers is not None and not persistent:
+        fail("--kv_offloading_peers needs --kv_offloading_path: a replica shares its host tier through its own file")
     store = args.kv_offloading_store or ("write_through" if persistent else "on_eviction")
     try:
         return OffloadConfig(
@@ -230,6 +243,7 @@ def offload_config(args: argparse.Namespace, directory: Path) -> OffloadConfig |
             store=store,
             path=args.kv_offloading_path,
             model_id=checkpoint_identity(directory) if persistent else "",
+            peers=args.kv_offloading_peers,
         )
     except JaxkvError as err:
         fail(str(err).replace("host_bytes", "--kv_offloading_size"))
@@ -329,7 +343,8 @@ def host_tier(engine: Any) -> str:
         return ""
     kept = "" if connector.persistent is None else f", kept in {connector.persistent.path}"
     reloaded = "" if connector.persistent is None else f", {len(connector.persistent.entries)} reloaded"
-    return f", host tier {connector.num_host_blocks} blocks ({connector.host_bytes:,} B{kept}{reloaded})"
+    peers = "" if connector.peers is None else f", peers {connector.peers.pattern}"
+    return f", host tier {connector.num_host_blocks} blocks ({connector.host_bytes:,} B{kept}{reloaded}{peers})"
 
 
 async def serve(args: argparse.Namespace) -> None:

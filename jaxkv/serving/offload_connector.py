@@ -19,6 +19,15 @@ read as garbage KV. Any exception during admission leaves nothing held. Every ad
 refreshes the host recency of the request's prefix, as vLLM does on each lookup, so a
 prefix served from the device does not age out of the host tier.
 
+With peers (``OffloadConfig.peers``: other processes' host-tier files on this machine,
+:mod:`jaxkv.offload.peers`), the blocks after the device hit that this tier lacks and a
+peer holds are copied into staging rows of its host buffers (each copy checked against
+the peer's journal) and loaded with the tier's own: rows past the tier's host blocks (a
+quarter as many, at most one longest prompt's, beyond ``host_bytes``: transient copies, not
+cache), which its catalog never hands out, so a peer hit evicts nothing and a block stays
+in the host tier of the replica that computed it (the fleet's tiers hold it once). Staged
+rows are neither journaled nor announced.
+
 Stores (``OffloadConfig.store``, see :data:`STORE_POLICIES`):
 
 - ``on_eviction`` (default): a cached device block is stored when the pool hands it out
@@ -80,12 +89,17 @@ from jaxkv.offload.catalog import (
 )
 from jaxkv.offload.host_blocks import HostBlockBackend
 from jaxkv.offload.host_buffers import HostKVBuffers, blocks_in_budget, row_format, row_sharding
+from jaxkv.offload.peers import PeerTiers
 from jaxkv.offload.persistent import BlockInfo, PersistentHostTier
 from jaxkv.offload.transfer import FailureHook, Transfer, TransferEngine
 from jaxkv.serving.runner import DevicePlace, ModelRunner
 from jaxkv.serving.scheduler import ScheduledChunk
 
 _log = logging.getLogger(__name__)
+
+STAGING_SHARE = 4
+"""With peers, a host tier in a file gets staging rows for peer hits beyond its size: a
+1/STAGING_SHARE of its blocks (at least one, at most one ``max_model_len`` prompt's)."""
 
 
 class ConnectorError(JaxkvError, ValueError):
@@ -103,6 +117,9 @@ class OffloadConfig:
     (:mod:`jaxkv.offload.persistent`), reloaded at start; ``model_id`` names the weights
     (a file written for another model, or layout, block size, hash algorithm or seed,
     is never read). Attention-only models, one shard of a block per process.
+
+    ``peers``: a glob naming other processes' tier files (``path`` excluded) whose blocks
+    a prefix hit may copy into this tier (:mod:`jaxkv.offload.peers`); needs ``path``.
     """
 
     host_bytes: int
@@ -114,6 +131,7 @@ class OffloadConfig:
     state_host_bytes: int | None = None
     path: str | None = None
     model_id: str = ""
+    peers: str | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.host_bytes) or self.host_bytes <= 0:
@@ -129,6 +147,8 @@ class OffloadConfig:
             )
         if self.path is not None and (not isinstance(self.path, str) or not self.path):
             raise ConnectorError(f"path must be None or a file path, got {self.path!r}")
+        if self.peers is not None and (not isinstance(self.peers, str) or not self.peers or self.path is None):
+            raise ConnectorError(f"peers must be None or a glob, with a path of this tier's own; got {self.peers!r}")
         if self.path is not None and self.memory_kind not in (None, "numpy"):
             raise ConnectorError(f"a host tier in a file is a numpy mapping, not memory_kind={self.memory_kind!r}")
         for name in ("fail_store", "fail_load"):
@@ -152,6 +172,8 @@ class ConnectorStats:
     num_failed_stores: int = 0
     num_skipped_stores: int = 0
     num_stored_bytes: int = 0
+    num_peer_blocks: int = 0
+    num_peer_dropped: int = 0
 
 
 @dataclass
@@ -194,6 +216,8 @@ class OffloadConnector:
         *,
         states: tuple[OffloadingManager, TransferEngine] | None = None,
         persistent: PersistentHostTier | None = None,
+        peers: PeerTiers | None = None,
+        staging_rows: Sequence[int] = (),
     ) -> None:
         if store not in STORE_POLICIES:
             raise ConnectorError(f"unknown store policy {store!r}; valid: {', '.join(STORE_POLICIES)}")
@@ -224,6 +248,11 @@ class OffloadConnector:
         state_rows = manager.state_pool.num_blocks if manager.state_pool is not None else 0
         self._max_chains = 4 * (manager.pool.num_blocks + state_rows)
         self.persistent = persistent
+        self.peers = peers
+        if peers is not None and (persistent is None or not staging_rows):
+            raise ConnectorError("a host tier reads its peers' files only with a file of its own and staging rows")
+        self._staging_rows = list(staging_rows)
+        """Host blocks past the catalog's, where a peer's blocks are copied for one load."""
         self._keeps_block_info = persistent is not None or manager.enable_events
         """Whether a host block's parent and token ids are kept: only its KV events and the journal read them."""
         if persistent is not None:
@@ -231,9 +260,12 @@ class OffloadConnector:
                 raise ConnectorError(f"groups {recurrent} hold recurrent state: a host tier in a file holds KV only")
             if not isinstance(offload, PolicyOffloadingManager):
                 raise ConnectorError(f"a host tier in a file reloads into a PolicyOffloadingManager, got {offload!r}")
-            offload.restore(persistent.entries)
-            attention.host_blocks.update(persistent.entries)
-            self._host_info.update(persistent.infos)
+            staging = set(self._staging_rows)
+            kept = {k: b for k, b in persistent.entries.items() if b not in staging}
+            persistent.removed([k for k in persistent.entries if k not in kept])  # before a staging copy lands there
+            offload.restore(kept)
+            attention.host_blocks.update(kept)
+            self._host_info.update((k, i) for k, i in persistent.infos.items() if k in kept)
         if store == "on_eviction":
             manager.add_reuse_listener(self._on_reuse)
 
@@ -259,10 +291,24 @@ class OffloadConnector:
                 raise ConnectorError(
                     f"groups {manager.recurrent_group_ids()} hold recurrent state: a host tier in a file holds KV only"
                 )
-            persistent, host_buffers = cls._persistent_buffers(manager, runner, config, host_bytes)
-        offload, transfers = cls._tier_parts(host_buffers, config, manager.enable_events)
+            persistent, host_buffers, num_staging = cls._persistent_buffers(manager, runner, config, host_bytes)
+        peers, staging = None, range(0)
+        if persistent is not None and config.peers is not None:
+            peers = PeerTiers(config.peers, persistent.path, persistent.fingerprint, persistent.shape, persistent.dtype)
+            staging = range(host_buffers.num_blocks - num_staging + 1, host_buffers.num_blocks + 1)
+        offload, transfers = cls._tier_parts(host_buffers, config, manager.enable_events, len(staging))
         try:
-            return cls(manager, runner, offload, transfers, config.store, states=states, persistent=persistent)
+            return cls(
+                manager,
+                runner,
+                offload,
+                transfers,
+                config.store,
+                states=states,
+                persistent=persistent,
+                peers=peers,
+                staging_rows=staging,
+            )
         except BaseException:
             if persistent is not None:
                 persistent.close()
@@ -271,11 +317,17 @@ class OffloadConnector:
     @staticmethod
     def _persistent_buffers(
         manager: KVCacheManager, runner: ModelRunner, config: OffloadConfig, host_bytes: int
-    ) -> tuple[PersistentHostTier, HostKVBuffers]:
-        """The files of ``config.path`` and host buffers mapped onto them."""
+    ) -> tuple[PersistentHostTier, HostKVBuffers, int]:
+        """The files of ``config.path``, host buffers mapped onto them, and how many of their
+        last rows are staging rows (with peers: beyond ``host_bytes``, see :data:`STAGING_SHARE`)."""
         assert config.path is not None
         shape, dtype = row_format(runner.kv_cache)
         num_blocks = blocks_in_budget(host_bytes, int(np.prod(shape)) * dtype.itemsize)
+        num_staging = 0
+        if config.peers is not None:
+            prompt = sum(-(-manager.max_model_len // bs) for bs in manager.block_sizes)  # one prompt's blocks
+            num_staging = min(max(1, num_blocks // STAGING_SHARE), prompt)
+            num_blocks += num_staging
         hasher = manager.hasher
         fingerprint = {
             "format": 1,
@@ -293,13 +345,15 @@ class OffloadConnector:
         except BaseException:
             persistent.close()
             raise
-        return persistent, buffers
+        return persistent, buffers, num_staging
 
     @staticmethod
     def _tier_parts(
-        pool: HostKVBuffers, config: OffloadConfig, enable_events: bool
+        pool: HostKVBuffers, config: OffloadConfig, enable_events: bool, num_staging: int = 0
     ) -> tuple[OffloadingManager, TransferEngine]:
-        offload = PolicyOffloadingManager(HostBlockBackend(pool.num_blocks), config.policy, enable_events=enable_events)
+        """The catalog of the pool's host blocks but its last ``num_staging`` (staging rows), and its transfers."""
+        backend = HostBlockBackend(pool.num_blocks - num_staging)
+        offload = PolicyOffloadingManager(backend, config.policy, enable_events=enable_events)
         return offload, TransferEngine(pool, fail_store=config.fail_store, fail_load=config.fail_load)
 
     def _split(self, keys: Sequence[OffloadKey]) -> list[tuple[_Tier, list[OffloadKey]]]:
@@ -307,20 +361,27 @@ class OffloadConnector:
         return [(tier, [k for k in keys if self._tier_of[k[1]] is tier]) for tier in self._tiers]
 
     # ------------------------------------------------------------- lookups
-    def _host_hit(self, request: Request, hashes: Sequence[Sequence[bytes]], start: int) -> _HostHit | None:
+    def _host_hit(
+        self,
+        request: Request,
+        hashes: Sequence[Sequence[bytes]],
+        start: int,
+        staged: dict[OffloadKey, int] | None = None,
+    ) -> _HostHit | None:
         """The longest run of tokens after ``start`` whose needed blocks are on host in
         every group (whole multiples of the block sizes' lcm), or None (always for a request
-        that skips reading the prefix cache)."""
+        that skips reading the prefix cache); ``staged`` keys count as held."""
         mgr = self.manager
         lcm = mgr.lcm_block_size
         max_end = (request.num_tokens - 1) // lcm * lcm
         if max_end <= start or request.skip_reading_prefix_cache:
             return None
+        staged = staged or {}
         ready = []  # per group: prefix counts of ready blocks from start's block on
         for g, bs in enumerate(mgr.block_sizes):
             lo, hi = start // bs, max_end // bs
             offload = self._tier_of[g].offload
-            flags = [offload.lookup([(hashes[g][i], g)]) == 1 for i in range(lo, hi)]
+            flags = [offload.lookup([(hashes[g][i], g)]) == 1 or (hashes[g][i], g) in staged for i in range(lo, hi)]
             ready.append((lo, np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])))
 
         def covered(end: int) -> bool:
@@ -335,6 +396,46 @@ class OffloadConnector:
             return None
         keys = tuple((hashes[g][i], g) for g in range(len(hashes)) for i in mgr.needed_blocks(g, start, end))
         return _HostHit(start, end, keys)
+
+    def _stage_from_peers(
+        self, request: Request, hashes: Sequence[Sequence[bytes]], start: int
+    ) -> dict[OffloadKey, int]:
+        """Copy into the staging rows the blocks after ``start`` that the tier lacks and a peer
+        holds, up to the first one no tier holds in each group (as many as there are staging
+        rows); the keys staged and their rows. A copy that fails, or that the peer may have
+        overwritten while it was read, is not staged (a miss)."""
+        assert self.peers is not None
+        mgr, tier = self.manager, self._tiers[0]
+        max_end = (request.num_tokens - 1) // mgr.lcm_block_size * mgr.lcm_block_size
+        if max_end <= start or request.skip_reading_prefix_cache:
+            return {}
+        wanted: list[OffloadKey] = []
+        refreshed = False
+        for g, bs in enumerate(mgr.block_sizes):
+            for i in range(start // bs, max_end // bs):
+                key: OffloadKey = (hashes[g][i], g)
+                if tier.offload.lookup([key]) == 1:
+                    continue
+                if not refreshed:
+                    self.peers.refresh()
+                    refreshed = True
+                if not self.peers.holds(key):
+                    break
+                wanted.append(key)
+        wanted = wanted[: len(self._staging_rows)]
+        if not wanted:
+            return {}
+        copies = self.peers.read(wanted)
+        staged = {k: c[0] for k, c in zip(wanted, copies, strict=True) if c is not None}
+        self.stats.num_peer_blocks += len(staged)
+        self.stats.num_peer_dropped += len(wanted) - len(staged)
+        if not staged:
+            return {}
+        rows = self._staging_rows[: len(staged)]
+        buffers = tier.transfers.buffers
+        buffers.bump(rows)  # an older load's rows were read at its issue
+        buffers.commit(np.asarray(rows, np.int64), np.stack(list(staged.values())))
+        return dict(zip(staged, rows, strict=True))
 
     def _touch_prefix(self, request: Request, hashes: Sequence[Sequence[bytes]]) -> None:
         """Refresh the host recency of every full block of the request's prompt."""
@@ -355,14 +456,17 @@ class OffloadConnector:
         self._owner.check()
         mgr = self.manager
         hashes = mgr.hashes_per_group(request)
-        host = self._host_hit(request, hashes, num_hit)
+        staged = {} if self.peers is None else self._stage_from_peers(request, hashes, num_hit)
+        host = self._host_hit(request, hashes, num_hit, staged)
         if host is not None:
             pinned = []  # pinned: nothing below can evict them
             try:
                 host_blocks: dict[OffloadKey, int] = {}
                 for tier, keys in self._split(host.keys):
-                    host_blocks.update(zip(keys, tier.offload.prepare_load(keys), strict=True))
-                    pinned.append((tier, keys))
+                    own = [k for k in keys if k not in staged]
+                    host_blocks.update(zip(own, tier.offload.prepare_load(own), strict=True))
+                    host_blocks.update((k, staged[k]) for k in keys if k in staged)
+                    pinned.append((tier, own))
                 num_ext = host.end - host.start
                 n = mgr.chunk_limit(request, host.end, min(request.num_tokens - host.end, budget))
                 if n and mgr.allocate_slots(request, n, num_hit, hit, num_external_computed_tokens=num_ext) is not None:
@@ -531,12 +635,7 @@ class OffloadConnector:
         if plan is None:
             self.stats.num_skipped_stores += len(keys)
             return
-        if plan.evicted:
-            if self.persistent is not None and not tier.states:
-                self.persistent.removed(plan.evicted)  # before their host blocks are written again
-            tier.transfers.release([tier.host_blocks.pop(k) for k in plan.evicted])
-            for key in plan.evicted:
-                self._host_info.pop(key, None)
+        self._evicted(tier, plan.evicted)
         if not plan.keys_to_store:
             return
         tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
@@ -555,6 +654,15 @@ class OffloadConnector:
             self._settle(tier, plan.keys_to_store, (), plan.keys_to_store)
             raise
         self._pending.append(_PendingStore(tier, plan.keys_to_store, transfer))
+
+    def _evicted(self, tier: _Tier, keys: Sequence[OffloadKey]) -> None:
+        """Free the host blocks of keys a store plan evicted (journaled as removed first)."""
+        if keys:
+            if self.persistent is not None and not tier.states:
+                self.persistent.removed(keys)  # before their host blocks are written again
+            tier.transfers.release([tier.host_blocks.pop(k) for k in keys])
+            for key in keys:
+                self._host_info.pop(key, None)
 
     def finish_stores(self, wait: bool = True) -> None:
         """Settle issued stores: all of them (``wait``), or those already done."""
@@ -578,16 +686,20 @@ class OffloadConnector:
                 if self.persistent.wants_compaction:
                     ready = {k: b for k, b in tier.host_blocks.items() if tier.offload.lookup([k]) == 1}
                     self.persistent.compact(ready, {k: self._host_info[k] for k in ready if k in self._host_info})
-        if failed:
-            tier.offload.complete_store(failed, success=False)
-            tier.transfers.release([tier.host_blocks.pop(k) for k in failed])
-            for key in failed:
-                self._host_info.pop(key, None)
+        self._unstore(tier, failed)
         self.stats.num_stored_blocks += len(ok)
         self.stats.num_stored_bytes += len(ok) * tier.transfers.buffers.block_bytes
         self.stats.num_failed_stores += len(failed)
         if failed:
             _log.warning("%d host-tier store(s) failed; those blocks are not kept on host", len(failed))
+
+    def _unstore(self, tier: _Tier, keys: Sequence[OffloadKey]) -> None:
+        """Drop keys still being stored and free their host blocks."""
+        if keys:
+            tier.offload.complete_store(keys, success=False)
+            tier.transfers.release([tier.host_blocks.pop(k) for k in keys])
+            for key in keys:
+                self._host_info.pop(key, None)
 
     def take_events(self) -> list[OffloadEvent]:
         """Host-tier events (keys stored, keys removed) of every catalog since the last call."""
@@ -612,8 +724,8 @@ class OffloadConnector:
 
     @property
     def num_host_blocks(self) -> int:
-        """Host blocks of attention KV the tier has in all (vLLM's ``num_cpu_blocks``)."""
-        return self._tiers[0].transfers.buffers.num_blocks
+        """Host blocks of attention KV the tier keeps (vLLM's ``num_cpu_blocks``; staging rows excluded)."""
+        return self._tiers[0].transfers.buffers.num_blocks - len(self._staging_rows)
 
     @property
     def num_held_host_blocks(self) -> int:
