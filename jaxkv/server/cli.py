@@ -126,7 +126,8 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GLOB",
         help="other replicas' --kv_offloading_path files on this machine (this server's own excluded, found again "
-        "every second) whose blocks a prefix hit copies into this server's host tier, e.g. '/dev/shm/kv/*.kv'",
+        "every second) whose blocks a prefix hit copies into this server's host tier, e.g. '/dev/shm/kv/*.kv' "
+        "(through staging rows of up to a quarter of the size, allocated on top of it)",
     )
     events = p.add_argument_group("KV cache events (vLLM's ZeroMQ wire format, for KV-aware routers)")
     events.add_argument("--kv_events_endpoint", default=None, help="publish on this ZeroMQ PUB address")
