@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from jaxkv.errors import JaxkvError
@@ -91,8 +91,13 @@ class OffloadingManager(ABC):
         """Unpin keys pinned by ``prepare_load``."""
 
     @abstractmethod
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
-        """Make room for the keys not stored yet; None (changing nothing) if it cannot."""
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], prefer: Callable[[OffloadKey], bool] | None = None
+    ) -> PrepareStoreOutput | None:
+        """Make room for the keys not stored yet; None (changing nothing) if it cannot.
+
+        ``prefer``: keys to evict first, in the policy's order (a write-through tier's keys
+        whose KV its device still holds: evicting them loses nothing)."""
 
     @abstractmethod
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
@@ -196,7 +201,9 @@ class PolicyOffloadingManager(OffloadingManager):
             self._entries[key].pins -= 1
 
     # --------------------------------------------------------------- stores
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], prefer: Callable[[OffloadKey], bool] | None = None
+    ) -> PrepareStoreOutput | None:
         incoming = [key for key in dict.fromkeys(keys) if key not in self._entries]
         if len(incoming) > self.backend.capacity:
             return None
@@ -204,10 +211,17 @@ class PolicyOffloadingManager(OffloadingManager):
         need = len(incoming) - self.backend.num_free
         if need > 0:
             protected = set(keys)
-            chosen = self.policy.choose_victims(need, lambda k: k not in protected and self._evictable(k), incoming)
+
+            def evictable(key: OffloadKey) -> bool:
+                return key not in protected and self._evictable(key)
+
+            if prefer is not None:
+                victims = [key for key in self.policy.resident() if evictable(key) and prefer(key)][:need]
+                protected.update(victims)
+            chosen = self.policy.choose_victims(need - len(victims), evictable, incoming) if need > len(victims) else []
             if chosen is None:
                 return None
-            victims = chosen
+            victims += chosen
         self.policy.admit(incoming, victims)
         if victims:
             _log.debug("host tier evicts %d key(s) to store %d", len(victims), len(incoming))

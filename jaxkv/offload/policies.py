@@ -58,7 +58,7 @@ class EvictionPolicy(ABC, Generic[Key]):
 
     @abstractmethod
     def resident(self) -> list[Key]:
-        """Resident keys, roughly in eviction order (for tests and debugging)."""
+        """Resident keys, roughly in eviction order (the order a store's preferred victims go in)."""
 
 
 def _first_evictable(order: Iterable[Key], evictable: Evictable[Key], taken: set[Key]) -> Key | None:
