@@ -125,12 +125,11 @@ def test_prepare_store_never_evicts_keys_it_stores(name):
 def test_prepare_store_evicts_preferred_keys_first_then_by_policy(name):
     mgr = stored(name, 5, 0, 1, 2, 3, 4)
     mgr.prepare_load(keys(3))  # pinned: never a victim, preferred or not
-    device = {key(1), key(3), key(4)}
-    out = mgr.prepare_store(keys(5, 6, 7), prefer=device.__contains__)
-    assert set(out.evicted[:2]) == {key(1), key(4)} and out.evicted[2] == key(0)  # the policy's oldest after
+    out = mgr.prepare_store(keys(5, 6, 7), prefer=iter(keys(4, 3, 1, 9)))  # 9: not resident
+    assert out.evicted == (key(4), key(1), key(0))  # in the order given, then the policy's oldest
     assert mgr.lookup(keys(2)) == 1 and mgr.state(key(3)) == "pinned"
     before = snapshot(mgr)
-    assert mgr.prepare_store(keys(*range(8, 12)), prefer=lambda k: True) is None  # 2 evictable, not 4
+    assert mgr.prepare_store(keys(*range(8, 12)), prefer=keys(*range(12))) is None  # 2 evictable, not 4
     assert snapshot(mgr) == before
 
 

@@ -9,6 +9,7 @@ one store atomically: evict the chosen victims, insert the incoming keys.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -58,7 +59,7 @@ class EvictionPolicy(ABC, Generic[Key]):
 
     @abstractmethod
     def resident(self) -> list[Key]:
-        """Resident keys, roughly in eviction order (the order a store's preferred victims go in)."""
+        """Resident keys, roughly in eviction order (for tests and debugging)."""
 
 
 def _first_evictable(order: Iterable[Key], evictable: Evictable[Key], taken: set[Key]) -> Key | None:
@@ -81,7 +82,7 @@ class LRUPolicy(EvictionPolicy[Key]):
                 self._order.move_to_end(key)
 
     def choose_victims(self, n: int, evictable: Evictable[Key], incoming: Sequence[Key]) -> list[Key] | None:
-        victims = [key for key in self._order if evictable(key)][:n]
+        victims = list(itertools.islice((key for key in self._order if evictable(key)), n))
         return victims if len(victims) == n else None
 
     def admit(self, incoming: Sequence[Key], victims: Sequence[Key]) -> None:

@@ -252,6 +252,10 @@ class OffloadConnector:
         self._max_chains = 4 * (manager.pool.num_blocks + state_rows)
         self._device_only: OrderedDict[OffloadKey, None] = OrderedDict()
         """Write-through: keys host evicted while the device held them, stored again when their block is reused."""
+        self._on_both: OrderedDict[OffloadKey, None] = OrderedDict()
+        """Write-through: host keys stored from the device whose device block has not been reused
+        since, in host recency order (oldest first): the host evicts these first (:meth:`_on_device`
+        checks each)."""
         self.persistent = persistent
         self.peers = peers
         if peers is not None and (persistent is None or not staging_rows):
@@ -448,6 +452,11 @@ class OffloadConnector:
             keys.extend((h, g) for h in hashes[g][: request.num_prompt_tokens // bs])
         for tier, tier_keys in self._split(keys):
             tier.offload.touch(tier_keys)
+        if self._on_both:
+            on_both = self._on_both
+            for key in keys:
+                if key in on_both:
+                    on_both.move_to_end(key)
 
     # ----------------------------------------------------------- admission
     def allocate_admitted(self, request: Request, hit: KVCacheBlocks, num_hit: int, budget: int) -> int | None:
@@ -549,6 +558,7 @@ class OffloadConnector:
     def _on_reuse(self, block_id: int, block_hash: bytes, group: int) -> None:
         key = (block_hash, group)
         if self.store_policy == "write_through":
+            self._on_both.pop(key, None)
             if key in self._device_only:
                 del self._device_only[key]
                 self._reused.setdefault(key, self._place(group, block_id))
@@ -629,6 +639,7 @@ class OffloadConnector:
         """Forget the reused blocks not stored yet (their device data was lost)."""
         self._reused = {}
         self._device_only.clear()
+        self._on_both.clear()
 
     def _store_reused(self) -> None:
         block_of, self._reused = self._reused, {}
@@ -641,8 +652,8 @@ class OffloadConnector:
                 self._store_tier(tier, keys, block_of)
 
     def _store_tier(self, tier: _Tier, keys: list[OffloadKey], block_of: dict[OffloadKey, DevicePlace]) -> None:
-        prefer = self._on_device if self.store_policy == "write_through" and not tier.states else None
-        plan = tier.offload.prepare_store(keys, prefer)
+        through = self.store_policy == "write_through" and not tier.states
+        plan = tier.offload.prepare_store(keys, (k for k in self._on_both if self._on_device(k)) if through else ())
         if plan is None:
             self.stats.num_skipped_stores += len(keys)
             return
@@ -650,6 +661,8 @@ class OffloadConnector:
         if not plan.keys_to_store:
             return
         tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
+        if through:
+            self._on_both.update((k, None) for k in plan.keys_to_store)
         if not tier.states and self._keeps_block_info:
             for key in plan.keys_to_store:
                 info = self._block_info(key)
@@ -676,7 +689,9 @@ class OffloadConnector:
         """Free the host blocks of keys a store plan evicted (journaled as removed first)."""
         if keys:
             if self.store_policy == "write_through" and not tier.states:
-                self._device_only.update((k, None) for k in keys if self._on_device(k))
+                self._device_only.update(
+                    (k, None) for k in keys if self._on_both.pop(k, 1) is None and self._on_device(k)
+                )
                 while len(self._device_only) > self._max_chains:
                     self._device_only.popitem(last=False)
             if self.persistent is not None and not tier.states:
@@ -721,6 +736,7 @@ class OffloadConnector:
             tier.transfers.release([tier.host_blocks.pop(k) for k in keys])
             for key in keys:
                 self._host_info.pop(key, None)
+                self._on_both.pop(key, None)
 
     def take_events(self) -> list[OffloadEvent]:
         """Host-tier events (keys stored, keys removed) of every catalog since the last call."""
