@@ -122,6 +122,17 @@ def test_prepare_store_never_evicts_keys_it_stores(name):
     assert mgr.prepare_store(keys(0, 2)).evicted == (key(1),)
 
 
+def test_prepare_store_evicts_preferred_keys_first_then_by_policy(name):
+    mgr = stored(name, 5, 0, 1, 2, 3, 4)
+    mgr.prepare_load(keys(3))  # pinned: never a victim, preferred or not
+    out = mgr.prepare_store(keys(5, 6, 7), prefer=iter(keys(4, 3, 1, 9)))  # 9: not resident
+    assert out.evicted == (key(4), key(1), key(0))  # in the order given, then the policy's oldest
+    assert mgr.lookup(keys(2)) == 1 and mgr.state(key(3)) == "pinned"
+    before = snapshot(mgr)
+    assert mgr.prepare_store(keys(*range(8, 12)), prefer=keys(*range(12))) is None  # 2 evictable, not 4
+    assert snapshot(mgr) == before
+
+
 def test_complete_store_failure_drops_only_pending_keys(name):
     mgr = stored(name, 3, 0)
     mgr.prepare_store(keys(0, 1, 2))

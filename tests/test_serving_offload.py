@@ -2,6 +2,8 @@
 back from host give exactly the tokens of a cold run, with injected failures too, for
 both store policies."""
 
+from typing import cast
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from jaxkv.core.manager import Request
 from jaxkv.device.metadata import Buckets
 from jaxkv.models.tiny import TinyLM, dense_greedy_generate, get_model_config
+from jaxkv.offload.catalog import PolicyOffloadingManager
 from jaxkv.offload.transfer import TransferEngine
 from jaxkv.planner import PlanOptions, StatePoolOptions, plan_kv_cache
 from jaxkv.serving.engine import Engine
@@ -158,6 +161,39 @@ def test_write_through_stores_filled_blocks_on_eviction_waits_for_reuse(model, p
     assert on_eviction.connector.stats.num_stored_blocks == 0
     evict_device(on_eviction)
     assert on_eviction.connector.stats.num_stored_blocks == len(on_eviction.connector.offload) > 0
+
+
+def test_write_through_evicts_host_blocks_the_device_holds_first_and_stores_them_when_reused(model):
+    """A full write-through host tier keeps the blocks only it holds, evicts those the device
+    still caches, and gets them back when the device reuses them: a later hit is exact."""
+    rng = np.random.default_rng(7)
+    a, b, c = (rng.integers(0, 512, 100).tolist() for _ in range(3))
+    plan = plan_kv_cache(
+        model.config.layer_specs(), 4 << 20, max_model_len=256, options=PlanOptions(max_num_batched_tokens=64)
+    )
+    eng = Engine(model, plan, max_num_seqs=4, buckets=ONE_SHAPE, offload=OffloadConfig(48 << 14, store="write_through"))
+    host = eng.connector.offload
+    assert eng.connector.num_host_blocks == 48 and eng.connector.transfers.buffers.block_bytes == 1 << 14
+
+    def on_host() -> set:
+        return set(cast(PolicyOffloadingManager, host).policy.resident())
+
+    eng.generate([a], NEW_TOKENS)
+    eng.connector.finish_stores()
+    a_keys = on_host()
+    evict_device(eng)  # a only on host now
+    first_b = eng.generate([b], NEW_TOKENS).outputs[0].output_token_ids
+    eng.connector.finish_stores()
+    a_left, b_keys = on_host() & a_keys, on_host() - a_keys
+    assert len(a_keys) == len(b_keys) == 36 and len(a_left) == 12  # LRU took a's others: not on device
+    eng.generate([c], NEW_TOKENS)
+    eng.connector.finish_stores()
+    assert a_left <= on_host() and not b_keys & on_host()  # b's blocks went first: the device has them
+    evict_device(eng)  # the device reuses b's blocks: stored again
+    assert b_keys <= on_host()
+    second_b = eng.generate([b], NEW_TOKENS).outputs[0]
+    assert second_b.num_cached_tokens == 96 and second_b.output_token_ids == first_b
+    assert eng.connector.num_leaked_host_blocks() == 0
 
 
 def test_unknown_store_policy_is_named(model):

@@ -9,10 +9,11 @@ returns None and changes nothing either.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from jaxkv.errors import JaxkvError
@@ -91,8 +92,12 @@ class OffloadingManager(ABC):
         """Unpin keys pinned by ``prepare_load``."""
 
     @abstractmethod
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
-        """Make room for the keys not stored yet; None (changing nothing) if it cannot."""
+    def prepare_store(self, keys: Sequence[OffloadKey], prefer: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
+        """Make room for the keys not stored yet; None (changing nothing) if it cannot.
+
+        ``prefer``: resident keys to evict first, in this order, where evictable (a
+        write-through tier's keys whose KV its device still holds: evicting them loses
+        nothing); read only as far as the victims it gives."""
 
     @abstractmethod
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
@@ -196,7 +201,7 @@ class PolicyOffloadingManager(OffloadingManager):
             self._entries[key].pins -= 1
 
     # --------------------------------------------------------------- stores
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[OffloadKey], prefer: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
         incoming = [key for key in dict.fromkeys(keys) if key not in self._entries]
         if len(incoming) > self.backend.capacity:
             return None
@@ -204,10 +209,16 @@ class PolicyOffloadingManager(OffloadingManager):
         need = len(incoming) - self.backend.num_free
         if need > 0:
             protected = set(keys)
-            chosen = self.policy.choose_victims(need, lambda k: k not in protected and self._evictable(k), incoming)
+
+            def evictable(key: OffloadKey) -> bool:
+                return key not in protected and self._evictable(key)
+
+            victims = list(itertools.islice((k for k in prefer if k in self._entries and evictable(k)), need))
+            protected.update(victims)
+            chosen = self.policy.choose_victims(need - len(victims), evictable, incoming) if need > len(victims) else []
             if chosen is None:
                 return None
-            victims = chosen
+            victims += chosen
         self.policy.admit(incoming, victims)
         if victims:
             _log.debug("host tier evicts %d key(s) to store %d", len(victims), len(incoming))

@@ -9,6 +9,7 @@ one store atomically: evict the chosen victims, insert the incoming keys.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -81,7 +82,7 @@ class LRUPolicy(EvictionPolicy[Key]):
                 self._order.move_to_end(key)
 
     def choose_victims(self, n: int, evictable: Evictable[Key], incoming: Sequence[Key]) -> list[Key] | None:
-        victims = [key for key in self._order if evictable(key)][:n]
+        victims = list(itertools.islice((key for key in self._order if evictable(key)), n))
         return victims if len(victims) == n else None
 
     def admit(self, incoming: Sequence[Key], victims: Sequence[Key]) -> None:

@@ -43,7 +43,10 @@ Stores (``OffloadConfig.store``, see :data:`STORE_POLICIES`):
   compute; the walk back stops at the first block host holds already). If some
   needed block is in neither tier, no hit can end there and nothing more is stored.
 - ``write_through``: every full block is stored after the step that completes it
-  (:meth:`OffloadConnector.after_step`); keys already on host are skipped.
+  (:meth:`OffloadConnector.after_step`); keys already on host are skipped. When host
+  must evict, it evicts first the blocks the device still holds (they are not lost),
+  and stores those again when the pool reuses them (only those: a block loaded from a
+  peer stays in the peer's tier), so the two tiers hold more distinct blocks.
 
 ``scripts/bench_offload.py`` compares the two on the multi-turn traces: storing on
 eviction gets the higher hit rate (host does not duplicate the device's blocks) and
@@ -247,6 +250,12 @@ class OffloadConnector:
         self._host_info: dict[OffloadKey, BlockInfo] = {}  # a host key's parent and token ids, where known
         state_rows = manager.state_pool.num_blocks if manager.state_pool is not None else 0
         self._max_chains = 4 * (manager.pool.num_blocks + state_rows)
+        self._device_only: OrderedDict[OffloadKey, None] = OrderedDict()
+        """Write-through: keys host evicted while the device held them, stored again when their block is reused."""
+        self._on_both: OrderedDict[OffloadKey, None] = OrderedDict()
+        """Write-through: host keys stored from the device whose device block has not been reused
+        since, in host recency order (oldest first): the host evicts these first (:meth:`_on_device`
+        checks each)."""
         self.persistent = persistent
         self.peers = peers
         if peers is not None and (persistent is None or not staging_rows):
@@ -266,8 +275,7 @@ class OffloadConnector:
             offload.restore(kept)
             attention.host_blocks.update(kept)
             self._host_info.update((k, i) for k, i in persistent.infos.items() if k in kept)
-        if store == "on_eviction":
-            manager.add_reuse_listener(self._on_reuse)
+        manager.add_reuse_listener(self._on_reuse)  # write-through: what host evicted while the device held it
 
     @classmethod
     def create(cls, manager: KVCacheManager, runner: ModelRunner, config: OffloadConfig) -> OffloadConnector:
@@ -444,6 +452,11 @@ class OffloadConnector:
             keys.extend((h, g) for h in hashes[g][: request.num_prompt_tokens // bs])
         for tier, tier_keys in self._split(keys):
             tier.offload.touch(tier_keys)
+        if self._on_both:
+            on_both = self._on_both
+            for key in keys:
+                if key in on_both:
+                    on_both.move_to_end(key)
 
     # ----------------------------------------------------------- admission
     def allocate_admitted(self, request: Request, hit: KVCacheBlocks, num_hit: int, budget: int) -> int | None:
@@ -544,6 +557,12 @@ class OffloadConnector:
 
     def _on_reuse(self, block_id: int, block_hash: bytes, group: int) -> None:
         key = (block_hash, group)
+        if self.store_policy == "write_through":
+            self._on_both.pop(key, None)
+            if key in self._device_only:
+                del self._device_only[key]
+                self._reused.setdefault(key, self._place(group, block_id))
+            return
         if key not in self._reused:  # the first block holds computed KV
             self._reused[key] = self._place(group, block_id)
             self._store_hit_ending_at(block_hash, group)
@@ -619,6 +638,8 @@ class OffloadConnector:
     def discard_reused(self) -> None:
         """Forget the reused blocks not stored yet (their device data was lost)."""
         self._reused = {}
+        self._device_only.clear()
+        self._on_both.clear()
 
     def _store_reused(self) -> None:
         block_of, self._reused = self._reused, {}
@@ -631,7 +652,8 @@ class OffloadConnector:
                 self._store_tier(tier, keys, block_of)
 
     def _store_tier(self, tier: _Tier, keys: list[OffloadKey], block_of: dict[OffloadKey, DevicePlace]) -> None:
-        plan = tier.offload.prepare_store(keys)
+        through = self.store_policy == "write_through" and not tier.states
+        plan = tier.offload.prepare_store(keys, (k for k in self._on_both if self._on_device(k)) if through else ())
         if plan is None:
             self.stats.num_skipped_stores += len(keys)
             return
@@ -639,6 +661,8 @@ class OffloadConnector:
         if not plan.keys_to_store:
             return
         tier.host_blocks.update(zip(plan.keys_to_store, plan.where, strict=True))
+        if through:
+            self._on_both.update((k, None) for k in plan.keys_to_store)
         if not tier.states and self._keeps_block_info:
             for key in plan.keys_to_store:
                 info = self._block_info(key)
@@ -655,9 +679,21 @@ class OffloadConnector:
             raise
         self._pending.append(_PendingStore(tier, plan.keys_to_store, transfer))
 
+    def _on_device(self, key: OffloadKey) -> bool:
+        """Whether the device holds the key's KV written: a write-through host tier evicts such
+        keys first, and stores them again when the pool reuses their block (:meth:`_on_reuse`)."""
+        block_hash, group = key
+        return isinstance(block_hash, bytes) and self.manager.written_block(group, block_hash) is not None
+
     def _evicted(self, tier: _Tier, keys: Sequence[OffloadKey]) -> None:
         """Free the host blocks of keys a store plan evicted (journaled as removed first)."""
         if keys:
+            if self.store_policy == "write_through" and not tier.states:
+                self._device_only.update(
+                    (k, None) for k in keys if self._on_both.pop(k, 1) is None and self._on_device(k)
+                )
+                while len(self._device_only) > self._max_chains:
+                    self._device_only.popitem(last=False)
             if self.persistent is not None and not tier.states:
                 self.persistent.removed(keys)  # before their host blocks are written again
             tier.transfers.release([tier.host_blocks.pop(k) for k in keys])
@@ -700,6 +736,7 @@ class OffloadConnector:
             tier.transfers.release([tier.host_blocks.pop(k) for k in keys])
             for key in keys:
                 self._host_info.pop(key, None)
+                self._on_both.pop(key, None)
 
     def take_events(self) -> list[OffloadEvent]:
         """Host-tier events (keys stored, keys removed) of every catalog since the last call."""
