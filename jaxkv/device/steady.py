@@ -22,7 +22,8 @@ tokens, the packed buffer the step read, on the device). For the next step it de
 
 The two deltas that carry no pairs (idle, and a steady step that changes nothing else: most
 steps) are placed on the device once, given ``place``, so such a step's call sends nothing
-from the host; a delta with pairs is made per step.
+from the host; a delta with pairs is made and placed per step (every delta placed alike: one
+placed otherwise would compile the step again).
 
 The checks of a full build hold on the steady path too: an id is checked once when the
 block tables write it, and a step whose new token would need a block it lacks (or the null
@@ -71,6 +72,7 @@ class SteadyDecode:
         self._builder = builder
         self._capacity = capacity
         self._record: _Record | None = None
+        self._place = place
         idle, plain = self._delta(0, []), self._delta(1, [])
         self.idle: np.ndarray | jax.Array = idle if place is None else place(idle)
         """The delta of a step built in full: :func:`advance` leaves its metadata as it is."""
@@ -144,7 +146,9 @@ class SteadyDecode:
                 return None
         if len(pairs) > self._capacity:
             return None
-        delta = self._delta(1, pairs) if pairs else self._plain
+        delta = self._plain
+        if pairs:  # placed as the constant ones are: a delta placed differently would compile the step again
+            delta = self._delta(1, pairs) if self._place is None else self._place(self._delta(1, pairs))
         return meta, delta, _Record(last.request_ids, [c + 1 for c in computed], list(token_ids), meta)
 
     def _moved(
