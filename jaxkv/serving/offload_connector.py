@@ -369,6 +369,14 @@ class OffloadConnector:
         return [(tier, [k for k in keys if self._tier_of[k[1]] is tier]) for tier in self._tiers]
 
     # ------------------------------------------------------------- lookups
+    def _host_reach(self, request: Request, start: int) -> int | None:
+        """The furthest token a host hit after ``start`` may end at (a multiple of the block
+        sizes' lcm before the last token), or None: no hit past ``start`` (or the request
+        skips reading the prefix cache)."""
+        lcm = self.manager.lcm_block_size
+        max_end = (request.num_tokens - 1) // lcm * lcm
+        return None if max_end <= start or request.skip_reading_prefix_cache else max_end
+
     def _host_hit(
         self,
         request: Request,
@@ -381,8 +389,8 @@ class OffloadConnector:
         that skips reading the prefix cache); ``staged`` keys count as held."""
         mgr = self.manager
         lcm = mgr.lcm_block_size
-        max_end = (request.num_tokens - 1) // lcm * lcm
-        if max_end <= start or request.skip_reading_prefix_cache:
+        max_end = self._host_reach(request, start)
+        if max_end is None:
             return None
         staged = staged or {}
         ready = []  # per group: prefix counts of ready blocks from start's block on
@@ -414,8 +422,8 @@ class OffloadConnector:
         overwritten while it was read, is not staged (a miss)."""
         assert self.peers is not None
         mgr, tier = self.manager, self._tiers[0]
-        max_end = (request.num_tokens - 1) // mgr.lcm_block_size * mgr.lcm_block_size
-        if max_end <= start or request.skip_reading_prefix_cache:
+        max_end = self._host_reach(request, start)
+        if max_end is None:
             return {}
         wanted: list[OffloadKey] = []
         refreshed = False
